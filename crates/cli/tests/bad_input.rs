@@ -1,0 +1,174 @@
+//! Nonsense in, one clear line and a distinct exit code out, nothing changed.
+
+mod common;
+
+use common::*;
+use std::time::{Duration, Instant};
+
+#[test]
+fn a_thread_id_names_its_process() {
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(512, 0, &["--threads", "2"]);
+    let tid: i32 = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .find(|t| *t != pid)
+        .expect("a second thread");
+    for cmd in ["state", "suspend", "resume", "stop"] {
+        let r = w.json(&[cmd, &tid.to_string()]);
+        assert_eq!(r.code, 2, "{cmd}: {}", r.stderr);
+        assert!(
+            r.stderr.contains(&format!("{tid} is a thread of {pid}")),
+            "{}",
+            r.stderr
+        );
+        assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+    }
+    assert_eq!(
+        w.json(&["state", &pid.to_string()]).json()["state"],
+        "running"
+    );
+}
+
+#[test]
+fn dead_and_invalid_pids() {
+    let w = World::new(&[8192]);
+    let r = w.json(&["suspend", "999999999"]);
+    assert_eq!(r.code, 2);
+    assert!(r.stderr.contains("no process 999999999"), "{}", r.stderr);
+    let r = w.gpusnap(&["state", "0"]);
+    assert_eq!(r.code, 2);
+    let r = w.gpusnap(&["state", "abc"]);
+    assert_eq!(r.code, 2, "clap usage errors are exit 2");
+    let r = w.gpusnap(&["resume"]);
+    assert_eq!(r.code, 2);
+}
+
+#[test]
+fn a_process_without_cuda_is_named_as_such() {
+    let w = World::new(&[8192]);
+    let mut sleep = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let p = sleep.id().to_string();
+    for cmd in ["state", "suspend", "resume"] {
+        let r = w.json(&[cmd, &p]);
+        assert_eq!(r.code, 2, "{cmd}: {}", r.stderr);
+        assert!(r.stderr.contains("has no CUDA context"), "{}", r.stderr);
+    }
+    // stop works on any process: no CUDA state, so nothing to suspend.
+    let r = w.json(&["stop", &p, "--grace", "2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["results"][0]["cuda"], false);
+    let _ = sleep.wait();
+}
+
+#[test]
+fn a_stopped_process_is_refused_without_hanging() {
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(512, 0, &[]);
+    let p = pid.to_string();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    wait_for(Duration::from_secs(5), || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") T "))
+    });
+    let t0 = Instant::now();
+    for cmd in ["state", "suspend", "resume"] {
+        let r = w.json(&[cmd, &p]);
+        assert_eq!(r.code, 2, "{cmd}: {}", r.stderr);
+        assert!(r.stderr.contains("is stopped"), "{}", r.stderr);
+    }
+    let r = w.json(&["stop", &p]);
+    assert_eq!(r.code, 1);
+    assert_eq!(r.json()["error"]["kind"], "stop_refused");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .unwrap();
+    w.assert_progressing(pid);
+}
+
+#[test]
+fn a_reused_pid_is_refused() {
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(512, 0, &[]);
+    let p = pid.to_string();
+    assert_eq!(w.json(&["suspend", &p]).code, 0);
+    // Make the record belong to an earlier process under the same pid, as if
+    // the suspended one had died and the pid been handed to a new program.
+    let db = rusqlite::Connection::open(w.state_dir().join("gpusnap.db")).unwrap();
+    db.execute(
+        "UPDATE processes SET start_time = start_time - 1 WHERE pid = ?1",
+        [pid],
+    )
+    .unwrap();
+    db.execute(
+        "UPDATE footprints SET start_time = start_time - 1 WHERE pid = ?1",
+        [pid],
+    )
+    .unwrap();
+    let r = w.json(&["resume", &p]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "pid_reused");
+    assert!(
+        r.stderr.contains("now belongs to another program"),
+        "{}",
+        r.stderr
+    );
+    w.kill(pid);
+}
+
+#[test]
+fn no_driver_is_a_clear_error() {
+    let w = World::new(&[8192]);
+    let mut cmd = w.gpusnap_cmd(&["ps"]);
+    cmd.env("LD_LIBRARY_PATH", "/nonexistent");
+    let out = cmd.output().unwrap();
+    // On a host with a real driver installed this would find it; CI has none.
+    if std::path::Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists() {
+        return;
+    }
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot load libcuda.so.1"), "{err}");
+    assert!(err.contains("r570"), "{err}");
+}
+
+#[test]
+fn resume_without_a_record_needs_a_footprint() {
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(512, 0, &[]);
+    let p = pid.to_string();
+    assert_eq!(w.json(&["suspend", &p]).code, 0);
+    std::fs::remove_dir_all(w.state_dir()).unwrap();
+    let r = w.json(&["resume", &p]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("--footprint"), "{}", r.stderr);
+    let r = w.json(&["resume", &p, "--footprint", "600"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.assert_progressing(pid);
+    let r = w.json(&["stop", &p, "--grace", "2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}
+
+#[test]
+fn piped_output_has_no_progress_bar() {
+    let mut w = World::with_config(&[8192], serde_json::json!({ "checkpoint_gbps": 2.0 }));
+    let pid = w.workload(2048, 0, &[]);
+    let r = w.gpusnap(&["suspend", &pid.to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout.starts_with(&format!("suspended {pid}: 2.0 GiB")),
+        "{}",
+        r.stdout
+    );
+    assert!(r.stderr.is_empty(), "{:?}", r.stderr);
+    w.kill(pid);
+}

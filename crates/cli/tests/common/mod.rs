@@ -1,0 +1,322 @@
+//! Test harness: the real `gpusnap` binary against the fake driver and NVML
+//! (see docs/fakes.md), each test in its own fake GPU world.
+
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+pub const MIB: u64 = 1 << 20;
+
+fn target_dir() -> PathBuf {
+    // .../target/debug/gpusnap
+    PathBuf::from(env!("CARGO_BIN_EXE_gpusnap"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Builds the fakes once per test binary and links them under their real names.
+pub fn fake_libdir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let profile_dir = target_dir();
+        let release = profile_dir.file_name().is_some_and(|n| n == "release");
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args([
+            "build",
+            "-q",
+            "-p",
+            "gpusnap-fake-cuda",
+            "-p",
+            "gpusnap-fake-nvml",
+            "-p",
+            "gpusnap-fake-workload",
+        ]);
+        if release {
+            cmd.arg("--release");
+        }
+        let st = cmd.status().expect("cargo build of the fakes");
+        assert!(st.success(), "building the fakes failed");
+        let dir = profile_dir.join("fakelib");
+        std::fs::create_dir_all(&dir).unwrap();
+        for (src, dst) in [
+            ("libgpusnap_fake_cuda.so", "libcuda.so.1"),
+            ("libgpusnap_fake_nvml.so", "libnvidia-ml.so.1"),
+        ] {
+            let link = dir.join(dst);
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(profile_dir.join(src), &link).unwrap();
+        }
+        dir
+    })
+}
+
+pub fn fake_workload_bin() -> PathBuf {
+    fake_libdir();
+    target_dir().join("fake-workload")
+}
+
+/// One isolated fake host: a fake GPU world and a gpusnap state dir.
+pub struct World {
+    pub tmp: tempfile::TempDir,
+    pub children: Vec<Child>,
+}
+
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Run {
+    pub fn json(&self) -> Value {
+        let line = self.stdout.lines().last().unwrap_or("");
+        serde_json::from_str(line).unwrap_or_else(|e| {
+            panic!("not JSON ({e}): {:?}\nstderr: {}", self.stdout, self.stderr)
+        })
+    }
+}
+
+impl World {
+    /// `gpus`: total MiB of each fake GPU.
+    pub fn new(gpus: &[u64]) -> Self {
+        Self::with_config(gpus, serde_json::json!({}))
+    }
+
+    pub fn with_config(gpus: &[u64], extra: Value) -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(tmp.path().join("fake")).unwrap();
+        let gpus: Vec<Value> = gpus
+            .iter()
+            .enumerate()
+            .map(|(i, mib)| {
+                serde_json::json!({
+                    "uuid": format!("GPU-{i:08x}-0000-0000-0000-000000000000"),
+                    "name": "NVIDIA H200 (fake)",
+                    "total_mib": mib,
+                })
+            })
+            .collect();
+        let mut cfg = serde_json::json!({
+            "driver_version": 13000, "driver_string": "580.159.04",
+            "gpus": gpus, "checkpoint_gbps": 100.0, "restore_gbps": 100.0, "inject": [],
+        });
+        if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                c.insert(k.clone(), v.clone());
+            }
+        }
+        let w = Self {
+            tmp,
+            children: Vec::new(),
+        };
+        w.write_config(&cfg);
+        w
+    }
+
+    pub fn write_config(&self, cfg: &Value) {
+        std::fs::write(
+            self.fake_dir().join("config.json"),
+            serde_json::to_vec_pretty(cfg).unwrap(),
+        )
+        .unwrap();
+    }
+
+    pub fn config(&self) -> Value {
+        serde_json::from_slice(&std::fs::read(self.fake_dir().join("config.json")).unwrap())
+            .unwrap()
+    }
+
+    pub fn set_config(&self, key: &str, v: Value) {
+        let mut c = self.config();
+        c[key] = v;
+        self.write_config(&c);
+    }
+
+    pub fn fake_dir(&self) -> PathBuf {
+        self.tmp.path().join("fake")
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.tmp.path().join("state")
+    }
+
+    pub fn env(&self, cmd: &mut Command) {
+        cmd.env("LD_LIBRARY_PATH", fake_libdir())
+            .env("GPUSNAP_FAKE_DIR", self.fake_dir())
+            .env("GPUSNAP_STATE_DIR", self.state_dir())
+            .env_remove("GPUSNAP_LOG");
+    }
+
+    pub fn gpusnap_cmd(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpusnap"));
+        self.env(&mut cmd);
+        cmd.args(args).stdin(Stdio::null());
+        cmd
+    }
+
+    /// Runs gpusnap to completion (bounded: a hang fails the test).
+    pub fn gpusnap(&self, args: &[&str]) -> Run {
+        let mut child = self
+            .gpusnap_cmd(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let end = Instant::now() + Duration::from_secs(60);
+        loop {
+            if child.try_wait().unwrap().is_some() {
+                break;
+            }
+            if Instant::now() > end {
+                let _ = child.kill();
+                panic!("gpusnap {args:?} hung");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let Output {
+            status,
+            stdout,
+            stderr,
+        } = child.wait_with_output().unwrap();
+        Run {
+            code: status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&stderr).into_owned(),
+        }
+    }
+
+    pub fn json(&self, args: &[&str]) -> Run {
+        let mut a = vec!["--json"];
+        a.extend_from_slice(args);
+        self.gpusnap(&a)
+    }
+
+    /// Starts a fake CUDA program holding `mib` on GPU `gpu`; returns its pid
+    /// once it has allocated and reported its first intact iteration.
+    pub fn workload(&mut self, mib: u64, gpu: u32, extra: &[&str]) -> i32 {
+        let status = self
+            .tmp
+            .path()
+            .join(format!("status-{}", self.children.len()));
+        let mut cmd = Command::new(fake_workload_bin());
+        self.env(&mut cmd);
+        cmd.args([
+            "--mib",
+            &mib.to_string(),
+            "--gpu",
+            &gpu.to_string(),
+            "--status",
+        ])
+        .arg(&status)
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+        let child = cmd.spawn().expect("spawn fake-workload");
+        let pid = child.id() as i32;
+        self.children.push(child);
+        wait_for(Duration::from_secs(20), || {
+            self.status_of(pid).is_some_and(|s| s.1 >= 1)
+        });
+        pid
+    }
+
+    pub fn status_path(&self, pid: i32) -> PathBuf {
+        let idx = self
+            .children
+            .iter()
+            .position(|c| c.id() as i32 == pid)
+            .expect("a workload of this world");
+        self.tmp.path().join(format!("status-{idx}"))
+    }
+
+    /// (pid, iteration, intact) from the workload's status file.
+    pub fn status_of(&self, pid: i32) -> Option<(i32, u64, bool)> {
+        let s = std::fs::read_to_string(self.status_path(pid)).ok()?;
+        let f: Vec<&str> = s.split_whitespace().collect();
+        Some((
+            f.first()?.parse().ok()?,
+            f.get(1)?.parse().ok()?,
+            *f.get(2)? == "1",
+        ))
+    }
+
+    /// Waits until the workload has done `n` more intact iterations.
+    pub fn assert_progressing(&self, pid: i32) {
+        let (_, start, _) = self.status_of(pid).expect("status");
+        wait_for(Duration::from_secs(20), || {
+            self.status_of(pid).is_some_and(|s| s.1 >= start + 2 && s.2)
+        });
+    }
+
+    pub fn iteration(&self, pid: i32) -> u64 {
+        self.status_of(pid).map(|s| s.1).unwrap_or(0)
+    }
+
+    /// The fake driver's journal: (call, target pid, rc).
+    pub fn journal(&self) -> Vec<(String, i32, i32)> {
+        std::fs::read_to_string(self.fake_dir().join("journal.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                Some((
+                    f.get(2)?.to_string(),
+                    f.get(3)?.parse().ok()?,
+                    f.get(4)?.parse().ok()?,
+                ))
+            })
+            .collect()
+    }
+
+    /// The journaled calls on `pid` other than get-state, as "call=rc".
+    pub fn calls_on(&self, pid: i32) -> Vec<String> {
+        self.journal()
+            .into_iter()
+            .filter(|(c, p, _)| *p == pid && c != "get_state")
+            .map(|(c, _, rc)| format!("{c}={rc}"))
+            .collect()
+    }
+
+    pub fn alive(&mut self, pid: i32) -> bool {
+        let c = self
+            .children
+            .iter_mut()
+            .find(|c| c.id() as i32 == pid)
+            .expect("child");
+        c.try_wait().unwrap().is_none()
+    }
+
+    /// Kills a workload that holds no live (restored) CUDA state.
+    pub fn kill(&mut self, pid: i32) {
+        let c = self
+            .children
+            .iter_mut()
+            .find(|c| c.id() as i32 == pid)
+            .expect("child");
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < end, "condition not met within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

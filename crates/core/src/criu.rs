@@ -1,0 +1,202 @@
+//! CRIU, the engine that dumps and restores whole process trees.
+//!
+//! Driven through its command line rather than `criu swrk` RPC: the command
+//! line is what users debug with, its flags are stable across 3.x/4.x, and it
+//! keeps protobuf out of the build. Its log is kept with the image; a failure
+//! is surfaced as the last error line of that log.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// The first CRIU that works on current kernels (3.17 fails on 6.x vDSO
+/// layouts; 4.1.1 is what was measured working).
+pub const MIN_VERSION: (u32, u32) = (4, 0);
+
+#[derive(Debug, thiserror::Error)]
+pub enum CriuError {
+    #[error(
+        "criu not found ({0}); install CRIU >= 4.0 (scripts/install-criu.sh) or pass --criu PATH"
+    )]
+    NotFound(String),
+    #[error("criu {found} is too old: gpusnap needs CRIU >= {}.{} (Debian bookworm's 3.17 fails on current kernels; trixie's 4.1.1 works)", MIN_VERSION.0, MIN_VERSION.1)]
+    TooOld { found: String },
+    #[error("criu {op} failed: {line} (log: {log})")]
+    Failed {
+        op: &'static str,
+        line: String,
+        log: String,
+    },
+    #[error("cannot run criu: {0}")]
+    Spawn(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct Criu {
+    pub bin: PathBuf,
+    pub version: String,
+}
+
+/// Options of a dump that depend on the tree, not on gpusnap.
+#[derive(Debug, Clone, Default)]
+pub struct DumpOptions {
+    pub leave_running: bool,
+}
+
+fn parse_version(s: &str) -> Option<(u32, u32, String)> {
+    let v = s
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Version:"))?
+        .trim()
+        .to_string();
+    let mut it = v.split('.');
+    let major = it.next()?.parse().ok()?;
+    let minor = it.next().and_then(|m| m.parse().ok()).unwrap_or(0);
+    Some((major, minor, v))
+}
+
+impl Criu {
+    /// Finds criu (`explicit`, else on PATH) and checks its version.
+    pub fn find(explicit: Option<&Path>) -> Result<Self, CriuError> {
+        let bin = match explicit {
+            Some(p) => p.to_path_buf(),
+            None => which("criu").ok_or_else(|| CriuError::NotFound("not on PATH".into()))?,
+        };
+        let out = Command::new(&bin)
+            .arg("--version")
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| CriuError::NotFound(format!("{}: {e}", bin.display())))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (major, minor, version) = parse_version(&text)
+            .ok_or_else(|| CriuError::NotFound(format!("{} printed no version", bin.display())))?;
+        if (major, minor) < MIN_VERSION {
+            return Err(CriuError::TooOld { found: version });
+        }
+        Ok(Self { bin, version })
+    }
+
+    fn common(&self, cmd: &mut Command, images: &Path, work: &Path, log: &str) {
+        cmd.arg("--images-dir")
+            .arg(images)
+            .arg("--work-dir")
+            .arg(work)
+            .args(["--log-file", log, "-v4"])
+            // A tree started from a terminal shares its session; the flags
+            // below let CRIU take processes as ordinary tools leave them.
+            .args([
+                "--shell-job",
+                "--file-locks",
+                "--ext-unix-sk",
+                "--tcp-established",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+    }
+
+    /// Dumps the tree rooted at `pid` into `images`.
+    pub fn dump(
+        &self,
+        pid: i32,
+        images: &Path,
+        work: &Path,
+        opts: &DumpOptions,
+    ) -> Result<(), CriuError> {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(["dump", "--tree", &pid.to_string()]);
+        if opts.leave_running {
+            cmd.arg("--leave-running");
+        }
+        self.common(&mut cmd, images, work, "dump.log");
+        self.run("dump", cmd, &work.join("dump.log"))
+    }
+
+    /// Restores the image in `images` detached; returns the root's pid.
+    pub fn restore(&self, images: &Path, work: &Path) -> Result<i32, CriuError> {
+        let pidfile = work.join("restore.pid");
+        let _ = std::fs::remove_file(&pidfile);
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(["restore", "--restore-detached", "--pidfile"])
+            .arg(&pidfile);
+        self.common(&mut cmd, images, work, "restore.log");
+        self.run("restore", cmd, &work.join("restore.log"))?;
+        let pid = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or_else(|| CriuError::Failed {
+                op: "restore",
+                line: "no pidfile written".into(),
+                log: work.join("restore.log").display().to_string(),
+            })?;
+        Ok(pid)
+    }
+
+    fn run(&self, op: &'static str, mut cmd: Command, log: &Path) -> Result<(), CriuError> {
+        tracing::debug!(?cmd, "running criu");
+        let out = cmd.output().map_err(|e| CriuError::Spawn(e.to_string()))?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let line = last_error(&text)
+            .or_else(|| {
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .last()
+                    .map(str::to_string)
+            })
+            .unwrap_or_else(|| format!("exit status {}", out.status));
+        Err(CriuError::Failed {
+            op,
+            line,
+            log: log.display().to_string(),
+        })
+    }
+}
+
+/// The most telling line of a CRIU log: its last `Error` line, without the
+/// timestamp and source prefix.
+pub fn last_error(log: &str) -> Option<String> {
+    log.lines()
+        .rev()
+        .find(|l| l.contains("Error (") || l.contains("Error:"))
+        .map(|l| {
+            let l = l.trim();
+            // "(00.012345) Error (criu/cr-dump.c:123): message"
+            match l.find("): ") {
+                Some(i) if l.contains("Error (") => l[i + 3..].to_string(),
+                _ => l.trim_start_matches(|c: char| c != 'E').to_string(),
+            }
+        })
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .chain([
+            PathBuf::from("/usr/local/sbin"),
+            PathBuf::from("/usr/sbin"),
+            PathBuf::from("/sbin"),
+        ])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions() {
+        assert_eq!(parse_version("Version: 4.1.1\n").unwrap().0, 4);
+        let (maj, min, v) = parse_version("Version: 3.17.1\nGitID: v3.17.1\n").unwrap();
+        assert_eq!((maj, min, v.as_str()), (3, 17, "3.17.1"));
+        assert!(parse_version("garbage").is_none());
+    }
+
+    #[test]
+    fn last_error_line() {
+        let log = "(00.001) info\n(00.002) Error (criu/cr-restore.c:1234): Can't fork for 4242: File exists\n(00.003) done\n";
+        assert_eq!(last_error(log).unwrap(), "Can't fork for 4242: File exists");
+    }
+}

@@ -1,0 +1,751 @@
+//! The lifecycle: suspend, resume (with admission), stop, state and ps.
+//!
+//! Every driver call is journaled before and after (see [`Store`]), preceded
+//! by a fresh check of the target's identity and run state, and runs under a
+//! deadline. Each operation either completes or returns the process to the
+//! state it found it in; the one exception the driver forces on us (a restore
+//! that ran out of memory strands the process) is recorded as unrecoverable.
+
+use crate::error::Error;
+use crate::progress::{observe, Progress, Quiet};
+use crate::store::{Record, Store};
+use crate::target::{self, Target};
+use gpusnap_cuda::ffi::{
+    CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OPERATING_SYSTEM, CUDA_ERROR_OUT_OF_MEMORY,
+};
+use gpusnap_cuda::{CheckpointApi, Deadline, DriverError, GpuPair, ProcessState};
+use gpusnap_gpu::GpuInventory;
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+
+/// How long NVML may take to show a checkpointed process's memory as freed.
+const RELEASE_WAIT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuBytes {
+    pub uuid: String,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StateReport {
+    pub pid: i32,
+    pub start_time: u64,
+    pub comm: String,
+    pub state: String,
+    pub unrecoverable: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Device memory now (running) or when it was suspended (checkpointed).
+    pub footprint_bytes: u64,
+    pub gpus: Vec<GpuBytes>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SuspendReport {
+    pub pid: i32,
+    pub state: String,
+    /// It was already checkpointed: nothing was done.
+    pub already: bool,
+    pub footprint_bytes: u64,
+    pub gpus: Vec<GpuBytes>,
+    pub lock_ms: u64,
+    pub checkpoint_ms: u64,
+    pub total_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ResumeReport {
+    pub pid: i32,
+    pub state: String,
+    pub already: bool,
+    pub footprint_bytes: u64,
+    /// Time spent waiting for GPU memory (`--wait`).
+    pub waited_ms: u64,
+    pub restore_ms: u64,
+    pub unlock_ms: u64,
+    pub total_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StopReport {
+    pub pid: i32,
+    /// Its CUDA state was checkpointed before any signal was sent.
+    pub suspended: bool,
+    /// NVML showed no device memory for it before the first signal.
+    pub released_before_kill: bool,
+    /// The signal that ended it.
+    pub signal: String,
+    pub cuda: bool,
+    pub total_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct ResumeOptions {
+    /// Extra free memory required on each GPU beyond the footprint.
+    pub margin_bytes: u64,
+    /// How long to wait for enough free memory before refusing.
+    pub wait: Duration,
+    /// The footprint to assume when none was recorded.
+    pub footprint_bytes: Option<u64>,
+}
+
+impl Default for ResumeOptions {
+    fn default() -> Self {
+        Self {
+            margin_bytes: 256 * MIB,
+            wait: Duration::ZERO,
+            footprint_bytes: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct StopOptions {
+    pub grace: Duration,
+    pub force: bool,
+    pub lock_timeout_ms: u32,
+}
+
+pub struct Engine<A: CheckpointApi, G: GpuInventory> {
+    api: Deadline<A>,
+    gpus: G,
+    store: Store,
+    progress: Box<dyn Progress>,
+}
+
+fn ms(since: Instant) -> u64 {
+    since.elapsed().as_millis() as u64
+}
+
+impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
+    pub fn new(api: Deadline<A>, gpus: G, store: Store) -> Self {
+        Self {
+            api,
+            gpus,
+            store,
+            progress: Box::new(Quiet),
+        }
+    }
+
+    pub fn with_progress(mut self, p: Box<dyn Progress>) -> Self {
+        self.progress = p;
+        self
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub fn gpus(&self) -> &G {
+        &self.gpus
+    }
+
+    /// The driver's state of a process that [`target::resolve_callable`] passed.
+    fn driver_state(&self, t: &Target) -> Result<ProcessState, Error> {
+        match self.api.get_state(t.pid) {
+            Ok(s) => Ok(s),
+            Err(e) if e.code() == Some(CUDA_ERROR_NOT_INITIALIZED) => Err(Error::NotCuda {
+                pid: t.pid,
+                comm: t.comm.clone(),
+            }),
+            Err(e) => Err(Error::Driver {
+                pid: t.pid,
+                source: e,
+            }),
+        }
+    }
+
+    /// Closes journal entries that a gpusnap which died mid-call left open,
+    /// recording what the driver says now.
+    fn reconcile(&mut self, t: &Target) -> Result<(), Error> {
+        let pending = self.store.pending(t)?;
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let now = self
+            .driver_state(t)
+            .map(|s| s.to_string())
+            .unwrap_or_else(|e| format!("unknown ({e})"));
+        for p in pending {
+            tracing::warn!(pid = t.pid, op = %p.op, state = %now, "reconciling an interrupted operation");
+            self.store.end(
+                p.id,
+                t,
+                &p.op,
+                Err("interrupted: gpusnap exited during the call"),
+            )?;
+        }
+        let state = ProcessState::parse(&now).map(|s| s.as_str());
+        self.store
+            .note(t, "reconcile", state, &format!("driver says {now}"))
+    }
+
+    /// One journaled driver call: begin, call, end.
+    fn journaled<T>(
+        &mut self,
+        t: &Target,
+        op: &str,
+        after: &str,
+        call: impl FnOnce(&Deadline<A>) -> Result<T, DriverError>,
+    ) -> Result<T, Error> {
+        let id = self.store.begin(t, op)?;
+        let res = call(&self.api);
+        let outcome = match &res {
+            Ok(_) => Ok(after),
+            Err(e) => Err(e.to_string()),
+        };
+        let outcome_ref = outcome.as_ref().map(|s| *s).map_err(|s| s.as_str());
+        if let Err(e) = self.store.end(id, t, op, outcome_ref) {
+            tracing::error!("cannot journal the end of {op} on {}: {e}", t.pid);
+        }
+        res.map_err(|source| Error::Driver { pid: t.pid, source })
+    }
+
+    /// Device memory `pid` holds now, per GPU, from NVML.
+    fn live_usage(&self, pid: i32) -> Result<BTreeMap<String, u64>, Error> {
+        let mut out = BTreeMap::new();
+        for u in self.gpus.usage_of(pid as u32)? {
+            *out.entry(u.uuid).or_insert(0) += u.bytes.unwrap_or(0);
+        }
+        Ok(out)
+    }
+
+    fn wait_released(&self, pid: i32) -> Result<bool, Error> {
+        let deadline = Instant::now() + RELEASE_WAIT;
+        loop {
+            if self.live_usage(pid)?.values().all(|b| *b == 0) {
+                return Ok(true);
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn state(&mut self, pid: i32) -> Result<StateReport, Error> {
+        let t = target::resolve_callable(pid)?;
+        self.reconcile(&t)?;
+        let st = self.driver_state(&t)?;
+        let rec = self.store.get(&t)?;
+        self.report(&t, st, rec.as_ref())
+    }
+
+    fn report(
+        &self,
+        t: &Target,
+        st: ProcessState,
+        rec: Option<&Record>,
+    ) -> Result<StateReport, Error> {
+        let live = self.live_usage(t.pid)?;
+        let fp = if live.values().any(|b| *b > 0) {
+            live
+        } else {
+            rec.map(|r| r.footprint.clone()).unwrap_or_default()
+        };
+        Ok(StateReport {
+            pid: t.pid,
+            start_time: t.start_time,
+            comm: t.comm.clone(),
+            state: st.to_string(),
+            unrecoverable: rec.is_some_and(|r| r.unrecoverable.is_some()),
+            reason: rec.and_then(|r| r.unrecoverable.clone()),
+            footprint_bytes: fp.values().sum(),
+            gpus: fp
+                .into_iter()
+                .map(|(uuid, bytes)| GpuBytes { uuid, bytes })
+                .collect(),
+        })
+    }
+
+    /// Every CUDA process this host can see: those NVML lists, those gpusnap
+    /// recorded, and those mapping libcuda (suspended ones hold no GPU memory,
+    /// so NVML no longer lists them).
+    pub fn ps(&mut self) -> Result<Vec<StateReport>, Error> {
+        let mut pids: BTreeSet<i32> = self
+            .gpus
+            .processes()?
+            .iter()
+            .map(|p| p.pid as i32)
+            .collect();
+        let recorded: BTreeSet<i32> = self.store.all()?.iter().map(|r| r.pid).collect();
+        pids.extend(recorded.iter().copied());
+        pids.extend(target::processes_mapping_libcuda());
+        pids.remove(&(std::process::id() as i32));
+        let mut out = Vec::new();
+        for pid in pids {
+            let Ok(t) = target::resolve(pid) else {
+                continue;
+            };
+            if target::run_state(pid).is_ok_and(|s| s.is_stopped()) {
+                let rec = self.store.get(&t)?;
+                let mut r = self.report(&t, ProcessState::Unknown(-1), rec.as_ref())?;
+                r.state = "stopped".into();
+                out.push(r);
+                continue;
+            }
+            match self.driver_state(&t) {
+                Ok(st) => {
+                    self.reconcile(&t)?;
+                    let rec = self.store.get(&t)?;
+                    out.push(self.report(&t, st, rec.as_ref())?);
+                }
+                Err(Error::NotCuda { .. }) => continue,
+                Err(e) => tracing::warn!(pid, "skipping: {e}"),
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn suspend(&mut self, pid: i32, lock_timeout_ms: u32) -> Result<SuspendReport, Error> {
+        let started = Instant::now();
+        let t = target::resolve_callable(pid)?;
+        self.reconcile(&t)?;
+        let st = self.driver_state(&t)?;
+        match st {
+            ProcessState::Checkpointed => {
+                let rec = self.store.get(&t)?;
+                let fp = rec
+                    .as_ref()
+                    .map(|r| r.footprint.clone())
+                    .unwrap_or_default();
+                if rec.is_none() {
+                    self.store.record(&t, "checkpointed", None)?;
+                }
+                return Ok(SuspendReport {
+                    pid,
+                    state: st.to_string(),
+                    already: true,
+                    footprint_bytes: fp.values().sum(),
+                    gpus: to_list(&fp),
+                    lock_ms: 0,
+                    checkpoint_ms: 0,
+                    total_ms: ms(started),
+                });
+            }
+            ProcessState::Running | ProcessState::Locked => {}
+            other => {
+                return Err(Error::WrongState {
+                    pid,
+                    state: other.to_string(),
+                    op: "suspend",
+                });
+            }
+        }
+        // The footprint is what resume's admission will ask for: record it
+        // before anything changes.
+        let fp = self.live_usage(pid)?;
+        self.store.record(&t, st.as_str(), Some(&fp))?;
+        let total: u64 = fp.values().sum();
+
+        let t_lock = Instant::now();
+        if st == ProcessState::Running {
+            target::resolve_callable(pid)?;
+            self.journaled(&t, "lock", "locked", |api| api.lock(pid, lock_timeout_ms))?;
+        }
+        let lock_ms = ms(t_lock);
+
+        let t_ckpt = Instant::now();
+        let rss0 = target::rss_bytes(pid).unwrap_or(0);
+        let label = format!("suspend {pid}");
+        let progress: &dyn Progress = &*self.progress;
+        let api = &self.api;
+        let id = self.store.begin(&t, "checkpoint")?;
+        let res = observe(
+            progress,
+            &label,
+            total,
+            || target::rss_bytes(pid).map(|r| r.saturating_sub(rss0)),
+            || api.checkpoint_within(pid, total),
+        );
+        match &res {
+            Ok(()) => self.store.end(id, &t, "checkpoint", Ok("checkpointed"))?,
+            Err(e) => self.store.end(id, &t, "checkpoint", Err(&e.to_string()))?,
+        }
+        if let Err(source) = res {
+            // Leave it as we found it: running, if we were the ones who locked it.
+            if st == ProcessState::Running && !matches!(source, DriverError::Timeout { .. }) {
+                if let Err(e) = self.journaled(&t, "unlock", "running", |api| api.unlock(pid)) {
+                    tracing::error!(pid, "could not unlock after a failed checkpoint: {e}");
+                }
+            }
+            return Err(Error::Driver { pid, source });
+        }
+        let checkpoint_ms = ms(t_ckpt);
+
+        if !self.wait_released(pid)? {
+            let left: u64 = self.live_usage(pid)?.values().sum();
+            self.store.note(
+                &t,
+                "verify",
+                None,
+                &format!("NVML still shows {} MiB", left / MIB),
+            )?;
+            return Err(Error::NotReleased {
+                pid,
+                mib: left / MIB,
+                secs: RELEASE_WAIT.as_secs(),
+            });
+        }
+        self.store.note(
+            &t,
+            "verify",
+            Some("checkpointed"),
+            "NVML shows no device memory",
+        )?;
+        Ok(SuspendReport {
+            pid,
+            state: "checkpointed".into(),
+            already: false,
+            footprint_bytes: total,
+            gpus: to_list(&fp),
+            lock_ms,
+            checkpoint_ms,
+            total_ms: ms(started),
+        })
+    }
+
+    /// Looks up what gpusnap recorded of `t`, refusing a pid that now belongs
+    /// to another program than the one that was suspended there.
+    fn record_of(&self, t: &Target) -> Result<Option<Record>, Error> {
+        if let Some(r) = self.store.get(t)? {
+            return Ok(Some(r));
+        }
+        match self.store.latest_for_pid(t.pid)? {
+            Some(old) if old.state == "checkpointed" || old.state == "locked" => {
+                Err(Error::Reused {
+                    pid: t.pid,
+                    comm: t.comm.clone(),
+                })
+            }
+            _ => Ok(None),
+        }
+    }
+
+    pub fn resume(&mut self, pid: i32, opts: &ResumeOptions) -> Result<ResumeReport, Error> {
+        let started = Instant::now();
+        let t = target::resolve_callable(pid)?;
+        let rec = self.record_of(&t)?;
+        self.reconcile(&t)?;
+        if let Some(reason) = rec.as_ref().and_then(|r| r.unrecoverable.clone()) {
+            return Err(Error::Unrecoverable { pid, reason });
+        }
+        let st = self.driver_state(&t)?;
+        let footprint = rec
+            .as_ref()
+            .map(|r| r.footprint.clone())
+            .unwrap_or_default();
+        let fp_total: u64 = footprint.values().sum();
+        let done = |state: &str, already, waited_ms, restore_ms, unlock_ms| ResumeReport {
+            pid,
+            state: state.into(),
+            already,
+            footprint_bytes: fp_total,
+            waited_ms,
+            restore_ms,
+            unlock_ms,
+            total_ms: ms(started),
+        };
+        match st {
+            ProcessState::Running => return Ok(done("running", true, 0, 0, 0)),
+            ProcessState::Locked => {
+                // Restored but never unlocked (an interrupted resume): finish it.
+                let t0 = Instant::now();
+                self.journaled(&t, "unlock", "running", |api| api.unlock(pid))?;
+                return Ok(done("running", false, 0, 0, ms(t0)));
+            }
+            ProcessState::Checkpointed => {}
+            other => {
+                return Err(Error::WrongState {
+                    pid,
+                    state: other.to_string(),
+                    op: "resume",
+                })
+            }
+        }
+        if rec.is_none() {
+            self.store.record(&t, "checkpointed", None)?;
+        }
+        let need = self.needed(&t, &footprint, opts)?;
+
+        // Admission: reserve the memory, or refuse without touching the driver.
+        let t_wait = Instant::now();
+        let reservation = loop {
+            match self.admit(pid, &need, opts.margin_bytes) {
+                Ok(ids) => break ids,
+                Err(Error::NoMemory { .. }) if t_wait.elapsed() < opts.wait => {
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+                Err(e) => {
+                    if let Error::NoMemory { detail, .. } = &e {
+                        self.store
+                            .note(&t, "admission", None, &format!("refused: {detail}"))?;
+                    }
+                    return Err(e);
+                }
+            }
+        };
+        let waited_ms = ms(t_wait);
+        let result = self.restore_and_unlock(&t, &need);
+        self.store.release(&reservation)?;
+        let (restore_ms, unlock_ms) = result?;
+        Ok(done("running", false, waited_ms, restore_ms, unlock_ms))
+    }
+
+    /// Per GPU, the bytes a restore of `t` needs.
+    fn needed(
+        &self,
+        t: &Target,
+        recorded: &BTreeMap<String, u64>,
+        opts: &ResumeOptions,
+    ) -> Result<BTreeMap<String, u64>, Error> {
+        if let Some(b) = opts.footprint_bytes {
+            // Without a record we do not know which GPU: require it on all.
+            let gpus = self.gpus.gpus()?;
+            return Ok(if recorded.is_empty() {
+                gpus.into_iter().map(|g| (g.uuid, b)).collect()
+            } else {
+                let n = recorded.len() as u64;
+                recorded.keys().map(|u| (u.clone(), b / n)).collect()
+            });
+        }
+        if recorded.is_empty() {
+            return Err(Error::NoFootprint { pid: t.pid });
+        }
+        Ok(recorded.clone())
+    }
+
+    fn admit(
+        &mut self,
+        pid: i32,
+        need: &BTreeMap<String, u64>,
+        margin: u64,
+    ) -> Result<Vec<i64>, Error> {
+        let gpus = &self.gpus;
+        let (ids, ()) = self.store.reserve(pid, |held| {
+            let now = gpus.gpus()?;
+            let mut short = Vec::new();
+            for (uuid, bytes) in need {
+                let Some(g) = now.iter().find(|g| &g.uuid == uuid) else {
+                    short.push(format!("GPU {uuid} is not on this host"));
+                    continue;
+                };
+                let reserved = held.get(uuid).copied().unwrap_or(0);
+                let free = g.free_bytes.saturating_sub(reserved);
+                if free < bytes + margin {
+                    short.push(format!(
+                        "GPU {} needs {} MiB (footprint {} MiB + margin {} MiB), {} MiB free{}",
+                        g.index,
+                        (bytes + margin) / MIB,
+                        bytes / MIB,
+                        margin / MIB,
+                        free / MIB,
+                        if reserved > 0 {
+                            format!(
+                                " after {} MiB reserved by resumes in flight",
+                                reserved / MIB
+                            )
+                        } else {
+                            String::new()
+                        }
+                    ));
+                }
+            }
+            if short.is_empty() {
+                Ok((need.iter().map(|(u, b)| (u.clone(), *b)).collect(), ()))
+            } else {
+                Err(Error::NoMemory {
+                    pid,
+                    detail: short.join("; "),
+                })
+            }
+        })?;
+        Ok(ids)
+    }
+
+    fn restore_and_unlock(
+        &mut self,
+        t: &Target,
+        need: &BTreeMap<String, u64>,
+    ) -> Result<(u64, u64), Error> {
+        let pid = t.pid;
+        let total: u64 = need.values().sum();
+        target::resolve_callable(pid)?;
+        let used0 = self.used_on(need);
+        let t_restore = Instant::now();
+        let id = self.store.begin(t, "restore")?;
+        let progress: &dyn Progress = &*self.progress;
+        let (api, gpus) = (&self.api, &self.gpus);
+        let label = format!("resume {pid}");
+        let res = observe(
+            progress,
+            &label,
+            total,
+            || {
+                let now = used_on(gpus, need)?;
+                Some(now.saturating_sub(used0?))
+            },
+            || api.restore_within(pid, &[] as &[GpuPair], total),
+        );
+        match &res {
+            Ok(()) => self.store.end(id, t, "restore", Ok("locked"))?,
+            Err(e) => self.store.end(id, t, "restore", Err(&e.to_string()))?,
+        }
+        if let Err(source) = res {
+            return Err(match source.code() {
+                Some(CUDA_ERROR_OUT_OF_MEMORY) | Some(CUDA_ERROR_OPERATING_SYSTEM) => {
+                    let reason = format!(
+                        "{source} while restoring: GPU memory was taken outside gpusnap's admission; \
+                         on this driver a failed restore leaves the process stuck for good. Kill it \
+                         (it holds no GPU memory) and restart it, or wake it from an image"
+                    );
+                    self.store.set_unrecoverable(t, &reason)?;
+                    Error::Unrecoverable { pid, reason }
+                }
+                _ => Error::Driver { pid, source },
+            });
+        }
+        let restore_ms = ms(t_restore);
+        let t_unlock = Instant::now();
+        self.journaled(t, "unlock", "running", |api| api.unlock(pid))?;
+        Ok((restore_ms, ms(t_unlock)))
+    }
+
+    fn used_on(&self, need: &BTreeMap<String, u64>) -> Option<u64> {
+        used_on(&self.gpus, need)
+    }
+
+    /// Safe teardown: suspend, verify the GPU memory is released, then
+    /// SIGTERM, SIGKILL after the grace, and wait until the pid is gone.
+    pub fn stop(&mut self, pid: i32, opts: &StopOptions) -> Result<StopReport, Error> {
+        let started = Instant::now();
+        let t = target::resolve(pid)?;
+        let mut suspended = false;
+        let mut cuda = true;
+        let stopped = target::run_state(pid)?.is_stopped();
+        let refuse = |reason: String| Error::StopRefused { pid, reason };
+        if stopped {
+            if !opts.force {
+                return Err(refuse(
+                    "it is stopped (SIGSTOP or a tracer), so its CUDA state cannot be suspended first; send SIGCONT"
+                        .into(),
+                ));
+            }
+        } else {
+            match self.driver_state(&t) {
+                Err(Error::NotCuda { .. }) => cuda = false,
+                Ok(ProcessState::Checkpointed) => suspended = true,
+                Ok(ProcessState::Running | ProcessState::Locked) => {
+                    match self.suspend(pid, opts.lock_timeout_ms) {
+                        Ok(_) => suspended = true,
+                        Err(e) if opts.force => {
+                            tracing::warn!(pid, "suspend failed, killing anyway (--force): {e}")
+                        }
+                        Err(e) => return Err(refuse(format!("suspend failed ({e})"))),
+                    }
+                }
+                Ok(other) if opts.force => {
+                    tracing::warn!(pid, "driver state {other}, killing anyway (--force)")
+                }
+                Ok(other) => return Err(refuse(format!("the driver reports it {other}"))),
+                Err(e) if opts.force => tracing::warn!(pid, "{e}; killing anyway (--force)"),
+                Err(e) => return Err(refuse(e.to_string())),
+            }
+        }
+        let released = if cuda { self.wait_released(pid)? } else { true };
+        if !released && !opts.force {
+            return Err(refuse(
+                "NVML still shows device memory for it after suspend".into(),
+            ));
+        }
+        self.store.note(
+            &t,
+            "stop",
+            None,
+            &format!("suspended={suspended} released={released}; SIGTERM"),
+        )?;
+        let signal = terminate(&t, opts.grace)?;
+        if cuda || self.store.get(&t)?.is_some() {
+            self.store
+                .note(&t, "stop", Some("stopped"), &format!("ended by {signal}"))?;
+        }
+        Ok(StopReport {
+            pid,
+            suspended,
+            released_before_kill: released,
+            signal,
+            cuda,
+            total_ms: ms(started),
+        })
+    }
+}
+
+fn used_on<G: GpuInventory>(gpus: &G, need: &BTreeMap<String, u64>) -> Option<u64> {
+    let all = gpus.gpus().ok()?;
+    Some(
+        all.iter()
+            .filter(|g| need.contains_key(&g.uuid))
+            .map(|g| g.used_bytes)
+            .sum(),
+    )
+}
+
+fn to_list(fp: &BTreeMap<String, u64>) -> Vec<GpuBytes> {
+    fp.iter()
+        .map(|(u, b)| GpuBytes {
+            uuid: u.clone(),
+            bytes: *b,
+        })
+        .collect()
+}
+
+/// SIGTERM, then SIGKILL after `grace`; returns the signal that ended it.
+fn terminate(t: &Target, grace: Duration) -> Result<String, Error> {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let send = |sig: Signal| {
+        // The pid could have been reused between checks; only signal the
+        // process we identified.
+        if target::is_alive(t) {
+            match kill(Pid::from_raw(t.pid), sig) {
+                Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
+                Err(nix::errno::Errno::EPERM) => Err(Error::Permission { pid: t.pid }),
+                Err(e) => Err(Error::Proc {
+                    pid: t.pid,
+                    reason: e.to_string(),
+                }),
+            }
+        } else {
+            Ok(())
+        }
+    };
+    let gone_within = |d: Duration| {
+        let end = Instant::now() + d;
+        loop {
+            if !target::is_alive(t) {
+                return true;
+            }
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    send(Signal::SIGTERM)?;
+    if gone_within(grace) {
+        return Ok("SIGTERM".into());
+    }
+    send(Signal::SIGKILL)?;
+    let wait = Duration::from_secs(60);
+    if gone_within(wait) {
+        return Ok("SIGKILL".into());
+    }
+    Err(Error::DidNotExit {
+        pid: t.pid,
+        secs: wait.as_secs(),
+    })
+}

@@ -1,0 +1,15 @@
+//! gpusnap's lifecycle logic, written against the driver and NVML traits.
+
+pub mod criu;
+pub mod doctor;
+pub mod engine;
+pub mod error;
+pub mod image;
+pub mod progress;
+pub mod store;
+pub mod target;
+
+pub use engine::{Engine, ResumeOptions, StopOptions};
+pub use error::Error;
+pub use progress::{Progress, Quiet};
+pub use store::Store;

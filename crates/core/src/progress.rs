@@ -1,0 +1,52 @@
+//! Progress of long driver calls, reported to whatever the front end shows.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Receives progress of one long operation at a time.
+pub trait Progress: Send + Sync {
+    fn begin(&self, label: &str, total_bytes: u64);
+    fn update(&self, done_bytes: u64);
+    fn end(&self);
+}
+
+/// Shows nothing (`--json`, pipes, tests).
+pub struct Quiet;
+
+impl Progress for Quiet {
+    fn begin(&self, _: &str, _: u64) {}
+    fn update(&self, _: u64) {}
+    fn end(&self) {}
+}
+
+/// Runs `work` while a side thread samples `probe` every 100 ms and reports
+/// what it returns. The driver's calls are opaque, so progress is observed
+/// from outside: the target's resident memory grows by what checkpoint has
+/// copied, and the GPU's used memory by what restore has put back.
+pub fn observe<T>(
+    progress: &dyn Progress,
+    label: &str,
+    total: u64,
+    probe: impl Fn() -> Option<u64> + Send,
+    work: impl FnOnce() -> T,
+) -> T {
+    progress.begin(label, total);
+    let stop = Arc::new(AtomicBool::new(false));
+    let out = std::thread::scope(|s| {
+        let stop2 = Arc::clone(&stop);
+        s.spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                if let Some(done) = probe() {
+                    progress.update(done.min(total));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let out = work();
+        stop.store(true, Ordering::Relaxed);
+        out
+    });
+    progress.end();
+    out
+}

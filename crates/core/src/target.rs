@@ -1,0 +1,178 @@
+//! Process identity: a target is a pid *and* its start time, so that a pid
+//! reused by another program is never mistaken for the process gpusnap saw.
+
+use crate::error::Error;
+use procfs::process::Process;
+use procfs::ProcError;
+use serde::Serialize;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Target {
+    pub pid: i32,
+    /// Clock ticks after boot (field 22 of /proc/PID/stat).
+    pub start_time: u64,
+    pub comm: String,
+    pub uid: u32,
+}
+
+/// The scheduler state letter, as /proc/PID/stat has it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunState(pub char);
+
+impl RunState {
+    /// `T` (stopped by a signal) or `t` (stopped by a tracer): the driver's
+    /// checkpoint calls hang on such a process, ignoring their timeout.
+    pub fn is_stopped(self) -> bool {
+        matches!(self.0, 'T' | 't')
+    }
+    pub fn is_zombie(self) -> bool {
+        matches!(self.0, 'Z' | 'X')
+    }
+}
+
+fn proc_err(pid: i32, e: ProcError) -> Error {
+    match e {
+        ProcError::NotFound(_) => Error::NoProcess { pid },
+        ProcError::PermissionDenied(_) => Error::Permission { pid },
+        other => Error::Proc {
+            pid,
+            reason: other.to_string(),
+        },
+    }
+}
+
+/// Looks `pid` up and checks that it is a process gpusnap may act on.
+///
+/// Thread ids are refused with the process they belong to: the driver accepts
+/// a tid as if it were the process (measured on r580), which would make the
+/// journal lie about whom it acted on.
+pub fn resolve(pid: i32) -> Result<Target, Error> {
+    if pid <= 0 {
+        return Err(Error::BadPid { pid });
+    }
+    let p = Process::new(pid).map_err(|e| proc_err(pid, e))?;
+    let status = p.status().map_err(|e| proc_err(pid, e))?;
+    if status.tgid != pid {
+        return Err(Error::Thread {
+            tid: pid,
+            pid: status.tgid,
+        });
+    }
+    let stat = p.stat().map_err(|e| proc_err(pid, e))?;
+    let t = Target {
+        pid,
+        start_time: stat.starttime,
+        comm: stat.comm.clone(),
+        uid: status.euid,
+    };
+    let rs = RunState(stat.state);
+    if rs.is_zombie() {
+        return Err(Error::Zombie { pid, comm: t.comm });
+    }
+    check_permission(&t)?;
+    Ok(t)
+}
+
+/// Like [`resolve`], and also refuses a stopped process: call this right
+/// before every driver call.
+pub fn resolve_callable(pid: i32) -> Result<Target, Error> {
+    let t = resolve(pid)?;
+    let st = run_state(pid)?;
+    if st.is_stopped() {
+        return Err(Error::Stopped {
+            pid,
+            comm: t.comm,
+            state: st.0,
+        });
+    }
+    Ok(t)
+}
+
+pub fn run_state(pid: i32) -> Result<RunState, Error> {
+    let p = Process::new(pid).map_err(|e| proc_err(pid, e))?;
+    Ok(RunState(p.stat().map_err(|e| proc_err(pid, e))?.state))
+}
+
+/// The driver needs ptrace-level access to the target (root, or
+/// CAP_SYS_PTRACE over a process of another user).
+fn check_permission(t: &Target) -> Result<(), Error> {
+    let euid = nix::unistd::geteuid().as_raw();
+    if euid == 0 || euid == t.uid {
+        return Ok(());
+    }
+    Err(Error::Permission { pid: t.pid })
+}
+
+/// Whether the process `t` named is still the one running under its pid.
+/// A zombie counts as gone: it holds no memory and only waits to be reaped.
+pub fn is_alive(t: &Target) -> bool {
+    match Process::new(t.pid).and_then(|p| p.stat()) {
+        Ok(s) => s.starttime == t.start_time && !RunState(s.state).is_zombie(),
+        Err(_) => false,
+    }
+}
+
+/// Resident memory in bytes (VmRSS), used to show checkpoint progress: the
+/// driver copies device memory into the target's own address space.
+pub fn rss_bytes(pid: i32) -> Option<u64> {
+    Process::new(pid)
+        .ok()?
+        .status()
+        .ok()?
+        .vmrss
+        .map(|kb| kb * 1024)
+}
+
+/// Every process whose address space maps the CUDA driver library: the
+/// candidates for `ps`, including suspended ones that NVML no longer lists.
+pub fn processes_mapping_libcuda() -> Vec<i32> {
+    let Ok(all) = procfs::process::all_processes() else {
+        return Vec::new();
+    };
+    all.filter_map(Result::ok)
+        .filter(|p| {
+            p.maps().is_ok_and(|maps| {
+                maps.iter().any(|m| match &m.pathname {
+                    procfs::process::MMapPath::Path(path) => path
+                        .file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("libcuda.so")),
+                    _ => false,
+                })
+            })
+        })
+        .map(|p| p.pid)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn self_resolves() {
+        let me = std::process::id() as i32;
+        let t = resolve(me).unwrap();
+        assert_eq!(t.pid, me);
+        assert!(is_alive(&t));
+    }
+
+    #[test]
+    fn a_thread_is_named_with_its_process() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let h = std::thread::spawn(move || {
+            tx.send(nix::unistd::gettid().as_raw()).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        });
+        let tid = rx.recv().unwrap();
+        let err = resolve(tid).unwrap_err();
+        assert!(err.to_string().contains("is a thread of"), "{err}");
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn dead_and_bad_pids() {
+        assert!(matches!(resolve(0), Err(Error::BadPid { .. })));
+        assert!(matches!(resolve(i32::MAX), Err(Error::NoProcess { .. })));
+    }
+}

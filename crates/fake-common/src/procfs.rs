@@ -1,0 +1,109 @@
+//! The little of `/proc` the fakes read: is a pid there, which process a
+//! thread id belongs to, its run state and its start time (which tells a
+//! process from a later one that got the same pid).
+
+use std::fs;
+
+/// What `/proc/PID/stat` says about a task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stat {
+    /// Field 3: `R`, `S`, `D`, `T` (stopped), `t` (traced), `Z` (zombie), ...
+    pub state: char,
+    /// Field 22, in clock ticks since boot.
+    pub start_time: u64,
+}
+
+impl Stat {
+    /// Stopped by a signal or held in a ptrace stop: the real driver's calls
+    /// into such a process hang.
+    pub fn is_stopped(&self) -> bool {
+        matches!(self.state, 'T' | 't')
+    }
+
+    /// Exited but not reaped: holds no GPU memory and answers no driver call.
+    pub fn is_dead(&self) -> bool {
+        matches!(self.state, 'Z' | 'X' | 'x')
+    }
+}
+
+/// Reads `/proc/PID/stat`; `None` when there is no such task. Thread ids work
+/// too: `/proc/TID` exists for every thread although it is not listed.
+pub fn stat(pid: i32) -> Option<Stat> {
+    if pid <= 0 {
+        return None;
+    }
+    parse_stat(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// Parses a stat line. The command name (field 2) may hold spaces and
+/// parentheses, so the fields are counted from its last `)`.
+pub fn parse_stat(line: &str) -> Option<Stat> {
+    let rest = &line[line.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // Field 3 was the state; field 22 is 19 further on.
+    let start_time = fields.nth(18)?.parse().ok()?;
+    Some(Stat { state, start_time })
+}
+
+/// The process (thread group) a task id belongs to, from
+/// `/proc/TID/status`; `None` when there is no such task.
+pub fn tgid(tid: i32) -> Option<i32> {
+    if tid <= 0 {
+        return None;
+    }
+    let status = fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Whether `pid` is still the process that started at `start_time` and has
+/// not exited.
+pub fn is_same_live_process(pid: i32, start_time: u64) -> bool {
+    stat(pid).is_some_and(|s| s.start_time == start_time && !s.is_dead())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_names_with_spaces_and_parens() {
+        let line = "1234 (a b) (c)) S 1 1234 1234 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 100 18446744073709551615";
+        assert_eq!(
+            parse_stat(line),
+            Some(Stat {
+                state: 'S',
+                start_time: 98765
+            })
+        );
+        assert_eq!(parse_stat("1 (x) R 1"), None);
+    }
+
+    #[test]
+    fn reads_this_process() {
+        let me = std::process::id() as i32;
+        let st = stat(me).unwrap();
+        assert!(!st.is_stopped() && !st.is_dead());
+        assert_eq!(tgid(me), Some(me));
+        assert!(is_same_live_process(me, st.start_time));
+        assert!(!is_same_live_process(me, st.start_time + 1));
+        assert_eq!(stat(-5), None);
+        assert_eq!(tgid(0), None);
+    }
+
+    #[test]
+    fn a_thread_id_leads_to_its_process() {
+        let me = std::process::id() as i32;
+        let tid = std::thread::spawn(|| {
+            let tid = nix::unistd::gettid().as_raw();
+            (tid, tgid(tid))
+        })
+        .join()
+        .unwrap();
+        assert_ne!(tid.0, me);
+        assert_eq!(tid.1, Some(me));
+    }
+}

@@ -1,0 +1,350 @@
+//! The fake driver's behaviour in safe Rust; `lib.rs` only turns C arguments
+//! into these calls and results back into C.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::thread::sleep;
+use std::time::Duration;
+
+use gpusnap_fake_common::codes::*;
+use gpusnap_fake_common::state::{GpuPair, LockWait, Proc};
+use gpusnap_fake_common::{copy_time, now_ms, procfs, Store, Txn, MIB};
+
+/// `cuInit` ran in this process. Like the real driver, nothing but version
+/// and error-name queries works before it.
+static INITIALIZED: AtomicBool = AtomicBool::new(false);
+/// The device of this process's context (-1: none): the fake keeps one
+/// current context per process, not per thread.
+static CURRENT_DEVICE: AtomicI32 = AtomicI32::new(-1);
+
+/// How often a blocked call looks again.
+const POLL: Duration = Duration::from_millis(10);
+
+/// The fake failed itself (a bad state file, a full disk): say why on stderr,
+/// since a `CUresult` cannot, and answer `CUDA_ERROR_UNKNOWN`.
+fn io_fail(e: io::Error) -> CuResult {
+    eprintln!("gpusnap-fake-cuda: {e}");
+    CUDA_ERROR_UNKNOWN
+}
+
+fn transact<T>(
+    store: &Store,
+    f: impl FnOnce(&mut Txn) -> Result<T, CuResult>,
+) -> Result<T, CuResult> {
+    store.transact(f).map_err(io_fail)?
+}
+
+pub fn init(flags: u32) -> Result<(), CuResult> {
+    if flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let config = Store::from_env().load_config().map_err(io_fail)?;
+    if config.gpus.is_empty() {
+        return Err(CUDA_ERROR_NO_DEVICE);
+    }
+    INITIALIZED.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+pub fn driver_version() -> Result<i32, CuResult> {
+    Ok(Store::from_env()
+        .load_config()
+        .map_err(io_fail)?
+        .driver_version)
+}
+
+// ---------------------------------------------------------------------------
+// The checkpoint API.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    Lock,
+    Checkpoint,
+    Restore,
+    Unlock,
+    GetState,
+    GetRestoreTid,
+}
+
+impl Call {
+    /// The name in the journal and in `inject` entries.
+    fn name(self) -> &'static str {
+        match self {
+            Call::Lock => "lock",
+            Call::Checkpoint => "checkpoint",
+            Call::Restore => "restore",
+            Call::Unlock => "unlock",
+            Call::GetState => "get_state",
+            Call::GetRestoreTid => "get_restore_tid",
+        }
+    }
+
+    /// The calls that hang on a stopped process on the real driver.
+    fn hangs_on_stopped(self) -> bool {
+        matches!(self, Call::Lock | Call::GetState)
+    }
+}
+
+/// Runs one checkpoint-API call on `pid` and journals its answer.
+///
+/// `args` are the call's C arguments, already checked by the FFI layer;
+/// `body` gets the store, the process (thread ids resolved to it) and the
+/// arguments, and runs with the call serialised against others on the same
+/// process.
+pub fn checkpoint_call<A, T>(
+    call: Call,
+    pid: i32,
+    args: Result<A, CuResult>,
+    body: impl FnOnce(&Store, i32, A) -> Result<T, CuResult>,
+) -> Result<T, CuResult> {
+    let store = Store::from_env();
+    let result = run_checkpoint_call(&store, call, pid, args, body);
+    let rc = result.as_ref().err().copied().unwrap_or(CUDA_SUCCESS);
+    if let Err(e) = store.journal(call.name(), pid, rc) {
+        eprintln!("gpusnap-fake-cuda: journal: {e}");
+    }
+    result
+}
+
+fn run_checkpoint_call<A, T>(
+    store: &Store,
+    call: Call,
+    pid: i32,
+    args: Result<A, CuResult>,
+    body: impl FnOnce(&Store, i32, A) -> Result<T, CuResult>,
+) -> Result<T, CuResult> {
+    if !INITIALIZED.load(Ordering::SeqCst) {
+        return Err(CUDA_ERROR_NOT_INITIALIZED);
+    }
+    let args = args?;
+    if let Some(inj) = transact(store, |t| Ok(t.take_injection(call.name(), pid)))? {
+        if inj.hang {
+            // A hung driver call never comes back; the caller must give up on
+            // it, as gpusnap does with its own deadlines.
+            loop {
+                sleep(Duration::from_secs(3600));
+            }
+        }
+        if inj.rc != CUDA_SUCCESS {
+            return Err(inj.rc);
+        }
+    }
+
+    let process = procfs::tgid(pid).ok_or(CUDA_ERROR_OPERATING_SYSTEM)?;
+    let stat = procfs::stat(process).ok_or(CUDA_ERROR_OPERATING_SYSTEM)?;
+    if stat.is_dead() {
+        return Err(CUDA_ERROR_NOT_INITIALIZED);
+    }
+    if call.hangs_on_stopped() {
+        // Ignores any lock timeout, as the real driver does.
+        while procfs::stat(process).is_some_and(|s| s.is_stopped()) {
+            sleep(POLL);
+        }
+    }
+    let _serialised = store.lock_target(process).map_err(io_fail)?;
+    body(store, process, args)
+}
+
+/// Runs `f` on the entry of `pid` under the directory lock; a process that has
+/// vanished meanwhile answers 304 and one that never made a context 3.
+fn on_process<T>(
+    store: &Store,
+    pid: i32,
+    f: impl FnOnce(&mut Txn) -> Result<T, CuResult>,
+) -> Result<T, CuResult> {
+    transact(store, |t| {
+        let stat = procfs::stat(pid).ok_or(CUDA_ERROR_OPERATING_SYSTEM)?;
+        if stat.is_dead() {
+            return Err(CUDA_ERROR_NOT_INITIALIZED);
+        }
+        let p = t
+            .state
+            .procs
+            .get_mut(&pid)
+            .ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
+        // The start times differ only for a checkpointed entry, the one kind
+        // that outlives its process (see `collect_garbage`): a CRIU-restored
+        // process took over the pid, and from now on the entry is its own.
+        p.start_time = stat.start_time;
+        f(t)
+    })
+}
+
+fn entry(t: &mut Txn, pid: i32) -> Result<&mut Proc, CuResult> {
+    t.state
+        .procs
+        .get_mut(&pid)
+        .ok_or(CUDA_ERROR_NOT_INITIALIZED)
+}
+
+pub fn lock(store: &Store, pid: i32, timeout_ms: u32) -> Result<(), CuResult> {
+    let wait = on_process(store, pid, |t| {
+        entry(t, pid)?.begin_lock(now_ms(), timeout_ms)
+    })?;
+    match wait {
+        LockWait::TimesOut(ms) => {
+            sleep(Duration::from_millis(ms));
+            Err(CUDA_ERROR_NOT_READY)
+        }
+        LockWait::Drains(ms) => {
+            sleep(Duration::from_millis(ms));
+            on_process(store, pid, |t| entry(t, pid)?.finish_lock())
+        }
+    }
+}
+
+pub fn checkpoint(store: &Store, pid: i32) -> Result<(), CuResult> {
+    let (bytes, gbps) = on_process(store, pid, |t| {
+        let ctx = t.config.context_mib * MIB;
+        Ok((
+            entry(t, pid)?.begin_checkpoint(ctx)?,
+            t.config.checkpoint_gbps,
+        ))
+    })?;
+    sleep(copy_time(bytes, gbps));
+    on_process(store, pid, |t| {
+        entry(t, pid)?.finish_checkpoint()?;
+        store.move_data(pid, true).map_err(io_fail)
+    })
+}
+
+pub fn restore(store: &Store, pid: i32, pairs: Option<Vec<GpuPair>>) -> Result<(), CuResult> {
+    let (bytes, gbps) = on_process(store, pid, |t| {
+        let bytes = t.state.begin_restore(&t.config, pid, pairs.as_deref())?;
+        Ok((bytes, t.config.restore_gbps))
+    })?;
+    sleep(copy_time(bytes, gbps));
+    on_process(store, pid, |t| {
+        entry(t, pid)?.finish_restore()?;
+        store.move_data(pid, false).map_err(io_fail)
+    })
+}
+
+pub fn unlock(store: &Store, pid: i32) -> Result<(), CuResult> {
+    on_process(store, pid, |t| entry(t, pid)?.unlock())
+}
+
+pub fn get_state(store: &Store, pid: i32) -> Result<i32, CuResult> {
+    on_process(store, pid, |t| Ok(entry(t, pid)?.reported_state() as i32))
+}
+
+pub fn get_restore_tid(store: &Store, pid: i32) -> Result<i32, CuResult> {
+    on_process(store, pid, |t| entry(t, pid).map(|_| pid))
+}
+
+// ---------------------------------------------------------------------------
+// The workload API: what `fake-workload` calls on itself.
+
+/// Runs `f` for the calling process once it may do CUDA work: every call
+/// blocks while the process is locked, checkpointed or poisoned, as a real
+/// locked process's calls do. `f` runs under the same directory lock as that
+/// check, so a checkpoint cannot move the data under a copy.
+///
+/// `new_context` is the caller's start time when it creates a context: an
+/// entry from another start time is an earlier process's with the same pid
+/// (kept because it was checkpointed), whose resume it must not wait for.
+fn as_workload<T>(
+    new_context: Option<u64>,
+    f: impl FnOnce(&Store, &mut Txn, i32) -> Result<T, CuResult>,
+) -> Result<T, CuResult> {
+    if !INITIALIZED.load(Ordering::SeqCst) {
+        return Err(CUDA_ERROR_NOT_INITIALIZED);
+    }
+    let store = Store::from_env();
+    let me = std::process::id() as i32;
+    let mut f = Some(f);
+    loop {
+        let done = store
+            .transact(|t| {
+                let blocked = t.state.procs.get(&me).is_some_and(|p| {
+                    let stale = new_context.is_some_and(|start| p.start_time != start);
+                    !p.accepts_work() && !stale
+                });
+                if blocked {
+                    return None;
+                }
+                f.take().map(|f| f(&store, t, me))
+            })
+            .map_err(io_fail)?;
+        if let Some(result) = done {
+            return result;
+        }
+        sleep(POLL);
+    }
+}
+
+fn current_device() -> Result<u32, CuResult> {
+    u32::try_from(CURRENT_DEVICE.load(Ordering::SeqCst)).map_err(|_| CUDA_ERROR_INVALID_CONTEXT)
+}
+
+pub fn device_count() -> Result<i32, CuResult> {
+    as_workload(None, |_, t, _| Ok(t.config.gpus.len() as i32))
+}
+
+pub fn device_get(ordinal: i32) -> Result<i32, CuResult> {
+    as_workload(None, |_, t, _| {
+        if ordinal < 0 || ordinal as usize >= t.config.gpus.len() {
+            return Err(CUDA_ERROR_INVALID_DEVICE);
+        }
+        Ok(ordinal)
+    })
+}
+
+pub fn ctx_create(device: i32) -> Result<(), CuResult> {
+    let gpu = u32::try_from(device).map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
+    let start = procfs::stat(std::process::id() as i32).map_or(0, |s| s.start_time);
+    as_workload(Some(start), |store, t, me| {
+        if t.state.create_context(&t.config, me, start, gpu)? {
+            store.remove_data(me);
+        }
+        Ok(())
+    })?;
+    CURRENT_DEVICE.store(device, Ordering::SeqCst);
+    Ok(())
+}
+
+pub fn mem_alloc(bytes: u64) -> Result<u64, CuResult> {
+    let gpu = current_device()?;
+    as_workload(None, |_, t, me| t.state.alloc(&t.config, me, gpu, bytes))
+}
+
+pub fn mem_free(ptr: u64) -> Result<(), CuResult> {
+    current_device()?;
+    as_workload(None, |store, t, me| {
+        t.state.free(me, ptr)?;
+        store.drop_data(me, ptr).map_err(io_fail)
+    })
+}
+
+pub fn memcpy_htod(dst: u64, bytes: &[u8]) -> Result<(), CuResult> {
+    current_device()?;
+    as_workload(None, |store, t, me| {
+        let (base, offset) = entry(t, me)?.locate(dst, bytes.len() as u64)?;
+        store.write_data(me, base, offset, bytes).map_err(io_fail)
+    })
+}
+
+pub fn memcpy_dtoh(src: u64, len: usize) -> Result<Vec<u8>, CuResult> {
+    current_device()?;
+    as_workload(None, |store, t, me| {
+        let (base, offset) = entry(t, me)?.locate(src, len as u64)?;
+        store.read_data(me, base, offset, len).map_err(io_fail)
+    })
+}
+
+/// Waits for the process's queued work. Copies do not: only this call and a
+/// lock wait for `fakeEnqueueWork`'s work.
+pub fn ctx_synchronize() -> Result<(), CuResult> {
+    current_device()?;
+    let busy_until = as_workload(None, |_, t, me| Ok(entry(t, me)?.busy_until_ms))?;
+    sleep(Duration::from_millis(busy_until.saturating_sub(now_ms())));
+    Ok(())
+}
+
+pub fn enqueue_work(ms: u32) -> Result<(), CuResult> {
+    current_device()?;
+    as_workload(None, |_, t, me| {
+        entry(t, me)?.enqueue_work(now_ms(), ms);
+        Ok(())
+    })
+}

@@ -1,0 +1,284 @@
+#!/usr/bin/env bash
+# Installs CRIU >= 4.2 into a private prefix: scripts/install-criu.sh [PREFIX]
+#
+# Debian bookworm's criu 3.17 fails on kernel 6.18 ("vdso: Unexpected rt vDSO
+# area bounds"); criu 4.1 cannot dump any process holding an inet socket on
+# kernels >= 6.16 ("Can't get 1:16 opt: Operation not supported", fixed in
+# 4.2). Debian forky has 4.2.1, built against a newer glibc than bookworm's.
+# So forky's criu and its whole dependency closure (glibc included) are
+# unpacked with `dpkg -x` into PREFIX/root, and criu runs through that root's
+# own dynamic loader. Nothing is installed into the system and the system's apt
+# state is not touched. See docs/criu.md.
+#
+# PREFIX defaults to /opt/gpusnap/criu. Afterwards PREFIX/bin/criu is the
+# command to run, and as root /usr/local/bin/criu links to it unless a good
+# enough criu is already on PATH.
+#
+# Environment:
+#   CRIU_DEBIAN_MIRROR  archive URI to fetch from (default: the URI this
+#                       machine's apt sources use for its own release)
+#   CRIU_DEBIAN_SUITE   suite to take criu from (default: forky)
+#   CRIU_MIN_VERSION    oldest criu accepted (default: 4.2)
+set -euo pipefail
+
+MIN_VERSION=${CRIU_MIN_VERSION:-4.2}
+SUITE=${CRIU_DEBIAN_SUITE:-forky}
+KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
+
+log() { printf 'install-criu: %s\n' "$*" >&2; }
+die() {
+	log "error: $*"
+	exit 1
+}
+
+PREFIX=$(realpath -m -- "${1:-/opt/gpusnap/criu}")
+WRAPPER=$PREFIX/bin/criu
+started=$SECONDS
+
+# `criu --version` prints "Version: 4.1.1" (plus a GitID line on some builds).
+criu_version() { "$1" --version 2>/dev/null | sed -n 's/^Version: *//p' | head -n 1; }
+
+version_ge() { # A B: is version A >= B?
+	[[ -n $1 && $(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n 1) == "$2" ]]
+}
+
+new_enough() {
+	local v
+	v=$(criu_version "$1") || return 1
+	version_ge "$v" "$MIN_VERSION"
+}
+
+# A good enough criu on PATH that is not our own wrapper (or a link to it).
+system_criu() {
+	local c
+	c=$(command -v criu 2>/dev/null) || return 1
+	[[ $(realpath -e -- "$c" 2>/dev/null) != "$WRAPPER" ]] || return 1
+	new_enough "$c" || return 1
+	printf '%s\n' "$c"
+}
+
+# As root, make `criu` on PATH mean the wrapper, unless a good enough criu
+# is there already. Never overwrites a regular file.
+link_into_path() {
+	local link=/usr/local/bin/criu
+	((EUID == 0)) || return 0
+	system_criu >/dev/null && return 0
+	if [[ -e $link && ! -L $link ]]; then
+		log "warning: $link is a regular file; not replacing it with a link to $WRAPPER"
+		return 0
+	fi
+	[[ -L $link && $(readlink -- "$link") == "$WRAPPER" ]] && return 0
+	mkdir -p "${link%/*}"
+	ln -sfn -- "$WRAPPER" "$link"
+	log "linked $link -> $WRAPPER"
+	local c
+	c=$(command -v criu 2>/dev/null) || c=
+	if [[ $c != "$link" ]] && ! new_enough "${c:-/nonexistent}"; then
+		log "warning: 'criu' on PATH is ${c:-missing}, not $link; put $PREFIX/bin first on PATH"
+	fi
+}
+
+finish() {
+	link_into_path
+	log "criu $(criu_version "$WRAPPER") ready at $WRAPPER ($((SECONDS - started)) s)"
+	exit 0
+}
+
+# 1. Already installed.
+if [[ -x $WRAPPER ]] && new_enough "$WRAPPER"; then
+	finish
+fi
+
+# One install at a time; whoever waited may find the work done.
+mkdir -p "$PREFIX/bin"
+exec 9>"$PREFIX/.install.lock"
+flock 9 2>/dev/null || true
+if [[ -x $WRAPPER ]] && new_enough "$WRAPPER"; then
+	finish
+fi
+
+# 2. The system has a good one: use it.
+if sys=$(system_criu); then
+	log "system criu $(criu_version "$sys") at $sys is new enough; linking $WRAPPER to it"
+	ln -sfn -- "$sys" "$WRAPPER"
+	finish
+fi
+
+# 3. Unpack Debian $SUITE's criu into PREFIX/root.
+for tool in apt-get apt-cache dpkg dpkg-deb; do
+	command -v "$tool" >/dev/null || die "$tool not found: this script needs a Debian-based system"
+done
+arch=$(dpkg --print-architecture)
+[[ $arch == amd64 ]] || die "only amd64 is supported (this is $arch)"
+[[ -r $KEYRING ]] || die "$KEYRING missing: apt-get install debian-archive-keyring"
+
+# The URI this machine's apt uses for its own release (deb.debian.org, a
+# local mirror, a snapshot...). Reads one-line and deb822 sources.
+debian_mirror() {
+	local codename
+	# shellcheck disable=SC1091
+	codename=$(. /etc/os-release && printf '%s' "${VERSION_CODENAME:-}")
+	shopt -s nullglob
+	local lists=(/etc/apt/sources.list /etc/apt/sources.list.d/*.list)
+	local deb822=(/etc/apt/sources.list.d/*.sources)
+	shopt -u nullglob
+	{
+		for f in "${lists[@]}"; do
+			[[ -r $f ]] || continue
+			# deb [opts] URI SUITE COMPONENTS...
+			sed -e 's/#.*//' -e 's/\[[^]]*\]//' "$f" |
+				awk '$1 == "deb" { print $2, $3 }'
+		done
+		for f in "${deb822[@]}"; do
+			[[ -r $f ]] || continue
+			awk '
+				function flush() {
+					if (types ~ /(^| )deb( |$)/ && tolower(enabled) != "no")
+						for (i = 1; i <= ns; i++) print uri, s[i]
+					types = uri = enabled = ""; ns = 0
+				}
+				/^#/ { next }
+				/^[ \t]*$/ { flush(); next }
+				{
+					key = tolower($1); sub(/:$/, "", key)
+					if (key == "types") { $1 = ""; types = $0 " " }
+					else if (key == "uris") uri = $2
+					else if (key == "enabled") enabled = $2
+					else if (key == "suites") { ns = 0; for (i = 2; i <= NF; i++) s[++ns] = $i }
+				}
+				END { flush() }' "$f"
+		done
+	} | awk -v codename="$codename" '
+		$1 ~ /^(https?|file):/ && $2 !~ /-(security|updates|backports)$/ && $1 !~ /security/ {
+			if ($2 == codename || $2 == "stable") { print $1; found = 1; exit }
+			if (first == "") first = $1
+		}
+		END { if (!found && first != "") print first }'
+}
+
+mirror=${CRIU_DEBIAN_MIRROR:-$(debian_mirror)}
+[[ -n $mirror ]] || die "found no Debian archive in /etc/apt/sources.list*; set CRIU_DEBIAN_MIRROR"
+mirror=${mirror%/}
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/install-criu.XXXXXX")
+trap 'rm -rf -- "$work"' EXIT
+mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$work/debs"
+cat >"$work/$SUITE.sources" <<EOF
+Types: deb
+URIs: $mirror
+Suites: $SUITE
+Components: main
+Signed-By: $KEYRING
+EOF
+# apt drops privileges to _apt for downloads; let it write there.
+if ((EUID == 0)) && id _apt >/dev/null 2>&1; then
+	chmod 0755 "$work"
+	chown -R _apt "$work/lists" "$work/debs"
+fi
+
+# A private apt: only the $SUITE list, its own lists and cache, an empty
+# dpkg status (so the whole dependency closure is resolved, whatever the
+# system has installed). Proxy and similar settings from /etc/apt still apply.
+apt_opts=(
+	-o "Dir::Etc::SourceList=$work/$SUITE.sources"
+	-o "Dir::Etc::SourceParts=/nonexistent"
+	-o "Dir::State::Lists=$work/lists"
+	-o "Dir::Cache=$work/cache"
+	-o "Dir::State::status=/dev/null"
+	-o "APT::Architecture=amd64"
+	-o "APT::Architectures::=amd64"
+	-o "Acquire::IndexTargets::deb::DEP-11::DefaultEnabled=false"
+	-o "Acquire::Languages=none"
+)
+
+log "fetching the $SUITE package index from $mirror"
+if ! out=$(apt-get "${apt_opts[@]}" -qq update 2>&1) || grep -q '^[WE]:' <<<"$out"; then
+	printf '%s\n' "$out" >&2
+	if grep -q -e NO_PUBKEY -e 'not signed' <<<"$out"; then
+		die "$KEYRING lacks the keys $SUITE is signed with: apt-get update && apt-get install debian-archive-keyring"
+	fi
+	die "apt-get update of $SUITE from $mirror failed"
+fi
+
+cand=$(apt-cache "${apt_opts[@]}" policy criu | sed -n 's/^ *Candidate: *//p')
+[[ -n $cand && $cand != "(none)" ]] || die "$SUITE at $mirror has no criu package"
+upstream=${cand#*:}
+upstream=${upstream%-*}
+version_ge "$upstream" "$MIN_VERSION" || die "$SUITE has criu $cand, need >= $MIN_VERSION"
+
+# criu and everything it needs at run time (Depends and Pre-Depends, all
+# the way down), by the names $SUITE uses (libgnutls30t64, not libgnutls30;
+# libnet9, not libnet1).
+mapfile -t pkgs < <(apt-cache "${apt_opts[@]}" depends --recurse --important criu |
+	grep -v -e '^ ' -e '^<' | sort -u)
+((${#pkgs[@]} > 1)) || die "could not resolve the dependencies of criu in $SUITE"
+((${#pkgs[@]} < 80)) || die "criu's dependency closure in $SUITE has ${#pkgs[@]} packages; refusing"
+log "downloading criu $cand and ${#pkgs[@]} packages: ${pkgs[*]}"
+(cd "$work/debs" && apt-get "${apt_opts[@]}" -qq download "${pkgs[@]}" >&2) ||
+	die "apt-get download from $mirror failed"
+
+stage=$PREFIX/root.new
+rm -rf -- "$stage"
+mkdir -p "$stage"
+for deb in "$work"/debs/*.deb; do
+	dpkg-deb -x "$deb" "$stage"
+done
+
+# Where Debian >= 13 puts things (merged /usr): the loader is usr/lib64's link to
+# usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2, libraries are in
+# usr/lib/x86_64-linux-gnu. Look for both layouts all the same.
+loader_rel=
+for cand_rel in usr/lib64/ld-linux-x86-64.so.2 lib64/ld-linux-x86-64.so.2 usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2; do
+	if [[ -e $stage/$cand_rel ]]; then
+		loader_rel=$cand_rel
+		break
+	fi
+done
+[[ -n $loader_rel ]] || die "no ld-linux-x86-64.so.2 in the unpacked libc6"
+criu_rel=
+for cand_rel in usr/sbin/criu sbin/criu usr/bin/criu; do
+	if [[ -x $stage/$cand_rel ]]; then
+		criu_rel=$cand_rel
+		break
+	fi
+done
+[[ -n $criu_rel ]] || die "no criu binary in the unpacked criu package"
+lib_rels=()
+for d in usr/lib/x86_64-linux-gnu lib/x86_64-linux-gnu usr/lib64 lib64; do
+	if [[ -e $stage/$d/libc.so.6 || -e $stage/$d/libcompel.so.1 ]]; then
+		lib_rels+=("$d")
+	fi
+done
+
+lib_path() { # ROOT -> colon-separated library dirs
+	local out='' d
+	for d in "${lib_rels[@]}"; do out+=${out:+:}$1/$d; done
+	printf '%s' "$out"
+}
+
+# Every library criu links against must come from the unpacked root, never
+# from the system (whose glibc is too old).
+listing=$("$stage/$loader_rel" --inhibit-cache --library-path "$(lib_path "$stage")" \
+	--list "$stage/$criu_rel" 2>&1) || die "the unpacked criu does not load: $listing"
+if grep -q 'not found' <<<"$listing"; then
+	die "the unpacked criu misses libraries: $(grep 'not found' <<<"$listing" | tr -s ' \t\n' ' ')"
+fi
+outside=$(awk -v root="$stage/" '$2 == "=>" && index($3, root) != 1 { print $3 }' <<<"$listing")
+[[ -z $outside ]] || die "the unpacked criu would load system libraries: $outside"
+
+# Swap in the new root, then write the wrapper against the final paths.
+rm -rf -- "$PREFIX/root"
+mv -- "$stage" "$PREFIX/root"
+root=$PREFIX/root
+cat >"$WRAPPER.new" <<EOF
+#!/bin/sh
+# Written by gpusnap's scripts/install-criu.sh: Debian $SUITE's criu $cand,
+# run through its own glibc in $root.
+exec "$root/$loader_rel" --inhibit-cache --library-path "$(lib_path "$root")" --argv0 "\$0" "$root/$criu_rel" "\$@"
+EOF
+chmod 0755 "$WRAPPER.new"
+mv -f -- "$WRAPPER.new" "$WRAPPER"
+
+new_enough "$WRAPPER" || die "$WRAPPER does not run: $("$WRAPPER" --version 2>&1 | head -n 3)"
+log "installed criu $cand from $mirror $SUITE into $root"
+finish

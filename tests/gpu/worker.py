@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""PyTorch GPU worker for the gpusnap GPU tests.
+
+Holds GIB GiB on the device in one tensor with a known checksum and keeps
+computing on it. After every pass it writes, atomically, one line to STATUS:
+    <pid> <iteration> <1 if the checksum is intact else 0> <unix time>
+While the process is suspended its CUDA calls block, so the iteration stops;
+after a resume it goes on, and ok stays 1 only if the data came back intact.
+
+Usage: worker.py GIB STATUS [--threads N] [--interval S] [--no-setsid]
+  --threads N   start N extra idle threads (their ids go to STATUS.tids), so
+                the tests have thread ids that are not the process id
+  --no-setsid   stay in the caller's session (by default the worker starts
+                its own, so a signal to the test script's process group, such
+                as Ctrl-C or a wall-clock kill, never reaches a live CUDA
+                process; the script suspends it first)
+Exits with 3 when STATUS.exit exists. A CUDA error does not end the process:
+it writes ok=0 and idles without touching the GPU again, so the test can
+still suspend it before it is killed (a restored process must not die live).
+"""
+import argparse
+import os
+import sys
+import threading
+import time
+
+
+def write_status(path, line):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(line)
+    os.replace(tmp, path)
+
+
+def idle():
+    while True:
+        time.sleep(1.0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("gib", type=float)
+    ap.add_argument("status")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--interval", type=float, default=0.2)
+    ap.add_argument("--no-setsid", action="store_true")
+    a = ap.parse_args()
+    if not a.no_setsid:
+        try:
+            os.setsid()
+        except OSError:
+            pass  # already a session/group leader
+    pid = os.getpid()
+    import torch  # after setsid: importing takes seconds
+
+    n = int(a.gib * (1 << 30) // 4)
+    x = torch.arange(n, device="cuda", dtype=torch.float32).remainder_(1000.0)
+    # Every element is an integer below 1000, so the float64 sum is exact and
+    # does not depend on the order of the reduction.
+    expect = x.sum(dtype=torch.float64).item()
+    free, total = torch.cuda.mem_get_info()
+    print(f"worker pid={pid} torch={torch.__version__} gpu={torch.cuda.get_device_name(0)} "
+          f"tensor={n * 4} bytes expect={expect:.0f} free={free >> 20}/{total >> 20} MiB",
+          flush=True)
+
+    tids = []
+    for k in range(a.threads):
+        t = threading.Thread(target=idle, name=f"extra-{k}", daemon=True)
+        t.start()
+        tids.append(t.native_id)
+    if a.threads:
+        write_status(a.status + ".tids", " ".join(map(str, tids)) + "\n")
+        print(f"worker extra thread ids: {tids}", flush=True)
+
+    i = 0
+    while True:
+        try:
+            s = x.sum(dtype=torch.float64).item()
+            ok = int(s == expect)
+            if not ok:
+                print(f"worker checksum mismatch at {i + 1}: {s!r} != {expect!r}", flush=True)
+        except Exception as e:  # noqa: BLE001 - keep the process alive, see the docstring
+            print(f"worker CUDA error at iteration {i + 1}: {e!r}; idling", flush=True)
+            write_status(a.status, f"{pid} {i} 0 {time.time():.3f}\n")
+            idle()
+        i += 1
+        write_status(a.status, f"{pid} {i} {ok} {time.time():.3f}\n")
+        if os.path.exists(a.status + ".exit"):
+            print("worker exit requested", flush=True)
+            sys.stdout.flush()
+            os._exit(3)
+        time.sleep(a.interval)
+
+
+if __name__ == "__main__":
+    main()
