@@ -194,7 +194,7 @@ apt_opts=(
 log "fetching the $SUITE package index from $mirror"
 if ! out=$(apt-get "${apt_opts[@]}" -qq update 2>&1) || grep -q '^[WE]:' <<<"$out"; then
 	printf '%s\n' "$out" >&2
-	if grep -q -e NO_PUBKEY -e 'not signed' <<<"$out"; then
+	if grep -q NO_PUBKEY <<<"$out"; then
 		die "$KEYRING lacks the keys $SUITE is signed with: apt-get update && apt-get install debian-archive-keyring"
 	fi
 	die "apt-get update of $SUITE from $mirror failed"
@@ -213,7 +213,7 @@ mapfile -t pkgs < <(apt-cache "${apt_opts[@]}" depends --recurse --important cri
 	grep -v -e '^ ' -e '^<' | sort -u)
 ((${#pkgs[@]} > 1)) || die "could not resolve the dependencies of criu in $SUITE"
 ((${#pkgs[@]} < 80)) || die "criu's dependency closure in $SUITE has ${#pkgs[@]} packages; refusing"
-log "downloading criu $cand and ${#pkgs[@]} packages: ${pkgs[*]}"
+log "downloading ${#pkgs[@]} packages (criu $cand and what it needs): ${pkgs[*]}"
 (cd "$work/debs" && apt-get "${apt_opts[@]}" -qq download "${pkgs[@]}" >&2) ||
 	die "apt-get download from $mirror failed"
 
@@ -263,7 +263,10 @@ listing=$("$stage/$loader_rel" --inhibit-cache --library-path "$(lib_path "$stag
 if grep -q 'not found' <<<"$listing"; then
 	die "the unpacked criu misses libraries: $(grep 'not found' <<<"$listing" | tr -s ' \t\n' ' ')"
 fi
-outside=$(awk -v root="$stage/" '$2 == "=>" && index($3, root) != 1 { print $3 }' <<<"$listing")
+outside=''
+while IFS= read -r lib; do
+	[[ $lib == "$stage/"* ]] || outside+=" $lib"
+done < <(sed -n 's/^.* => \(\/.*\) (0x[0-9a-f]*)$/\1/p' <<<"$listing")
 [[ -z $outside ]] || die "the unpacked criu would load system libraries: $outside"
 
 # Swap in the new root, then write the wrapper against the final paths.
@@ -274,7 +277,7 @@ cat >"$WRAPPER.new" <<EOF
 #!/bin/sh
 # Written by gpusnap's scripts/install-criu.sh: Debian $SUITE's criu $cand,
 # run through its own glibc in $root.
-exec "$root/$loader_rel" --inhibit-cache --library-path "$(lib_path "$root")" --argv0 "\$0" "$root/$criu_rel" "\$@"
+exec $(printf '%q' "$root/$loader_rel") --inhibit-cache --library-path $(printf '%q' "$(lib_path "$root")") --argv0 "\$0" $(printf '%q' "$root/$criu_rel") "\$@"
 EOF
 chmod 0755 "$WRAPPER.new"
 mv -f -- "$WRAPPER.new" "$WRAPPER"

@@ -74,9 +74,11 @@ cycle() {
     i=$ST_ITER
 
     if [ "$mode" = bare ]; then
-        raw 300 --timeout-ms 30000 "$pid" lock checkpoint state
-        rc=$RAW_RC wall=$RAW_S
-        inner=$(jget "$RAW_OUT" 'd["driver_ms"]') st=$(jget "$RAW_OUT" 'd["final_state"]')
+        # Exactly the two driver calls; CUDA_SUCCESS from both means CHECKPOINTED.
+        raw 300 --timeout-ms 30000 "$pid" lock checkpoint
+        rc=$RAW_RC wall=$RAW_S st=""
+        inner=$(jget "$RAW_OUT" 'd["driver_ms"]')
+        if [ "$rc" = 0 ]; then st=checkpointed; fi
     else
         gs 300 suspend "$pid"
         rc=$GS_RC wall=$GS_S
@@ -103,9 +105,10 @@ cycle() {
     fi
     mark_restored "$pid"
     if [ "$mode" = bare ]; then
-        raw 300 "$pid" restore unlock state
-        rc=$RAW_RC wall=$RAW_S
-        inner=$(jget "$RAW_OUT" 'd["driver_ms"]') st=$(jget "$RAW_OUT" 'd["final_state"]')
+        raw 300 "$pid" restore unlock
+        rc=$RAW_RC wall=$RAW_S st=""
+        inner=$(jget "$RAW_OUT" 'd["driver_ms"]')
+        if [ "$rc" = 0 ]; then st=running; fi
     else
         gs 300 resume "$pid"
         rc=$GS_RC wall=$GS_S
@@ -294,9 +297,9 @@ L.append("|---|---|---|---|---|---|---|---|---|")
 for s in samples:
     gbps = s["footprint_bytes"] / 1e9 / s["wall_s"] if s["footprint_bytes"] and s["wall_s"] else None
     inner = s["inner_ms"] / 1e3 if s["inner_ms"] is not None else None
-    rss = s["rss_mib"] * 1048576 / 1e9 if s["rss_mib"] is not None else None
+    rss = f2(s["rss_mib"] * 1048576 / 1e9) if s["rss_mib"] is not None else "-"
     L.append(f"| {s['gib']} | {s['rep']} | {s['mode']} | {s['op']} | {s['rc']} | {f2(s['wall_s'], 3)} "
-             f"| {f2(inner, 3)} | {f2(gbps)} | {f2(rss)} |")
+             f"| {f2(inner, 3)} | {f2(gbps)} | {rss} |")
 if notes:
     L.append("")
     L.append("## Notes")

@@ -377,7 +377,9 @@ stop_safely() {
             ;;
     esac
     gs 240 stop --force "$pid"
-    if wait_gone "$pid" 60; then
+    # A successful stop returns once the pid is gone; after a failed one, a
+    # short look is enough before the fallback.
+    if wait_gone "$pid" "$([ "$GS_RC" = 0 ] && echo 60 || echo 2)"; then
         log "pid $pid gone (gpusnap stop exit $GS_RC)"
         return 0
     fi

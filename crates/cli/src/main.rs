@@ -3,10 +3,13 @@
 mod output;
 
 use clap::{Parser, Subcommand};
+use gpusnap_core::criu::Criu;
 use gpusnap_core::engine::{ResumeOptions, StopOptions};
+use gpusnap_core::hibernate::{HibernateOptions, WakeOptions};
+use gpusnap_core::image::ImageStore;
 use gpusnap_core::{doctor, Engine, Error, Store};
-use gpusnap_cuda::{CudaDriver, Deadline, Timeouts};
-use gpusnap_gpu::NvmlInventory;
+use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, Timeouts};
+use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};
 use output::Out;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -23,16 +26,14 @@ struct Cli {
     #[arg(long, global = true)]
     json: bool,
     /// Where gpusnap keeps its journal, ledger and images.
-    #[arg(
-        long,
-        global = true,
-        env = "GPUSNAP_STATE_DIR",
-        default_value = "/var/lib/gpusnap"
-    )]
+    #[arg(long, global = true, env = "GPUSNAP_STATE_DIR", default_value = "/var/lib/gpusnap")]
     state_dir: PathBuf,
     /// More logging on stderr (-v: info, -vv: debug, every driver call).
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
+    /// The CRIU binary (default: `criu` on PATH); CRIU >= 4.0 is required, 4.2 on kernels >= 6.16.
+    #[arg(long, global = true, env = "GPUSNAP_CRIU")]
+    criu: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -64,6 +65,53 @@ enum Cmd {
         /// Footprint to assume for a process suspended outside gpusnap (MiB).
         #[arg(long, value_name = "MIB")]
         footprint: Option<u64>,
+        /// Take an image of the (suspended) process first, so that a restore
+        /// raced by a tenant outside gpusnap can be recovered from it.
+        #[arg(long)]
+        snapshot_first: bool,
+    },
+    /// Suspend a process tree's CUDA state, dump the tree with CRIU into an image, and end it.
+    Hibernate {
+        pid: i32,
+        /// Image name (default COMM-PID-MILLIS), under STATE_DIR/images.
+        #[arg(long)]
+        image: Option<String>,
+        /// Keep the tree running (as it was) after the image is written.
+        #[arg(long)]
+        leave_running: bool,
+        #[arg(long, default_value_t = 30_000)]
+        lock_timeout: u32,
+    },
+    /// Keep an image of a process tree and leave it as it is (= hibernate --leave-running).
+    Snapshot {
+        pid: i32,
+        #[arg(long)]
+        image: Option<String>,
+        #[arg(long, default_value_t = 30_000)]
+        lock_timeout: u32,
+    },
+    /// Restore a process tree from an image and put its CUDA processes back on the GPU.
+    Wake {
+        /// An image name under STATE_DIR/images, or a path to an image directory.
+        image: String,
+        /// Wait up to SECS for GPU memory and for the image's pids to come free.
+        #[arg(long, value_name = "SECS", default_value_t = 0)]
+        wait: u64,
+        #[arg(long, value_name = "MIB", default_value_t = 256)]
+        margin: u64,
+    },
+    /// Bring back a process stuck after a failed restore from its newest image.
+    Recover {
+        pid: i32,
+        #[arg(long, value_name = "SECS", default_value_t = 0)]
+        wait: u64,
+        #[arg(long, value_name = "MIB", default_value_t = 256)]
+        margin: u64,
+    },
+    /// List, verify or remove images.
+    Images {
+        #[command(subcommand)]
+        cmd: Option<ImagesCmd>,
     },
     /// Safe teardown: suspend, check the GPU memory is released, then SIGTERM/SIGKILL.
     Stop {
@@ -84,6 +132,16 @@ enum Cmd {
     Doctor,
 }
 
+#[derive(Subcommand)]
+enum ImagesCmd {
+    /// Every image (the default).
+    List,
+    /// Check an image's manifest and every file's checksum.
+    Verify { image: String },
+    /// Remove an image.
+    Rm { image: String },
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
@@ -93,7 +151,7 @@ fn main() -> ExitCode {
         Err(e) => {
             let code = match e.downcast_ref::<Error>() {
                 Some(err) => {
-                    out.error(err.kind(), &format!("{e:#}"), err.hint(), err.exit_code());
+                    out.error(err.kind(), &err.to_string(), err.hint(), err.exit_code());
                     err.exit_code()
                 }
                 None => {
@@ -114,23 +172,42 @@ fn init_logging(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("GPUSNAP_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
 }
 
-type RealEngine = Engine<CudaDriver, NvmlInventory>;
+type DynEngine = Engine<Box<dyn CheckpointApi>, Box<dyn GpuInventory>>;
 
-fn engine(cli: &Cli, out: &Out) -> anyhow::Result<RealEngine> {
+/// An engine on the real driver and NVML; without them only `lenient`
+/// commands go on, treating every process as one without CUDA (and refusing
+/// those that map libcuda).
+fn engine_with(cli: &Cli, out: &Out, lenient: bool) -> anyhow::Result<DynEngine> {
     let store = Store::open(&cli.state_dir)?;
-    let driver = CudaDriver::load().map_err(Error::Driverless)?;
-    let nvml = NvmlInventory::load().map_err(Error::Gpu)?;
-    Ok(
-        Engine::new(Deadline::new(driver, Timeouts::default()), nvml, store)
-            .with_progress(out.progress()),
-    )
+    let api: Box<dyn CheckpointApi> = match CudaDriver::load() {
+        Ok(d) => Box::new(d),
+        Err(e) if lenient => {
+            tracing::info!("no CUDA driver ({e}); only processes without CUDA can be handled");
+            Box::new(Absent { why: e.to_string() })
+        }
+        Err(e) => return Err(Error::Driverless(e).into()),
+    };
+    let gpus: Box<dyn GpuInventory> = match NvmlInventory::load() {
+        Ok(n) => Box::new(n),
+        Err(_) if lenient && api.api_version() == 0 => Box::new(NoGpus),
+        Err(e) => return Err(Error::Gpu(e).into()),
+    };
+    Ok(Engine::new(Deadline::new(api, Timeouts::default()), gpus, store).with_progress(out.progress()))
+}
+
+fn engine(cli: &Cli, out: &Out) -> anyhow::Result<DynEngine> {
+    engine_with(cli, out, false)
+}
+
+fn images(cli: &Cli) -> ImageStore {
+    ImageStore::new(cli.state_dir.join("images"))
+}
+
+fn criu(cli: &Cli) -> Result<Criu, Error> {
+    Ok(Criu::find(cli.criu.as_deref())?)
 }
 
 /// Runs `f` on each pid in order, stopping at the first failure; the
@@ -185,34 +262,101 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         }
         Cmd::Suspend { pids, lock_timeout } => {
             let mut e = engine(cli, out)?;
-            each(
-                out,
-                pids,
-                |pid| e.suspend(pid, *lock_timeout),
-                output::suspended,
-            )
+            each(out, pids, |pid| e.suspend(pid, *lock_timeout), output::suspended)
         }
-        Cmd::Resume {
-            pids,
-            wait,
-            margin,
-            footprint,
-        } => {
+        Cmd::Resume { pids, wait, margin, footprint, snapshot_first } => {
             let mut e = engine(cli, out)?;
             let opts = ResumeOptions {
                 margin_bytes: margin << 20,
                 wait: Duration::from_secs(*wait),
                 footprint_bytes: footprint.map(|m| m << 20),
             };
-            each(out, pids, |pid| e.resume(pid, &opts), output::resumed)
+            let store = images(cli);
+            let criu = if *snapshot_first { Some(criu(cli)?) } else { None };
+            each(
+                out,
+                pids,
+                |pid| {
+                    if let Some(c) = &criu {
+                        snapshot_if_suspended(&mut e, c, &store, pid)?;
+                    }
+                    match e.resume(pid, &opts) {
+                        // Stuck, but an image of it exists: wake it from that.
+                        Err(Error::Unrecoverable { reason, .. }) if has_image(&store, pid) => {
+                            tracing::warn!(pid, "{reason}; recovering from its image");
+                            let c = match &criu {
+                                Some(c) => c.clone(),
+                                None => Criu::find(cli.criu.as_deref())?,
+                            };
+                            let w = WakeOptions {
+                                wait: opts.wait,
+                                margin_bytes: opts.margin_bytes,
+                                force_resume: vec![],
+                            };
+                            e.recover(&c, &store, pid, &w).map(|w| output::recovered_as_resume(pid, &w))
+                        }
+                        other => other,
+                    }
+                },
+                output::resumed,
+            )
         }
-        Cmd::Stop {
-            pids,
-            grace,
-            force,
-            lock_timeout,
-        } => {
+        Cmd::Hibernate { pid, image, leave_running, lock_timeout } => {
+            let c = criu(cli)?;
+            let mut e = engine_with(cli, out, true)?;
+            let opts = HibernateOptions {
+                name: image.clone(),
+                leave_running: *leave_running,
+                lock_timeout_ms: *lock_timeout,
+            };
+            let r = e.hibernate(&c, &images(cli), *pid, &opts)?;
+            out.one(&r, &output::hibernated(&r));
+            Ok(())
+        }
+        Cmd::Snapshot { pid, image, lock_timeout } => {
+            let c = criu(cli)?;
+            let mut e = engine_with(cli, out, true)?;
+            let opts =
+                HibernateOptions { name: image.clone(), leave_running: true, lock_timeout_ms: *lock_timeout };
+            let r = e.hibernate(&c, &images(cli), *pid, &opts)?;
+            out.one(&r, &output::hibernated(&r));
+            Ok(())
+        }
+        Cmd::Wake { image, wait, margin } => {
+            let c = criu(cli)?;
+            let mut e = engine_with(cli, out, true)?;
+            let opts =
+                WakeOptions { wait: Duration::from_secs(*wait), margin_bytes: margin << 20, force_resume: vec![] };
+            let r = e.wake(&c, &images(cli), image, &opts)?;
+            out.one(&r, &output::woken(&r));
+            Ok(())
+        }
+        Cmd::Recover { pid, wait, margin } => {
+            let c = criu(cli)?;
             let mut e = engine(cli, out)?;
+            let opts =
+                WakeOptions { wait: Duration::from_secs(*wait), margin_bytes: margin << 20, force_resume: vec![] };
+            let r = e.recover(&c, &images(cli), *pid, &opts)?;
+            out.one(&r, &output::woken(&r));
+            Ok(())
+        }
+        Cmd::Images { cmd } => {
+            let store = images(cli);
+            match cmd.as_ref().unwrap_or(&ImagesCmd::List) {
+                ImagesCmd::List => out.images(&store.list()),
+                ImagesCmd::Verify { image } => {
+                    let (_, m) = store.verify(image, |_| {}).map_err(Error::Image)?;
+                    out.one(&m, &format!("{image}: ok, {} files, {} bytes", m.files.len(), m.total_bytes()));
+                }
+                ImagesCmd::Rm { image } => {
+                    store.remove(image).map_err(Error::Image)?;
+                    out.one(&serde_json::json!({ "removed": image }), &format!("removed {image}"));
+                }
+            }
+            Ok(())
+        }
+        Cmd::Stop { pids, grace, force, lock_timeout } => {
+            let mut e = engine_with(cli, out, true)?;
             let opts = StopOptions {
                 grace: Duration::from_secs(*grace),
                 force: *force,
@@ -221,4 +365,24 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             each(out, pids, |pid| e.stop(pid, &opts), output::stopped)
         }
     }
+}
+
+fn has_image(store: &ImageStore, pid: i32) -> bool {
+    gpusnap_core::target::resolve(pid).is_ok_and(|t| store.find_for(pid, t.start_time).is_some())
+}
+
+/// `resume --snapshot-first`: an image of the process while it is suspended
+/// (and so holds no GPU memory), kept until the next snapshot replaces it.
+fn snapshot_if_suspended(e: &mut DynEngine, criu: &Criu, store: &ImageStore, pid: i32) -> Result<(), Error> {
+    let st = e.state(pid)?;
+    if st.state != "checkpointed" {
+        return Ok(());
+    }
+    let name = format!("resume-{pid}-{}", st.start_time);
+    if store.manifest(&name).is_ok() {
+        store.remove(&name)?;
+    }
+    let opts = HibernateOptions { name: Some(name), leave_running: true, lock_timeout_ms: 30_000 };
+    e.hibernate(criu, store, pid, &opts)?;
+    Ok(())
 }

@@ -2,6 +2,8 @@
 
 use gpusnap_core::doctor::{Finding, Severity};
 use gpusnap_core::engine::{ResumeReport, StateReport, StopReport, SuspendReport};
+use gpusnap_core::hibernate::{HibernateReport, WakeReport};
+use gpusnap_core::image::{ImageError, Manifest};
 use gpusnap_core::store::Event;
 use gpusnap_core::Progress;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -24,11 +26,7 @@ fn secs(ms: u64) -> String {
 
 pub fn suspended(r: &SuspendReport) -> String {
     if r.already {
-        return format!(
-            "{} was already suspended ({} recorded)",
-            r.pid,
-            gib(r.footprint_bytes)
-        );
+        return format!("{} was already suspended ({} recorded)", r.pid, gib(r.footprint_bytes));
     }
     format!(
         "suspended {}: {} off the GPU in {} (lock {}, checkpoint {})",
@@ -44,11 +42,8 @@ pub fn resumed(r: &ResumeReport) -> String {
     if r.already {
         return format!("{} is already running", r.pid);
     }
-    let waited = if r.waited_ms > 500 {
-        format!(", waited {} for memory", secs(r.waited_ms))
-    } else {
-        String::new()
-    };
+    let waited =
+        if r.waited_ms > 500 { format!(", waited {} for memory", secs(r.waited_ms)) } else { String::new() };
     format!(
         "resumed {}: {} back on the GPU in {} (restore {}, unlock {}{waited})",
         r.pid,
@@ -59,18 +54,58 @@ pub fn resumed(r: &ResumeReport) -> String {
     )
 }
 
+pub fn hibernated(r: &HibernateReport) -> String {
+    let what = if r.left_running { "left running" } else { "ended" };
+    format!(
+        "image {} ({}): {} process(es), {} with CUDA, {} in {} (suspend {}, dump {}, write {}); tree {what}",
+        r.image,
+        r.path.display(),
+        r.processes.len(),
+        r.cuda.len(),
+        gib(r.image_bytes),
+        secs(r.total_ms),
+        secs(r.suspend_ms),
+        secs(r.dump_ms),
+        secs(r.write_ms)
+    )
+}
+
+pub fn woken(r: &WakeReport) -> String {
+    format!(
+        "woke {}: root pid {}, {} process(es), {} back on the GPU, in {} (verify {}, criu {}, restore {})",
+        r.image,
+        r.root_pid,
+        r.processes.len(),
+        r.resumed.len(),
+        secs(r.total_ms),
+        secs(r.verify_ms),
+        secs(r.criu_ms),
+        secs(r.restore_ms)
+    )
+}
+
+/// A resume that had to go through recovery, reported as a resume.
+pub fn recovered_as_resume(pid: i32, w: &WakeReport) -> ResumeReport {
+    ResumeReport {
+        pid,
+        state: "running".into(),
+        already: false,
+        footprint_bytes: 0,
+        waited_ms: w.waited_ms,
+        restore_ms: w.restore_ms,
+        unlock_ms: 0,
+        total_ms: w.total_ms,
+        recovered_from: Some(w.image.clone()),
+    }
+}
+
 pub fn stopped(r: &StopReport) -> String {
     let how = match (r.cuda, r.suspended, r.released_before_kill) {
         (false, _, _) => "no CUDA state".to_string(),
         (true, true, true) => "suspended, GPU memory released".to_string(),
         (true, s, rel) => format!("suspended={s}, GPU memory released={rel} (forced)"),
     };
-    format!(
-        "stopped {} ({how}) by {} in {}",
-        r.pid,
-        r.signal,
-        secs(r.total_ms)
-    )
+    format!("stopped {} ({how}) by {} in {}", r.pid, r.signal, secs(r.total_ms))
 }
 
 impl Out {
@@ -105,6 +140,46 @@ impl Out {
         }
     }
 
+    /// One result: its JSON, or its line.
+    pub fn one<T: Serialize>(&self, v: &T, human: &str) {
+        if self.json {
+            self.emit(serde_json::to_value(v).unwrap_or_default());
+        } else {
+            println!("{human}");
+        }
+    }
+
+    pub fn images(&self, list: &[Result<Manifest, (String, ImageError)>]) {
+        if self.json {
+            let v: Vec<_> = list
+                .iter()
+                .map(|r| match r {
+                    Ok(m) => json!({ "name": m.name, "created_ms": m.created_ms, "host": m.host, "root_pid": m.root_pid,
+                        "processes": m.processes.len(), "cuda": m.processes.iter().filter(|p| p.cuda).count(),
+                        "bytes": m.total_bytes(), "footprint_bytes": m.footprint_by_gpu().values().sum::<u64>() }),
+                    Err((n, e)) => json!({ "name": n, "error": e.to_string() }),
+                })
+                .collect();
+            self.emit(json!({ "images": v }));
+            return;
+        }
+        println!("{:<40} {:>8} {:>6} {:>10} {:>12}  HOST", "IMAGE", "ROOT", "PROCS", "SIZE", "GPU MEMORY");
+        for r in list {
+            match r {
+                Ok(m) => println!(
+                    "{:<40} {:>8} {:>6} {:>10} {:>12}  {}",
+                    m.name,
+                    m.root_pid,
+                    m.processes.len(),
+                    gib(m.total_bytes()),
+                    gib(m.footprint_by_gpu().values().sum()),
+                    m.host
+                ),
+                Err((n, e)) => println!("{n:<40} unreadable: {e}"),
+            }
+        }
+    }
+
     pub fn state(&self, r: &StateReport) {
         if self.json {
             self.emit(serde_json::to_value(r).unwrap_or_default());
@@ -129,21 +204,10 @@ impl Out {
             self.emit(json!({ "processes": rows }));
             return;
         }
-        println!(
-            "{:>8}  {:<16} {:<13} {:>10}  GPUS",
-            "PID", "COMMAND", "STATE", "MEMORY"
-        );
+        println!("{:>8}  {:<16} {:<13} {:>10}  GPUS", "PID", "COMMAND", "STATE", "MEMORY");
         for r in rows {
-            let state = if r.unrecoverable {
-                format!("{}!", r.state)
-            } else {
-                r.state.clone()
-            };
-            let gpus: Vec<String> = r
-                .gpus
-                .iter()
-                .map(|g| g.uuid.chars().take(12).collect())
-                .collect();
+            let state = if r.unrecoverable { format!("{}!", r.state) } else { r.state.clone() };
+            let gpus: Vec<String> = r.gpus.iter().map(|g| g.uuid.chars().take(12).collect()).collect();
             println!(
                 "{:>8}  {:<16} {:<13} {:>10}  {}",
                 r.pid,
@@ -170,10 +234,7 @@ impl Out {
                 e.op,
                 e.phase,
                 e.state.as_deref().unwrap_or(""),
-                e.detail
-                    .as_deref()
-                    .map(|d| format!(" {d}"))
-                    .unwrap_or_default()
+                e.detail.as_deref().map(|d| format!(" {d}")).unwrap_or_default()
             );
         }
     }

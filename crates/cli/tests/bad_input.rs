@@ -17,17 +17,10 @@ fn a_thread_id_names_its_process() {
     for cmd in ["state", "suspend", "resume", "stop"] {
         let r = w.json(&[cmd, &tid.to_string()]);
         assert_eq!(r.code, 2, "{cmd}: {}", r.stderr);
-        assert!(
-            r.stderr.contains(&format!("{tid} is a thread of {pid}")),
-            "{}",
-            r.stderr
-        );
+        assert!(r.stderr.contains(&format!("{tid} is a thread of {pid}")), "{}", r.stderr);
         assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
     }
-    assert_eq!(
-        w.json(&["state", &pid.to_string()]).json()["state"],
-        "running"
-    );
+    assert_eq!(w.json(&["state", &pid.to_string()]).json()["state"], "running");
 }
 
 #[test]
@@ -47,10 +40,7 @@ fn dead_and_invalid_pids() {
 #[test]
 fn a_process_without_cuda_is_named_as_such() {
     let w = World::new(&[8192]);
-    let mut sleep = std::process::Command::new("sleep")
-        .arg("30")
-        .spawn()
-        .unwrap();
+    let mut sleep = std::process::Command::new("sleep").arg("30").spawn().unwrap();
     let p = sleep.id().to_string();
     for cmd in ["state", "suspend", "resume"] {
         let r = w.json(&[cmd, &p]);
@@ -69,11 +59,7 @@ fn a_stopped_process_is_refused_without_hanging() {
     let mut w = World::new(&[8192]);
     let pid = w.workload(512, 0, &[]);
     let p = pid.to_string();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGSTOP,
-    )
-    .unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGSTOP).unwrap();
     wait_for(Duration::from_secs(5), || {
         std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") T "))
     });
@@ -87,11 +73,7 @@ fn a_stopped_process_is_refused_without_hanging() {
     assert_eq!(r.code, 1);
     assert_eq!(r.json()["error"]["kind"], "stop_refused");
     assert!(t0.elapsed() < Duration::from_secs(10));
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGCONT,
-    )
-    .unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGCONT).unwrap();
     w.assert_progressing(pid);
 }
 
@@ -104,24 +86,12 @@ fn a_reused_pid_is_refused() {
     // Make the record belong to an earlier process under the same pid, as if
     // the suspended one had died and the pid been handed to a new program.
     let db = rusqlite::Connection::open(w.state_dir().join("gpusnap.db")).unwrap();
-    db.execute(
-        "UPDATE processes SET start_time = start_time - 1 WHERE pid = ?1",
-        [pid],
-    )
-    .unwrap();
-    db.execute(
-        "UPDATE footprints SET start_time = start_time - 1 WHERE pid = ?1",
-        [pid],
-    )
-    .unwrap();
+    db.execute("UPDATE processes SET start_time = start_time - 1 WHERE pid = ?1", [pid]).unwrap();
+    db.execute("UPDATE footprints SET start_time = start_time - 1 WHERE pid = ?1", [pid]).unwrap();
     let r = w.json(&["resume", &p]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert_eq!(r.json()["error"]["kind"], "pid_reused");
-    assert!(
-        r.stderr.contains("now belongs to another program"),
-        "{}",
-        r.stderr
-    );
+    assert!(r.stderr.contains("now belongs to another program"), "{}", r.stderr);
     w.kill(pid);
 }
 
@@ -164,11 +134,7 @@ fn piped_output_has_no_progress_bar() {
     let pid = w.workload(2048, 0, &[]);
     let r = w.gpusnap(&["suspend", &pid.to_string()]);
     assert_eq!(r.code, 0, "{}", r.stderr);
-    assert!(
-        r.stdout.starts_with(&format!("suspended {pid}: 2.0 GiB")),
-        "{}",
-        r.stdout
-    );
+    assert!(r.stdout.starts_with(&format!("suspended {pid}: 2.0 GiB")), "{}", r.stdout);
     assert!(r.stderr.is_empty(), "{:?}", r.stderr);
     w.kill(pid);
 }

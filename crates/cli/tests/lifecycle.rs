@@ -28,11 +28,7 @@ fn suspend_and_resume_keep_the_data_and_free_the_gpu() {
     // Suspended: no iterations, and the state (with its footprint) is remembered.
     let it = w.iteration(pid);
     std::thread::sleep(Duration::from_millis(400));
-    assert_eq!(
-        w.iteration(pid),
-        it,
-        "a checkpointed process must not run GPU work"
-    );
+    assert_eq!(w.iteration(pid), it, "a checkpointed process must not run GPU work");
     let st = w.json(&["state", &p]).json();
     assert_eq!(st["state"], "checkpointed");
     assert_eq!(st["footprint_bytes"], 4096 * MIB);
@@ -45,18 +41,10 @@ fn suspend_and_resume_keep_the_data_and_free_the_gpu() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.json()["results"][0]["state"], "running");
     w.assert_progressing(pid);
-    assert_eq!(
-        w.calls_on(pid),
-        ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]
-    );
+    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
 
     let ps = w.json(&["ps"]).json();
-    let row = ps["processes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["pid"] == pid)
-        .expect("in ps");
+    let row = ps["processes"].as_array().unwrap().iter().find(|r| r["pid"] == pid).expect("in ps");
     assert_eq!(row["state"], "running");
 
     // The journal has a begin and an end around every driver call.
@@ -66,13 +54,7 @@ fn suspend_and_resume_keep_the_data_and_free_the_gpu() {
         .unwrap()
         .iter()
         .filter(|e| e["phase"] != "note")
-        .map(|e| {
-            format!(
-                "{}:{}",
-                e["op"].as_str().unwrap(),
-                e["phase"].as_str().unwrap()
-            )
-        })
+        .map(|e| format!("{}:{}", e["op"].as_str().unwrap(), e["phase"].as_str().unwrap()))
         .collect();
     assert_eq!(
         phases,
@@ -163,10 +145,7 @@ fn concurrent_resumes_never_take_the_same_memory() {
             .unwrap()
     };
     let (ca, cb) = (spawn(a), spawn(b));
-    let (ra, rb) = (
-        ca.wait_with_output().unwrap(),
-        cb.wait_with_output().unwrap(),
-    );
+    let (ra, rb) = (ca.wait_with_output().unwrap(), cb.wait_with_output().unwrap());
     let mut codes = [ra.status.code().unwrap(), rb.status.code().unwrap()];
     codes.sort();
     assert_eq!(
@@ -192,10 +171,7 @@ fn a_restore_that_runs_out_of_memory_is_reported_unrecoverable() {
     let p = pid.to_string();
     assert_eq!(w.json(&["suspend", &p]).code, 0);
     // A tenant outside gpusnap races it: the driver itself answers 2.
-    w.set_config(
-        "inject",
-        json!([{ "call": "restore", "pid": pid, "rc": 2, "count": 1 }]),
-    );
+    w.set_config("inject", json!([{ "call": "restore", "pid": pid, "rc": 2, "count": 1 }]));
     let r = w.json(&["resume", &p]);
     assert_eq!(r.code, 5, "{}", r.stderr);
     assert_eq!(r.json()["error"]["kind"], "unrecoverable");
@@ -265,15 +241,7 @@ fn stop_refuses_when_it_cannot_suspend_unless_forced() {
     assert_eq!(r.json()["error"]["kind"], "stop_refused");
     assert!(w.alive(pid));
     assert_eq!(w.json(&["state", &p]).json()["state"], "running");
-    let r = w.json(&[
-        "stop",
-        &p,
-        "--lock-timeout",
-        "100",
-        "--force",
-        "--grace",
-        "1",
-    ]);
+    let r = w.json(&["stop", &p, "--lock-timeout", "100", "--force", "--grace", "1"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(!w.alive(pid));
 }
@@ -295,10 +263,7 @@ fn a_failed_checkpoint_puts_the_process_back() {
     let mut w = World::new(&[8192]);
     let pid = w.workload(1024, 0, &[]);
     let p = pid.to_string();
-    w.set_config(
-        "inject",
-        json!([{ "call": "checkpoint", "pid": pid, "rc": 999, "count": 1 }]),
-    );
+    w.set_config("inject", json!([{ "call": "checkpoint", "pid": pid, "rc": 999, "count": 1 }]));
     let r = w.json(&["suspend", &p]);
     assert_eq!(r.code, 4, "{}", r.stderr);
     assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=999", "unlock=0"]);
@@ -313,9 +278,7 @@ fn an_interrupted_gpusnap_is_reconciled_on_the_next_run() {
     let pid = w.workload(2048, 0, &[]);
     let p = pid.to_string();
     let mut g = w.gpusnap_cmd(&["--json", "suspend", &p]).spawn().unwrap();
-    wait_for(Duration::from_secs(10), || {
-        w.calls_on(pid).iter().any(|c| c == "lock=0")
-    });
+    wait_for(Duration::from_secs(10), || w.calls_on(pid).iter().any(|c| c == "lock=0"));
     std::thread::sleep(Duration::from_millis(300));
     g.kill().unwrap();
     g.wait().unwrap();

@@ -14,18 +14,12 @@ pub const MIN_VERSION: (u32, u32) = (4, 0);
 
 #[derive(Debug, thiserror::Error)]
 pub enum CriuError {
-    #[error(
-        "criu not found ({0}); install CRIU >= 4.0 (scripts/install-criu.sh) or pass --criu PATH"
-    )]
+    #[error("criu not found ({0}); install CRIU >= 4.0 (scripts/install-criu.sh) or pass --criu PATH")]
     NotFound(String),
     #[error("criu {found} is too old: gpusnap needs CRIU >= {}.{} (Debian bookworm's 3.17 fails on current kernels; trixie's 4.1.1 works)", MIN_VERSION.0, MIN_VERSION.1)]
     TooOld { found: String },
     #[error("criu {op} failed: {line} (log: {log})")]
-    Failed {
-        op: &'static str,
-        line: String,
-        log: String,
-    },
+    Failed { op: &'static str, line: String, log: String },
     #[error("cannot run criu: {0}")]
     Spawn(String),
 }
@@ -43,11 +37,7 @@ pub struct DumpOptions {
 }
 
 fn parse_version(s: &str) -> Option<(u32, u32, String)> {
-    let v = s
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("Version:"))?
-        .trim()
-        .to_string();
+    let v = s.lines().find_map(|l| l.trim().strip_prefix("Version:"))?.trim().to_string();
     let mut it = v.split('.');
     let major = it.next()?.parse().ok()?;
     let minor = it.next().and_then(|m| m.parse().ok()).unwrap_or(0);
@@ -83,25 +73,14 @@ impl Criu {
             .args(["--log-file", log, "-v4"])
             // A tree started from a terminal shares its session; the flags
             // below let CRIU take processes as ordinary tools leave them.
-            .args([
-                "--shell-job",
-                "--file-locks",
-                "--ext-unix-sk",
-                "--tcp-established",
-            ])
+            .args(["--shell-job", "--file-locks", "--ext-unix-sk", "--tcp-established"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
     }
 
     /// Dumps the tree rooted at `pid` into `images`.
-    pub fn dump(
-        &self,
-        pid: i32,
-        images: &Path,
-        work: &Path,
-        opts: &DumpOptions,
-    ) -> Result<(), CriuError> {
+    pub fn dump(&self, pid: i32, images: &Path, work: &Path, opts: &DumpOptions) -> Result<(), CriuError> {
         let mut cmd = Command::new(&self.bin);
         cmd.args(["dump", "--tree", &pid.to_string()]);
         if opts.leave_running {
@@ -116,17 +95,16 @@ impl Criu {
         let pidfile = work.join("restore.pid");
         let _ = std::fs::remove_file(&pidfile);
         let mut cmd = Command::new(&self.bin);
-        cmd.args(["restore", "--restore-detached", "--pidfile"])
-            .arg(&pidfile);
+        cmd.args(["restore", "--restore-detached", "--pidfile"]).arg(&pidfile);
         self.common(&mut cmd, images, work, "restore.log");
         self.run("restore", cmd, &work.join("restore.log"))?;
-        let pid = std::fs::read_to_string(&pidfile)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .ok_or_else(|| CriuError::Failed {
-                op: "restore",
-                line: "no pidfile written".into(),
-                log: work.join("restore.log").display().to_string(),
+        let pid =
+            std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok()).ok_or_else(|| {
+                CriuError::Failed {
+                    op: "restore",
+                    line: "no pidfile written".into(),
+                    log: work.join("restore.log").display().to_string(),
+                }
             })?;
         Ok(pid)
     }
@@ -139,18 +117,9 @@ impl Criu {
         }
         let text = std::fs::read_to_string(log).unwrap_or_default();
         let line = last_error(&text)
-            .or_else(|| {
-                String::from_utf8_lossy(&out.stderr)
-                    .lines()
-                    .last()
-                    .map(str::to_string)
-            })
+            .or_else(|| String::from_utf8_lossy(&out.stderr).lines().last().map(str::to_string))
             .unwrap_or_else(|| format!("exit status {}", out.status));
-        Err(CriuError::Failed {
-            op,
-            line,
-            log: log.display().to_string(),
-        })
+        Err(CriuError::Failed { op, line, log: log.display().to_string() })
     }
 }
 
@@ -159,7 +128,9 @@ impl Criu {
 pub fn last_error(log: &str) -> Option<String> {
     log.lines()
         .rev()
-        .find(|l| l.contains("Error (") || l.contains("Error:"))
+        .filter(|l| l.contains("Error (") || l.contains("Error:"))
+        // Printed by every run without CAP_SYS_RESOURCE, and harmless.
+        .find(|l| !l.contains("RLIMIT_NOFILE"))
         .map(|l| {
             let l = l.trim();
             // "(00.012345) Error (criu/cr-dump.c:123): message"
@@ -173,11 +144,7 @@ pub fn last_error(log: &str) -> Option<String> {
 fn which(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
-        .chain([
-            PathBuf::from("/usr/local/sbin"),
-            PathBuf::from("/usr/sbin"),
-            PathBuf::from("/sbin"),
-        ])
+        .chain([PathBuf::from("/usr/local/sbin"), PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
         .map(|d| d.join(name))
         .find(|p| p.is_file())
 }

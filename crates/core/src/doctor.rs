@@ -23,18 +23,8 @@ pub struct Finding {
     pub fix: Option<String>,
 }
 
-fn f(
-    check: &'static str,
-    severity: Severity,
-    message: impl Into<String>,
-    fix: Option<&str>,
-) -> Finding {
-    Finding {
-        check,
-        severity,
-        message: message.into(),
-        fix: fix.map(str::to_string),
-    }
+fn f(check: &'static str, severity: Severity, message: impl Into<String>, fix: Option<&str>) -> Finding {
+    Finding { check, severity, message: message.into(), fix: fix.map(str::to_string) }
 }
 
 /// Host checks: driver and its checkpoint API, NVML and GPUs, huge pages,
@@ -57,17 +47,10 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
     }
     match NvmlInventory::load() {
         Ok(n) => {
-            let ver = n
-                .driver_version()
-                .unwrap_or_else(|e| format!("unknown ({e})"));
+            let ver = n.driver_version().unwrap_or_else(|e| format!("unknown ({e})"));
             match n.gpus() {
                 Ok(gpus) => {
-                    out.push(f(
-                        "nvml",
-                        Severity::Ok,
-                        format!("driver {ver}, {} GPU(s)", gpus.len()),
-                        None,
-                    ));
+                    out.push(f("nvml", Severity::Ok, format!("driver {ver}, {} GPU(s)", gpus.len()), None));
                     for g in gpus {
                         out.push(f(
                             "gpu",
@@ -91,25 +74,15 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
             "nvml",
             Severity::Error,
             e.to_string(),
-            Some(
-                "NVML ships with the driver; gpusnap needs it for footprints and admission control",
-            ),
+            Some("NVML ships with the driver; gpusnap needs it for footprints and admission control"),
         )),
     }
     match std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled") {
         Ok(s) => {
-            let sel = s
-                .split_whitespace()
-                .find(|w| w.starts_with('['))
-                .unwrap_or("?")
-                .trim_matches(['[', ']']);
+            let sel =
+                s.split_whitespace().find(|w| w.starts_with('[')).unwrap_or("?").trim_matches(['[', ']']);
             if sel == "always" {
-                out.push(f(
-                    "thp",
-                    Severity::Ok,
-                    "transparent huge pages: always",
-                    None,
-                ));
+                out.push(f("thp", Severity::Ok, "transparent huge pages: always", None));
             } else {
                 out.push(f(
                     "thp",
@@ -119,12 +92,7 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
                 ));
             }
         }
-        Err(_) => out.push(f(
-            "thp",
-            Severity::Info,
-            "transparent huge pages: not available",
-            None,
-        )),
+        Err(_) => out.push(f("thp", Severity::Info, "transparent huge pages: not available", None)),
     }
     if nix::unistd::geteuid().is_root() {
         out.push(f("privileges", Severity::Ok, "running as root", None));
@@ -143,12 +111,9 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
             format!("state store {} is writable", state_dir.display()),
             None,
         )),
-        Err(e) => out.push(f(
-            "state",
-            Severity::Error,
-            e.to_string(),
-            Some("use --state-dir or GPUSNAP_STATE_DIR"),
-        )),
+        Err(e) => {
+            out.push(f("state", Severity::Error, e.to_string(), Some("use --state-dir or GPUSNAP_STATE_DIR")))
+        }
     }
     out.push(f(
         "sigkill",

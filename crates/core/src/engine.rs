@@ -10,9 +10,7 @@ use crate::error::Error;
 use crate::progress::{observe, Progress, Quiet};
 use crate::store::{Record, Store};
 use crate::target::{self, Target};
-use gpusnap_cuda::ffi::{
-    CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OPERATING_SYSTEM, CUDA_ERROR_OUT_OF_MEMORY,
-};
+use gpusnap_cuda::ffi::{CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OPERATING_SYSTEM, CUDA_ERROR_OUT_OF_MEMORY};
 use gpusnap_cuda::{CheckpointApi, Deadline, DriverError, GpuPair, ProcessState};
 use gpusnap_gpu::GpuInventory;
 use serde::Serialize;
@@ -68,6 +66,9 @@ pub struct ResumeReport {
     pub restore_ms: u64,
     pub unlock_ms: u64,
     pub total_ms: u64,
+    /// It was stuck and came back from this image instead.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recovered_from: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -95,11 +96,7 @@ pub struct ResumeOptions {
 
 impl Default for ResumeOptions {
     fn default() -> Self {
-        Self {
-            margin_bytes: 256 * MIB,
-            wait: Duration::ZERO,
-            footprint_bytes: None,
-        }
+        Self { margin_bytes: 256 * MIB, wait: Duration::ZERO, footprint_bytes: None }
     }
 }
 
@@ -123,12 +120,7 @@ fn ms(since: Instant) -> u64 {
 
 impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     pub fn new(api: Deadline<A>, gpus: G, store: Store) -> Self {
-        Self {
-            api,
-            gpus,
-            store,
-            progress: Box::new(Quiet),
-        }
+        Self { api, gpus, store, progress: Box::new(Quiet) }
     }
 
     pub fn with_progress(mut self, p: Box<dyn Progress>) -> Self {
@@ -144,18 +136,48 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         &self.gpus
     }
 
+    pub(crate) fn store_mut(&mut self) -> &mut Store {
+        &mut self.store
+    }
+
+    pub(crate) fn progress(&self) -> &dyn Progress {
+        &*self.progress
+    }
+
+    /// The driver's API version; 0 on a host without a driver.
+    pub fn api_version(&self) -> i32 {
+        self.api.api_version()
+    }
+
+    pub(crate) fn driver_state_of(&self, t: &Target) -> Result<ProcessState, Error> {
+        self.driver_state(t)
+    }
+
+    pub(crate) fn admit_group(
+        &mut self,
+        pid: i32,
+        need: &BTreeMap<String, u64>,
+        margin: u64,
+    ) -> Result<Vec<i64>, Error> {
+        self.admit(pid, need, margin)
+    }
+
+    pub(crate) fn restore_and_unlock_pub(
+        &mut self,
+        t: &Target,
+        need: &BTreeMap<String, u64>,
+    ) -> Result<(u64, u64), Error> {
+        self.restore_and_unlock(t, need)
+    }
+
     /// The driver's state of a process that [`target::resolve_callable`] passed.
     fn driver_state(&self, t: &Target) -> Result<ProcessState, Error> {
         match self.api.get_state(t.pid) {
             Ok(s) => Ok(s),
-            Err(e) if e.code() == Some(CUDA_ERROR_NOT_INITIALIZED) => Err(Error::NotCuda {
-                pid: t.pid,
-                comm: t.comm.clone(),
-            }),
-            Err(e) => Err(Error::Driver {
-                pid: t.pid,
-                source: e,
-            }),
+            Err(e) if e.code() == Some(CUDA_ERROR_NOT_INITIALIZED) => {
+                Err(Error::NotCuda { pid: t.pid, comm: t.comm.clone() })
+            }
+            Err(e) => Err(Error::Driver { pid: t.pid, source: e }),
         }
     }
 
@@ -166,22 +188,13 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         if pending.is_empty() {
             return Ok(());
         }
-        let now = self
-            .driver_state(t)
-            .map(|s| s.to_string())
-            .unwrap_or_else(|e| format!("unknown ({e})"));
+        let now = self.driver_state(t).map(|s| s.to_string()).unwrap_or_else(|e| format!("unknown ({e})"));
         for p in pending {
             tracing::warn!(pid = t.pid, op = %p.op, state = %now, "reconciling an interrupted operation");
-            self.store.end(
-                p.id,
-                t,
-                &p.op,
-                Err("interrupted: gpusnap exited during the call"),
-            )?;
+            self.store.end(p.id, t, &p.op, Err("interrupted: gpusnap exited during the call"))?;
         }
         let state = ProcessState::parse(&now).map(|s| s.as_str());
-        self.store
-            .note(t, "reconcile", state, &format!("driver says {now}"))
+        self.store.note(t, "reconcile", state, &format!("driver says {now}"))
     }
 
     /// One journaled driver call: begin, call, end.
@@ -235,12 +248,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         self.report(&t, st, rec.as_ref())
     }
 
-    fn report(
-        &self,
-        t: &Target,
-        st: ProcessState,
-        rec: Option<&Record>,
-    ) -> Result<StateReport, Error> {
+    fn report(&self, t: &Target, st: ProcessState, rec: Option<&Record>) -> Result<StateReport, Error> {
         let live = self.live_usage(t.pid)?;
         let fp = if live.values().any(|b| *b > 0) {
             live
@@ -255,10 +263,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             unrecoverable: rec.is_some_and(|r| r.unrecoverable.is_some()),
             reason: rec.and_then(|r| r.unrecoverable.clone()),
             footprint_bytes: fp.values().sum(),
-            gpus: fp
-                .into_iter()
-                .map(|(uuid, bytes)| GpuBytes { uuid, bytes })
-                .collect(),
+            gpus: fp.into_iter().map(|(uuid, bytes)| GpuBytes { uuid, bytes }).collect(),
         })
     }
 
@@ -266,12 +271,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// recorded, and those mapping libcuda (suspended ones hold no GPU memory,
     /// so NVML no longer lists them).
     pub fn ps(&mut self) -> Result<Vec<StateReport>, Error> {
-        let mut pids: BTreeSet<i32> = self
-            .gpus
-            .processes()?
-            .iter()
-            .map(|p| p.pid as i32)
-            .collect();
+        let mut pids: BTreeSet<i32> = self.gpus.processes()?.iter().map(|p| p.pid as i32).collect();
         let recorded: BTreeSet<i32> = self.store.all()?.iter().map(|r| r.pid).collect();
         pids.extend(recorded.iter().copied());
         pids.extend(target::processes_mapping_libcuda());
@@ -309,10 +309,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         match st {
             ProcessState::Checkpointed => {
                 let rec = self.store.get(&t)?;
-                let fp = rec
-                    .as_ref()
-                    .map(|r| r.footprint.clone())
-                    .unwrap_or_default();
+                let fp = rec.as_ref().map(|r| r.footprint.clone()).unwrap_or_default();
                 if rec.is_none() {
                     self.store.record(&t, "checkpointed", None)?;
                 }
@@ -329,11 +326,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
             ProcessState::Running | ProcessState::Locked => {}
             other => {
-                return Err(Error::WrongState {
-                    pid,
-                    state: other.to_string(),
-                    op: "suspend",
-                });
+                return Err(Error::WrongState { pid, state: other.to_string(), op: "suspend" });
             }
         }
         // The footprint is what resume's admission will ask for: record it
@@ -379,24 +372,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
         if !self.wait_released(pid)? {
             let left: u64 = self.live_usage(pid)?.values().sum();
-            self.store.note(
-                &t,
-                "verify",
-                None,
-                &format!("NVML still shows {} MiB", left / MIB),
-            )?;
-            return Err(Error::NotReleased {
-                pid,
-                mib: left / MIB,
-                secs: RELEASE_WAIT.as_secs(),
-            });
+            self.store.note(&t, "verify", None, &format!("NVML still shows {} MiB", left / MIB))?;
+            return Err(Error::NotReleased { pid, mib: left / MIB, secs: RELEASE_WAIT.as_secs() });
         }
-        self.store.note(
-            &t,
-            "verify",
-            Some("checkpointed"),
-            "NVML shows no device memory",
-        )?;
+        self.store.note(&t, "verify", Some("checkpointed"), "NVML shows no device memory")?;
         Ok(SuspendReport {
             pid,
             state: "checkpointed".into(),
@@ -417,10 +396,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         match self.store.latest_for_pid(t.pid)? {
             Some(old) if old.state == "checkpointed" || old.state == "locked" => {
-                Err(Error::Reused {
-                    pid: t.pid,
-                    comm: t.comm.clone(),
-                })
+                Err(Error::Reused { pid: t.pid, comm: t.comm.clone() })
             }
             _ => Ok(None),
         }
@@ -435,10 +411,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             return Err(Error::Unrecoverable { pid, reason });
         }
         let st = self.driver_state(&t)?;
-        let footprint = rec
-            .as_ref()
-            .map(|r| r.footprint.clone())
-            .unwrap_or_default();
+        let footprint = rec.as_ref().map(|r| r.footprint.clone()).unwrap_or_default();
         let fp_total: u64 = footprint.values().sum();
         let done = |state: &str, already, waited_ms, restore_ms, unlock_ms| ResumeReport {
             pid,
@@ -449,6 +422,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             restore_ms,
             unlock_ms,
             total_ms: ms(started),
+            recovered_from: None,
         };
         match st {
             ProcessState::Running => return Ok(done("running", true, 0, 0, 0)),
@@ -459,13 +433,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 return Ok(done("running", false, 0, 0, ms(t0)));
             }
             ProcessState::Checkpointed => {}
-            other => {
-                return Err(Error::WrongState {
-                    pid,
-                    state: other.to_string(),
-                    op: "resume",
-                })
-            }
+            other => return Err(Error::WrongState { pid, state: other.to_string(), op: "resume" }),
         }
         if rec.is_none() {
             self.store.record(&t, "checkpointed", None)?;
@@ -482,8 +450,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 }
                 Err(e) => {
                     if let Error::NoMemory { detail, .. } = &e {
-                        self.store
-                            .note(&t, "admission", None, &format!("refused: {detail}"))?;
+                        self.store.note(&t, "admission", None, &format!("refused: {detail}"))?;
                     }
                     return Err(e);
                 }
@@ -519,12 +486,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(recorded.clone())
     }
 
-    fn admit(
-        &mut self,
-        pid: i32,
-        need: &BTreeMap<String, u64>,
-        margin: u64,
-    ) -> Result<Vec<i64>, Error> {
+    fn admit(&mut self, pid: i32, need: &BTreeMap<String, u64>, margin: u64) -> Result<Vec<i64>, Error> {
         let gpus = &self.gpus;
         let (ids, ()) = self.store.reserve(pid, |held| {
             let now = gpus.gpus()?;
@@ -545,10 +507,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                         margin / MIB,
                         free / MIB,
                         if reserved > 0 {
-                            format!(
-                                " after {} MiB reserved by resumes in flight",
-                                reserved / MIB
-                            )
+                            format!(" after {} MiB reserved by resumes in flight", reserved / MIB)
                         } else {
                             String::new()
                         }
@@ -558,20 +517,13 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             if short.is_empty() {
                 Ok((need.iter().map(|(u, b)| (u.clone(), *b)).collect(), ()))
             } else {
-                Err(Error::NoMemory {
-                    pid,
-                    detail: short.join("; "),
-                })
+                Err(Error::NoMemory { pid, detail: short.join("; ") })
             }
         })?;
         Ok(ids)
     }
 
-    fn restore_and_unlock(
-        &mut self,
-        t: &Target,
-        need: &BTreeMap<String, u64>,
-    ) -> Result<(u64, u64), Error> {
+    fn restore_and_unlock(&mut self, t: &Target, need: &BTreeMap<String, u64>) -> Result<(u64, u64), Error> {
         let pid = t.pid;
         let total: u64 = need.values().sum();
         target::resolve_callable(pid)?;
@@ -637,6 +589,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         } else {
             match self.driver_state(&t) {
+                Err(Error::NotCuda { .. }) if self.api.api_version() == 0 && target::pid_maps_libcuda(pid) => {
+                    if !opts.force {
+                        return Err(refuse(
+                            "it maps libcuda but gpusnap cannot load the driver to suspend it first".into(),
+                        ));
+                    }
+                    cuda = false;
+                }
                 Err(Error::NotCuda { .. }) => cuda = false,
                 Ok(ProcessState::Checkpointed) => suspended = true,
                 Ok(ProcessState::Running | ProcessState::Locked) => {
@@ -658,49 +618,24 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         let released = if cuda { self.wait_released(pid)? } else { true };
         if !released && !opts.force {
-            return Err(refuse(
-                "NVML still shows device memory for it after suspend".into(),
-            ));
+            return Err(refuse("NVML still shows device memory for it after suspend".into()));
         }
-        self.store.note(
-            &t,
-            "stop",
-            None,
-            &format!("suspended={suspended} released={released}; SIGTERM"),
-        )?;
+        self.store.note(&t, "stop", None, &format!("suspended={suspended} released={released}; SIGTERM"))?;
         let signal = terminate(&t, opts.grace)?;
         if cuda || self.store.get(&t)?.is_some() {
-            self.store
-                .note(&t, "stop", Some("stopped"), &format!("ended by {signal}"))?;
+            self.store.note(&t, "stop", Some("stopped"), &format!("ended by {signal}"))?;
         }
-        Ok(StopReport {
-            pid,
-            suspended,
-            released_before_kill: released,
-            signal,
-            cuda,
-            total_ms: ms(started),
-        })
+        Ok(StopReport { pid, suspended, released_before_kill: released, signal, cuda, total_ms: ms(started) })
     }
 }
 
 fn used_on<G: GpuInventory>(gpus: &G, need: &BTreeMap<String, u64>) -> Option<u64> {
     let all = gpus.gpus().ok()?;
-    Some(
-        all.iter()
-            .filter(|g| need.contains_key(&g.uuid))
-            .map(|g| g.used_bytes)
-            .sum(),
-    )
+    Some(all.iter().filter(|g| need.contains_key(&g.uuid)).map(|g| g.used_bytes).sum())
 }
 
 fn to_list(fp: &BTreeMap<String, u64>) -> Vec<GpuBytes> {
-    fp.iter()
-        .map(|(u, b)| GpuBytes {
-            uuid: u.clone(),
-            bytes: *b,
-        })
-        .collect()
+    fp.iter().map(|(u, b)| GpuBytes { uuid: u.clone(), bytes: *b }).collect()
 }
 
 /// SIGTERM, then SIGKILL after `grace`; returns the signal that ended it.
@@ -714,10 +649,7 @@ fn terminate(t: &Target, grace: Duration) -> Result<String, Error> {
             match kill(Pid::from_raw(t.pid), sig) {
                 Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
                 Err(nix::errno::Errno::EPERM) => Err(Error::Permission { pid: t.pid }),
-                Err(e) => Err(Error::Proc {
-                    pid: t.pid,
-                    reason: e.to_string(),
-                }),
+                Err(e) => Err(Error::Proc { pid: t.pid, reason: e.to_string() }),
             }
         } else {
             Ok(())
@@ -744,8 +676,5 @@ fn terminate(t: &Target, grace: Duration) -> Result<String, Error> {
     if gone_within(wait) {
         return Ok("SIGKILL".into());
     }
-    Err(Error::DidNotExit {
-        pid: t.pid,
-        secs: wait.as_secs(),
-    })
+    Err(Error::DidNotExit { pid: t.pid, secs: wait.as_secs() })
 }

@@ -18,16 +18,14 @@ pub enum Error {
     Permission { pid: i32 },
     #[error("cannot read /proc/{pid}: {reason}")]
     Proc { pid: i32, reason: String },
-    #[error("pid {pid} now belongs to another program ({comm}); the process gpusnap suspended there is gone")]
+    #[error(
+        "pid {pid} now belongs to another program ({comm}); the process gpusnap suspended there is gone"
+    )]
     Reused { pid: i32, comm: String },
     #[error("process {pid} ({comm}) has no CUDA context")]
     NotCuda { pid: i32, comm: String },
     #[error("process {pid} is {state}; cannot {op} it")]
-    WrongState {
-        pid: i32,
-        state: String,
-        op: &'static str,
-    },
+    WrongState { pid: i32, state: String, op: &'static str },
     #[error("no footprint recorded for process {pid} (suspended outside gpusnap?); pass --footprint MIB to resume it")]
     NoFootprint { pid: i32 },
     #[error("not enough GPU memory to resume {pid}: {detail}")]
@@ -44,7 +42,21 @@ pub enum Error {
     DidNotExit { pid: i32, secs: u64 },
     #[error("{0}")]
     Driverless(DriverError),
-    #[error("{0}")]
+    #[error(transparent)]
+    Criu(#[from] crate::criu::CriuError),
+    #[error(transparent)]
+    Image(#[from] crate::image::ImageError),
+    #[error("pid {pid} is held by another program ({comm}); the image needs it free: stop that program or wake elsewhere")]
+    PidBusy { pid: i32, comm: String },
+    #[error("process {pid} ({comm}) from this image is still running")]
+    StillRunning { pid: i32, comm: String },
+    #[error("process {pid} ({comm}) uses CUDA, but gpusnap cannot load the driver: {why}")]
+    CudaWithoutDriver { pid: i32, comm: String, why: String },
+    #[error("this host cannot take image {image}: {why}")]
+    Incompatible { image: String, why: String },
+    #[error("member {pid} of the group: {source}")]
+    Member { pid: i32, source: Box<Error> },
+    #[error(transparent)]
     Gpu(#[from] gpusnap_gpu::GpuError),
     #[error("state store {path}: {reason}")]
     Store { path: String, reason: String },
@@ -83,6 +95,13 @@ impl Error {
             | Self::WrongState { .. }
             | Self::NoFootprint { .. } => 2,
             Self::NoMemory { .. } => 3,
+            Self::Member { source, .. } => source.exit_code(),
+            Self::Image(crate::image::ImageError::Io { .. }) => 1,
+            Self::Image(_) | Self::Incompatible { .. } => 2,
+            Self::Criu(_)
+            | Self::PidBusy { .. }
+            | Self::StillRunning { .. }
+            | Self::CudaWithoutDriver { .. } => 1,
             Self::Driver { .. } | Self::NotReleased { .. } => 4,
             Self::Unrecoverable { .. } => 5,
             Self::Proc { .. }
@@ -117,6 +136,16 @@ impl Error {
             Self::Driverless(_) => "driver_missing",
             Self::Gpu(_) => "nvml",
             Self::Store { .. } => "store",
+            Self::Criu(_) => "criu",
+            Self::Image(crate::image::ImageError::Missing(_)) => "image_missing",
+            Self::Image(crate::image::ImageError::Exists(_)) => "image_exists",
+            Self::Image(crate::image::ImageError::Io { .. }) => "image_io",
+            Self::Image(_) => "image_invalid",
+            Self::PidBusy { .. } => "pid_busy",
+            Self::StillRunning { .. } => "still_running",
+            Self::CudaWithoutDriver { .. } => "no_driver",
+            Self::Incompatible { .. } => "incompatible",
+            Self::Member { source, .. } => source.kind(),
         }
     }
 }

@@ -30,22 +30,14 @@ pub enum ImageError {
     Missing(String),
     #[error("image {name} is not a gpusnap image: {why}")]
     Foreign { name: String, why: String },
-    #[error(
-        "image {name} has format {found}; this gpusnap reads format {FORMAT}: upgrade gpusnap"
-    )]
+    #[error("image {name} has format {found}; this gpusnap reads format {FORMAT}: upgrade gpusnap")]
     Newer { name: String, found: u32 },
     #[error("image {name} is corrupt: {why}")]
     Corrupt { name: String, why: String },
-    #[error(
-        "image {0} already exists (remove it with `gpusnap images rm`, or choose another --image)"
-    )]
+    #[error("image {0} already exists (remove it with `gpusnap images rm`, or choose another --image)")]
     Exists(String),
     #[error("image {name}: {op}: {err}")]
-    Io {
-        name: String,
-        op: String,
-        err: std::io::Error,
-    },
+    Io { name: String, op: String, err: std::io::Error },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -119,25 +111,16 @@ pub fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 128
         && !name.starts_with('.')
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
 fn io(name: &str, op: impl Into<String>) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
     let op = op.into();
-    move |err| ImageError::Io {
-        name: name.to_string(),
-        op,
-        err,
-    }
+    move |err| ImageError::Io { name: name.to_string(), op, err }
 }
 
 pub fn mkdir_private(p: &Path) -> std::io::Result<()> {
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(p)?;
+    fs::DirBuilder::new().recursive(true).mode(0o700).create(p)?;
     fs::set_permissions(p, fs::Permissions::from_mode(0o700))
 }
 
@@ -167,12 +150,7 @@ fn files_under(base: &Path, dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Resu
         if ft.is_dir() {
             files_under(base, &e.path(), out)?;
         } else if ft.is_file() {
-            out.push(
-                e.path()
-                    .strip_prefix(base)
-                    .unwrap_or(&e.path())
-                    .to_path_buf(),
-            );
+            out.push(e.path().strip_prefix(base).unwrap_or(&e.path()).to_path_buf());
         }
     }
     Ok(())
@@ -194,36 +172,25 @@ impl PendingImage {
 
     /// Checksums every file, writes the manifest and renames the directory
     /// into place. Returns the final manifest.
-    pub fn commit(
-        mut self,
-        mut m: Manifest,
-        mut on_bytes: impl FnMut(u64),
-    ) -> Result<Manifest, ImageError> {
+    pub fn commit(mut self, mut m: Manifest, mut on_bytes: impl FnMut(u64)) -> Result<Manifest, ImageError> {
         let name = self.name.clone();
         let mut rel = Vec::new();
-        files_under(&self.dir, &self.dir.join("criu"), &mut rel)
-            .map_err(io(&name, "list files"))?;
+        files_under(&self.dir, &self.dir.join("criu"), &mut rel).map_err(io(&name, "list files"))?;
         rel.sort();
         m.files.clear();
         for r in rel {
             let p = self.dir.join(&r);
-            fs::set_permissions(&p, fs::Permissions::from_mode(0o600))
-                .map_err(io(&name, "chmod"))?;
+            fs::set_permissions(&p, fs::Permissions::from_mode(0o600)).map_err(io(&name, "chmod"))?;
             let (size, hash) =
                 hash_file(&p, &mut on_bytes).map_err(io(&name, format!("hash {}", r.display())))?;
-            m.files.push(FileDesc {
-                path: r.to_string_lossy().into_owned(),
-                size,
-                blake3: hash,
-            });
+            m.files.push(FileDesc { path: r.to_string_lossy().into_owned(), size, blake3: hash });
         }
         let body = serde_json::to_vec_pretty(&m).map_err(|e| ImageError::Io {
             name: name.clone(),
             op: "encode manifest".into(),
             err: std::io::Error::other(e),
         })?;
-        write_private(&self.dir.join("manifest.json"), &body)
-            .map_err(io(&name, "write manifest"))?;
+        write_private(&self.dir.join("manifest.json"), &body).map_err(io(&name, "write manifest"))?;
         let sum = blake3::hash(&body).to_hex().to_string();
         write_private(&self.dir.join("manifest.b3"), sum.as_bytes())
             .map_err(io(&name, "write manifest.b3"))?;
@@ -249,12 +216,7 @@ impl Drop for PendingImage {
 }
 
 fn write_private(p: &Path, data: &[u8]) -> std::io::Result<()> {
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(p)?;
+    let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(p)?;
     f.write_all(data)?;
     f.sync_all()
 }
@@ -290,17 +252,10 @@ impl ImageStore {
         if final_dir.exists() {
             return Err(ImageError::Exists(name.into()));
         }
-        let dir = self
-            .root
-            .join(format!(".{name}.tmp-{}", std::process::id()));
+        let dir = self.root.join(format!(".{name}.tmp-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         mkdir_private(&dir.join("criu")).map_err(io(name, "create"))?;
-        Ok(PendingImage {
-            name: name.into(),
-            dir,
-            final_dir,
-            committed: false,
-        })
+        Ok(PendingImage { name: name.into(), dir, final_dir, committed: false })
     }
 
     /// Reads and checks the manifest only (fast).
@@ -308,54 +263,34 @@ impl ImageStore {
         let dir = self.locate(name);
         if !dir.join("manifest.json").is_file() {
             if dir.is_dir() {
-                return Err(ImageError::Foreign {
-                    name: name.into(),
-                    why: "no manifest.json".into(),
-                });
+                return Err(ImageError::Foreign { name: name.into(), why: "no manifest.json".into() });
             }
             return Err(ImageError::Missing(name.into()));
         }
         let meta = fs::metadata(dir.join("manifest.json")).map_err(io(name, "stat manifest"))?;
         if meta.len() > MAX_MANIFEST {
-            return Err(ImageError::Foreign {
-                name: name.into(),
-                why: "manifest.json is too large".into(),
-            });
+            return Err(ImageError::Foreign { name: name.into(), why: "manifest.json is too large".into() });
         }
         let body = fs::read(dir.join("manifest.json")).map_err(io(name, "read manifest"))?;
-        let v: serde_json::Value =
-            serde_json::from_slice(&body).map_err(|e| ImageError::Corrupt {
-                name: name.into(),
-                why: format!("manifest.json: {e}"),
-            })?;
+        let v: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|e| ImageError::Corrupt { name: name.into(), why: format!("manifest.json: {e}") })?;
         if v.get("magic").and_then(|m| m.as_str()) != Some(MAGIC) {
-            return Err(ImageError::Foreign {
-                name: name.into(),
-                why: "wrong magic".into(),
-            });
+            return Err(ImageError::Foreign { name: name.into(), why: "wrong magic".into() });
         }
         let format = v.get("format").and_then(|f| f.as_u64()).unwrap_or(0) as u32;
         if format > FORMAT {
-            return Err(ImageError::Newer {
-                name: name.into(),
-                found: format,
-            });
+            return Err(ImageError::Newer { name: name.into(), found: format });
         }
-        let want =
-            fs::read_to_string(dir.join("manifest.b3")).map_err(|_| ImageError::Corrupt {
-                name: name.into(),
-                why: "manifest.b3 is missing".into(),
-            })?;
+        let want = fs::read_to_string(dir.join("manifest.b3"))
+            .map_err(|_| ImageError::Corrupt { name: name.into(), why: "manifest.b3 is missing".into() })?;
         if blake3::hash(&body).to_hex().as_str() != want.trim() {
             return Err(ImageError::Corrupt {
                 name: name.into(),
                 why: "manifest.json does not match manifest.b3".into(),
             });
         }
-        let m: Manifest = serde_json::from_value(v).map_err(|e| ImageError::Corrupt {
-            name: name.into(),
-            why: format!("manifest.json: {e}"),
-        })?;
+        let m: Manifest = serde_json::from_value(v)
+            .map_err(|e| ImageError::Corrupt { name: name.into(), why: format!("manifest.json: {e}") })?;
         Ok((dir, m))
     }
 
@@ -369,10 +304,7 @@ impl ImageStore {
         for f in &m.files {
             let p = dir.join(&f.path);
             if f.path.contains("..") || f.path.starts_with('/') {
-                return Err(ImageError::Corrupt {
-                    name: name.into(),
-                    why: format!("bad path {}", f.path),
-                });
+                return Err(ImageError::Corrupt { name: name.into(), why: format!("bad path {}", f.path) });
             }
             let meta = fs::metadata(&p).map_err(|_| ImageError::Corrupt {
                 name: name.into(),
@@ -389,8 +321,7 @@ impl ImageStore {
                     ),
                 });
             }
-            let (_, h) =
-                hash_file(&p, &mut on_bytes).map_err(io(name, format!("read {}", f.path)))?;
+            let (_, h) = hash_file(&p, &mut on_bytes).map_err(io(name, format!("read {}", f.path)))?;
             if h != f.blake3 {
                 return Err(ImageError::Corrupt {
                     name: name.into(),
@@ -413,10 +344,7 @@ impl ImageStore {
             .filter(|n| !n.starts_with('.'))
             .collect();
         names.sort();
-        names
-            .into_iter()
-            .map(|n| self.manifest(&n).map(|(_, m)| m).map_err(|e| (n, e)))
-            .collect()
+        names.into_iter().map(|n| self.manifest(&n).map(|(_, m)| m).map_err(|e| (n, e))).collect()
     }
 
     /// Removes an image: renamed aside first, so a crash mid-removal never
@@ -426,11 +354,7 @@ impl ImageStore {
         if !dir.is_dir() {
             return Err(ImageError::Missing(name.into()));
         }
-        let aside = dir.with_file_name(format!(
-            ".{}.rm-{}",
-            name.replace('/', "_"),
-            std::process::id()
-        ));
+        let aside = dir.with_file_name(format!(".{}.rm-{}", name.replace('/', "_"), std::process::id()));
         fs::rename(&dir, &aside).map_err(io(name, "rename aside"))?;
         fs::remove_dir_all(&aside).map_err(io(name, "remove"))
     }
@@ -440,11 +364,7 @@ impl ImageStore {
         self.list()
             .into_iter()
             .filter_map(Result::ok)
-            .filter(|m| {
-                m.processes
-                    .iter()
-                    .any(|p| p.pid == pid && p.start_time == start_time)
-            })
+            .filter(|m| m.processes.iter().any(|p| p.pid == pid && p.start_time == start_time))
             .max_by_key(|m| m.created_ms)
     }
 }
@@ -486,18 +406,8 @@ mod tests {
         let dir = make(&s, "a");
         let (_, m) = s.verify("a", |_| {}).unwrap();
         assert_eq!(m.files.len(), 2);
-        assert_eq!(
-            fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
-            0o700
-        );
-        assert_eq!(
-            fs::metadata(dir.join("criu/pages-1.img"))
-                .unwrap()
-                .permissions()
-                .mode()
-                & 0o777,
-            0o600
-        );
+        assert_eq!(fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
+        assert_eq!(fs::metadata(dir.join("criu/pages-1.img")).unwrap().permissions().mode() & 0o777, 0o600);
         assert!(matches!(s.begin("a"), Err(ImageError::Exists(_))));
         assert_eq!(s.list().len(), 1);
     }
@@ -508,10 +418,7 @@ mod tests {
         let s = ImageStore::new(d.path().join("images"));
         let dir = make(&s, "t");
         // truncated
-        let f = fs::OpenOptions::new()
-            .write(true)
-            .open(dir.join("criu/pages-1.img"))
-            .unwrap();
+        let f = fs::OpenOptions::new().write(true).open(dir.join("criu/pages-1.img")).unwrap();
         f.set_len(10).unwrap();
         let e = s.verify("t", |_| {}).unwrap_err();
         assert!(e.to_string().contains("truncated"), "{e}");
@@ -520,39 +427,22 @@ mod tests {
         let mut b = fs::read(dir.join("criu/pages-1.img")).unwrap();
         b[5] ^= 1;
         fs::write(dir.join("criu/pages-1.img"), b).unwrap();
-        assert!(s
-            .verify("c", |_| {})
-            .unwrap_err()
-            .to_string()
-            .contains("checksum"));
+        assert!(s.verify("c", |_| {}).unwrap_err().to_string().contains("checksum"));
         // edited manifest
         let dir = make(&s, "m");
-        let body = fs::read_to_string(dir.join("manifest.json"))
-            .unwrap()
-            .replace("\"h\"", "\"x\"");
+        let body = fs::read_to_string(dir.join("manifest.json")).unwrap().replace("\"h\"", "\"x\"");
         fs::write(dir.join("manifest.json"), body).unwrap();
         assert!(matches!(s.manifest("m"), Err(ImageError::Corrupt { .. })));
         // newer format
         let dir = make(&s, "n");
-        let body = fs::read_to_string(dir.join("manifest.json"))
-            .unwrap()
-            .replace("\"format\": 1", "\"format\": 9");
-        fs::write(
-            dir.join("manifest.b3"),
-            blake3::hash(body.as_bytes()).to_hex().as_bytes(),
-        )
-        .unwrap();
+        let body =
+            fs::read_to_string(dir.join("manifest.json")).unwrap().replace("\"format\": 1", "\"format\": 9");
+        fs::write(dir.join("manifest.b3"), blake3::hash(body.as_bytes()).to_hex().as_bytes()).unwrap();
         fs::write(dir.join("manifest.json"), body).unwrap();
-        assert!(matches!(
-            s.manifest("n"),
-            Err(ImageError::Newer { found: 9, .. })
-        ));
+        assert!(matches!(s.manifest("n"), Err(ImageError::Newer { found: 9, .. })));
         // foreign directory, missing image
         fs::create_dir_all(s.root.join("foreign")).unwrap();
-        assert!(matches!(
-            s.manifest("foreign"),
-            Err(ImageError::Foreign { .. })
-        ));
+        assert!(matches!(s.manifest("foreign"), Err(ImageError::Foreign { .. })));
         assert!(matches!(s.manifest("nope"), Err(ImageError::Missing(_))));
     }
 

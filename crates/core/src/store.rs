@@ -58,10 +58,7 @@ CREATE TABLE IF NOT EXISTS reservations (
 ";
 
 pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }
 
 /// What gpusnap knows of one process.
@@ -113,40 +110,25 @@ impl Store {
     /// Opens (creating it with mode 0700) the state directory's database.
     pub fn open(dir: &Path) -> Result<Self, Error> {
         let path = dir.join("gpusnap.db");
-        let err = |reason: String| Error::Store {
-            path: path.display().to_string(),
-            reason,
-        };
-        create_private_dir(dir)
-            .map_err(|e| err(format!("cannot create {}: {e}", dir.display())))?;
+        let err = |reason: String| Error::Store { path: path.display().to_string(), reason };
+        create_private_dir(dir).map_err(|e| err(format!("cannot create {}: {e}", dir.display())))?;
         let conn = Connection::open(&path).map_err(|e| err(e.to_string()))?;
-        conn.busy_timeout(Duration::from_secs(60))
-            .map_err(|e| err(e.to_string()))?;
-        conn.pragma_update(None, "journal_mode", "WAL")
-            .map_err(|e| err(e.to_string()))?;
-        conn.pragma_update(None, "synchronous", "NORMAL")
-            .map_err(|e| err(e.to_string()))?;
-        let version: i32 = conn
-            .pragma_query_value(None, "user_version", |r| r.get(0))
-            .map_err(|e| err(e.to_string()))?;
+        conn.busy_timeout(Duration::from_secs(60)).map_err(|e| err(e.to_string()))?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(|e| err(e.to_string()))?;
+        conn.pragma_update(None, "synchronous", "NORMAL").map_err(|e| err(e.to_string()))?;
+        let version: i32 =
+            conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(|e| err(e.to_string()))?;
         if version > SCHEMA_VERSION {
             return Err(err(format!(
                 "written by a newer gpusnap (schema {version}, this one knows {SCHEMA_VERSION})"
             )));
         }
         conn.execute_batch(SCHEMA).map_err(|e| err(e.to_string()))?;
-        conn.pragma_update(None, "user_version", SCHEMA_VERSION)
-            .map_err(|e| err(e.to_string()))?;
+        conn.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(|e| err(e.to_string()))?;
         let me_pid = std::process::id() as i32;
-        let me_start = procfs::process::Process::myself()
-            .and_then(|p| p.stat())
-            .map(|s| s.starttime)
-            .unwrap_or(0);
-        Ok(Self {
-            conn,
-            path,
-            me: (me_pid, me_start),
-        })
+        let me_start =
+            procfs::process::Process::myself().and_then(|p| p.stat()).map(|s| s.starttime).unwrap_or(0);
+        Ok(Self { conn, path, me: (me_pid, me_start) })
     }
 
     pub fn path(&self) -> &Path {
@@ -154,10 +136,7 @@ impl Store {
     }
 
     fn err(&self, e: rusqlite::Error) -> Error {
-        Error::Store {
-            path: self.path.display().to_string(),
-            reason: e.to_string(),
-        }
+        Error::Store { path: self.path.display().to_string(), reason: e.to_string() }
     }
 
     /// Creates or updates the record of `t`, replacing its footprint when one is given.
@@ -167,10 +146,10 @@ impl Store {
         state: &str,
         footprint: Option<&BTreeMap<String, u64>>,
     ) -> Result<(), Error> {
-        let tx = self.conn.transaction().map_err(|e| Error::Store {
-            path: self.path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        let tx = self
+            .conn
+            .transaction()
+            .map_err(|e| Error::Store { path: self.path.display().to_string(), reason: e.to_string() })?;
         let res = (|| {
             tx.execute(
                 "INSERT INTO processes (pid, start_time, comm, state, updated_ms) VALUES (?1, ?2, ?3, ?4, ?5)
@@ -237,9 +216,7 @@ impl Store {
     fn footprint(&self, pid: i32, start: u64) -> Result<BTreeMap<String, u64>, Error> {
         let mut stmt = self
             .conn
-            .prepare_cached(
-                "SELECT gpu_uuid, bytes FROM footprints WHERE pid = ?1 AND start_time = ?2",
-            )
+            .prepare_cached("SELECT gpu_uuid, bytes FROM footprints WHERE pid = ?1 AND start_time = ?2")
             .map_err(|e| self.err(e))?;
         let rows = stmt
             .query_map(params![pid, start as i64], |r| {
@@ -313,26 +290,12 @@ impl Store {
     }
 
     /// Journals a note that is not a driver call (reconciliation, verification, signals).
-    pub fn note(
-        &mut self,
-        t: &Target,
-        op: &str,
-        state: Option<&str>,
-        detail: &str,
-    ) -> Result<(), Error> {
+    pub fn note(&mut self, t: &Target, op: &str, state: Option<&str>, detail: &str) -> Result<(), Error> {
         self.conn
             .execute(
                 "INSERT INTO events (ts_ms, pid, start_time, op, phase, state, detail, actor)
                  VALUES (?1, ?2, ?3, ?4, 'note', ?5, ?6, ?7)",
-                params![
-                    now_ms(),
-                    t.pid,
-                    t.start_time as i64,
-                    op,
-                    state,
-                    detail,
-                    self.me.0
-                ],
+                params![now_ms(), t.pid, t.start_time as i64, op, state, detail, self.me.0],
             )
             .map_err(|e| self.err(e))?;
         if let Some(s) = state {
@@ -357,9 +320,7 @@ impl Store {
             )
             .map_err(|e| self.err(e))?;
         let rows: Vec<(i64, String, i32)> = stmt
-            .query_map(params![t.pid, t.start_time as i64], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-            })
+            .query_map(params![t.pid, t.start_time as i64], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
             .map_err(|e| self.err(e))?
             .collect::<Result<_, _>>()
             .map_err(|e| self.err(e))?;
@@ -375,9 +336,7 @@ impl Store {
     pub fn history(&self, pid: i32) -> Result<Vec<Event>, Error> {
         let mut stmt = self
             .conn
-            .prepare(
-                "SELECT ts_ms, op, phase, state, detail FROM events WHERE pid = ?1 ORDER BY id",
-            )
+            .prepare("SELECT ts_ms, op, phase, state, detail FROM events WHERE pid = ?1 ORDER BY id")
             .map_err(|e| self.err(e))?;
         let rows = stmt
             .query_map(params![pid], |r| {
@@ -404,23 +363,14 @@ impl Store {
         decide: impl FnOnce(&BTreeMap<String, u64>) -> Result<(Vec<(String, u64)>, T), Error>,
     ) -> Result<(Vec<i64>, T), Error> {
         let path = self.path.display().to_string();
-        let serr = |e: rusqlite::Error| Error::Store {
-            path: path.clone(),
-            reason: e.to_string(),
-        };
+        let serr = |e: rusqlite::Error| Error::Store { path: path.clone(), reason: e.to_string() };
         let me = self.me;
-        let tx = self
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(serr)?;
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(serr)?;
         // Reservations of gpusnaps that died are void.
         let holders: Vec<(i64, i32, i64)> = {
-            let mut stmt = tx
-                .prepare("SELECT id, holder_pid, holder_start FROM reservations")
-                .map_err(serr)?;
-            let rows = stmt
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-                .map_err(serr)?;
+            let mut stmt =
+                tx.prepare("SELECT id, holder_pid, holder_start FROM reservations").map_err(serr)?;
+            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).map_err(serr)?;
             rows.collect::<Result<_, _>>().map_err(serr)?
         };
         for (id, hp, hs) in holders {
@@ -428,8 +378,7 @@ impl Store {
                 .and_then(|p| p.stat())
                 .is_ok_and(|s| s.starttime as i64 == hs);
             if !alive {
-                tx.execute("DELETE FROM reservations WHERE id = ?1", params![id])
-                    .map_err(serr)?;
+                tx.execute("DELETE FROM reservations WHERE id = ?1", params![id]).map_err(serr)?;
             }
         }
         let mut held: BTreeMap<String, u64> = BTreeMap::new();
@@ -438,9 +387,7 @@ impl Store {
                 .prepare("SELECT gpu_uuid, SUM(bytes) FROM reservations GROUP BY gpu_uuid")
                 .map_err(serr)?;
             let rows = stmt
-                .query_map([], |r| {
-                    Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
-                })
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64)))
                 .map_err(serr)?;
             for row in rows {
                 let (u, b) = row.map_err(serr)?;
@@ -493,10 +440,7 @@ fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     if dir.is_dir() {
         return Ok(());
     }
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)
 }
 
 #[cfg(test)]
@@ -504,12 +448,7 @@ mod tests {
     use super::*;
 
     fn target(pid: i32, start: u64) -> Target {
-        Target {
-            pid,
-            start_time: start,
-            comm: "w".into(),
-            uid: 0,
-        }
+        Target { pid, start_time: start, comm: "w".into(), uid: 0 }
     }
 
     #[test]

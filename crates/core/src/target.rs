@@ -34,10 +34,7 @@ fn proc_err(pid: i32, e: ProcError) -> Error {
     match e {
         ProcError::NotFound(_) => Error::NoProcess { pid },
         ProcError::PermissionDenied(_) => Error::Permission { pid },
-        other => Error::Proc {
-            pid,
-            reason: other.to_string(),
-        },
+        other => Error::Proc { pid, reason: other.to_string() },
     }
 }
 
@@ -53,18 +50,10 @@ pub fn resolve(pid: i32) -> Result<Target, Error> {
     let p = Process::new(pid).map_err(|e| proc_err(pid, e))?;
     let status = p.status().map_err(|e| proc_err(pid, e))?;
     if status.tgid != pid {
-        return Err(Error::Thread {
-            tid: pid,
-            pid: status.tgid,
-        });
+        return Err(Error::Thread { tid: pid, pid: status.tgid });
     }
     let stat = p.stat().map_err(|e| proc_err(pid, e))?;
-    let t = Target {
-        pid,
-        start_time: stat.starttime,
-        comm: stat.comm.clone(),
-        uid: status.euid,
-    };
+    let t = Target { pid, start_time: stat.starttime, comm: stat.comm.clone(), uid: status.euid };
     let rs = RunState(stat.state);
     if rs.is_zombie() {
         return Err(Error::Zombie { pid, comm: t.comm });
@@ -79,11 +68,7 @@ pub fn resolve_callable(pid: i32) -> Result<Target, Error> {
     let t = resolve(pid)?;
     let st = run_state(pid)?;
     if st.is_stopped() {
-        return Err(Error::Stopped {
-            pid,
-            comm: t.comm,
-            state: st.0,
-        });
+        return Err(Error::Stopped { pid, comm: t.comm, state: st.0 });
     }
     Ok(t)
 }
@@ -115,34 +100,30 @@ pub fn is_alive(t: &Target) -> bool {
 /// Resident memory in bytes (VmRSS), used to show checkpoint progress: the
 /// driver copies device memory into the target's own address space.
 pub fn rss_bytes(pid: i32) -> Option<u64> {
-    Process::new(pid)
-        .ok()?
-        .status()
-        .ok()?
-        .vmrss
-        .map(|kb| kb * 1024)
+    Process::new(pid).ok()?.status().ok()?.vmrss.map(|kb| kb * 1024)
 }
 
 /// Every process whose address space maps the CUDA driver library: the
 /// candidates for `ps`, including suspended ones that NVML no longer lists.
 pub fn processes_mapping_libcuda() -> Vec<i32> {
-    let Ok(all) = procfs::process::all_processes() else {
-        return Vec::new();
-    };
-    all.filter_map(Result::ok)
-        .filter(|p| {
-            p.maps().is_ok_and(|maps| {
-                maps.iter().any(|m| match &m.pathname {
-                    procfs::process::MMapPath::Path(path) => path
-                        .file_name()
-                        .and_then(|n| n.to_str())
-                        .is_some_and(|n| n.starts_with("libcuda.so")),
-                    _ => false,
-                })
-            })
+    let Ok(all) = procfs::process::all_processes() else { return Vec::new() };
+    all.filter_map(Result::ok).filter(maps_libcuda).map(|p| p.pid).collect()
+}
+
+/// Whether `pid` has the CUDA driver library mapped (it may hold CUDA state).
+pub fn pid_maps_libcuda(pid: i32) -> bool {
+    Process::new(pid).is_ok_and(|p| maps_libcuda(&p))
+}
+
+fn maps_libcuda(p: &Process) -> bool {
+    p.maps().is_ok_and(|maps| {
+        maps.iter().any(|m| match &m.pathname {
+            procfs::process::MMapPath::Path(path) => {
+                path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libcuda.so"))
+            }
+            _ => false,
         })
-        .map(|p| p.pid)
-        .collect()
+    })
 }
 
 #[cfg(test)]

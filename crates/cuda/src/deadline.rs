@@ -37,10 +37,7 @@ pub struct Deadline<A: CheckpointApi> {
 
 impl<A: CheckpointApi> Deadline<A> {
     pub fn new(inner: A, timeouts: Timeouts) -> Self {
-        Self {
-            inner: Arc::new(inner),
-            timeouts,
-        }
+        Self { inner: Arc::new(inner), timeouts }
     }
 
     pub fn inner(&self) -> &A {
@@ -60,12 +57,8 @@ impl<A: CheckpointApi> Deadline<A> {
             .spawn(move || {
                 let _ = tx.send(f(&inner));
             })
-            .map_err(|_| DriverError::Timeout {
-                call,
-                after: Duration::ZERO,
-            })?;
-        rx.recv_timeout(after)
-            .unwrap_or(Err(DriverError::Timeout { call, after }))
+            .map_err(|_| DriverError::Timeout { call, after: Duration::ZERO })?;
+        rx.recv_timeout(after).unwrap_or(Err(DriverError::Timeout { call, after }))
     }
 
     /// A checkpoint or restore of `bytes`: the fixed budget plus 1 s per
@@ -75,21 +68,12 @@ impl<A: CheckpointApi> Deadline<A> {
     }
 
     pub fn checkpoint_within(&self, pid: i32, bytes: u64) -> Result<(), DriverError> {
-        self.run(Call::Checkpoint, self.copy_budget(bytes), move |a| {
-            a.checkpoint(pid)
-        })
+        self.run(Call::Checkpoint, self.copy_budget(bytes), move |a| a.checkpoint(pid))
     }
 
-    pub fn restore_within(
-        &self,
-        pid: i32,
-        pairs: &[GpuPair],
-        bytes: u64,
-    ) -> Result<(), DriverError> {
+    pub fn restore_within(&self, pid: i32, pairs: &[GpuPair], bytes: u64) -> Result<(), DriverError> {
         let pairs = pairs.to_vec();
-        self.run(Call::Restore, self.copy_budget(bytes), move |a| {
-            a.restore(pid, &pairs)
-        })
+        self.run(Call::Restore, self.copy_budget(bytes), move |a| a.restore(pid, &pairs))
     }
 }
 
@@ -99,18 +83,12 @@ impl<A: CheckpointApi> CheckpointApi for Deadline<A> {
     }
 
     fn get_state(&self, pid: i32) -> Result<ProcessState, DriverError> {
-        self.run(Call::GetState, self.timeouts.quick, move |a| {
-            a.get_state(pid)
-        })
+        self.run(Call::GetState, self.timeouts.quick, move |a| a.get_state(pid))
     }
 
     fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), DriverError> {
         let after = Duration::from_millis(timeout_ms.into()) + self.timeouts.lock_slack;
-        let after = if timeout_ms == 0 {
-            self.timeouts.copy
-        } else {
-            after
-        };
+        let after = if timeout_ms == 0 { self.timeouts.copy } else { after };
         self.run(Call::Lock, after, move |a| a.lock(pid, timeout_ms))
     }
 
@@ -127,9 +105,7 @@ impl<A: CheckpointApi> CheckpointApi for Deadline<A> {
     }
 
     fn restore_thread_id(&self, pid: i32) -> Result<i32, DriverError> {
-        self.run(Call::GetRestoreThreadId, self.timeouts.quick, move |a| {
-            a.restore_thread_id(pid)
-        })
+        self.run(Call::GetRestoreThreadId, self.timeouts.quick, move |a| a.restore_thread_id(pid))
     }
 }
 
@@ -165,24 +141,9 @@ mod tests {
 
     #[test]
     fn a_hung_call_times_out() {
-        let d = Deadline::new(
-            Hangs,
-            Timeouts {
-                quick: Duration::from_millis(50),
-                ..Default::default()
-            },
-        );
+        let d = Deadline::new(Hangs, Timeouts { quick: Duration::from_millis(50), ..Default::default() });
         let err = d.get_state(1).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                DriverError::Timeout {
-                    call: Call::GetState,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, DriverError::Timeout { call: Call::GetState, .. }), "{err}");
         assert_eq!(d.restore_thread_id(7).unwrap(), 7);
     }
 }

@@ -36,21 +36,14 @@ impl std::fmt::Debug for CudaDriver {
 ///
 /// # Safety
 /// `T` must be the exact C signature of `name` in the CUDA driver.
-unsafe fn symbol<T: Copy>(
-    lib: &Library,
-    lib_name: &str,
-    name: &'static str,
-) -> Result<T, DriverError> {
+unsafe fn symbol<T: Copy>(lib: &Library, lib_name: &str, name: &'static str) -> Result<T, DriverError> {
     let mut cname = name.as_bytes().to_vec();
     cname.push(0);
     // SAFETY: the caller guarantees T matches the symbol's C type; the
     // pointer is only used while `lib` (owned by CudaDriver) stays loaded.
     unsafe { lib.get::<T>(&cname) }
         .map(|s| *s)
-        .map_err(|_| DriverError::MissingSymbol {
-            lib: lib_name.to_string(),
-            symbol: name,
-        })
+        .map_err(|_| DriverError::MissingSymbol { lib: lib_name.to_string(), symbol: name })
 }
 
 impl CudaDriver {
@@ -71,27 +64,19 @@ impl CudaDriver {
         // that name (see ffi.rs).
         let init: ffi::FnInit = unsafe { symbol(&lib, lib_name, "cuInit")? };
         // SAFETY: as above.
-        let get_version: ffi::FnDriverGetVersion =
-            unsafe { symbol(&lib, lib_name, "cuDriverGetVersion")? };
+        let get_version: ffi::FnDriverGetVersion = unsafe { symbol(&lib, lib_name, "cuDriverGetVersion")? };
         // SAFETY: as above.
-        let get_error_name: ffi::FnGetErrorName =
-            unsafe { symbol(&lib, lib_name, "cuGetErrorName")? };
+        let get_error_name: ffi::FnGetErrorName = unsafe { symbol(&lib, lib_name, "cuGetErrorName")? };
 
         let mut version: c_int = 0;
         // SAFETY: cuDriverGetVersion writes one int through a valid pointer
         // and may be called before cuInit.
         let rc = unsafe { get_version(&mut version) };
         if rc != ffi::CUDA_SUCCESS {
-            return Err(DriverError::Call {
-                call: Call::Init,
-                code: name_of(get_error_name, rc),
-            });
+            return Err(DriverError::Call { call: Call::Init, code: name_of(get_error_name, rc) });
         }
         if version < ffi::CHECKPOINT_MIN_API {
-            return Err(DriverError::TooOld {
-                found: version,
-                needed: ffi::CHECKPOINT_MIN_API,
-            });
+            return Err(DriverError::TooOld { found: version, needed: ffi::CHECKPOINT_MIN_API });
         }
         // SAFETY: as above.
         let lock: ffi::FnLock = unsafe { symbol(&lib, lib_name, "cuCheckpointProcessLock")? };
@@ -99,13 +84,11 @@ impl CudaDriver {
         let checkpoint: ffi::FnCheckpoint =
             unsafe { symbol(&lib, lib_name, "cuCheckpointProcessCheckpoint")? };
         // SAFETY: as above.
-        let restore: ffi::FnRestore =
-            unsafe { symbol(&lib, lib_name, "cuCheckpointProcessRestore")? };
+        let restore: ffi::FnRestore = unsafe { symbol(&lib, lib_name, "cuCheckpointProcessRestore")? };
         // SAFETY: as above.
         let unlock: ffi::FnUnlock = unsafe { symbol(&lib, lib_name, "cuCheckpointProcessUnlock")? };
         // SAFETY: as above.
-        let get_state: ffi::FnGetState =
-            unsafe { symbol(&lib, lib_name, "cuCheckpointProcessGetState")? };
+        let get_state: ffi::FnGetState = unsafe { symbol(&lib, lib_name, "cuCheckpointProcessGetState")? };
         // SAFETY: as above.
         let get_restore_tid: ffi::FnGetRestoreThreadId =
             unsafe { symbol(&lib, lib_name, "cuCheckpointProcessGetRestoreThreadId")? };
@@ -114,10 +97,7 @@ impl CudaDriver {
         let rc = unsafe { init(0) };
         tracing::debug!(rc, version, "cuInit");
         if rc != ffi::CUDA_SUCCESS {
-            return Err(DriverError::Call {
-                call: Call::Init,
-                code: name_of(get_error_name, rc),
-            });
+            return Err(DriverError::Call { call: Call::Init, code: name_of(get_error_name, rc) });
         }
         Ok(Self {
             _lib: lib,
@@ -138,10 +118,7 @@ impl CudaDriver {
         if rc == ffi::CUDA_SUCCESS {
             Ok(())
         } else {
-            Err(DriverError::Call {
-                call,
-                code: name_of(self.get_error_name, rc),
-            })
+            Err(DriverError::Call { call, code: name_of(self.get_error_name, rc) })
         }
     }
 }
@@ -180,10 +157,7 @@ impl CheckpointApi for CudaDriver {
     }
 
     fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), DriverError> {
-        let mut args = ffi::CUcheckpointLockArgs {
-            timeout_ms,
-            ..Default::default()
-        };
+        let mut args = ffi::CUcheckpointLockArgs { timeout_ms, ..Default::default() };
         // SAFETY: args is a valid, zero-reserved 64-byte struct that outlives the call.
         let rc = unsafe { (self.lock)(pid, &mut args) };
         self.check(Call::Lock, pid, rc)
@@ -202,9 +176,7 @@ impl CheckpointApi for CudaDriver {
             return self.check(Call::Restore, pid, rc);
         }
         if self.api_version < ffi::GPU_PAIRS_MIN_API {
-            return Err(DriverError::NoRemap {
-                found: self.api_version,
-            });
+            return Err(DriverError::NoRemap { found: self.api_version });
         }
         let raw: Vec<ffi::CUcheckpointGpuPair> = pairs
             .iter()

@@ -25,9 +25,7 @@ impl fmt::Display for Code {
 pub enum DriverError {
     #[error("cannot load {lib}: {reason} (gpusnap needs the NVIDIA driver, r570 or newer)")]
     Load { lib: String, reason: String },
-    #[error(
-        "{lib} does not export {symbol}: the checkpoint API needs NVIDIA driver r570 or newer"
-    )]
+    #[error("{lib} does not export {symbol}: the checkpoint API needs NVIDIA driver r570 or newer")]
     MissingSymbol { lib: String, symbol: &'static str },
     #[error("the driver's API version {found} is older than {needed}, the first with the checkpoint API (driver r570)")]
     TooOld { found: i32, needed: i32 },

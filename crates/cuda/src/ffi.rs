@@ -49,8 +49,7 @@ pub type FnDriverGetVersion = unsafe extern "C" fn(version: *mut c_int) -> CUres
 pub type FnGetErrorName = unsafe extern "C" fn(err: CUresult, out: *mut *const c_char) -> CUresult;
 pub type FnLock = unsafe extern "C" fn(pid: c_int, args: *mut CUcheckpointLockArgs) -> CUresult;
 pub type FnCheckpoint = unsafe extern "C" fn(pid: c_int, args: *mut OpaqueArgs) -> CUresult;
-pub type FnRestore =
-    unsafe extern "C" fn(pid: c_int, args: *mut CUcheckpointRestoreArgs) -> CUresult;
+pub type FnRestore = unsafe extern "C" fn(pid: c_int, args: *mut CUcheckpointRestoreArgs) -> CUresult;
 pub type FnUnlock = unsafe extern "C" fn(pid: c_int, args: *mut OpaqueArgs) -> CUresult;
 pub type FnGetState = unsafe extern "C" fn(pid: c_int, state: *mut c_int) -> CUresult;
 pub type FnGetRestoreThreadId = unsafe extern "C" fn(pid: c_int, tid: *mut c_int) -> CUresult;

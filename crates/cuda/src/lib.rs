@@ -117,3 +117,68 @@ impl fmt::Display for Call {
         f.write_str(self.as_str())
     }
 }
+
+impl<T: CheckpointApi + ?Sized> CheckpointApi for Box<T> {
+    fn api_version(&self) -> i32 {
+        (**self).api_version()
+    }
+    fn get_state(&self, pid: i32) -> Result<ProcessState, DriverError> {
+        (**self).get_state(pid)
+    }
+    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), DriverError> {
+        (**self).lock(pid, timeout_ms)
+    }
+    fn checkpoint(&self, pid: i32) -> Result<(), DriverError> {
+        (**self).checkpoint(pid)
+    }
+    fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), DriverError> {
+        (**self).restore(pid, pairs)
+    }
+    fn unlock(&self, pid: i32) -> Result<(), DriverError> {
+        (**self).unlock(pid)
+    }
+    fn restore_thread_id(&self, pid: i32) -> Result<i32, DriverError> {
+        (**self).restore_thread_id(pid)
+    }
+}
+
+/// The driver of a host that has none: every process answers "no CUDA
+/// context", so gpusnap can still hibernate and wake plain process trees.
+/// Callers must refuse processes that map libcuda themselves.
+#[derive(Debug, Clone)]
+pub struct Absent {
+    pub why: String,
+}
+
+impl Absent {
+    fn none(&self, call: Call) -> DriverError {
+        DriverError::Call {
+            call,
+            code: Code { raw: ffi::CUDA_ERROR_NOT_INITIALIZED, name: "CUDA_ERROR_NOT_INITIALIZED".into() },
+        }
+    }
+}
+
+impl CheckpointApi for Absent {
+    fn api_version(&self) -> i32 {
+        0
+    }
+    fn get_state(&self, _: i32) -> Result<ProcessState, DriverError> {
+        Err(self.none(Call::GetState))
+    }
+    fn lock(&self, _: i32, _: u32) -> Result<(), DriverError> {
+        Err(self.none(Call::Lock))
+    }
+    fn checkpoint(&self, _: i32) -> Result<(), DriverError> {
+        Err(self.none(Call::Checkpoint))
+    }
+    fn restore(&self, _: i32, _: &[GpuPair]) -> Result<(), DriverError> {
+        Err(self.none(Call::Restore))
+    }
+    fn unlock(&self, _: i32) -> Result<(), DriverError> {
+        Err(self.none(Call::Unlock))
+    }
+    fn restore_thread_id(&self, _: i32) -> Result<i32, DriverError> {
+        Err(self.none(Call::GetRestoreThreadId))
+    }
+}

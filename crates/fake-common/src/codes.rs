@@ -21,36 +21,12 @@ pub const CUDA_ERROR_UNKNOWN: CuResult = 999;
 /// can hand out pointers into this static table.
 const TABLE: &[(CuResult, &str, &str)] = &[
     (CUDA_SUCCESS, "CUDA_SUCCESS\0", "no error\0"),
-    (
-        CUDA_ERROR_INVALID_VALUE,
-        "CUDA_ERROR_INVALID_VALUE\0",
-        "invalid argument\0",
-    ),
-    (
-        CUDA_ERROR_OUT_OF_MEMORY,
-        "CUDA_ERROR_OUT_OF_MEMORY\0",
-        "out of memory\0",
-    ),
-    (
-        CUDA_ERROR_NOT_INITIALIZED,
-        "CUDA_ERROR_NOT_INITIALIZED\0",
-        "initialization error\0",
-    ),
-    (
-        CUDA_ERROR_NO_DEVICE,
-        "CUDA_ERROR_NO_DEVICE\0",
-        "no CUDA-capable device is detected\0",
-    ),
-    (
-        CUDA_ERROR_INVALID_DEVICE,
-        "CUDA_ERROR_INVALID_DEVICE\0",
-        "invalid device ordinal\0",
-    ),
-    (
-        CUDA_ERROR_INVALID_CONTEXT,
-        "CUDA_ERROR_INVALID_CONTEXT\0",
-        "invalid device context\0",
-    ),
+    (CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE\0", "invalid argument\0"),
+    (CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY\0", "out of memory\0"),
+    (CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED\0", "initialization error\0"),
+    (CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE\0", "no CUDA-capable device is detected\0"),
+    (CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE\0", "invalid device ordinal\0"),
+    (CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT\0", "invalid device context\0"),
     (
         CUDA_ERROR_OPERATING_SYSTEM,
         "CUDA_ERROR_OPERATING_SYSTEM\0",
@@ -61,21 +37,9 @@ const TABLE: &[(CuResult, &str, &str)] = &[
         "CUDA_ERROR_ILLEGAL_STATE\0",
         "the operation cannot be performed in the present state\0",
     ),
-    (
-        CUDA_ERROR_NOT_FOUND,
-        "CUDA_ERROR_NOT_FOUND\0",
-        "named symbol not found\0",
-    ),
-    (
-        CUDA_ERROR_NOT_READY,
-        "CUDA_ERROR_NOT_READY\0",
-        "device not ready\0",
-    ),
-    (
-        CUDA_ERROR_UNKNOWN,
-        "CUDA_ERROR_UNKNOWN\0",
-        "unknown error\0",
-    ),
+    (CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND\0", "named symbol not found\0"),
+    (CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY\0", "device not ready\0"),
+    (CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN\0", "unknown error\0"),
 ];
 
 /// The NUL-terminated `cuGetErrorName` text, `None` for a code the driver

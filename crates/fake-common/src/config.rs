@@ -49,11 +49,7 @@ pub struct GpuConfig {
 
 impl Default for GpuConfig {
     fn default() -> Self {
-        Self {
-            uuid: String::new(),
-            name: "NVIDIA H200 (fake)".into(),
-            total_mib: 143771,
-        }
+        Self { uuid: String::new(), name: "NVIDIA H200 (fake)".into(), total_mib: 143771 }
     }
 }
 
@@ -97,19 +93,13 @@ impl Config {
 
     /// The ordinal of the GPU with this 16-byte uuid.
     pub fn gpu_by_uuid_bytes(&self, bytes: &[u8; 16]) -> Option<u32> {
-        self.gpus
-            .iter()
-            .position(|g| parse_uuid(&g.uuid).as_ref() == Some(bytes))
-            .map(|i| i as u32)
+        self.gpus.iter().position(|g| parse_uuid(&g.uuid).as_ref() == Some(bytes)).map(|i| i as u32)
     }
 
     /// Takes one firing of the first injection that matches, decrementing
     /// (and at zero removing) its count. Returns `None` when nothing matches.
     pub fn take_injection(&mut self, call: &str, pid: i32) -> Option<Injection> {
-        let i = self
-            .inject
-            .iter()
-            .position(|inj| inj.call == call && inj.pid.unwrap_or(pid) == pid)?;
+        let i = self.inject.iter().position(|inj| inj.call == call && inj.pid.unwrap_or(pid) == pid)?;
         let fired = self.inject[i].clone();
         if let Some(count) = &mut self.inject[i].count {
             *count = count.saturating_sub(1);
@@ -124,11 +114,7 @@ impl Config {
 /// The 16 bytes of a `GPU-<canonical uuid>` string (the `CUuuid` the driver
 /// uses in gpu pairs); `None` when it is not one.
 pub fn parse_uuid(text: &str) -> Option<[u8; 16]> {
-    let hex: Vec<u8> = text
-        .strip_prefix("GPU-")?
-        .bytes()
-        .filter(|&b| b != b'-')
-        .collect();
+    let hex: Vec<u8> = text.strip_prefix("GPU-")?.bytes().filter(|&b| b != b'-').collect();
     if hex.len() != 32 {
         return None;
     }
@@ -163,10 +149,7 @@ mod tests {
 
     #[test]
     fn uuid_parsing_rejects_garbage() {
-        assert_eq!(
-            parse_uuid("GPU-00000001-0000-0000-0000-000000000000").unwrap()[3],
-            1
-        );
+        assert_eq!(parse_uuid("GPU-00000001-0000-0000-0000-000000000000").unwrap()[3], 1);
         assert_eq!(parse_uuid("00000001-0000-0000-0000-000000000000"), None);
         assert_eq!(parse_uuid("GPU-0001"), None);
         assert_eq!(parse_uuid("GPU-zz000001-0000-0000-0000-000000000000"), None);

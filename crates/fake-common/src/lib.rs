@@ -29,9 +29,7 @@ pub const MIB: u64 = 1 << 20;
 /// Milliseconds since the Unix epoch: the clock of `busy_until_ms` and the
 /// journal, shared by every process.
 pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// How long moving `bytes` takes at `gbps` (1e9 bytes per second); a speed of

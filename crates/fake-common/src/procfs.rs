@@ -53,10 +53,7 @@ pub fn tgid(tid: i32) -> Option<i32> {
         return None;
     }
     let status = fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Tgid:"))
-        .and_then(|v| v.trim().parse().ok())
+    status.lines().find_map(|l| l.strip_prefix("Tgid:")).and_then(|v| v.trim().parse().ok())
 }
 
 /// Whether `pid` is still the process that started at `start_time` and has
@@ -72,13 +69,7 @@ mod tests {
     #[test]
     fn parses_names_with_spaces_and_parens() {
         let line = "1234 (a b) (c)) S 1 1234 1234 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 98765 1000 100 18446744073709551615";
-        assert_eq!(
-            parse_stat(line),
-            Some(Stat {
-                state: 'S',
-                start_time: 98765
-            })
-        );
+        assert_eq!(parse_stat(line), Some(Stat { state: 'S', start_time: 98765 }));
         assert_eq!(parse_stat("1 (x) R 1"), None);
     }
 

@@ -105,18 +105,8 @@ impl Proc {
 
     /// Device bytes this process holds on `gpu` when resident.
     pub fn bytes_on(&self, gpu: u32, context_bytes: u64) -> u64 {
-        let allocs: u64 = self
-            .allocs
-            .values()
-            .filter(|a| a.gpu == gpu)
-            .map(|a| a.bytes)
-            .sum();
-        allocs
-            + if self.contexts.contains(&gpu) {
-                context_bytes
-            } else {
-                0
-            }
+        let allocs: u64 = self.allocs.values().filter(|a| a.gpu == gpu).map(|a| a.bytes).sum();
+        allocs + if self.contexts.contains(&gpu) { context_bytes } else { 0 }
     }
 
     /// Device bytes on all GPUs: what checkpoint and restore copy.
@@ -146,11 +136,7 @@ impl Proc {
         }
         let wait = self.busy_until_ms.saturating_sub(now_ms);
         let timeout = u64::from(timeout_ms);
-        Ok(if timeout > 0 && wait > timeout {
-            LockWait::TimesOut(timeout)
-        } else {
-            LockWait::Drains(wait)
-        })
+        Ok(if timeout > 0 && wait > timeout { LockWait::TimesOut(timeout) } else { LockWait::Drains(wait) })
     }
 
     pub fn finish_lock(&mut self) -> Result<(), CuResult> {
@@ -201,11 +187,7 @@ impl Proc {
 
     /// The allocation holding `[ptr, ptr + len)`, as (its base, offset of ptr).
     pub fn locate(&self, ptr: u64, len: u64) -> Result<(u64, u64), CuResult> {
-        let (&base, alloc) = self
-            .allocs
-            .range(..=ptr)
-            .next_back()
-            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let (&base, alloc) = self.allocs.range(..=ptr).next_back().ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let offset = ptr - base;
         match offset.checked_add(len) {
             Some(end) if end <= alloc.bytes => Ok((base, offset)),
@@ -230,11 +212,7 @@ impl State {
     /// there plus a context's cost for each context there.
     pub fn used_bytes(&self, cfg: &Config, gpu: u32) -> u64 {
         let ctx = cfg.context_mib * MIB;
-        self.procs
-            .values()
-            .filter(|p| p.resident)
-            .map(|p| p.bytes_on(gpu, ctx))
-            .sum()
+        self.procs.values().filter(|p| p.resident).map(|p| p.bytes_on(gpu, ctx)).sum()
     }
 
     pub fn total_bytes(cfg: &Config, gpu: u32) -> u64 {
@@ -291,25 +269,15 @@ impl State {
         if gpu as usize >= cfg.gpus.len() {
             return Err(CUDA_ERROR_INVALID_DEVICE);
         }
-        let stale = self
-            .procs
-            .get(&pid)
-            .is_some_and(|p| p.start_time != start_time);
+        let stale = self.procs.get(&pid).is_some_and(|p| p.start_time != start_time);
         if stale {
             self.procs.remove(&pid);
         }
-        let has_context = self
-            .procs
-            .get(&pid)
-            .is_some_and(|p| p.contexts.contains(&gpu));
+        let has_context = self.procs.get(&pid).is_some_and(|p| p.contexts.contains(&gpu));
         if !has_context && self.free_bytes(cfg, gpu) < cfg.context_mib * MIB {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
-        self.procs
-            .entry(pid)
-            .or_insert_with(|| Proc::new(start_time))
-            .contexts
-            .insert(gpu);
+        self.procs.entry(pid).or_insert_with(|| Proc::new(start_time)).contexts.insert(gpu);
         Ok(stale)
     }
 
@@ -318,11 +286,7 @@ impl State {
         if bytes == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if !self
-            .procs
-            .get(&pid)
-            .is_some_and(|p| p.contexts.contains(&gpu))
-        {
+        if !self.procs.get(&pid).is_some_and(|p| p.contexts.contains(&gpu)) {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
         if self.free_bytes(cfg, gpu) < bytes {
@@ -338,10 +302,7 @@ impl State {
     /// `cuMemFree` of a pointer `cuMemAlloc` returned.
     pub fn free(&mut self, pid: i32, ptr: u64) -> Result<(), CuResult> {
         let p = self.procs.get_mut(&pid).ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
-        p.allocs
-            .remove(&ptr)
-            .map(|_| ())
-            .ok_or(CUDA_ERROR_INVALID_VALUE)
+        p.allocs.remove(&ptr).map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
     }
 
     /// Decides a restore of `pid` and, when it goes ahead, takes the device
@@ -377,10 +338,7 @@ impl State {
         for &gpu in &p.contexts {
             *need.entry(moved(gpu)).or_default() += ctx;
         }
-        if need
-            .iter()
-            .any(|(&gpu, &bytes)| self.free_bytes(cfg, gpu) < bytes)
-        {
+        if need.iter().any(|(&gpu, &bytes)| self.free_bytes(cfg, gpu) < bytes) {
             if let Some(p) = self.procs.get_mut(&pid) {
                 p.poisoned = true;
             }
@@ -414,9 +372,7 @@ fn gpu_map(cfg: &Config, pairs: &[GpuPair]) -> Result<Vec<u32>, CuResult> {
             _ => map[old as usize] = Some(new),
         }
     }
-    map.into_iter()
-        .map(|m| m.ok_or(CUDA_ERROR_INVALID_VALUE))
-        .collect()
+    map.into_iter().map(|m| m.ok_or(CUDA_ERROR_INVALID_VALUE)).collect()
 }
 
 #[cfg(test)]
@@ -426,21 +382,12 @@ mod tests {
 
     /// The gpu pair moving config GPU `old` to `new`.
     fn pair(cfg: &Config, old: usize, new: usize) -> Option<GpuPair> {
-        Some((
-            parse_uuid(&cfg.gpus.get(old)?.uuid)?,
-            parse_uuid(&cfg.gpus.get(new)?.uuid)?,
-        ))
+        Some((parse_uuid(&cfg.gpus.get(old)?.uuid)?, parse_uuid(&cfg.gpus.get(new)?.uuid)?))
     }
 
     fn config(gpus: &[u64]) -> Config {
         let mut cfg = Config {
-            gpus: gpus
-                .iter()
-                .map(|&total_mib| GpuConfig {
-                    total_mib,
-                    ..GpuConfig::default()
-                })
-                .collect(),
+            gpus: gpus.iter().map(|&total_mib| GpuConfig { total_mib, ..GpuConfig::default() }).collect(),
             context_mib: 10,
             ..Config::default()
         };
@@ -450,9 +397,7 @@ mod tests {
 
     /// A process on `gpu` with one allocation of `mib`.
     fn with_proc(state: &mut State, cfg: &Config, pid: i32, gpu: u32, mib: u64) -> u64 {
-        state
-            .create_context(cfg, pid, 1000 + pid as u64, gpu)
-            .unwrap();
+        state.create_context(cfg, pid, 1000 + pid as u64, gpu).unwrap();
         state.alloc(cfg, pid, gpu, mib * MIB).unwrap()
     }
 
@@ -488,10 +433,7 @@ mod tests {
         assert_eq!(st.begin_restore(&cfg, 1, None), Ok(510 * MIB));
         // The memory is taken before the copy ends.
         assert_eq!(st.used_bytes(&cfg, 0), 510 * MIB);
-        assert_eq!(
-            st.begin_restore(&cfg, 1, None),
-            Err(CUDA_ERROR_ILLEGAL_STATE)
-        );
+        assert_eq!(st.begin_restore(&cfg, 1, None), Err(CUDA_ERROR_ILLEGAL_STATE));
         let p = st.procs.get_mut(&1).unwrap();
         p.finish_restore().unwrap();
         assert_eq!(p.reported_state(), ProcState::Locked);
@@ -508,16 +450,10 @@ mod tests {
         lock_and_checkpoint(&mut st, &cfg, 1);
         with_proc(&mut st, &cfg, 2, 0, 600);
 
-        assert_eq!(
-            st.begin_restore(&cfg, 1, None),
-            Err(CUDA_ERROR_OUT_OF_MEMORY)
-        );
+        assert_eq!(st.begin_restore(&cfg, 1, None), Err(CUDA_ERROR_OUT_OF_MEMORY));
         st.procs.remove(&2);
         // Room again, but the process is stuck for good.
-        assert_eq!(
-            st.begin_restore(&cfg, 1, None),
-            Err(CUDA_ERROR_OPERATING_SYSTEM)
-        );
+        assert_eq!(st.begin_restore(&cfg, 1, None), Err(CUDA_ERROR_OPERATING_SYSTEM));
         let p = st.procs.get_mut(&1).unwrap();
         assert_eq!(p.reported_state(), ProcState::Checkpointed);
         assert_eq!(p.unlock(), Err(CUDA_ERROR_ILLEGAL_STATE));
@@ -548,24 +484,11 @@ mod tests {
         lock_and_checkpoint(&mut st, &cfg, 1);
 
         let only_one = [pair(&cfg, 0, 1).unwrap()];
-        assert_eq!(
-            st.begin_restore(&cfg, 1, Some(&only_one)),
-            Err(CUDA_ERROR_INVALID_VALUE)
-        );
+        assert_eq!(st.begin_restore(&cfg, 1, Some(&only_one)), Err(CUDA_ERROR_INVALID_VALUE));
         let unknown = [pair(&cfg, 0, 1).unwrap(), ([9; 16], [9; 16])];
-        assert_eq!(
-            st.begin_restore(&cfg, 1, Some(&unknown)),
-            Err(CUDA_ERROR_INVALID_VALUE)
-        );
-        let conflicting = [
-            pair(&cfg, 0, 1).unwrap(),
-            pair(&cfg, 0, 0).unwrap(),
-            pair(&cfg, 1, 0).unwrap(),
-        ];
-        assert_eq!(
-            st.begin_restore(&cfg, 1, Some(&conflicting)),
-            Err(CUDA_ERROR_INVALID_VALUE)
-        );
+        assert_eq!(st.begin_restore(&cfg, 1, Some(&unknown)), Err(CUDA_ERROR_INVALID_VALUE));
+        let conflicting = [pair(&cfg, 0, 1).unwrap(), pair(&cfg, 0, 0).unwrap(), pair(&cfg, 1, 0).unwrap()];
+        assert_eq!(st.begin_restore(&cfg, 1, Some(&conflicting)), Err(CUDA_ERROR_INVALID_VALUE));
         // A wrong map does not strand the process.
         assert!(!st.procs[&1].poisoned);
 
@@ -584,10 +507,7 @@ mod tests {
         with_proc(&mut st, &cfg, 1, 0, 1);
         lock_and_checkpoint(&mut st, &cfg, 1);
         let same = [pair(&cfg, 0, 0).unwrap()];
-        assert_eq!(
-            st.begin_restore(&cfg, 1, Some(&same)),
-            Err(CUDA_ERROR_INVALID_VALUE)
-        );
+        assert_eq!(st.begin_restore(&cfg, 1, Some(&same)), Err(CUDA_ERROR_INVALID_VALUE));
         assert!(st.begin_restore(&cfg, 1, None).is_ok());
     }
 
@@ -599,14 +519,8 @@ mod tests {
         lock_and_checkpoint(&mut st, &cfg, 1);
         with_proc(&mut st, &cfg, 2, 1, 600);
         let to_full = [pair(&cfg, 0, 1).unwrap(), pair(&cfg, 1, 0).unwrap()];
-        assert_eq!(
-            st.begin_restore(&cfg, 1, Some(&to_full)),
-            Err(CUDA_ERROR_OUT_OF_MEMORY)
-        );
-        assert_eq!(
-            st.begin_restore(&cfg, 1, None),
-            Err(CUDA_ERROR_OPERATING_SYSTEM)
-        );
+        assert_eq!(st.begin_restore(&cfg, 1, Some(&to_full)), Err(CUDA_ERROR_OUT_OF_MEMORY));
+        assert_eq!(st.begin_restore(&cfg, 1, None), Err(CUDA_ERROR_OPERATING_SYSTEM));
     }
 
     #[test]
@@ -614,19 +528,13 @@ mod tests {
         let cfg = config(&[100]);
         let mut st = State::default();
         assert_eq!(st.alloc(&cfg, 1, 0, MIB), Err(CUDA_ERROR_INVALID_CONTEXT));
-        assert_eq!(
-            st.create_context(&cfg, 1, 5, 1),
-            Err(CUDA_ERROR_INVALID_DEVICE)
-        );
+        assert_eq!(st.create_context(&cfg, 1, 5, 1), Err(CUDA_ERROR_INVALID_DEVICE));
         assert_eq!(st.create_context(&cfg, 1, 5, 0), Ok(false));
         assert_eq!(st.alloc(&cfg, 1, 0, 0), Err(CUDA_ERROR_INVALID_VALUE));
         let a = st.alloc(&cfg, 1, 0, 3 * MIB + 1).unwrap();
         let b = st.alloc(&cfg, 1, 0, MIB).unwrap();
         assert_eq!(b - a, 4 * MIB);
-        assert_eq!(
-            st.alloc(&cfg, 1, 0, 90 * MIB),
-            Err(CUDA_ERROR_OUT_OF_MEMORY)
-        );
+        assert_eq!(st.alloc(&cfg, 1, 0, 90 * MIB), Err(CUDA_ERROR_OUT_OF_MEMORY));
 
         let p = &st.procs[&1];
         assert_eq!(p.locate(a + 10, 100), Ok((a, 10)));

@@ -72,11 +72,7 @@ impl Store {
         } else {
             serde_json::from_str(&old_text).map_err(|e| bad_file(&state_path, e))?
         };
-        let mut txn = Txn {
-            config,
-            state,
-            config_dirty: false,
-        };
+        let mut txn = Txn { config, state, config_dirty: false };
         for pid in txn.state.collect_garbage(procfs::is_same_live_process) {
             self.remove_data(pid);
         }
@@ -136,9 +132,7 @@ impl Store {
     /// Where the data of `pid` lives: device memory (`mem/`) or, once
     /// checkpointed, host memory (`host/`).
     pub fn data_dir(&self, pid: i32, on_host: bool) -> PathBuf {
-        self.dir
-            .join(if on_host { "host" } else { "mem" })
-            .join(pid.to_string())
+        self.dir.join(if on_host { "host" } else { "mem" }).join(pid.to_string())
     }
 
     fn data_file(&self, pid: i32, base: u64) -> PathBuf {
@@ -149,11 +143,8 @@ impl Store {
     /// Files are sparse: only what was written takes space.
     pub fn write_data(&self, pid: i32, base: u64, offset: u64, bytes: &[u8]) -> io::Result<()> {
         fs::create_dir_all(self.data_dir(pid, false))?;
-        let file = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(false)
-            .open(self.data_file(pid, base))?;
+        let file =
+            OpenOptions::new().create(true).write(true).truncate(false).open(self.data_file(pid, base))?;
         file.write_all_at(bytes, offset)
     }
 
@@ -210,11 +201,7 @@ impl Store {
 
     fn lock_file(&self, path: &Path) -> io::Result<Flock<File>> {
         fs::create_dir_all(&self.dir)?;
-        let mut file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(path)?;
+        let mut file = OpenOptions::new().create(true).truncate(false).write(true).open(path)?;
         loop {
             match Flock::lock(file, FlockArg::LockExclusive) {
                 Ok(lock) => return Ok(lock),
@@ -260,9 +247,7 @@ mod tests {
         store.write_data(0, 16, 0, b"x").unwrap();
         assert!(store.data_dir(0, false).exists());
 
-        let pids = store
-            .transact(|t| t.state.procs.keys().copied().collect::<Vec<_>>())
-            .unwrap();
+        let pids = store.transact(|t| t.state.procs.keys().copied().collect::<Vec<_>>()).unwrap();
         assert_eq!(pids, vec![me]);
         assert!(!store.data_dir(0, false).exists());
         // Nothing injected, so the config file was never written.
@@ -272,11 +257,8 @@ mod tests {
     #[test]
     fn injections_are_written_back() {
         let dir = tempfile::tempdir().unwrap();
-        fs::write(
-            dir.path().join("config.json"),
-            r#"{"inject":[{"call":"lock","rc":2,"count":1}]}"#,
-        )
-        .unwrap();
+        fs::write(dir.path().join("config.json"), r#"{"inject":[{"call":"lock","rc":2,"count":1}]}"#)
+            .unwrap();
         let store = Store::at(dir.path());
         let fired = store.transact(|t| t.take_injection("lock", 5)).unwrap();
         assert_eq!(fired.unwrap().rc, 2);
@@ -319,14 +301,6 @@ mod tests {
         let text = fs::read_to_string(dir.path().join("new/journal.log")).unwrap();
         let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(' ').collect()).collect();
         assert_eq!(lines.len(), 2);
-        assert_eq!(
-            lines[1][1..],
-            [
-                std::process::id().to_string().as_str(),
-                "unlock",
-                "42",
-                "401"
-            ]
-        );
+        assert_eq!(lines[1][1..], [std::process::id().to_string().as_str(), "unlock", "42", "401"]);
     }
 }

@@ -27,10 +27,7 @@ fn io_fail(e: io::Error) -> CuResult {
     CUDA_ERROR_UNKNOWN
 }
 
-fn transact<T>(
-    store: &Store,
-    f: impl FnOnce(&mut Txn) -> Result<T, CuResult>,
-) -> Result<T, CuResult> {
+fn transact<T>(store: &Store, f: impl FnOnce(&mut Txn) -> Result<T, CuResult>) -> Result<T, CuResult> {
     store.transact(f).map_err(io_fail)?
 }
 
@@ -47,10 +44,7 @@ pub fn init(flags: u32) -> Result<(), CuResult> {
 }
 
 pub fn driver_version() -> Result<i32, CuResult> {
-    Ok(Store::from_env()
-        .load_config()
-        .map_err(io_fail)?
-        .driver_version)
+    Ok(Store::from_env().load_config().map_err(io_fail)?.driver_version)
 }
 
 // ---------------------------------------------------------------------------
@@ -157,11 +151,7 @@ fn on_process<T>(
         if stat.is_dead() {
             return Err(CUDA_ERROR_NOT_INITIALIZED);
         }
-        let p = t
-            .state
-            .procs
-            .get_mut(&pid)
-            .ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
+        let p = t.state.procs.get_mut(&pid).ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
         // The start times differ only for a checkpointed entry, the one kind
         // that outlives its process (see `collect_garbage`): a CRIU-restored
         // process took over the pid, and from now on the entry is its own.
@@ -171,16 +161,11 @@ fn on_process<T>(
 }
 
 fn entry(t: &mut Txn, pid: i32) -> Result<&mut Proc, CuResult> {
-    t.state
-        .procs
-        .get_mut(&pid)
-        .ok_or(CUDA_ERROR_NOT_INITIALIZED)
+    t.state.procs.get_mut(&pid).ok_or(CUDA_ERROR_NOT_INITIALIZED)
 }
 
 pub fn lock(store: &Store, pid: i32, timeout_ms: u32) -> Result<(), CuResult> {
-    let wait = on_process(store, pid, |t| {
-        entry(t, pid)?.begin_lock(now_ms(), timeout_ms)
-    })?;
+    let wait = on_process(store, pid, |t| entry(t, pid)?.begin_lock(now_ms(), timeout_ms))?;
     match wait {
         LockWait::TimesOut(ms) => {
             sleep(Duration::from_millis(ms));
@@ -196,10 +181,7 @@ pub fn lock(store: &Store, pid: i32, timeout_ms: u32) -> Result<(), CuResult> {
 pub fn checkpoint(store: &Store, pid: i32) -> Result<(), CuResult> {
     let (bytes, gbps) = on_process(store, pid, |t| {
         let ctx = t.config.context_mib * MIB;
-        Ok((
-            entry(t, pid)?.begin_checkpoint(ctx)?,
-            t.config.checkpoint_gbps,
-        ))
+        Ok((entry(t, pid)?.begin_checkpoint(ctx)?, t.config.checkpoint_gbps))
     })?;
     sleep(copy_time(bytes, gbps));
     on_process(store, pid, |t| {

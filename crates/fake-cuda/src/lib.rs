@@ -150,10 +150,7 @@ pub unsafe extern "C" fn cuGetErrorString(error: CUresult, out: *mut *const c_ch
 ///
 /// # Safety
 /// `out` must be NULL or writable.
-unsafe fn put_error_text(
-    out: *mut *const c_char,
-    text: Option<&'static str>,
-) -> Result<(), CuResult> {
+unsafe fn put_error_text(out: *mut *const c_char, text: Option<&'static str>) -> Result<(), CuResult> {
     let ptr = text.map_or(std::ptr::null(), |t| t.as_ptr().cast());
     // SAFETY: the caller's out-pointer, NULL or writable.
     unsafe { put(out, ptr) }?;
@@ -166,10 +163,7 @@ unsafe fn put_error_text(
 /// # Safety
 /// `args` must be NULL or point to a `CUcheckpointLockArgs`.
 #[no_mangle]
-pub unsafe extern "C" fn cuCheckpointProcessLock(
-    pid: c_int,
-    args: *const CUcheckpointLockArgs,
-) -> CUresult {
+pub unsafe extern "C" fn cuCheckpointProcessLock(pid: c_int, args: *const CUcheckpointLockArgs) -> CUresult {
     ffi(|| {
         // SAFETY: NULL or a lock-args struct, as the caller promises.
         let args = unsafe { read_args(args) };
@@ -193,9 +187,7 @@ pub unsafe extern "C" fn cuCheckpointProcessCheckpoint(
     ffi(|| {
         // SAFETY: NULL or a checkpoint-args struct, as the caller promises.
         let ok = unsafe { read_args(args) }.map_or(Ok(()), |a| reserved_zero(&a.reserved));
-        driver::checkpoint_call(Call::Checkpoint, pid, ok, |s, p, ()| {
-            driver::checkpoint(s, p)
-        })
+        driver::checkpoint_call(Call::Checkpoint, pid, ok, |s, p, ()| driver::checkpoint(s, p))
     })
 }
 
@@ -232,12 +224,7 @@ unsafe fn gpu_pairs(a: &CUcheckpointRestoreArgs) -> Result<Option<Vec<GpuPair>>,
         (false, n) => {
             // SAFETY: non-NULL and `n` pairs long, as the caller promises.
             let pairs = unsafe { std::slice::from_raw_parts(a.gpu_pairs, n as usize) };
-            Ok(Some(
-                pairs
-                    .iter()
-                    .map(|p| (p.old_uuid.bytes, p.new_uuid.bytes))
-                    .collect(),
-            ))
+            Ok(Some(pairs.iter().map(|p| (p.old_uuid.bytes, p.new_uuid.bytes)).collect()))
         }
     }
 }
@@ -261,13 +248,8 @@ pub unsafe extern "C" fn cuCheckpointProcessUnlock(
 #[no_mangle]
 pub unsafe extern "C" fn cuCheckpointProcessGetState(pid: c_int, state: *mut c_int) -> CUresult {
     ffi(|| {
-        let out = if state.is_null() {
-            Err(CUDA_ERROR_INVALID_VALUE)
-        } else {
-            Ok(())
-        };
-        let value =
-            driver::checkpoint_call(Call::GetState, pid, out, |s, p, ()| driver::get_state(s, p))?;
+        let out = if state.is_null() { Err(CUDA_ERROR_INVALID_VALUE) } else { Ok(()) };
+        let value = driver::checkpoint_call(Call::GetState, pid, out, |s, p, ()| driver::get_state(s, p))?;
         // SAFETY: checked non-NULL above; the caller promises it is writable.
         unsafe { put(state, value) }
     })
@@ -276,19 +258,11 @@ pub unsafe extern "C" fn cuCheckpointProcessGetState(pid: c_int, state: *mut c_i
 /// # Safety
 /// `tid` must be NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn cuCheckpointProcessGetRestoreThreadId(
-    pid: c_int,
-    tid: *mut c_int,
-) -> CUresult {
+pub unsafe extern "C" fn cuCheckpointProcessGetRestoreThreadId(pid: c_int, tid: *mut c_int) -> CUresult {
     ffi(|| {
-        let out = if tid.is_null() {
-            Err(CUDA_ERROR_INVALID_VALUE)
-        } else {
-            Ok(())
-        };
-        let value = driver::checkpoint_call(Call::GetRestoreTid, pid, out, |s, p, ()| {
-            driver::get_restore_tid(s, p)
-        })?;
+        let out = if tid.is_null() { Err(CUDA_ERROR_INVALID_VALUE) } else { Ok(()) };
+        let value =
+            driver::checkpoint_call(Call::GetRestoreTid, pid, out, |s, p, ()| driver::get_restore_tid(s, p))?;
         // SAFETY: checked non-NULL above; the caller promises it is writable.
         unsafe { put(tid, value) }
     })
@@ -322,11 +296,7 @@ pub unsafe extern "C" fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) -> C
 /// # Safety
 /// `ctx` must be NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn cuCtxCreate_v2(
-    ctx: *mut CUcontext,
-    _flags: c_uint,
-    device: CUdevice,
-) -> CUresult {
+pub unsafe extern "C" fn cuCtxCreate_v2(ctx: *mut CUcontext, _flags: c_uint, device: CUdevice) -> CUresult {
     ffi(|| {
         if ctx.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -361,11 +331,7 @@ pub extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
 /// # Safety
 /// `src` must be readable for `bytes` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn cuMemcpyHtoD_v2(
-    dst: CUdeviceptr,
-    src: *const c_void,
-    bytes: usize,
-) -> CUresult {
+pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize) -> CUresult {
     ffi(|| {
         if bytes == 0 {
             return Ok(());
@@ -383,11 +349,7 @@ pub unsafe extern "C" fn cuMemcpyHtoD_v2(
 /// # Safety
 /// `dst` must be writable for `bytes` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn cuMemcpyDtoH_v2(
-    dst: *mut c_void,
-    src: CUdeviceptr,
-    bytes: usize,
-) -> CUresult {
+pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize) -> CUresult {
     ffi(|| {
         if bytes == 0 {
             return Ok(());

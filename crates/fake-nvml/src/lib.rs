@@ -204,10 +204,7 @@ pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
 /// # Safety
 /// `version` must be NULL or writable for `length` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn nvmlSystemGetDriverVersion(
-    version: *mut c_char,
-    length: c_uint,
-) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
     ffi(|| {
         let text = config()?.driver_string;
         // SAFETY: the caller's buffer, NULL or `length` bytes.
@@ -267,11 +264,8 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
         }
         // SAFETY: non-NULL and NUL-terminated, as the caller promises.
         let wanted = unsafe { CStr::from_ptr(uuid) }.to_bytes();
-        let index = config()?
-            .gpus
-            .iter()
-            .position(|g| g.uuid.as_bytes() == wanted)
-            .ok_or(NVML_ERROR_NOT_FOUND)?;
+        let index =
+            config()?.gpus.iter().position(|g| g.uuid.as_bytes() == wanted).ok_or(NVML_ERROR_NOT_FOUND)?;
         let h = handle(index)?;
         // SAFETY: the caller's out-pointer, NULL or writable.
         unsafe { put(device, h) }
@@ -311,10 +305,7 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
 /// # Safety
 /// `index` must be NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetIndex(
-    device: nvmlDevice_t,
-    index: *mut c_uint,
-) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_uint) -> nvmlReturn_t {
     ffi(|| {
         let i = with_gpu(device, |_, _, gpu| gpu)?;
         // SAFETY: the caller's out-pointer, NULL or writable.
@@ -344,13 +335,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
         let info = with_gpu(device, |cfg, st, gpu| {
             let total = State::total_bytes(cfg, gpu);
             let used = st.used_bytes(cfg, gpu).min(total);
-            nvmlMemory_v2_t {
-                version,
-                total,
-                reserved: 0,
-                free: total - used,
-                used,
-            }
+            nvmlMemory_v2_t { version, total, reserved: 0, free: total - used, used }
         })?;
         // SAFETY: checked non-NULL above; the caller promises it is writable.
         unsafe { put(memory, info) }

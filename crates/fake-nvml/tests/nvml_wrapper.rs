@@ -53,23 +53,11 @@ fn nvml_wrapper_sees_the_fake_gpus() {
         .transact(|t| {
             let mut mine = Proc::new(procfs::stat(me).unwrap().start_time);
             mine.contexts.insert(0);
-            mine.allocs.insert(
-                0x1000,
-                Alloc {
-                    gpu: 0,
-                    bytes: 100 * MIB,
-                },
-            );
+            mine.allocs.insert(0x1000, Alloc { gpu: 0, bytes: 100 * MIB });
             t.state.procs.insert(me, mine);
             let mut parked = Proc::new(procfs::stat(other).unwrap().start_time);
             parked.contexts.insert(0);
-            parked.allocs.insert(
-                0x1000,
-                Alloc {
-                    gpu: 0,
-                    bytes: 500 * MIB,
-                },
-            );
+            parked.allocs.insert(0x1000, Alloc { gpu: 0, bytes: 500 * MIB });
             parked.state = ProcState::Checkpointed;
             parked.resident = false;
             t.state.procs.insert(other, parked);
@@ -83,18 +71,12 @@ fn nvml_wrapper_sees_the_fake_gpus() {
     assert_eq!(nvml.device_count().unwrap(), 2);
 
     let gpu0 = nvml.device_by_index(0).unwrap();
-    assert_eq!(
-        gpu0.uuid().unwrap(),
-        "GPU-00000000-0000-0000-0000-000000000000"
-    );
+    assert_eq!(gpu0.uuid().unwrap(), "GPU-00000000-0000-0000-0000-000000000000");
     assert_eq!(gpu0.name().unwrap(), "NVIDIA H200 (fake)");
     assert_eq!(gpu0.index().unwrap(), 0);
     assert!(gpu0.is_in_persistent_mode().unwrap());
     let mem = gpu0.memory_info().unwrap();
-    assert_eq!(
-        (mem.total, mem.used, mem.free, mem.reserved),
-        (1024 * MIB, 110 * MIB, 914 * MIB, 0)
-    );
+    assert_eq!((mem.total, mem.used, mem.free, mem.reserved), (1024 * MIB, 110 * MIB, 914 * MIB, 0));
     let procs = gpu0.running_compute_processes().unwrap();
     assert_eq!(procs.len(), 1);
     assert_eq!(procs[0].pid, me as u32);
@@ -102,22 +84,14 @@ fn nvml_wrapper_sees_the_fake_gpus() {
     assert_eq!(procs[0].gpu_instance_id, None);
     assert_eq!(gpu0.running_compute_processes_count().unwrap(), 1);
 
-    let gpu1 = nvml
-        .device_by_uuid("GPU-00000001-0000-0000-0000-000000000000")
-        .unwrap();
+    let gpu1 = nvml.device_by_uuid("GPU-00000001-0000-0000-0000-000000000000").unwrap();
     assert_eq!(gpu1.index().unwrap(), 1);
     assert_eq!(gpu1.name().unwrap(), "second");
     assert!(gpu1.running_compute_processes().unwrap().is_empty());
     assert_eq!(gpu1.memory_info().unwrap().free, 2048 * MIB);
 
-    assert!(matches!(
-        nvml.device_by_uuid("GPU-nope"),
-        Err(NvmlError::NotFound)
-    ));
-    assert!(matches!(
-        nvml.device_by_index(2),
-        Err(NvmlError::InvalidArg)
-    ));
+    assert!(matches!(nvml.device_by_uuid("GPU-nope"), Err(NvmlError::NotFound)));
+    assert!(matches!(nvml.device_by_index(2), Err(NvmlError::InvalidArg)));
 
     // Once the sleeper is gone its checkpointed entry stays (its data is host
     // memory) but still counts for nothing.

@@ -102,9 +102,7 @@ impl Cuda {
         let known = unsafe { (self.error_name)(rc, &mut name) } == 0 && !name.is_null();
         let name = if known {
             // SAFETY: the driver returned a static NUL-terminated string.
-            unsafe { CStr::from_ptr(name) }
-                .to_string_lossy()
-                .into_owned()
+            unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
         } else {
             "unknown error".into()
         };
@@ -119,9 +117,7 @@ fn pattern(len: usize) -> Vec<u8> {
 }
 
 fn unix_time() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Writes through a temporary file and a rename, so readers never see half.
@@ -136,10 +132,7 @@ fn run(args: &Args) -> Result<(), String> {
     let data_len = usize::try_from(args.data_kib * 1024).map_err(|e| e.to_string())?;
     let bytes = args.mib * 1024 * 1024;
     if data_len as u64 > bytes {
-        return Err(format!(
-            "--data-kib {} does not fit in --mib {}",
-            args.data_kib, args.mib
-        ));
+        return Err(format!("--data-kib {} does not fit in --mib {}", args.data_kib, args.mib));
     }
     let cuda = Cuda::load()?;
     let mut device: c_int = 0;
@@ -154,10 +147,7 @@ fn run(args: &Args) -> Result<(), String> {
         cuda.check("cuCtxCreate_v2", (cuda.ctx_create)(&mut ctx, 0, device))?;
         if bytes > 0 {
             cuda.check("cuMemAlloc_v2", (cuda.mem_alloc)(&mut ptr, bytes as usize))?;
-            cuda.check(
-                "cuMemcpyHtoD_v2",
-                (cuda.memcpy_htod)(ptr, data.as_ptr().cast(), data_len),
-            )?;
+            cuda.check("cuMemcpyHtoD_v2", (cuda.memcpy_htod)(ptr, data.as_ptr().cast(), data_len))?;
         }
     }
 
@@ -169,9 +159,7 @@ fn run(args: &Args) -> Result<(), String> {
     let pid = std::process::id();
     if args.print_ready {
         let mut out = std::io::stdout().lock();
-        writeln!(out, "ready {pid}")
-            .and_then(|()| out.flush())
-            .map_err(|e| e.to_string())?;
+        writeln!(out, "ready {pid}").and_then(|()| out.flush()).map_err(|e| e.to_string())?;
     }
 
     let exit_file = args.status.as_ref().map(|s| {
@@ -183,9 +171,7 @@ fn run(args: &Args) -> Result<(), String> {
     for iteration in 1u64.. {
         if args.busy_ms > 0 {
             // SAFETY: no pointers.
-            cuda.check("fakeEnqueueWork", unsafe {
-                (cuda.enqueue_work)(args.busy_ms)
-            })?;
+            cuda.check("fakeEnqueueWork", unsafe { (cuda.enqueue_work)(args.busy_ms) })?;
         }
         if data_len > 0 {
             // SAFETY: `back` is `data_len` long.
@@ -194,11 +180,7 @@ fn run(args: &Args) -> Result<(), String> {
         }
         let intact = back == data;
         if let Some(status) = &args.status {
-            let line = format!(
-                "{pid} {iteration} {} {:.3}\n",
-                u8::from(intact),
-                unix_time()
-            );
+            let line = format!("{pid} {iteration} {} {:.3}\n", u8::from(intact), unix_time());
             write_status(status, &line).map_err(|e| format!("{}: {e}", status.display()))?;
         }
         if exit_file.as_ref().is_some_and(|f| f.exists()) {

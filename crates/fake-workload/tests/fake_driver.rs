@@ -67,8 +67,7 @@ struct Cuda {
 impl Cuda {
     fn load(path: &Path) -> Self {
         // SAFETY: the fake has no initialisers beyond Rust statics.
-        let lib =
-            unsafe { Library::new(path) }.unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let lib = unsafe { Library::new(path) }.unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         macro_rules! sym {
             ($name:literal) => {
                 // SAFETY: declared with the fake's (the driver's) C signature.
@@ -88,11 +87,7 @@ impl Cuda {
     }
 
     fn lock(&self, pid: i32, timeout_ms: u32) -> c_int {
-        let args = LockArgs {
-            timeout_ms,
-            reserved0: 0,
-            reserved1: [0; 7],
-        };
+        let args = LockArgs { timeout_ms, reserved0: 0, reserved1: [0; 7] };
         // SAFETY: a valid lock-args struct.
         unsafe { (self.lock)(pid, &args) }
     }
@@ -188,19 +183,13 @@ impl Env {
         // Safe enough: tests take turns, and no thread of an earlier test is
         // still inside the fake.
         std::env::set_var("GPUSNAP_FAKE_DIR", state.path());
-        Env {
-            state,
-            cuda: &fakes.cuda,
-            _turn: turn,
-        }
+        Env { state, cuda: &fakes.cuda, _turn: turn }
     }
 
     /// `fake-workload` with the fake driver and this test's state.
     fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(fakes().dir.join("fake-workload"));
-        cmd.args(args)
-            .env("LD_LIBRARY_PATH", &fakes().dir)
-            .env("GPUSNAP_FAKE_DIR", self.state.path());
+        cmd.args(args).env("LD_LIBRARY_PATH", &fakes().dir).env("GPUSNAP_FAKE_DIR", self.state.path());
         cmd
     }
 
@@ -216,21 +205,16 @@ impl Env {
             .spawn()
             .unwrap();
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         let guard = Workload { child, status };
-        let pid = line
-            .strip_prefix("ready ")
-            .map(|p| p.trim().parse::<i32>().unwrap());
+        let pid = line.strip_prefix("ready ").map(|p| p.trim().parse::<i32>().unwrap());
         assert_eq!(pid, Some(guard.pid()), "fake-workload said {line:?}");
         guard.wait_iterations(1);
         guard
     }
 
     fn journal(&self) -> Vec<(String, i32, i32)> {
-        let text =
-            std::fs::read_to_string(self.state.path().join("journal.log")).unwrap_or_default();
+        let text = std::fs::read_to_string(self.state.path().join("journal.log")).unwrap_or_default();
         let me = std::process::id().to_string();
         text.lines()
             .map(|l| {
@@ -238,20 +222,13 @@ impl Env {
                 assert_eq!(f.len(), 5, "journal line {l:?}");
                 f[0].parse::<u64>().unwrap();
                 assert_eq!(f[1], me);
-                (
-                    f[2].to_string(),
-                    f[3].parse().unwrap(),
-                    f[4].parse().unwrap(),
-                )
+                (f[2].to_string(), f[3].parse().unwrap(), f[4].parse().unwrap())
             })
             .collect()
     }
 
     fn state_json(&self) -> serde_json::Value {
-        serde_json::from_str(
-            &std::fs::read_to_string(self.state.path().join("state.json")).unwrap(),
-        )
-        .unwrap()
+        serde_json::from_str(&std::fs::read_to_string(self.state.path().join("state.json")).unwrap()).unwrap()
     }
 }
 
@@ -349,11 +326,7 @@ fn suspend_and_resume_keep_the_data() {
     // 256 MiB at 2 GB/s: about 134 ms.
     let t = Instant::now();
     assert_eq!(cuda.checkpoint(pid), SUCCESS);
-    assert!(
-        t.elapsed() >= Duration::from_millis(120),
-        "{:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() >= Duration::from_millis(120), "{:?}", t.elapsed());
     assert_eq!(cuda.state(pid), (SUCCESS, CHECKPOINTED));
     assert_eq!(cuda.checkpoint(pid), ILLEGAL_STATE);
     assert_eq!(cuda.lock(pid, 0), ILLEGAL_STATE);
@@ -361,10 +334,7 @@ fn suspend_and_resume_keep_the_data() {
     let data = env.state.path().join(format!("host/{pid}"));
     assert!(data.is_dir(), "the written bytes are in host memory");
     assert!(!env.state.path().join(format!("mem/{pid}")).exists());
-    assert_eq!(
-        env.state_json()["procs"][pid.to_string()]["resident"],
-        false
-    );
+    assert_eq!(env.state_json()["procs"][pid.to_string()]["resident"], false);
     w.assert_frozen();
 
     assert_eq!(cuda.restore(pid), SUCCESS);
@@ -411,16 +381,10 @@ fn a_workload_that_does_not_fit_fails_with_out_of_memory() {
     let out = env.command(&["--mib", "2000"]).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("cuMemAlloc_v2: 2 CUDA_ERROR_OUT_OF_MEMORY"),
-        "{err}"
-    );
+    assert!(err.contains("cuMemAlloc_v2: 2 CUDA_ERROR_OUT_OF_MEMORY"), "{err}");
     let out = env.command(&["--gpu", "1"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("cuDeviceGet: 101 CUDA_ERROR_INVALID_DEVICE"),
-        "{err}"
-    );
+    assert!(err.contains("cuDeviceGet: 101 CUDA_ERROR_INVALID_DEVICE"), "{err}");
 }
 
 #[test]
@@ -519,10 +483,7 @@ fn a_stopped_process_hangs_lock_and_get_state() {
     let getter = std::thread::spawn(move || tx.send(("get_state", cuda.state(pid).0)).unwrap());
     // The timeout does not help.
     let locker = std::thread::spawn(move || tx2.send(("lock", cuda.lock(pid, 100))).unwrap());
-    assert!(
-        rx.recv_timeout(Duration::from_millis(1200)).is_err(),
-        "a call returned on a stopped process"
-    );
+    assert!(rx.recv_timeout(Duration::from_millis(1200)).is_err(), "a call returned on a stopped process");
 
     w.signal(Signal::SIGCONT);
     let mut answers = vec![
@@ -548,10 +509,7 @@ fn a_lock_times_out_on_queued_work() {
     let t = Instant::now();
     assert_eq!(cuda.lock(pid, 200), NOT_READY);
     let took = t.elapsed();
-    assert!(
-        took >= Duration::from_millis(200) && took < Duration::from_millis(1300),
-        "{took:?}"
-    );
+    assert!(took >= Duration::from_millis(200) && took < Duration::from_millis(1300), "{took:?}");
     assert_eq!(cuda.state(pid), (SUCCESS, RUNNING));
     w.wait_iterations(2);
 
@@ -560,11 +518,7 @@ fn a_lock_times_out_on_queued_work() {
     let t = Instant::now();
     // SAFETY: NULL args are allowed.
     assert_eq!(unsafe { (cuda.lock)(pid, std::ptr::null()) }, SUCCESS);
-    assert!(
-        t.elapsed() >= Duration::from_millis(500),
-        "{:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() >= Duration::from_millis(500), "{:?}", t.elapsed());
     assert_eq!(cuda.state(pid), (SUCCESS, LOCKED));
     w.assert_frozen();
     assert_eq!(cuda.unlock(pid), SUCCESS);
@@ -636,24 +590,13 @@ fn gpu_pairs_move_a_process_to_another_gpu() {
         b[3] = i;
         b
     };
-    let pair = |old, new| GpuPair {
-        old_uuid: uuid(old),
-        new_uuid: uuid(new),
-    };
+    let pair = |old, new| GpuPair { old_uuid: uuid(old), new_uuid: uuid(new) };
     assert_eq!(cuda.restore_with(pid, &[pair(0, 1)]), INVALID_VALUE);
-    assert_eq!(
-        cuda.restore_with(pid, &[pair(0, 1), pair(7, 0)]),
-        INVALID_VALUE
-    );
+    assert_eq!(cuda.restore_with(pid, &[pair(0, 1), pair(7, 0)]), INVALID_VALUE);
     assert_eq!(cuda.state(pid), (SUCCESS, CHECKPOINTED));
     assert_eq!(cuda.restore_with(pid, &[pair(0, 1), pair(1, 0)]), SUCCESS);
     let allocs = &env.state_json()["procs"][pid.to_string()]["allocs"];
-    let gpus: Vec<u64> = allocs
-        .as_object()
-        .unwrap()
-        .values()
-        .map(|a| a["gpu"].as_u64().unwrap())
-        .collect();
+    let gpus: Vec<u64> = allocs.as_object().unwrap().values().map(|a| a["gpu"].as_u64().unwrap()).collect();
     assert_eq!(gpus, vec![1]);
     assert_eq!(cuda.unlock(pid), SUCCESS);
     w.wait_iterations(2);

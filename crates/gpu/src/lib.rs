@@ -40,11 +40,7 @@ pub trait GpuInventory: Send + Sync {
 
     /// The device memory `pid` holds, per GPU UUID (empty when none).
     fn usage_of(&self, pid: u32) -> Result<Vec<ProcessUsage>, GpuError> {
-        Ok(self
-            .processes()?
-            .into_iter()
-            .filter(|p| p.pid == pid)
-            .collect())
+        Ok(self.processes()?.into_iter().filter(|p| p.pid == pid).collect())
     }
 }
 
@@ -54,10 +50,7 @@ pub struct NvmlInventory {
 }
 
 fn q<T>(what: &'static str, r: Result<T, nvml_wrapper::error::NvmlError>) -> Result<T, GpuError> {
-    r.map_err(|e| GpuError::Query {
-        what,
-        reason: e.to_string(),
-    })
+    r.map_err(|e| GpuError::Query { what, reason: e.to_string() })
 }
 
 impl NvmlInventory {
@@ -122,5 +115,33 @@ impl GpuInventory for NvmlInventory {
                 .collect::<Vec<_>>())
         })?;
         Ok(per_gpu.into_iter().flatten().collect())
+    }
+}
+
+impl<T: GpuInventory + ?Sized> GpuInventory for Box<T> {
+    fn driver_version(&self) -> Result<String, GpuError> {
+        (**self).driver_version()
+    }
+    fn gpus(&self) -> Result<Vec<GpuInfo>, GpuError> {
+        (**self).gpus()
+    }
+    fn processes(&self) -> Result<Vec<ProcessUsage>, GpuError> {
+        (**self).processes()
+    }
+}
+
+/// The inventory of a host without NVML: no GPUs, no GPU processes.
+#[derive(Debug, Clone, Default)]
+pub struct NoGpus;
+
+impl GpuInventory for NoGpus {
+    fn driver_version(&self) -> Result<String, GpuError> {
+        Ok("none".into())
+    }
+    fn gpus(&self) -> Result<Vec<GpuInfo>, GpuError> {
+        Ok(Vec::new())
+    }
+    fn processes(&self) -> Result<Vec<ProcessUsage>, GpuError> {
+        Ok(Vec::new())
     }
 }

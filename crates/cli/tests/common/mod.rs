@@ -13,10 +13,7 @@ pub const MIB: u64 = 1 << 20;
 
 fn target_dir() -> PathBuf {
     // .../target/debug/gpusnap
-    PathBuf::from(env!("CARGO_BIN_EXE_gpusnap"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
+    PathBuf::from(env!("CARGO_BIN_EXE_gpusnap")).parent().unwrap().to_path_buf()
 }
 
 /// Builds the fakes once per test binary and links them under their real names.
@@ -43,10 +40,9 @@ pub fn fake_libdir() -> &'static Path {
         assert!(st.success(), "building the fakes failed");
         let dir = profile_dir.join("fakelib");
         std::fs::create_dir_all(&dir).unwrap();
-        for (src, dst) in [
-            ("libgpusnap_fake_cuda.so", "libcuda.so.1"),
-            ("libgpusnap_fake_nvml.so", "libnvidia-ml.so.1"),
-        ] {
+        for (src, dst) in
+            [("libgpusnap_fake_cuda.so", "libcuda.so.1"), ("libgpusnap_fake_nvml.so", "libnvidia-ml.so.1")]
+        {
             let link = dir.join(dst);
             let _ = std::fs::remove_file(&link);
             std::os::unix::fs::symlink(profile_dir.join(src), &link).unwrap();
@@ -75,9 +71,8 @@ pub struct Run {
 impl Run {
     pub fn json(&self) -> Value {
         let line = self.stdout.lines().last().unwrap_or("");
-        serde_json::from_str(line).unwrap_or_else(|e| {
-            panic!("not JSON ({e}): {:?}\nstderr: {}", self.stdout, self.stderr)
-        })
+        serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}\nstderr: {}", self.stdout, self.stderr))
     }
 }
 
@@ -110,25 +105,17 @@ impl World {
                 c.insert(k.clone(), v.clone());
             }
         }
-        let w = Self {
-            tmp,
-            children: Vec::new(),
-        };
+        let w = Self { tmp, children: Vec::new() };
         w.write_config(&cfg);
         w
     }
 
     pub fn write_config(&self, cfg: &Value) {
-        std::fs::write(
-            self.fake_dir().join("config.json"),
-            serde_json::to_vec_pretty(cfg).unwrap(),
-        )
-        .unwrap();
+        std::fs::write(self.fake_dir().join("config.json"), serde_json::to_vec_pretty(cfg).unwrap()).unwrap();
     }
 
     pub fn config(&self) -> Value {
-        serde_json::from_slice(&std::fs::read(self.fake_dir().join("config.json")).unwrap())
-            .unwrap()
+        serde_json::from_slice(&std::fs::read(self.fake_dir().join("config.json")).unwrap()).unwrap()
     }
 
     pub fn set_config(&self, key: &str, v: Value) {
@@ -161,12 +148,7 @@ impl World {
 
     /// Runs gpusnap to completion (bounded: a hang fails the test).
     pub fn gpusnap(&self, args: &[&str]) -> Run {
-        let mut child = self
-            .gpusnap_cmd(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = self.gpusnap_cmd(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         let end = Instant::now() + Duration::from_secs(60);
         loop {
             if child.try_wait().unwrap().is_some() {
@@ -178,11 +160,7 @@ impl World {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        let Output {
-            status,
-            stdout,
-            stderr,
-        } = child.wait_with_output().unwrap();
+        let Output { status, stdout, stderr } = child.wait_with_output().unwrap();
         Run {
             code: status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&stdout).into_owned(),
@@ -199,39 +177,24 @@ impl World {
     /// Starts a fake CUDA program holding `mib` on GPU `gpu`; returns its pid
     /// once it has allocated and reported its first intact iteration.
     pub fn workload(&mut self, mib: u64, gpu: u32, extra: &[&str]) -> i32 {
-        let status = self
-            .tmp
-            .path()
-            .join(format!("status-{}", self.children.len()));
+        let status = self.tmp.path().join(format!("status-{}", self.children.len()));
         let mut cmd = Command::new(fake_workload_bin());
         self.env(&mut cmd);
-        cmd.args([
-            "--mib",
-            &mib.to_string(),
-            "--gpu",
-            &gpu.to_string(),
-            "--status",
-        ])
-        .arg(&status)
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit());
+        cmd.args(["--mib", &mib.to_string(), "--gpu", &gpu.to_string(), "--status"])
+            .arg(&status)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
         let child = cmd.spawn().expect("spawn fake-workload");
         let pid = child.id() as i32;
         self.children.push(child);
-        wait_for(Duration::from_secs(20), || {
-            self.status_of(pid).is_some_and(|s| s.1 >= 1)
-        });
+        wait_for(Duration::from_secs(20), || self.status_of(pid).is_some_and(|s| s.1 >= 1));
         pid
     }
 
     pub fn status_path(&self, pid: i32) -> PathBuf {
-        let idx = self
-            .children
-            .iter()
-            .position(|c| c.id() as i32 == pid)
-            .expect("a workload of this world");
+        let idx = self.children.iter().position(|c| c.id() as i32 == pid).expect("a workload of this world");
         self.tmp.path().join(format!("status-{idx}"))
     }
 
@@ -239,19 +202,13 @@ impl World {
     pub fn status_of(&self, pid: i32) -> Option<(i32, u64, bool)> {
         let s = std::fs::read_to_string(self.status_path(pid)).ok()?;
         let f: Vec<&str> = s.split_whitespace().collect();
-        Some((
-            f.first()?.parse().ok()?,
-            f.get(1)?.parse().ok()?,
-            *f.get(2)? == "1",
-        ))
+        Some((f.first()?.parse().ok()?, f.get(1)?.parse().ok()?, *f.get(2)? == "1"))
     }
 
     /// Waits until the workload has done `n` more intact iterations.
     pub fn assert_progressing(&self, pid: i32) {
         let (_, start, _) = self.status_of(pid).expect("status");
-        wait_for(Duration::from_secs(20), || {
-            self.status_of(pid).is_some_and(|s| s.1 >= start + 2 && s.2)
-        });
+        wait_for(Duration::from_secs(20), || self.status_of(pid).is_some_and(|s| s.1 >= start + 2 && s.2));
     }
 
     pub fn iteration(&self, pid: i32) -> u64 {
@@ -265,11 +222,7 @@ impl World {
             .lines()
             .filter_map(|l| {
                 let f: Vec<&str> = l.split_whitespace().collect();
-                Some((
-                    f.get(2)?.to_string(),
-                    f.get(3)?.parse().ok()?,
-                    f.get(4)?.parse().ok()?,
-                ))
+                Some((f.get(2)?.to_string(), f.get(3)?.parse().ok()?, f.get(4)?.parse().ok()?))
             })
             .collect()
     }
@@ -284,21 +237,13 @@ impl World {
     }
 
     pub fn alive(&mut self, pid: i32) -> bool {
-        let c = self
-            .children
-            .iter_mut()
-            .find(|c| c.id() as i32 == pid)
-            .expect("child");
+        let c = self.children.iter_mut().find(|c| c.id() as i32 == pid).expect("child");
         c.try_wait().unwrap().is_none()
     }
 
     /// Kills a workload that holds no live (restored) CUDA state.
     pub fn kill(&mut self, pid: i32) {
-        let c = self
-            .children
-            .iter_mut()
-            .find(|c| c.id() as i32 == pid)
-            .expect("child");
+        let c = self.children.iter_mut().find(|c| c.id() as i32 == pid).expect("child");
         let _ = c.kill();
         let _ = c.wait();
     }

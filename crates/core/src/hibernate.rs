@@ -1,0 +1,570 @@
+//! hibernate, wake and recover: whole process trees to an image and back.
+//!
+//! The order is chosen so that nothing is lost at any step:
+//! 1. every CUDA process of the tree is suspended (all or none);
+//! 2. CRIU dumps the tree *leaving it running* into a temporary directory;
+//! 3. the image is checksummed, its manifest written, and renamed into place;
+//! 4. only then is the tree ended (its CUDA state is already off the GPU,
+//!    so the kill is safe), or, with `leave_running`, resumed as it was.
+//!
+//! A failure at 1-3 resumes what was suspended and removes the partial image.
+
+use crate::criu::{Criu, DumpOptions};
+use crate::engine::{Engine, ResumeOptions, StopOptions};
+use crate::error::Error;
+use crate::image::{GpuDesc, ImageStore, Manifest, ProcDesc, FORMAT, MAGIC};
+use crate::progress::{observe, Progress};
+use crate::store::now_ms;
+use crate::target::{self, Target};
+use gpusnap_cuda::{CheckpointApi, ProcessState};
+use gpusnap_gpu::GpuInventory;
+use procfs::process::Process;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone)]
+pub struct HibernateOptions {
+    pub name: Option<String>,
+    pub leave_running: bool,
+    pub lock_timeout_ms: u32,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct HibernateReport {
+    pub image: String,
+    pub path: PathBuf,
+    pub root_pid: i32,
+    pub processes: Vec<i32>,
+    pub cuda: Vec<i32>,
+    pub image_bytes: u64,
+    pub left_running: bool,
+    pub suspend_ms: u64,
+    pub dump_ms: u64,
+    pub write_ms: u64,
+    pub total_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct WakeOptions {
+    /// How long to wait for GPU memory and for the image's pids to come free.
+    pub wait: Duration,
+    pub margin_bytes: u64,
+    /// Also resume these CUDA processes, even if they were suspended when
+    /// the image was taken (recover uses this).
+    pub force_resume: Vec<i32>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct WakeReport {
+    pub image: String,
+    pub root_pid: i32,
+    pub processes: Vec<i32>,
+    /// CUDA processes resumed onto the GPU.
+    pub resumed: Vec<i32>,
+    pub verify_ms: u64,
+    pub waited_ms: u64,
+    pub criu_ms: u64,
+    pub restore_ms: u64,
+    pub total_ms: u64,
+}
+
+fn ms(since: Instant) -> u64 {
+    since.elapsed().as_millis() as u64
+}
+
+/// The tree rooted at `root`, parents before children: (pid, ppid).
+pub fn process_tree(root: i32) -> Vec<(i32, i32)> {
+    let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
+    if let Ok(all) = procfs::process::all_processes() {
+        for p in all.filter_map(Result::ok) {
+            if let Ok(st) = p.stat() {
+                children.entry(st.ppid).or_default().push(st.pid);
+            }
+        }
+    }
+    let ppid = Process::new(root).and_then(|p| p.stat()).map(|s| s.ppid).unwrap_or(0);
+    let mut out = vec![(root, ppid)];
+    let mut i = 0;
+    while i < out.len() {
+        let pid = out[i].0;
+        if let Some(c) = children.get(&pid) {
+            let mut c = c.clone();
+            c.sort();
+            out.extend(c.into_iter().map(|k| (k, pid)));
+        }
+        i += 1;
+    }
+    out
+}
+
+fn dir_bytes(p: &Path) -> u64 {
+    std::fs::read_dir(p)
+        .map(|rd| rd.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum())
+        .unwrap_or(0)
+}
+
+fn hostname() -> String {
+    nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "unknown".into())
+}
+
+impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
+    /// Suspends every CUDA process of `pids` or none: on a failure, the ones
+    /// already suspended are resumed. Returns those it suspended.
+    pub fn suspend_all(&mut self, pids: &[i32], lock_timeout_ms: u32) -> Result<Vec<i32>, Error> {
+        let mut done = Vec::new();
+        for &pid in pids {
+            match self.suspend(pid, lock_timeout_ms) {
+                Ok(r) if !r.already => done.push(pid),
+                Ok(_) => {}
+                Err(e) => {
+                    self.resume_after_failure(&done);
+                    return Err(Error::Member { pid, source: Box::new(e) });
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    /// Puts processes this operation suspended back on the GPU. Their memory
+    /// was freed moments ago; admission still guards the race.
+    pub(crate) fn resume_after_failure(&mut self, pids: &[i32]) {
+        let opts = ResumeOptions { wait: Duration::from_secs(30), ..Default::default() };
+        for &pid in pids.iter().rev() {
+            if let Err(e) = self.resume(pid, &opts) {
+                tracing::error!(pid, "could not resume after a failed group operation: {e}");
+            }
+        }
+    }
+
+    /// Classifies the tree's processes: CUDA (with driver state) or plain.
+    fn cuda_members(&self, tree: &[(i32, i32)]) -> Result<Vec<(Target, Option<ProcessState>)>, Error> {
+        let driverless = self.api_version() == 0;
+        let mapping: std::collections::HashSet<i32> = if driverless {
+            target::processes_mapping_libcuda().into_iter().collect()
+        } else {
+            Default::default()
+        };
+        let mut out = Vec::new();
+        for &(pid, _) in tree {
+            let t = target::resolve_callable(pid)?;
+            if driverless {
+                if mapping.contains(&pid) {
+                    return Err(Error::CudaWithoutDriver {
+                        pid,
+                        comm: t.comm,
+                        why: "libcuda.so.1 could not be loaded".into(),
+                    });
+                }
+                out.push((t, None));
+                continue;
+            }
+            match self.driver_state_of(&t) {
+                Ok(s) => out.push((t, Some(s))),
+                Err(Error::NotCuda { .. }) => out.push((t, None)),
+                Err(e) => return Err(Error::Member { pid, source: Box::new(e) }),
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn hibernate(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        root: i32,
+        opts: &HibernateOptions,
+    ) -> Result<HibernateReport, Error> {
+        let started = Instant::now();
+        let root_t = target::resolve_callable(root)?;
+        let tree = process_tree(root);
+        let members = self.cuda_members(&tree)?;
+        let name =
+            opts.name.clone().unwrap_or_else(|| format!("{}-{}-{}", sanitize(&root_t.comm), root, now_ms()));
+        let pending = images.begin(&name)?;
+
+        // 1. CUDA state off the GPU, all or none.
+        let t_suspend = Instant::now();
+        let cuda: Vec<i32> = members.iter().filter(|(_, s)| s.is_some()).map(|(t, _)| t.pid).collect();
+        let was_running: Vec<i32> = members
+            .iter()
+            .filter(|(_, s)| matches!(s, Some(ProcessState::Running | ProcessState::Locked)))
+            .map(|(t, _)| t.pid)
+            .collect();
+        let suspended = self.suspend_all(&cuda, opts.lock_timeout_ms)?;
+        let suspend_ms = ms(t_suspend);
+        let undo = |e: &mut Self, err: Error| -> Error {
+            e.resume_after_failure(&suspended);
+            err
+        };
+
+        // 2. CRIU dump, leaving the tree running until the image is safe.
+        let t_dump = Instant::now();
+        let expect: u64 = tree.iter().filter_map(|(p, _)| target::rss_bytes(*p)).sum();
+        let criu_dir = pending.criu_dir();
+        let progress: &dyn Progress = self.progress();
+        let dumped = observe(
+            progress,
+            &format!("dump {root}"),
+            expect,
+            || Some(dir_bytes(&criu_dir)),
+            || criu.dump(root, &criu_dir, &criu_dir, &DumpOptions { leave_running: true }),
+        );
+        if let Err(e) = dumped {
+            return Err(undo(self, e.into()));
+        }
+        let dump_ms = ms(t_dump);
+
+        // 3. Manifest and checksums, then the rename that makes it an image.
+        let t_write = Instant::now();
+        let mut procs = Vec::new();
+        let mut gpu_uuids = std::collections::BTreeSet::new();
+        for ((t, st), (_, ppid)) in members.iter().zip(tree.iter()) {
+            let footprint = if st.is_some() {
+                self.store().get(t)?.map(|r| r.footprint).unwrap_or_default()
+            } else {
+                BTreeMap::new()
+            };
+            gpu_uuids.extend(footprint.keys().cloned());
+            procs.push(ProcDesc {
+                pid: t.pid,
+                ppid: *ppid,
+                start_time: t.start_time,
+                comm: t.comm.clone(),
+                cuda: st.is_some(),
+                was_running: was_running.contains(&t.pid),
+                footprint,
+            });
+        }
+        let gpus: Vec<GpuDesc> = self
+            .gpus()
+            .gpus()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|g| gpu_uuids.contains(&g.uuid))
+            .map(|g| GpuDesc { uuid: g.uuid, name: g.name, total_bytes: g.total_bytes })
+            .collect();
+        let manifest = Manifest {
+            magic: MAGIC.into(),
+            format: FORMAT,
+            gpusnap_version: env!("CARGO_PKG_VERSION").into(),
+            name: name.clone(),
+            host: hostname(),
+            created_ms: now_ms(),
+            driver_api: (!cuda.is_empty()).then(|| self.api_version()),
+            driver_version: if cuda.is_empty() { None } else { self.gpus().driver_version().ok() },
+            gpus,
+            root_pid: root,
+            processes: procs,
+            criu_version: criu.version.clone(),
+            files: Vec::new(),
+        };
+        let total_img = dir_bytes(&pending.criu_dir());
+        progress.begin(&format!("checksum {name}"), total_img);
+        let mut hashed = 0u64;
+        let committed = pending.commit(manifest, |n| {
+            hashed += n;
+            progress.update(hashed);
+        });
+        progress.end();
+        let manifest = match committed {
+            Ok(m) => m,
+            Err(e) => return Err(undo(self, e.into())),
+        };
+        let write_ms = ms(t_write);
+        let path = images.locate(&name);
+
+        // 4. The image is safe: end the tree, or put it back as it was.
+        for (t, st) in &members {
+            if st.is_some() {
+                let state = if opts.leave_running { None } else { Some("hibernated") };
+                self.store_mut().note(t, "hibernate", state, &format!("image {name}"))?;
+            }
+        }
+        if opts.leave_running {
+            self.resume_after_failure(&suspended);
+        } else {
+            kill_tree(&members.iter().map(|(t, _)| t.clone()).collect::<Vec<_>>())?;
+        }
+        Ok(HibernateReport {
+            image: name,
+            path,
+            root_pid: root,
+            processes: tree.iter().map(|(p, _)| *p).collect(),
+            cuda,
+            image_bytes: manifest.total_bytes(),
+            left_running: opts.leave_running,
+            suspend_ms,
+            dump_ms,
+            write_ms,
+            total_ms: ms(started),
+        })
+    }
+
+    pub fn wake(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        name: &str,
+        opts: &WakeOptions,
+    ) -> Result<WakeReport, Error> {
+        let started = Instant::now();
+        // Verify everything before anything is restored.
+        let (dir, m) = images.manifest(name)?;
+        let progress: &dyn Progress = self.progress();
+        progress.begin(&format!("verify {name}"), m.total_bytes());
+        let mut seen = 0u64;
+        let verified = images.verify(name, |n| {
+            seen += n;
+            progress.update(seen);
+        });
+        progress.end();
+        verified?;
+        let verify_ms = ms(started);
+
+        let resume: Vec<&ProcDesc> = m
+            .processes
+            .iter()
+            .filter(|p| p.cuda && (p.was_running || opts.force_resume.contains(&p.pid)))
+            .collect();
+        if m.processes.iter().any(|p| p.cuda) {
+            self.check_host(&m)?;
+        }
+
+        // The image's pids must be free: a dying old process may still hold one.
+        let t_wait = Instant::now();
+        for p in &m.processes {
+            wait_pid_free(p, opts.wait.max(Duration::from_secs(10)))?;
+        }
+        let mut need: BTreeMap<String, u64> = BTreeMap::new();
+        for p in &resume {
+            for (u, b) in &p.footprint {
+                *need.entry(u.clone()).or_insert(0) += b;
+            }
+        }
+        let reservation = if need.is_empty() {
+            Vec::new()
+        } else {
+            loop {
+                match self.admit_group(m.root_pid, &need, opts.margin_bytes) {
+                    Ok(ids) => break ids,
+                    Err(Error::NoMemory { .. }) if t_wait.elapsed() < opts.wait => {
+                        std::thread::sleep(Duration::from_millis(250));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        let waited_ms = ms(t_wait);
+
+        let out = self.wake_admitted(criu, &dir, &m, &resume, &need);
+        self.store_mut().release(&reservation)?;
+        let (root_pid, criu_ms, restore_ms) = out?;
+        Ok(WakeReport {
+            image: m.name.clone(),
+            root_pid,
+            processes: m.processes.iter().map(|p| p.pid).collect(),
+            resumed: resume.iter().map(|p| p.pid).collect(),
+            verify_ms,
+            waited_ms,
+            criu_ms,
+            restore_ms,
+            total_ms: ms(started),
+        })
+    }
+
+    fn wake_admitted(
+        &mut self,
+        criu: &Criu,
+        dir: &Path,
+        m: &Manifest,
+        resume: &[&ProcDesc],
+        need: &BTreeMap<String, u64>,
+    ) -> Result<(i32, u64, u64), Error> {
+        let t_criu = Instant::now();
+        let work = dir.join("logs").join(format!("restore-{}", now_ms()));
+        crate::image::mkdir_private(&work).map_err(|e| {
+            Error::Image(crate::image::ImageError::Io {
+                name: m.name.clone(),
+                op: "create the log directory".into(),
+                err: e,
+            })
+        })?;
+        let progress: &dyn Progress = self.progress();
+        let expect: u64 = m.total_bytes();
+        let root = observe(progress, &format!("wake {}", m.name), expect, || None, || {
+            // A pid can still be held for a moment after its /proc entry
+            // looked free (a reaper racing us): CRIU then says "File exists".
+            let mut tries = 0;
+            loop {
+                match criu.restore(&dir.join("criu"), &work) {
+                    Err(crate::criu::CriuError::Failed { line, .. }) if line.contains("File exists") && tries < 5 => {
+                        tries += 1;
+                        std::thread::sleep(Duration::from_millis(500));
+                    }
+                    other => return other,
+                }
+            }
+        })?;
+        let criu_ms = ms(t_criu);
+        let _ = need;
+
+        let t_restore = Instant::now();
+        let mut restored: Vec<Target> = Vec::new();
+        let mut failure = None;
+        for p in resume {
+            let res = (|| {
+                let t = target::resolve(p.pid)?;
+                self.store_mut().record(&t, "checkpointed", Some(&p.footprint))?;
+                self.store_mut().note(
+                    &t,
+                    "wake",
+                    None,
+                    &format!("restored by CRIU from image {}", m.name),
+                )?;
+                self.restore_and_unlock_pub(&t, &p.footprint)?;
+                Ok::<_, Error>(t)
+            })();
+            match res {
+                Ok(t) => restored.push(t),
+                Err(e) => {
+                    failure = Some(Error::Member { pid: p.pid, source: Box::new(e) });
+                    break;
+                }
+            }
+        }
+        if let Some(err) = failure {
+            // The image is untouched: end what was restored, safely (the ones
+            // already on the GPU are suspended first), so wake can be retried.
+            let stop = StopOptions { grace: Duration::from_secs(2), force: true, lock_timeout_ms: 30_000 };
+            for p in m.processes.iter().rev() {
+                if let Ok(t) = target::resolve(p.pid) {
+                    if let Err(e) = self.stop(t.pid, &stop) {
+                        tracing::error!(
+                            pid = t.pid,
+                            "could not end a restored process after a failed wake: {e}"
+                        );
+                    }
+                }
+            }
+            return Err(err);
+        }
+        Ok((root, criu_ms, ms(t_restore)))
+    }
+
+    /// Can this host take the image's CUDA processes?
+    fn check_host(&self, m: &Manifest) -> Result<(), Error> {
+        let inc = |why: String| Error::Incompatible { image: m.name.clone(), why };
+        let api = self.api_version();
+        if api == 0 {
+            return Err(inc("it holds CUDA processes and this host has no CUDA driver".into()));
+        }
+        if let Some(img_api) = m.driver_api {
+            if api < img_api {
+                return Err(inc(format!("its driver API is {img_api}, this host's is older ({api})")));
+            }
+        }
+        let here = self.gpus().gpus()?;
+        for g in &m.gpus {
+            if !here.iter().any(|h| h.uuid == g.uuid) {
+                return Err(inc(format!(
+                    "it was taken on GPU {} ({}), which this host does not have (restoring onto other GPUs needs a device map)",
+                    g.uuid, g.name
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// A process stuck after a failed restore, brought back from its newest
+    /// image: the stuck tree is ended (it holds no GPU memory) and woken.
+    pub fn recover(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        pid: i32,
+        opts: &WakeOptions,
+    ) -> Result<WakeReport, Error> {
+        let t = target::resolve(pid)?;
+        let Some(m) = images.find_for(pid, t.start_time) else {
+            return Err(Error::Unrecoverable {
+                pid,
+                reason: "no image of it exists (take one with `gpusnap snapshot` while it is suspended)"
+                    .into(),
+            });
+        };
+        // Everything of that tree still alive must go, and none of it may hold GPU memory.
+        let alive: Vec<Target> = m
+            .processes
+            .iter()
+            .filter_map(|p| target::resolve(p.pid).ok().filter(|t| t.start_time == p.start_time))
+            .collect();
+        for a in &alive {
+            if self.gpus().usage_of(a.pid as u32)?.iter().any(|u| u.bytes.unwrap_or(1) > 0) {
+                return Err(Error::StopRefused {
+                    pid: a.pid,
+                    reason: "it still holds GPU memory, so it is not stuck: use `gpusnap resume`".into(),
+                });
+            }
+        }
+        for a in &alive {
+            self.store_mut().note(
+                a,
+                "recover",
+                Some("stopped"),
+                &format!("ended to wake image {}", m.name),
+            )?;
+        }
+        kill_tree(&alive)?;
+        let mut o = opts.clone();
+        o.force_resume.push(pid);
+        self.wake(criu, images, &m.name, &o)
+    }
+}
+
+fn sanitize(s: &str) -> String {
+    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
+}
+
+/// SIGKILL to each process (only if it is still the one identified), then
+/// wait until all are gone. Only for processes whose CUDA state is suspended.
+pub fn kill_tree(ts: &[Target]) -> Result<(), Error> {
+    use nix::sys::signal::{kill, Signal};
+    for t in ts {
+        if target::is_alive(t) {
+            let _ = kill(nix::unistd::Pid::from_raw(t.pid), Signal::SIGKILL);
+        }
+    }
+    let end = Instant::now() + Duration::from_secs(60);
+    for t in ts {
+        while target::is_alive(t) {
+            if Instant::now() > end {
+                return Err(Error::DidNotExit { pid: t.pid, secs: 60 });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    Ok(())
+}
+
+/// Waits for `p.pid` to be free (no process or thread, no zombie).
+fn wait_pid_free(p: &ProcDesc, wait: Duration) -> Result<(), Error> {
+    let end = Instant::now() + wait;
+    loop {
+        let Ok(stat) = Process::new(p.pid).and_then(|x| x.stat()) else { return Ok(()) };
+        let zombie = target::RunState(stat.state).is_zombie();
+        if stat.starttime == p.start_time && !zombie {
+            return Err(Error::StillRunning { pid: p.pid, comm: stat.comm });
+        }
+        if Instant::now() >= end {
+            let comm = if zombie {
+                format!("{} (a zombie its parent has not reaped)", stat.comm)
+            } else {
+                stat.comm
+            };
+            return Err(Error::PidBusy { pid: p.pid, comm });
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

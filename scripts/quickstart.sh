@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Build gpusnap, check this host, and take a CUDA program through
+# suspend -> resume -> stop. On a host with a GPU and PyTorch the program is a
+# real PyTorch worker; otherwise it is the fake CUDA workload of this
+# workspace, run against the fake driver and NVML (docs/fakes.md), and the
+# script says so.
+#
+#   scripts/quickstart.sh            GPUSNAP_STATE_DIR=DIR scripts/quickstart.sh
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+say() { printf '\n== %s\n' "$*"; }
+
+say "building gpusnap (release)"
+cargo build --release --quiet -p gpusnap
+bin=$root/target/release/gpusnap
+"$bin" --version
+
+work=$(mktemp -d /tmp/gpusnap-quickstart.XXXXXX)
+export GPUSNAP_STATE_DIR=${GPUSNAP_STATE_DIR:-$work/state}
+pid=
+cleanup() {
+    # Never kill a live CUDA process: gpusnap stop suspends it first.
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+        "$bin" stop --grace 5 --force "$pid" >/dev/null 2>&1 || true
+    fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+if nvidia-smi -L >/dev/null 2>&1 && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    mode=gpu
+else
+    mode=fake
+fi
+
+say "gpusnap doctor (this host, as it is)"
+"$bin" doctor || true
+
+status=$work/status
+if [ "$mode" = gpu ]; then
+    say "GPU found: starting a PyTorch worker holding 2 GiB"
+    python3 tests/gpu/worker.py 2 "$status" >"$work/worker.log" 2>&1 &
+else
+    say "no usable GPU here: using the fake driver and NVML from this workspace"
+    PROFILE=release scripts/fakes.sh "$work/lib" >/dev/null
+    export LD_LIBRARY_PATH=$work/lib GPUSNAP_FAKE_DIR=$work/fake
+    mkdir -p "$GPUSNAP_FAKE_DIR"
+    # One fake H200; copies at 4 GB/s so the progress is visible.
+    cat >"$GPUSNAP_FAKE_DIR/config.json" <<'JSON'
+{ "gpus": [ { "uuid": "GPU-00000000-0000-0000-0000-000000000000", "name": "NVIDIA H200 (fake)", "total_mib": 143771 } ],
+  "checkpoint_gbps": 4.0, "restore_gbps": 8.0 }
+JSON
+    "$work/lib/fake-workload" --mib 8192 --status "$status" &
+fi
+pid=$!
+for _ in $(seq 1 600); do
+    [ -s "$status" ] && break
+    sleep 0.1
+done
+[ -s "$status" ] || { echo "the workload did not start" >&2; exit 1; }
+echo "workload pid $pid: $(cat "$status")"
+
+say "gpusnap ps"
+"$bin" ps
+say "gpusnap suspend $pid"
+"$bin" suspend "$pid"
+"$bin" state "$pid"
+say "gpusnap resume $pid"
+"$bin" resume "$pid"
+sleep 1
+echo "workload status (pid iteration intact time): $(cat "$status")"
+say "gpusnap stop $pid"
+"$bin" stop --grace 5 "$pid"
+pid=
+say "the journal of that process"
+"$bin" history "$(cut -d' ' -f1 "$status")" | tail -n 12
+say "done ($mode mode); see README.md for the commands"
