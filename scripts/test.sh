@@ -46,7 +46,7 @@ awk '
 	}
 	/^test .* \.\.\. FAILED$/ { bad[++nbad] = $2 }
 	END {
-		printf "total: %d passed, %d failed, %d ignored\n", passed, failed, ignored
+		printf "total: %d passed, %d failed, %d skipped\n", passed, failed, ignored
 		for (i = 1; i <= nbad; i++) print "FAILED: " bad[i]
 	}' "$log"
 if ((rc != 0)); then

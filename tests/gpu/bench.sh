@@ -40,7 +40,7 @@ if [ -n "${REPS:-}" ]; then
     case $REPS in '' | *[!0-9]* | 0) echo "REPS must be a positive integer" >&2; exit 2 ;; esac
 fi
 
-SAMPLES=$WORK/samples.tsv   # gib fp_bytes rep mode op wall_s inner_ms rc rss_mib
+SAMPLES=$WORK/samples.tsv   # gib fp_bytes rep mode op wall_s inner_ms rc rss_mib (after the op)
 NOTES=$WORK/notes.txt
 : >"$SAMPLES"
 : >"$NOTES"
@@ -114,7 +114,7 @@ cycle() {
         rc=$GS_RC wall=$GS_S
         inner=$(jget "$GS_OUT" 'd["results"][0]["total_ms"]') st=$(jget "$GS_OUT" 'd["results"][0]["state"]')
     fi
-    sample "$gib" "$fp" "$rep" "$mode" resume "$wall" "${inner:-}" "$rc" ""
+    sample "$gib" "$fp" "$rep" "$mode" resume "$wall" "${inner:-}" "$rc" "$(vmrss_mib "$pid")"
     if [ "$st" != running ]; then
         note "size $gib GiB rep $rep: $mode resume gave exit $rc, state '${st:-?}'; stopping this size"
         return 1
@@ -203,14 +203,19 @@ import json, os, statistics, sys
 
 samples_f, notes_f, md_f, json_f = sys.argv[1:5]
 E = os.environ
+def num(s):
+    try:
+        return float(s)
+    except ValueError:
+        return None
+
 samples = []
 for line in open(samples_f):
     f = line.rstrip("\n").split("\t")
     if len(f) < 9:
         continue
-    num = lambda s: float(s) if s not in ("", "None") else None
     samples.append({"gib": f[0], "footprint_bytes": num(f[1]), "rep": int(f[2]), "mode": f[3],
-                    "op": f[4], "wall_s": num(f[5]), "inner_ms": num(f[6]), "rc": int(f[7]),
+                    "op": f[4], "wall_s": num(f[5]), "inner_ms": num(f[6]), "rc": int(num(f[7]) or 0),
                     "rss_mib": num(f[8])})
 notes = [l.rstrip("\n") for l in open(notes_f) if l.strip()]
 
@@ -292,7 +297,7 @@ for r in summary:
 L.append("")
 L.append("## Every sample")
 L.append("")
-L.append("| size GiB | rep | mode | op | exit | wall s | driver / internal s | GB/s (wall) | host RSS while suspended GB |")
+L.append("| size GiB | rep | mode | op | exit | wall s | driver / internal s | GB/s (wall) | worker host RSS after the op GB |")
 L.append("|---|---|---|---|---|---|---|---|---|")
 for s in samples:
     gbps = s["footprint_bytes"] / 1e9 / s["wall_s"] if s["footprint_bytes"] and s["wall_s"] else None

@@ -222,8 +222,10 @@ gs() {
         </dev/null >"$GS_OUT" 2>"$GS_ERR" || GS_RC=$?
     t1=$(now)
     GS_S=$(fsub "$t0" "$t1")
+    # The error line is "gpusnap: ..." (a "  hint:" line may follow).
     # shellcheck disable=SC2034 # read by the callers
-    GS_MSG=$(grep -v '^[[:space:]]*$' "$GS_ERR" | tail -n 1 | cut -c1-300)
+    GS_MSG=$(grep -m 1 '^gpusnap: ' "$GS_ERR" | cut -c1-300)
+    if [ -z "$GS_MSG" ]; then GS_MSG=$(grep -v '^[[:space:]]*$' "$GS_ERR" | tail -n 1 | cut -c1-300); fi
     log "  -> exit $GS_RC in ${GS_S}s; stdout: $(head -c 1500 "$GS_OUT" | tr '\n' ' ')"
     if [ -s "$GS_ERR" ]; then
         log "  stderr: $(tail -n 5 "$GS_ERR" | cut -c1-400 | tr '\n' '|')"
@@ -362,9 +364,10 @@ was_restored() {
 }
 
 # stop_safely PID [WHY]: end a CUDA worker without ever killing it live after a
-# restore: `gpusnap stop --force` first; if the pid survives, a raw lock +
-# checkpoint, and SIGKILL only if the process is checkpointed (holds no GPU
-# memory), not a CUDA process, or was never restored. Otherwise leave it alive.
+# restore: `gpusnap stop` first (without --force: --force kills even when the
+# suspend failed); if the pid survives, a raw lock + checkpoint, and SIGKILL
+# only if the process is then checkpointed (holds no GPU memory), is not a
+# CUDA process, or was never restored. Otherwise it is left alive, reported.
 stop_safely() {
     local pid=$1 why=${2:-cleanup} st rc0
     alive "$pid" || return 0
@@ -376,7 +379,7 @@ stop_safely() {
             sleep 1
             ;;
     esac
-    gs 240 stop --force "$pid"
+    gs 240 stop "$pid"
     # A successful stop returns once the pid is gone; after a failed one, a
     # short look is enough before the fallback.
     if wait_gone "$pid" "$([ "$GS_RC" = 0 ] && echo 60 || echo 2)"; then

@@ -325,8 +325,11 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Wake { image, wait, margin } => {
             let c = criu(cli)?;
             let mut e = engine_with(cli, out, true)?;
-            let opts =
-                WakeOptions { wait: Duration::from_secs(*wait), margin_bytes: margin << 20, force_resume: vec![] };
+            let opts = WakeOptions {
+                wait: Duration::from_secs(*wait),
+                margin_bytes: margin << 20,
+                force_resume: vec![],
+            };
             let r = e.wake(&c, &images(cli), image, &opts)?;
             out.one(&r, &output::woken(&r));
             Ok(())
@@ -334,8 +337,11 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Recover { pid, wait, margin } => {
             let c = criu(cli)?;
             let mut e = engine(cli, out)?;
-            let opts =
-                WakeOptions { wait: Duration::from_secs(*wait), margin_bytes: margin << 20, force_resume: vec![] };
+            let opts = WakeOptions {
+                wait: Duration::from_secs(*wait),
+                margin_bytes: margin << 20,
+                force_resume: vec![],
+            };
             let r = e.recover(&c, &images(cli), *pid, &opts)?;
             out.one(&r, &output::woken(&r));
             Ok(())

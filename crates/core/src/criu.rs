@@ -34,6 +34,10 @@ pub struct Criu {
 #[derive(Debug, Clone, Default)]
 pub struct DumpOptions {
     pub leave_running: bool,
+    /// Leave the tree SIGSTOPped after the dump: nothing it does can make
+    /// the image stale (a file growing after the dump makes CRIU refuse to
+    /// restore it), and it can still be continued if the image fails.
+    pub leave_stopped: bool,
 }
 
 fn parse_version(s: &str) -> Option<(u32, u32, String)> {
@@ -85,6 +89,8 @@ impl Criu {
         cmd.args(["dump", "--tree", &pid.to_string()]);
         if opts.leave_running {
             cmd.arg("--leave-running");
+        } else if opts.leave_stopped {
+            cmd.arg("--leave-stopped");
         }
         self.common(&mut cmd, images, work, "dump.log");
         self.run("dump", cmd, &work.join("dump.log"))
@@ -129,8 +135,9 @@ pub fn last_error(log: &str) -> Option<String> {
     log.lines()
         .rev()
         .filter(|l| l.contains("Error (") || l.contains("Error:"))
-        // Printed by every run without CAP_SYS_RESOURCE, and harmless.
-        .find(|l| !l.contains("RLIMIT_NOFILE"))
+        // Printed by every run without CAP_SYS_RESOURCE, and harmless; and
+        // the closing "Restoring FAILED." says nothing about why.
+        .find(|l| !l.contains("RLIMIT_NOFILE") && !l.ends_with("FAILED."))
         .map(|l| {
             let l = l.trim();
             // "(00.012345) Error (criu/cr-dump.c:123): message"

@@ -589,7 +589,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         } else {
             match self.driver_state(&t) {
-                Err(Error::NotCuda { .. }) if self.api.api_version() == 0 && target::pid_maps_libcuda(pid) => {
+                Err(Error::NotCuda { .. })
+                    if self.api.api_version() == 0 && target::pid_maps_libcuda(pid) =>
+                {
                     if !opts.force {
                         return Err(refuse(
                             "it maps libcuda but gpusnap cannot load the driver to suspend it first".into(),

@@ -2,10 +2,12 @@
 //!
 //! The order is chosen so that nothing is lost at any step:
 //! 1. every CUDA process of the tree is suspended (all or none);
-//! 2. CRIU dumps the tree *leaving it running* into a temporary directory;
+//! 2. CRIU dumps the tree into a temporary directory and leaves it stopped
+//!    (SIGSTOP: it cannot make the image stale, and can still go on);
 //! 3. the image is checksummed, its manifest written, and renamed into place;
 //! 4. only then is the tree ended (its CUDA state is already off the GPU,
-//!    so the kill is safe), or, with `leave_running`, resumed as it was.
+//!    so the kill is safe). With `leave_running` the tree runs on throughout
+//!    and its CUDA processes are resumed as they were.
 //!
 //! A failure at 1-3 resumes what was suspended and removes the partial image.
 
@@ -199,7 +201,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             err
         };
 
-        // 2. CRIU dump, leaving the tree running until the image is safe.
+        // 2. CRIU dump, leaving the tree stopped (or, with leave_running,
+        // running) until the image is safe.
         let t_dump = Instant::now();
         let expect: u64 = tree.iter().filter_map(|(p, _)| target::rss_bytes(*p)).sum();
         let criu_dir = pending.criu_dir();
@@ -209,11 +212,23 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             &format!("dump {root}"),
             expect,
             || Some(dir_bytes(&criu_dir)),
-            || criu.dump(root, &criu_dir, &criu_dir, &DumpOptions { leave_running: true }),
+            || {
+                let o = DumpOptions { leave_running: opts.leave_running, leave_stopped: !opts.leave_running };
+                criu.dump(root, &criu_dir, &criu_dir, &o)
+            },
         );
         if let Err(e) = dumped {
+            // CRIU leaves the tree running when a dump fails.
             return Err(undo(self, e.into()));
         }
+        let pids: Vec<Target> = members.iter().map(|(t, _)| t.clone()).collect();
+        let undo = |e: &mut Self, err: Error| -> Error {
+            if !opts.leave_running {
+                continue_tree(&pids);
+            }
+            e.resume_after_failure(&suspended);
+            err
+        };
         let dump_ms = ms(t_dump);
 
         // 3. Manifest and checksums, then the rename that makes it an image.
@@ -285,7 +300,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         if opts.leave_running {
             self.resume_after_failure(&suspended);
         } else {
-            kill_tree(&members.iter().map(|(t, _)| t.clone()).collect::<Vec<_>>())?;
+            kill_tree(&pids)?;
         }
         Ok(HibernateReport {
             image: name,
@@ -393,20 +408,28 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         })?;
         let progress: &dyn Progress = self.progress();
         let expect: u64 = m.total_bytes();
-        let root = observe(progress, &format!("wake {}", m.name), expect, || None, || {
-            // A pid can still be held for a moment after its /proc entry
-            // looked free (a reaper racing us): CRIU then says "File exists".
-            let mut tries = 0;
-            loop {
-                match criu.restore(&dir.join("criu"), &work) {
-                    Err(crate::criu::CriuError::Failed { line, .. }) if line.contains("File exists") && tries < 5 => {
-                        tries += 1;
-                        std::thread::sleep(Duration::from_millis(500));
+        let root = observe(
+            progress,
+            &format!("wake {}", m.name),
+            expect,
+            || None,
+            || {
+                // A pid can still be held for a moment after its /proc entry
+                // looked free (a reaper racing us): CRIU then says "File exists".
+                let mut tries = 0;
+                loop {
+                    match criu.restore(&dir.join("criu"), &work) {
+                        Err(crate::criu::CriuError::Failed { line, .. })
+                            if line.contains("File exists") && tries < 5 =>
+                        {
+                            tries += 1;
+                            std::thread::sleep(Duration::from_millis(500));
+                        }
+                        other => return other,
                     }
-                    other => return other,
                 }
-            }
-        })?;
+            },
+        )?;
         let criu_ms = ms(t_criu);
         let _ = need;
 
@@ -525,6 +548,16 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
 fn sanitize(s: &str) -> String {
     s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
+}
+
+/// SIGCONT to a tree CRIU left stopped.
+fn continue_tree(ts: &[Target]) {
+    for t in ts {
+        if target::is_alive(t) {
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(t.pid), nix::sys::signal::Signal::SIGCONT);
+        }
+    }
 }
 
 /// SIGKILL to each process (only if it is still the one identified), then

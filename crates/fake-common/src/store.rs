@@ -73,7 +73,13 @@ impl Store {
             serde_json::from_str(&old_text).map_err(|e| bad_file(&state_path, e))?
         };
         let mut txn = Txn { config, state, config_dirty: false };
-        for pid in txn.state.collect_garbage(procfs::is_same_live_process) {
+        // The caller is alive by definition. It must not judge itself by its
+        // start time: a CRIU-restored process lives in its own time namespace,
+        // where /proc shows it a different start time than everyone else sees.
+        let me = std::process::id() as i32;
+        for pid in
+            txn.state.collect_garbage(|pid, start| pid == me || procfs::is_same_live_process(pid, start))
+        {
             self.remove_data(pid);
         }
 

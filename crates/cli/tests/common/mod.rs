@@ -5,8 +5,9 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, ExitStatus, Output, Stdio};
 use std::sync::OnceLock;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub const MIB: u64 = 1 << 20;
@@ -57,9 +58,56 @@ pub fn fake_workload_bin() -> PathBuf {
 }
 
 /// One isolated fake host: a fake GPU world and a gpusnap state dir.
+/// A child process reaped by a thread of its own as soon as it exits, as a
+/// real supervisor would: a killed workload leaves no zombie holding its pid.
+pub struct Kid {
+    pid: i32,
+    exited: Arc<(Mutex<Option<ExitStatus>>, Condvar)>,
+}
+
+impl Kid {
+    fn spawn(mut cmd: Command) -> Kid {
+        let mut child = cmd.spawn().expect("spawn");
+        let pid = child.id() as i32;
+        let exited = Arc::new((Mutex::new(None), Condvar::new()));
+        let e2 = Arc::clone(&exited);
+        std::thread::spawn(move || {
+            let st = child.wait().ok();
+            *e2.0.lock().unwrap() = st;
+            e2.1.notify_all();
+        });
+        Kid { pid, exited }
+    }
+
+    pub fn id(&self) -> u32 {
+        self.pid as u32
+    }
+
+    pub fn try_wait(&self) -> Option<ExitStatus> {
+        *self.exited.0.lock().unwrap()
+    }
+
+    pub fn wait(&self) -> Option<ExitStatus> {
+        let (m, cv) = &*self.exited;
+        let g = cv.wait_timeout_while(m.lock().unwrap(), Duration::from_secs(60), |s| s.is_none()).unwrap().0;
+        *g
+    }
+
+    pub fn kill(&self) {
+        if self.try_wait().is_none() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(self.pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
 pub struct World {
     pub tmp: tempfile::TempDir,
-    pub children: Vec<Child>,
+    pub children: Vec<Kid>,
+    /// Processes restored by CRIU (not our children), ended on drop.
+    pub adopted: Vec<i32>,
 }
 
 pub struct Run {
@@ -105,7 +153,7 @@ impl World {
                 c.insert(k.clone(), v.clone());
             }
         }
-        let w = Self { tmp, children: Vec::new() };
+        let w = Self { tmp, children: Vec::new(), adopted: Vec::new() };
         w.write_config(&cfg);
         w
     }
@@ -185,9 +233,14 @@ impl World {
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
-        let child = cmd.spawn().expect("spawn fake-workload");
-        let pid = child.id() as i32;
+            // A file, not a pipe: CRIU restores a pipe whose reader is outside
+            // the tree as a pipe with no reader.
+            .stderr(
+                std::fs::File::create(self.tmp.path().join(format!("workload-{}.log", self.children.len())))
+                    .unwrap(),
+            );
+        let child = Kid::spawn(cmd);
+        let pid = child.pid;
         self.children.push(child);
         wait_for(Duration::from_secs(20), || self.status_of(pid).is_some_and(|s| s.1 >= 1));
         pid
@@ -237,23 +290,108 @@ impl World {
     }
 
     pub fn alive(&mut self, pid: i32) -> bool {
-        let c = self.children.iter_mut().find(|c| c.id() as i32 == pid).expect("child");
-        c.try_wait().unwrap().is_none()
+        let c = self.children.iter().find(|c| c.pid == pid).expect("child");
+        c.try_wait().is_none()
     }
 
     /// Kills a workload that holds no live (restored) CUDA state.
     pub fn kill(&mut self, pid: i32) {
-        let c = self.children.iter_mut().find(|c| c.id() as i32 == pid).expect("child");
-        let _ = c.kill();
-        let _ = c.wait();
+        let c = self.children.iter().find(|c| c.pid == pid).expect("child");
+        c.kill();
+        c.wait();
     }
+}
+
+impl World {
+    /// Reaps a child that something else (hibernate) ended, so its pid is free.
+    pub fn reap(&mut self, pid: i32) {
+        let c = self.children.iter().find(|c| c.pid == pid).expect("child");
+        c.wait();
+    }
+
+    /// Starts a plain CPU process tree (python: a thread, an open file, a
+    /// pipe to a child) that counts in FILE; returns its root pid.
+    pub fn cpu_tree(&mut self) -> (i32, PathBuf) {
+        let out = self.tmp.path().join(format!("count-{}", self.children.len()));
+        let script = r#"
+import os, sys, threading, time
+out = sys.argv[1]
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(w)
+    with open(out + ".child", "w") as f:
+        while True:
+            b = os.read(r, 64)
+            if not b: os._exit(0)
+            f.write(b.decode()); f.flush()
+os.close(r)
+ticks = [0]
+def tick():
+    while True:
+        ticks[0] += 1; time.sleep(0.01)
+threading.Thread(target=tick, daemon=True).start()
+log = open(out + ".log", "a")
+i = 0
+while True:
+    i += 1
+    log.write(f"{i}\n"); log.flush()
+    os.write(w, f"{i}\n".encode())
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f: f.write(f"{i} {ticks[0]}\n")
+    os.replace(tmp, out)
+    time.sleep(0.05)
+"#;
+        let mut cmd = Command::new("python3");
+        cmd.args(["-c", script])
+            .arg(&out)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.tmp.path().join("cpu.log")).unwrap());
+        let child = Kid::spawn(cmd);
+        let pid = child.pid;
+        self.children.push(child);
+        wait_for(Duration::from_secs(10), || std::fs::read_to_string(&out).is_ok_and(|s| !s.is_empty()));
+        (pid, out)
+    }
+
+    pub fn adopt(&mut self, pid: i32) {
+        self.adopted.push(pid);
+    }
+}
+
+/// The counter a cpu_tree last wrote.
+pub fn count(out: &Path) -> u64 {
+    std::fs::read_to_string(out).ok().and_then(|s| s.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+}
+
+/// Whether some process has that pid now.
+pub fn pid_exists(pid: i32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Children of `pid` (from /proc).
+pub fn children_of(pid: i32) -> Vec<i32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect()
 }
 
 impl Drop for World {
     fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
+        for &pid in &self.adopted {
+            for c in children_of(pid) {
+                let _ =
+                    nix::sys::signal::kill(nix::unistd::Pid::from_raw(c), nix::sys::signal::Signal::SIGKILL);
+            }
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        }
+        for c in &self.children {
+            c.kill();
+            c.wait();
         }
     }
 }

@@ -1,0 +1,247 @@
+//! hibernate / wake / snapshot / recover with the real CRIU and the fakes.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+
+fn criu_present() {
+    let ok = std::process::Command::new("criu").arg("--version").output().is_ok_and(|o| o.status.success());
+    assert!(ok, "these tests need CRIU >= 4 on PATH (scripts/install-criu.sh)");
+}
+
+#[test]
+fn a_plain_process_tree_hibernates_and_wakes_where_it_left_off() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, out) = w.cpu_tree();
+    let p = pid.to_string();
+    let child = children_of(pid);
+    assert_eq!(child.len(), 1);
+    let r = w.json(&["hibernate", &p, "--image", "cpu"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v = r.json();
+    assert_eq!(v["processes"].as_array().unwrap().len(), 2);
+    assert_eq!(v["cuda"].as_array().unwrap().len(), 0);
+    w.reap(pid);
+    // The child was reparented to init when its parent died; init reaps it.
+    wait_for(Duration::from_secs(10), || !pid_exists(pid) && !pid_exists(child[0]));
+    let at = count(&out);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(count(&out), at, "the tree is gone");
+
+    let r = w.json(&["images", "verify", "cpu"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = w.json(&["wake", "cpu", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    assert_eq!(r.json()["root_pid"], pid);
+    // Same pids, same program, and it goes on counting from where it was.
+    wait_for(Duration::from_secs(10), || count(&out) > at + 5);
+    assert_eq!(children_of(pid), child);
+    let log = std::fs::read_to_string(out.with_extension("log")).unwrap();
+    let nums: Vec<u64> = log.lines().filter_map(|l| l.parse().ok()).collect();
+    assert!(nums.windows(2).all(|x| x[1] > x[0]), "the log continues without restarting");
+    // The pipe to the child survived too.
+    wait_for(Duration::from_secs(5), || {
+        std::fs::read_to_string(format!("{}.child", out.display()))
+            .is_ok_and(|s| s.lines().last().and_then(|l| l.parse::<u64>().ok()).unwrap_or(0) > at)
+    });
+    // The image stays (wake can be repeated elsewhere); remove it explicitly.
+    assert_eq!(w.json(&["images", "rm", "cpu"]).code, 0);
+    assert_eq!(w.json(&["images"]).json()["images"].as_array().unwrap().len(), 0);
+}
+
+#[test]
+fn a_cuda_process_hibernates_and_wakes_with_its_data() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = w.workload(4096, 0, &[]);
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "gpu"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["cuda"][0], pid);
+    w.reap(pid);
+    // The GPU is free again.
+    let r = w.json(&["ps"]).json();
+    assert!(r["processes"].as_array().unwrap().iter().all(|x| x["pid"] != pid));
+
+    let r = w.json(&["wake", "gpu", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    assert_eq!(r.json()["resumed"][0], pid);
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
+    let r = w.json(&["stop", &p, "--grace", "2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["results"][0]["suspended"], true);
+}
+
+#[test]
+fn leave_running_keeps_the_tree_as_it_was() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(1024, 0, &[]);
+    let p = pid.to_string();
+    let r = w.json(&["snapshot", &p, "--image", "snap"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(w.alive(pid));
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+    // Waking it while the original runs is refused, naming the process.
+    let r = w.json(&["wake", "snap"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "still_running");
+    w.assert_progressing(pid);
+}
+
+#[test]
+fn a_failed_dump_brings_the_tree_back_and_leaves_no_image() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(1024, 0, &[]);
+    let p = pid.to_string();
+    // A criu that is new enough but fails every dump mid-way.
+    let fake = w.tmp.path().join("criu-fails");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version: 4.2.1'; exit 0; fi\n\
+         for a; do case $prev in --images-dir) d=$a;; esac; prev=$a; done\n\
+         echo partial > \"$d/pages-1.img\"\necho '(00.1) Error (criu/cr-dump.c:1): disk on fire' > \"$d/dump.log\"\nexit 1\n",
+    )
+    .unwrap();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut std::fs::metadata(&fake).unwrap().permissions(), 0o755);
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let r = w.json(&["--criu", fake.to_str().unwrap(), "hibernate", &p, "--image", "x"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(r.stderr.contains("disk on fire"), "{}", r.stderr);
+    // Back as it was: running, data intact, and no image (partial or not).
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+    w.assert_progressing(pid);
+    let images = w.state_dir().join("images");
+    assert_eq!(std::fs::read_dir(&images).map(|d| d.count()).unwrap_or(0), 0);
+    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
+}
+
+#[test]
+fn criu_missing_or_old_is_refused_before_anything_changes() {
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(512, 0, &[]);
+    let p = pid.to_string();
+    let r = w.json(&["--criu", "/nonexistent/criu", "hibernate", &p]);
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("criu not found"), "{}", r.stderr);
+    let old = w.tmp.path().join("criu-old");
+    std::fs::write(&old, "#!/bin/sh\necho 'Version: 3.17.1'\n").unwrap();
+    std::fs::set_permissions(&old, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let r = w.json(&["--criu", old.to_str().unwrap(), "hibernate", &p]);
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("3.17.1 is too old"), "{}", r.stderr);
+    assert!(w.calls_on(pid).is_empty(), "the driver was never asked");
+}
+
+#[test]
+fn corrupt_missing_and_foreign_images_are_refused() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, _) = w.cpu_tree();
+    assert_eq!(w.json(&["hibernate", &pid.to_string(), "--image", "c"]).code, 0);
+    w.reap(pid);
+    let dir = w.state_dir().join("images/c");
+    let page = std::fs::read_dir(dir.join("criu"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("pages-"))
+        .unwrap();
+    let mut b = std::fs::read(&page).unwrap();
+    b[0] ^= 0xff;
+    std::fs::write(&page, &b).unwrap();
+    let r = w.json(&["wake", "c"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
+    assert!(!pid_exists(pid), "nothing was restored");
+    let r = w.json(&["wake", "nope"]);
+    assert_eq!(r.code, 2);
+    assert!(r.stderr.contains("no image nope"), "{}", r.stderr);
+    std::fs::create_dir_all(w.state_dir().join("images/foreign")).unwrap();
+    let r = w.json(&["wake", "foreign"]);
+    assert_eq!(r.code, 2);
+    assert!(r.stderr.contains("not a gpusnap image"), "{}", r.stderr);
+    let r = w.json(&["images", "verify", "c"]);
+    assert_eq!(r.code, 2);
+}
+
+#[test]
+fn wake_without_gpu_memory_is_refused_and_can_be_retried() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(4096, 0, &[]);
+    let p = pid.to_string();
+    assert_eq!(w.json(&["hibernate", &p, "--image", "m"]).code, 0);
+    w.reap(pid);
+    let filler = w.workload(6000, 0, &[]);
+    let r = w.json(&["wake", "m"]);
+    assert_eq!(r.code, 3, "{}", r.stderr);
+    assert!(!pid_exists(pid), "nothing was restored");
+    w.kill(filler);
+    let r = w.json(&["wake", "m"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
+}
+
+#[test]
+fn a_failed_cuda_restore_on_wake_leaves_the_image_for_a_retry() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(1024, 0, &[]);
+    let p = pid.to_string();
+    assert_eq!(w.json(&["hibernate", &p, "--image", "r"]).code, 0);
+    w.reap(pid);
+    w.set_config("inject", json!([{ "call": "restore", "pid": pid, "rc": 999, "count": 1 }]));
+    let r = w.json(&["wake", "r", "--wait", "10"]);
+    assert_eq!(r.code, 4, "{}", r.stderr);
+    // The restored (still suspended) process was ended, the image kept.
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    assert_eq!(w.json(&["images", "verify", "r"]).code, 0);
+    let r = w.json(&["wake", "r", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
+}
+
+#[test]
+fn a_stuck_process_is_recovered_from_its_snapshot() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(2048, 0, &[]);
+    let p = pid.to_string();
+    assert_eq!(w.json(&["suspend", &p]).code, 0);
+    // resume --snapshot-first keeps an image of the suspended process; here
+    // a tenant outside gpusnap then races the restore (injected as the
+    // driver's own out-of-memory answer).
+    w.set_config("inject", json!([{ "call": "restore", "pid": pid, "rc": 2, "count": 1 }]));
+    let r = w.json(&["resume", &p, "--snapshot-first", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v = r.json();
+    assert!(v["results"][0]["recovered_from"].as_str().unwrap().starts_with("resume-"), "{v}");
+    w.reap(pid);
+    w.adopt(pid);
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+    assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
+}
+
+#[test]
+fn recover_without_an_image_says_so() {
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(512, 0, &[]);
+    let r = w.json(&["recover", &pid.to_string()]);
+    assert_eq!(r.code, 5, "{}", r.stderr);
+    assert!(r.stderr.contains("no image"), "{}", r.stderr);
+}
