@@ -148,7 +148,13 @@ def main(argv):
     out = {"pid": a.pid, "actions": actions, "calls": [], "ok": False,
            "final_state": None, "error": None}
     t0 = time.perf_counter()
-    drv = Driver()
+    try:
+        drv = Driver()
+    except (OSError, AttributeError) as e:  # no libcuda.so.1, or one without the API
+        out["error"] = f"cannot load the driver: {e}"
+        out["py_ms"] = round((time.perf_counter() - T_START) * 1e3, 3)
+        print(json.dumps(out), flush=True)
+        return 1
     out["init_rc"] = drv.init()
     out["init_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     out["driver_version"] = drv.driver_version()
@@ -165,7 +171,8 @@ def main(argv):
             rec = {"call": act}
             t = time.perf_counter()
             if act == "state":
-                rc, rec["state"] = drv.get_state(a.pid)
+                rc, st = drv.get_state(a.pid)
+                rec["state"] = st if rc == 0 else None
             elif act == "lock":
                 rc = drv.lock(a.pid, a.timeout_ms)
             elif act == "tid":
@@ -177,7 +184,7 @@ def main(argv):
             rec["err"] = drv.err_name(rc)
             out["calls"].append(rec)
             if act == "state":
-                out["final_state"] = rec["state"] if rc == 0 else None
+                out["final_state"] = rec["state"]
             print(f"cuckpt: {act} pid={a.pid} -> {rc} {rec['err']}"
                   + (f" state={rec['state']}" if act == "state" else "")
                   + f" {rec['ms']:.1f} ms", file=sys.stderr, flush=True)

@@ -6,36 +6,58 @@
 # Environment:
 #   GPUSNAP       the binary (default ./target/release/gpusnap)
 #   OUT           results directory (default: a new /tmp/gpusnap-out.* dir)
-#   E2E_BUDGET_S  soft budget in seconds (default 420): a section that would
+#   E2E_BUDGET_S  soft budget in seconds (default 480): a section that would
 #                 not fit is skipped (and counts as a failure); a watchdog
 #                 ends the run, through the cleanup, 60 s after it
-#   BIG_GIB STUCK_GIB SMALL_GIB  worker sizes (default 8, 2, 1)
-# Writes $OUT/gpu-e2e.md (the table, also printed on stdout) and
-# $OUT/e2e.log (timestamped log, gpusnap outputs, worker logs).
+#   BIG_GIB STUCK_GIB SMALL_GIB  P1 worker sizes (default 8, 2, 1)
+#   HIB_GIB REC_GIB              P2 worker sizes (default 4, 2)
+#   E2E_SECTIONS  the sections to run (default "a b c d e h r x")
+#   E2E_P2        auto (default): run the P2 (CRIU) sections h r x when
+#                 selected; without a usable CRIU each is a SKIP row.
+#                 no: leave them out (one INFO row says so)
+#   E2E_WAKE_ARGS extra arguments for `gpusnap wake` in (h) (e.g. --no-guard)
+#   GPUSNAP_CRIU  the CRIU binary (default: criu on PATH), as for gpusnap
+# Writes $OUT/gpu-e2e.md (the table, also printed on stdout),
+# $OUT/gpu-e2e.json (the rows and the P2 figures) and $OUT/e2e.log
+# (timestamped log, gpusnap outputs, worker logs).
 # Exit 0 when every check passed, 1 when one failed or was skipped.
 #
-# Workers: big (suspend/resume, admission, stop), stuck (driven by raw
+# P1 workers: big (suspend/resume, admission, stop), stuck (driven by raw
 # driver calls into the stranded state), thr (fresh, with extra threads:
-# bad input). Every restored worker is ended through `gpusnap stop`, which
+# bad input). P2 workers: hib (hibernate into an image, wake), rec (suspended,
+# snapshotted, driven into the stuck state, recovered from the snapshot by
+# `gpusnap resume`). Images live in this run's state dir and are removed at
+# the end. Every restored worker is ended through `gpusnap stop`, which
 # suspends it before the kill; see lib.sh stop_safely for the fallback.
 
 NAME=e2e # read by lib.sh
 # shellcheck source=tests/gpu/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-E2E_BUDGET_S=${E2E_BUDGET_S:-420}
+E2E_BUDGET_S=${E2E_BUDGET_S:-480}
 BIG_GIB=${BIG_GIB:-8}
 STUCK_GIB=${STUCK_GIB:-2}
 SMALL_GIB=${SMALL_GIB:-1}
+HIB_GIB=${HIB_GIB:-4}
+REC_GIB=${REC_GIB:-2}
+E2E_SECTIONS=${E2E_SECTIONS:-a b c d e h r x}
+E2E_P2=${E2E_P2:-auto}
+E2E_WAKE_ARGS=${E2E_WAKE_ARGS:-}
 FILL_LEAVE_ADMISSION=1024   # MiB the filler leaves in (b)
 FILL_LEAVE_STUCK=256        # MiB the filler leaves in (c), as in reports/000
 
 ROWS=$WORK/rows.tsv
+FIGS=$WORK/figures.tsv      # key, value: the P2 figures for gpu-e2e.json
 : >"$ROWS"
+: >"$FIGS"
 NPASS=0 NFAIL=0 NSKIP=0 NINFO=0
 FINISHED=0
 WB="" WS="" WT=""           # pids of the big, stuck and thread workers
 WB_OK=0 WS_OK=0 WT_OK=0
+WH="" WR=""                 # pids of the hibernate and recovery workers (P2)
+WH_OK=0 WR_OK=0
+P2=0                        # 1: the P2 sections run (CRIU usable)
+CRIU_BIN="" CRIU_VERSION="" CRIU_CHECK="" CRIU_CHECK_RC="" CRIU_WHY=""
 
 # ---------------------------------------------------------------- table
 
@@ -60,6 +82,15 @@ row() {
     log "ROW $1 [$5] $2 | expected: $3 | got: $4 | ${6:-}"
 }
 
+# fig KEY VALUE: a figure for gpu-e2e.json.
+fig() { printf '%s\t%s\n' "$1" "${2:-}" >>"$FIGS"; }
+
+# selected SECTION: whether E2E_SECTIONS names it.
+selected() {
+    case " $E2E_SECTIONS " in *" $1 "*) return 0 ;; esac
+    return 1
+}
+
 # need SECONDS ID SECTION: true if that much of the soft budget is left;
 # otherwise records a SKIP row for the section.
 need() {
@@ -71,7 +102,8 @@ need() {
 
 # shellcheck disable=SC2317 # runs from the EXIT trap
 write_table() {
-    local md=$OUT/gpu-e2e.md id c e g r f
+    local md=$OUT/gpu-e2e.md id c e g r f torch
+    torch=$(grep -ho 'torch=[^ ]*' "$WORK"/*.log 2>/dev/null | head -n 1 | cut -d= -f2)
     {
         echo "# gpusnap GPU end-to-end"
         echo
@@ -79,10 +111,12 @@ write_table() {
         echo "- host: $HDR_HOST (kernel $HDR_KERNEL, host memory $HDR_HOSTMEM)"
         echo "- GPU: $HDR_GPU, $HDR_GPU_MEM; driver $HDR_DRIVER"
         echo "- gpusnap: $HDR_VERSION ($GPUSNAP)"
-        echo "- torch: $(grep -ho 'torch=[^ ]*' "$WORK"/*.log 2>/dev/null | head -n 1 | cut -d= -f2)"
+        echo "- torch: $torch"
         echo "- THP enabled: $HDR_THP"
-        echo "- workers: big $BIG_GIB GiB, stuck $STUCK_GIB GiB, thr $SMALL_GIB GiB (+2 threads)"
-        echo "- result: $NPASS passed, $NFAIL failed, $NSKIP skipped, $NINFO info; wall ${SECONDS} s"
+        echo "- criu: ${CRIU_BIN:-none} ${CRIU_VERSION:+version $CRIU_VERSION}; criu check: ${CRIU_CHECK:-not run}${CRIU_CHECK_RC:+ (exit $CRIU_CHECK_RC)}"
+        echo "- sections: $E2E_SECTIONS (P2: $([ "$P2" = 1 ] && echo run || echo "not run${CRIU_WHY:+: $CRIU_WHY}"))"
+        echo "- workers: big $BIG_GIB GiB, stuck $STUCK_GIB GiB, thr $SMALL_GIB GiB (+2 threads); hib $HIB_GIB GiB, rec $REC_GIB GiB"
+        echo "- result: $NPASS passed, $NFAIL failed, $NSKIP skipped, $NINFO info; wall ${SECONDS} s (budget $E2E_BUDGET_S s)"
         echo
         echo "| # | check | expected | got | result | figure |"
         echo "|---|---|---|---|---|---|"
@@ -91,6 +125,45 @@ write_table() {
         done <"$ROWS"
     } >"$md"
     cat "$md"
+    HDR_DATE=$HDR_DATE HDR_HOST=$HDR_HOST HDR_KERNEL=$HDR_KERNEL HDR_GPU=$HDR_GPU HDR_GPU_MEM=$HDR_GPU_MEM \
+        HDR_DRIVER=$HDR_DRIVER HDR_VERSION=$HDR_VERSION HDR_THP=$HDR_THP HDR_HOSTMEM=$HDR_HOSTMEM \
+        E_TORCH=$torch E_CRIU=$CRIU_BIN E_CRIU_VERSION=$CRIU_VERSION E_CRIU_CHECK=$CRIU_CHECK \
+        E_CRIU_CHECK_RC=$CRIU_CHECK_RC E_SECTIONS=$E2E_SECTIONS E_P2=$P2 E_WALL=$SECONDS \
+        E_BUDGET=$E2E_BUDGET_S E_COUNTS="$NPASS $NFAIL $NSKIP $NINFO" \
+        python3 - "$ROWS" "$FIGS" "$OUT/gpu-e2e.json" <<'PY' || log "gpu-e2e.json not written"
+import json, os, sys
+rows_f, figs_f, out_f = sys.argv[1:4]
+E = os.environ
+rows = []
+for line in open(rows_f):
+    f = line.rstrip("\n").split("\t")
+    if len(f) >= 6:
+        rows.append(dict(zip(("id", "check", "expected", "got", "result", "figure"), f[:6])))
+figs = {}
+for line in open(figs_f):
+    k, _, v = line.rstrip("\n").partition("\t")
+    if v == "":
+        figs[k] = None
+        continue
+    try:
+        v = int(v)
+    except ValueError:
+        try:
+            v = float(v)
+        except ValueError:
+            pass
+    figs[k] = v
+n = E.get("E_COUNTS", "0 0 0 0").split()
+out = {"header": {k: E.get(k) for k in ("HDR_DATE", "HDR_HOST", "HDR_KERNEL", "HDR_GPU", "HDR_GPU_MEM",
+                                        "HDR_DRIVER", "HDR_VERSION", "HDR_THP", "HDR_HOSTMEM")},
+       "torch": E.get("E_TORCH"), "criu": {"bin": E.get("E_CRIU"), "version": E.get("E_CRIU_VERSION"),
+                                            "check": E.get("E_CRIU_CHECK"), "check_rc": E.get("E_CRIU_CHECK_RC")},
+       "sections": E.get("E_SECTIONS"), "p2_run": E.get("E_P2") == "1",
+       "wall_s": int(E.get("E_WALL", "0")), "budget_s": int(E.get("E_BUDGET", "0")),
+       "passed": int(n[0]), "failed": int(n[1]), "skipped": int(n[2]), "info": int(n[3]),
+       "rows": rows, "figures": figs}
+json.dump(out, open(out_f, "w"), indent=1)
+PY
 }
 
 # shellcheck disable=SC2317 # the EXIT trap
@@ -155,20 +228,79 @@ preflight() {
     return 0
 }
 
+# p2_preflight: whether the P2 sections run; records CRIU's version and check.
+p2_preflight() {
+    local sec want=""
+    for sec in h r x; do selected "$sec" && want="$want $sec"; done
+    [ -n "$want" ] || return 0
+    if [ "$E2E_P2" = no ]; then
+        CRIU_WHY="E2E_P2=no"
+        row p3 "P2 sections (${want# })" "(information)" "not run: E2E_P2=no" INFO
+        return 0
+    fi
+    if criu_probe; then
+        P2=1
+        row p3 "criu usable (P2 sections ${want# })" "found, version >= 4, criu check passes" \
+            "$CRIU_BIN: version $CRIU_VERSION; criu check exit $CRIU_CHECK_RC: $CRIU_CHECK" PASS
+    else
+        row p3 "criu usable (P2 sections ${want# })" "found, version >= 4, criu check passes" \
+            "${CRIU_WHY}" INFO
+    fi
+    fig criu.version "$CRIU_VERSION"
+    fig criu.check "$CRIU_CHECK_RC: $CRIU_CHECK"
+    return 0
+}
+
+# p2_can ID SECTION: true if this P2 section is selected and CRIU is usable;
+# otherwise records why it is not run (SKIP when CRIU is missing).
+p2_can() {
+    selected "$1" || return 1
+    [ "$E2E_P2" = no ] && return 1
+    if [ "$P2" != 1 ]; then
+        row "$1" "$2" "criu usable" "skipped: ${CRIU_WHY:-criu unusable}" SKIP
+        return 1
+    fi
+    return 0
+}
+
 start_workers() {
-    local t0=$SECONDS got=""
-    start_worker big "$BIG_GIB"
-    WB=$LAST_PID
-    start_worker stuck "$STUCK_GIB"
-    WS=$LAST_PID
-    start_worker thr "$SMALL_GIB" --threads 2
-    WT=$LAST_PID
-    if wait_ready big "$WB" 240; then WB_OK=1; fi
-    if wait_ready stuck "$WS" 60; then WS_OK=1; fi
-    if wait_ready thr "$WT" 60; then WT_OK=1; fi
-    got="big $([ $WB_OK = 1 ] && echo ok || echo failed), stuck $([ $WS_OK = 1 ] && echo ok || echo failed), thr $([ $WT_OK = 1 ] && echo ok || echo failed); nvidia-smi MiB: big $(smi_pid_mib "$WB"), stuck $(smi_pid_mib "$WS"), thr $(smi_pid_mib "$WT")"
-    row w1 "workers start (pids $WB $WS $WT)" "all ready, checksum ok" "$got" \
-        "$([ $WB_OK$WS_OK$WT_OK = 111 ] && echo PASS || echo FAIL)" "$((SECONDS - t0)) s"
+    local t0=$SECONDS got="" p1=0 p2=0 s
+    for s in a b c d e; do selected "$s" && p1=1; done
+    if [ "$P2" = 1 ] && { selected h || selected r || selected x; }; then p2=1; fi
+    # All start at once (torch's import and the allocation overlap); the P2
+    # workers simply run on through P1.
+    if [ "$p1" = 1 ]; then
+        start_worker big "$BIG_GIB"
+        WB=$LAST_PID
+        start_worker stuck "$STUCK_GIB"
+        WS=$LAST_PID
+        start_worker thr "$SMALL_GIB" --threads 2
+        WT=$LAST_PID
+    fi
+    if [ "$p2" = 1 ]; then
+        if selected h; then start_worker hib "$HIB_GIB"; WH=$LAST_PID; fi
+        if selected r || selected x; then start_worker rec "$REC_GIB"; WR=$LAST_PID; fi
+    fi
+    if [ "$p1" = 1 ]; then
+        if wait_ready big "$WB" 240; then WB_OK=1; fi
+        if wait_ready stuck "$WS" 60; then WS_OK=1; fi
+        if wait_ready thr "$WT" 60; then WT_OK=1; fi
+        got="big $([ $WB_OK = 1 ] && echo ok || echo failed), stuck $([ $WS_OK = 1 ] && echo ok || echo failed), thr $([ $WT_OK = 1 ] && echo ok || echo failed); nvidia-smi MiB: big $(smi_pid_mib "$WB"), stuck $(smi_pid_mib "$WS"), thr $(smi_pid_mib "$WT")"
+        row w1 "workers start (pids $WB $WS $WT)" "all ready, checksum ok" "$got" \
+            "$([ $WB_OK$WS_OK$WT_OK = 111 ] && echo PASS || echo FAIL)" "$((SECONDS - t0)) s"
+    fi
+    if [ "$p2" = 1 ]; then
+        got="" s=PASS
+        if [ -n "$WH" ]; then
+            if wait_ready hib "$WH" 120; then WH_OK=1; got="hib ok"; else got="hib failed"; s=FAIL; fi
+            got="$got ($(smi_pid_mib "$WH") MiB)"
+        fi
+        if [ -n "$WR" ]; then
+            if wait_ready rec "$WR" 60; then WR_OK=1; got="$got, rec ok"; else got="$got, rec failed"; s=FAIL; fi
+            got="$got ($(smi_pid_mib "$WR") MiB)"
+        fi
+        row w2 "P2 workers start (pids ${WH:--} ${WR:--})" "all ready, checksum ok" "${got#, }" "$s" "$((SECONDS - t0)) s"
+    fi
 }
 
 # (a) suspend / resume keeps the data and stops the work while suspended.
@@ -506,6 +638,309 @@ section_e() {
     return 0
 }
 
+# ---------------------------------------------------------------- P2: CRIU
+
+# gs_image_bytes NAME: the bytes `gpusnap images` lists for an image (runs gs).
+gs_image_bytes() {
+    gs 30 images
+    jget "$GS_OUT" "next((i.get('bytes') for i in d['images'] if i.get('name') == '$1'), '')"
+}
+
+# disk_ok ID SECTION BYTES: true if the state dir's disk has 1.3 x BYTES
+# free; otherwise a SKIP row.
+disk_ok() {
+    local free
+    free=$(disk_free_bytes "$STATE_DIR")
+    if fle "$(calc %.0f 'e * 1.3' e="$3")" "${free:-0}"; then return 0; fi
+    row "$1" "$2" "free disk >= 1.3 x the image" \
+        "$(gb "$free") GB free on $STATE_DIR; the image needs about $(gb "$3") GB" SKIP
+    return 1
+}
+
+# stop_row ID NAME PID: `gpusnap stop` of a (restored) worker, as a row.
+stop_row() {
+    local got v
+    alive "$3" || return 0
+    gs 180 stop "$3"
+    got="exit $GS_RC, suspended $(gs_result suspended), released_before_kill $(gs_result released_before_kill)"
+    if wait_gone "$3" "$([ "$GS_RC" = 0 ] && echo 20 || echo 2)"; then got="$got, gone"; else got="$got, still alive"; fi
+    v=FAIL; [[ $GS_RC == 0 && $got == *"suspended true, released_before_kill true, gone" ]] && v=PASS
+    row "$1" "stop the $2 worker (pid $3)" "exit 0, suspended, released, pid gone" "$got${GS_MSG:+; $GS_MSG}" "$v" "${GS_S} s"
+}
+
+# (h) hibernate a PyTorch worker into an image (it leaves the GPU and the
+# process table), then wake it: same pid, data intact, back on the GPU.
+section_h() {
+    local pid=$WH smi0 smi rss i0 got v img ib du cu tot sus dmp wr wroot wres vt wt ct rt ppid
+    p2_can h "hibernate/wake" || return 0
+    if [ "$WH_OK" != 1 ]; then row h "hibernate/wake" "hib worker" "hib worker did not start" SKIP; return 0; fi
+    need 100 h "hibernate/wake" || return 0
+    smi0=$(smi_pid_mib "$pid")
+    rss=$(vmrss_mib "$pid")
+    # The image is the process's host memory, which after the suspend holds
+    # its device memory too.
+    disk_ok h "hibernate/wake" "$(calc %.0f '(a + b) * 1048576' a="${smi0:-0}" b="${rss:-0}")" || return 0
+    sleep 0.5
+    read_status "$WORK/hib.status"
+    i0=$ST_ITER
+
+    gs 240 hibernate "$pid" --image e2e-h
+    img=$(jget "$GS_OUT" 'd["image"]') ib=$(jget "$GS_OUT" 'd["image_bytes"]')
+    cu=$(jget "$GS_OUT" "$pid in d['cuda']")
+    tot=$(jget "$GS_OUT" 'd["total_ms"]') sus=$(jget "$GS_OUT" 'd["suspend_ms"]')
+    dmp=$(jget "$GS_OUT" 'd["dump_ms"]') wr=$(jget "$GS_OUT" 'd["write_ms"]')
+    fig h.device_mib "$smi0"
+    fig h.rss_mib_before "$rss"
+    fig h.hibernate_exit "$GS_RC"
+    fig h.hibernate_wall_s "$GS_S"
+    fig h.hibernate_total_ms "$tot"
+    fig h.hibernate_suspend_ms "$sus"
+    fig h.hibernate_dump_ms "$dmp"
+    fig h.hibernate_write_ms "$wr"
+    fig h.image_bytes "$ib"
+    v=FAIL; [[ $GS_RC == 0 && $img == e2e-h && $cu == true ]] && v=PASS
+    row h1 "hibernate the $HIB_GIB GiB worker (pid $pid, nvidia-smi $smi0 MiB)" "exit 0, image e2e-h, the pid among its CUDA processes" \
+        "exit $GS_RC, image ${img:-?}, cuda: $(jget "$GS_OUT" 'd["cuda"]')${GS_MSG:+; $GS_MSG}" "$v" \
+        "image $(gb "$ib") GB; ${GS_S} s wall; total $tot ms (suspend $sus, dump $dmp, write $wr)"
+    if [ "$GS_RC" != 0 ]; then
+        # A failed hibernate puts the tree back as it was (cleanup stops it).
+        gs_state "$pid"
+        log "after the failed hibernate: pid $pid alive $(alive "$pid" && echo yes || echo no), state ${S_STATE:-?}"
+        return 0
+    fi
+
+    # The worker is this shell's child: collect it so that its pid comes free.
+    reap "$pid"
+    if wait_gone "$pid" 15; then got="gone"; else got="still there (state $(pstate "$pid"))"; fi
+    wait_pid_free "$pid" 10 || got="$got, pid still held (state $(pstate "$pid"))"
+    if wait_smi_unlisted "$pid" 5; then got="$got; nvidia-smi: not listed"; else got="$got; nvidia-smi: $(smi_pid_mib "$pid") MiB"; fi
+    v=FAIL; [[ $got == "gone; nvidia-smi: not listed" ]] && v=PASS
+    row h2 "after hibernate" "pid gone, nvidia-smi lists nothing for it" "$got; free $(smi_free_mib) MiB" "$v"
+
+    v=$(gs_image_bytes e2e-h)
+    du=$(du_bytes "$STATE_DIR/images/e2e-h")
+    fig h.image_du_bytes "$du"
+    got="exit $GS_RC, listed with ${v:-no} bytes; du -sb $du"
+    # The checkpointed device memory is in the process's host memory, so in the image.
+    cu=FAIL
+    if [[ $GS_RC == 0 && -n $v && $v == "$ib" ]] && fle "$(calc %.0f 'm * 1048576 * 0.9' m="${smi0:-0}")" "$v"; then cu=PASS; fi
+    row h3 "gpusnap images" "lists e2e-h, bytes = hibernate's, >= 90% of the device memory" "$got" "$cu" \
+        "$(gb "$v") GB (device $(mib_gb "$smi0") GB, host RSS before $(mib_gb "$rss") GB)"
+
+    gs 300 images verify e2e-h
+    v=FAIL; [[ $GS_RC == 0 ]] && v=PASS
+    fig h.verify_wall_s "$GS_S"
+    row h4 "gpusnap images verify e2e-h" "exit 0" "exit $GS_RC${GS_MSG:+: $GS_MSG}" "$v" \
+        "${GS_S} s = $(gbps "$ib" "$GS_S") GB/s"
+
+    mark_restored "$pid"
+    # shellcheck disable=SC2086 # E2E_WAKE_ARGS is a list of words
+    gs 300 wake e2e-h --wait 30 $E2E_WAKE_ARGS
+    wroot=$(jget "$GS_OUT" 'd["root_pid"]') wres=$(jget "$GS_OUT" "$pid in d['resumed']")
+    tot=$(jget "$GS_OUT" 'd["total_ms"]') vt=$(jget "$GS_OUT" 'd["verify_ms"]') wt=$(jget "$GS_OUT" 'd["waited_ms"]')
+    ct=$(jget "$GS_OUT" 'd["criu_ms"]') rt=$(jget "$GS_OUT" 'd["restore_ms"]')
+    fig h.wake_exit "$GS_RC"
+    fig h.wake_wall_s "$GS_S"
+    fig h.wake_total_ms "$tot"
+    fig h.wake_verify_ms "$vt"
+    fig h.wake_waited_ms "$wt"
+    fig h.wake_criu_ms "$ct"
+    fig h.wake_restore_ms "$rt"
+    v=FAIL; [[ $GS_RC == 0 && $wroot == "$pid" && $wres == true ]] && v=PASS
+    row h5 "gpusnap wake e2e-h --wait 30${E2E_WAKE_ARGS:+ $E2E_WAKE_ARGS}" "exit 0, root pid $pid, resumed onto the GPU" \
+        "exit $GS_RC, root pid ${wroot:-?}, resumed: $(jget "$GS_OUT" 'd["resumed"]')${GS_MSG:+; $GS_MSG}" "$v" \
+        "${GS_S} s wall; total $tot ms (verify $vt, waited $wt, criu $ct, restore $rt)"
+    if [ "$GS_RC" != 0 ]; then image_logs e2e-h; fi
+
+    v=FAIL
+    if alive "$pid"; then
+        ppid=$(awk '{ print $4 }' "/proc/$pid/stat" 2>/dev/null)
+        gs_state "$pid"
+        smi=$(smi_pid_mib "$pid")
+        got="alive (parent ${ppid:-?}, state $(pstate "$pid")), gpusnap state ${S_STATE:-?}, nvidia-smi ${smi:-not listed} MiB"
+        if [[ $S_STATE == running && -n $smi ]] && close_to "$(calc %.0f 'm * 1048576' m="$smi")" "${smi0:-0}"; then v=PASS; fi
+    else
+        got="no process $pid"
+    fi
+    row h6 "the woken worker" "same pid alive, running, nvidia-smi lists about $smi0 MiB again" "$got" "$v"
+
+    if ! alive "$pid"; then got="no process $pid"; elif wait_iter_gt hib "${i0:-0}" 30; then got="iteration $i0 -> $ST_ITER, ok=$ST_OK, status pid $ST_PID"; else got="no progress in 30 s (iteration ${ST_ITER:-?}, ok=${ST_OK:-?})"; fi
+    v=FAIL; [[ $ST_ITER -gt ${i0:-0} && $ST_OK == 1 && $ST_PID == "$pid" ]] && v=PASS
+    row h7 "work continues, data intact" "iteration advances from $i0, ok=1, same pid" "$got" "$v"
+
+    got=$(run_helpers)
+    row h8 "gpusnap processes left running by wake (its guard)" "(information)" "${got:-none}" INFO
+
+    stop_row h9 woken "$pid"
+    return 0
+}
+
+# (r) recovery from the real stuck state: a suspended worker is snapshotted,
+# the raw driver strands it (restore -> 2 without memory, then 304), and
+# `gpusnap resume` brings it back from the snapshot.
+section_r() {
+    local pid=$WR smi0 rss i_s st rcs got v ib lr rf tot rt wt ppid smi dmp wr t
+    p2_can r "recovery from the stuck state" || return 0
+    if [ "$WR_OK" != 1 ]; then row r "recovery from the stuck state" "rec worker" "rec worker did not start" SKIP; return 0; fi
+    need 140 r "recovery from the stuck state" || return 0
+    smi0=$(smi_pid_mib "$pid")
+    rss=$(vmrss_mib "$pid")
+    disk_ok r "recovery from the stuck state" "$(calc %.0f '(a + b) * 1048576' a="${smi0:-0}" b="${rss:-0}")" || return 0
+
+    gs 120 suspend "$pid"
+    st=$(gs_result state)
+    v=FAIL; [[ $GS_RC == 0 && $st == checkpointed ]] && v=PASS
+    row r1 "suspend the $REC_GIB GiB worker (pid $pid, nvidia-smi $smi0 MiB)" "exit 0, checkpointed" "exit $GS_RC, ${st:-?}${GS_MSG:+; $GS_MSG}" "$v" "${GS_S} s"
+    [ "$st" = checkpointed ] || return 0
+    sleep 1
+    read_status "$WORK/rec.status"
+    i_s=$ST_ITER
+
+    gs 240 snapshot "$pid" --image e2e-snap
+    ib=$(jget "$GS_OUT" 'd["image_bytes"]') lr=$(jget "$GS_OUT" 'd["left_running"]')
+    tot=$(jget "$GS_OUT" 'd["total_ms"]') dmp=$(jget "$GS_OUT" 'd["dump_ms"]') wr=$(jget "$GS_OUT" 'd["write_ms"]')
+    fig r.snapshot_exit "$GS_RC"
+    fig r.snapshot_wall_s "$GS_S"
+    fig r.snapshot_total_ms "$tot"
+    fig r.snapshot_dump_ms "$dmp"
+    fig r.snapshot_write_ms "$wr"
+    fig r.image_bytes "$ib"
+    got="exit $GS_RC, left_running ${lr:-?}${GS_MSG:+; $GS_MSG}"
+    t=$GS_S
+    gs_state "$pid"
+    got="$got; pid $(alive "$pid" && echo alive || echo gone), state ${S_STATE:-?}"
+    v=FAIL; [[ $got == "exit 0, left_running true; pid alive, state checkpointed" ]] && v=PASS
+    row r2 "gpusnap snapshot of the suspended worker" "exit 0, image e2e-snap, the process stays, suspended" "$got" "$v" \
+        "image $(gb "$ib") GB; $t s wall; total $tot ms (dump $dmp, write $wr)"
+    # Without an image the rest would only strand the worker for good.
+    [ "$v" = PASS ] || return 0
+
+    if ! start_filler "$FILL_LEAVE_STUCK" 120; then
+        row r3 "filler leaves $FILL_LEAVE_STUCK MiB" "ready" "filler failed" FAIL
+        kill_fillers
+        return 0
+    fi
+    mark_restored "$pid"
+    raw 120 --keep-going "$pid" restore state
+    rcs=$(raw_rcs) st=$(jget "$RAW_OUT" 'd["final_state"]')
+    v=FAIL; [[ ${rcs%% *} == 2 && $st == checkpointed ]] && v=PASS
+    row r3 "raw restore with $FILL_LEAVE_STUCK MiB free" "restore 2 (out of memory), get-state: checkpointed" \
+        "$rcs, ${st:-?}; free $(smi_free_mib) MiB" "$v"
+    kill_fillers
+    wait_smi_free $((${smi0:-2048} + 1024)) 60 || log "memory did not come back within 60 s"
+    raw 120 --keep-going "$pid" restore state
+    rcs=$(raw_rcs) st=$(jget "$RAW_OUT" 'd["final_state"]')
+    v=FAIL; [[ $rcs == "304 0" && $st == checkpointed ]] && v=PASS
+    row r4 "raw restore again with memory free" "restore 304, get-state: checkpointed (stuck)" \
+        "$rcs, ${st:-?}; free $(smi_free_mib) MiB" "$v"
+
+    gs 180 resume --wait 30 "$pid"
+    rf=$(gs_result recovered_from) st=$(gs_result state)
+    tot=$(gs_result total_ms) rt=$(gs_result restore_ms) wt=$(gs_result waited_ms)
+    fig r.resume_exit "$GS_RC"
+    fig r.resume_wall_s "$GS_S"
+    fig r.resume_total_ms "$tot"
+    fig r.resume_restore_ms "$rt"
+    fig r.resume_waited_ms "$wt"
+    v=FAIL; [[ $GS_RC == 0 && $rf == e2e-snap && $st == running ]] && v=PASS
+    row r5 "gpusnap resume --wait 30 of the stuck worker" "exit 0, recovered_from e2e-snap, running" \
+        "exit $GS_RC, recovered_from ${rf:-none}, ${st:-?}${GS_MSG:+; $GS_MSG}" "$v" \
+        "${GS_S} s wall; total $tot ms (restore $rt, waited $wt)"
+    if [ "$GS_RC" != 0 ]; then image_logs e2e-snap; fi
+    reap "$pid"
+
+    v=FAIL
+    if alive "$pid"; then
+        ppid=$(awk '{ print $4 }' "/proc/$pid/stat" 2>/dev/null)
+        gs_state "$pid"
+        smi=$(smi_pid_mib "$pid")
+        got="alive (parent ${ppid:-?}), gpusnap state ${S_STATE:-?}, unrecoverable ${S_UNREC:-?}, nvidia-smi ${smi:-not listed} MiB"
+        if [[ $S_STATE == running && $S_UNREC == false && -n $smi ]] && close_to "$(calc %.0f 'm * 1048576' m="$smi")" "${smi0:-0}"; then v=PASS; fi
+    else
+        got="no process $pid"
+    fi
+    row r6 "the recovered worker" "same pid alive, running, recoverable, on the GPU again" "$got" "$v"
+
+    if ! alive "$pid"; then got="no process $pid"; elif wait_iter_gt rec "${i_s:-0}" 30; then got="iteration $i_s -> $ST_ITER, ok=$ST_OK, status pid $ST_PID"; else got="no progress in 30 s (iteration ${ST_ITER:-?}, ok=${ST_OK:-?})"; fi
+    v=FAIL; [[ $ST_ITER -gt ${i_s:-0} && $ST_OK == 1 && $ST_PID == "$pid" ]] && v=PASS
+    row r7 "work continues from the snapshot, data intact" "iteration advances from $i_s, ok=1" "$got" "$v"
+
+    got=$(timeout 30 "$GPUSNAP" recover --help 2>&1 </dev/null)
+    v=$?
+    got=$(printf '%s\n' "$got" | head -n 1 | cut -c1-160)
+    row r8 "gpusnap recover exists" "recover --help: exit 0" "exit $v: $got" "$([ "$v" = 0 ] && echo PASS || echo FAIL)"
+    return 0
+}
+
+# (x) bad input for the image commands.
+section_x() {
+    local src="" n dead got v f off
+    p2_can x "bad input (images)" || return 0
+    need 45 x "bad input (images)" || return 0
+
+    gs 30 wake nope
+    v=FAIL; [[ $GS_RC == 2 ]] && v=PASS
+    row x1 "wake an image that does not exist" "exit 2" "exit $GS_RC: ${GS_MSG:-no message}" "$v"
+
+    for n in e2e-snap e2e-h; do
+        if [ -f "$STATE_DIR/images/$n/manifest.json" ]; then src=$n; break; fi
+    done
+    if [ -z "$src" ]; then
+        row x2 "wake a corrupted image" "exit 2, checksum" "no image to copy (h and r left none)" SKIP
+    elif disk_ok x2 "wake a corrupted image" "$(du_bytes "$STATE_DIR/images/$src")"; then
+        rm -rf "$STATE_DIR/images/e2e-corrupt"
+        cp -a "$STATE_DIR/images/$src" "$STATE_DIR/images/e2e-corrupt"
+        # One byte flipped in the middle of the largest pages file: same size,
+        # so only the checksum can tell.
+        f="" off=""
+        read -r f off < <(python3 - "$STATE_DIR/images/e2e-corrupt/criu" <<'PY'
+import glob, os, sys
+pages = sorted(glob.glob(os.path.join(sys.argv[1], "pages-*.img")), key=os.path.getsize)
+if pages and os.path.getsize(pages[-1]) > 0:
+    p = pages[-1]
+    off = os.path.getsize(p) // 2
+    with open(p, "r+b") as fh:
+        fh.seek(off)
+        b = fh.read(1)
+        fh.seek(off)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    print(p, off)
+PY
+) || true
+        log "corrupted copy of $src: byte $off of ${f:-no pages file} flipped"
+        gs 120 wake e2e-corrupt
+        got="exit $GS_RC: ${GS_MSG:-no message}"
+        v=FAIL; [[ $GS_RC == 2 && -n $off ]] && grep -qi checksum "$GS_ERR" && v=PASS
+        if [ "$GS_RC" = 0 ]; then
+            # Woken despite the damage: a restored process to end safely.
+            n=$(jget "$GS_OUT" 'd["root_pid"]')
+            if [ -n "$n" ]; then WORKERS+=("$n"); mark_restored "$n"; got="$got; pid $n restored"; fi
+        fi
+        row x2 "wake a corrupted copy of $src (byte $off of ${f##*/} flipped)" "exit 2, 'checksum', nothing restored" "$got" "$v" "${GS_S} s"
+        gs 60 images rm e2e-corrupt
+    fi
+
+    dead=999999
+    while [ -e "/proc/$dead" ]; do dead=$((dead + 1)); done
+    gs 30 hibernate "$dead"
+    v=FAIL; [[ $GS_RC == 2 ]] && v=PASS
+    row x3 "hibernate a pid that does not exist ($dead)" "exit 2" "exit $GS_RC: ${GS_MSG:-no message}" "$v"
+    return 0
+}
+
+# p2_end: the recovered worker is stopped through gpusnap; the images go.
+p2_end() {
+    local n=0 d b
+    [ "$P2" = 1 ] || return 0
+    if [ -n "$WR" ]; then stop_row r9 recovered "$WR"; fi
+    for d in "$STATE_DIR"/images/*/; do [ -d "$d" ] && n=$((n + 1)); done
+    [ "$n" -gt 0 ] || return 0
+    b=$(du_bytes "$STATE_DIR/images")
+    images_clear
+    d=$(find "$STATE_DIR/images" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
+    row x4 "remove the images" "none left" "$n removed ($(gb "$b") GB); $d entries left" "$([ "$d" = 0 ] && echo PASS || echo FAIL)"
+}
+
 # ---------------------------------------------------------------- main
 
 install_traps
@@ -513,14 +948,20 @@ start_watchdog $((E2E_BUDGET_S + 60))
 log "gpusnap GPU e2e: budget ${E2E_BUDGET_S}s"
 collect_header
 if preflight; then
+    p2_preflight
     start_workers
-    section_a
-    section_b
+    if selected a; then section_a; fi
+    if selected b; then section_b; fi
     kill_fillers
-    section_c
+    if selected c; then section_c; fi
     kill_fillers
-    section_d
-    section_e
+    if selected d; then section_d; fi
+    if selected e; then section_e; fi
+    section_h
+    section_r
+    kill_fillers
+    section_x
+    p2_end
 fi
 FINISHED=1
 exit 0   # on_exit writes the table and sets the exit status

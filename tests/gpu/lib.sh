@@ -402,6 +402,151 @@ stop_safely() {
     return 1
 }
 
+# ---------------------------------------------------------------- CRIU and images
+
+# criu_probe: finds CRIU as gpusnap will (GPUSNAP_CRIU, else criu on PATH) and
+# runs `criu --version` and `criu check`. Sets CRIU_BIN, CRIU_VERSION,
+# CRIU_CHECK (its last line), CRIU_CHECK_RC, CRIU_OK (1 when gpusnap can use
+# it: found, version >= 4.0, check passed) and CRIU_WHY (why not).
+criu_probe() {
+    local out maj
+    CRIU_BIN=${GPUSNAP_CRIU:-$(command -v criu 2>/dev/null || true)}
+    CRIU_VERSION="" CRIU_CHECK="" CRIU_CHECK_RC="" CRIU_OK=0 CRIU_WHY=""
+    if [ -z "$CRIU_BIN" ] || [ ! -x "$CRIU_BIN" ]; then
+        if [ -n "${GPUSNAP_CRIU:-}" ]; then
+            CRIU_WHY="GPUSNAP_CRIU=$GPUSNAP_CRIU is not an executable"
+        else
+            CRIU_WHY="no criu on PATH (tests/gpu/device.sh installs one from .dev/criu)"
+        fi
+        log "criu: $CRIU_WHY"
+        return 1
+    fi
+    out=$(timeout 30 "$CRIU_BIN" --version 2>&1)
+    CRIU_VERSION=$(printf '%s\n' "$out" | sed -n 's/^Version: *//p' | head -n 1)
+    out=$(timeout 60 "$CRIU_BIN" check 2>&1)
+    CRIU_CHECK_RC=$?
+    CRIU_CHECK=$(printf '%s\n' "$out" | grep -v '^[[:space:]]*$' | tail -n 1 | cut -c1-200)
+    log "criu $CRIU_BIN: version '${CRIU_VERSION:-?}'; criu check: exit $CRIU_CHECK_RC, '$CRIU_CHECK'"
+    maj=${CRIU_VERSION%%.*}
+    if [ -z "$CRIU_VERSION" ]; then
+        CRIU_WHY="$CRIU_BIN printed no version"
+    elif ! [ "$maj" -ge 4 ] 2>/dev/null; then
+        CRIU_WHY="criu $CRIU_VERSION is older than 4.0"
+    elif [ "$CRIU_CHECK_RC" != 0 ]; then
+        CRIU_WHY="criu check failed (exit $CRIU_CHECK_RC): $CRIU_CHECK"
+    else
+        # shellcheck disable=SC2034 # read by the callers
+        CRIU_OK=1
+        return 0
+    fi
+    log "criu unusable: $CRIU_WHY"
+    return 1
+}
+
+# disk_free_bytes DIR: bytes available to root-less writers on DIR's filesystem.
+disk_free_bytes() {
+    df -P -B1 "$1" 2>/dev/null | awk 'NR == 2 { print $4 }'
+}
+
+# du_bytes PATH: apparent size of a file tree in bytes (0 if absent).
+du_bytes() {
+    local b
+    b=$(du -sb "$1" 2>/dev/null | cut -f1)
+    printf '%s\n' "${b:-0}"
+}
+
+# reap PID: a worker this shell started is its child; once it is killed (by
+# CRIU, or by gpusnap hibernate), collect it so its pid is free for a
+# restore. bash normally reaps on SIGCHLD by itself; this makes sure. Only
+# a zombie is waited for (wait on a live child would block).
+reap() {
+    if [ "$(pstate "$1" 2>/dev/null)" = Z ]; then
+        wait "$1" 2>/dev/null || true
+    fi
+    return 0
+}
+
+# wait_pid_free PID TIMEOUT_S: until no process (not even a zombie) has PID.
+wait_pid_free() {
+    local end=$((SECONDS + $2))
+    while [ -e "/proc/$1" ]; do
+        reap "$1"
+        [ -e "/proc/$1" ] || break
+        [ "$SECONDS" -lt "$end" ] || return 1
+        sleep 0.05
+    done
+    return 0
+}
+
+# image_logs IMAGE: the tails of the image's CRIU logs (its dump.log and the
+# newest restore.log) into the log. A failed hibernate leaves no image (its
+# error names the CRIU log line); a failed wake leaves its restore log here.
+image_logs() {
+    local dir=$STATE_DIR/images/$1 f newest=""
+    # restore-<unix ms>: the last in glob order is the newest.
+    for f in "$dir"/logs/restore-*/restore.log; do [ -s "$f" ] && newest=$f; done
+    for f in "$dir/criu/dump.log" ${newest:+"$newest"}; do
+        [ -s "$f" ] || continue
+        printf '    ---- last 30 lines of %s\n' "$f" >>"$LOG"
+        tail -n 30 "$f" | cut -c1-300 | sed 's/^/    | /' >>"$LOG"
+    done
+    return 0
+}
+
+# images_clear: removes every image of this run's state dir (they hold the
+# memory of the processes: GBs each), through gpusnap, then whatever is left
+# (temporary directories of an interrupted hibernate) directly.
+images_clear() {
+    local dir=$STATE_DIR/images n
+    [ -d "$dir" ] || return 0
+    for n in "$dir"/*; do
+        [ -d "$n" ] || continue
+        timeout 120 "$GPUSNAP" --state-dir "$STATE_DIR" images rm "${n##*/}" </dev/null >/dev/null 2>&1 ||
+            log "gpusnap images rm ${n##*/} failed"
+    done
+    rm -rf "${dir:?}"/* "${dir:?}"/.[!.]* 2>/dev/null
+    log "images removed; $(disk_free_bytes "$WORK") bytes free on $WORK"
+}
+
+# run_helpers: gpusnap processes of this run still alive (guards and their
+# keepers that `gpusnap wake` starts carry --state-dir $STATE_DIR): "pid comm;...".
+run_helpers() {
+    local d pid cmd out=""
+    for d in /proc/[0-9]*; do
+        pid=${d#/proc/}
+        [ "$pid" = "$$" ] && continue
+        cmd=$(tr '\0' ' ' <"$d/cmdline" 2>/dev/null) || continue
+        case $cmd in
+            *"$STATE_DIR"*) case $cmd in *gpusnap*) out="$out$pid;" ;; esac ;;
+        esac
+    done
+    printf '%s' "$out"
+}
+
+# end_run_helpers: after every worker is gone, guards should have ended on
+# their own; any left (they hold no GPU memory) get SIGTERM, then SIGKILL.
+end_run_helpers() {
+    local h p end
+    h=$(run_helpers)
+    [ -n "$h" ] || return 0
+    end=$((SECONDS + 5))
+    while [ -n "$h" ] && [ "$SECONDS" -lt "$end" ]; do
+        sleep 0.5
+        h=$(run_helpers)
+    done
+    [ -n "$h" ] || return 0
+    log "gpusnap helpers of this run still alive after the workers: $h"
+    for p in ${h//;/ }; do
+        log "  $p: $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-200)"
+        kill -TERM "$p" 2>/dev/null
+    done
+    sleep 2
+    for p in ${h//;/ }; do
+        if alive "$p"; then kill -KILL "$p" 2>/dev/null; fi
+    done
+    return 0
+}
+
 # cleanup_all: idempotent; fillers and helpers first, then every worker.
 cleanup_all() {
     local p
@@ -422,6 +567,8 @@ cleanup_all() {
     if [ -n "$LEFT_ALIVE" ]; then
         log "LEFT ALIVE (could not be stopped safely):$LEFT_ALIVE"
     fi
+    end_run_helpers
+    images_clear
     return 0
 }
 
@@ -456,3 +603,10 @@ install_traps() {
     trap 'log "(a command failed at line $LINENO: exit $?)"' ERR
     trap on_exit EXIT
 }
+
+# A dry run against the fakes (docs/fakes.md) replaces the PyTorch workers,
+# the filler and nvidia-smi here; see the end of tests/gpu/README.md.
+if [ -n "${GPU_TEST_HOOK:-}" ]; then
+    # shellcheck disable=SC1090
+    . "$GPU_TEST_HOOK"
+fi

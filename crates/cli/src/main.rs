@@ -1,5 +1,6 @@
 //! The `gpusnap` command line: parses arguments, calls the library, prints.
 
+mod guarded;
 mod output;
 
 use clap::{Parser, Subcommand};
@@ -99,6 +100,9 @@ enum Cmd {
         wait: u64,
         #[arg(long, value_name = "MIB", default_value_t = 256)]
         margin: u64,
+        /// Do not attach the guard to the woken processes.
+        #[arg(long)]
+        no_guard: bool,
     },
     /// Bring back a process stuck after a failed restore from its newest image.
     Recover {
@@ -125,6 +129,41 @@ enum Cmd {
         force: bool,
         #[arg(long, default_value_t = 30_000)]
         lock_timeout: u32,
+    },
+    /// Run a program under the guard: a dying CUDA process is suspended before it dies.
+    ///
+    /// Fatal signals (SIGSEGV, SIGABRT, an unhandled SIGTERM, ...) and exits
+    /// (exit(), _exit() from any thread) of the program and of every child it
+    /// starts are caught; the death then proceeds with its own signal or exit
+    /// code, and `run` exits as the program did. SIGKILL (and the kernel's
+    /// OOM killer) cannot be caught.
+    Run {
+        /// A name for the journal.
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long, default_value_t = 10_000)]
+        lock_timeout: u32,
+        /// Do not leave a keeper that re-attaches a new guard if this one dies.
+        #[arg(long)]
+        no_keeper: bool,
+        #[arg(required = true, last = true)]
+        cmd: Vec<std::ffi::OsString>,
+    },
+    /// Attach the guard to running processes (and their children).
+    ///
+    /// Fatal signals are caught. Exits are caught only for processes started
+    /// by `gpusnap run` (they carry its exit filter, also after hibernate and
+    /// wake): a filter cannot be added to a running process from outside.
+    Guard {
+        pids: Vec<i32>,
+        #[arg(long, default_value_t = 10_000)]
+        lock_timeout: u32,
+        /// Take over from a guard that died (used by its keeper).
+        #[arg(long, value_name = "GUARD_PID")]
+        takeover: Option<i32>,
+        /// Detach from the terminal and run in the background.
+        #[arg(long)]
+        daemon: bool,
     },
     /// The journal of one pid: every driver call gpusnap made on it.
     History { pid: i32 },
@@ -302,27 +341,19 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             )
         }
         Cmd::Hibernate { pid, image, leave_running, lock_timeout } => {
-            let c = criu(cli)?;
-            let mut e = engine_with(cli, out, true)?;
             let opts = HibernateOptions {
                 name: image.clone(),
                 leave_running: *leave_running,
                 lock_timeout_ms: *lock_timeout,
             };
-            let r = e.hibernate(&c, &images(cli), *pid, &opts)?;
-            out.one(&r, &output::hibernated(&r));
-            Ok(())
+            hibernate(cli, out, *pid, &opts)
         }
         Cmd::Snapshot { pid, image, lock_timeout } => {
-            let c = criu(cli)?;
-            let mut e = engine_with(cli, out, true)?;
             let opts =
                 HibernateOptions { name: image.clone(), leave_running: true, lock_timeout_ms: *lock_timeout };
-            let r = e.hibernate(&c, &images(cli), *pid, &opts)?;
-            out.one(&r, &output::hibernated(&r));
-            Ok(())
+            hibernate(cli, out, *pid, &opts)
         }
-        Cmd::Wake { image, wait, margin } => {
+        Cmd::Wake { image, wait, margin, no_guard } => {
             let c = criu(cli)?;
             let mut e = engine_with(cli, out, true)?;
             let opts = WakeOptions {
@@ -331,8 +362,17 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 force_resume: vec![],
             };
             let r = e.wake(&c, &images(cli), image, &opts)?;
+            if !no_guard {
+                spawn_guard(cli, &r.processes)?;
+            }
             out.one(&r, &output::woken(&r));
             Ok(())
+        }
+        Cmd::Run { name, lock_timeout, no_keeper, cmd } => {
+            guarded::run(cli, name.clone(), *lock_timeout, !no_keeper, cmd)
+        }
+        Cmd::Guard { pids, lock_timeout, takeover, daemon } => {
+            guarded::guard(cli, pids, *lock_timeout, *takeover, *daemon)
         }
         Cmd::Recover { pid, wait, margin } => {
             let c = criu(cli)?;
@@ -373,6 +413,59 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
     }
 }
 
+/// Hibernate (or snapshot) with the guard out of CRIU's way: CRIU must be
+/// the only tracer while it dumps. The guard is re-attached where the tree
+/// stays alive.
+fn hibernate(cli: &Cli, out: &Out, pid: i32, opts: &HibernateOptions) -> anyhow::Result<()> {
+    let c = criu(cli)?;
+    let mut e = engine_with(cli, out, true)?;
+    gpusnap_core::target::resolve_callable(pid)?;
+    let tree: Vec<i32> = gpusnap_core::hibernate::process_tree(pid).into_iter().map(|(p, _)| p).collect();
+    let detached = gpusnap_core::guard::detach_for(&cli.state_dir, &tree)?;
+    let res = e.hibernate(&c, &images(cli), pid, opts);
+    respawn_guard(&cli.state_dir, &detached);
+    let r = res?;
+    out.one(&r, &output::hibernated(&r));
+    Ok(())
+}
+
+/// The state directory an image store lives in (`STATE/images`).
+fn store_dir(store: &ImageStore) -> &std::path::Path {
+    store.root.parent().unwrap_or(&store.root)
+}
+
+/// Re-attaches a guard to the detached processes that are still alive.
+fn respawn_guard(state_dir: &std::path::Path, detached: &[i32]) {
+    let alive: Vec<i32> =
+        detached.iter().copied().filter(|p| gpusnap_core::target::resolve(*p).is_ok()).collect();
+    if let Err(e) = start_guard(state_dir, &alive) {
+        tracing::error!("could not re-attach the guard to {alive:?}: {e}");
+    }
+}
+
+fn spawn_guard(cli: &Cli, pids: &[i32]) -> Result<(), Error> {
+    start_guard(&cli.state_dir, pids)
+}
+
+/// Starts `gpusnap guard --daemon PIDS` in the background.
+fn start_guard(state_dir: &std::path::Path, pids: &[i32]) -> Result<(), Error> {
+    if pids.is_empty() {
+        return Ok(());
+    }
+    let exe = std::env::current_exe().map_err(|e| Error::Proc { pid: 0, reason: e.to_string() })?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("--state-dir").arg(state_dir).args(["guard", "--daemon"]);
+    cmd.args(pids.iter().map(|p| p.to_string()));
+    let st = cmd
+        .stdin(std::process::Stdio::null())
+        .status()
+        .map_err(|e| Error::Proc { pid: 0, reason: format!("cannot start the guard: {e}") })?;
+    if !st.success() {
+        return Err(Error::Proc { pid: pids[0], reason: "the guard could not attach".into() });
+    }
+    Ok(())
+}
+
 fn has_image(store: &ImageStore, pid: i32) -> bool {
     gpusnap_core::target::resolve(pid).is_ok_and(|t| store.find_for(pid, t.start_time).is_some())
 }
@@ -389,6 +482,9 @@ fn snapshot_if_suspended(e: &mut DynEngine, criu: &Criu, store: &ImageStore, pid
         store.remove(&name)?;
     }
     let opts = HibernateOptions { name: Some(name), leave_running: true, lock_timeout_ms: 30_000 };
-    e.hibernate(criu, store, pid, &opts)?;
-    Ok(())
+    let tree: Vec<i32> = gpusnap_core::hibernate::process_tree(pid).into_iter().map(|(p, _)| p).collect();
+    let detached = gpusnap_core::guard::detach_for(store_dir(store), &tree)?;
+    let res = e.hibernate(criu, store, pid, &opts);
+    respawn_guard(store_dir(store), &detached);
+    res.map(|_| ())
 }

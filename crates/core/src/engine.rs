@@ -304,6 +304,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     pub fn suspend(&mut self, pid: i32, lock_timeout_ms: u32) -> Result<SuspendReport, Error> {
         let started = Instant::now();
         let t = target::resolve_callable(pid)?;
+        // One gpusnap at a time drives a process (a guard may be suspending it).
+        let _serial = self.store.lock_target(pid)?;
         self.reconcile(&t)?;
         let st = self.driver_state(&t)?;
         match st {
@@ -527,6 +529,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let pid = t.pid;
         let total: u64 = need.values().sum();
         target::resolve_callable(pid)?;
+        let _serial = self.store.lock_target(pid)?;
         let used0 = self.used_on(need);
         let t_restore = Instant::now();
         let id = self.store.begin(t, "restore")?;

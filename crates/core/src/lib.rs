@@ -4,6 +4,7 @@ pub mod criu;
 pub mod doctor;
 pub mod engine;
 pub mod error;
+pub mod guard;
 pub mod hibernate;
 pub mod image;
 pub mod progress;

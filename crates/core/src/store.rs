@@ -135,6 +135,27 @@ impl Store {
         &self.path
     }
 
+    /// The state directory.
+    pub fn dir(&self) -> &Path {
+        self.path.parent().unwrap_or(Path::new("."))
+    }
+
+    /// An exclusive, cross-process lock on driver calls for `pid`, so that
+    /// two gpusnaps (a `stop` and a guard, say) never drive one process at
+    /// the same time. Held until the returned file is dropped.
+    pub fn lock_target(&self, pid: i32) -> Result<nix::fcntl::Flock<std::fs::File>, Error> {
+        let dir = self.dir().join("locks");
+        let err = |e: std::io::Error| Error::Store { path: dir.display().to_string(), reason: e.to_string() };
+        std::fs::create_dir_all(&dir).map_err(err)?;
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(pid.to_string()))
+            .map_err(err)?;
+        nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive).map_err(|(_, e)| err(e.into()))
+    }
+
     fn err(&self, e: rusqlite::Error) -> Error {
         Error::Store { path: self.path.display().to_string(), reason: e.to_string() }
     }

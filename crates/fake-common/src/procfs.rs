@@ -16,8 +16,11 @@ pub struct Stat {
 impl Stat {
     /// Stopped by a signal or held in a ptrace stop: the real driver's calls
     /// into such a process hang.
+    /// Stopped by a signal (SIGSTOP, group-stop): the real driver hangs on
+    /// such a process. A thread held in a ptrace stop (`t`, as the guard
+    /// holds a dying one) does not make it hang (measured on r580).
     pub fn is_stopped(&self) -> bool {
-        matches!(self.state, 'T' | 't')
+        self.state == 'T'
     }
 
     /// Exited but not reaped: holds no GPU memory and answers no driver call.

@@ -49,6 +49,55 @@ struct Args {
     /// PID and print `rc=N`.
     #[arg(long, num_args = 2, value_names = ["ACTION", "PID"])]
     driver_call: Option<Vec<String>>,
+    /// Die after --after-ms: `exit:N` (main thread), `exit-thread:N` (exit()
+    /// from a second thread), `_exit:N`, `segv`, `abort`.
+    #[arg(long)]
+    die: Option<String>,
+    #[arg(long, default_value_t = 500)]
+    after_ms: u64,
+    /// Handle SIGTERM: exit(N) from the main loop when it arrives.
+    #[arg(long)]
+    sigterm_exit: Option<i32>,
+    /// Start a child process (the same program, status FILE.child) that holds
+    /// CUDA state of its own.
+    #[arg(long)]
+    child: bool,
+}
+
+static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_sigterm(_: c_int) {
+    SIGTERMED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Dies the way `how` says (see --die).
+fn die(how: &str) -> ! {
+    let (mode, code) = how.split_once(':').map_or((how, 0), |(m, c)| (m, c.parse().unwrap_or(1)));
+    match mode {
+        "exit" => std::process::exit(code),
+        "exit-thread" => {
+            let h = std::thread::spawn(move || std::process::exit(code));
+            let _ = h.join();
+            loop {
+                sleep(Duration::from_secs(1));
+            }
+        }
+        // SAFETY: _exit has no preconditions.
+        "_exit" => unsafe { libc::_exit(code) },
+        "segv" => {
+            // A real fault, as a crash would be: Rust's own SIGSEGV handler
+            // sees it is no stack overflow, restores the default action and
+            // returns, and the write faults again, fatally.
+            // SAFETY: deliberately invalid; the process dies of it.
+            unsafe { std::ptr::null_mut::<u8>().write_volatile(1) };
+            std::process::exit(99)
+        }
+        "abort" => std::process::abort(),
+        other => {
+            eprintln!("fake-workload: unknown --die {other}");
+            std::process::exit(2)
+        }
+    }
 }
 
 type CUresult = c_int;
@@ -162,6 +211,25 @@ fn run(args: &Args) -> Result<(), String> {
         writeln!(out, "ready {pid}").and_then(|()| out.flush()).map_err(|e| e.to_string())?;
     }
 
+    if let Some(code) = args.sigterm_exit {
+        // SAFETY: installing a handler that only stores to an atomic.
+        unsafe { libc::signal(libc::SIGTERM, on_sigterm as extern "C" fn(c_int) as libc::sighandler_t) };
+        let _ = code;
+    }
+    let mut kid = None;
+    if args.child {
+        let mut a: Vec<String> = std::env::args().skip(1).filter(|x| x != "--child").collect();
+        if let Some(i) = a.iter().position(|x| x == "--status") {
+            a[i + 1] = format!("{}.child", a[i + 1]);
+        }
+        kid = Some(
+            std::process::Command::new(std::env::current_exe().map_err(|e| e.to_string())?)
+                .args(a)
+                .spawn()
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    let started = std::time::Instant::now();
     let exit_file = args.status.as_ref().map(|s| {
         let mut p = s.as_os_str().to_owned();
         p.push(".exit");
@@ -185,6 +253,17 @@ fn run(args: &Args) -> Result<(), String> {
         }
         if exit_file.as_ref().is_some_and(|f| f.exists()) {
             std::process::exit(3);
+        }
+        if let (Some(code), true) = (args.sigterm_exit, SIGTERMED.load(std::sync::atomic::Ordering::SeqCst)) {
+            std::process::exit(code);
+        }
+        if let Some(how) = &args.die {
+            if started.elapsed() >= Duration::from_millis(args.after_ms) {
+                if let Some(k) = kid.as_mut() {
+                    let _ = k.wait();
+                }
+                die(how);
+            }
         }
         sleep(Duration::from_millis(100));
     }

@@ -253,17 +253,31 @@ impl World {
 
     /// (pid, iteration, intact) from the workload's status file.
     pub fn status_of(&self, pid: i32) -> Option<(i32, u64, bool)> {
-        let s = std::fs::read_to_string(self.status_path(pid)).ok()?;
-        let f: Vec<&str> = s.split_whitespace().collect();
-        Some((f.first()?.parse().ok()?, f.get(1)?.parse().ok()?, *f.get(2)? == "1"))
+        read_status(&self.status_path(pid))
     }
 
     /// Waits until the workload has done `n` more intact iterations.
     pub fn assert_progressing(&self, pid: i32) {
-        let (_, start, _) = self.status_of(pid).expect("status");
-        wait_for(Duration::from_secs(20), || self.status_of(pid).is_some_and(|s| s.1 >= start + 2 && s.2));
+        assert_progressing_at(&self.status_path(pid));
     }
+}
 
+/// (pid, iteration, intact) from a workload's status file.
+pub fn read_status(path: &Path) -> Option<(i32, u64, bool)> {
+    {
+        let s = std::fs::read_to_string(path).ok()?;
+        let f: Vec<&str> = s.split_whitespace().collect();
+        Some((f.first()?.parse().ok()?, f.get(1)?.parse().ok()?, *f.get(2)? == "1"))
+    }
+}
+
+/// Waits until the workload writing `path` has done two more intact iterations.
+pub fn assert_progressing_at(path: &Path) {
+    let (_, start, _) = read_status(path).expect("status");
+    wait_for(Duration::from_secs(20), || read_status(path).is_some_and(|s| s.1 >= start + 2 && s.2));
+}
+
+impl World {
     pub fn iteration(&self, pid: i32) -> u64 {
         self.status_of(pid).map(|s| s.1).unwrap_or(0)
     }
@@ -353,6 +367,25 @@ while True:
         self.children.push(child);
         wait_for(Duration::from_secs(10), || std::fs::read_to_string(&out).is_ok_and(|s| !s.is_empty()));
         (pid, out)
+    }
+
+    /// Starts gpusnap in the background (a child reaped on exit).
+    pub fn spawn_gpusnap(&mut self, args: &[&str]) -> usize {
+        let mut cmd = self.gpusnap_cmd(args);
+        let n = self.children.len();
+        cmd.stdout(std::fs::File::create(self.tmp.path().join(format!("gpusnap-{n}.out"))).unwrap())
+            .stderr(std::fs::File::create(self.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap());
+        self.children.push(Kid::spawn(cmd));
+        n
+    }
+
+    /// A program's exit status, waiting for it (bounded).
+    pub fn wait_child(&self, index: usize) -> ExitStatus {
+        self.children[index].wait().expect("exited within 60 s")
+    }
+
+    pub fn child_pid(&self, index: usize) -> i32 {
+        self.children[index].pid
     }
 
     pub fn adopt(&mut self, pid: i32) {

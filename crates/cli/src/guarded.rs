@@ -1,0 +1,199 @@
+//! `gpusnap run` and `gpusnap guard`: the guard's front end.
+
+use crate::Cli;
+use gpusnap_core::guard::{self, Ending, Guard};
+use gpusnap_core::{Error, Store};
+use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, Timeouts};
+use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};
+use std::ffi::OsString;
+
+type DynGuard = Guard<Box<dyn CheckpointApi>, Box<dyn GpuInventory>>;
+
+fn new_guard(cli: &Cli, lock_timeout: u32, name: Option<String>) -> anyhow::Result<DynGuard> {
+    let store = Store::open(&cli.state_dir)?;
+    // A host without a driver still runs programs under the guard (nothing
+    // to suspend, but exits and signals pass through unchanged).
+    let api: Box<dyn CheckpointApi> = match CudaDriver::load() {
+        Ok(d) => Box::new(d),
+        Err(e) => Box::new(Absent { why: e.to_string() }),
+    };
+    let gpus: Box<dyn GpuInventory> = match NvmlInventory::load() {
+        Ok(n) => Box::new(n),
+        Err(_) => Box::new(NoGpus),
+    };
+    Ok(Guard::new(Deadline::new(api, Timeouts::default()), gpus, store, &cli.state_dir, lock_timeout, name))
+}
+
+fn keeper_argv(cli: &Cli, lock_timeout: u32) -> Vec<OsString> {
+    vec![
+        "gpusnap-keeper".into(),
+        "--state-dir".into(),
+        cli.state_dir.clone().into_os_string(),
+        "guard".into(),
+        "--lock-timeout".into(),
+        lock_timeout.to_string().into(),
+        "--takeover".into(),
+        std::process::id().to_string().into(),
+    ]
+}
+
+pub fn run(
+    cli: &Cli,
+    name: Option<String>,
+    lock_timeout: u32,
+    keeper: bool,
+    cmd: &[OsString],
+) -> anyhow::Result<()> {
+    // Forks come first, while this process has a single thread.
+    let launched = guard::launch(cmd)?;
+    if keeper {
+        guard::start_keeper(&keeper_argv(cli, lock_timeout))?;
+    }
+    let mut g = new_guard(cli, lock_timeout, name)?;
+    g.attach(launched.pid)?;
+    let leader = launched.pid;
+    launched.release();
+    forward_signals(leader);
+    let ending = g.run_loop()?;
+    finish(ending)
+}
+
+/// Signals sent to `gpusnap run` by other processes go on to the program, as
+/// from an init such as tini. Signals from the terminal (Ctrl-C) already
+/// reach the program directly: its process group is the same.
+fn forward_signals(leader: i32) {
+    use signal_hook::consts::*;
+    use signal_hook::iterator::exfiltrator::WithOrigin;
+    use signal_hook::iterator::SignalsInfo;
+    let Ok(mut signals) =
+        SignalsInfo::<WithOrigin>::new([SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2])
+    else {
+        tracing::warn!("cannot forward signals to the program");
+        return;
+    };
+    std::thread::spawn(move || {
+        for info in signals.forever() {
+            if info.process.is_some_and(|p| p.pid != leader) {
+                // SAFETY: kill with a valid signal number.
+                unsafe { libc::kill(leader, info.signal) };
+            }
+        }
+    });
+}
+
+/// Ends `gpusnap run` the way the program ended.
+fn finish(ending: Ending) -> anyhow::Result<()> {
+    match ending {
+        Ending::Exited(code) => std::process::exit(code),
+        Ending::Signaled(sig) => {
+            // No core file of gpusnap's own for the program's SIGSEGV.
+            let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_CORE, 0, 0);
+            let _ = signal_hook::low_level::emulate_default_handler(sig);
+            std::process::exit(128 + sig)
+        }
+        Ending::Detached => {
+            eprintln!("gpusnap run: the program was detached from the guard (hibernated)");
+            std::process::exit(0)
+        }
+    }
+}
+
+pub fn guard(
+    cli: &Cli,
+    pids: &[i32],
+    lock_timeout: u32,
+    takeover: Option<i32>,
+    daemon: bool,
+) -> anyhow::Result<()> {
+    let mut pids = pids.to_vec();
+    if let Some(old) = takeover {
+        let file = guard::guards_dir(&cli.state_dir).join(format!("{old}.json"));
+        // The old guard finished cleanly: nothing to take over.
+        let Ok(body) = std::fs::read(&file) else { return Ok(()) };
+        let _ = std::fs::remove_file(&file);
+        let g: guard::GuardFile = serde_json::from_slice(&body)?;
+        pids.extend(g.processes.iter().filter(|p| gpusnap_core::target::resolve(**p).is_ok()));
+        if pids.is_empty() {
+            return Ok(());
+        }
+    }
+    if pids.is_empty() {
+        return Err(Error::BadPid { pid: 0 }.into());
+    }
+    // Check every pid before detaching from the terminal, so bad input is
+    // reported to the caller.
+    for &p in &pids {
+        gpusnap_core::target::resolve(p)?;
+    }
+    if daemon {
+        daemonize(cli)?;
+    }
+    guard::start_keeper(&keeper_argv(cli, lock_timeout))?;
+    let mut g = new_guard(cli, lock_timeout, None)?;
+    for &p in &pids {
+        for (q, _) in gpusnap_core::hibernate::process_tree(p) {
+            g.attach(q)?;
+        }
+    }
+    if daemon {
+        report_ready(true);
+    }
+    g.run_loop()?;
+    Ok(())
+}
+
+static READY_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+/// Forks into the background; the foreground process waits until the
+/// background one says it has attached, and exits 0 (or 1 if it failed).
+fn daemonize(cli: &Cli) -> anyhow::Result<()> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe fills two fds.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        anyhow::bail!("pipe: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: fork while single-threaded (nothing has started threads yet).
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        anyhow::bail!("fork: {}", std::io::Error::last_os_error());
+    }
+    if pid > 0 {
+        let mut b = [0u8; 1];
+        // SAFETY: closing our copy of the write end; reading one byte.
+        let n = unsafe {
+            libc::close(fds[1]);
+            libc::read(fds[0], b.as_mut_ptr().cast(), 1)
+        };
+        std::process::exit(if n == 1 && b[0] == b'y' { 0 } else { 1 });
+    }
+    // SAFETY: the child: new session, stdio to a log file.
+    unsafe {
+        libc::close(fds[0]);
+        libc::setsid();
+    }
+    READY_FD.store(fds[1], std::sync::atomic::Ordering::SeqCst);
+    let dir = guard::guards_dir(&cli.state_dir);
+    std::fs::create_dir_all(&dir)?;
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("guard.log"))?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: dup2 onto stdio of fds we own.
+    unsafe {
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY);
+        libc::dup2(null, 0);
+        libc::dup2(log.as_raw_fd(), 1);
+        libc::dup2(log.as_raw_fd(), 2);
+    }
+    Ok(())
+}
+
+fn report_ready(ok: bool) {
+    let fd = READY_FD.swap(-1, std::sync::atomic::Ordering::SeqCst);
+    if fd >= 0 {
+        let b = if ok { b"y" } else { b"n" };
+        // SAFETY: writing one byte to our pipe, then closing it.
+        unsafe {
+            libc::write(fd, b.as_ptr().cast(), 1);
+            libc::close(fd);
+        }
+    }
+}

@@ -1,0 +1,746 @@
+//! The guard: a dying CUDA process is suspended before it dies.
+//!
+//! Killing a restored CUDA process, or having it crash, can hang a whole host
+//! (report 004); suspending its CUDA state first prevents that. The guard is
+//! the tracer of the guarded processes (every thread, every child):
+//! - at a **signal-delivery-stop** of a signal that will kill the process
+//!   (default action terminate or core, no handler installed), it suspends the
+//!   process's CUDA state, then delivers the signal unchanged;
+//! - at the **seccomp stop of `exit_group`** (filter installed by `gpusnap
+//!   run` before exec, see [`seccomp`]), it suspends, then lets the exit run
+//!   with the program's own code.
+//!
+//! All other stops pass through untouched. Exits are caught *before*
+//! `exit_group` runs: at PTRACE_EVENT_EXIT the driver's threads are gone and
+//! its calls hang (measured on r580). SIGKILL cannot be caught at all.
+//!
+//! The guard never uses PTRACE_O_EXITKILL: if it dies, the kernel detaches it
+//! and the programs run on. Its keeper (a small standby process) then starts
+//! a new guard that re-attaches, so that exits are caught again (a RET_TRACE
+//! filter with no tracer would fail `exit_group` with ENOSYS).
+
+pub mod seccomp;
+
+use crate::error::Error;
+use crate::store::Store;
+use crate::target::{self, Target};
+use gpusnap_cuda::ffi::CUDA_ERROR_NOT_INITIALIZED;
+use gpusnap_cuda::{CheckpointApi, Deadline, ProcessState};
+use gpusnap_gpu::GpuInventory;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ffi::{CString, OsString};
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const PTRACE_EVENT_STOP: i32 = 128;
+const PTRACE_EVENT_SECCOMP: i32 = 7;
+
+/// What the guarded program's main process ended with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    Exited(i32),
+    Signaled(i32),
+    /// Detached for `hibernate`: the tree lives on in an image.
+    Detached,
+}
+
+/// The guard's record of whom it guards, for `hibernate` (to ask it to let
+/// go) and for its keeper (to re-attach a new guard if it dies).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GuardFile {
+    pub guard_pid: i32,
+    pub name: Option<String>,
+    pub leader: i32,
+    pub processes: Vec<i32>,
+    pub socket: PathBuf,
+}
+
+pub fn guards_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("guards")
+}
+
+/// Every live guard's record.
+pub fn live_guards(state_dir: &Path) -> Vec<GuardFile> {
+    let Ok(rd) = std::fs::read_dir(guards_dir(state_dir)) else { return Vec::new() };
+    rd.filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .filter_map(|e| serde_json::from_slice::<GuardFile>(&std::fs::read(e.path()).ok()?).ok())
+        .filter(|g| Path::new(&format!("/proc/{}", g.guard_pid)).exists())
+        .collect()
+}
+
+/// Asks the guards of `pids` to detach from them (before CRIU seizes the
+/// tree). Returns the pids that were guarded.
+pub fn detach_for(state_dir: &Path, pids: &[i32]) -> Result<Vec<i32>, Error> {
+    let mut out = Vec::new();
+    for g in live_guards(state_dir) {
+        let mine: Vec<i32> = pids.iter().copied().filter(|p| g.processes.contains(p)).collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let fail = |why: String| Error::Proc {
+            pid: g.guard_pid,
+            reason: format!("cannot ask the guard to detach: {why}"),
+        };
+        let mut s = UnixStream::connect(&g.socket).map_err(|e| fail(e.to_string()))?;
+        s.set_read_timeout(Some(Duration::from_secs(30))).ok();
+        let line = format!("detach {}\n", mine.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(" "));
+        s.write_all(line.as_bytes()).map_err(|e| fail(e.to_string()))?;
+        let mut reply = String::new();
+        BufReader::new(&s).read_line(&mut reply).map_err(|e| fail(e.to_string()))?;
+        if reply.trim() != "ok" {
+            return Err(fail(reply.trim().to_string()));
+        }
+        out.extend(mine);
+    }
+    Ok(out)
+}
+
+/// The process's threads (task ids).
+fn threads_of(pid: i32) -> Vec<i32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|rd| rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+fn tgid_of(tid: i32) -> Option<i32> {
+    procfs::process::Process::new(tid).ok()?.status().ok().map(|s| s.tgid)
+}
+
+/// Signals whose default action ends the process (terminate or core dump).
+fn kills_by_default(sig: i32) -> bool {
+    !matches!(
+        sig,
+        libc::SIGCHLD
+            | libc::SIGCONT
+            | libc::SIGURG
+            | libc::SIGWINCH
+            | libc::SIGSTOP
+            | libc::SIGTSTP
+            | libc::SIGTTIN
+            | libc::SIGTTOU
+    ) && sig > 0
+        && sig != libc::SIGKILL
+}
+
+/// Whether `sig`, delivered to thread `tid` now, will end its process: the
+/// default action kills and no handler is installed (SigCgt) and it is not
+/// ignored (SigIgn). A synchronous fault (SEGV, BUS, ILL, FPE) on an ignored
+/// or blocked signal is forced to its default by the kernel, so it kills too.
+fn is_fatal(tid: i32, sig: i32) -> bool {
+    if !kills_by_default(sig) {
+        return false;
+    }
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{tid}/status")) else { return false };
+    let mask = |key: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .unwrap_or(0)
+    };
+    let bit = 1u64 << (sig - 1);
+    if mask("SigCgt:") & bit != 0 {
+        return false;
+    }
+    let fault = matches!(sig, libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE);
+    fault || mask("SigIgn:") & bit == 0
+}
+
+/// One decoded waitpid status.
+#[derive(Debug)]
+enum Event {
+    Exited(i32, i32),
+    Signaled(i32, i32),
+    /// A signal-delivery-stop.
+    Signal(i32, i32),
+    /// A ptrace event stop: (tid, event, stop signal).
+    Ptrace(i32, i32, i32),
+}
+
+/// What waiting found: an event, nothing yet (or interrupted), or no tracee left.
+enum Waited {
+    Event(Event),
+    Nothing,
+    NoChildren,
+}
+
+fn wait_event(block: bool) -> Waited {
+    let mut status = 0;
+    let flags = libc::__WALL | if block { 0 } else { libc::WNOHANG };
+    // SAFETY: waitpid writes one int.
+    let pid = unsafe { libc::waitpid(-1, &mut status, flags) };
+    if pid < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD) {
+        return Waited::NoChildren;
+    }
+    match decode(pid, status) {
+        Some(e) => Waited::Event(e),
+        None => Waited::Nothing,
+    }
+}
+
+fn wait_any(block: bool) -> Option<Event> {
+    match wait_event(block) {
+        Waited::Event(e) => Some(e),
+        _ => None,
+    }
+}
+
+fn decode(pid: i32, status: i32) -> Option<Event> {
+    if pid <= 0 {
+        return None;
+    }
+    Some(if libc::WIFEXITED(status) {
+        Event::Exited(pid, libc::WEXITSTATUS(status))
+    } else if libc::WIFSIGNALED(status) {
+        Event::Signaled(pid, libc::WTERMSIG(status))
+    } else if libc::WIFSTOPPED(status) {
+        let event = (status >> 16) & 0xff;
+        let sig = libc::WSTOPSIG(status);
+        if event == 0 {
+            Event::Signal(pid, sig)
+        } else {
+            Event::Ptrace(pid, event, sig)
+        }
+    } else {
+        // WIFCONTINUED: nothing to do.
+        return None;
+    })
+}
+
+fn ptrace_raw(req: libc::c_uint, tid: i32, data: usize) -> std::io::Result<()> {
+    // SAFETY: PTRACE_CONT/LISTEN/SEIZE/DETACH/INTERRUPT take integers only.
+    let r =
+        unsafe { libc::ptrace(req, tid, std::ptr::null_mut::<libc::c_void>(), data as *mut libc::c_void) };
+    if r == -1 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn seize(tid: i32) -> std::io::Result<()> {
+    let opts = libc::PTRACE_O_TRACECLONE
+        | libc::PTRACE_O_TRACEFORK
+        | libc::PTRACE_O_TRACEVFORK
+        | libc::PTRACE_O_TRACEEXEC
+        | libc::PTRACE_O_TRACESECCOMP;
+    ptrace_raw(libc::PTRACE_SEIZE, tid, opts as usize)
+}
+
+fn cont(tid: i32, sig: i32) {
+    if let Err(e) = ptrace_raw(libc::PTRACE_CONT, tid, sig as usize) {
+        tracing::debug!(tid, "PTRACE_CONT: {e}");
+    }
+}
+
+/// What the guard did about one death.
+#[derive(Debug, Clone, Serialize)]
+pub struct Suspension {
+    pub pid: i32,
+    pub why: String,
+    pub outcome: String,
+    pub ms: u64,
+}
+
+pub struct Guard<A: CheckpointApi, G: GpuInventory> {
+    api: Deadline<A>,
+    gpus: G,
+    store: Store,
+    state_dir: PathBuf,
+    lock_timeout_ms: u32,
+    name: Option<String>,
+    /// tid -> tgid of every traced thread.
+    tids: HashMap<i32, i32>,
+    leader: i32,
+    ending: Option<Ending>,
+    pub suspensions: Vec<Suspension>,
+}
+
+/// A request from another gpusnap (hibernate) to the guard's event loop.
+struct Detach {
+    pids: Vec<i32>,
+    reply: mpsc::Sender<String>,
+}
+
+impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
+    pub fn new(
+        api: Deadline<A>,
+        gpus: G,
+        store: Store,
+        state_dir: &Path,
+        lock_timeout_ms: u32,
+        name: Option<String>,
+    ) -> Self {
+        Self {
+            api,
+            gpus,
+            store,
+            state_dir: state_dir.to_path_buf(),
+            lock_timeout_ms,
+            name,
+            tids: HashMap::new(),
+            leader: 0,
+            ending: None,
+            suspensions: Vec::new(),
+        }
+    }
+
+    fn record_file(&self) -> PathBuf {
+        guards_dir(&self.state_dir).join(format!("{}.json", std::process::id()))
+    }
+
+    fn socket_path(&self) -> PathBuf {
+        guards_dir(&self.state_dir).join(format!("{}.sock", std::process::id()))
+    }
+
+    fn processes(&self) -> Vec<i32> {
+        self.tids.values().copied().collect::<BTreeSet<_>>().into_iter().collect()
+    }
+
+    fn save(&self) {
+        let g = GuardFile {
+            guard_pid: std::process::id() as i32,
+            name: self.name.clone(),
+            leader: self.leader,
+            processes: self.processes(),
+            socket: self.socket_path(),
+        };
+        let path = self.record_file();
+        let tmp = path.with_extension("json.tmp");
+        if let Ok(body) = serde_json::to_vec(&g) {
+            if std::fs::write(&tmp, body).is_ok() {
+                let _ = std::fs::rename(&tmp, &path);
+            }
+        }
+    }
+
+    /// Seizes every thread of `pid` (again until no new thread appears).
+    pub fn attach(&mut self, pid: i32) -> Result<(), Error> {
+        let t = target::resolve(pid)?;
+        loop {
+            let mut new = 0;
+            for tid in threads_of(pid) {
+                if self.tids.contains_key(&tid) {
+                    continue;
+                }
+                seize(tid).map_err(|e| match e.raw_os_error() {
+                    Some(libc::EPERM) => Error::Proc {
+                        pid,
+                        reason: "cannot trace it (already traced by another tool, or no permission)".into(),
+                    },
+                    _ => Error::Proc { pid, reason: format!("PTRACE_SEIZE of thread {tid}: {e}") },
+                })?;
+                self.tids.insert(tid, pid);
+                new += 1;
+            }
+            if new == 0 {
+                break;
+            }
+        }
+        self.store.note(&t, "guard", None, &format!("guarded by gpusnap {}", std::process::id()))?;
+        if self.leader == 0 {
+            self.leader = pid;
+        }
+        self.save();
+        Ok(())
+    }
+
+    /// Suspends the CUDA state of process `pid` before it dies of `why`.
+    fn suspend_dying(&mut self, pid: i32, why: &str) {
+        let started = Instant::now();
+        let outcome = self.try_suspend(pid, why).unwrap_or_else(|e| format!("failed: {e}"));
+        tracing::info!(pid, why, outcome = %outcome, "guard");
+        self.suspensions.push(Suspension {
+            pid,
+            why: why.into(),
+            outcome,
+            ms: started.elapsed().as_millis() as u64,
+        });
+    }
+
+    fn try_suspend(&mut self, pid: i32, why: &str) -> Result<String, Error> {
+        // Not resolve_callable: the dying thread sits in a ptrace stop (state
+        // t), which the driver tolerates (measured: lock + checkpoint at a
+        // signal-delivery-stop and at a seccomp stop both succeed).
+        let t: Target = target::resolve(pid)?;
+        let _serial = self.store.lock_target(pid)?;
+        let st = match self.api.get_state(pid) {
+            Ok(s) => s,
+            Err(e) if e.code() == Some(CUDA_ERROR_NOT_INITIALIZED) => return Ok("no CUDA state".into()),
+            Err(e) => return Err(Error::Driver { pid, source: e }),
+        };
+        match st {
+            ProcessState::Checkpointed => return Ok("already suspended".into()),
+            ProcessState::Running | ProcessState::Locked => {}
+            other => return Ok(format!("driver state {other}; left as it is")),
+        }
+        let mut fp = BTreeMap::new();
+        for u in self.gpus.usage_of(pid as u32)? {
+            *fp.entry(u.uuid).or_insert(0u64) += u.bytes.unwrap_or(0);
+        }
+        let total: u64 = fp.values().sum();
+        self.store.record(&t, st.as_str(), Some(&fp))?;
+        self.store.note(&t, "guard", None, &format!("dying: {why}"))?;
+        if st == ProcessState::Running {
+            let id = self.store.begin(&t, "lock")?;
+            let r = self.api.lock(pid, self.lock_timeout_ms);
+            let msg = r.as_ref().err().map(|e| e.to_string());
+            self.store.end(id, &t, "lock", msg.as_deref().map_or(Ok("locked"), Err))?;
+            r.map_err(|source| Error::Driver { pid, source })?;
+        }
+        let id = self.store.begin(&t, "checkpoint")?;
+        let r = self.api.checkpoint_within(pid, total);
+        let msg = r.as_ref().err().map(|e| e.to_string());
+        self.store.end(id, &t, "checkpoint", msg.as_deref().map_or(Ok("checkpointed"), Err))?;
+        r.map_err(|source| Error::Driver { pid, source })?;
+        // Check the result: no device memory left (NVML), before the death proceeds.
+        let end = Instant::now() + Duration::from_secs(5);
+        let released = loop {
+            let left: u64 = self.gpus.usage_of(pid as u32)?.iter().map(|u| u.bytes.unwrap_or(0)).sum();
+            if left == 0 {
+                break true;
+            }
+            if Instant::now() > end {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let outcome = format!(
+            "suspended {} MiB{}",
+            total >> 20,
+            if released { "" } else { "; NVML still shows memory" }
+        );
+        self.store.note(&t, "guard", Some("checkpointed"), &format!("{outcome} before death ({why})"))?;
+        Ok(outcome)
+    }
+
+    fn on_gone(&mut self, tid: i32, ending: Ending) {
+        self.tids.remove(&tid);
+        if tid == self.leader && self.ending.is_none() {
+            self.ending = Some(ending);
+        }
+    }
+
+    fn handle(&mut self, ev: Event) {
+        match ev {
+            Event::Exited(tid, code) => self.on_gone(tid, Ending::Exited(code)),
+            Event::Signaled(tid, sig) => self.on_gone(tid, Ending::Signaled(sig)),
+            Event::Signal(tid, sig) => {
+                self.adopt(tid);
+                if is_fatal(tid, sig) {
+                    if let Some(&pid) = self.tids.get(&tid) {
+                        self.suspend_dying(pid, &format!("signal {}", signal_name(sig)));
+                    }
+                }
+                cont(tid, sig);
+            }
+            Event::Ptrace(tid, event, sig) => {
+                self.adopt(tid);
+                match event {
+                    PTRACE_EVENT_SECCOMP => {
+                        if let Some(&pid) = self.tids.get(&tid) {
+                            self.suspend_dying(pid, "exit_group");
+                        }
+                        cont(tid, 0);
+                    }
+                    PTRACE_EVENT_STOP => {
+                        if matches!(sig, libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU) {
+                            // A group-stop: keep it stopped as it would be
+                            // untraced, but let SIGCONT wake it.
+                            if let Err(e) = ptrace_raw(libc::PTRACE_LISTEN, tid, 0) {
+                                tracing::debug!(tid, "PTRACE_LISTEN: {e}");
+                            }
+                        } else {
+                            cont(tid, 0);
+                        }
+                    }
+                    _ => {
+                        if event == libc::PTRACE_EVENT_EXEC {
+                            // The leader's tid survives exec; other threads vanish.
+                            if let Some(&pid) = self.tids.get(&tid) {
+                                self.tids.retain(|t, p| {
+                                    *p != pid || *t == tid || Path::new(&format!("/proc/{t}")).exists()
+                                });
+                            }
+                        }
+                        cont(tid, 0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A tid reported by waitpid that we have not seen: a new thread or child.
+    fn adopt(&mut self, tid: i32) {
+        if self.tids.contains_key(&tid) {
+            return;
+        }
+        if let Some(tgid) = tgid_of(tid) {
+            let new_process = !self.tids.values().any(|p| *p == tgid);
+            self.tids.insert(tid, tgid);
+            if new_process {
+                if let Ok(t) = target::resolve(tgid) {
+                    let _ = self.store.note(
+                        &t,
+                        "guard",
+                        None,
+                        &format!("guarded by gpusnap {}", std::process::id()),
+                    );
+                }
+                self.save();
+            }
+        }
+    }
+
+    fn detach(&mut self, pids: &[i32]) -> String {
+        let tids: Vec<i32> = self.tids.iter().filter(|(_, p)| pids.contains(p)).map(|(t, _)| *t).collect();
+        for &tid in &tids {
+            let _ = ptrace_raw(libc::PTRACE_INTERRUPT, tid, 0);
+        }
+        let mut pending: BTreeSet<i32> = tids.iter().copied().collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !pending.is_empty() && Instant::now() < deadline {
+            match wait_any(false) {
+                Some(Event::Ptrace(tid, _, _) | Event::Signal(tid, _)) if pending.contains(&tid) => {
+                    // A pending real signal stays queued for delivery after detach.
+                    let _ = ptrace_raw(libc::PTRACE_DETACH, tid, 0);
+                    pending.remove(&tid);
+                    self.tids.remove(&tid);
+                }
+                Some(other) => self.handle(other),
+                None => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+        for tid in &pending {
+            self.tids.remove(tid);
+        }
+        if pids.contains(&self.leader) && self.ending.is_none() {
+            self.ending = Some(Ending::Detached);
+        }
+        for &p in pids {
+            if let Ok(t) = target::resolve(p) {
+                let _ = self.store.note(&t, "guard", None, "guard detached (hibernate)");
+            }
+        }
+        self.save();
+        if pending.is_empty() {
+            "ok".into()
+        } else {
+            format!("err threads {pending:?} did not stop")
+        }
+    }
+
+    /// The event loop: runs until every guarded process is gone (or was
+    /// detached). Returns how the leader ended.
+    pub fn run_loop(&mut self) -> Result<Ending, Error> {
+        std::fs::create_dir_all(guards_dir(&self.state_dir)).ok();
+        let _ = std::fs::remove_file(self.socket_path());
+        let listener = UnixListener::bind(self.socket_path()).map_err(|e| Error::Proc {
+            pid: std::process::id() as i32,
+            reason: format!("guard socket: {e}"),
+        })?;
+        let (tx, rx) = mpsc::channel::<Detach>();
+        // Ptrace requests must come from this thread, which blocks in
+        // waitpid; the control thread interrupts that wait with a signal
+        // whose handler does nothing (no SA_RESTART), so requests are served
+        // at once and stops never wait for a poll interval.
+        install_wakeup_handler();
+        // SAFETY: pthread_self has no preconditions.
+        let me = unsafe { libc::pthread_self() };
+        std::thread::spawn(move || serve_control(listener, tx, me));
+        self.save();
+        while !self.tids.is_empty() {
+            if let Ok(req) = rx.try_recv() {
+                let answer = self.detach(&req.pids);
+                let _ = req.reply.send(answer);
+                continue;
+            }
+            match wait_event(true) {
+                Waited::Event(ev) => self.handle(ev),
+                Waited::Nothing => {}
+                Waited::NoChildren => break,
+            }
+        }
+        let _ = std::fs::remove_file(self.record_file());
+        let _ = std::fs::remove_file(self.socket_path());
+        Ok(self.ending.unwrap_or(Ending::Detached))
+    }
+}
+
+/// The signal that interrupts the guard's waitpid; above glibc's own
+/// real-time signals (it uses SIGRTMIN .. SIGRTMIN+2).
+fn wakeup_signal() -> i32 {
+    libc::SIGRTMIN() + 6
+}
+
+extern "C" fn nothing(_: libc::c_int) {}
+
+fn install_wakeup_handler() {
+    // SAFETY: a sigaction with a handler that does nothing, no SA_RESTART.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = nothing as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(wakeup_signal(), &sa, std::ptr::null_mut());
+    }
+}
+
+fn serve_control(listener: UnixListener, tx: mpsc::Sender<Detach>, waiter: libc::pthread_t) {
+    for conn in listener.incoming().flatten() {
+        let mut line = String::new();
+        if BufReader::new(&conn).read_line(&mut line).is_err() {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let reply = match words.next() {
+            Some("detach") => {
+                let pids: Vec<i32> = words.filter_map(|w| w.parse().ok()).collect();
+                let (rtx, rrx) = mpsc::channel();
+                if tx.send(Detach { pids, reply: rtx }).is_err() {
+                    break;
+                }
+                // SAFETY: signalling a thread of this process that lives as
+                // long as the process (the event loop).
+                unsafe { libc::pthread_kill(waiter, wakeup_signal()) };
+                rrx.recv_timeout(Duration::from_secs(20)).unwrap_or_else(|_| "err timeout".into())
+            }
+            _ => "err unknown request".into(),
+        };
+        let mut c = &conn;
+        let _ = c.write_all(format!("{reply}\n").as_bytes());
+    }
+}
+
+pub fn signal_name(sig: i32) -> String {
+    nix::sys::signal::Signal::try_from(sig)
+        .map(|s| s.as_str().to_string())
+        .unwrap_or_else(|_| format!("SIGRT{sig}"))
+}
+
+/// A program started under the guard, still held before exec.
+pub struct Launched {
+    pub pid: i32,
+    go: OwnedFd,
+}
+
+impl Launched {
+    /// Lets the child exec the program.
+    pub fn release(self) {
+        // SAFETY: writing one byte to a pipe we own.
+        unsafe { libc::write(self.go.as_raw_fd(), b"g".as_ptr().cast(), 1) };
+    }
+}
+
+/// Forks the program: the child installs the exit_group filter, waits for
+/// the guard to be attached (a byte on a pipe), then execs `cmd`.
+pub fn launch(cmd: &[OsString]) -> Result<Launched, Error> {
+    let prog = |e: String| Error::Proc { pid: 0, reason: e };
+    if cmd.is_empty() {
+        return Err(prog("no command given".into()));
+    }
+    // Everything the child needs is prepared here: after fork it may only
+    // make async-signal-safe calls.
+    let args: Vec<CString> = cmd
+        .iter()
+        .map(|a| CString::new(a.as_bytes()))
+        .collect::<Result<_, _>>()
+        .map_err(|e| prog(e.to_string()))?;
+    let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut ready = [0; 2];
+    let mut go = [0; 2];
+    // SAFETY: pipe2 fills two fds.
+    if unsafe { libc::pipe2(ready.as_mut_ptr(), libc::O_CLOEXEC) } != 0
+        // SAFETY: as above.
+        || unsafe { libc::pipe2(go.as_mut_ptr(), libc::O_CLOEXEC) } != 0
+    {
+        return Err(prog(format!("pipe: {}", std::io::Error::last_os_error())));
+    }
+    // SAFETY: fork; the child branch below only makes async-signal-safe calls.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(prog(format!("fork: {}", std::io::Error::last_os_error())));
+    }
+    if pid == 0 {
+        // SAFETY: child after fork: raw syscalls only, then exec or _exit.
+        unsafe {
+            let mut code: i32 = 0;
+            if let Err(e) = seccomp::install_in_child() {
+                code = e;
+            }
+            libc::write(ready[1], (&code as *const i32).cast(), 4);
+            let mut b = 0u8;
+            if libc::read(go[0], (&mut b as *mut u8).cast(), 1) != 1 || code != 0 {
+                libc::_exit(126);
+            }
+            libc::execvp(argv[0], argv.as_ptr());
+            // exec failed: report the errno as the shells do (127).
+            libc::_exit(127);
+        }
+    }
+    // SAFETY: fds we own; close the child's ends.
+    let (r, gr) = unsafe {
+        libc::close(ready[1]);
+        libc::close(go[0]);
+        (OwnedFd::from_raw_fd(ready[0]), OwnedFd::from_raw_fd(go[1]))
+    };
+    let mut code = [0u8; 4];
+    // SAFETY: reading 4 bytes into a buffer of 4.
+    let n = unsafe { libc::read(r.as_raw_fd(), code.as_mut_ptr().cast(), 4) };
+    let code = i32::from_ne_bytes(code);
+    if n != 4 || code != 0 {
+        return Err(prog(format!(
+            "could not install the exit filter: {}",
+            std::io::Error::from_raw_os_error(if code == 0 { libc::EIO } else { code })
+        )));
+    }
+    Ok(Launched { pid, go: gr })
+}
+
+/// Starts the standby keeper: a process outside the guard's tree that waits
+/// for this guard to die and then starts `gpusnap guard --takeover` so the
+/// guarded programs are re-attached. `argv` is the full command to exec.
+pub fn start_keeper(argv: &[OsString]) -> Result<(), Error> {
+    let me = std::process::id() as i32;
+    let pidfd =
+        seccomp::pidfd_open(me).map_err(|e| Error::Proc { pid: me, reason: format!("pidfd_open: {e}") })?;
+    let args: Vec<CString> = argv
+        .iter()
+        .map(|a| CString::new(a.as_bytes()))
+        .collect::<Result<_, _>>()
+        .map_err(|e| Error::Proc { pid: me, reason: e.to_string() })?;
+    let mut cargv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+    cargv.push(std::ptr::null());
+    let exe = CString::new("/proc/self/exe").expect("no NUL");
+    // SAFETY: double fork; the children only make async-signal-safe calls
+    // before exec.
+    unsafe {
+        let first = libc::fork();
+        if first < 0 {
+            return Err(Error::Proc { pid: me, reason: "fork".into() });
+        }
+        if first == 0 {
+            libc::setsid();
+            if libc::fork() != 0 {
+                libc::_exit(0);
+            }
+            // The keeper: wait until the guard is gone, then exec a new guard.
+            let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            while libc::poll(&mut p, 1, -1) < 0 {}
+            let devnull = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+            libc::dup2(devnull, 0);
+            libc::execv(exe.as_ptr(), cargv.as_ptr());
+            libc::_exit(127);
+        }
+        let mut st = 0;
+        libc::waitpid(first, &mut st, 0);
+    }
+    Ok(())
+}

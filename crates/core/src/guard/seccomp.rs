@@ -1,0 +1,96 @@
+//! The seccomp side of the guard: a filter, installed by `gpusnap run`
+//! between fork and exec, that stops every `exit_group` of the guarded
+//! program for its tracer (SECCOMP_RET_TRACE). At that stop the exiting
+//! process is still whole (its driver threads live), so its CUDA state can be
+//! suspended; at PTRACE_EVENT_EXIT it is too late (the driver hangs).
+//!
+//! Written by hand (a six-instruction BPF program) because seccompiler
+//! (Firecracker's) targets whole-policy allow-lists and the libseccomp binding
+//! would add a C library to every host.
+//!
+//! RET_TRACE rather than a user-notification listener: CRIU can dump and
+//! restore a RET_TRACE filter (a listener cannot be restored), and any later
+//! tracer (a restarted guard, the one `wake` attaches) catches exits again.
+//! Its cost: with no tracer attached the kernel fails `exit_group` with
+//! ENOSYS. So the guard leaves a standby keeper that re-attaches a new guard
+//! the moment the old one dies (see `keeper`).
+
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+
+const BPF_LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
+const BPF_JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
+const BPF_RET_K: u16 = 0x06; // BPF_RET | BPF_K
+const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
+const OFFSET_NR: u32 = 0; // seccomp_data.nr
+const OFFSET_ARCH: u32 = 4; // seccomp_data.arch
+
+fn insn(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
+    libc::sock_filter { code, jt, jf, k }
+}
+
+/// `exit_group` on x86-64 -> stop for the tracer; everything else (other
+/// syscalls, other ABIs) -> allow.
+fn program() -> [libc::sock_filter; 6] {
+    [
+        insn(BPF_LD_W_ABS, 0, 0, OFFSET_ARCH),
+        insn(BPF_JEQ_K, 0, 3, AUDIT_ARCH_X86_64),
+        insn(BPF_LD_W_ABS, 0, 0, OFFSET_NR),
+        insn(BPF_JEQ_K, 0, 1, libc::SYS_exit_group as u32),
+        insn(BPF_RET_K, 0, 0, libc::SECCOMP_RET_TRACE),
+        insn(BPF_RET_K, 0, 0, libc::SECCOMP_RET_ALLOW),
+    ]
+}
+
+/// Installs the filter on the calling thread. Meant for the child between
+/// fork and exec: it allocates nothing and makes only async-signal-safe
+/// system calls.
+pub fn install_in_child() -> Result<(), i32> {
+    let prog = program();
+    let fprog = libc::sock_fprog { len: prog.len() as u16, filter: prog.as_ptr() as *mut libc::sock_filter };
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        // Without CAP_SYS_ADMIN a filter needs no_new_privs.
+        // SAFETY: prctl with integer arguments only.
+        if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+            return Err(errno());
+        }
+    }
+    // SAFETY: fprog points at a valid program that outlives the call; the
+    // kernel copies it.
+    let r = unsafe {
+        libc::syscall(libc::SYS_seccomp, libc::SECCOMP_SET_MODE_FILTER, 0, &fprog as *const libc::sock_fprog)
+    };
+    if r != 0 {
+        return Err(errno());
+    }
+    Ok(())
+}
+
+fn errno() -> i32 {
+    io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+}
+
+pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags, returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_program_traps_exit_group_only() {
+        let p = program();
+        assert_eq!(p.len(), 6);
+        assert_eq!(p[3].k, 231);
+        assert_eq!(p[4].k, libc::SECCOMP_RET_TRACE);
+        assert_eq!(p[5].k, libc::SECCOMP_RET_ALLOW);
+    }
+}

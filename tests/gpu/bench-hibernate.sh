@@ -1,0 +1,543 @@
+#!/usr/bin/env bash
+# Benchmark of gpusnap hibernate/wake against the bare calls they are made
+# of (driver checkpoint + CRIU dump; CRIU restore + driver restore), on one GPU.
+#
+# Run from the repository root, on a machine with a GPU and CRIU >= 4.2, as root:
+#   OUT=/some/dir tests/gpu/bench-hibernate.sh [SIZE_GIB...]   (default: $HBENCH_SIZES, else 12)
+# Environment:
+#   GPUSNAP          the binary (default ./target/release/gpusnap)
+#   OUT              results directory (default: a new /tmp/gpusnap-out.* dir)
+#   GPUSNAP_CRIU     the CRIU binary (default: criu on PATH), for both modes
+#   REPS             repetitions of each mode per size (default 2)
+#   HBENCH_BUDGET_S  soft budget in seconds (default: BENCH_BUDGET_S, else
+#                    490): a size or a repetition that would not fit
+#                    (including the safe stop of its worker) is skipped; a
+#                    watchdog ends the run, through the cleanup, 45 s after it
+#   HB_WAKE_ARGS     arguments for `gpusnap wake` (default: --no-guard when
+#                    this gpusnap has it: a guard attached to the worker would
+#                    make the next bare `criu dump` fail, CRIU must be its
+#                    only tracer, and the bare cycle has no guard either)
+# For each size one worker holds SIZE GiB; each repetition runs, in
+# alternating order:
+#   bare:    tests/gpu/cuckpt.py lock+checkpoint; `criu dump -t PID -D DIR
+#            --shell-job` (CRIU kills the tree after the dump); wait until the
+#            pid is gone; `criu restore -D DIR -d --shell-job`; cuckpt.py
+#            restore+unlock
+# Both modes wait, untimed, until the old pid is free before the wake (the
+# killed worker's parent must reap it first: init, after a restore).
+#   gpusnap: `gpusnap --json hibernate PID --image b`; `gpusnap --json wake b
+#            --wait 30` (timed as whole commands, with their own breakdown)
+# The worker's checksum and progress are checked after every wake; each image
+# is removed right after use, and a dump is skipped (with a note) when the
+# disk has less than 1.3 x the expected image free. The worker is ended with
+# `gpusnap stop`.
+# Writes $OUT/bench-hibernate.md (also on stdout), $OUT/bench-hibernate.json
+# (every sample) and $OUT/bench-hibernate.log. Exit 0 when every planned
+# repetition ran and passed its checks, 1 otherwise; whether the target
+# (gpusnap <= 1.05 x bare) is met is in the table, not the exit status.
+
+NAME=bench-hibernate # read by lib.sh
+# shellcheck source=tests/gpu/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+HBENCH_BUDGET_S=${HBENCH_BUDGET_S:-${BENCH_BUDGET_S:-490}}
+if [ $# -gt 0 ]; then
+    SIZES=("$@")
+else
+    read -r -a SIZES <<<"${HBENCH_SIZES:-12}"
+fi
+for s in "${SIZES[@]}"; do
+    case $s in
+        '' | *[!0-9.]* | *.*.* | .*)
+            echo "usage: tests/gpu/bench-hibernate.sh [SIZE_GIB...]  (bad size '$s')" >&2
+            exit 2
+            ;;
+    esac
+done
+REPS=${REPS:-2}
+case $REPS in '' | *[!0-9]* | 0) echo "REPS must be a positive integer" >&2; exit 2 ;; esac
+
+SAMPLES=$WORK/samples.jsonl # one JSON object per cycle
+NOTES=$WORK/notes.txt
+: >"$SAMPLES"
+: >"$NOTES"
+ERRORS=0
+FINISHED=0
+WAKE_ARGS=()
+CRIU_BIN="" CRIU_VERSION="" CRIU_CHECK="" CRIU_CHECK_RC="" CRIU_WHY=""
+
+note() {
+    printf '%s\n' "$*" >>"$NOTES"
+    log "NOTE: $*"
+}
+
+# jv VALUE: a JSON number, or null when empty / not a number.
+jv() {
+    case ${1:-} in
+        '' | *[!0-9.eE+-]* | . | *.*.*) printf 'null' ;;
+        *) printf '%s' "$1" ;;
+    esac
+}
+
+# sample KEY=VALUE...: one JSON line; string values are given as KEY=s:VALUE.
+sample() {
+    local kv k v out="{"
+    for kv in "$@"; do
+        k=${kv%%=*} v=${kv#*=}
+        case $v in
+            s:*) v=${v#s:}; v=${v//\\/\\\\}; v=${v//\"/\\\"}; out="$out\"$k\": \"$v\", " ;;
+            *) out="$out\"$k\": $(jv "$v"), " ;;
+        esac
+    done
+    printf '%s}\n' "${out%, }" >>"$SAMPLES"
+    log "SAMPLE $*"
+}
+
+# disk_room GIB REP MODE BYTES: 1.3 x BYTES free on the scratch disk, or a note.
+disk_room() {
+    local free
+    free=$(disk_free_bytes "$WORK")
+    if fle "$(calc %.0f 'b * 1.3' b="$4")" "${free:-0}"; then return 0; fi
+    note "size $1 GiB rep $2: $3 skipped: $(gb "$free") GB free on $WORK, the image needs about $(gb "$4") GB (x1.3)"
+    return 1
+}
+
+# gpu_room MIB: enough free GPU memory for a restore of MIB (never restore
+# without room: an out-of-memory restore strands the process).
+gpu_room() {
+    local free
+    free=$(smi_free_mib)
+    [ -n "$free" ] && [ "$free" -ge $(($1 + 1024)) ]
+}
+
+# worker_on NAME PID I: the worker is back, advancing past I with ok=1.
+worker_on() {
+    alive "$2" && wait_iter_gt "$1" "${3:-0}" 30 && [ "$ST_OK" = 1 ] && [ "$ST_PID" = "$2" ]
+}
+
+# log_tail FILE: its last 40 lines into the log.
+log_tail() {
+    [ -s "$1" ] || return 0
+    printf '    ---- last 40 lines of %s\n' "$1" >>"$LOG"
+    tail -n 40 "$1" | cut -c1-300 | sed 's/^/    | /' >>"$LOG"
+}
+
+# criu_err DIR LOG: the last telling error line of a CRIU log.
+criu_err() {
+    grep -E 'Error \(|Error:' "$1/$2" 2>/dev/null | grep -v RLIMIT_NOFILE | tail -n 1 | cut -c1-300
+}
+
+# bare_cycle GIB PID NAME REP FP: driver checkpoint, criu dump, wait, criu restore, driver restore.
+bare_cycle() {
+    local gib=$1 pid=$2 name=$3 rep=$4 fp=$5 dir=$WORK/bare-img fp_mib rss est i t0
+    local c_rc c_wall c_drv d_rc d_s g_s img pf_s r_rc r_s u_rc u_wall u_drv
+    fp_mib=$(calc %d 'b / 1048576' b="$fp")
+    rss=$(vmrss_mib "$pid")
+    est=$(calc %.0f 'f + r * 1048576' f="$fp" r="${rss:-0}")
+    disk_room "$gib" "$rep" bare "$est" || return 2
+    sleep 1
+    read_status "$WORK/$name.status"
+    i=$ST_ITER
+
+    raw 300 --timeout-ms 30000 "$pid" lock checkpoint
+    c_rc=$RAW_RC c_wall=$RAW_S c_drv=$(jget "$RAW_OUT" 'd["driver_ms"]')
+    if [ "$c_rc" != 0 ]; then
+        note "size $gib GiB rep $rep: bare lock+checkpoint failed ($(raw_rcs)); stopping this size"
+        if [ "$(jget "$RAW_OUT" 'd["calls"][0]["rc"]')" = 0 ]; then raw 60 "$pid" unlock; fi
+        return 1
+    fi
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    log "criu dump -t $pid -D $dir --shell-job"
+    t0=$(now)
+    d_rc=0
+    timeout -k 10 600 "$CRIU_BIN" dump -t "$pid" -D "$dir" --shell-job -o dump.log \
+        </dev/null >"$WORK/criu.out" 2>&1 || d_rc=$?
+    d_s=$(fsub "$t0" "$(now)")
+    log "  -> exit $d_rc in ${d_s}s $(tr '\n' '|' <"$WORK/criu.out" | cut -c1-300)"
+    if [ "$d_rc" != 0 ]; then
+        note "size $gib GiB rep $rep: criu dump failed (exit $d_rc): $(criu_err "$dir" dump.log); stopping this size"
+        log_tail "$dir/dump.log"
+        # CRIU leaves the tree running after a failed dump: put it back on the GPU.
+        if alive "$pid" && gpu_room "$fp_mib"; then
+            mark_restored "$pid"
+            raw 300 "$pid" restore unlock
+        fi
+        rm -rf "$dir"
+        return 1
+    fi
+    t0=$(now)
+    reap "$pid"
+    wait_gone "$pid" 60 || log "pid $pid still alive 60 s after the dump"
+    g_s=$(fsub "$t0" "$(now)")
+    img=$(du_bytes "$dir")
+    # Wake: the pid must be free (not even a zombie), then CRIU, then the driver.
+    t0=$(now)
+    wait_pid_free "$pid" 30 || log "pid $pid still held 30 s after the dump"
+    pf_s=$(fsub "$t0" "$(now)")
+    mark_restored "$pid"
+    log "criu restore -D $dir -d --shell-job"
+    t0=$(now)
+    r_rc=0
+    timeout -k 10 600 "$CRIU_BIN" restore -D "$dir" -d --shell-job -o restore.log \
+        </dev/null >"$WORK/criu.out" 2>&1 || r_rc=$?
+    r_s=$(fsub "$t0" "$(now)")
+    log "  -> exit $r_rc in ${r_s}s $(tr '\n' '|' <"$WORK/criu.out" | cut -c1-300)"
+    if [ "$r_rc" != 0 ] || ! alive "$pid"; then
+        note "size $gib GiB rep $rep: criu restore failed (exit $r_rc, pid $pid $(alive "$pid" && echo alive || echo gone)): $(criu_err "$dir" restore.log); the worker is lost"
+        log_tail "$dir/restore.log"
+        rm -rf "$dir"
+        return 1
+    fi
+    if ! gpu_room "$fp_mib"; then
+        note "size $gib GiB rep $rep: only $(smi_free_mib) MiB free on the GPU for a $fp_mib MiB restore; stopping this size"
+        rm -rf "$dir"
+        return 1
+    fi
+    raw 300 "$pid" restore unlock
+    u_rc=$RAW_RC u_wall=$RAW_S u_drv=$(jget "$RAW_OUT" 'd["driver_ms"]')
+    rm -rf "$dir"
+    if [ "$u_rc" != 0 ]; then
+        note "size $gib GiB rep $rep: bare restore+unlock after the CRIU restore failed ($(raw_rcs)); stopping this size"
+        return 1
+    fi
+    sample gib="$gib" rep="$rep" mode=s:bare footprint_bytes="$fp" rss_mib_before="$rss" image_bytes="$img" \
+        ckpt_wall_s="$c_wall" ckpt_driver_ms="$c_drv" dump_s="$d_s" gone_s="$g_s" \
+        hibernate_s="$(calc %.3f 'a + b + c' a="$c_wall" b="$d_s" c="$g_s")" \
+        hibernate_driver_s="$(calc %.3f 'a / 1000 + b + c' a="$c_drv" b="$d_s" c="$g_s")" \
+        pidfree_s="$pf_s" criu_restore_s="$r_s" restore_wall_s="$u_wall" restore_driver_ms="$u_drv" \
+        wake_s="$(calc %.3f 'b + c' b="$r_s" c="$u_wall")" \
+        wake_driver_s="$(calc %.3f 'b + c / 1000' b="$r_s" c="$u_drv")"
+    if ! worker_on "$name" "$pid" "$i"; then
+        note "size $gib GiB rep $rep: after the bare cycle the worker did not go on intact (alive $(alive "$pid" && echo yes || echo no), iteration ${ST_ITER:-?}, ok ${ST_OK:-?}, status pid ${ST_PID:-?})"
+        return 1
+    fi
+    return 0
+}
+
+# gpusnap_cycle GIB PID NAME REP FP: gpusnap hibernate, then wake.
+gpusnap_cycle() {
+    local gib=$1 pid=$2 name=$3 rep=$4 fp=$5 rss est i h_rc h_wall img du
+    local h_tot h_sus h_dmp h_wr w_rc w_wall w_tot w_ver w_wait w_criu w_res t0 pf_s
+    rss=$(vmrss_mib "$pid")
+    est=$(calc %.0f 'f + r * 1048576' f="$fp" r="${rss:-0}")
+    disk_room "$gib" "$rep" gpusnap "$est" || return 2
+    sleep 1
+    read_status "$WORK/$name.status"
+    i=$ST_ITER
+
+    gs 600 hibernate "$pid" --image b
+    h_rc=$GS_RC h_wall=$GS_S
+    h_tot=$(jget "$GS_OUT" 'd["total_ms"]') h_sus=$(jget "$GS_OUT" 'd["suspend_ms"]')
+    h_dmp=$(jget "$GS_OUT" 'd["dump_ms"]') h_wr=$(jget "$GS_OUT" 'd["write_ms"]')
+    img=$(jget "$GS_OUT" 'd["image_bytes"]')
+    if [ "$h_rc" != 0 ]; then
+        note "size $gib GiB rep $rep: gpusnap hibernate failed (exit $h_rc): $GS_MSG; stopping this size"
+        return 1
+    fi
+    du=$(du_bytes "$STATE_DIR/images/b")
+    # As in the bare cycle, the wait until the killed worker's pid is free
+    # (its parent reaps it: this shell the first time, init after a restore,
+    # which can take a second or two) is kept out of the wake's time.
+    t0=$(now)
+    reap "$pid"
+    wait_pid_free "$pid" 30 || log "pid $pid still held 30 s after the hibernate"
+    pf_s=$(fsub "$t0" "$(now)")
+    mark_restored "$pid"
+    gs 600 wake b --wait 30 ${WAKE_ARGS[@]+"${WAKE_ARGS[@]}"}
+    w_rc=$GS_RC w_wall=$GS_S
+    w_tot=$(jget "$GS_OUT" 'd["total_ms"]') w_ver=$(jget "$GS_OUT" 'd["verify_ms"]')
+    w_wait=$(jget "$GS_OUT" 'd["waited_ms"]') w_criu=$(jget "$GS_OUT" 'd["criu_ms"]')
+    w_res=$(jget "$GS_OUT" 'd["restore_ms"]')
+    if [ "$w_rc" != 0 ]; then
+        note "size $gib GiB rep $rep: gpusnap wake failed (exit $w_rc): $GS_MSG; stopping this size"
+        image_logs b
+        gs 120 images rm b
+        return 1
+    fi
+    gs 120 images rm b
+    sample gib="$gib" rep="$rep" mode=s:gpusnap footprint_bytes="$fp" rss_mib_before="$rss" \
+        image_bytes="$du" manifest_bytes="$img" \
+        hibernate_s="$h_wall" hibernate_total_ms="$h_tot" suspend_ms="$h_sus" dump_ms="$h_dmp" write_ms="$h_wr" \
+        pidfree_s="$pf_s" wake_s="$w_wall" wake_total_ms="$w_tot" verify_ms="$w_ver" waited_ms="$w_wait" criu_ms="$w_criu" \
+        restore_ms="$w_res"
+    if ! worker_on "$name" "$pid" "$i"; then
+        note "size $gib GiB rep $rep: after the gpusnap cycle the worker did not go on intact (alive $(alive "$pid" && echo yes || echo no), iteration ${ST_ITER:-?}, ok ${ST_OK:-?}, status pid ${ST_PID:-?})"
+        return 1
+    fi
+    return 0
+}
+
+# bench_size GIB
+bench_size() {
+    local gib=$1 name="h$1" pid fp smi gbe est_rep est_stop left rep mode order t_rep failed=0 done_reps=0 rc sus rel
+    gbe=$(calc %.2f 'g * 1.073741824 + 1.5' g="$gib")
+    # Model (shared/gpu-facts.md, THP madvise): checkpoint 1.6 GB/s, CRIU dump
+    # 1.5 GB/s, checksum 1.5 GB/s, CRIU restore 3 GB/s, driver restore 4 GB/s.
+    est_rep=$(calc %d '2 * g * (1 / 1.6 + 1 / 1.5 + 1 / 3 + 1 / 4) + 2 * g / 1.5 + 20' g="$gbe")
+    est_stop=$(calc %d 'g / 1.6 + 20' g="$gbe")
+    left=$((HBENCH_BUDGET_S - SECONDS))
+    log "size $gib GiB (~$gbe GB image): $REPS reps of each mode planned; estimates: rep ${est_rep}s, stop ${est_stop}s; ${left}s left"
+    if [ "$left" -lt $((45 + est_rep + est_stop)) ]; then
+        note "size $gib GiB skipped: ${left}s of budget left, one rep needs ~$((45 + est_rep + est_stop))s with start and stop"
+        ERRORS=$((ERRORS + 1))
+        return 0
+    fi
+    if [ "$(mem_avail_mib)" -lt "$(calc %d 'g * 1024 * 1.1 + 4096' g="$gbe")" ]; then
+        note "size $gib GiB skipped: host MemAvailable $(mem_avail_mib) MiB cannot hold its suspended copy"
+        ERRORS=$((ERRORS + 1))
+        return 0
+    fi
+
+    start_worker "$name" "$gib"
+    pid=$LAST_PID
+    if ! wait_ready "$name" "$pid" 300; then
+        note "size $gib GiB: the worker did not start"
+        ERRORS=$((ERRORS + 1))
+        stop_safely "$pid" "bench start failed" || true
+        return 0
+    fi
+    gs 30 state "$pid"
+    fp=$(jget "$GS_OUT" 'd["footprint_bytes"]')
+    smi=$(smi_pid_mib "$pid")
+    log "size $gib GiB: footprint gpusnap ${fp:-?} B, nvidia-smi ${smi:-?} MiB, host RSS $(vmrss_mib "$pid") MiB"
+    fp=${fp:-$(calc %.0f 'm * 1048576' m="${smi:-0}")}
+
+    for ((rep = 1; rep <= REPS; rep++)); do
+        left=$((HBENCH_BUDGET_S - SECONDS))
+        if [ "$left" -lt $((est_rep + est_stop + 10)) ]; then
+            note "size $gib GiB: $done_reps of $REPS reps (budget: ${left}s left, a rep takes ~${est_rep}s, the stop ~${est_stop}s)"
+            ERRORS=$((ERRORS + 1))
+            break
+        fi
+        t_rep=$SECONDS
+        if [ $((rep % 2)) = 1 ]; then order="bare gpusnap"; else order="gpusnap bare"; fi
+        for mode in $order; do
+            rc=0
+            if [ "$mode" = bare ]; then
+                bare_cycle "$gib" "$pid" "$name" "$rep" "$fp" || rc=$?
+            else
+                gpusnap_cycle "$gib" "$pid" "$name" "$rep" "$fp" || rc=$?
+            fi
+            if [ "$rc" != 0 ]; then failed=1; break; fi
+        done
+        if [ "$failed" = 1 ]; then ERRORS=$((ERRORS + 1)); break; fi
+        done_reps=$rep
+        est_rep=$((SECONDS - t_rep))
+        log "size $gib GiB: rep $rep took ${est_rep}s"
+    done
+
+    if ! alive "$pid"; then
+        note "size $gib GiB: the worker (pid $pid) is gone"
+        return 0
+    fi
+    gs 300 stop "$pid"
+    sus=$(jget "$GS_OUT" 'd["results"][0]["suspended"]')
+    rel=$(jget "$GS_OUT" 'd["results"][0]["released_before_kill"]')
+    if wait_gone "$pid" "$([ "$GS_RC" = 0 ] && echo 60 || echo 2)"; then
+        note "size $gib GiB: gpusnap stop exit $GS_RC in ${GS_S} s (suspended $sus, released_before_kill $rel)"
+        if [ "$GS_RC" != 0 ]; then ERRORS=$((ERRORS + 1)); fi
+    else
+        note "size $gib GiB: gpusnap stop exit $GS_RC left pid $pid alive; stopping it safely"
+        ERRORS=$((ERRORS + 1))
+        stop_safely "$pid" "bench stop failed" || true
+    fi
+    return 0
+}
+
+# shellcheck disable=SC2317 # runs from the EXIT trap
+write_report() {
+    python3 - "$SAMPLES" "$NOTES" "$OUT/bench-hibernate.md" "$OUT/bench-hibernate.json" <<'PY'
+import json, os, statistics, sys
+
+samples_f, notes_f, md_f, json_f = sys.argv[1:5]
+E = os.environ
+samples = [json.loads(l) for l in open(samples_f) if l.strip()]
+notes = [l.rstrip("\n") for l in open(notes_f) if l.strip()]
+TARGET = 1.05
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def f(x, d=2):
+    return "?" if x is None else f"{x:.{d}f}"
+
+
+def ms(x):
+    return None if x is None else x / 1e3
+
+
+def div(a, b):
+    return a / b if a is not None and b else None
+
+
+sizes = []
+for s in samples:
+    if s["gib"] not in sizes:
+        sizes.append(s["gib"])
+summary, breakdown = [], []
+for g in sizes:
+    B = [s for s in samples if s["gib"] == g and s["mode"] == "bare"]
+    G = [s for s in samples if s["gib"] == g and s["mode"] == "gpusnap"]
+    m = lambda rows, k: med([r.get(k) for r in rows])
+    mm = lambda rows, k: ms(m(rows, k))
+    fp = med([s.get("footprint_bytes") for s in B + G])
+    for op in ("hibernate", "wake"):
+        bare_s, bare_drv = m(B, f"{op}_s"), m(B, f"{op}_driver_s")
+        gs_wall, gs_int = m(G, f"{op}_s"), mm(G, f"{op}_total_ms")
+        r = {"gib": g, "footprint_gb": fp / 1e9 if fp else None, "op": op, "n_bare": len(B), "n_gpusnap": len(G),
+             "bare_s": bare_s, "bare_driver_s": bare_drv, "gpusnap_wall_s": gs_wall, "gpusnap_internal_s": gs_int,
+             "ratio": div(gs_wall, bare_s), "ratio_internal": div(gs_int, bare_s),
+             "ratio_vs_driver": div(gs_wall, bare_drv)}
+        r["met"] = None if r["ratio"] is None else r["ratio"] <= TARGET
+        summary.append(r)
+    # Where the time goes: medians of each stage.
+    hw, ww = m(G, "hibernate_s"), m(G, "wake_s")
+    hs, hd, hwr, ht = mm(G, "suspend_ms"), mm(G, "dump_ms"), mm(G, "write_ms"), mm(G, "hibernate_total_ms")
+    wv, wwt, wc, wr, wt = mm(G, "verify_ms"), mm(G, "waited_ms"), mm(G, "criu_ms"), mm(G, "restore_ms"), mm(G, "wake_total_ms")
+    rest = lambda tot, *xs: None if tot is None or None in xs else tot - sum(xs)
+    breakdown.append({"gib": g, "rows": [
+        ("hibernate", "driver: lock + checkpoint", mm(B, "ckpt_driver_ms"), hs,
+         "bare: the two driver calls; gpusnap: its suspend (also records the footprint, checks NVML)"),
+        ("hibernate", "checkpoint process (python + cuInit)", m(B, "ckpt_wall_s"), None, "bare only: cuckpt.py as a whole"),
+        ("hibernate", "CRIU dump", m(B, "dump_s"), hd, "gpusnap: -v4 log, --leave-stopped"),
+        ("hibernate", "until the tree is gone", m(B, "gone_s"), None, "gpusnap: inside 'other'"),
+        ("hibernate", "checksum + manifest + rename (disk)", None, hwr, "gpusnap only"),
+        ("hibernate", "other (inside gpusnap)", None, rest(ht, hs, hd, hwr), "tree walk, store, kill, wait"),
+        ("hibernate", "process start etc. (outside total_ms)", None, rest(hw, ht), "gpusnap wall - total_ms"),
+        ("hibernate", "TOTAL (wall)", m(B, "hibernate_s"), hw, ""),
+        ("wake", "(before) until the pid is free", m(B, "pidfree_s"), m(G, "pidfree_s"),
+         "its parent reaps the killed worker; outside both totals"),
+        ("wake", "pid check + admission", None, wwt, "gpusnap: waited_ms"),
+        ("wake", "verify: checksum of the image (disk)", None, wv, "gpusnap only"),
+        ("wake", "CRIU restore", m(B, "criu_restore_s"), wc, ""),
+        ("wake", "driver: restore + unlock", mm(B, "restore_driver_ms"), wr, "bare: the two driver calls"),
+        ("wake", "restore process (python + cuInit)", m(B, "restore_wall_s"), None, "bare only: cuckpt.py as a whole"),
+        ("wake", "other (inside gpusnap)", None, rest(wt, wv, wwt, wc, wr), ""),
+        ("wake", "process start etc. (outside total_ms)", None, rest(ww, wt), "gpusnap wall - total_ms"),
+        ("wake", "TOTAL (wall)", m(B, "wake_s"), ww, ""),
+    ], "images": {"bare_du_bytes": m(B, "image_bytes"), "gpusnap_du_bytes": m(G, "image_bytes"),
+                  "gpusnap_manifest_bytes": m(G, "manifest_bytes"),
+                  "rss_mib_before": med([s.get("rss_mib_before") for s in B + G])},
+        "split": {"driver_s": None if None in (hs, wr) else hs + wr,
+                  "criu_s": None if None in (hd, wc) else hd + wc,
+                  "disk_checksum_s": None if None in (hwr, wv) else hwr + wv,
+                  "cycle_wall_s": None if None in (hw, ww) else hw + ww}})
+
+L = ["# gpusnap benchmark: hibernate/wake against the bare driver + CRIU calls", ""]
+L.append(f"- date: {E.get('HDR_DATE')}")
+L.append(f"- host: {E.get('HDR_HOST')} (kernel {E.get('HDR_KERNEL')}, host memory {E.get('HDR_HOSTMEM')})")
+L.append(f"- GPU: {E.get('HDR_GPU')}, {E.get('HDR_GPU_MEM')}; driver {E.get('HDR_DRIVER')}")
+L.append(f"- gpusnap: {E.get('HDR_VERSION')} ({E.get('GPUSNAP')}); wake args: `{E.get('B_WAKE_ARGS') or '-'}`")
+L.append(f"- criu: {E.get('B_CRIU')} version {E.get('B_CRIU_VERSION')}; criu check: {E.get('B_CRIU_CHECK')}")
+L.append(f"- THP: enabled `{E.get('HDR_THP')}`, defrag `{E.get('HDR_THP_DEFRAG')}` (read, not changed); "
+         f"images on {E.get('B_DISK')}")
+L.append(f"- sizes (GiB held by the worker): {E.get('B_SIZES')}; {E.get('B_REPS')} reps of each mode; wall {E.get('B_WALL')} s")
+L.append("- bare hibernate = cuckpt.py lock+checkpoint (whole python process) + `criu dump -t PID -D DIR --shell-job` "
+         "+ until the pid is gone; bare wake = `criu restore -D DIR -d --shell-job` + "
+         "cuckpt.py restore+unlock. Both modes wait until the old pid is free before the wake (not counted). gpusnap = `gpusnap --json hibernate PID --image b` / `wake b --wait 30`, "
+         "whole commands timed from the shell; internal = their total_ms. Medians; the modes alternate.")
+L.append(f"- target: gpusnap wall <= {TARGET} x bare (whole processes on both sides); "
+         "'vs driver' counts the bare driver calls without their python process.")
+L.append("")
+L.append("| size GiB | footprint GB | op | n (bare / gpusnap) | bare s | bare (driver calls only) s | gpusnap wall s "
+         "| gpusnap internal s | gpusnap / bare | gpusnap / bare (driver only) | target met |")
+L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+yn = lambda v: "?" if v is None else ("yes" if v else "**no**")
+for r in summary:
+    L.append(f"| {r['gib']} | {f(r['footprint_gb'])} | {r['op']} | {r['n_bare']} / {r['n_gpusnap']} | {f(r['bare_s'], 3)} "
+             f"| {f(r['bare_driver_s'], 3)} | {f(r['gpusnap_wall_s'], 3)} | {f(r['gpusnap_internal_s'], 3)} "
+             f"| {f(r['ratio'], 3)} | {f(r['ratio_vs_driver'], 3)} | {yn(r['met'])} |")
+for b in breakdown:
+    L += ["", f"## Where the time goes: {b['gib']} GiB (medians, s)", "",
+          "| op | stage | bare | gpusnap | note |", "|---|---|---|---|---|"]
+    for op, stage, x, y, n in b["rows"]:
+        L.append(f"| {op} | {stage} | {f(x, 3) if x is not None else '-'} | {f(y, 3) if y is not None else '-'} | {n} |")
+    im, sp = b["images"], b["split"]
+    L.append("")
+    gb = lambda x: "?" if x is None else f"{x / 1e9:.2f}"
+    L.append(f"Images: bare {gb(im['bare_du_bytes'])} GB (du -sb), gpusnap {gb(im['gpusnap_du_bytes'])} GB "
+             f"(du -sb; manifest {gb(im['gpusnap_manifest_bytes'])} GB); worker host RSS before "
+             f"{f((im['rss_mib_before'] or 0) * 1048576 / 1e9)} GB.")
+    c = sp["cycle_wall_s"]
+    if c:
+        pc = lambda x: "?" if x is None else f"{x:.2f} s ({100 * x / c:.0f}%)"
+        L.append(f"gpusnap cycle (hibernate + wake) {c:.2f} s: driver {pc(sp['driver_s'])}, CRIU {pc(sp['criu_s'])}, "
+                 f"disk/checksum {pc(sp['disk_checksum_s'])}, rest "
+                 f"{pc(None if None in sp.values() else c - sp['driver_s'] - sp['criu_s'] - sp['disk_checksum_s'])}.")
+L += ["", "## Every sample", "",
+      "| size GiB | rep | mode | hibernate s | wake s | image GB | detail |", "|---|---|---|---|---|---|---|"]
+skip = {"gib", "rep", "mode", "hibernate_s", "wake_s", "image_bytes"}
+for s in samples:
+    det = ", ".join(f"{k} {v}" for k, v in s.items() if k not in skip and v is not None)
+    L.append(f"| {s['gib']} | {s['rep']} | {s['mode']} | {f(s.get('hibernate_s'), 3)} | {f(s.get('wake_s'), 3)} "
+             f"| {f((s.get('image_bytes') or 0) / 1e9)} | {det} |")
+if notes:
+    L += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+md = "\n".join(L) + "\n"
+open(md_f, "w").write(md)
+hdr = {k: E.get(k) for k in ("HDR_DATE", "HDR_HOST", "HDR_KERNEL", "HDR_GPU", "HDR_GPU_MEM", "HDR_DRIVER",
+                             "HDR_VERSION", "HDR_THP", "HDR_THP_DEFRAG", "HDR_HOSTMEM", "B_SIZES", "B_REPS", "B_WALL",
+                             "B_CRIU", "B_CRIU_VERSION", "B_CRIU_CHECK", "B_WAKE_ARGS", "B_DISK")}
+json.dump({"header": hdr, "target": TARGET, "summary": summary,
+           "breakdown": [{"gib": b["gib"], "stages": [dict(zip(("op", "stage", "bare_s", "gpusnap_s", "note"), r))
+                                                      for r in b["rows"]], "images": b["images"], "split": b["split"]}
+                         for b in breakdown],
+           "samples": samples, "notes": notes}, open(json_f, "w"), indent=1)
+sys.stdout.write(md)
+PY
+}
+
+# shellcheck disable=SC2317 # the EXIT trap
+on_exit() {
+    local rc=$?
+    trap - ERR
+    if [ "$FINISHED" != 1 ]; then
+        note "run interrupted (exit $rc) at +${SECONDS}s"
+        ERRORS=$((ERRORS + 1))
+    fi
+    cleanup_all
+    rm -rf "$WORK/bare-img"
+    if [ -n "$LEFT_ALIVE" ]; then
+        note "cleanup could not stop safely:$LEFT_ALIVE"
+        ERRORS=$((ERRORS + 1))
+    fi
+    HDR_DATE=$HDR_DATE HDR_HOST=$HDR_HOST HDR_KERNEL=$HDR_KERNEL HDR_GPU=$HDR_GPU HDR_GPU_MEM=$HDR_GPU_MEM \
+        HDR_DRIVER=$HDR_DRIVER HDR_VERSION=$HDR_VERSION HDR_THP=$HDR_THP HDR_THP_DEFRAG=$HDR_THP_DEFRAG \
+        HDR_HOSTMEM=$HDR_HOSTMEM GPUSNAP=$GPUSNAP B_SIZES="${SIZES[*]}" B_REPS=$REPS B_WALL=$SECONDS \
+        B_CRIU=$CRIU_BIN B_CRIU_VERSION=$CRIU_VERSION B_CRIU_CHECK="exit $CRIU_CHECK_RC: $CRIU_CHECK" \
+        B_WAKE_ARGS="${WAKE_ARGS[*]}" B_DISK="$(df -P -h "$WORK" 2>/dev/null | awk 'NR == 2 { print $1 " (" $2 ", " $4 " free at the end)" }')" \
+        write_report || log "report generation failed"
+    local p
+    for p in "$WORK"/*.log; do log_file "$(basename "$p")" "$p"; done
+    log "scratch kept in $WORK"
+    if [ "$ERRORS" -gt 0 ]; then exit 1; fi
+    exit 0
+}
+
+install_traps
+start_watchdog $((HBENCH_BUDGET_S + 45))
+log "gpusnap hibernate benchmark: sizes ${SIZES[*]} GiB, $REPS reps of each mode, budget ${HBENCH_BUDGET_S}s"
+collect_header
+log "disk: $(df -P -h "$WORK" | tail -n 1)"
+if [ -n "${HB_WAKE_ARGS+x}" ]; then
+    read -r -a WAKE_ARGS <<<"$HB_WAKE_ARGS"
+elif timeout 30 "$GPUSNAP" wake --help 2>/dev/null | grep -q -- '--no-guard'; then
+    WAKE_ARGS=(--no-guard)
+fi
+if [ "$HDR_VERSION_RC" != 0 ]; then
+    note "gpusnap --version failed (exit $HDR_VERSION_RC): $HDR_VERSION"
+    ERRORS=$((ERRORS + 1))
+elif ! criu_probe; then
+    note "no usable CRIU: $CRIU_WHY"
+    ERRORS=$((ERRORS + 1))
+else
+    for s in "${SIZES[@]}"; do
+        bench_size "$s"
+    done
+fi
+FINISHED=1
+exit 0   # on_exit writes the report and sets the exit status

@@ -1,0 +1,302 @@
+#!/usr/bin/env bash
+# The one entry point on the GPU machine: installs CRIU from the repository's
+# .dev/criu, prints the GPU and driver, then runs the given stages in order
+# within one wall-clock budget and leaves a handful of files in $OUT.
+#
+# Run from the repository root, as root:
+#   OUT=/some/dir tests/gpu/device.sh [STAGE...]     (default: e2e)
+# Stages:
+#   e2e     tests/gpu/e2e.sh (P1 and the CRIU sections; ~6 min alone)
+#   bench   tests/gpu/bench.sh $BENCH_SIZES (suspend/resume against the driver)
+#   hbench  tests/gpu/bench-hibernate.sh $HBENCH_SIZES (hibernate/wake against driver + CRIU)
+# Environment:
+#   OUT              results (default: a new /tmp/gpusnap-device.* directory)
+#   DEVICE_BUDGET_S  the whole call's wall-clock budget (default 570); each
+#                    stage gets a share of what is left, by weight (e2e 540,
+#                    bench 240, hbench 300), and runs with its own soft budget
+#                    (E2E_BUDGET_S, BENCH_BUDGET_S, HBENCH_BUDGET_S) that much
+#                    below its share that its watchdog and cleanup still fit
+#   BENCH_SIZES      GiB for bench (default "12"); HBENCH_SIZES for hbench (default "12")
+#   GPUSNAP          the binary (default ./target/release/gpusnap; there is no
+#                    cargo on the GPU machine: carry a build)
+#   CRIU_SRC         the relocatable CRIU to install (default .dev/criu), into
+#                    /opt/gpusnap/criu (its bin/criu has absolute paths there)
+# Anything else (E2E_SECTIONS, REPS, ...) passes through to the stages.
+# Files in $OUT (at most six): device.log (this script's log, then the logs
+# of bench and hbench), gpu-e2e.md, e2e.log, bench.md, bench-hibernate.md,
+# results.json (host, CRIU, every stage's exit status and time, and the JSON
+# of each stage). Exit 0 when every stage ran and exited 0.
+
+set -u
+export LC_ALL=C TZ=UTC PYTHONUNBUFFERED=1
+
+T0=$SECONDS
+DEVICE_BUDGET_S=${DEVICE_BUDGET_S:-570}
+if [ -z "${OUT:-}" ]; then OUT=$(mktemp -d /tmp/gpusnap-device.XXXXXX); fi
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+SCR=$(mktemp -d /tmp/gpusnap-device.XXXXXX)
+DLOG=$OUT/device.log
+: >"$DLOG"
+STAGES_TSV=$SCR/stages.tsv # name rc wall_s share_s budget_s note
+: >"$STAGES_TSV"
+CRIU_PREFIX=/opt/gpusnap/criu
+CRIU_SRC=${CRIU_SRC:-.dev/criu}
+export GPUSNAP=${GPUSNAP:-./target/release/gpusnap}
+FINAL_MARGIN=15 # seconds kept free at the end of the call
+
+say() {
+    local line
+    printf -v line '%(%Y-%m-%dT%H:%M:%S)TZ +%03ds %s' -1 "$((SECONDS - T0))" "$*"
+    printf '%s\n' "$line" >>"$DLOG"
+    printf '%s\n' "$line"
+}
+
+usage() {
+    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench]..." >&2
+    exit 2
+}
+
+STAGES=("$@")
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(e2e)
+for s in "${STAGES[@]}"; do
+    case $s in e2e | bench | hbench) ;; *) usage ;; esac
+done
+if [ ! -f tests/gpu/e2e.sh ]; then
+    echo "run tests/gpu/device.sh from the repository root" >&2
+    exit 2
+fi
+
+# ---------------------------------------------------------------- CRIU
+
+# A copy that lost its symbolic links (the loader link, the sonames) gets them
+# back: every versioned library libX.so.N.M gets its libX.so.N.
+criu_repair_links() {
+    local root=$CRIU_PREFIX/root lib f base so ver
+    lib=$root/usr/lib/x86_64-linux-gnu
+    [ -d "$lib" ] || return 0
+    if [ ! -e "$root/usr/lib64/ld-linux-x86-64.so.2" ] && [ -e "$lib/ld-linux-x86-64.so.2" ]; then
+        mkdir -p "$root/usr/lib64"
+        ln -sfn ../lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 "$root/usr/lib64/ld-linux-x86-64.so.2"
+        say "criu: restored the link usr/lib64/ld-linux-x86-64.so.2"
+    fi
+    for f in "$lib"/lib*.so.*.*; do
+        [ -f "$f" ] || continue
+        base=${f##*/}
+        ver=${base#*.so.}
+        so=${base%%.so.*}.so.${ver%%.*}
+        if [ ! -e "$lib/$so" ]; then
+            ln -s "$base" "$lib/$so"
+            say "criu: restored the link $so -> $base"
+        fi
+    done
+}
+
+CRIU_VERSION="" CRIU_CHECK="" CRIU_CHECK_RC="" CRIU_INSTALL=""
+install_criu() {
+    local out
+    if [ -x "$CRIU_PREFIX/bin/criu" ]; then
+        CRIU_INSTALL="already in $CRIU_PREFIX"
+    elif [ -d "$CRIU_SRC" ]; then
+        mkdir -p "${CRIU_PREFIX%/*}"
+        if cp -a "$CRIU_SRC" "$CRIU_PREFIX"; then
+            CRIU_INSTALL="copied $CRIU_SRC to $CRIU_PREFIX ($(du -sh "$CRIU_PREFIX" | cut -f1))"
+        else
+            CRIU_INSTALL="cp -a $CRIU_SRC $CRIU_PREFIX failed"
+        fi
+    else
+        CRIU_INSTALL="no $CRIU_SRC to install from (carry it)"
+    fi
+    say "criu: $CRIU_INSTALL"
+    export PATH=$CRIU_PREFIX/bin:$PATH
+    out=$(timeout 30 criu --version 2>&1)
+    if ! printf '%s' "$out" | grep -q '^Version:'; then
+        say "criu --version failed: $(printf '%s' "$out" | tr '\n' '|' | cut -c1-300); repairing links"
+        criu_repair_links
+        out=$(timeout 30 criu --version 2>&1)
+    fi
+    CRIU_VERSION=$(printf '%s\n' "$out" | sed -n 's/^Version: *//p' | head -n 1)
+    say "criu: $(command -v criu || echo 'not on PATH'); criu --version: $(printf '%s' "$out" | tr '\n' ' ' | cut -c1-200)"
+    out=$(timeout 60 criu check 2>&1)
+    CRIU_CHECK_RC=$?
+    CRIU_CHECK=$(printf '%s\n' "$out" | grep -v '^[[:space:]]*$' | tail -n 1 | cut -c1-300)
+    say "criu check: exit $CRIU_CHECK_RC: $(printf '%s' "$out" | tr '\n' '|' | cut -c1-600)"
+    if [ -d /usr/lib/criu ]; then
+        say "WARNING: /usr/lib/criu exists (criu loads plugins from there, a CUDA plugin would interfere): $(find /usr/lib/criu -mindepth 1 -maxdepth 1 -printf '%f ')"
+    fi
+    say "iptables: $(command -v iptables || echo none); nft: $(command -v nft || echo none) (only an established TCP connection needs them)"
+}
+
+# ---------------------------------------------------------------- host
+
+HOST_GPUS="" HOST_DRIVER="" HOST_GPUSNAP=""
+host_info() {
+    HOST_GPUS=$(timeout 30 nvidia-smi -L 2>&1 | tr '\n' ';')
+    HOST_DRIVER=$(timeout 30 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>&1 | head -n 1)
+    say "nvidia-smi -L: $HOST_GPUS"
+    say "driver: $HOST_DRIVER; kernel $(uname -r); $(awk '/^MemTotal:/ { printf "host memory %.0f GiB", $2 / 1048576 }' /proc/meminfo)"
+    say "compute apps now: $(timeout 30 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1 | tr '\n' ';')"
+    say "disk: $(df -P -h /tmp | awk 'NR == 2 { print $1 " " $2 " size, " $4 " free on /tmp" }')"
+    say "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
+    HOST_GPUSNAP=$(timeout 30 "$GPUSNAP" --version 2>&1 | head -n 1)
+    say "gpusnap $GPUSNAP: $HOST_GPUSNAP; commands: $(timeout 30 "$GPUSNAP" --help 2>/dev/null | awk '/^Commands:/ { f = 1; next } /^$/ { f = 0 } f { printf "%s ", $1 }')"
+}
+
+# ---------------------------------------------------------------- stages
+
+# weight STAGE: the wall it wants; shares of the time left go by these.
+weight() {
+    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench) echo 300 ;; esac
+}
+# slack STAGE: its watchdog fires this long after its soft budget, and its
+# cleanup runs after that.
+slack() {
+    case $1 in e2e) echo 90 ;; *) echo 75 ;; esac
+}
+# floor STAGE: below this soft budget the stage cannot do anything useful.
+floor_s() {
+    case $1 in e2e) echo 150 ;; bench) echo 100 ;; hbench) echo 120 ;; esac
+}
+
+stage_row() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGES_TSV"; }
+
+# results_json: everything in one file (rewritten after every stage).
+results_json() {
+    H_GPUS=$HOST_GPUS H_DRIVER=$HOST_DRIVER H_GPUSNAP=$HOST_GPUSNAP H_KERNEL=$(uname -r) \
+        C_INSTALL=$CRIU_INSTALL C_VERSION=$CRIU_VERSION C_CHECK=$CRIU_CHECK C_CHECK_RC=$CRIU_CHECK_RC \
+        D_BUDGET=$DEVICE_BUDGET_S D_WALL=$((SECONDS - T0)) \
+        python3 - "$STAGES_TSV" "$SCR" "$OUT/results.json" <<'PY' || say "results.json not written"
+import json, os, sys
+tsv, scr, out = sys.argv[1:4]
+E = os.environ
+stages = []
+for line in open(tsv):
+    f = line.rstrip("\n").split("\t")
+    if len(f) < 6:
+        continue
+    st = {"stage": f[0], "rc": int(f[1]) if f[1].lstrip("-").isdigit() else None, "wall_s": int(f[2] or 0),
+          "share_s": int(f[3] or 0), "budget_s": int(f[4] or 0), "note": f[5]}
+    src = {"e2e": "e2e/gpu-e2e.json", "bench": "bench/bench.json", "hbench": "hbench/bench-hibernate.json"}[f[0]]
+    try:
+        st["result"] = json.load(open(os.path.join(scr, src)))
+    except (OSError, ValueError):
+        st["result"] = None
+    stages.append(st)
+json.dump({"host": {"gpus": E.get("H_GPUS"), "driver": E.get("H_DRIVER"), "kernel": E.get("H_KERNEL"),
+                    "gpusnap": E.get("H_GPUSNAP")},
+           "criu": {"install": E.get("C_INSTALL"), "version": E.get("C_VERSION"), "check": E.get("C_CHECK"),
+                    "check_rc": E.get("C_CHECK_RC")},
+           "budget_s": int(E.get("D_BUDGET", 0)), "wall_s": int(E.get("D_WALL", 0)), "stages": stages},
+          open(out, "w"), indent=1)
+PY
+}
+
+# append_log TITLE FILE: a stage's log into device.log.
+append_log() {
+    [ -s "$2" ] || return 0
+    printf '\n==================== %s (%s)\n' "$1" "$2" >>"$DLOG"
+    cat "$2" >>"$DLOG"
+}
+
+RC_ALL=0
+run_stage() {
+    local name=$1 i=$2 left sumw=0 s share soft rc t0 dir note="" cmd=() sz=()
+    for s in "${STAGES[@]:i}"; do sumw=$((sumw + $(weight "$s"))); done
+    left=$((DEVICE_BUDGET_S - (SECONDS - T0) - FINAL_MARGIN))
+    share=$((left * $(weight "$name") / sumw))
+    soft=$((share - $(slack "$name")))
+    if [ "$soft" -lt "$(floor_s "$name")" ]; then
+        note="skipped: ${left}s left, its share ${share}s gives a budget of ${soft}s < $(floor_s "$name")s"
+        say "stage $name $note"
+        stage_row "$name" -1 0 "$share" "$soft" "$note"
+        RC_ALL=1
+        return 0
+    fi
+    dir=$SCR/$name
+    mkdir -p "$dir"
+    case $name in
+        e2e) cmd=(env OUT="$dir" E2E_BUDGET_S="$soft" tests/gpu/e2e.sh) ;;
+        bench)
+            read -r -a sz <<<"${BENCH_SIZES:-12}"
+            cmd=(env OUT="$dir" BENCH_BUDGET_S="$soft" tests/gpu/bench.sh "${sz[@]}")
+            ;;
+        hbench)
+            read -r -a sz <<<"${HBENCH_SIZES:-12}"
+            cmd=(env OUT="$dir" HBENCH_BUDGET_S="$soft" tests/gpu/bench-hibernate.sh "${sz[@]}")
+            ;;
+    esac
+    say "stage $name: share ${share}s of ${left}s left, soft budget ${soft}s: ${cmd[*]}"
+    t0=$SECONDS
+    rc=0
+    # The stage's own watchdog ends it through its cleanup; this is the last resort.
+    timeout -s TERM -k 30 $((share + 10)) "${cmd[@]}" >"$dir/stdout.txt" 2>"$dir/stderr.txt" || rc=$?
+    say "stage $name: exit $rc after $((SECONDS - t0))s"
+    [ "$rc" = 0 ] || RC_ALL=1
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then note="ended by the device.sh timeout"; fi
+    stage_row "$name" "$rc" "$((SECONDS - t0))" "$share" "$soft" "$note"
+    case $name in
+        e2e)
+            cp -f "$dir/gpu-e2e.md" "$OUT/" 2>/dev/null || say "e2e wrote no gpu-e2e.md"
+            if [ -s "$dir/e2e.log" ]; then cp -f "$dir/e2e.log" "$OUT/"; else cp -f "$dir/stderr.txt" "$OUT/e2e.log"; fi
+            ;;
+        bench)
+            cp -f "$dir/bench.md" "$OUT/" 2>/dev/null || say "bench wrote no bench.md"
+            if [ -s "$dir/bench.log" ]; then append_log bench.log "$dir/bench.log"; else append_log "bench stderr" "$dir/stderr.txt"; fi
+            ;;
+        hbench)
+            cp -f "$dir/bench-hibernate.md" "$OUT/" 2>/dev/null || say "hbench wrote no bench-hibernate.md"
+            if [ -s "$dir/bench-hibernate.log" ]; then
+                append_log bench-hibernate.log "$dir/bench-hibernate.log"
+            else
+                append_log "hbench stderr" "$dir/stderr.txt"
+            fi
+            ;;
+    esac
+    results_json
+}
+
+# summary: what matters, last on stdout (the caller sees the tail).
+summary() {
+    local name rc wall share soft note
+    echo
+    echo "==================== device.sh summary (wall $((SECONDS - T0)) s of $DEVICE_BUDGET_S s)"
+    echo "gpus: $HOST_GPUS driver $HOST_DRIVER; gpusnap: $HOST_GPUSNAP; criu: ${CRIU_VERSION:-none} (check exit $CRIU_CHECK_RC: $CRIU_CHECK)"
+    while IFS=$'\t' read -r name rc wall share soft note; do
+        echo "stage $name: exit $rc, ${wall}s (share ${share}s, soft budget ${soft}s)${note:+; $note}"
+    done <"$STAGES_TSV"
+    if [ -s "$SCR/e2e/gpu-e2e.md" ]; then
+        echo
+        grep -E '^- (result|criu|sections):' "$SCR/e2e/gpu-e2e.md"
+        echo "e2e rows not PASS, and the P2 rows:"
+        grep -E '^\| ' "$SCR/e2e/gpu-e2e.md" | grep -E '\| (FAIL|SKIP|INFO) \||^\| [hrx][0-9]* \|' | cut -c1-400
+    fi
+    if [ -s "$SCR/bench/bench.md" ]; then
+        echo
+        echo "bench:"
+        sed -n '/^| size GiB | footprint/,/^$/p' "$SCR/bench/bench.md"
+        sed -n '/^## Notes/,$p' "$SCR/bench/bench.md" | head -n 12
+    fi
+    if [ -s "$SCR/hbench/bench-hibernate.md" ]; then
+        echo
+        echo "hbench:"
+        sed -n '/^| size GiB | footprint/,/^$/p' "$SCR/hbench/bench-hibernate.md"
+        grep -E '^gpusnap cycle|^Images:' "$SCR/hbench/bench-hibernate.md"
+        sed -n '/^## Notes/,$p' "$SCR/hbench/bench-hibernate.md" | head -n 12
+    fi
+    echo "files in $OUT: $(find "$OUT" -mindepth 1 -maxdepth 1 -printf '%f (%s bytes) ')"
+}
+
+say "gpusnap device run: stages ${STAGES[*]}, budget ${DEVICE_BUDGET_S}s; results in $OUT, scratch in $SCR"
+install_criu
+host_info
+if ! timeout 30 "$GPUSNAP" --version >/dev/null 2>&1; then
+    say "ERROR: $GPUSNAP does not run (carry a release build; no cargo here): $(ls -la "$GPUSNAP" 2>&1)"
+    RC_ALL=1
+else
+    for i in "${!STAGES[@]}"; do
+        run_stage "${STAGES[$i]}" "$i"
+    done
+fi
+results_json
+summary
+exit "$RC_ALL"
