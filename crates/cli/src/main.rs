@@ -47,16 +47,16 @@ enum Cmd {
     State { pid: i32 },
     /// Take processes' GPU state to host RAM (lock + checkpoint), freeing their GPU memory.
     Suspend {
-        #[arg(required = true)]
-        pids: Vec<i32>,
+        #[command(flatten)]
+        select: Select,
         /// How long to wait for queued GPU work to drain before giving up (ms, 0 = forever).
         #[arg(long, default_value_t = 30_000)]
         lock_timeout: u32,
     },
     /// Bring suspended processes back onto the GPU, only when the memory is there.
     Resume {
-        #[arg(required = true)]
-        pids: Vec<i32>,
+        #[command(flatten)]
+        select: Select,
         /// Wait up to SECS for enough free GPU memory instead of refusing at once.
         #[arg(long, value_name = "SECS", default_value_t = 0)]
         wait: u64,
@@ -119,8 +119,8 @@ enum Cmd {
     },
     /// Safe teardown: suspend, check the GPU memory is released, then SIGTERM/SIGKILL.
     Stop {
-        #[arg(required = true)]
-        pids: Vec<i32>,
+        #[command(flatten)]
+        select: Select,
         /// Seconds between SIGTERM and SIGKILL.
         #[arg(long, value_name = "SECS", default_value_t = 10)]
         grace: u64,
@@ -169,6 +169,24 @@ enum Cmd {
     History { pid: i32 },
     /// Check this host for what checkpointing needs, and explain what is missing.
     Doctor,
+}
+
+/// Which processes a command acts on: pids, or a group.
+#[derive(clap::Args, Debug)]
+#[group(required = true, multiple = true)]
+struct Select {
+    /// Process ids.
+    pids: Vec<i32>,
+    /// Every CUDA process in the tree rooted at PID.
+    #[arg(long, value_name = "PID")]
+    tree: Option<i32>,
+    /// Every CUDA process in a cgroup (a container or pod): a path under
+    /// /sys/fs/cgroup, or absolute.
+    #[arg(long, value_name = "PATH")]
+    cgroup: Option<PathBuf>,
+    /// Every CUDA process this host can see.
+    #[arg(long)]
+    all: bool,
 }
 
 #[derive(Subcommand)]
@@ -299,12 +317,14 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             out.history(*pid, &h);
             Ok(())
         }
-        Cmd::Suspend { pids, lock_timeout } => {
+        Cmd::Suspend { select, lock_timeout } => {
             let mut e = engine(cli, out)?;
+            let pids = &select.resolve(&mut e)?;
             each(out, pids, |pid| e.suspend(pid, *lock_timeout), output::suspended)
         }
-        Cmd::Resume { pids, wait, margin, footprint, snapshot_first } => {
+        Cmd::Resume { select, wait, margin, footprint, snapshot_first } => {
             let mut e = engine(cli, out)?;
+            let pids = &select.resolve(&mut e)?;
             let opts = ResumeOptions {
                 margin_bytes: margin << 20,
                 wait: Duration::from_secs(*wait),
@@ -401,8 +421,9 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Stop { pids, grace, force, lock_timeout } => {
+        Cmd::Stop { select, grace, force, lock_timeout } => {
             let mut e = engine_with(cli, out, true)?;
+            let pids = &select.resolve(&mut e)?;
             let opts = StopOptions {
                 grace: Duration::from_secs(*grace),
                 force: *force,
@@ -410,6 +431,38 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             };
             each(out, pids, |pid| e.stop(pid, &opts), output::stopped)
         }
+    }
+}
+
+impl Select {
+    /// The pids named, plus the CUDA processes of the groups named, in order
+    /// and without repeats. A group that turns out empty is not an error.
+    fn resolve(&self, e: &mut DynEngine) -> anyhow::Result<Vec<i32>> {
+        let mut out: Vec<i32> = Vec::new();
+        let mut push = |p: i32| {
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        };
+        self.pids.iter().copied().for_each(&mut push);
+        if self.all || self.tree.is_some() || self.cgroup.is_some() {
+            let cuda: Vec<i32> =
+                e.ps()?.into_iter().filter(|r| r.state != "stopped").map(|r| r.pid).collect();
+            if self.all {
+                cuda.iter().copied().for_each(&mut push);
+            }
+            if let Some(root) = self.tree {
+                gpusnap_core::target::resolve(root)?;
+                let tree: Vec<i32> =
+                    gpusnap_core::hibernate::process_tree(root).into_iter().map(|(p, _)| p).collect();
+                cuda.iter().copied().filter(|p| tree.contains(p)).for_each(&mut push);
+            }
+            if let Some(cg) = &self.cgroup {
+                let members = gpusnap_core::target::cgroup_processes(cg)?;
+                cuda.iter().copied().filter(|p| members.contains(p)).for_each(&mut push);
+            }
+        }
+        Ok(out)
     }
 }
 

@@ -5,6 +5,7 @@ use crate::error::Error;
 use procfs::process::Process;
 use procfs::ProcError;
 use serde::Serialize;
+use std::path::Path;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Target {
@@ -124,6 +125,29 @@ fn maps_libcuda(p: &Process) -> bool {
             _ => false,
         })
     })
+}
+
+/// Every process in cgroup `path` (v2) and its descendants. `path` is
+/// absolute, or relative to /sys/fs/cgroup.
+pub fn cgroup_processes(path: &Path) -> Result<Vec<i32>, Error> {
+    let root = if path.is_absolute() { path.to_path_buf() } else { Path::new("/sys/fs/cgroup").join(path) };
+    if !root.join("cgroup.procs").is_file() {
+        return Err(Error::Proc {
+            pid: 0,
+            reason: format!("{} is not a cgroup (no cgroup.procs)", root.display()),
+        });
+    }
+    let mut out = Vec::new();
+    let mut dirs = vec![root];
+    while let Some(d) = dirs.pop() {
+        if let Ok(s) = std::fs::read_to_string(d.join("cgroup.procs")) {
+            out.extend(s.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+        }
+        if let Ok(rd) = std::fs::read_dir(&d) {
+            dirs.extend(rd.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()));
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
