@@ -66,6 +66,10 @@ enum Cmd {
         /// Footprint to assume for a process suspended outside gpusnap (MiB).
         #[arg(long, value_name = "MIB")]
         footprint: Option<u64>,
+        /// Restore onto other GPUs of the same model: OLD=NEW,... (indices or
+        /// UUIDs); GPUs not named are completed into a permutation.
+        #[arg(long, value_name = "MAP", value_parser = parse_map)]
+        device_map: Option<DeviceMap>,
         /// Take an image of the (suspended) process first, so that a restore
         /// raced by a tenant outside gpusnap can be recovered from it.
         #[arg(long)]
@@ -103,6 +107,10 @@ enum Cmd {
         /// Do not attach the guard to the woken processes.
         #[arg(long)]
         no_guard: bool,
+        /// Restore onto other GPUs of the same model: OLD=NEW,... (this host's
+        /// indices, or UUIDs; the image's GPUs by UUID).
+        #[arg(long, value_name = "MAP", value_parser = parse_map)]
+        device_map: Option<DeviceMap>,
     },
     /// Bring back a process stuck after a failed restore from its newest image.
     Recover {
@@ -322,13 +330,14 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             let pids = &select.resolve(&mut e)?;
             each(out, pids, |pid| e.suspend(pid, *lock_timeout), output::suspended)
         }
-        Cmd::Resume { select, wait, margin, footprint, snapshot_first } => {
+        Cmd::Resume { select, wait, margin, footprint, snapshot_first, device_map } => {
             let mut e = engine(cli, out)?;
             let pids = &select.resolve(&mut e)?;
             let opts = ResumeOptions {
                 margin_bytes: margin << 20,
                 wait: Duration::from_secs(*wait),
                 footprint_bytes: footprint.map(|m| m << 20),
+                device_map: device_map.clone().map(|m| m.0).unwrap_or_default(),
             };
             let store = images(cli);
             let criu = if *snapshot_first { Some(criu(cli)?) } else { None };
@@ -351,6 +360,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                                 wait: opts.wait,
                                 margin_bytes: opts.margin_bytes,
                                 force_resume: vec![],
+                                device_map: opts.device_map.clone(),
                             };
                             e.recover(&c, &store, pid, &w).map(|w| output::recovered_as_resume(pid, &w))
                         }
@@ -373,13 +383,14 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 HibernateOptions { name: image.clone(), leave_running: true, lock_timeout_ms: *lock_timeout };
             hibernate(cli, out, *pid, &opts)
         }
-        Cmd::Wake { image, wait, margin, no_guard } => {
+        Cmd::Wake { image, wait, margin, no_guard, device_map } => {
             let c = criu(cli)?;
             let mut e = engine_with(cli, out, true)?;
             let opts = WakeOptions {
                 wait: Duration::from_secs(*wait),
                 margin_bytes: margin << 20,
                 force_resume: vec![],
+                device_map: device_map.clone().map(|m| m.0).unwrap_or_default(),
             };
             let r = e.wake(&c, &images(cli), image, &opts)?;
             if !no_guard {
@@ -401,6 +412,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 wait: Duration::from_secs(*wait),
                 margin_bytes: margin << 20,
                 force_resume: vec![],
+                device_map: vec![],
             };
             let r = e.recover(&c, &images(cli), *pid, &opts)?;
             out.one(&r, &output::woken(&r));
@@ -540,4 +552,12 @@ fn snapshot_if_suspended(e: &mut DynEngine, criu: &Criu, store: &ImageStore, pid
     let res = e.hibernate(criu, store, pid, &opts);
     respawn_guard(store_dir(store), &detached);
     res.map(|_| ())
+}
+
+/// A `--device-map` value: OLD=NEW pairs.
+#[derive(Debug, Clone)]
+struct DeviceMap(Vec<(String, String)>);
+
+fn parse_map(s: &str) -> Result<DeviceMap, String> {
+    gpusnap_core::remap::parse(s).map(DeviceMap)
 }

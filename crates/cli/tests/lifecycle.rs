@@ -304,3 +304,32 @@ fn an_interrupted_gpusnap_is_reconciled_on_the_next_run() {
     w.assert_progressing(pid);
     stop(&mut w, pid);
 }
+
+#[test]
+fn resume_onto_another_gpu() {
+    let mut w = World::new(&[8192, 8192]);
+    let pid = w.workload(2048, 0, &[]);
+    let p = pid.to_string();
+    assert_eq!(w.json(&["suspend", &p]).code, 0);
+    // A map that names an absent GPU, or a map on a GPU too small, is refused
+    // before the driver is asked.
+    let r = w.json(&["resume", &p, "--device-map", "0=7"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "bad_device_map");
+    let filler = w.workload(7000, 1, &[]);
+    let r = w.json(&["resume", &p, "--device-map", "0=1"]);
+    assert_eq!(r.code, 3, "{}", r.stderr);
+    assert!(r.stderr.contains("GPU 1 needs"), "{}", r.stderr);
+    w.kill(filler);
+    let r = w.json(&["resume", &p, "--device-map", "0=1"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.assert_progressing(pid);
+    let st = w.json(&["state", &p]).json();
+    assert_eq!(st["gpus"][0]["uuid"], "GPU-00000001-0000-0000-0000-000000000000", "{st}");
+    // Its next suspend/resume cycle stays on GPU 1.
+    assert_eq!(w.json(&["suspend", &p]).code, 0);
+    assert_eq!(w.json(&["resume", &p]).code, 0);
+    let st = w.json(&["state", &p]).json();
+    assert_eq!(st["gpus"][0]["uuid"], "GPU-00000001-0000-0000-0000-000000000000", "{st}");
+    stop(&mut w, pid);
+}

@@ -92,11 +92,13 @@ pub struct ResumeOptions {
     pub wait: Duration,
     /// The footprint to assume when none was recorded.
     pub footprint_bytes: Option<u64>,
+    /// Restore onto other GPUs: (old, new) as indices or UUIDs.
+    pub device_map: Vec<(String, String)>,
 }
 
 impl Default for ResumeOptions {
     fn default() -> Self {
-        Self { margin_bytes: 256 * MIB, wait: Duration::ZERO, footprint_bytes: None }
+        Self { margin_bytes: 256 * MIB, wait: Duration::ZERO, footprint_bytes: None, device_map: Vec::new() }
     }
 }
 
@@ -166,8 +168,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         &mut self,
         t: &Target,
         need: &BTreeMap<String, u64>,
+        pairs: &[GpuPair],
     ) -> Result<(u64, u64), Error> {
-        self.restore_and_unlock(t, need)
+        self.restore_and_unlock(t, need, pairs)
     }
 
     /// The driver's state of a process that [`target::resolve_callable`] passed.
@@ -441,6 +444,13 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             self.store.record(&t, "checkpointed", None)?;
         }
         let need = self.needed(&t, &footprint, opts)?;
+        let (pairs, need) = if opts.device_map.is_empty() {
+            (Vec::new(), need)
+        } else {
+            let host = self.host_gpus()?;
+            let visible = crate::remap::visible_to(pid, &host);
+            self.plan_remap(&opts.device_map, &visible, &visible, &need)?
+        };
 
         // Admission: reserve the memory, or refuse without touching the driver.
         let t_wait = Instant::now();
@@ -459,9 +469,13 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         };
         let waited_ms = ms(t_wait);
-        let result = self.restore_and_unlock(&t, &need);
+        let result = self.restore_and_unlock(&t, &need, &pairs);
         self.store.release(&reservation)?;
         let (restore_ms, unlock_ms) = result?;
+        if !pairs.is_empty() {
+            // It lives on other GPUs now: that is where its next resume goes.
+            self.store.record(&t, "running", Some(&need))?;
+        }
         Ok(done("running", false, waited_ms, restore_ms, unlock_ms))
     }
 
@@ -525,7 +539,40 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(ids)
     }
 
-    fn restore_and_unlock(&mut self, t: &Target, need: &BTreeMap<String, u64>) -> Result<(u64, u64), Error> {
+    /// This host's GPUs, for remapping.
+    pub(crate) fn host_gpus(&self) -> Result<Vec<crate::remap::Gpu>, Error> {
+        Ok(self
+            .gpus
+            .gpus()?
+            .into_iter()
+            .map(|g| crate::remap::Gpu { index: Some(g.index), uuid: g.uuid, name: g.name })
+            .collect())
+    }
+
+    /// The driver's pairs and the bytes per new GPU for a user's device map.
+    pub(crate) fn plan_remap(
+        &self,
+        map: &[(String, String)],
+        olds: &[crate::remap::Gpu],
+        news: &[crate::remap::Gpu],
+        footprint: &BTreeMap<String, u64>,
+    ) -> Result<(Vec<GpuPair>, BTreeMap<String, u64>), Error> {
+        let (pairs, need) = crate::remap::plan(map, olds, news, footprint).map_err(Error::BadMap)?;
+        let pairs = pairs
+            .into_iter()
+            .map(|(o, n)| {
+                Ok(GpuPair { old: o.parse().map_err(Error::BadMap)?, new: n.parse().map_err(Error::BadMap)? })
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        Ok((pairs, need))
+    }
+
+    fn restore_and_unlock(
+        &mut self,
+        t: &Target,
+        need: &BTreeMap<String, u64>,
+        pairs: &[GpuPair],
+    ) -> Result<(u64, u64), Error> {
         let pid = t.pid;
         let total: u64 = need.values().sum();
         target::resolve_callable(pid)?;
@@ -544,7 +591,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 let now = used_on(gpus, need)?;
                 Some(now.saturating_sub(used0?))
             },
-            || api.restore_within(pid, &[] as &[GpuPair], total),
+            || api.restore_within(pid, pairs, total),
         );
         match &res {
             Ok(()) => self.store.end(id, t, "restore", Ok("locked"))?,

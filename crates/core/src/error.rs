@@ -54,6 +54,8 @@ pub enum Error {
     CudaWithoutDriver { pid: i32, comm: String, why: String },
     #[error("this host cannot take image {image}: {why}")]
     Incompatible { image: String, why: String },
+    #[error("device map: {0}")]
+    BadMap(String),
     #[error("member {pid} of the group: {source}")]
     Member { pid: i32, source: Box<Error> },
     #[error(transparent)]
@@ -97,7 +99,7 @@ impl Error {
             Self::NoMemory { .. } => 3,
             Self::Member { source, .. } => source.exit_code(),
             Self::Image(crate::image::ImageError::Io { .. }) => 1,
-            Self::Image(_) | Self::Incompatible { .. } => 2,
+            Self::Image(_) | Self::Incompatible { .. } | Self::BadMap(_) => 2,
             Self::Criu(_)
             | Self::PidBusy { .. }
             | Self::StillRunning { .. }
@@ -145,6 +147,7 @@ impl Error {
             Self::StillRunning { .. } => "still_running",
             Self::CudaWithoutDriver { .. } => "no_driver",
             Self::Incompatible { .. } => "incompatible",
+            Self::BadMap(_) => "bad_device_map",
             Self::Member { source, .. } => source.kind(),
         }
     }

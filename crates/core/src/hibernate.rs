@@ -56,6 +56,8 @@ pub struct WakeOptions {
     /// Also resume these CUDA processes, even if they were suspended when
     /// the image was taken (recover uses this).
     pub force_resume: Vec<i32>,
+    /// Restore onto other GPUs: (old, new) as indices of this host or UUIDs.
+    pub device_map: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -252,14 +254,24 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 footprint,
             });
         }
-        let gpus: Vec<GpuDesc> = self
-            .gpus()
-            .gpus()
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|g| gpu_uuids.contains(&g.uuid))
-            .map(|g| GpuDesc { uuid: g.uuid, name: g.name, total_bytes: g.total_bytes })
+        let host = self.gpus().gpus().unwrap_or_default();
+        let desc = |g: &gpusnap_gpu::GpuInfo| GpuDesc {
+            uuid: g.uuid.clone(),
+            name: g.name.clone(),
+            total_bytes: g.total_bytes,
+        };
+        let gpus: Vec<GpuDesc> = host.iter().filter(|g| gpu_uuids.contains(&g.uuid)).map(desc).collect();
+        let host_refs: Vec<crate::remap::Gpu> = host
+            .iter()
+            .map(|g| crate::remap::Gpu { index: Some(g.index), uuid: g.uuid.clone(), name: g.name.clone() })
             .collect();
+        let mut seen = std::collections::BTreeSet::new();
+        for (t, st) in &members {
+            if st.is_some() {
+                seen.extend(crate::remap::visible_to(t.pid, &host_refs).into_iter().map(|g| g.uuid));
+            }
+        }
+        let visible_gpus: Vec<GpuDesc> = host.iter().filter(|g| seen.contains(&g.uuid)).map(desc).collect();
         let manifest = Manifest {
             magic: MAGIC.into(),
             format: FORMAT,
@@ -270,6 +282,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             driver_api: (!cuda.is_empty()).then(|| self.api_version()),
             driver_version: if cuda.is_empty() { None } else { self.gpus().driver_version().ok() },
             gpus,
+            visible_gpus,
             root_pid: root,
             processes: procs,
             criu_version: criu.version.clone(),
@@ -343,9 +356,34 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             .iter()
             .filter(|p| p.cuda && (p.was_running || opts.force_resume.contains(&p.pid)))
             .collect();
-        if m.processes.iter().any(|p| p.cuda) {
-            self.check_host(&m)?;
-        }
+        // Where each old GPU goes (identity unless a device map is given).
+        let (pairs, remapped) = if opts.device_map.is_empty() {
+            if m.processes.iter().any(|p| p.cuda) {
+                self.check_host(&m)?;
+            }
+            (Vec::new(), None)
+        } else {
+            self.check_host_driver(&m)?;
+            let olds: Vec<crate::remap::Gpu> =
+                if m.visible_gpus.is_empty() { &m.gpus } else { &m.visible_gpus }
+                    .iter()
+                    .map(|g| crate::remap::Gpu { index: None, uuid: g.uuid.clone(), name: g.name.clone() })
+                    .collect();
+            let news = self.host_gpus()?;
+            let (pairs, _) = self.plan_remap(&opts.device_map, &olds, &news, &BTreeMap::new())?;
+            let map: BTreeMap<gpusnap_cuda::GpuUuid, String> =
+                pairs.iter().map(|p| (p.old, p.new.to_string())).collect();
+            (pairs, Some(map))
+        };
+        let moved = |fp: &BTreeMap<String, u64>| -> BTreeMap<String, u64> {
+            let mut out = BTreeMap::new();
+            for (u, b) in fp {
+                let key = u.parse::<gpusnap_cuda::GpuUuid>().ok();
+                let to = remapped.as_ref().zip(key).and_then(|(m, k)| m.get(&k)).cloned();
+                *out.entry(to.unwrap_or_else(|| u.clone())).or_insert(0) += b;
+            }
+            out
+        };
 
         // The image's pids must be free: a dying old process may still hold one.
         let t_wait = Instant::now();
@@ -354,8 +392,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         let mut need: BTreeMap<String, u64> = BTreeMap::new();
         for p in &resume {
-            for (u, b) in &p.footprint {
-                *need.entry(u.clone()).or_insert(0) += b;
+            for (u, b) in moved(&p.footprint) {
+                *need.entry(u).or_insert(0) += b;
             }
         }
         let reservation = if need.is_empty() {
@@ -373,7 +411,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         };
         let waited_ms = ms(t_wait);
 
-        let out = self.wake_admitted(criu, &dir, &m, &resume, &need);
+        let fps: Vec<BTreeMap<String, u64>> = resume.iter().map(|p| moved(&p.footprint)).collect();
+        let out = self.wake_admitted(criu, &dir, &m, &resume, &fps, &pairs);
         self.store_mut().release(&reservation)?;
         let (root_pid, criu_ms, restore_ms) = out?;
         Ok(WakeReport {
@@ -395,7 +434,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         dir: &Path,
         m: &Manifest,
         resume: &[&ProcDesc],
-        need: &BTreeMap<String, u64>,
+        footprints: &[BTreeMap<String, u64>],
+        pairs: &[gpusnap_cuda::GpuPair],
     ) -> Result<(i32, u64, u64), Error> {
         let t_criu = Instant::now();
         let work = dir.join("logs").join(format!("restore-{}", now_ms()));
@@ -431,22 +471,21 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             },
         )?;
         let criu_ms = ms(t_criu);
-        let _ = need;
 
         let t_restore = Instant::now();
         let mut restored: Vec<Target> = Vec::new();
         let mut failure = None;
-        for p in resume {
+        for (p, fp) in resume.iter().zip(footprints) {
             let res = (|| {
                 let t = target::resolve(p.pid)?;
-                self.store_mut().record(&t, "checkpointed", Some(&p.footprint))?;
+                self.store_mut().record(&t, "checkpointed", Some(fp))?;
                 self.store_mut().note(
                     &t,
                     "wake",
                     None,
                     &format!("restored by CRIU from image {}", m.name),
                 )?;
-                self.restore_and_unlock_pub(&t, &p.footprint)?;
+                self.restore_and_unlock_pub(&t, fp, pairs)?;
                 Ok::<_, Error>(t)
             })();
             match res {
@@ -474,6 +513,21 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             return Err(err);
         }
         Ok((root, criu_ms, ms(t_restore)))
+    }
+
+    /// Is this host's driver able to restore the image's CUDA processes?
+    fn check_host_driver(&self, m: &Manifest) -> Result<(), Error> {
+        let inc = |why: String| Error::Incompatible { image: m.name.clone(), why };
+        let api = self.api_version();
+        if api == 0 {
+            return Err(inc("it holds CUDA processes and this host has no CUDA driver".into()));
+        }
+        if let Some(img_api) = m.driver_api {
+            if api < img_api {
+                return Err(inc(format!("its driver API is {img_api}, this host's is older ({api})")));
+            }
+        }
+        Ok(())
     }
 
     /// Can this host take the image's CUDA processes?

@@ -79,6 +79,10 @@ pub struct Manifest {
     pub driver_api: Option<i32>,
     pub driver_version: Option<String>,
     pub gpus: Vec<GpuDesc>,
+    /// Every GPU the image's CUDA processes could see (a restore onto other
+    /// GPUs must map them all).
+    #[serde(default)]
+    pub visible_gpus: Vec<GpuDesc>,
     pub root_pid: i32,
     pub processes: Vec<ProcDesc>,
     pub criu_version: String,
@@ -384,6 +388,7 @@ mod tests {
             driver_api: None,
             driver_version: None,
             gpus: vec![],
+            visible_gpus: vec![],
             root_pid: 1,
             processes: vec![],
             criu_version: "4.1.1".into(),

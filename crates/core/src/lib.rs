@@ -8,6 +8,7 @@ pub mod guard;
 pub mod hibernate;
 pub mod image;
 pub mod progress;
+pub mod remap;
 pub mod store;
 pub mod target;
 
