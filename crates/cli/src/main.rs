@@ -1,5 +1,6 @@
 //! The `gpusnap` command line: parses arguments, calls the library, prints.
 
+mod compat;
 mod guarded;
 mod output;
 
@@ -12,6 +13,7 @@ use gpusnap_core::{doctor, Engine, Error, Store};
 use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, Timeouts};
 use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};
 use output::Out;
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -155,7 +157,7 @@ enum Cmd {
         #[arg(long)]
         no_keeper: bool,
         #[arg(required = true, last = true)]
-        cmd: Vec<std::ffi::OsString>,
+        cmd: Vec<OsString>,
     },
     /// Attach the guard to running processes (and their children).
     ///
@@ -172,6 +174,13 @@ enum Cmd {
         /// Detach from the terminal and run in the background.
         #[arg(long)]
         daemon: bool,
+    },
+    /// NVIDIA's cuda-checkpoint command line, with gpusnap's safety (also
+    /// reached through a link named cuda-checkpoint).
+    #[command(disable_help_flag = true)]
+    CudaCheckpoint {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+        args: Vec<OsString>,
     },
     /// The journal of one pid: every driver call gpusnap made on it.
     History { pid: i32 },
@@ -208,6 +217,13 @@ enum ImagesCmd {
 }
 
 fn main() -> ExitCode {
+    // Called as cuda-checkpoint (a link): NVIDIA's command line.
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    if argv.first().and_then(|a| std::path::Path::new(a).file_name()).is_some_and(|n| n == "cuda-checkpoint")
+    {
+        init_logging(0);
+        return ExitCode::from(compat::main(&argv[1..]) as u8);
+    }
     let cli = Cli::parse();
     init_logging(cli.verbose);
     let out = Out::new(cli.json);
@@ -267,6 +283,14 @@ fn engine(cli: &Cli, out: &Out) -> anyhow::Result<DynEngine> {
     engine_with(cli, out, false)
 }
 
+/// A quiet engine on the real driver for the state directory `dir`.
+pub(crate) fn engine_at(dir: &std::path::Path) -> anyhow::Result<DynEngine> {
+    let store = Store::open(dir)?;
+    let api: Box<dyn CheckpointApi> = Box::new(CudaDriver::load().map_err(Error::Driverless)?);
+    let gpus: Box<dyn GpuInventory> = Box::new(NvmlInventory::load().map_err(Error::Gpu)?);
+    Ok(Engine::new(Deadline::new(api, Timeouts::default()), gpus, store))
+}
+
 fn images(cli: &Cli) -> ImageStore {
     ImageStore::new(cli.state_dir.join("images"))
 }
@@ -302,6 +326,7 @@ fn each<T: serde::Serialize>(
 
 fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
     match &cli.cmd {
+        Cmd::CudaCheckpoint { args } => std::process::exit(compat::main(args)),
         Cmd::Doctor => {
             let findings = doctor::host(&cli.state_dir);
             out.doctor(&findings);

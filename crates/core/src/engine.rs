@@ -138,6 +138,20 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         &self.gpus
     }
 
+    pub(crate) fn api_ref(&self) -> &Deadline<A> {
+        &self.api
+    }
+
+    pub(crate) fn journaled_pub<T>(
+        &mut self,
+        t: &Target,
+        op: &str,
+        after: &str,
+        call: impl FnOnce(&Deadline<A>) -> Result<T, DriverError>,
+    ) -> Result<T, Error> {
+        self.journaled(t, op, after, call)
+    }
+
     pub(crate) fn store_mut(&mut self) -> &mut Store {
         &mut self.store
     }
@@ -574,11 +588,27 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         pairs: &[GpuPair],
     ) -> Result<(u64, u64), Error> {
         let pid = t.pid;
-        let total: u64 = need.values().sum();
         target::resolve_callable(pid)?;
         let _serial = self.store.lock_target(pid)?;
-        let used0 = self.used_on(need);
         let t_restore = Instant::now();
+        self.restore_only(t, need, pairs)?;
+        let restore_ms = ms(t_restore);
+        let t_unlock = Instant::now();
+        self.journaled(t, "unlock", "running", |api| api.unlock(pid))?;
+        Ok((restore_ms, ms(t_unlock)))
+    }
+
+    /// The journaled restore (to LOCKED), with progress; an out-of-memory
+    /// answer marks the process as stuck. The caller holds the target lock.
+    pub(crate) fn restore_only(
+        &mut self,
+        t: &Target,
+        need: &BTreeMap<String, u64>,
+        pairs: &[GpuPair],
+    ) -> Result<(), Error> {
+        let pid = t.pid;
+        let total: u64 = need.values().sum();
+        let used0 = self.used_on(need);
         let id = self.store.begin(t, "restore")?;
         let progress: &dyn Progress = &*self.progress;
         let (api, gpus) = (&self.api, &self.gpus);
@@ -611,10 +641,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 _ => Error::Driver { pid, source },
             });
         }
-        let restore_ms = ms(t_restore);
-        let t_unlock = Instant::now();
-        self.journaled(t, "unlock", "running", |api| api.unlock(pid))?;
-        Ok((restore_ms, ms(t_unlock)))
+        Ok(())
     }
 
     fn used_on(&self, need: &BTreeMap<String, u64>) -> Option<u64> {

@@ -36,6 +36,9 @@ fn find<'a>(gpus: &'a [Gpu], key: &str) -> Option<&'a Gpu> {
     gpus.iter().find(|g| g.uuid.to_ascii_lowercase() == k)
 }
 
+/// The driver's pairs (old UUID, new UUID) and the bytes each new GPU takes.
+pub type Plan = (Vec<(String, String)>, BTreeMap<String, u64>);
+
 /// The full list of pairs, and the bytes each new GPU must take.
 ///
 /// `olds`: every GPU the process can see (where it was checkpointed);
@@ -46,7 +49,7 @@ pub fn plan(
     olds: &[Gpu],
     news: &[Gpu],
     footprint: &BTreeMap<String, u64>,
-) -> Result<(Vec<(String, String)>, BTreeMap<String, u64>), String> {
+) -> Result<Plan, String> {
     let mut pairs: Vec<(String, String)> = Vec::new();
     for (a, b) in map {
         let old = find(olds, a).ok_or_else(|| format!("GPU {a} is not one the process can see"))?;
