@@ -353,7 +353,9 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Suspend { select, lock_timeout } => {
             let mut e = engine(cli, out)?;
             let pids = &select.resolve(&mut e)?;
-            each(out, pids, |pid| e.suspend(pid, *lock_timeout), output::suspended)
+            let r = e.suspend_group(pids, *lock_timeout, &|| out.progress())?;
+            out.all(&r, output::suspended);
+            Ok(())
         }
         Cmd::Resume { select, wait, margin, footprint, snapshot_first, device_map } => {
             let mut e = engine(cli, out)?;
@@ -365,6 +367,12 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 device_map: device_map.clone().map(|m| m.0).unwrap_or_default(),
             };
             let store = images(cli);
+            if pids.len() > 1 && !snapshot_first {
+                // A group: admission for all of it, restores in parallel.
+                let r = e.resume_group(pids, &opts, &|| out.progress())?;
+                out.all(&r, output::resumed);
+                return Ok(());
+            }
             let criu = if *snapshot_first { Some(criu(cli)?) } else { None };
             each(
                 out,
@@ -466,7 +474,9 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 force: *force,
                 lock_timeout_ms: *lock_timeout,
             };
-            each(out, pids, |pid| e.stop(pid, &opts), output::stopped)
+            let r = e.stop_group(pids, &opts, &|| out.progress())?;
+            out.all(&r, output::stopped);
+            Ok(())
         }
     }
 }

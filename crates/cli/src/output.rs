@@ -14,6 +14,8 @@ use std::sync::Mutex;
 
 pub struct Out {
     json: bool,
+    /// All bars of one command, drawn together (groups run in parallel).
+    bars: indicatif::MultiProgress,
 }
 
 fn gib(b: u64) -> String {
@@ -110,7 +112,7 @@ pub fn stopped(r: &StopReport) -> String {
 
 impl Out {
     pub fn new(json: bool) -> Self {
-        Self { json }
+        Self { json, bars: indicatif::MultiProgress::with_draw_target(ProgressDrawTarget::stderr()) }
     }
 
     fn emit(&self, v: serde_json::Value) {
@@ -122,6 +124,14 @@ impl Out {
         if !self.json {
             println!("{s}");
         }
+    }
+
+    /// Every result: its line each, or one JSON object.
+    pub fn all<T: Serialize>(&self, r: &[T], human: impl Fn(&T) -> String) {
+        for x in r {
+            self.line(&human(x));
+        }
+        self.results(r);
     }
 
     pub fn results<T: Serialize>(&self, r: &[T]) {
@@ -263,15 +273,15 @@ impl Out {
         if self.json || !std::io::stderr().is_terminal() {
             return Box::new(gpusnap_core::Quiet);
         }
-        Box::new(Bar(Mutex::new(None)))
+        Box::new(Bar(Mutex::new(None), self.bars.clone()))
     }
 }
 
-struct Bar(Mutex<Option<ProgressBar>>);
+struct Bar(Mutex<Option<ProgressBar>>, indicatif::MultiProgress);
 
 impl Progress for Bar {
     fn begin(&self, label: &str, total: u64) {
-        let pb = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        let pb = self.1.add(ProgressBar::new(total));
         pb.set_style(
             ProgressStyle::with_template(
                 "{msg:>14} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",

@@ -40,6 +40,9 @@ pub struct StateReport {
     /// Device memory now (running) or when it was suspended (checkpointed).
     pub footprint_bytes: u64,
     pub gpus: Vec<GpuBytes>,
+    /// Its pid inside its own pid namespace, when that differs (a container).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ns_pid: Option<i32>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -111,7 +114,7 @@ pub struct StopOptions {
 
 pub struct Engine<A: CheckpointApi, G: GpuInventory> {
     api: Deadline<A>,
-    gpus: G,
+    gpus: std::sync::Arc<G>,
     store: Store,
     progress: Box<dyn Progress>,
 }
@@ -122,7 +125,18 @@ fn ms(since: Instant) -> u64 {
 
 impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     pub fn new(api: Deadline<A>, gpus: G, store: Store) -> Self {
-        Self { api, gpus, store, progress: Box::new(Quiet) }
+        Self { api, gpus: std::sync::Arc::new(gpus), store, progress: Box::new(Quiet) }
+    }
+
+    /// Another engine on the same driver, NVML and state directory (its own
+    /// database connection), for work on several processes at once.
+    pub fn fork(&self, progress: Box<dyn Progress>) -> Result<Self, Error> {
+        Ok(Self {
+            api: self.api.clone(),
+            gpus: std::sync::Arc::clone(&self.gpus),
+            store: Store::open(self.store.dir())?,
+            progress,
+        })
     }
 
     pub fn with_progress(mut self, p: Box<dyn Progress>) -> Self {
@@ -281,6 +295,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             reason: rec.and_then(|r| r.unrecoverable.clone()),
             footprint_bytes: fp.values().sum(),
             gpus: fp.into_iter().map(|(uuid, bytes)| GpuBytes { uuid, bytes }).collect(),
+            ns_pid: target::ns_pid(t.pid).filter(|p| *p != t.pid),
         })
     }
 
@@ -422,6 +437,19 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     }
 
     pub fn resume(&mut self, pid: i32, opts: &ResumeOptions) -> Result<ResumeReport, Error> {
+        let p = match self.prepare_resume(pid, opts)? {
+            Prep::Done(r) => return Ok(r),
+            Prep::Go(p) => p,
+        };
+        let (reservation, waited_ms) = self.admit_waiting(&p.t, &p.need, opts)?;
+        let result = self.finish_resume(p, waited_ms);
+        self.store.release(&reservation)?;
+        result
+    }
+
+    /// Everything a resume does before admission: identity, state, footprint,
+    /// device map. A process that needs no restore is finished here.
+    pub(crate) fn prepare_resume(&mut self, pid: i32, opts: &ResumeOptions) -> Result<Prep, Error> {
         let started = Instant::now();
         let t = target::resolve_callable(pid)?;
         let rec = self.record_of(&t)?;
@@ -432,24 +460,13 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let st = self.driver_state(&t)?;
         let footprint = rec.as_ref().map(|r| r.footprint.clone()).unwrap_or_default();
         let fp_total: u64 = footprint.values().sum();
-        let done = |state: &str, already, waited_ms, restore_ms, unlock_ms| ResumeReport {
-            pid,
-            state: state.into(),
-            already,
-            footprint_bytes: fp_total,
-            waited_ms,
-            restore_ms,
-            unlock_ms,
-            total_ms: ms(started),
-            recovered_from: None,
-        };
         match st {
-            ProcessState::Running => return Ok(done("running", true, 0, 0, 0)),
+            ProcessState::Running => return Ok(Prep::Done(resumed(pid, fp_total, true, started, 0, 0, 0))),
             ProcessState::Locked => {
                 // Restored but never unlocked (an interrupted resume): finish it.
                 let t0 = Instant::now();
                 self.journaled(&t, "unlock", "running", |api| api.unlock(pid))?;
-                return Ok(done("running", false, 0, 0, ms(t0)));
+                return Ok(Prep::Done(resumed(pid, fp_total, false, started, 0, 0, ms(t0))));
             }
             ProcessState::Checkpointed => {}
             other => return Err(Error::WrongState { pid, state: other.to_string(), op: "resume" }),
@@ -465,32 +482,42 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             let visible = crate::remap::visible_to(pid, &host);
             self.plan_remap(&opts.device_map, &visible, &visible, &need)?
         };
+        Ok(Prep::Go(Prepared { t, need, pairs, started, fp_total }))
+    }
 
-        // Admission: reserve the memory, or refuse without touching the driver.
+    /// Admission: reserve `need`, waiting up to `opts.wait` for it, or refuse
+    /// without touching the driver. Returns the reservation and the wait.
+    pub(crate) fn admit_waiting(
+        &mut self,
+        t: &Target,
+        need: &BTreeMap<String, u64>,
+        opts: &ResumeOptions,
+    ) -> Result<(Vec<i64>, u64), Error> {
         let t_wait = Instant::now();
-        let reservation = loop {
-            match self.admit(pid, &need, opts.margin_bytes) {
-                Ok(ids) => break ids,
+        loop {
+            match self.admit(t.pid, need, opts.margin_bytes) {
+                Ok(ids) => return Ok((ids, ms(t_wait))),
                 Err(Error::NoMemory { .. }) if t_wait.elapsed() < opts.wait => {
                     std::thread::sleep(Duration::from_millis(250));
                 }
                 Err(e) => {
                     if let Error::NoMemory { detail, .. } = &e {
-                        self.store.note(&t, "admission", None, &format!("refused: {detail}"))?;
+                        self.store.note(t, "admission", None, &format!("refused: {detail}"))?;
                     }
                     return Err(e);
                 }
             }
-        };
-        let waited_ms = ms(t_wait);
-        let result = self.restore_and_unlock(&t, &need, &pairs);
-        self.store.release(&reservation)?;
-        let (restore_ms, unlock_ms) = result?;
-        if !pairs.is_empty() {
-            // It lives on other GPUs now: that is where its next resume goes.
-            self.store.record(&t, "running", Some(&need))?;
         }
-        Ok(done("running", false, waited_ms, restore_ms, unlock_ms))
+    }
+
+    /// The restore and unlock of an admitted resume.
+    pub(crate) fn finish_resume(&mut self, p: Prepared, waited_ms: u64) -> Result<ResumeReport, Error> {
+        let (restore_ms, unlock_ms) = self.restore_and_unlock(&p.t, &p.need, &p.pairs)?;
+        if !p.pairs.is_empty() {
+            // It lives on other GPUs now: that is where its next resume goes.
+            self.store.record(&p.t, "running", Some(&p.need))?;
+        }
+        Ok(resumed(p.t.pid, p.fp_total, false, p.started, waited_ms, restore_ms, unlock_ms))
     }
 
     /// Per GPU, the bytes a restore of `t` needs.
@@ -611,7 +638,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let used0 = self.used_on(need);
         let id = self.store.begin(t, "restore")?;
         let progress: &dyn Progress = &*self.progress;
-        let (api, gpus) = (&self.api, &self.gpus);
+        let (api, gpus) = (&self.api, &*self.gpus);
         let label = format!("resume {pid}");
         let res = observe(
             progress,
@@ -645,7 +672,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     }
 
     fn used_on(&self, need: &BTreeMap<String, u64>) -> Option<u64> {
-        used_on(&self.gpus, need)
+        used_on(&*self.gpus, need)
     }
 
     /// Safe teardown: suspend, verify the GPU memory is released, then
@@ -711,6 +738,42 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 fn used_on<G: GpuInventory>(gpus: &G, need: &BTreeMap<String, u64>) -> Option<u64> {
     let all = gpus.gpus().ok()?;
     Some(all.iter().filter(|g| need.contains_key(&g.uuid)).map(|g| g.used_bytes).sum())
+}
+
+/// A resume that is ready for admission.
+pub(crate) struct Prepared {
+    pub(crate) t: Target,
+    pub(crate) need: BTreeMap<String, u64>,
+    pairs: Vec<GpuPair>,
+    started: Instant,
+    fp_total: u64,
+}
+
+pub(crate) enum Prep {
+    Done(ResumeReport),
+    Go(Prepared),
+}
+
+fn resumed(
+    pid: i32,
+    footprint_bytes: u64,
+    already: bool,
+    started: Instant,
+    waited_ms: u64,
+    restore_ms: u64,
+    unlock_ms: u64,
+) -> ResumeReport {
+    ResumeReport {
+        pid,
+        state: "running".into(),
+        already,
+        footprint_bytes,
+        waited_ms,
+        restore_ms,
+        unlock_ms,
+        total_ms: ms(started),
+        recovered_from: None,
+    }
 }
 
 fn to_list(fp: &BTreeMap<String, u64>) -> Vec<GpuBytes> {

@@ -5,6 +5,7 @@ pub mod criu;
 pub mod doctor;
 pub mod engine;
 pub mod error;
+pub mod group;
 pub mod guard;
 pub mod hibernate;
 pub mod image;

@@ -127,6 +127,13 @@ fn maps_libcuda(p: &Process) -> bool {
     })
 }
 
+/// The pid the process has in its own (innermost) pid namespace: the last
+/// field of NSpid in /proc/PID/status.
+pub fn ns_pid(pid: i32) -> Option<i32> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().last()?.parse().ok()
+}
+
 /// Every process in cgroup `path` (v2) and its descendants. `path` is
 /// absolute, or relative to /sys/fs/cgroup.
 pub fn cgroup_processes(path: &Path) -> Result<Vec<i32>, Error> {

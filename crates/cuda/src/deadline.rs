@@ -35,6 +35,12 @@ pub struct Deadline<A: CheckpointApi> {
     pub timeouts: Timeouts,
 }
 
+impl<A: CheckpointApi> Clone for Deadline<A> {
+    fn clone(&self) -> Self {
+        Self { inner: Arc::clone(&self.inner), timeouts: self.timeouts }
+    }
+}
+
 impl<A: CheckpointApi> Deadline<A> {
     pub fn new(inner: A, timeouts: Timeouts) -> Self {
         Self { inner: Arc::new(inner), timeouts }

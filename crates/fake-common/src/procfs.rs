@@ -61,6 +61,17 @@ pub fn tgid(tid: i32) -> Option<i32> {
 
 /// Whether `pid` is still the process that started at `start_time` and has
 /// not exited.
+/// This process's pid as /proc (and so the checkpoint API's callers) see
+/// it. In a pid namespace whose /proc is the host's, getpid() says the
+/// namespace's pid while the driver is called with the host's; the kernel
+/// driver knows its processes by task, so the fake follows /proc.
+pub fn self_pid() -> i32 {
+    std::fs::read_link("/proc/self")
+        .ok()
+        .and_then(|p| p.to_str()?.parse().ok())
+        .unwrap_or(std::process::id() as i32)
+}
+
 pub fn is_same_live_process(pid: i32, start_time: u64) -> bool {
     stat(pid).is_some_and(|s| s.start_time == start_time && !s.is_dead())
 }

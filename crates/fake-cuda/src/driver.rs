@@ -233,7 +233,7 @@ fn as_workload<T>(
         return Err(CUDA_ERROR_NOT_INITIALIZED);
     }
     let store = Store::from_env();
-    let me = std::process::id() as i32;
+    let me = procfs::self_pid();
     let mut f = Some(f);
     loop {
         let done = store
@@ -274,7 +274,7 @@ pub fn device_get(ordinal: i32) -> Result<i32, CuResult> {
 
 pub fn ctx_create(device: i32) -> Result<(), CuResult> {
     let gpu = u32::try_from(device).map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
-    let start = procfs::stat(std::process::id() as i32).map_or(0, |s| s.start_time);
+    let start = procfs::stat(procfs::self_pid()).map_or(0, |s| s.start_time);
     as_workload(Some(start), |store, t, me| {
         if t.state.create_context(&t.config, me, start, gpu)? {
             store.remove_data(me);

@@ -1,0 +1,192 @@
+//! Groups: several processes (a server and its engine cores, one process per
+//! GPU) suspended, resumed or stopped together, in parallel, all or nothing.
+//!
+//! The driver's calls on different processes are independent, so a group
+//! takes about as long as its slowest member. If one member fails, the
+//! members already done are returned to their prior state and the error
+//! names the member and why.
+
+use crate::engine::{Engine, Prep, ResumeOptions, ResumeReport, StopOptions, StopReport, SuspendReport};
+use crate::error::Error;
+use crate::progress::Progress;
+use gpusnap_cuda::CheckpointApi;
+use gpusnap_gpu::GpuInventory;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Makes one progress display per member.
+pub type ProgressFactory<'a> = &'a (dyn Fn() -> Box<dyn Progress> + Sync);
+
+impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
+    /// Runs `f` for every item on its own engine (thread), in parallel.
+    fn in_parallel<I: Send, T: Send>(
+        &self,
+        items: Vec<(i32, I)>,
+        progress: ProgressFactory<'_>,
+        f: impl Fn(&mut Self, I) -> Result<T, Error> + Sync,
+    ) -> Vec<(i32, Result<T, Error>)> {
+        let f = &f;
+        std::thread::scope(|s| {
+            let handles: Vec<_> = items
+                .into_iter()
+                .map(|(pid, item)| {
+                    let fork = self.fork(progress());
+                    (pid, s.spawn(move || fork.and_then(|mut e| f(&mut e, item))))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|(pid, h)| {
+                    let r = h.join().unwrap_or_else(|_| {
+                        Err(Error::Proc { pid, reason: "the worker thread for this process panicked".into() })
+                    });
+                    (pid, r)
+                })
+                .collect()
+        })
+    }
+
+    /// The first failure, as the group's error, after `undo` put back what
+    /// the others did.
+    fn fail_group<T>(
+        results: Vec<(i32, Result<T, Error>)>,
+        undo: impl FnOnce(Vec<(i32, T)>),
+    ) -> Result<Vec<T>, Error> {
+        let mut done = Vec::new();
+        let mut failed = None;
+        for (pid, r) in results {
+            match r {
+                Ok(t) => done.push((pid, t)),
+                Err(e) if failed.is_none() => failed = Some(Error::Member { pid, source: Box::new(e) }),
+                Err(e) => tracing::error!(pid, "also failed: {e}"),
+            }
+        }
+        match failed {
+            None => Ok(done.into_iter().map(|(_, t)| t).collect()),
+            Some(e) => {
+                undo(done);
+                Err(e)
+            }
+        }
+    }
+
+    pub fn suspend_group(
+        &mut self,
+        pids: &[i32],
+        lock_timeout_ms: u32,
+        progress: ProgressFactory<'_>,
+    ) -> Result<Vec<SuspendReport>, Error> {
+        if pids.len() == 1 {
+            return self.suspend(pids[0], lock_timeout_ms).map(|r| vec![r]);
+        }
+        let results = self.in_parallel(pids.iter().map(|&p| (p, p)).collect(), progress, |e, pid| {
+            e.suspend(pid, lock_timeout_ms)
+        });
+        Self::fail_group(results, |done| {
+            let undo: Vec<(i32, i32)> =
+                done.iter().filter(|(_, r)| !r.already).map(|(p, _)| (*p, *p)).collect();
+            let opts = ResumeOptions { wait: Duration::from_secs(30), ..Default::default() };
+            for (pid, r) in self.in_parallel(undo, progress, |e, pid| e.resume(pid, &opts)) {
+                if let Err(e) = r {
+                    tracing::error!(pid, "could not resume after the group failed: {e}");
+                }
+            }
+        })
+    }
+
+    pub fn resume_group(
+        &mut self,
+        pids: &[i32],
+        opts: &ResumeOptions,
+        progress: ProgressFactory<'_>,
+    ) -> Result<Vec<ResumeReport>, Error> {
+        if pids.len() == 1 {
+            return self.resume(pids[0], opts).map(|r| vec![r]);
+        }
+        // Everything that can refuse without touching the driver, first.
+        let mut done = Vec::new();
+        let mut go = Vec::new();
+        for &pid in pids {
+            match self.prepare_resume(pid, opts).map_err(|e| Error::Member { pid, source: Box::new(e) })? {
+                Prep::Done(r) => done.push(r),
+                Prep::Go(p) => go.push(p),
+            }
+        }
+        if go.is_empty() {
+            return Ok(done);
+        }
+        // Admission counts the whole group at once.
+        let mut need: BTreeMap<String, u64> = BTreeMap::new();
+        for p in &go {
+            for (u, b) in &p.need {
+                *need.entry(u.clone()).or_insert(0) += b;
+            }
+        }
+        let first = go[0].t.clone();
+        let (reservation, waited_ms) = self.admit_waiting(&first, &need, opts)?;
+        let items: Vec<(i32, _)> = go.into_iter().map(|p| (p.t.pid, p)).collect();
+        let results = self.in_parallel(items, progress, |e, p| e.finish_resume(p, waited_ms));
+        self.store_mut().release(&reservation)?;
+        let mut out = Self::fail_group(results, |resumed| {
+            let redo: Vec<(i32, i32)> = resumed.iter().map(|(p, _)| (*p, *p)).collect();
+            for (pid, r) in self.in_parallel(redo, progress, |e, pid| e.suspend(pid, 30_000)) {
+                if let Err(e) = r {
+                    tracing::error!(pid, "could not suspend again after the group failed: {e}");
+                }
+            }
+        })?;
+        done.append(&mut out);
+        Ok(done)
+    }
+
+    /// Suspends every running member first (all or none, unless forced),
+    /// then ends them all.
+    pub fn stop_group(
+        &mut self,
+        pids: &[i32],
+        opts: &StopOptions,
+        progress: ProgressFactory<'_>,
+    ) -> Result<Vec<StopReport>, Error> {
+        if pids.len() == 1 {
+            return self.stop(pids[0], opts).map(|r| vec![r]);
+        }
+        if !opts.force {
+            let cuda: Vec<i32> = pids
+                .iter()
+                .copied()
+                .filter(|&p| {
+                    crate::target::resolve_callable(p).is_ok_and(|t| {
+                        matches!(
+                            self.driver_state_of(&t),
+                            Ok(gpusnap_cuda::ProcessState::Running | gpusnap_cuda::ProcessState::Locked)
+                        )
+                    })
+                })
+                .collect();
+            if !cuda.is_empty() {
+                self.suspend_group(&cuda, opts.lock_timeout_ms, progress).map_err(|e| match e {
+                    Error::Member { pid, source } => Error::StopRefused {
+                        pid,
+                        reason: format!("suspend failed ({source}); no member of the group was stopped"),
+                    },
+                    other => other,
+                })?;
+            }
+        }
+        let results =
+            self.in_parallel(pids.iter().map(|&p| (p, p)).collect(), progress, |e, pid| e.stop(pid, opts));
+        let mut out = Vec::new();
+        let mut failed = None;
+        for (pid, r) in results {
+            match r {
+                Ok(r) => out.push(r),
+                Err(e) if failed.is_none() => failed = Some(Error::Member { pid, source: Box::new(e) }),
+                Err(e) => tracing::error!(pid, "also failed: {e}"),
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+}
