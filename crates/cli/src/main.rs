@@ -117,6 +117,9 @@ enum Cmd {
     /// Bring back a process stuck after a failed restore from its newest image.
     Recover {
         pid: i32,
+        /// Roll a process that is not stuck back to its image anyway.
+        #[arg(long)]
+        force: bool,
         #[arg(long, value_name = "SECS", default_value_t = 0)]
         wait: u64,
         #[arg(long, value_name = "MIB", default_value_t = 256)]
@@ -184,8 +187,11 @@ enum Cmd {
     },
     /// The journal of one pid: every driver call gpusnap made on it.
     History { pid: i32 },
-    /// Check this host for what checkpointing needs, and explain what is missing.
-    Doctor,
+    /// Check this host (and a process) for what checkpointing needs, and explain what is missing.
+    Doctor {
+        /// A process to check as well.
+        pid: Option<i32>,
+    },
 }
 
 /// Which processes a command acts on: pids, or a group.
@@ -233,6 +239,13 @@ fn main() -> ExitCode {
             let code = match e.downcast_ref::<Error>() {
                 Some(err) => {
                     out.error(err.kind(), &err.to_string(), err.hint(), err.exit_code());
+                    if let Some(pid) = failed_driver_pid(err) {
+                        for f in process_findings(pid).into_iter().filter(|f| {
+                            matches!(f.severity, doctor::Severity::Warn | doctor::Severity::Error)
+                        }) {
+                            eprintln!("  likely cause ({}): {}", f.check, f.message);
+                        }
+                    }
                     err.exit_code()
                 }
                 None => {
@@ -327,8 +340,12 @@ fn each<T: serde::Serialize>(
 fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
     match &cli.cmd {
         Cmd::CudaCheckpoint { args } => std::process::exit(compat::main(args)),
-        Cmd::Doctor => {
-            let findings = doctor::host(&cli.state_dir);
+        Cmd::Doctor { pid } => {
+            let mut findings = doctor::host(&cli.state_dir);
+            findings.push(doctor::criu(cli.criu.as_deref()));
+            if let Some(pid) = pid {
+                findings.extend(process_findings(*pid));
+            }
             out.doctor(&findings);
             Ok(())
         }
@@ -394,6 +411,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                                 margin_bytes: opts.margin_bytes,
                                 force_resume: vec![],
                                 device_map: opts.device_map.clone(),
+                                force: false,
                             };
                             e.recover(&c, &store, pid, &w).map(|w| output::recovered_as_resume(pid, &w))
                         }
@@ -424,10 +442,13 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 margin_bytes: margin << 20,
                 force_resume: vec![],
                 device_map: device_map.clone().map(|m| m.0).unwrap_or_default(),
+                force: false,
             };
             let r = e.wake(&c, &images(cli), image, &opts)?;
             if !no_guard {
-                spawn_guard(cli, &r.processes)?;
+                if let Err(e) = spawn_guard(cli, &r.processes) {
+                    tracing::warn!("woken, but the guard could not attach: {e}");
+                }
             }
             out.one(&r, &output::woken(&r));
             Ok(())
@@ -438,7 +459,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Guard { pids, lock_timeout, takeover, daemon } => {
             guarded::guard(cli, pids, *lock_timeout, *takeover, *daemon)
         }
-        Cmd::Recover { pid, wait, margin } => {
+        Cmd::Recover { pid, wait, margin, force } => {
             let c = criu(cli)?;
             let mut e = engine(cli, out)?;
             let opts = WakeOptions {
@@ -446,6 +467,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 margin_bytes: margin << 20,
                 force_resume: vec![],
                 device_map: vec![],
+                force: *force,
             };
             let r = e.recover(&c, &images(cli), *pid, &opts)?;
             out.one(&r, &output::woken(&r));
@@ -577,16 +599,27 @@ fn snapshot_if_suspended(e: &mut DynEngine, criu: &Criu, store: &ImageStore, pid
     if st.state != "checkpointed" {
         return Ok(());
     }
-    let name = format!("resume-{pid}-{}", st.start_time);
-    if store.manifest(&name).is_ok() {
-        store.remove(&name)?;
-    }
+    // A new name each time; older snapshots of this process go only once
+    // the new one is written.
+    let prefix = format!("resume-{pid}-{}-", st.start_time);
+    let name = format!("{prefix}{}", gpusnap_core::store::now_ms());
+    let older: Vec<String> = store
+        .list()
+        .into_iter()
+        .filter_map(Result::ok)
+        .map(|m| m.name)
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
     let opts = HibernateOptions { name: Some(name), leave_running: true, lock_timeout_ms: 30_000 };
     let tree: Vec<i32> = gpusnap_core::hibernate::process_tree(pid).into_iter().map(|(p, _)| p).collect();
     let detached = gpusnap_core::guard::detach_for(store_dir(store), &tree)?;
     let res = e.hibernate(criu, store, pid, &opts);
     respawn_guard(store_dir(store), &detached);
-    res.map(|_| ())
+    res?;
+    for n in older {
+        let _ = store.remove(&n);
+    }
+    Ok(())
 }
 
 /// A `--device-map` value: OLD=NEW pairs.
@@ -595,4 +628,28 @@ struct DeviceMap(Vec<(String, String)>);
 
 fn parse_map(s: &str) -> Result<DeviceMap, String> {
     gpusnap_core::remap::parse(s).map(DeviceMap)
+}
+
+/// Doctor's checks of one process, with the driver's state where it answers.
+fn process_findings(pid: i32) -> Vec<doctor::Finding> {
+    let host_gpus = NvmlInventory::load().ok().and_then(|n| n.gpus().ok()).map(|g| g.len()).unwrap_or(0);
+    let mut f = doctor::process(pid, host_gpus);
+    if let (Ok(t), Ok(d)) = (gpusnap_core::target::resolve_callable(pid), CudaDriver::load()) {
+        let api = Deadline::new(d, Timeouts { quick: Duration::from_secs(5), ..Timeouts::default() });
+        let (severity, message) = match api.get_state(t.pid) {
+            Ok(s) => (doctor::Severity::Ok, format!("the driver reports it {s}")),
+            Err(e) => (doctor::Severity::Warn, format!("the driver answers: {e}")),
+        };
+        f.push(doctor::Finding { check: "driver-state", severity, message, fix: None });
+    }
+    f
+}
+
+/// The process a driver error is about, for doctor's explanation.
+fn failed_driver_pid(e: &Error) -> Option<i32> {
+    match e {
+        Error::Driver { pid, .. } => Some(*pid),
+        Error::Member { source, .. } => failed_driver_pid(source),
+        _ => None,
+    }
 }

@@ -238,10 +238,14 @@ fn a_stuck_process_is_recovered_from_its_snapshot() {
 }
 
 #[test]
-fn recover_without_an_image_says_so() {
+fn recover_refuses_healthy_processes_and_needs_an_image() {
     let mut w = World::new(&[8192]);
     let pid = w.workload(512, 0, &[]);
+    // A process that is not stuck is not rolled back unless asked.
     let r = w.json(&["recover", &pid.to_string()]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("not stuck"), "{}", r.stderr);
+    let r = w.json(&["recover", "--force", &pid.to_string()]);
     assert_eq!(r.code, 5, "{}", r.stderr);
     assert!(r.stderr.contains("no image"), "{}", r.stderr);
 }

@@ -51,6 +51,16 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
             match n.gpus() {
                 Ok(gpus) => {
                     out.push(f("nvml", Severity::Ok, format!("driver {ver}, {} GPU(s)", gpus.len()), None));
+                    if let Ok(off) = n.persistence_off() {
+                        if off > 0 {
+                            out.push(f(
+                                "persistence",
+                                Severity::Info,
+                                format!("persistence mode is off on {off} GPU(s): the first CUDA call after idle pays the driver's start-up"),
+                                Some("nvidia-smi -pm 1 (or nvidia-persistenced)"),
+                            ));
+                        }
+                    }
                     for g in gpus {
                         out.push(f(
                             "gpu",
@@ -115,6 +125,9 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
             out.push(f("state", Severity::Error, e.to_string(), Some("use --state-dir or GPUSNAP_STATE_DIR")))
         }
     }
+    if let Some(s) = sandbox() {
+        out.push(s);
+    }
     out.push(f(
         "sigkill",
         Severity::Info,
@@ -122,4 +135,252 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
         None,
     ));
     out
+}
+
+/// Checks of one process: what can keep the driver from checkpointing it.
+/// Pure /proc reading: it works where the driver does not, and never hangs.
+pub fn process(pid: i32, host_gpus: usize) -> Vec<Finding> {
+    match crate::target::resolve(pid) {
+        Ok(_) => process_at(Path::new("/proc"), pid, host_gpus),
+        Err(e) => vec![f("process", Severity::Error, e.to_string(), None)],
+    }
+}
+
+/// [`process`] on a /proc tree at `root` (tests give it crafted ones).
+pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let dir = root.join(pid.to_string());
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+    let status = read("status");
+    let field = |k: &str| status.lines().find_map(|l| l.strip_prefix(k)).map(|v| v.trim().to_string());
+    let stat = read("stat");
+    let comm =
+        stat.find('(').zip(stat.rfind(')')).map(|(a, b)| stat[a + 1..b].to_string()).unwrap_or_default();
+    let state =
+        stat.rfind(')').and_then(|b| stat[b + 1..].split_whitespace().next()).unwrap_or("?").to_string();
+    out.push(f("process", Severity::Info, format!("{pid} ({comm}), state {state}"), None));
+    if state == "T" {
+        out.push(f(
+            "stopped",
+            Severity::Error,
+            "the process is stopped by a signal: the driver's lock and get-state hang on it (measured on r580)",
+            Some("send it SIGCONT (or thaw its cgroup) first"),
+        ));
+    }
+    if let Some(tp) = field("TracerPid:").and_then(|v| v.parse::<i32>().ok()).filter(|p| *p != 0) {
+        let comm = std::fs::read_to_string(root.join(tp.to_string()).join("comm")).unwrap_or_default();
+        let sev = if comm.trim() == "gpusnap" { Severity::Info } else { Severity::Warn };
+        out.push(f(
+            "traced",
+            sev,
+            format!("traced by {tp} ({}): a debugger holding it stopped makes the driver wait", comm.trim()),
+            (sev == Severity::Warn).then_some("detach the debugger, or let gpusnap's guard be the tracer"),
+        ));
+    }
+    let maps = read("maps");
+    let mapped = |needle: &str| maps.lines().any(|l| l.contains(needle));
+    if !mapped("libcuda.so") {
+        out.push(f(
+            "cuda",
+            Severity::Info,
+            "libcuda is not loaded: no CUDA state to checkpoint (plain CRIU is enough)",
+            None,
+        ));
+        return out;
+    }
+    out.push(f("cuda", Severity::Ok, "libcuda is loaded", None));
+    if mapped("libnccl") {
+        out.push(f(
+            "nccl",
+            Severity::Error,
+            "NCCL is loaded: the driver's checkpoint does not support NCCL communicators (NVIDIA/cuda-checkpoint#5)",
+            Some("destroy the communicators before suspending (vLLM: sleep mode / disable custom all-reduce), or run one GPU per process without NCCL"),
+        ));
+    }
+    if mapped("/dev/nvidia-uvm") {
+        out.push(f(
+            "uvm",
+            Severity::Warn,
+            "unified memory (nvidia-uvm) is mapped: managed allocations make checkpoints larger and slower; over-subscribed managed memory can fail",
+            None,
+        ));
+    }
+    if mapped("libnvidia-ml.so") {
+        out.push(f(
+            "nvml",
+            Severity::Warn,
+            "the process has NVML loaded: NVML handles left open can keep /dev/nvidia* files busy",
+            Some("call nvmlShutdown in the program when it is done with NVML"),
+        ));
+    }
+    let env = std::fs::read(dir.join("environ")).unwrap_or_default();
+    let var = |k: &str| {
+        env.split(|b| *b == 0)
+            .filter_map(|kv| std::str::from_utf8(kv).ok())
+            .find_map(|kv| kv.strip_prefix(k).and_then(|v| v.strip_prefix('=')))
+            .map(str::to_string)
+    };
+    if var("CUDA_MPS_PIPE_DIRECTORY").is_some()
+        || mapped("nvidia-mps")
+        || std::path::Path::new("/tmp/nvidia-mps").exists()
+    {
+        out.push(f(
+            "mps",
+            Severity::Error,
+            "an MPS server is in use: MPS clients cannot be checkpointed",
+            Some("run the process without MPS"),
+        ));
+    }
+    if let Some(cvd) = var("CUDA_VISIBLE_DEVICES") {
+        if cvd.contains("MIG-") {
+            out.push(f(
+                "mig",
+                Severity::Warn,
+                "the process uses a MIG instance: check the driver's MIG support for checkpoint",
+                None,
+            ));
+        }
+        let n = cvd.split(',').filter(|s| !s.trim().is_empty()).count();
+        if host_gpus > 0 && n < host_gpus {
+            out.push(f(
+                "visible",
+                Severity::Warn,
+                format!("only {n} of {host_gpus} GPUs are visible to it (CUDA_VISIBLE_DEVICES={cvd}): it can only be restored onto GPUs it can see, and some containers break checkpoint this way (NVIDIA/cuda-checkpoint#27)"),
+                Some("expose all GPUs to the container, or restore without a device map"),
+            ));
+        }
+    }
+    let devs = std::fs::read_dir(dir.join("fd"))
+        .map(|rd| {
+            rd.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter(|p| p.to_string_lossy().starts_with("/dev/nvidia"))
+                .count()
+        })
+        .unwrap_or(0);
+    out.push(f(
+        "devices",
+        Severity::Info,
+        if devs == 0 {
+            "no /dev/nvidia* files open (suspended, or not using the GPU yet)".to_string()
+        } else {
+            format!("{devs} /dev/nvidia* files open")
+        },
+        None,
+    ));
+    out
+}
+
+/// Is this a gVisor sandbox, and what does its nvproxy need?
+pub fn sandbox() -> Option<Finding> {
+    let version = std::fs::read_to_string("/proc/version").unwrap_or_default();
+    let gvisor = version.contains("gVisor")
+        || std::path::Path::new("/proc/gvisor").exists()
+        || std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default().contains("runsc");
+    gvisor.then(|| {
+        f(
+            "sandbox",
+            Severity::Warn,
+            "running inside gVisor: checkpoint goes through nvproxy",
+            Some("use a driver nvproxy supports (runsc nvproxy list-supported-drivers), put a cuda-checkpoint (gpusnap) inside the sandbox, and expose all GPUs to it; a checkpoint that did not run leaves nvproxy memory that runsc cannot save (report 002)"),
+        )
+    })
+}
+
+/// CRIU's version, and whether it is new enough for this kernel.
+pub fn criu(explicit: Option<&Path>) -> Finding {
+    match crate::criu::Criu::find(explicit) {
+        Ok(c) => {
+            let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+            let k: Vec<u32> = kernel
+                .trim()
+                .split(|c: char| !c.is_ascii_digit())
+                .filter_map(|x| x.parse().ok())
+                .take(2)
+                .collect();
+            let new_kernel = k.len() == 2 && (k[0], k[1]) >= (6, 16);
+            let old_criu =
+                c.version.split('.').take(2).map(|x| x.parse::<u32>().unwrap_or(0)).collect::<Vec<_>>()
+                    < vec![4, 2];
+            if new_kernel && old_criu {
+                f(
+                    "criu",
+                    Severity::Warn,
+                    format!("criu {} on kernel {}: it cannot dump processes with inet sockets (fixed in CRIU 4.2)", c.version, kernel.trim()),
+                    Some("scripts/install-criu.sh installs 4.2"),
+                )
+            } else {
+                f("criu", Severity::Ok, format!("criu {} ({})", c.version, c.bin.display()), None)
+            }
+        }
+        Err(e) => f(
+            "criu",
+            Severity::Warn,
+            e.to_string(),
+            Some("hibernate and wake need CRIU >= 4.0: scripts/install-criu.sh"),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A crafted /proc/4242 with the given maps, environment and state.
+    fn fixture(maps: &str, environ: &str, state: &str, tracer: i32) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("4242");
+        std::fs::create_dir_all(p.join("fd")).unwrap();
+        std::fs::write(
+            p.join("stat"),
+            format!("4242 (python3) {state} 1 4242 4242 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 12345"),
+        )
+        .unwrap();
+        std::fs::write(p.join("status"), format!("Name:\tpython3\nTgid:\t4242\nTracerPid:\t{tracer}\n"))
+            .unwrap();
+        std::fs::write(p.join("maps"), maps).unwrap();
+        std::fs::write(p.join("environ"), environ.replace(' ', "\0")).unwrap();
+        std::fs::create_dir_all(d.path().join("77")).unwrap();
+        std::fs::write(d.path().join("77/comm"), "gdb\n").unwrap();
+        d
+    }
+
+    fn checks(v: &[Finding]) -> Vec<(&'static str, Severity)> {
+        v.iter().map(|f| (f.check, f.severity)).filter(|(_, s)| *s >= Severity::Warn).collect()
+    }
+
+    const CUDA: &str = "7f00-7f01 r-xp 0 00:00 1 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04\n";
+
+    #[test]
+    fn a_clean_cuda_process_has_no_warnings() {
+        let d = fixture(CUDA, "PATH=/bin", "S", 0);
+        assert!(checks(&process_at(d.path(), 4242, 2)).is_empty());
+    }
+
+    #[test]
+    fn nccl_uvm_nvml_mps_and_partial_visibility_are_named() {
+        let maps = format!(
+            "{CUDA}7f02-7f03 r-xp 0 00:00 2 /opt/lib/libnccl.so.2\n7f04-7f05 rw-s 0 00:05 3 /dev/nvidia-uvm\n7f06-7f07 r-xp 0 00:00 4 /usr/lib/libnvidia-ml.so.1\n"
+        );
+        let d = fixture(&maps, "CUDA_VISIBLE_DEVICES=1 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps", "S", 0);
+        let got = checks(&process_at(d.path(), 4242, 2));
+        for want in ["nccl", "uvm", "nvml", "mps", "visible"] {
+            assert!(got.iter().any(|(c, _)| *c == want), "{want} missing from {got:?}");
+        }
+        assert!(got.contains(&("nccl", Severity::Error)));
+    }
+
+    #[test]
+    fn stopped_and_traced_processes_are_named() {
+        let d = fixture(CUDA, "", "T", 77);
+        let got = checks(&process_at(d.path(), 4242, 1));
+        assert!(got.contains(&("stopped", Severity::Error)), "{got:?}");
+        assert!(got.contains(&("traced", Severity::Warn)), "{got:?}");
+    }
+
+    #[test]
+    fn no_libcuda_means_nothing_to_checkpoint() {
+        let d = fixture("", "", "S", 0);
+        let v = process_at(d.path(), 4242, 1);
+        assert!(v.iter().any(|f| f.check == "cuda" && f.message.contains("not loaded")));
+    }
 }

@@ -58,6 +58,8 @@ pub struct WakeOptions {
     pub force_resume: Vec<i32>,
     /// Restore onto other GPUs: (old, new) as indices of this host or UUIDs.
     pub device_map: Vec<(String, String)>,
+    /// `recover` a process that is not known to be stuck (a rollback).
+    pub force: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -133,13 +135,16 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     /// Puts processes this operation suspended back on the GPU. Their memory
     /// was freed moments ago; admission still guards the race.
-    pub(crate) fn resume_after_failure(&mut self, pids: &[i32]) {
+    pub(crate) fn resume_after_failure(&mut self, pids: &[i32]) -> Option<Error> {
         let opts = ResumeOptions { wait: Duration::from_secs(30), ..Default::default() };
+        let mut first = None;
         for &pid in pids.iter().rev() {
             if let Err(e) = self.resume(pid, &opts) {
-                tracing::error!(pid, "could not resume after a failed group operation: {e}");
+                tracing::error!(pid, "could not resume: {e}");
+                first.get_or_insert(Error::Member { pid, source: Box::new(e) });
             }
         }
+        first
     }
 
     /// Classifies the tree's processes: CUDA (with driver state) or plain.
@@ -311,7 +316,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         }
         if opts.leave_running {
-            self.resume_after_failure(&suspended);
+            // The image is safe either way; a process that could not be put
+            // back on the GPU is still reported.
+            if let Some(e) = self.resume_after_failure(&suspended) {
+                return Err(e);
+            }
         } else {
             kill_tree(&pids)?;
         }
@@ -355,6 +364,15 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             .processes
             .iter()
             .filter(|p| p.cuda && (p.was_running || opts.force_resume.contains(&p.pid)))
+            // Without a footprint there is no admission: such a process stays
+            // suspended (`gpusnap resume --footprint MIB PID` brings it back).
+            .filter(|p| {
+                let known = !p.footprint.is_empty();
+                if !known {
+                    tracing::warn!(pid = p.pid, "no footprint recorded in the image: left suspended");
+                }
+                known
+            })
             .collect();
         // Where each old GPU goes (identity unless a device map is given).
         let (pairs, remapped) = if opts.device_map.is_empty() {
@@ -475,6 +493,18 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let t_restore = Instant::now();
         let mut restored: Vec<Target> = Vec::new();
         let mut failure = None;
+        // Every CUDA process of the image is known again, resumed or not.
+        for p in m.processes.iter().filter(|p| p.cuda && !resume.iter().any(|r| r.pid == p.pid)) {
+            if let Ok(t) = target::resolve(p.pid) {
+                self.store_mut().record(&t, "checkpointed", Some(&p.footprint))?;
+                self.store_mut().note(
+                    &t,
+                    "wake",
+                    None,
+                    &format!("restored by CRIU from image {}, left suspended", m.name),
+                )?;
+            }
+        }
         for (p, fp) in resume.iter().zip(footprints) {
             let res = (|| {
                 let t = target::resolve(p.pid)?;
@@ -499,7 +529,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         if let Some(err) = failure {
             // The image is untouched: end what was restored, safely (the ones
             // already on the GPU are suspended first), so wake can be retried.
-            let stop = StopOptions { grace: Duration::from_secs(2), force: true, lock_timeout_ms: 30_000 };
+            // Not forced: a process already back on the GPU is suspended
+            // before it is killed, or left running if that fails.
+            let stop = StopOptions { grace: Duration::from_secs(2), force: false, lock_timeout_ms: 30_000 };
             for p in m.processes.iter().rev() {
                 if let Ok(t) = target::resolve(p.pid) {
                     if let Err(e) = self.stop(t.pid, &stop) {
@@ -564,6 +596,16 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         opts: &WakeOptions,
     ) -> Result<WakeReport, Error> {
         let t = target::resolve(pid)?;
+        let stuck = self.store().get(&t)?.is_some_and(|r| r.unrecoverable.is_some());
+        if !stuck && !opts.force {
+            return Err(Error::WrongState {
+                pid,
+                state:
+                    "not stuck (use `gpusnap resume`; `recover --force` rolls it back to its image anyway)"
+                        .into(),
+                op: "recover",
+            });
+        }
         let Some(m) = images.find_for(pid, t.start_time) else {
             return Err(Error::Unrecoverable {
                 pid,

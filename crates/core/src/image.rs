@@ -198,7 +198,10 @@ impl PendingImage {
         let sum = blake3::hash(&body).to_hex().to_string();
         write_private(&self.dir.join("manifest.b3"), sum.as_bytes())
             .map_err(io(&name, "write manifest.b3"))?;
-        sync_dir(&self.dir).map_err(io(&name, "sync"))?;
+        // The image's pages reach the disk before it counts as written (and
+        // before hibernate ends the process it holds): one syncfs flushes
+        // them all.
+        syncfs(&self.dir).map_err(io(&name, "sync"))?;
         if self.final_dir.exists() {
             return Err(ImageError::Exists(name));
         }
@@ -223,6 +226,16 @@ fn write_private(p: &Path, data: &[u8]) -> std::io::Result<()> {
     let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(p)?;
     f.write_all(data)?;
     f.sync_all()
+}
+
+fn syncfs(p: &Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let d = fs::File::open(p)?;
+    // SAFETY: syncfs on a valid open fd.
+    if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 fn sync_dir(p: &Path) -> std::io::Result<()> {

@@ -72,6 +72,14 @@ pub fn self_pid() -> i32 {
         .unwrap_or(std::process::id() as i32)
 }
 
+/// Whether this process shares the initial time namespace (pid 1's).
+pub fn in_initial_time_namespace() -> bool {
+    match (std::fs::read_link("/proc/self/ns/time"), std::fs::read_link("/proc/1/ns/time")) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => true,
+    }
+}
+
 pub fn is_same_live_process(pid: i32, start_time: u64) -> bool {
     stat(pid).is_some_and(|s| s.start_time == start_time && !s.is_dead())
 }

@@ -76,10 +76,19 @@ impl Store {
         // The caller is alive by definition. It must not judge itself by its
         // start time: a CRIU-restored process lives in its own time namespace,
         // where /proc shows it a different start time than everyone else sees.
-        let me = std::process::id() as i32;
-        for pid in
-            txn.state.collect_garbage(|pid, start| pid == me || procfs::is_same_live_process(pid, start))
-        {
+        let me = procfs::self_pid();
+        // From inside another time namespace (a CRIU-restored process) every
+        // start time in /proc is shifted: judge liveness by existence only.
+        let own_clock = procfs::in_initial_time_namespace();
+        let alive = |pid: i32, start: u64| {
+            pid == me
+                || if own_clock {
+                    procfs::is_same_live_process(pid, start)
+                } else {
+                    procfs::stat(pid).is_some_and(|s| !s.is_dead())
+                }
+        };
+        for pid in txn.state.collect_garbage(alive) {
             self.remove_data(pid);
         }
 

@@ -155,7 +155,13 @@ fn on_process<T>(
         // The start times differ only for a checkpointed entry, the one kind
         // that outlives its process (see `collect_garbage`): a CRIU-restored
         // process took over the pid, and from now on the entry is its own.
-        p.start_time = stat.start_time;
+        if p.start_time != stat.start_time {
+            // Its memory (and so its driver state) is from the image, taken
+            // before anything that happened to the old process: a restore
+            // that stranded the old one does not strand this one.
+            p.poisoned = false;
+            p.start_time = stat.start_time;
+        }
         f(t)
     })
 }

@@ -79,6 +79,17 @@ impl NvmlInventory {
     }
 }
 
+impl NvmlInventory {
+    /// How many GPUs have persistence mode off.
+    pub fn persistence_off(&self) -> Result<usize, GpuError> {
+        Ok(self
+            .each_device(|_, d| Ok(!d.is_in_persistent_mode().unwrap_or(true)))?
+            .into_iter()
+            .filter(|x| *x)
+            .count())
+    }
+}
+
 impl GpuInventory for NvmlInventory {
     fn driver_version(&self) -> Result<String, GpuError> {
         q("driver version", self.nvml.sys_driver_version())
