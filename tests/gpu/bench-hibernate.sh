@@ -13,6 +13,9 @@
 #                    490): a size or a repetition that would not fit
 #                    (including the safe stop of its worker) is skipped; a
 #                    watchdog ends the run, through the cleanup, 45 s after it
+#   HB_CRIU_ARGS     flags of the bare `criu dump` and `criu restore` (default
+#                    --shell-job; gpusnap passes --shell-job --file-locks
+#                    --ext-unix-sk --tcp-established, with -v4 logs)
 #   HB_WAKE_ARGS     arguments for `gpusnap wake` (default: --no-guard when
 #                    this gpusnap has it: a guard attached to the worker would
 #                    make the next bare `criu dump` fail, CRIU must be its
@@ -64,6 +67,7 @@ NOTES=$WORK/notes.txt
 ERRORS=0
 FINISHED=0
 WAKE_ARGS=()
+read -r -a CRIU_ARGS <<<"${HB_CRIU_ARGS:---shell-job}"
 CRIU_BIN="" CRIU_VERSION="" CRIU_CHECK="" CRIU_CHECK_RC="" CRIU_WHY=""
 
 note() {
@@ -148,10 +152,10 @@ bare_cycle() {
     fi
     rm -rf "$dir"
     mkdir -p "$dir"
-    log "criu dump -t $pid -D $dir --shell-job"
+    log "criu dump -t $pid -D $dir ${CRIU_ARGS[*]}"
     t0=$(now)
     d_rc=0
-    timeout -k 10 600 "$CRIU_BIN" dump -t "$pid" -D "$dir" --shell-job -o dump.log \
+    timeout -k 10 600 "$CRIU_BIN" dump -t "$pid" -D "$dir" "${CRIU_ARGS[@]}" -o dump.log \
         </dev/null >"$WORK/criu.out" 2>&1 || d_rc=$?
     d_s=$(fsub "$t0" "$(now)")
     log "  -> exit $d_rc in ${d_s}s $(tr '\n' '|' <"$WORK/criu.out" | cut -c1-300)"
@@ -176,10 +180,10 @@ bare_cycle() {
     wait_pid_free "$pid" 30 || log "pid $pid still held 30 s after the dump"
     pf_s=$(fsub "$t0" "$(now)")
     mark_restored "$pid"
-    log "criu restore -D $dir -d --shell-job"
+    log "criu restore -D $dir -d ${CRIU_ARGS[*]}"
     t0=$(now)
     r_rc=0
-    timeout -k 10 600 "$CRIU_BIN" restore -D "$dir" -d --shell-job -o restore.log \
+    timeout -k 10 600 "$CRIU_BIN" restore -D "$dir" -d "${CRIU_ARGS[@]}" -o restore.log \
         </dev/null >"$WORK/criu.out" 2>&1 || r_rc=$?
     r_s=$(fsub "$t0" "$(now)")
     log "  -> exit $r_rc in ${r_s}s $(tr '\n' '|' <"$WORK/criu.out" | cut -c1-300)"
@@ -432,12 +436,13 @@ L.append(f"- date: {E.get('HDR_DATE')}")
 L.append(f"- host: {E.get('HDR_HOST')} (kernel {E.get('HDR_KERNEL')}, host memory {E.get('HDR_HOSTMEM')})")
 L.append(f"- GPU: {E.get('HDR_GPU')}, {E.get('HDR_GPU_MEM')}; driver {E.get('HDR_DRIVER')}")
 L.append(f"- gpusnap: {E.get('HDR_VERSION')} ({E.get('GPUSNAP')}); wake args: `{E.get('B_WAKE_ARGS') or '-'}`")
-L.append(f"- criu: {E.get('B_CRIU')} version {E.get('B_CRIU_VERSION')}; criu check: {E.get('B_CRIU_CHECK')}")
+L.append(f"- criu: {E.get('B_CRIU')} version {E.get('B_CRIU_VERSION')}; criu check: {E.get('B_CRIU_CHECK')}; "
+         f"bare flags `{E.get('B_CRIU_ARGS')}` (gpusnap: --shell-job --file-locks --ext-unix-sk --tcp-established, -v4)")
 L.append(f"- THP: enabled `{E.get('HDR_THP')}`, defrag `{E.get('HDR_THP_DEFRAG')}` (read, not changed); "
          f"images on {E.get('B_DISK')}")
 L.append(f"- sizes (GiB held by the worker): {E.get('B_SIZES')}; {E.get('B_REPS')} reps of each mode; wall {E.get('B_WALL')} s")
-L.append("- bare hibernate = cuckpt.py lock+checkpoint (whole python process) + `criu dump -t PID -D DIR --shell-job` "
-         "+ until the pid is gone; bare wake = `criu restore -D DIR -d --shell-job` + "
+L.append("- bare hibernate = cuckpt.py lock+checkpoint (whole python process) + `criu dump -t PID -D DIR` "
+         "+ until the pid is gone; bare wake = `criu restore -D DIR -d` + "
          "cuckpt.py restore+unlock. Both modes wait until the old pid is free before the wake (not counted). gpusnap = `gpusnap --json hibernate PID --image b` / `wake b --wait 30`, "
          "whole commands timed from the shell; internal = their total_ms. Medians; the modes alternate.")
 L.append(f"- target: gpusnap wall <= {TARGET} x bare (whole processes on both sides); "
@@ -481,7 +486,7 @@ md = "\n".join(L) + "\n"
 open(md_f, "w").write(md)
 hdr = {k: E.get(k) for k in ("HDR_DATE", "HDR_HOST", "HDR_KERNEL", "HDR_GPU", "HDR_GPU_MEM", "HDR_DRIVER",
                              "HDR_VERSION", "HDR_THP", "HDR_THP_DEFRAG", "HDR_HOSTMEM", "B_SIZES", "B_REPS", "B_WALL",
-                             "B_CRIU", "B_CRIU_VERSION", "B_CRIU_CHECK", "B_WAKE_ARGS", "B_DISK")}
+                             "B_CRIU", "B_CRIU_VERSION", "B_CRIU_CHECK", "B_CRIU_ARGS", "B_WAKE_ARGS", "B_DISK")}
 json.dump({"header": hdr, "target": TARGET, "summary": summary,
            "breakdown": [{"gib": b["gib"], "stages": [dict(zip(("op", "stage", "bare_s", "gpusnap_s", "note"), r))
                                                       for r in b["rows"]], "images": b["images"], "split": b["split"]}
@@ -509,7 +514,7 @@ on_exit() {
         HDR_DRIVER=$HDR_DRIVER HDR_VERSION=$HDR_VERSION HDR_THP=$HDR_THP HDR_THP_DEFRAG=$HDR_THP_DEFRAG \
         HDR_HOSTMEM=$HDR_HOSTMEM GPUSNAP=$GPUSNAP B_SIZES="${SIZES[*]}" B_REPS=$REPS B_WALL=$SECONDS \
         B_CRIU=$CRIU_BIN B_CRIU_VERSION=$CRIU_VERSION B_CRIU_CHECK="exit $CRIU_CHECK_RC: $CRIU_CHECK" \
-        B_WAKE_ARGS="${WAKE_ARGS[*]}" B_DISK="$(df -P -h "$WORK" 2>/dev/null | awk 'NR == 2 { print $1 " (" $2 ", " $4 " free at the end)" }')" \
+        B_CRIU_ARGS="${CRIU_ARGS[*]}" B_WAKE_ARGS="${WAKE_ARGS[*]}" B_DISK="$(df -P -h "$WORK" 2>/dev/null | awk 'NR == 2 { print $1 " (" $2 ", " $4 " free at the end)" }')" \
         write_report || log "report generation failed"
     local p
     for p in "$WORK"/*.log; do log_file "$(basename "$p")" "$p"; done

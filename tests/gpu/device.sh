@@ -287,6 +287,11 @@ summary() {
 }
 
 say "gpusnap device run: stages ${STAGES[*]}, budget ${DEVICE_BUDGET_S}s; results in $OUT, scratch in $SCR"
+want=0
+for s in "${STAGES[@]}"; do want=$((want + $(weight "$s"))); done
+if [ "$want" -gt "$DEVICE_BUDGET_S" ]; then
+    say "NOTE: these stages want about ${want}s, the budget is ${DEVICE_BUDGET_S}s: each gets less and skips what does not fit; run e2e alone and 'bench hbench' in another call"
+fi
 install_criu
 host_info
 if ! timeout 30 "$GPUSNAP" --version >/dev/null 2>&1; then

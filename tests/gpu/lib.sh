@@ -272,8 +272,13 @@ start_worker() {
     local name=$1 gib=$2
     shift 2
     rm -f "$WORK/$name.status" "$WORK/$name.status.exit"
+    # The log is opened for appending: CRIU refuses to restore a file opened
+    # for writing without O_APPEND whose size changed after the dump ("has
+    # bad size"), so a line the worker writes after a snapshot would make
+    # the snapshot unrestorable.
+    : >"$WORK/$name.log"
     python3 "$GPU_DIR/worker.py" "$gib" "$WORK/$name.status" "$@" \
-        </dev/null >"$WORK/$name.log" 2>&1 &
+        </dev/null >>"$WORK/$name.log" 2>&1 &
     LAST_PID=$!
     WORKERS+=("$LAST_PID")
     log "worker $name: pid $LAST_PID, $gib GiB $*"
