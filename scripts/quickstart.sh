@@ -76,4 +76,36 @@ say "gpusnap stop $pid"
 pid=
 say "the journal of that process"
 "$bin" history "$(cut -d' ' -f1 "$status")" | tail -n 12
+
+# Hibernate and wake a plain process tree with CRIU: real on any Linux host.
+if ! command -v criu >/dev/null 2>&1 && [ -x /opt/gpusnap/criu/bin/criu ]; then
+    PATH=/opt/gpusnap/criu/bin:$PATH
+fi
+if ! command -v criu >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "installing CRIU (scripts/install-criu.sh)"
+    scripts/install-criu.sh || true
+    PATH=/opt/gpusnap/criu/bin:$PATH
+fi
+if command -v criu >/dev/null 2>&1; then
+    say "hibernate and wake a plain process with CRIU"
+    count=$work/count
+    setsid bash -c 'i=0; while :; do i=$((i+1)); echo $i >"$1"; sleep 0.2; done' _ "$count" </dev/null >/dev/null 2>&1 &
+    pid=$!
+    sleep 1
+    echo "counter pid $pid at $(cat "$count")"
+    "$bin" hibernate "$pid" --image quickstart
+    "$bin" images
+    at=$(cat "$count")
+    sleep 1
+    echo "while hibernated the counter stays at $(cat "$count") (was $at)"
+    wait "$pid" 2>/dev/null || true
+    "$bin" wake quickstart --wait 10
+    sleep 1
+    echo "after wake it goes on from where it was: $(cat "$count")"
+    "$bin" stop --grace 2 "$pid"
+    pid=
+    "$bin" images rm quickstart
+else
+    say "CRIU not available (run as root to install it): skipping hibernate/wake"
+fi
 say "done ($mode mode); see README.md for the commands"
