@@ -237,3 +237,49 @@ fn guard_refuses_bad_pids() {
     let r = w.gpusnap(&["run", "--", "/nonexistent/program"]);
     assert_eq!(r.code, 127, "{}", r.stderr);
 }
+
+#[test]
+fn hibernate_detaches_the_guard_and_wake_attaches_one() {
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "hw");
+    let wl = fake_workload_bin();
+    let idx = w.spawn_gpusnap(&[
+        "run",
+        "--no-keeper",
+        "--",
+        wl.to_str().unwrap(),
+        "--mib",
+        "512",
+        "--status",
+        st.to_str().unwrap(),
+    ]);
+    let pid = pid_in(&st);
+    let p = pid.to_string();
+    let tracer = |pid: i32| -> i32 {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines().find_map(|l| l.strip_prefix("TracerPid:").map(|v| v.trim().parse().unwrap_or(0)))
+            })
+            .unwrap_or(0)
+    };
+    assert_eq!(tracer(pid), w.child_pid(idx));
+    // CRIU must be the only tracer while it dumps: the guard lets go.
+    let r = w.json(&["hibernate", &p, "--image", "guarded"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    // `run` ends as the guard let go of its program.
+    assert_eq!(w.wait_child(idx).code(), Some(0));
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let r = w.json(&["wake", "guarded", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    assert_progressing_at(&st);
+    // A guard is attached to the woken process, and its exits (the filter
+    // came back with it) are caught again.
+    wait_for(Duration::from_secs(10), || tracer(pid) != 0);
+    let before = w.calls_on(pid).len();
+    std::fs::write(format!("{}.exit", st.display()), b"").unwrap();
+    wait_for(Duration::from_secs(20), || !pid_exists(pid));
+    let calls = w.calls_on(pid)[before..].to_vec();
+    assert!(calls.windows(2).any(|c| c[0] == "lock=0" && c[1] == "checkpoint=0"), "{calls:?}");
+}
