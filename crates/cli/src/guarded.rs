@@ -44,7 +44,9 @@ pub fn run(
     keeper: bool,
     cmd: &[OsString],
 ) -> anyhow::Result<()> {
-    // Forks come first, while this process has a single thread.
+    // The store first (a failure leaves nothing behind), then the forks,
+    // while this process has a single thread, then the driver.
+    drop(Store::open(&cli.state_dir)?);
     let launched = guard::launch(cmd)?;
     if keeper {
         guard::start_keeper(&keeper_argv(cli, lock_timeout))?;

@@ -86,6 +86,10 @@ enum Cmd {
         /// Keep the tree running (as it was) after the image is written.
         #[arg(long)]
         leave_running: bool,
+        /// End the tree without waiting for the image to reach the disk
+        /// (faster; a host crash right after could lose both).
+        #[arg(long)]
+        no_sync: bool,
         #[arg(long, default_value_t = 30_000)]
         lock_timeout: u32,
     },
@@ -421,17 +425,22 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 output::resumed,
             )
         }
-        Cmd::Hibernate { pid, image, leave_running, lock_timeout } => {
+        Cmd::Hibernate { pid, image, leave_running, lock_timeout, no_sync } => {
             let opts = HibernateOptions {
                 name: image.clone(),
                 leave_running: *leave_running,
                 lock_timeout_ms: *lock_timeout,
+                durable: !no_sync,
             };
             hibernate(cli, out, *pid, &opts)
         }
         Cmd::Snapshot { pid, image, lock_timeout } => {
-            let opts =
-                HibernateOptions { name: image.clone(), leave_running: true, lock_timeout_ms: *lock_timeout };
+            let opts = HibernateOptions {
+                name: image.clone(),
+                leave_running: true,
+                lock_timeout_ms: *lock_timeout,
+                durable: true,
+            };
             hibernate(cli, out, *pid, &opts)
         }
         Cmd::Wake { image, wait, margin, no_guard, device_map } => {
@@ -610,7 +619,8 @@ fn snapshot_if_suspended(e: &mut DynEngine, criu: &Criu, store: &ImageStore, pid
         .map(|m| m.name)
         .filter(|n| n.starts_with(&prefix))
         .collect();
-    let opts = HibernateOptions { name: Some(name), leave_running: true, lock_timeout_ms: 30_000 };
+    let opts =
+        HibernateOptions { name: Some(name), leave_running: true, lock_timeout_ms: 30_000, durable: true };
     let tree: Vec<i32> = gpusnap_core::hibernate::process_tree(pid).into_iter().map(|(p, _)| p).collect();
     let detached = gpusnap_core::guard::detach_for(store_dir(store), &tree)?;
     let res = e.hibernate(criu, store, pid, &opts);

@@ -31,6 +31,8 @@ pub struct HibernateOptions {
     pub name: Option<String>,
     pub leave_running: bool,
     pub lock_timeout_ms: u32,
+    /// Wait for the image to reach the disk before the tree is ended.
+    pub durable: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -296,7 +298,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let total_img = dir_bytes(&pending.criu_dir());
         progress.begin(&format!("checksum {name}"), total_img);
         let mut hashed = 0u64;
-        let committed = pending.commit(manifest, |n| {
+        let committed = pending.commit(manifest, opts.durable, |n| {
             hashed += n;
             progress.update(hashed);
         });

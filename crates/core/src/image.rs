@@ -186,12 +186,18 @@ impl PendingImage {
 
     /// Checksums every file, writes the manifest and renames the directory
     /// into place. Returns the final manifest.
-    pub fn commit(mut self, mut m: Manifest, mut on_bytes: impl FnMut(u64)) -> Result<Manifest, ImageError> {
+    /// With `durable`, the image's pages are on disk before this returns.
+    pub fn commit(
+        mut self,
+        mut m: Manifest,
+        durable: bool,
+        mut on_bytes: impl FnMut(u64),
+    ) -> Result<Manifest, ImageError> {
         let name = self.name.clone();
         // The flush to disk runs while the files are hashed (one is disk
         // bound, the other CPU bound); both end before the rename.
         let dir = self.dir.clone();
-        let flush = std::thread::spawn(move || syncfs(&dir));
+        let flush = std::thread::spawn(move || if durable { syncfs(&dir) } else { Ok(()) });
         let mut rel = Vec::new();
         files_under(&self.dir, &self.dir.join("criu"), &mut rel).map_err(io(&name, "list files"))?;
         rel.sort();
@@ -435,7 +441,7 @@ mod tests {
         let p = store.begin(name).unwrap();
         fs::write(p.criu_dir().join("pages-1.img"), vec![7u8; 100_000]).unwrap();
         fs::write(p.criu_dir().join("core-1.img"), b"core").unwrap();
-        p.commit(manifest(name), |_| {}).unwrap();
+        p.commit(manifest(name), true, |_| {}).unwrap();
         store.locate(name)
     }
 

@@ -7,6 +7,10 @@ pub trait Progress: Send + Sync {
     fn begin(&self, label: &str, total_bytes: u64);
     fn update(&self, done_bytes: u64);
     fn end(&self);
+    /// Whether anything is shown: when not, nothing is sampled either.
+    fn enabled(&self) -> bool {
+        true
+    }
 }
 
 /// Shows nothing (`--json`, pipes, tests).
@@ -16,6 +20,9 @@ impl Progress for Quiet {
     fn begin(&self, _: &str, _: u64) {}
     fn update(&self, _: u64) {}
     fn end(&self) {}
+    fn enabled(&self) -> bool {
+        false
+    }
 }
 
 /// Runs `work` while a side thread samples `probe` every 100 ms and reports
@@ -29,6 +36,9 @@ pub fn observe<T>(
     probe: impl Fn() -> Option<u64> + Send,
     work: impl FnOnce() -> T,
 ) -> T {
+    if !progress.enabled() {
+        return work();
+    }
     progress.begin(label, total);
     // The sampler sleeps on a channel: dropping the sender when the work
     // ends wakes it at once, so observing adds no latency to the work.

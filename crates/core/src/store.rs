@@ -114,7 +114,16 @@ impl Store {
         create_private_dir(dir).map_err(|e| err(format!("cannot create {}: {e}", dir.display())))?;
         let conn = Connection::open(&path).map_err(|e| err(e.to_string()))?;
         conn.busy_timeout(Duration::from_secs(60)).map_err(|e| err(e.to_string()))?;
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(|e| err(e.to_string()))?;
+        // Switching to WAL needs the database to itself and does not wait on
+        // the busy handler: two gpusnaps opening a new store together retry.
+        let mut tries = 0;
+        while let Err(e) = conn.pragma_update(None, "journal_mode", "WAL") {
+            tries += 1;
+            if tries > 100 {
+                return Err(err(e.to_string()));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(|e| err(e.to_string()))?;
         let version: i32 =
             conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(|e| err(e.to_string()))?;

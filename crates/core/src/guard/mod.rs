@@ -153,6 +153,30 @@ fn is_fatal(tid: i32, sig: i32) -> bool {
     fault || mask("SigIgn:") & bit == 0
 }
 
+/// Who sent the signal a thread is stopped for: the sender's pid for a
+/// signal from kill/tgkill/sigqueue, `None` for one the kernel raised (a
+/// fault, a timer).
+fn sender(tid: i32) -> Option<i32> {
+    // SAFETY: siginfo_t is plain data; PTRACE_GETSIGINFO fills it for a
+    // tracee in a signal-delivery-stop.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; the pointer is valid for the call.
+    let r = unsafe {
+        libc::ptrace(
+            libc::PTRACE_GETSIGINFO,
+            tid,
+            std::ptr::null_mut::<libc::c_void>(),
+            &mut info as *mut libc::siginfo_t,
+        )
+    };
+    // SI_USER (0), SI_QUEUE (-1), SI_TKILL (-6): sent by a process.
+    if r != 0 || !matches!(info.si_code, 0 | -1 | -6) {
+        return None;
+    }
+    // SAFETY: for these si_codes the kill fields are the valid ones.
+    Some(unsafe { info.si_pid() })
+}
+
 /// One decoded waitpid status.
 #[derive(Debug)]
 enum Event {
@@ -355,7 +379,13 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     /// Suspends the CUDA state of process `pid` before it dies of `why`.
     fn suspend_dying(&mut self, pid: i32, why: &str) {
         let started = Instant::now();
-        let outcome = self.try_suspend(pid, why).unwrap_or_else(|e| format!("failed: {e}"));
+        let outcome = self.try_suspend(pid, why).unwrap_or_else(|e| {
+            let msg = format!("could not suspend before death ({why}): {e}");
+            if let Ok(t) = target::resolve(pid) {
+                let _ = self.store.note(&t, "guard", None, &msg);
+            }
+            msg
+        });
         tracing::info!(pid, why, outcome = %outcome, "guard");
         self.suspensions.push(Suspension {
             pid,
@@ -434,12 +464,34 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
             Event::Signaled(tid, sig) => self.on_gone(tid, Ending::Signaled(sig)),
             Event::Signal(tid, sig) => {
                 self.adopt(tid);
-                if is_fatal(tid, sig) {
-                    if let Some(&pid) = self.tids.get(&tid) {
+                let Some(&pid) = self.tids.get(&tid) else {
+                    cont(tid, sig);
+                    return;
+                };
+                if !is_fatal(tid, sig) {
+                    cont(tid, sig);
+                    return;
+                }
+                match sender(tid) {
+                    // Our own re-sent signal: the process is suspended already.
+                    Some(from) if from == std::process::id() as i32 => cont(tid, sig),
+                    // Sent by another process (kill, a supervisor): the thread
+                    // may have been stopped anywhere, even inside a driver call
+                    // holding the driver's locks. Hold the signal back, suspend
+                    // the process while it runs, then send the signal again.
+                    Some(from) if from != pid => {
+                        cont(tid, 0);
+                        self.suspend_dying(pid, &format!("signal {} from pid {from}", signal_name(sig)));
+                        // SAFETY: kill with a signal number we were given.
+                        unsafe { libc::kill(pid, sig) };
+                    }
+                    // A fault or the process's own raise()/abort(): the thread
+                    // stands at a known point; suspend with it held.
+                    _ => {
                         self.suspend_dying(pid, &format!("signal {}", signal_name(sig)));
+                        cont(tid, sig);
                     }
                 }
-                cont(tid, sig);
             }
             Event::Ptrace(tid, event, sig) => {
                 self.adopt(tid);
@@ -486,14 +538,8 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
             let new_process = !self.tids.values().any(|p| *p == tgid);
             self.tids.insert(tid, tgid);
             if new_process {
-                if let Ok(t) = target::resolve(tgid) {
-                    let _ = self.store.note(
-                        &t,
-                        "guard",
-                        None,
-                        &format!("guarded by gpusnap {}", std::process::id()),
-                    );
-                }
+                // No journal note: forks are frequent, and the note would
+                // cost every short-lived child a write.
                 self.save();
             }
         }
@@ -508,8 +554,13 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
         let deadline = Instant::now() + Duration::from_secs(10);
         while !pending.is_empty() && Instant::now() < deadline {
             match wait_any(false) {
-                Some(Event::Ptrace(tid, _, _) | Event::Signal(tid, _)) if pending.contains(&tid) => {
-                    // A pending real signal stays queued for delivery after detach.
+                Some(Event::Signal(tid, sig)) if pending.contains(&tid) => {
+                    // The signal it was stopped for goes with the detach.
+                    let _ = ptrace_raw(libc::PTRACE_DETACH, tid, sig as usize);
+                    pending.remove(&tid);
+                    self.tids.remove(&tid);
+                }
+                Some(Event::Ptrace(tid, ..)) if pending.contains(&tid) => {
                     let _ = ptrace_raw(libc::PTRACE_DETACH, tid, 0);
                     pending.remove(&tid);
                     self.tids.remove(&tid);
@@ -736,6 +787,8 @@ pub fn start_keeper(argv: &[OsString]) -> Result<(), Error> {
             while libc::poll(&mut p, 1, -1) < 0 {}
             let devnull = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
             libc::dup2(devnull, 0);
+            libc::dup2(devnull, 1);
+            libc::dup2(devnull, 2);
             libc::execv(exe.as_ptr(), cargv.as_ptr());
             libc::_exit(127);
         }

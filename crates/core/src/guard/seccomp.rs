@@ -21,7 +21,11 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 const BPF_LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
 const BPF_JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
 const BPF_RET_K: u16 = 0x06; // BPF_RET | BPF_K
-const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
+/// The native ABI (seccomp_data.arch): x86-64, or aarch64 (GH200).
+#[cfg(target_arch = "x86_64")]
+const AUDIT_ARCH_NATIVE: u32 = 0xc000_003e;
+#[cfg(target_arch = "aarch64")]
+const AUDIT_ARCH_NATIVE: u32 = 0xc000_00b7;
 const OFFSET_NR: u32 = 0; // seccomp_data.nr
 const OFFSET_ARCH: u32 = 4; // seccomp_data.arch
 
@@ -34,7 +38,7 @@ fn insn(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
 fn program() -> [libc::sock_filter; 6] {
     [
         insn(BPF_LD_W_ABS, 0, 0, OFFSET_ARCH),
-        insn(BPF_JEQ_K, 0, 3, AUDIT_ARCH_X86_64),
+        insn(BPF_JEQ_K, 0, 3, AUDIT_ARCH_NATIVE),
         insn(BPF_LD_W_ABS, 0, 0, OFFSET_NR),
         insn(BPF_JEQ_K, 0, 1, libc::SYS_exit_group as u32),
         insn(BPF_RET_K, 0, 0, libc::SECCOMP_RET_TRACE),
@@ -89,7 +93,7 @@ mod tests {
     fn the_program_traps_exit_group_only() {
         let p = program();
         assert_eq!(p.len(), 6);
-        assert_eq!(p[3].k, 231);
+        assert_eq!(p[3].k, libc::SYS_exit_group as u32);
         assert_eq!(p[4].k, libc::SECCOMP_RET_TRACE);
         assert_eq!(p[5].k, libc::SECCOMP_RET_ALLOW);
     }
