@@ -9,23 +9,27 @@
 #   e2e     tests/gpu/e2e.sh (P1 and the CRIU sections; ~6 min alone)
 #   bench   tests/gpu/bench.sh $BENCH_SIZES (suspend/resume against the driver)
 #   hbench  tests/gpu/bench-hibernate.sh $HBENCH_SIZES (hibernate/wake against driver + CRIU)
+#   multi   tests/gpu/multi-e2e.sh (two GPUs: remap, a group across GPUs, one
+#           process on two GPUs, NCCL; ~3-4 min; needs a machine with 2 GPUs)
 # Environment:
 #   OUT              results (default: a new /tmp/gpusnap-device.* directory)
 #   DEVICE_BUDGET_S  the whole call's wall-clock budget (default 570); each
 #                    stage gets a share of what is left, by weight (e2e 540,
-#                    bench 240, hbench 300), and runs with its own soft budget
-#                    (E2E_BUDGET_S, BENCH_BUDGET_S, HBENCH_BUDGET_S) that much
-#                    below its share that its watchdog and cleanup still fit
+#                    bench 240, hbench 300, multi 300), and runs with its own
+#                    soft budget (E2E_BUDGET_S, BENCH_BUDGET_S, HBENCH_BUDGET_S,
+#                    MULTI_BUDGET_S) that much below its share that its
+#                    watchdog and cleanup still fit
 #   BENCH_SIZES      GiB for bench (default "12"); HBENCH_SIZES for hbench (default "12")
 #   GPUSNAP          the binary (default ./target/release/gpusnap; there is no
 #                    cargo on the GPU machine: carry a build)
 #   CRIU_SRC         the relocatable CRIU to install (default .dev/criu), into
 #                    /opt/gpusnap/criu (its bin/criu has absolute paths there)
 # Anything else (E2E_SECTIONS, REPS, ...) passes through to the stages.
-# Files in $OUT (at most six): device.log (this script's log, then the logs
-# of bench and hbench), gpu-e2e.md, e2e.log, bench.md, bench-hibernate.md,
-# results.json (host, CRIU, every stage's exit status and time, and the JSON
-# of each stage). Exit 0 when every stage ran and exited 0.
+# Files in $OUT (at most seven): device.log (this script's log, then the logs
+# of bench, hbench and multi), gpu-e2e.md, e2e.log, bench.md,
+# bench-hibernate.md, multi-e2e.md, results.json (host, CRIU, every stage's
+# exit status and time, and the JSON of each stage). Exit 0 when every stage
+# ran and exited 0.
 
 set -u
 export LC_ALL=C TZ=UTC PYTHONUNBUFFERED=1
@@ -53,14 +57,14 @@ say() {
 }
 
 usage() {
-    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench]..." >&2
+    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi]..." >&2
     exit 2
 }
 
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(e2e)
 for s in "${STAGES[@]}"; do
-    case $s in e2e | bench | hbench) ;; *) usage ;; esac
+    case $s in e2e | bench | hbench | multi) ;; *) usage ;; esac
 done
 if [ ! -f tests/gpu/e2e.sh ]; then
     echo "run tests/gpu/device.sh from the repository root" >&2
@@ -146,16 +150,16 @@ host_info() {
 
 # weight STAGE: the wall it wants; shares of the time left go by these.
 weight() {
-    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench) echo 300 ;; esac
+    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi) echo 300 ;; esac
 }
 # slack STAGE: its watchdog fires this long after its soft budget, and its
 # cleanup runs after that.
 slack() {
-    case $1 in e2e) echo 90 ;; *) echo 75 ;; esac
+    case $1 in e2e | multi) echo 90 ;; *) echo 75 ;; esac
 }
 # floor STAGE: below this soft budget the stage cannot do anything useful.
 floor_s() {
-    case $1 in e2e) echo 150 ;; bench) echo 100 ;; hbench) echo 120 ;; esac
+    case $1 in e2e | multi) echo 150 ;; bench) echo 100 ;; hbench) echo 120 ;; esac
 }
 
 stage_row() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGES_TSV"; }
@@ -176,7 +180,8 @@ for line in open(tsv):
         continue
     st = {"stage": f[0], "rc": int(f[1]) if f[1].lstrip("-").isdigit() else None, "wall_s": int(f[2] or 0),
           "share_s": int(f[3] or 0), "budget_s": int(f[4] or 0), "note": f[5]}
-    src = {"e2e": "e2e/gpu-e2e.json", "bench": "bench/bench.json", "hbench": "hbench/bench-hibernate.json"}[f[0]]
+    src = {"e2e": "e2e/gpu-e2e.json", "bench": "bench/bench.json", "hbench": "hbench/bench-hibernate.json",
+           "multi": "multi/multi-e2e.json"}[f[0]]
     try:
         st["result"] = json.load(open(os.path.join(scr, src)))
     except (OSError, ValueError):
@@ -224,6 +229,7 @@ run_stage() {
             read -r -a sz <<<"${HBENCH_SIZES:-12}"
             cmd=(env OUT="$dir" HBENCH_BUDGET_S="$soft" tests/gpu/bench-hibernate.sh "${sz[@]}")
             ;;
+        multi) cmd=(env OUT="$dir" MULTI_BUDGET_S="$soft" tests/gpu/multi-e2e.sh) ;;
     esac
     say "stage $name: share ${share}s of ${left}s left, soft budget ${soft}s: ${cmd[*]}"
     t0=$SECONDS
@@ -250,6 +256,10 @@ run_stage() {
             else
                 append_log "hbench stderr" "$dir/stderr.txt"
             fi
+            ;;
+        multi)
+            cp -f "$dir/multi-e2e.md" "$OUT/" 2>/dev/null || say "multi wrote no multi-e2e.md"
+            if [ -s "$dir/multi-e2e.log" ]; then append_log multi-e2e.log "$dir/multi-e2e.log"; else append_log "multi stderr" "$dir/stderr.txt"; fi
             ;;
     esac
     results_json
@@ -282,6 +292,12 @@ summary() {
         sed -n '/^| size GiB | footprint/,/^$/p' "$SCR/hbench/bench-hibernate.md"
         grep -E '^gpusnap cycle|^Images:' "$SCR/hbench/bench-hibernate.md"
         sed -n '/^## Notes/,$p' "$SCR/hbench/bench-hibernate.md" | head -n 12
+    fi
+    if [ -s "$SCR/multi/multi-e2e.md" ]; then
+        echo
+        grep -E '^- (GPUs|result|m2 parallel)' "$SCR/multi/multi-e2e.md"
+        echo "multi rows not PASS, and the m2 ratios:"
+        grep -E '^\| ' "$SCR/multi/multi-e2e.md" | grep -E '\| (FAIL|SKIP|INFO) \||^\| m2\.r[0-9] \|' | cut -c1-400
     fi
     echo "files in $OUT: $(find "$OUT" -mindepth 1 -maxdepth 1 -printf '%f (%s bytes) ')"
 }

@@ -190,12 +190,32 @@ pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
     }
     out.push(f("cuda", Severity::Ok, "libcuda is loaded", None));
     if mapped("libnccl") {
-        out.push(f(
-            "nccl",
-            Severity::Error,
-            "NCCL is loaded: the driver's checkpoint does not support NCCL communicators (NVIDIA/cuda-checkpoint#5)",
-            Some("destroy the communicators before suspending (vLLM: sleep mode / disable custom all-reduce), or run one GPU per process without NCCL"),
-        ));
+        // PyTorch loads libnccl into every CUDA process; what the driver
+        // cannot checkpoint is a live communicator: NCCL's (and PyTorch's
+        // NCCL) threads, or its shared-memory segments, show one.
+        let threads: Vec<String> = std::fs::read_dir(dir.join("task"))
+            .map(|rd| {
+                rd.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
+                    .map(|c| c.trim().to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let live = threads.iter().any(|c| c.to_ascii_lowercase().contains("nccl")) || mapped("/dev/shm/nccl");
+        if live {
+            out.push(f(
+                "nccl",
+                Severity::Error,
+                "NCCL communicators are live (NCCL threads or shared memory): the driver's checkpoint does not support NCCL (NVIDIA/cuda-checkpoint#5)",
+                Some("destroy the communicators before suspending (torch.distributed.destroy_process_group; vLLM: sleep mode), or run one GPU per process without NCCL"),
+            ));
+        } else {
+            out.push(f(
+                "nccl",
+                Severity::Info,
+                "libnccl is loaded but no communicator is live (PyTorch loads it into every CUDA process)",
+                None,
+            ));
+        }
     }
     if mapped("/dev/nvidia-uvm") {
         out.push(f(
@@ -362,6 +382,8 @@ mod tests {
             "{CUDA}7f02-7f03 r-xp 0 00:00 2 /opt/lib/libnccl.so.2\n7f04-7f05 rw-s 0 00:05 3 /dev/nvidia-uvm\n7f06-7f07 r-xp 0 00:00 4 /usr/lib/libnvidia-ml.so.1\n"
         );
         let d = fixture(&maps, "CUDA_VISIBLE_DEVICES=1 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps", "S", 0);
+        std::fs::create_dir_all(d.path().join("4242/task/4250")).unwrap();
+        std::fs::write(d.path().join("4242/task/4250/comm"), "pt_nccl_watchdg\n").unwrap();
         let got = checks(&process_at(d.path(), 4242, 2));
         for want in ["nccl", "uvm", "nvml", "mps", "visible"] {
             assert!(got.iter().any(|(c, _)| *c == want), "{want} missing from {got:?}");
@@ -382,5 +404,26 @@ mod tests {
         let d = fixture("", "", "S", 0);
         let v = process_at(d.path(), 4242, 1);
         assert!(v.iter().any(|f| f.check == "cuda" && f.message.contains("not loaded")));
+    }
+}
+
+#[cfg(test)]
+mod nccl_tests {
+    use super::*;
+
+    #[test]
+    fn libnccl_alone_is_no_error() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("7");
+        std::fs::create_dir_all(p.join("task/7")).unwrap();
+        std::fs::write(p.join("task/7/comm"), "python3\n").unwrap();
+        std::fs::write(p.join("stat"), "7 (python3) S 1").unwrap();
+        std::fs::write(
+            p.join("maps"),
+            "1-2 r-xp 0 0:0 1 /usr/lib/libcuda.so.1\n3-4 r-xp 0 0:0 2 /x/libnccl.so.2\n",
+        )
+        .unwrap();
+        let v = process_at(d.path(), 7, 1);
+        assert!(v.iter().any(|f| f.check == "nccl" && f.severity == Severity::Info), "{v:?}");
     }
 }
