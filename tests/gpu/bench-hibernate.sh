@@ -230,7 +230,8 @@ gpusnap_cycle() {
     read_status "$WORK/$name.status"
     i=$ST_ITER
 
-    gs 600 hibernate "$pid" --image b
+    # shellcheck disable=SC2086 # HBENCH_HIBERNATE_ARGS is a list of flags
+    gs 600 hibernate "$pid" --image b ${HBENCH_HIBERNATE_ARGS:-}
     h_rc=$GS_RC h_wall=$GS_S
     h_tot=$(jget "$GS_OUT" 'd["total_ms"]') h_sus=$(jget "$GS_OUT" 'd["suspend_ms"]')
     h_dmp=$(jget "$GS_OUT" 'd["dump_ms"]') h_wr=$(jget "$GS_OUT" 'd["write_ms"]')

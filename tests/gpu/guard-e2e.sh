@@ -571,7 +571,8 @@ section_mode() {
     ok2=no
     if [ -n "$H_NOTE_MS" ] && [ -n "$death_ms" ] && [ "$H_NOTE_MS" -le "$death_ms" ] && [ "$H_NOTE_MS" -ge "$T_DIE_MS" ]; then ok2=yes; fi
     v=FAIL
-    [[ $H_DYING == "$why" && $H_LOCK == ok && $H_CK == ok && $H_NOTE == *"before death ($why)"* && $ok2 == yes ]] && v=PASS
+    # A signal from another process reads "signal SIGTERM from pid N".
+    [[ $H_DYING == "$why"* && $H_LOCK == ok && $H_CK == ok && $H_NOTE == *"before death ($why"* && $ok2 == yes ]] && v=PASS
     got="dying: ${H_DYING:-none}; lock ${H_LOCK:-?}; checkpoint ${H_CK:-?}; note '${H_NOTE:-none}'"
     if [ -n "$H_NOTE_MS" ] && [ -n "$death_ms" ]; then
         got="$got at $(calc %+.0f 'n - d' n="$H_NOTE_MS" d="$death_ms") ms vs the death"

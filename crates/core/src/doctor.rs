@@ -204,8 +204,8 @@ pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
         if live {
             out.push(f(
                 "nccl",
-                Severity::Error,
-                "NCCL communicators are live (NCCL threads or shared memory): the driver's checkpoint does not support NCCL (NVIDIA/cuda-checkpoint#5)",
+                Severity::Warn,
+                "NCCL communicators are live (NCCL threads or shared memory): NVIDIA does not support checkpointing them (NVIDIA/cuda-checkpoint#5); a one-rank communicator survived suspend and resume on an H200 with r580 (measured), communicators across processes or GPUs are not expected to",
                 Some("destroy the communicators before suspending (torch.distributed.destroy_process_group; vLLM: sleep mode), or run one GPU per process without NCCL"),
             ));
         } else {
@@ -388,7 +388,7 @@ mod tests {
         for want in ["nccl", "uvm", "nvml", "mps", "visible"] {
             assert!(got.iter().any(|(c, _)| *c == want), "{want} missing from {got:?}");
         }
-        assert!(got.contains(&("nccl", Severity::Error)));
+        assert!(got.contains(&("nccl", Severity::Warn)));
     }
 
     #[test]
