@@ -42,6 +42,7 @@ pub fn run(
     name: Option<String>,
     lock_timeout: u32,
     keeper: bool,
+    oom_watch: bool,
     cmd: &[OsString],
 ) -> anyhow::Result<()> {
     // The store first (a failure leaves nothing behind), then the forks,
@@ -51,7 +52,7 @@ pub fn run(
     if keeper {
         guard::start_keeper(&keeper_argv(cli, lock_timeout))?;
     }
-    let mut g = new_guard(cli, lock_timeout, name)?;
+    let mut g = new_guard(cli, lock_timeout, name)?.with_oom_watch(oom_watch);
     g.attach(launched.pid)?;
     let leader = launched.pid;
     launched.release();

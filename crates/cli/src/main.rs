@@ -163,6 +163,11 @@ enum Cmd {
         /// Do not leave a keeper that re-attaches a new guard if this one dies.
         #[arg(long)]
         no_keeper: bool,
+        /// Watch the program's memory cgroup and suspend its CUDA processes
+        /// while host memory can still take their device memory, so that
+        /// the kernel's OOM killer (SIGKILL, uncatchable) finds them suspended.
+        #[arg(long)]
+        oom_watch: bool,
         #[arg(required = true, last = true)]
         cmd: Vec<OsString>,
     },
@@ -462,8 +467,8 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             out.one(&r, &output::woken(&r));
             Ok(())
         }
-        Cmd::Run { name, lock_timeout, no_keeper, cmd } => {
-            guarded::run(cli, name.clone(), *lock_timeout, !no_keeper, cmd)
+        Cmd::Run { name, lock_timeout, no_keeper, oom_watch, cmd } => {
+            guarded::run(cli, name.clone(), *lock_timeout, !no_keeper, *oom_watch, cmd)
         }
         Cmd::Guard { pids, lock_timeout, takeover, daemon } => {
             guarded::guard(cli, pids, *lock_timeout, *takeover, *daemon)

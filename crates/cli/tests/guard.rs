@@ -283,3 +283,79 @@ fn hibernate_detaches_the_guard_and_wake_attaches_one() {
     let calls = w.calls_on(pid)[before..].to_vec();
     assert!(calls.windows(2).any(|c| c[0] == "lock=0" && c[1] == "checkpoint=0"), "{calls:?}");
 }
+
+/// A memory cgroup for one test (v1's memory controller or v2), removed on drop.
+struct Cgroup(PathBuf, &'static str);
+
+impl Cgroup {
+    fn new(limit: u64) -> Option<Self> {
+        let name = format!("gpusnap-test-{}", std::process::id());
+        for (root, limit_file) in
+            [("/sys/fs/cgroup/memory", "memory.limit_in_bytes"), ("/sys/fs/cgroup", "memory.max")]
+        {
+            let d = PathBuf::from(root).join(&name);
+            if std::fs::create_dir(&d).is_ok() {
+                if std::fs::write(d.join(limit_file), limit.to_string()).is_ok() {
+                    return Some(Cgroup(d, limit_file));
+                }
+                let _ = std::fs::remove_dir(&d);
+            }
+        }
+        None
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.0).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+#[test]
+fn the_oom_watch_suspends_while_host_memory_can_still_take_it() {
+    let Some(cg) = Cgroup::new(256 << 20) else {
+        eprintln!("skipped: no memory cgroup can be created here");
+        return;
+    };
+    let _ = cg.1;
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "oom");
+    let wl = fake_workload_bin();
+    // The program joins the cgroup (256 MiB) before it starts: its 2 GiB of
+    // device memory would not fit in what is left of it.
+    let script = format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.0.display());
+    let mut cmd = std::process::Command::new("sh");
+    w.env(&mut cmd);
+    cmd.args(["-c", &script, "sh", env!("CARGO_BIN_EXE_gpusnap"), "run", "--no-keeper", "--oom-watch", "--"])
+        .arg(&wl)
+        .args(["--mib", "2048", "--status"])
+        .arg(&st)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut run = cmd.spawn().unwrap();
+    let pid = pid_in(&st);
+    // Suspended while alive, journaled as the watch's doing.
+    wait_for(Duration::from_secs(20), || {
+        w.json(&["state", &pid.to_string()]).json()["state"] == "checkpointed"
+    });
+    assert!(pid_exists(pid));
+    assert!(w.calls_on(pid).windows(2).any(|c| c[0] == "lock=0" && c[1] == "checkpoint=0"));
+    let h = w.json(&["history", &pid.to_string()]).json();
+    assert!(
+        h["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["detail"].as_str().is_some_and(|d| d.contains("memory cgroup"))),
+        "{h}"
+    );
+    // It is safe to end now.
+    assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "1"]).code, 0);
+    let _ = run.wait();
+}

@@ -31,7 +31,7 @@ pub struct ProcessUsage {
     pub bytes: Option<u64>,
 }
 
-pub trait GpuInventory: Send + Sync {
+pub trait GpuInventory: Send + Sync + 'static {
     /// The kernel driver's version string, e.g. `580.159.04`.
     fn driver_version(&self) -> Result<String, GpuError>;
     fn gpus(&self) -> Result<Vec<GpuInfo>, GpuError>;

@@ -35,7 +35,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const PTRACE_EVENT_STOP: i32 = 128;
@@ -275,9 +275,12 @@ pub struct Suspension {
 
 pub struct Guard<A: CheckpointApi, G: GpuInventory> {
     api: Deadline<A>,
-    gpus: G,
+    gpus: Arc<G>,
     store: Store,
     state_dir: PathBuf,
+    /// The guarded processes, shared with the out-of-memory watch.
+    shared: Arc<Mutex<Vec<i32>>>,
+    oom_watch: bool,
     lock_timeout_ms: u32,
     name: Option<String>,
     /// tid -> tgid of every traced thread.
@@ -285,6 +288,68 @@ pub struct Guard<A: CheckpointApi, G: GpuInventory> {
     leader: i32,
     ending: Option<Ending>,
     pub suspensions: Vec<Suspension>,
+}
+
+/// Suspends process `pid` (lock with a timeout, checkpoint), journaled, and
+/// checks with NVML that its device memory is gone.
+fn suspend_now<A: CheckpointApi, G: GpuInventory + ?Sized>(
+    api: &Deadline<A>,
+    gpus: &G,
+    store: &mut Store,
+    pid: i32,
+    why: &str,
+    lock_timeout_ms: u32,
+) -> Result<String, Error> {
+    // Not resolve_callable: the dying thread sits in a ptrace stop (state
+    // t), which the driver tolerates (measured: lock + checkpoint at a
+    // signal-delivery-stop and at a seccomp stop both succeed).
+    let t: Target = target::resolve(pid)?;
+    let _serial = store.lock_target(pid)?;
+    let st = match api.get_state(pid) {
+        Ok(s) => s,
+        Err(e) if e.code() == Some(CUDA_ERROR_NOT_INITIALIZED) => return Ok("no CUDA state".into()),
+        Err(e) => return Err(Error::Driver { pid, source: e }),
+    };
+    match st {
+        ProcessState::Checkpointed => return Ok("already suspended".into()),
+        ProcessState::Running | ProcessState::Locked => {}
+        other => return Ok(format!("driver state {other}; left as it is")),
+    }
+    let mut fp = BTreeMap::new();
+    for u in gpus.usage_of(pid as u32)? {
+        *fp.entry(u.uuid).or_insert(0u64) += u.bytes.unwrap_or(0);
+    }
+    let total: u64 = fp.values().sum();
+    store.record(&t, st.as_str(), Some(&fp))?;
+    store.note(&t, "guard", None, &format!("dying: {why}"))?;
+    if st == ProcessState::Running {
+        let id = store.begin(&t, "lock")?;
+        let r = api.lock(pid, lock_timeout_ms);
+        let msg = r.as_ref().err().map(|e| e.to_string());
+        store.end(id, &t, "lock", msg.as_deref().map_or(Ok("locked"), Err))?;
+        r.map_err(|source| Error::Driver { pid, source })?;
+    }
+    let id = store.begin(&t, "checkpoint")?;
+    let r = api.checkpoint_within(pid, total);
+    let msg = r.as_ref().err().map(|e| e.to_string());
+    store.end(id, &t, "checkpoint", msg.as_deref().map_or(Ok("checkpointed"), Err))?;
+    r.map_err(|source| Error::Driver { pid, source })?;
+    // Check the result: no device memory left (NVML), before the death proceeds.
+    let end = Instant::now() + Duration::from_secs(5);
+    let released = loop {
+        let left: u64 = gpus.usage_of(pid as u32)?.iter().map(|u| u.bytes.unwrap_or(0)).sum();
+        if left == 0 {
+            break true;
+        }
+        if Instant::now() > end {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let outcome =
+        format!("suspended {} MiB{}", total >> 20, if released { "" } else { "; NVML still shows memory" });
+    store.note(&t, "guard", Some("checkpointed"), &format!("{outcome} before death ({why})"))?;
+    Ok(outcome)
 }
 
 /// A request from another gpusnap (hibernate) to the guard's event loop.
@@ -304,8 +369,10 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     ) -> Self {
         Self {
             api,
-            gpus,
+            gpus: Arc::new(gpus),
             store,
+            shared: Arc::new(Mutex::new(Vec::new())),
+            oom_watch: false,
             state_dir: state_dir.to_path_buf(),
             lock_timeout_ms,
             name,
@@ -328,7 +395,17 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
         self.tids.values().copied().collect::<BTreeSet<_>>().into_iter().collect()
     }
 
+    /// Watch the memory cgroups of the guarded processes and suspend them
+    /// while there is still room for their device memory in host memory.
+    pub fn with_oom_watch(mut self, on: bool) -> Self {
+        self.oom_watch = on;
+        self
+    }
+
     fn save(&self) {
+        if let Ok(mut p) = self.shared.lock() {
+            *p = self.processes();
+        }
         let g = GuardFile {
             guard_pid: std::process::id() as i32,
             name: self.name.clone(),
@@ -396,59 +473,7 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     }
 
     fn try_suspend(&mut self, pid: i32, why: &str) -> Result<String, Error> {
-        // Not resolve_callable: the dying thread sits in a ptrace stop (state
-        // t), which the driver tolerates (measured: lock + checkpoint at a
-        // signal-delivery-stop and at a seccomp stop both succeed).
-        let t: Target = target::resolve(pid)?;
-        let _serial = self.store.lock_target(pid)?;
-        let st = match self.api.get_state(pid) {
-            Ok(s) => s,
-            Err(e) if e.code() == Some(CUDA_ERROR_NOT_INITIALIZED) => return Ok("no CUDA state".into()),
-            Err(e) => return Err(Error::Driver { pid, source: e }),
-        };
-        match st {
-            ProcessState::Checkpointed => return Ok("already suspended".into()),
-            ProcessState::Running | ProcessState::Locked => {}
-            other => return Ok(format!("driver state {other}; left as it is")),
-        }
-        let mut fp = BTreeMap::new();
-        for u in self.gpus.usage_of(pid as u32)? {
-            *fp.entry(u.uuid).or_insert(0u64) += u.bytes.unwrap_or(0);
-        }
-        let total: u64 = fp.values().sum();
-        self.store.record(&t, st.as_str(), Some(&fp))?;
-        self.store.note(&t, "guard", None, &format!("dying: {why}"))?;
-        if st == ProcessState::Running {
-            let id = self.store.begin(&t, "lock")?;
-            let r = self.api.lock(pid, self.lock_timeout_ms);
-            let msg = r.as_ref().err().map(|e| e.to_string());
-            self.store.end(id, &t, "lock", msg.as_deref().map_or(Ok("locked"), Err))?;
-            r.map_err(|source| Error::Driver { pid, source })?;
-        }
-        let id = self.store.begin(&t, "checkpoint")?;
-        let r = self.api.checkpoint_within(pid, total);
-        let msg = r.as_ref().err().map(|e| e.to_string());
-        self.store.end(id, &t, "checkpoint", msg.as_deref().map_or(Ok("checkpointed"), Err))?;
-        r.map_err(|source| Error::Driver { pid, source })?;
-        // Check the result: no device memory left (NVML), before the death proceeds.
-        let end = Instant::now() + Duration::from_secs(5);
-        let released = loop {
-            let left: u64 = self.gpus.usage_of(pid as u32)?.iter().map(|u| u.bytes.unwrap_or(0)).sum();
-            if left == 0 {
-                break true;
-            }
-            if Instant::now() > end {
-                break false;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let outcome = format!(
-            "suspended {} MiB{}",
-            total >> 20,
-            if released { "" } else { "; NVML still shows memory" }
-        );
-        self.store.note(&t, "guard", Some("checkpointed"), &format!("{outcome} before death ({why})"))?;
-        Ok(outcome)
+        suspend_now(&self.api, &*self.gpus, &mut self.store, pid, why, self.lock_timeout_ms)
     }
 
     fn on_gone(&mut self, tid: i32, ending: Ending) {
@@ -607,6 +632,12 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
         let me = unsafe { libc::pthread_self() };
         std::thread::spawn(move || serve_control(listener, tx, me));
         self.save();
+        if self.oom_watch {
+            let (api, gpus, shared) = (self.api.clone(), Arc::clone(&self.gpus), Arc::clone(&self.shared));
+            let store = Store::open(&self.state_dir)?;
+            let lock_timeout = self.lock_timeout_ms;
+            std::thread::spawn(move || oom_watch(api, gpus, store, shared, lock_timeout));
+        }
         while !self.tids.is_empty() {
             if let Ok(req) = rx.try_recv() {
                 let answer = self.detach(&req.pids);
@@ -640,6 +671,82 @@ fn install_wakeup_handler() {
         sa.sa_sigaction = nothing as extern "C" fn(libc::c_int) as usize;
         libc::sigemptyset(&mut sa.sa_mask);
         libc::sigaction(wakeup_signal(), &sa, std::ptr::null_mut());
+    }
+}
+
+/// Usage and limit of the memory cgroup of `pid` (v2, or v1's memory
+/// controller); `None` without a limit.
+pub fn cgroup_memory(pid: i32) -> Option<(u64, u64)> {
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let read = |p: PathBuf| std::fs::read_to_string(p).ok().and_then(|s| s.trim().parse::<u64>().ok());
+    for line in cg.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let path = path.trim_start_matches('/');
+        let (usage, limit) = if ctrls.split(',').any(|c| c == "memory") {
+            let d = Path::new("/sys/fs/cgroup/memory").join(path);
+            (read(d.join("memory.usage_in_bytes")), read(d.join("memory.limit_in_bytes")))
+        } else if ctrls.is_empty() {
+            let d = Path::new("/sys/fs/cgroup").join(path);
+            (read(d.join("memory.current")), read(d.join("memory.max")))
+        } else {
+            continue;
+        };
+        if let (Some(u), Some(l)) = (usage, limit) {
+            // "max" (v2) does not parse; v1 says "no limit" with a huge number.
+            if l < (1 << 60) {
+                return Some((u, l));
+            }
+        }
+    }
+    None
+}
+
+/// The out-of-memory watch: when a guarded CUDA process's cgroup has less
+/// room left than its device memory would take in host memory (plus 10 % and
+/// 256 MiB), suspend it now, while that is still possible. The kernel's OOM
+/// killer uses SIGKILL, which nothing can catch; a suspended process can be
+/// killed safely, a live restored one can take the host with it.
+fn oom_watch<A: CheckpointApi, G: GpuInventory>(
+    api: Deadline<A>,
+    gpus: Arc<G>,
+    mut store: Store,
+    shared: Arc<Mutex<Vec<i32>>>,
+    lock_timeout_ms: u32,
+) {
+    let mut done: BTreeSet<i32> = BTreeSet::new();
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let pids = shared.lock().map(|p| p.clone()).unwrap_or_default();
+        if pids.is_empty() {
+            continue;
+        }
+        done.retain(|p| pids.contains(p));
+        for pid in pids {
+            if done.contains(&pid) {
+                continue;
+            }
+            let Some((usage, limit)) = cgroup_memory(pid) else { continue };
+            let Ok(usage_of) = gpus.usage_of(pid as u32) else { continue };
+            let footprint: u64 = usage_of.iter().map(|u| u.bytes.unwrap_or(0)).sum();
+            if footprint == 0 {
+                continue;
+            }
+            let room = limit.saturating_sub(usage);
+            if room > footprint + footprint / 10 + (256 << 20) {
+                continue;
+            }
+            let why = format!(
+                "its memory cgroup has {} MiB left of {} MiB, its device memory needs {} MiB in host memory",
+                room >> 20,
+                limit >> 20,
+                footprint >> 20
+            );
+            let outcome = suspend_now(&api, &*gpus, &mut store, pid, &why, lock_timeout_ms)
+                .unwrap_or_else(|e| format!("could not suspend: {e}"));
+            tracing::warn!(pid, outcome = %outcome, "out-of-memory watch");
+            done.insert(pid);
+        }
     }
 }
 
