@@ -41,6 +41,20 @@ fn guarded(w: &mut World, status: &str, extra: &[&str]) -> (ExitStatus, i32) {
     (w.wait_child(idx), pid)
 }
 
+/// Starts the fake workload (512 MiB, status file `st`) under `gpusnap run`
+/// and waits for it; returns the `run` child's index and the workload's pid.
+fn run_guarded(w: &mut World, st: &PathBuf, keeper: bool, extra: &[&str]) -> (usize, i32) {
+    let wl = fake_workload_bin();
+    let mut args = vec!["run"];
+    if !keeper {
+        args.push("--no-keeper");
+    }
+    args.extend(["--", wl.to_str().unwrap(), "--mib", "512", "--status", st.to_str().unwrap()]);
+    args.extend_from_slice(extra);
+    let idx = w.spawn_gpusnap(&args);
+    (idx, pid_in(st))
+}
+
 fn assert_suspended_before_death(w: &World, pid: i32) {
     let calls = w.calls_on(pid);
     assert!(
@@ -78,18 +92,7 @@ fn sigterm_with_and_without_a_handler() {
     let mut w = World::new(&[16_384]);
     // No handler: the default action kills; suspended first.
     let st = status_file(&w, "t1");
-    let wl = fake_workload_bin();
-    let idx = w.spawn_gpusnap(&[
-        "run",
-        "--no-keeper",
-        "--",
-        wl.to_str().unwrap(),
-        "--mib",
-        "512",
-        "--status",
-        st.to_str().unwrap(),
-    ]);
-    let pid = pid_in(&st);
+    let (idx, pid) = run_guarded(&mut w, &st, false, &[]);
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM).unwrap();
     let s = w.wait_child(idx);
     assert_eq!(s.signal(), Some(libc::SIGTERM), "{s:?}");
@@ -97,19 +100,7 @@ fn sigterm_with_and_without_a_handler() {
 
     // A handler that exits(4): the signal passes untouched, the exit is caught.
     let st = status_file(&w, "t2");
-    let idx = w.spawn_gpusnap(&[
-        "run",
-        "--no-keeper",
-        "--",
-        wl.to_str().unwrap(),
-        "--mib",
-        "512",
-        "--status",
-        st.to_str().unwrap(),
-        "--sigterm-exit",
-        "4",
-    ]);
-    let pid = pid_in(&st);
+    let (idx, pid) = run_guarded(&mut w, &st, false, &["--sigterm-exit", "4"]);
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM).unwrap();
     let s = w.wait_child(idx);
     assert_eq!(s.code(), Some(4), "{s:?}");
@@ -139,18 +130,7 @@ fn children_are_guarded_too() {
 fn other_signals_pass_through_and_a_living_program_is_untouched() {
     let mut w = World::new(&[16_384]);
     let st = status_file(&w, "live");
-    let wl = fake_workload_bin();
-    let idx = w.spawn_gpusnap(&[
-        "run",
-        "--no-keeper",
-        "--",
-        wl.to_str().unwrap(),
-        "--mib",
-        "512",
-        "--status",
-        st.to_str().unwrap(),
-    ]);
-    let pid = pid_in(&st);
+    let (idx, pid) = run_guarded(&mut w, &st, false, &[]);
     for sig in [
         nix::sys::signal::Signal::SIGWINCH,
         nix::sys::signal::Signal::SIGCHLD,
@@ -172,17 +152,7 @@ fn other_signals_pass_through_and_a_living_program_is_untouched() {
 fn a_killed_guard_leaves_the_program_running_and_its_keeper_takes_over() {
     let mut w = World::new(&[16_384]);
     let st = status_file(&w, "k");
-    let wl = fake_workload_bin();
-    let idx = w.spawn_gpusnap(&[
-        "run",
-        "--",
-        wl.to_str().unwrap(),
-        "--mib",
-        "512",
-        "--status",
-        st.to_str().unwrap(),
-    ]);
-    let pid = pid_in(&st);
+    let (idx, pid) = run_guarded(&mut w, &st, true, &[]);
     let guard = w.child_pid(idx);
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(guard), nix::sys::signal::Signal::SIGKILL).unwrap();
     w.wait_child(idx);
@@ -204,18 +174,7 @@ fn a_killed_guard_leaves_the_program_running_and_its_keeper_takes_over() {
 fn without_its_guard_or_keeper_the_program_still_runs() {
     let mut w = World::new(&[16_384]);
     let st = status_file(&w, "nk");
-    let wl = fake_workload_bin();
-    let idx = w.spawn_gpusnap(&[
-        "run",
-        "--no-keeper",
-        "--",
-        wl.to_str().unwrap(),
-        "--mib",
-        "512",
-        "--status",
-        st.to_str().unwrap(),
-    ]);
-    let pid = pid_in(&st);
+    let (idx, pid) = run_guarded(&mut w, &st, false, &[]);
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(w.child_pid(idx)), nix::sys::signal::Signal::SIGKILL)
         .unwrap();
     w.wait_child(idx);
@@ -242,18 +201,7 @@ fn guard_refuses_bad_pids() {
 fn hibernate_detaches_the_guard_and_wake_attaches_one() {
     let mut w = World::new(&[16_384]);
     let st = status_file(&w, "hw");
-    let wl = fake_workload_bin();
-    let idx = w.spawn_gpusnap(&[
-        "run",
-        "--no-keeper",
-        "--",
-        wl.to_str().unwrap(),
-        "--mib",
-        "512",
-        "--status",
-        st.to_str().unwrap(),
-    ]);
-    let pid = pid_in(&st);
+    let (idx, pid) = run_guarded(&mut w, &st, false, &[]);
     let p = pid.to_string();
     let tracer = |pid: i32| -> i32 {
         std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -285,7 +233,7 @@ fn hibernate_detaches_the_guard_and_wake_attaches_one() {
 }
 
 /// A memory cgroup for one test (v1's memory controller or v2), removed on drop.
-struct Cgroup(PathBuf, &'static str);
+struct Cgroup(PathBuf);
 
 impl Cgroup {
     fn new(limit: u64) -> Option<Self> {
@@ -296,7 +244,7 @@ impl Cgroup {
             let d = PathBuf::from(root).join(&name);
             if std::fs::create_dir(&d).is_ok() {
                 if std::fs::write(d.join(limit_file), limit.to_string()).is_ok() {
-                    return Some(Cgroup(d, limit_file));
+                    return Some(Cgroup(d));
                 }
                 let _ = std::fs::remove_dir(&d);
             }
@@ -322,8 +270,7 @@ fn the_oom_watch_suspends_while_host_memory_can_still_take_it() {
         eprintln!("skipped: no memory cgroup can be created here");
         return;
     };
-    let _ = cg.1;
-    let mut w = World::new(&[16_384]);
+    let w = World::new(&[16_384]);
     let st = status_file(&w, "oom");
     let wl = fake_workload_bin();
     // The program joins the cgroup (256 MiB) before it starts: its 2 GiB of

@@ -564,18 +564,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(())
     }
 
-    /// Can this host take the image's CUDA processes?
+    /// Can this host take the image's CUDA processes on the GPUs they had?
     fn check_host(&self, m: &Manifest) -> Result<(), Error> {
+        self.check_host_driver(m)?;
         let inc = |why: String| Error::Incompatible { image: m.name.clone(), why };
-        let api = self.api_version();
-        if api == 0 {
-            return Err(inc("it holds CUDA processes and this host has no CUDA driver".into()));
-        }
-        if let Some(img_api) = m.driver_api {
-            if api < img_api {
-                return Err(inc(format!("its driver API is {img_api}, this host's is older ({api})")));
-            }
-        }
         let here = self.gpus().gpus()?;
         for g in &m.gpus {
             if !here.iter().any(|h| h.uuid == g.uuid) {
