@@ -223,7 +223,25 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             || Some(dir_bytes(&criu_dir)),
             || {
                 let o = DumpOptions { leave_running: opts.leave_running, leave_stopped: !opts.leave_running };
-                criu.dump(root, &criu_dir, &criu_dir, &o)
+                // A durable image must reach the disk before the tree ends:
+                // write it back while CRIU is still writing, so that little
+                // is left to flush at the end.
+                let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+                std::thread::scope(|s| {
+                    if opts.durable {
+                        let dir = criu_dir.clone();
+                        s.spawn(move || {
+                            while done_rx.recv_timeout(Duration::from_millis(500))
+                                == Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                            {
+                                let _ = crate::image::syncfs(&dir);
+                            }
+                        });
+                    }
+                    let r = criu.dump(root, &criu_dir, &criu_dir, &o);
+                    drop(done_tx);
+                    r
+                })
             },
         );
         if let Err(e) = dumped {

@@ -256,7 +256,8 @@ fn write_private(p: &Path, data: &[u8]) -> std::io::Result<()> {
     f.sync_all()
 }
 
-fn syncfs(p: &Path) -> std::io::Result<()> {
+/// Flushes the filesystem holding `p` to disk.
+pub fn syncfs(p: &Path) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let d = fs::File::open(p)?;
     // SAFETY: syncfs on a valid open fd.
