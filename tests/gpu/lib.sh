@@ -615,3 +615,28 @@ if [ -n "${GPU_TEST_HOOK:-}" ]; then
     # shellcheck disable=SC1090
     . "$GPU_TEST_HOOK"
 fi
+
+# ---------------------------------------------------------------- results table
+# Each script keeps NPASS NFAIL NSKIP NINFO and appends rows to $ROWS.
+
+# cell TEXT: one table cell (no tabs, newlines or bars; empty is "-").
+cell() {
+    local s=${1:--}
+    s=${s//$'\t'/ }
+    s=${s//$'\n'/ }
+    s=${s//|/\\|}
+    printf '%s' "${s:--}"
+}
+
+# row ID CHECK EXPECTED GOT RESULT [FIGURE]; RESULT is PASS, FAIL, SKIP or INFO.
+row() {
+    case $5 in
+        PASS) NPASS=$((NPASS + 1)) ;;
+        FAIL) NFAIL=$((NFAIL + 1)) ;;
+        SKIP) NSKIP=$((NSKIP + 1)) ;;
+        *) NINFO=$((NINFO + 1)) ;;
+    esac
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$(cell "$1")" "$(cell "$2")" "$(cell "$3")" \
+        "$(cell "$4")" "$(cell "$5")" "$(cell "${6:-}")" >>"$ROWS"
+    log "ROW $1 [$5] $2 | expected: $3 | got: $4 | ${6:-}"
+}

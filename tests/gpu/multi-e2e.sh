@@ -85,26 +85,7 @@ ADV="" AR=""
 
 # ---------------------------------------------------------------- table
 
-cell() {
-    local s=${1:--}
-    s=${s//$'\t'/ }
-    s=${s//$'\n'/ }
-    s=${s//|/\\|}
-    printf '%s' "${s:--}"
-}
-
-# row ID CHECK EXPECTED GOT RESULT [FIGURE]; RESULT is PASS, FAIL, SKIP or INFO.
-row() {
-    case $5 in
-        PASS) NPASS=$((NPASS + 1)) ;;
-        FAIL) NFAIL=$((NFAIL + 1)) ;;
-        SKIP) NSKIP=$((NSKIP + 1)) ;;
-        *) NINFO=$((NINFO + 1)) ;;
-    esac
-    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$(cell "$1")" "$(cell "$2")" "$(cell "$3")" \
-        "$(cell "$4")" "$(cell "$5")" "$(cell "${6:-}")" >>"$ROWS"
-    log "ROW $1 [$5] $2 | expected: $3 | got: $4 | ${6:-}"
-}
+# cell and row (the results table) are in lib.sh.
 
 # fig KEY VALUE: a figure for multi-e2e.json (an empty value is null).
 fig() {
