@@ -134,8 +134,15 @@ pub fn guard(
     guard::start_keeper(&keeper_argv(cli, lock_timeout))?;
     let mut g = new_guard(cli, lock_timeout, None)?;
     for &p in &pids {
-        for (q, _) in gpusnap_core::hibernate::process_tree(p) {
-            g.attach(q)?;
+        g.attach(p)?;
+        // Children may come and go while they are attached: one that is gone
+        // by then needs no guard.
+        for (q, _) in gpusnap_core::hibernate::process_tree(p).into_iter().skip(1) {
+            match g.attach(q) {
+                Ok(()) | Err(Error::NoProcess { .. } | Error::Zombie { .. }) => {}
+                Err(Error::Proc { .. }) if gpusnap_core::target::resolve(q).is_err() => {}
+                Err(e) => return Err(e.into()),
+            }
         }
     }
     if daemon {

@@ -4,6 +4,7 @@ mod common;
 
 use common::*;
 use serde_json::json;
+use std::process::Stdio;
 use std::time::Duration;
 
 fn criu_present() {
@@ -287,4 +288,45 @@ fn a_pid_held_by_another_program_is_named() {
     let r = w.json(&["wake", "busy", "--wait", "10"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.adopt(pid);
+}
+
+#[test]
+fn children_born_during_the_dump_are_ended_with_the_tree() {
+    criu_present();
+    let w = World::new(&[8192]);
+    for i in 0..3 {
+        // A shell that starts a new child every 50 ms: the tree CRIU dumps
+        // has children the first walk of the tree did not see.
+        let count = w.tmp.path().join(format!("count-{i}"));
+        let mut sh = std::process::Command::new("setsid")
+            .args(["bash", "-c", "i=0; while :; do i=$((i+1)); echo $i >\"$1\"; sleep 0.05; done", "_"])
+            .arg(&count)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = sh.id() as i32;
+        wait_for(Duration::from_secs(10), || count.exists());
+        std::thread::sleep(Duration::from_millis(300));
+        let name = format!("born-{i}");
+        let r = w.json(&["hibernate", &pid.to_string(), "--image", &name]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        let _ = sh.wait();
+        // Every process of the image is gone, so the wake finds its pids free.
+        for p in r.json()["processes"].as_array().unwrap() {
+            let p = p.as_i64().unwrap() as i32;
+            wait_for(Duration::from_secs(10), || !pid_exists(p));
+        }
+        let r = w.json(&["wake", &name, "--wait", "10"]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        let at = count_of(&count);
+        wait_for(Duration::from_secs(10), || count_of(&count) > at);
+        let r = w.json(&["stop", &pid.to_string(), "--grace", "1"]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+    }
+}
+
+fn count_of(p: &std::path::Path) -> u64 {
+    std::fs::read_to_string(p).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
 }

@@ -248,7 +248,20 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             // CRIU leaves the tree running when a dump fails.
             return Err(undo(self, e.into()));
         }
-        let pids: Vec<Target> = members.iter().map(|(t, _)| t.clone()).collect();
+        // The tree as CRIU dumped it: it is stopped now (or, left running,
+        // as close as can be seen), and may hold children born since the
+        // first walk. Those are in the image, so they are ended with it.
+        let tree_now = process_tree(root);
+        let mut pids: Vec<Target> = members.iter().map(|(t, _)| t.clone()).collect();
+        let mut born: Vec<(Target, i32)> = Vec::new();
+        for &(p, ppid) in &tree_now {
+            if !pids.iter().any(|t| t.pid == p) {
+                if let Ok(t) = target::resolve(p) {
+                    pids.push(t.clone());
+                    born.push((t, ppid));
+                }
+            }
+        }
         let undo = |e: &mut Self, err: Error| -> Error {
             if !opts.leave_running {
                 continue_tree(&pids);
@@ -277,6 +290,17 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 cuda: st.is_some(),
                 was_running: was_running.contains(&t.pid),
                 footprint,
+            });
+        }
+        for (t, ppid) in &born {
+            procs.push(ProcDesc {
+                pid: t.pid,
+                ppid: *ppid,
+                start_time: t.start_time,
+                comm: t.comm.clone(),
+                cuda: false,
+                was_running: false,
+                footprint: BTreeMap::new(),
             });
         }
         let host = self.gpus().gpus().unwrap_or_default();
@@ -348,7 +372,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             image: name,
             path,
             root_pid: root,
-            processes: tree.iter().map(|(p, _)| *p).collect(),
+            processes: pids.iter().map(|t| t.pid).collect(),
             cuda,
             image_bytes: manifest.total_bytes(),
             left_running: opts.leave_running,

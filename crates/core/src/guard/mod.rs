@@ -889,8 +889,13 @@ pub fn start_keeper(argv: &[OsString]) -> Result<(), Error> {
             if libc::fork() != 0 {
                 libc::_exit(0);
             }
+            // The keeper holds nothing of the guard's but its pidfd (moved to
+            // fd 3): a pipe end kept open here would keep whoever waits on
+            // the other end waiting.
+            libc::dup2(pidfd.as_raw_fd(), 3);
+            libc::syscall(libc::SYS_close_range, 4u32, u32::MAX, 0u32);
             // The keeper: wait until the guard is gone, then exec a new guard.
-            let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            let mut p = libc::pollfd { fd: 3, events: libc::POLLIN, revents: 0 };
             while libc::poll(&mut p, 1, -1) < 0 {}
             let devnull = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
             libc::dup2(devnull, 0);
