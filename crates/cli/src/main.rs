@@ -460,7 +460,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             };
             let r = e.wake(&c, &images(cli), image, &opts)?;
             if !no_guard {
-                if let Err(e) = spawn_guard(cli, &r.processes) {
+                if let Err(e) = start_guard(&cli.state_dir, &r.processes) {
                     tracing::warn!("woken, but the guard could not attach: {e}");
                 }
             }
@@ -577,10 +577,6 @@ fn respawn_guard(state_dir: &std::path::Path, detached: &[i32]) {
     if let Err(e) = start_guard(state_dir, &alive) {
         tracing::error!("could not re-attach the guard to {alive:?}: {e}");
     }
-}
-
-fn spawn_guard(cli: &Cli, pids: &[i32]) -> Result<(), Error> {
-    start_guard(&cli.state_dir, pids)
 }
 
 /// Starts `gpusnap guard --daemon PIDS` in the background.

@@ -50,7 +50,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     pub fn compat_state(&mut self, pid: i32) -> Result<ProcessState, Error> {
         let t = self.compat_target(pid)?;
-        self.driver_state_of(&t)
+        self.driver_state(&t)
     }
 
     pub fn compat_restore_tid(&mut self, pid: i32) -> Result<i32, Error> {
@@ -75,15 +75,15 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 }
                 self.store_mut().record(&t, "running", Some(&fp))?;
                 let timeout = *timeout_ms;
-                self.journaled_pub(&t, "lock", "locked", move |api| api.lock(t.pid, timeout))
+                self.journaled(&t, "lock", "locked", move |api| api.lock(t.pid, timeout))
             }
             Action::Checkpoint => {
                 let total = self.store().get(&t)?.map(|r| r.footprint_bytes()).unwrap_or(0);
-                self.journaled_pub(&t, "checkpoint", "checkpointed", move |api| {
+                self.journaled(&t, "checkpoint", "checkpointed", move |api| {
                     api.checkpoint_within(t.pid, total)
                 })
             }
-            Action::Unlock => self.journaled_pub(&t, "unlock", "running", move |api| api.unlock(t.pid)),
+            Action::Unlock => self.journaled(&t, "unlock", "running", move |api| api.unlock(t.pid)),
             Action::Restore { device_map } => self.compat_restore(&t, device_map, margin_bytes),
         }
     }
@@ -119,7 +119,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             );
         }
         self.store_mut().record(t, "checkpointed", None)?;
-        let ids = if need.is_empty() { Vec::new() } else { self.admit_group(t.pid, &need, margin)? };
+        let ids = if need.is_empty() { Vec::new() } else { self.admit(t.pid, &need, margin)? };
         let res = self.restore_only(t, &need, &pairs);
         self.store_mut().release(&ids)?;
         res

@@ -156,16 +156,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         &self.api
     }
 
-    pub(crate) fn journaled_pub<T>(
-        &mut self,
-        t: &Target,
-        op: &str,
-        after: &str,
-        call: impl FnOnce(&Deadline<A>) -> Result<T, DriverError>,
-    ) -> Result<T, Error> {
-        self.journaled(t, op, after, call)
-    }
-
     pub(crate) fn store_mut(&mut self) -> &mut Store {
         &mut self.store
     }
@@ -179,30 +169,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         self.api.api_version()
     }
 
-    pub(crate) fn driver_state_of(&self, t: &Target) -> Result<ProcessState, Error> {
-        self.driver_state(t)
-    }
-
-    pub(crate) fn admit_group(
-        &mut self,
-        pid: i32,
-        need: &BTreeMap<String, u64>,
-        margin: u64,
-    ) -> Result<Vec<i64>, Error> {
-        self.admit(pid, need, margin)
-    }
-
-    pub(crate) fn restore_and_unlock_pub(
-        &mut self,
-        t: &Target,
-        need: &BTreeMap<String, u64>,
-        pairs: &[GpuPair],
-    ) -> Result<(u64, u64), Error> {
-        self.restore_and_unlock(t, need, pairs)
-    }
-
     /// The driver's state of a process that [`target::resolve_callable`] passed.
-    fn driver_state(&self, t: &Target) -> Result<ProcessState, Error> {
+    pub(crate) fn driver_state(&self, t: &Target) -> Result<ProcessState, Error> {
         match self.api.get_state(t.pid) {
             Ok(s) => Ok(s),
             Err(e) if e.code() == Some(CUDA_ERROR_NOT_INITIALIZED) => {
@@ -229,7 +197,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     }
 
     /// One journaled driver call: begin, call, end.
-    fn journaled<T>(
+    pub(crate) fn journaled<T>(
         &mut self,
         t: &Target,
         op: &str,
@@ -441,7 +409,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             Prep::Done(r) => return Ok(r),
             Prep::Go(p) => p,
         };
-        let (reservation, waited_ms) = self.admit_waiting(&p.t, &p.need, opts)?;
+        let (reservation, waited_ms) =
+            self.admit_waiting(p.t.pid, Some(&p.t), &p.need, opts.margin_bytes, opts.wait)?;
         let result = self.finish_resume(p, waited_ms);
         self.store.release(&reservation)?;
         result
@@ -485,23 +454,26 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(Prep::Go(Prepared { t, need, pairs, started, fp_total }))
     }
 
-    /// Admission: reserve `need`, waiting up to `opts.wait` for it, or refuse
-    /// without touching the driver. Returns the reservation and the wait.
+    /// Admission: reserve `need`, waiting up to `wait` for it, or refuse
+    /// without touching the driver (journaled on `t` when given). Returns the
+    /// reservation and the wait.
     pub(crate) fn admit_waiting(
         &mut self,
-        t: &Target,
+        pid: i32,
+        t: Option<&Target>,
         need: &BTreeMap<String, u64>,
-        opts: &ResumeOptions,
+        margin: u64,
+        wait: Duration,
     ) -> Result<(Vec<i64>, u64), Error> {
         let t_wait = Instant::now();
         loop {
-            match self.admit(t.pid, need, opts.margin_bytes) {
+            match self.admit(pid, need, margin) {
                 Ok(ids) => return Ok((ids, ms(t_wait))),
-                Err(Error::NoMemory { .. }) if t_wait.elapsed() < opts.wait => {
+                Err(Error::NoMemory { .. }) if t_wait.elapsed() < wait => {
                     std::thread::sleep(Duration::from_millis(250));
                 }
                 Err(e) => {
-                    if let Error::NoMemory { detail, .. } = &e {
+                    if let (Error::NoMemory { detail, .. }, Some(t)) = (&e, t) {
                         self.store.note(t, "admission", None, &format!("refused: {detail}"))?;
                     }
                     return Err(e);
@@ -543,7 +515,12 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(recorded.clone())
     }
 
-    fn admit(&mut self, pid: i32, need: &BTreeMap<String, u64>, margin: u64) -> Result<Vec<i64>, Error> {
+    pub(crate) fn admit(
+        &mut self,
+        pid: i32,
+        need: &BTreeMap<String, u64>,
+        margin: u64,
+    ) -> Result<Vec<i64>, Error> {
         let gpus = &self.gpus;
         let (ids, ()) = self.store.reserve(pid, |held| {
             let now = gpus.gpus()?;
@@ -608,7 +585,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok((pairs, need))
     }
 
-    fn restore_and_unlock(
+    pub(crate) fn restore_and_unlock(
         &mut self,
         t: &Target,
         need: &BTreeMap<String, u64>,

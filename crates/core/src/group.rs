@@ -123,7 +123,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         }
         let first = go[0].t.clone();
-        let (reservation, waited_ms) = self.admit_waiting(&first, &need, opts)?;
+        let (reservation, waited_ms) =
+            self.admit_waiting(first.pid, Some(&first), &need, opts.margin_bytes, opts.wait)?;
         let items: Vec<(i32, _)> = go.into_iter().map(|p| (p.t.pid, p)).collect();
         let results = self.in_parallel(items, progress, |e, p| e.finish_resume(p, waited_ms));
         self.store_mut().release(&reservation)?;
@@ -157,7 +158,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 .filter(|&p| {
                     crate::target::resolve_callable(p).is_ok_and(|t| {
                         matches!(
-                            self.driver_state_of(&t),
+                            self.driver_state(&t),
                             Ok(gpusnap_cuda::ProcessState::Running | gpusnap_cuda::ProcessState::Locked)
                         )
                     })

@@ -171,7 +171,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 out.push((t, None));
                 continue;
             }
-            match self.driver_state_of(&t) {
+            match self.driver_state(&t) {
                 Ok(s) => out.push((t, Some(s))),
                 Err(Error::NotCuda { .. }) => out.push((t, None)),
                 Err(e) => return Err(Error::Member { pid, source: Box::new(e) }),
@@ -461,15 +461,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let reservation = if need.is_empty() {
             Vec::new()
         } else {
-            loop {
-                match self.admit_group(m.root_pid, &need, opts.margin_bytes) {
-                    Ok(ids) => break ids,
-                    Err(Error::NoMemory { .. }) if t_wait.elapsed() < opts.wait => {
-                        std::thread::sleep(Duration::from_millis(250));
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
+            // The image's processes do not exist yet: nothing to journal on.
+            let left = opts.wait.saturating_sub(t_wait.elapsed());
+            self.admit_waiting(m.root_pid, None, &need, opts.margin_bytes, left)?.0
         };
         let waited_ms = ms(t_wait);
 
@@ -559,7 +553,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     None,
                     &format!("restored by CRIU from image {}", m.name),
                 )?;
-                self.restore_and_unlock_pub(&t, fp, pairs)?;
+                self.restore_and_unlock(&t, fp, pairs)?;
                 Ok::<_, Error>(t)
             })();
             match res {
