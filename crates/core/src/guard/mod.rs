@@ -264,15 +264,6 @@ fn cont(tid: i32, sig: i32) {
     }
 }
 
-/// What the guard did about one death.
-#[derive(Debug, Clone, Serialize)]
-pub struct Suspension {
-    pub pid: i32,
-    pub why: String,
-    pub outcome: String,
-    pub ms: u64,
-}
-
 pub struct Guard<A: CheckpointApi, G: GpuInventory> {
     api: Deadline<A>,
     gpus: Arc<G>,
@@ -287,7 +278,6 @@ pub struct Guard<A: CheckpointApi, G: GpuInventory> {
     tids: HashMap<i32, i32>,
     leader: i32,
     ending: Option<Ending>,
-    pub suspensions: Vec<Suspension>,
 }
 
 /// Suspends process `pid` (lock with a timeout, checkpoint), journaled, and
@@ -379,7 +369,6 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
             tids: HashMap::new(),
             leader: 0,
             ending: None,
-            suspensions: Vec::new(),
         }
     }
 
@@ -454,26 +443,18 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     }
 
     /// Suspends the CUDA state of process `pid` before it dies of `why`.
+    /// Suspends process `pid` before it dies of `why`; the outcome, good or
+    /// bad, goes into the journal.
     fn suspend_dying(&mut self, pid: i32, why: &str) {
-        let started = Instant::now();
-        let outcome = self.try_suspend(pid, why).unwrap_or_else(|e| {
-            let msg = format!("could not suspend before death ({why}): {e}");
-            if let Ok(t) = target::resolve(pid) {
-                let _ = self.store.note(&t, "guard", None, &msg);
-            }
-            msg
-        });
+        let outcome = suspend_now(&self.api, &*self.gpus, &mut self.store, pid, why, self.lock_timeout_ms)
+            .unwrap_or_else(|e| {
+                let msg = format!("could not suspend before death ({why}): {e}");
+                if let Ok(t) = target::resolve(pid) {
+                    let _ = self.store.note(&t, "guard", None, &msg);
+                }
+                msg
+            });
         tracing::info!(pid, why, outcome = %outcome, "guard");
-        self.suspensions.push(Suspension {
-            pid,
-            why: why.into(),
-            outcome,
-            ms: started.elapsed().as_millis() as u64,
-        });
-    }
-
-    fn try_suspend(&mut self, pid: i32, why: &str) -> Result<String, Error> {
-        suspend_now(&self.api, &*self.gpus, &mut self.store, pid, why, self.lock_timeout_ms)
     }
 
     fn on_gone(&mut self, tid: i32, ending: Ending) {
