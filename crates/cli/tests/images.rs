@@ -167,6 +167,14 @@ fn corrupt_missing_and_foreign_images_are_refused() {
     let r = w.json(&["wake", "nope"]);
     assert_eq!(r.code, 2);
     assert!(r.stderr.contains("no image nope"), "{}", r.stderr);
+    for cmd in [&["images", "verify", "nope"][..], &["images", "rm", "nope"][..]] {
+        let r = w.json(cmd);
+        assert_eq!(r.code, 2, "{cmd:?}: {}", r.stderr);
+        assert!(r.stderr.contains("no image nope"), "{}", r.stderr);
+    }
+    let r = w.json(&["doctor", "999999999"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains("no process 999999999"), "{}", r.stdout);
     std::fs::create_dir_all(w.state_dir().join("images/foreign")).unwrap();
     let r = w.json(&["wake", "foreign"]);
     assert_eq!(r.code, 2);
