@@ -338,3 +338,76 @@ fn children_born_during_the_dump_are_ended_with_the_tree() {
 fn count_of(p: &std::path::Path) -> u64 {
     std::fs::read_to_string(p).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
 }
+
+/// The last field of a /proc status line (the value in the innermost
+/// namespace), e.g. NSsid.
+fn ns_field(pid: i32, key: &str) -> Option<i32> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines().find_map(|l| l.strip_prefix(key))?.split_whitespace().last()?.parse().ok()
+}
+
+#[test]
+fn a_session_leader_outside_the_namespace_is_explained_refused_and_avoided_by_run() {
+    criu_present();
+    let w = World::new(&[8192]);
+    // `unshare --pid` without a new session: inside its namespace the
+    // program's session leader is invisible, as under `docker exec`.
+    let mut ns = std::process::Command::new("unshare")
+        .args(["--pid", "--fork", "sleep", "60"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), || !children_of(ns.id() as i32).is_empty());
+    let sleep = children_of(ns.id() as i32)[0];
+    assert_eq!(ns_field(sleep, "NSsid:"), Some(0));
+    let r = w.json(&["doctor", &sleep.to_string()]);
+    let findings = r.json()["findings"].clone();
+    assert!(
+        findings.as_array().unwrap().iter().any(|f| f["check"] == "session" && f["severity"] == "warn"),
+        "{findings}"
+    );
+    let r = w.json(&["hibernate", &sleep.to_string(), "--image", "foreign"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "foreign_session", "{}", r.stdout);
+    assert!(r.stderr.contains("setsid"), "{}", r.stderr);
+    // Refused before anything was touched: the program runs on, no image.
+    let state = std::fs::read_to_string(format!("/proc/{sleep}/stat")).unwrap();
+    assert!(state.contains(") S "), "{state}");
+    assert_eq!(w.json(&["images", "list"]).json()["images"].as_array().map_or(0, Vec::len), 0);
+    let _ = ns.kill();
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(sleep), nix::sys::signal::Signal::SIGKILL);
+    let _ = ns.wait();
+
+    // `gpusnap run` started that way gives its program a session of its own.
+    let st = w.tmp.path().join("ns-run-status");
+    let wl = fake_workload_bin();
+    let g = w.gpusnap_cmd(&[
+        "run",
+        "--no-keeper",
+        "--",
+        wl.to_str().unwrap(),
+        "--mib",
+        "256",
+        "--status",
+        st.to_str().unwrap(),
+    ]);
+    let mut cmd = std::process::Command::new("unshare");
+    cmd.args(["--pid", "--fork", "--mount-proc"]).arg(g.get_program()).args(g.get_args());
+    for (k, v) in g.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let mut ns = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    wait_for(Duration::from_secs(20), || read_status(&st).is_some());
+    let run = children_of(ns.id() as i32)[0];
+    let prog = children_of(run)[0];
+    assert_eq!(ns_field(run, "NSsid:"), Some(0), "run itself is in the outside session");
+    let sid = ns_field(prog, "NSsid:");
+    assert_eq!(sid, ns_field(prog, "NSpid:"), "the program leads a session of its own");
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(prog), nix::sys::signal::Signal::SIGKILL);
+    wait_for(Duration::from_secs(20), || ns.try_wait().unwrap().is_some());
+}

@@ -177,6 +177,14 @@ pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
             (sev == Severity::Warn).then_some("detach the debugger, or let gpusnap's guard be the tracer"),
         ));
     }
+    if crate::target::session_visible_in(&status) == Some(false) {
+        out.push(f(
+            "session",
+            Severity::Warn,
+            "its session leader is outside its pid namespace: CRIU cannot dump it, so hibernate and snapshot refuse it (suspend and resume still work)",
+            Some("start it in a session of its own: setsid, or `gpusnap run`"),
+        ));
+    }
     let maps = read("maps");
     let mapped = |needle: &str| maps.lines().any(|l| l.contains(needle));
     if !mapped("libcuda.so") {
@@ -389,6 +397,17 @@ mod tests {
             assert!(got.iter().any(|(c, _)| *c == want), "{want} missing from {got:?}");
         }
         assert!(got.contains(&("nccl", Severity::Warn)));
+    }
+
+    #[test]
+    fn a_session_outside_the_namespace_is_named() {
+        let d = fixture(CUDA, "", "S", 0);
+        let status = d.path().join("4242/status");
+        let mut s = std::fs::read_to_string(&status).unwrap();
+        s.push_str("NSsid:\t6774\t0\n");
+        std::fs::write(&status, s).unwrap();
+        let got = checks(&process_at(d.path(), 4242, 1));
+        assert!(got.contains(&("session", Severity::Warn)), "{got:?}");
     }
 
     #[test]

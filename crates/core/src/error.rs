@@ -48,6 +48,8 @@ pub enum Error {
     Image(#[from] crate::image::ImageError),
     #[error("pid {pid} is held by another program ({comm}); the image needs it free: stop that program or wake elsewhere")]
     PidBusy { pid: i32, comm: String },
+    #[error("process {pid} ({comm}) is in a session whose leader is outside its pid namespace, which CRIU cannot dump; start it in a session of its own (setsid, or `gpusnap run`)")]
+    ForeignSession { pid: i32, comm: String },
     #[error("process {pid} ({comm}) from this image is still running")]
     StillRunning { pid: i32, comm: String },
     #[error("process {pid} ({comm}) uses CUDA, but gpusnap cannot load the driver: {why}")]
@@ -95,7 +97,8 @@ impl Error {
             | Self::Reused { .. }
             | Self::NotCuda { .. }
             | Self::WrongState { .. }
-            | Self::NoFootprint { .. } => 2,
+            | Self::NoFootprint { .. }
+            | Self::ForeignSession { .. } => 2,
             Self::NoMemory { .. } => 3,
             Self::Member { source, .. } => source.exit_code(),
             Self::Image(crate::image::ImageError::Io { .. }) => 1,
@@ -145,6 +148,7 @@ impl Error {
             Self::Image(_) => "image_invalid",
             Self::PidBusy { .. } => "pid_busy",
             Self::StillRunning { .. } => "still_running",
+            Self::ForeignSession { .. } => "foreign_session",
             Self::CudaWithoutDriver { .. } => "no_driver",
             Self::Incompatible { .. } => "incompatible",
             Self::BadMap(_) => "bad_device_map",

@@ -190,6 +190,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let started = Instant::now();
         let root_t = target::resolve_callable(root)?;
         let tree = process_tree(root);
+        // Refused before anything is suspended: CRIU would fail on it only
+        // after the GPU state had gone to host memory.
+        for &(p, _) in &tree {
+            if target::session_leader_visible(p) == Some(false) {
+                let comm = target::resolve(p).map(|t| t.comm).unwrap_or_default();
+                return Err(Error::ForeignSession { pid: p, comm });
+            }
+        }
         let members = self.cuda_members(&tree)?;
         let name =
             opts.name.clone().unwrap_or_else(|| format!("{}-{}-{}", sanitize(&root_t.comm), root, now_ms()));

@@ -134,6 +134,29 @@ pub fn ns_pid(pid: i32) -> Option<i32> {
     s.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().last()?.parse().ok()
 }
 
+/// Whether the leader of `pid`'s session is visible in `pid`'s own pid
+/// namespace (the last field of NSsid is not 0). CRIU refuses to dump a
+/// process whose session leader is outside its namespace ("A session leader
+/// of N is outside of its pid namespace"): a program started without a
+/// session of its own under a container's exec, for instance. `None` when
+/// the kernel does not say (no NSsid before Linux 4.1).
+pub fn session_leader_visible(pid: i32) -> Option<bool> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    session_visible_in(&s)
+}
+
+/// [`session_leader_visible`] for the calling process (through /proc/self,
+/// right even where getpid() and the /proc mount disagree on the namespace).
+pub fn session_leader_visible_self() -> Option<bool> {
+    session_visible_in(&std::fs::read_to_string("/proc/self/status").ok()?)
+}
+
+pub(crate) fn session_visible_in(status: &str) -> Option<bool> {
+    let sid: i32 =
+        status.lines().find_map(|l| l.strip_prefix("NSsid:"))?.split_whitespace().last()?.parse().ok()?;
+    Some(sid != 0)
+}
+
 /// Every process in cgroup `path` (v2) and its descendants. `path` is
 /// absolute, or relative to /sys/fs/cgroup.
 pub fn cgroup_processes(path: &Path) -> Result<Vec<i32>, Error> {
@@ -180,6 +203,13 @@ mod tests {
         let err = resolve(tid).unwrap_err();
         assert!(err.to_string().contains("is a thread of"), "{err}");
         h.join().unwrap();
+    }
+
+    #[test]
+    fn a_session_leader_outside_the_namespace_is_seen() {
+        assert_eq!(session_visible_in("Name:\tx\nNSsid:\t6774\t0\n"), Some(false));
+        assert_eq!(session_visible_in("Name:\tx\nNSsid:\t6774\n"), Some(true));
+        assert_eq!(session_visible_in("Name:\tx\n"), None);
     }
 
     #[test]

@@ -66,7 +66,20 @@ pub struct Kid {
 }
 
 impl Kid {
+    /// Each child gets a session of its own, as a service manager or a
+    /// container runtime gives one: CRIU cannot dump a process whose session
+    /// leader is outside its pid namespace, which is where a test runner
+    /// started by `docker exec` (CI) leaves its children.
     fn spawn(mut cmd: Command) -> Kid {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: setsid is async-signal-safe; nothing else runs between
+        // fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
         let mut child = cmd.spawn().expect("spawn");
         let pid = child.id() as i32;
         let exited = Arc::new((Mutex::new(None), Condvar::new()));

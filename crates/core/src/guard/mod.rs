@@ -793,6 +793,11 @@ pub fn launch(cmd: &[OsString]) -> Result<Launched, Error> {
         .map_err(|e| prog(e.to_string()))?;
     let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
     argv.push(std::ptr::null());
+    // A program whose session leader is outside its pid namespace cannot be
+    // dumped by CRIU (hibernate refuses it): where ours is, the program gets
+    // a session of its own. Where ours is visible it keeps it, and with it
+    // the terminal and job control.
+    let own_session = crate::target::session_leader_visible_self() == Some(false);
     let mut ready = [0; 2];
     let mut go = [0; 2];
     // SAFETY: pipe2 fills two fds.
@@ -811,6 +816,9 @@ pub fn launch(cmd: &[OsString]) -> Result<Launched, Error> {
         // SAFETY: child after fork: raw syscalls only, then exec or _exit.
         unsafe {
             let mut code: i32 = 0;
+            if own_session {
+                libc::setsid();
+            }
             if let Err(e) = seccomp::install_in_child() {
                 code = e;
             }
