@@ -1,18 +1,19 @@
 //! `gpusnap run` and `gpusnap guard`: the guard's front end.
 
 use crate::Cli;
+use gpusnap_core::guard::light::{self, LightGuard};
 use gpusnap_core::guard::{self, Ending, Guard};
 use gpusnap_core::{Error, Store};
 use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, Timeouts};
 use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};
 use std::ffi::OsString;
+use std::path::Path;
 
 type DynGuard = Guard<Box<dyn CheckpointApi>, Box<dyn GpuInventory>>;
 
-fn new_guard(cli: &Cli, lock_timeout: u32, name: Option<String>) -> anyhow::Result<DynGuard> {
-    let store = Store::open(&cli.state_dir)?;
-    // A host without a driver still runs programs under the guard (nothing
-    // to suspend, but exits and signals pass through unchanged).
+/// The driver and NVML. A host without a driver still runs programs under
+/// the guard (nothing to suspend, but exits and signals pass through).
+fn driver_and_gpus() -> (Deadline<Box<dyn CheckpointApi>>, Box<dyn GpuInventory>) {
     let api: Box<dyn CheckpointApi> = match CudaDriver::load() {
         Ok(d) => Box::new(d),
         Err(e) => Box::new(Absent { why: e.to_string() }),
@@ -21,7 +22,94 @@ fn new_guard(cli: &Cli, lock_timeout: u32, name: Option<String>) -> anyhow::Resu
         Ok(n) => Box::new(n),
         Err(_) => Box::new(NoGpus),
     };
-    Ok(Guard::new(Deadline::new(api, Timeouts::default()), gpus, store, &cli.state_dir, lock_timeout, name))
+    (Deadline::new(api, Timeouts::default()), gpus)
+}
+
+fn new_guard(cli: &Cli, lock_timeout: u32, name: Option<String>) -> anyhow::Result<DynGuard> {
+    let store = Store::open(&cli.state_dir)?;
+    let (api, gpus) = driver_and_gpus();
+    Ok(Guard::new(api, gpus, store, &cli.state_dir, lock_timeout, name))
+}
+
+fn new_light_guard(
+    cli: &Cli,
+    lock_timeout: u32,
+) -> LightGuard<Box<dyn CheckpointApi>, Box<dyn GpuInventory>> {
+    let (api, gpus) = driver_and_gpus();
+    LightGuard::new(api, gpus, &cli.state_dir, lock_timeout)
+}
+
+/// `gpusnap run --light`: the program carries the preload library and asks
+/// this process, over a unix socket, to suspend it before it dies.
+pub fn run_light(
+    cli: &Cli,
+    name: Option<String>,
+    lock_timeout: u32,
+    preload: Option<&Path>,
+    cmd: &[OsString],
+) -> anyhow::Result<()> {
+    let mut store = Store::open(&cli.state_dir)?;
+    let lib = light::find_library(preload)?;
+    let me = std::process::id();
+    let socket = light::socket_for(&cli.state_dir, me);
+    let lg = new_light_guard(cli, lock_timeout);
+    let ino = lg.serve(&socket)?;
+    let mut preload_env = lib.into_os_string();
+    if let Some(more) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
+        preload_env.push(":");
+        preload_env.push(more);
+    }
+    let mut command = std::process::Command::new(&cmd[0]);
+    command.args(&cmd[1..]).env("LD_PRELOAD", preload_env).env(light::SOCKET_ENV, &socket);
+    // The same session rule as the traced `run` (see guard::launch).
+    if gpusnap_core::target::session_leader_visible_self() == Some(false) {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: setsid is async-signal-safe and touches no memory.
+        unsafe {
+            command.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+    }
+    let mut child = match command.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = std::fs::remove_file(&socket);
+            eprintln!("gpusnap run: {}: {e}", cmd[0].to_string_lossy());
+            std::process::exit(if e.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 });
+        }
+    };
+    let leader = child.id() as i32;
+    if let Ok(t) = gpusnap_core::target::resolve(leader) {
+        store.note(&t, "guard", None, &format!("guarded by gpusnap {me} (light)"))?;
+    }
+    let record = guard::guards_dir(&cli.state_dir).join(format!("{me}.json"));
+    let file = guard::GuardFile {
+        guard_pid: me as i32,
+        name,
+        leader,
+        processes: vec![leader],
+        socket: socket.clone(),
+    };
+    std::fs::write(&record, serde_json::to_vec(&file)?)?;
+    forward_signals(leader);
+    let status = child.wait()?;
+    let _ = std::fs::remove_file(&record);
+    light::unbind(&socket, ino);
+    use std::os::unix::process::ExitStatusExt;
+    // Hibernate asked to let go and then ended the tree (SIGKILL, by CRIU):
+    // that is no death of the program's. A tree left running (snapshot)
+    // stays guarded here, and its real ending is reported.
+    let ending =
+        if lg.detached.load(std::sync::atomic::Ordering::SeqCst) && status.signal() == Some(libc::SIGKILL) {
+            Ending::Detached
+        } else if let Some(sig) = status.signal() {
+            Ending::Signaled(sig)
+        } else {
+            Ending::Exited(status.code().unwrap_or(1))
+        };
+    finish(ending)
 }
 
 fn keeper_argv(cli: &Cli, lock_timeout: u32) -> Vec<OsString> {
@@ -131,13 +219,46 @@ pub fn guard(
     if daemon {
         daemonize(cli)?;
     }
+    // Processes started by `run --light` carry the preload library: their
+    // guard serves the socket they were started with, and traces nothing.
+    let (light_pids, traced): (Vec<i32>, Vec<i32>) =
+        pids.iter().partition(|p| light::socket_of(**p).is_some());
+    let light_targets: Vec<gpusnap_core::target::Target> =
+        light_pids.iter().filter_map(|p| gpusnap_core::target::resolve(*p).ok()).collect();
+    if !light_pids.is_empty() {
+        let lg = new_light_guard(cli, lock_timeout);
+        let sockets: std::collections::BTreeSet<_> =
+            light_pids.iter().filter_map(|p| light::socket_of(*p)).collect();
+        for s in &sockets {
+            lg.serve(s)?;
+        }
+        let mut store = Store::open(&cli.state_dir)?;
+        for t in &light_targets {
+            store.note(t, "guard", None, &format!("guarded by gpusnap {} (light)", std::process::id()))?;
+        }
+        if traced.is_empty() {
+            if daemon {
+                report_ready(true);
+            }
+            // No tracee to wait for: watch the processes themselves.
+            while light_targets.iter().any(gpusnap_core::target::is_alive) {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            return Ok(());
+        }
+        // The light sockets stay served by threads of this process while
+        // the traced ones are guarded below.
+    }
     guard::start_keeper(&keeper_argv(cli, lock_timeout))?;
     let mut g = new_guard(cli, lock_timeout, None)?;
-    for &p in &pids {
+    for &p in &traced {
         g.attach(p)?;
         // Children may come and go while they are attached: one that is gone
-        // by then needs no guard.
+        // by then needs no guard. Children of a light program are light.
         for (q, _) in gpusnap_core::hibernate::process_tree(p).into_iter().skip(1) {
+            if light::socket_of(q).is_some() {
+                continue;
+            }
             match g.attach(q) {
                 Ok(()) | Err(Error::NoProcess { .. } | Error::Zombie { .. }) => {}
                 Err(Error::Proc { .. }) if gpusnap_core::target::resolve(q).is_err() => {}
@@ -149,6 +270,9 @@ pub fn guard(
         report_ready(true);
     }
     g.run_loop()?;
+    while light_targets.iter().any(gpusnap_core::target::is_alive) {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
     Ok(())
 }
 

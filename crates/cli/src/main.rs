@@ -168,6 +168,17 @@ enum Cmd {
         /// the kernel's OOM killer (SIGKILL, uncatchable) finds them suspended.
         #[arg(long)]
         oom_watch: bool,
+        /// No tracing: load libgpusnap_preload.so into the program, which asks
+        /// the guard to suspend a dying process from inside it. Signals and
+        /// forks then cost nothing extra; raw `exit_group` calls (Go, static
+        /// binaries) and children that drop LD_PRELOAD are not caught
+        /// (docs/guard.md).
+        #[arg(long, conflicts_with = "oom_watch")]
+        light: bool,
+        /// The preload library for --light (default: next to gpusnap, or
+        /// GPUSNAP_PRELOAD).
+        #[arg(long, value_name = "PATH", requires = "light")]
+        preload: Option<std::path::PathBuf>,
         #[arg(required = true, last = true)]
         cmd: Vec<OsString>,
     },
@@ -467,7 +478,10 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             out.one(&r, &output::woken(&r));
             Ok(())
         }
-        Cmd::Run { name, lock_timeout, no_keeper, oom_watch, cmd } => {
+        Cmd::Run { light: true, name, lock_timeout, preload, cmd, .. } => {
+            guarded::run_light(cli, name.clone(), *lock_timeout, preload.as_deref(), cmd)
+        }
+        Cmd::Run { name, lock_timeout, no_keeper, oom_watch, cmd, .. } => {
             guarded::run(cli, name.clone(), *lock_timeout, !no_keeper, *oom_watch, cmd)
         }
         Cmd::Guard { pids, lock_timeout, takeover, daemon } => {

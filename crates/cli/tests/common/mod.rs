@@ -33,6 +33,9 @@ pub fn fake_libdir() -> &'static Path {
             "gpusnap-fake-nvml",
             "-p",
             "gpusnap-fake-workload",
+            // `run --light` finds it next to the gpusnap binary.
+            "-p",
+            "gpusnap-preload",
         ]);
         if release {
             cmd.arg("--release");

@@ -19,6 +19,7 @@
 //! a new guard that re-attaches, so that exits are caught again (a RET_TRACE
 //! filter with no tracer would fail `exit_group` with ENOSYS).
 
+pub mod light;
 pub mod seccomp;
 
 use crate::error::Error;

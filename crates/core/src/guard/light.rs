@@ -1,0 +1,211 @@
+//! The guard's side of light mode (`gpusnap run --light`): no tracing at
+//! all. The program carries `libgpusnap_preload.so` (crates/preload), which
+//! connects to the guard's unix socket when a process that loaded libcuda
+//! is about to die (a fatal signal left at its default, `exit`, `_exit`),
+//! sends `dying WHY`, and waits. The guard takes the sender's pid from the
+//! socket's peer credentials (not from the message), suspends that process
+//! (the same journaled lock + checkpoint + NVML check as the ptrace guard),
+//! and answers `ok`; the death then goes on unchanged.
+//!
+//! The same socket answers `detach PIDS` from `hibernate` (nothing to let go
+//! of; the guard notes that the program leaves it). The socket's path is in
+//! the program's environment (`GPUSNAP_GUARD_SOCKET`), so a guard started
+//! later for the same process (after `snapshot`, or `wake`: CRIU restores
+//! the environment) binds the same path and serves it again.
+
+use super::suspend_now;
+use crate::error::Error;
+use crate::store::Store;
+use crate::target;
+use gpusnap_cuda::{CheckpointApi, Deadline};
+use gpusnap_gpu::GpuInventory;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The environment variable that tells the preload library where the guard
+/// listens.
+pub const SOCKET_ENV: &str = "GPUSNAP_GUARD_SOCKET";
+/// The library's file name; `gpusnap` looks for it next to itself.
+pub const LIBRARY: &str = "libgpusnap_preload.so";
+
+/// Where `gpusnap run --light` with pid `run_pid` listens.
+pub fn socket_for(state_dir: &Path, run_pid: u32) -> PathBuf {
+    super::guards_dir(state_dir).join(format!("light-{run_pid}.sock"))
+}
+
+/// The preload library: `explicit`, else `GPUSNAP_PRELOAD`, else next to
+/// the running executable or in `../lib/gpusnap/` from it.
+pub fn find_library(explicit: Option<&Path>) -> Result<PathBuf, Error> {
+    let missing = |why: String| Error::Proc { pid: 0, reason: why };
+    if let Some(p) =
+        explicit.map(Path::to_path_buf).or_else(|| std::env::var_os("GPUSNAP_PRELOAD").map(PathBuf::from))
+    {
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(missing(format!("{}: no such preload library", p.display())))
+        };
+    }
+    let exe = std::env::current_exe().map_err(|e| missing(format!("cannot find gpusnap's own path: {e}")))?;
+    let dir = exe.parent().unwrap_or(Path::new("/"));
+    let candidates = [dir.join(LIBRARY), dir.join("../lib/gpusnap").join(LIBRARY)];
+    candidates.iter().find(|p| p.is_file()).cloned().ok_or_else(|| {
+        missing(format!(
+            "{LIBRARY} not found next to {} (build it with `cargo build --release`, or pass --preload PATH)",
+            exe.display()
+        ))
+    })
+}
+
+/// The socket path a light-mode program was started with, from its
+/// environment; `None` for any other process.
+pub fn socket_of(pid: i32) -> Option<PathBuf> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let key = format!("{SOCKET_ENV}=");
+    env.split(|b| *b == 0)
+        .find_map(|kv| kv.strip_prefix(key.as_bytes()).map(|v| PathBuf::from(std::ffi::OsStr::from_bytes(v))))
+}
+
+use std::os::unix::ffi::OsStrExt;
+
+/// Removes the socket at `path` if it is still the one this process bound
+/// (its inode `ino`): a newer guard may have taken the path over.
+pub fn unbind(path: &Path, ino: u64) {
+    use std::os::unix::fs::MetadataExt;
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.ino() == ino) {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// Whether a guard answers on `path` now.
+pub fn is_served(path: &Path) -> bool {
+    UnixStream::connect(path).is_ok()
+}
+
+/// The pid of the process at the other end of `s` (SO_PEERCRED).
+fn peer_pid(s: &UnixStream) -> Option<i32> {
+    // SAFETY: ucred is plain data; getsockopt fills at most `len` bytes.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a valid socket fd and a buffer of `len` bytes.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0 && cred.pid > 0).then_some(cred.pid)
+}
+
+/// A light-mode guard: the listening socket and what a suspend needs.
+pub struct LightGuard<A: CheckpointApi, G: GpuInventory> {
+    api: Deadline<A>,
+    gpus: Arc<G>,
+    state_dir: PathBuf,
+    lock_timeout_ms: u32,
+    /// Set once `hibernate` has asked the guard to let the program go.
+    pub detached: Arc<AtomicBool>,
+}
+
+impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
+    pub fn new(api: Deadline<A>, gpus: G, state_dir: &Path, lock_timeout_ms: u32) -> Self {
+        Self {
+            api,
+            gpus: Arc::new(gpus),
+            state_dir: state_dir.to_path_buf(),
+            lock_timeout_ms,
+            detached: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Binds `path` (mode 0600; a stale socket left by a dead guard is
+    /// replaced) and serves it on a thread of its own until the process ends.
+    pub fn serve(&self, path: &Path) -> Result<u64, Error> {
+        let fail = |e: std::io::Error| Error::Proc {
+            pid: std::process::id() as i32,
+            reason: format!("guard socket {}: {e}", path.display()),
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(fail)?;
+        }
+        // The newest guard owns the path: one that served it before (the
+        // `run` of a snapshotted program, a guard of the image's earlier
+        // life) keeps a listener no one can reach any more.
+        let _ = std::fs::remove_file(path);
+        let listener = UnixListener::bind(path).map_err(fail)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(fail)?;
+        let ino = {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::symlink_metadata(path).map_err(fail)?.ino()
+        };
+        let (api, gpus, dir, lt, detached) = (
+            self.api.clone(),
+            Arc::clone(&self.gpus),
+            self.state_dir.clone(),
+            self.lock_timeout_ms,
+            Arc::clone(&self.detached),
+        );
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let (api, gpus, dir, detached) =
+                    (api.clone(), Arc::clone(&gpus), dir.clone(), Arc::clone(&detached));
+                // One thread per caller: processes of a group die together,
+                // and each waits only for its own suspend.
+                std::thread::spawn(move || answer(conn, &api, &*gpus, &dir, lt, &detached));
+            }
+        });
+        Ok(ino)
+    }
+}
+
+fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
+    conn: UnixStream,
+    api: &Deadline<A>,
+    gpus: &G,
+    state_dir: &Path,
+    lock_timeout_ms: u32,
+    detached: &AtomicBool,
+) {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut line = String::new();
+    if BufReader::new(&conn).read_line(&mut line).is_err() {
+        return;
+    }
+    let mut words = line.split_whitespace();
+    let reply = match words.next() {
+        Some("dying") => {
+            let why = words.collect::<Vec<_>>().join(" ");
+            match peer_pid(&conn) {
+                Some(pid) => {
+                    let outcome = Store::open(state_dir).and_then(|mut store| {
+                        suspend_now(api, gpus, &mut store, pid, &why, lock_timeout_ms).map_err(|e| {
+                            let msg = format!("could not suspend before death ({why}): {e}");
+                            if let Ok(t) = target::resolve(pid) {
+                                let _ = store.note(&t, "guard", None, &msg);
+                            }
+                            e
+                        })
+                    });
+                    tracing::info!(pid, why, ?outcome, "light guard");
+                    "ok\n".to_string()
+                }
+                None => "error: no peer credentials\n".to_string(),
+            }
+        }
+        Some("detach") => {
+            detached.store(true, Ordering::SeqCst);
+            "ok\n".to_string()
+        }
+        _ => "error: unknown request\n".to_string(),
+    };
+    let _ = (&conn).write_all(reply.as_bytes());
+}
