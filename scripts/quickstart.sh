@@ -13,7 +13,7 @@ cd "$root"
 say() { printf '\n== %s\n' "$*"; }
 
 say "building gpusnap (release)"
-cargo build --release --quiet -p gpusnap
+cargo build --release --quiet -p gpusnap -p gpusnap-preload
 bin=$root/target/release/gpusnap
 "$bin" --version
 

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# What the guard costs a program running under it (`gpusnap run --no-keeper`).
+# What the guard costs a program running under it, in both of its modes:
+# "guarded" = `gpusnap run --no-keeper` (ptrace + seccomp exit filter),
+# "light" = `gpusnap run --light` (the preload library, no tracing).
 #
-# Run from the repository root, on a machine with a GPU, as root:
+# Run from the repository root, as root:
 #   OUT=/some/dir tests/gpu/guard-bench.sh
+# (on a machine without a GPU, GPU_R=0 runs (a) only)
 # (a) tests/gpu/sigheavy.py, a CPU program heavy in system calls (seccomp
-#     filter on each), self-sent signals (a ptrace stop the guard answers for
-#     each) and forks (a traced child each): SIG_R runs unguarded and SIG_R
-#     guarded, interleaved (ABBA); medians and slowdown per phase.
+#     filter on each when traced), self-sent signals (a ptrace stop the
+#     guard answers for each) and forks (a traced child each): SIG_R runs
+#     each way, interleaved (the order rotates); medians and slowdown per
+#     phase.
 # (b) a PyTorch training loop (an MLP, fixed steps, torch.cuda.synchronize
 #     each step, steps/s timed inside the program): GPU_R runs each way,
 #     interleaved; slowdown of the median (target: below 1%).
@@ -126,6 +130,10 @@ one() {
         log "$bench $variant #$rep: gpusnap run --no-keeper -- $*"
         timeout -k 10 "$RUN_TIMEOUT_S" "$GPUSNAP" --state-dir "$STATE_DIR" run --no-keeper --name "bench-$bench-$rep" -- "$@" \
             </dev/null >"$o" 2>"$e" || rc=$?
+    elif [ "$variant" = light ]; then
+        log "$bench $variant #$rep: gpusnap run --light -- $*"
+        timeout -k 10 "$RUN_TIMEOUT_S" "$GPUSNAP" --state-dir "$STATE_DIR" run --light --name "bench-$bench-$rep" -- "$@" \
+            </dev/null >"$o" 2>"$e" || rc=$?
     else
         log "$bench $variant #$rep: $*"
         timeout -k 10 "$RUN_TIMEOUT_S" "$@" </dev/null >"$o" 2>"$e" || rc=$?
@@ -144,17 +152,16 @@ one() {
     fi
 }
 
-# pair BENCH REP CMD...: one unguarded and one guarded run, in ABBA order.
-pair() {
-    local bench=$1 rep=$2
+# trio BENCH REP CMD...: one run each way; the order rotates with REP.
+trio() {
+    local bench=$1 rep=$2 v
     shift 2
-    if [ $((rep % 2)) = 1 ]; then
-        one "$bench" unguarded "$rep" "$@"
-        one "$bench" guarded "$rep" "$@"
-    else
-        one "$bench" guarded "$rep" "$@"
-        one "$bench" unguarded "$rep" "$@"
-    fi
+    local order=(unguarded guarded light)
+    case $((rep % 3)) in
+    2) order=(guarded light unguarded) ;;
+    0) order=(light unguarded guarded) ;;
+    esac
+    for v in "${order[@]}"; do one "$bench" "$v" "$rep" "$@"; done
 }
 
 # left: seconds of the soft budget left.
@@ -165,13 +172,14 @@ bench_sig() {
     log "(a) sigheavy: $SIG_R runs each way"
     one sig unguarded warm "${cmd[@]}"
     one sig guarded warm "${cmd[@]}"
+    one sig light warm "${cmd[@]}"
     for r in $(seq 1 "$SIG_R"); do
         if [ "$(left)" -lt 20 ]; then
             NOTES+=("(a) stopped after $((r - 1)) of $SIG_R pairs: budget")
             BAD=$((BAD + 1))
             break
         fi
-        pair sig "$r" "${cmd[@]}"
+        trio sig "$r" "${cmd[@]}"
     done
 }
 
@@ -187,7 +195,7 @@ bench_gpu() {
             BAD=$((BAD + 1))
             break
         fi
-        pair gpu "$r" "${cmd[@]}"
+        trio gpu "$r" "${cmd[@]}"
         # What the guard did at the guarded program's own (normal) exit.
         pid=$(grep -h '^{' "$WORK/gpu.guarded.$r.out" 2>/dev/null | tail -n 1 |
             python3 -c 'import json,sys; print(json.load(sys.stdin)["pid"])' 2>/dev/null)
@@ -209,10 +217,15 @@ write_report() {
         echo
         echo "- date: $HDR_DATE"
         echo "- host: $HDR_HOST (kernel $HDR_KERNEL, host memory $HDR_HOSTMEM, $(nproc) CPUs)"
-        echo "- GPU: $HDR_GPU, $HDR_GPU_MEM; driver $HDR_DRIVER"
-        echo "- gpusnap: $HDR_VERSION ($GPUSNAP); guarded = \`gpusnap run --no-keeper -- CMD\`"
-        echo "- (a) sigheavy.py: $SIG_N x (getppid + stat), $SIG_SIGNALS self-sent SIGUSR1 (handled), $SIG_FORKS fork + wait; $SIG_R runs each way after one warm-up each, interleaved ABBA"
-        echo "- (b) MLP $TRAIN_LAYERS x $TRAIN_WIDTH, batch $TRAIN_BATCH, SGD, $TRAIN_STEPS timed steps after $TRAIN_WARMUP warm-up steps, torch.cuda.synchronize each step${TRAIN_ARGS:+ ($TRAIN_ARGS)}; $GPU_R runs each way after one unguarded warm-up run, interleaved ABBA"
+        if command -v nvidia-smi >/dev/null; then
+            echo "- GPU: $HDR_GPU, $HDR_GPU_MEM; driver $HDR_DRIVER"
+        else
+            echo "- GPU: none (no nvidia-smi)"
+        fi
+        echo "- gpusnap: $HDR_VERSION ($GPUSNAP); guarded = \`gpusnap run --no-keeper -- CMD\`; light = \`gpusnap run --light -- CMD\`"
+        echo "- (a) sigheavy.py: $SIG_N x (getppid + stat), $SIG_SIGNALS self-sent SIGUSR1 (handled), $SIG_FORKS fork + wait; $SIG_R runs each way after one warm-up each, interleaved (the order rotates)"
+        [ "$GPU_R" -gt 0 ] || echo "- (b) not run (GPU_R=0)"
+        [ "$GPU_R" -gt 0 ] && echo "- (b) MLP $TRAIN_LAYERS x $TRAIN_WIDTH, batch $TRAIN_BATCH, SGD, $TRAIN_STEPS timed steps after $TRAIN_WARMUP warm-up steps, torch.cuda.synchronize each step${TRAIN_ARGS:+ ($TRAIN_ARGS)}; $GPU_R runs each way after one unguarded warm-up run, interleaved (the order rotates)"
         echo "- figures: medians; the programs time their own work (no guard start, no exit suspend); wall = the whole command"
         echo "- runs: $PLANNED planned ran, $BAD failed or missing; wall ${SECONDS} s (budget $BUDGET_S s)"
         for n in ${NOTES[@]+"${NOTES[@]}"}; do echo "- $n"; done
@@ -241,21 +254,28 @@ def med(bench, variant, key):
 def fmt(x, unit, scale=1.0, digits=3):
     return "-" if x is None else f"{x * scale:.{digits}f} {unit}".strip()
 
-print("| bench | figure | unguarded | guarded | slowdown | runs (u/g) |")
-print("|---|---|---|---|---|---|")
+print("| bench | figure | unguarded | guarded (ptrace) | slowdown | light | slowdown | runs (u/g/l) |")
+print("|---|---|---|---|---|---|---|---|")
 TITLE = {"sig": "(a) sigheavy", "gpu": "(b) training"}
 def line(bench, label, key, unit, scale=1.0, digits=3, per=None, higher_better=False):
     u, nu = med(bench, "unguarded", key)
-    g, ng = med(bench, "guarded", key)
-    if per and u is not None and g is not None:
-        u, g = u / per, g / per
-    if u and g is not None:
-        slow = (u / g - 1) * 100 if higher_better else (g / u - 1) * 100
-        s = f"{slow:+.2f} %"
-    else:
-        s = "-"
-    print(f"| {TITLE[bench]} | {label} | {fmt(u, unit, scale, digits)} | {fmt(g, unit, scale, digits)} | {s} | {nu}/{ng} |")
-    return s
+    cells, slows, ns = [], [], [str(nu)]
+    for variant in ("guarded", "light"):
+        g, ng = med(bench, variant, key)
+        if per and u is not None and g is not None:
+            g = g / per
+        uu = u / per if per and u is not None else u
+        if uu and g is not None:
+            slow = (uu / g - 1) * 100 if higher_better else (g / uu - 1) * 100
+            sl = f"{slow:+.2f} %"
+        else:
+            sl = "-"
+        cells.append(fmt(g, unit, scale, digits))
+        slows.append(sl)
+        ns.append(str(ng))
+    uu = u / per if per and u is not None else u
+    print(f"| {TITLE[bench]} | {label} | {fmt(uu, unit, scale, digits)} | {cells[0]} | {slows[0]} | {cells[1]} | {slows[1]} | {'/'.join(ns)} |")
+    return slows
 
 sig = runs.get(("sig", "unguarded"), []) + runs.get(("sig", "guarded"), [])
 if sig:
@@ -268,17 +288,26 @@ if sig:
 gpu = runs.get(("gpu", "unguarded"), []) + runs.get(("gpu", "guarded"), [])
 if gpu:
     s = line("gpu", "steps/s (in program)", "steps_per_s", "", 1.0, 2, higher_better=True)
-    ub = max((r["steps_per_s"] for r in runs.get(("gpu", "unguarded"), [])), default=None)
-    gb = max((r["steps_per_s"] for r in runs.get(("gpu", "guarded"), [])), default=None)
-    bs = f"{(ub / gb - 1) * 100:+.2f} %" if ub and gb else "-"
-    print(f"| (b) training | best steps/s | {fmt(ub, '', 1, 2)} | {fmt(gb, '', 1, 2)} | {bs} | - |")
+    best = {v: max((r["steps_per_s"] for r in runs.get(("gpu", v), [])), default=None) for v in ("unguarded", "guarded", "light")}
+    ub = best["unguarded"]
+    bs = [f"{(ub / best[v] - 1) * 100:+.2f} %" if ub and best[v] else "-" for v in ("guarded", "light")]
+    print(f"| (b) training | best steps/s | {fmt(ub, '', 1, 2)} | {fmt(best['guarded'], '', 1, 2)} | {bs[0]} | {fmt(best['light'], '', 1, 2)} | {bs[1]} | - |")
     line("gpu", "wall (whole command, incl. the exit suspend when guarded)", "wall_s", "s")
-    try:
-        met = "met" if float(s.split()[0]) < 1.0 else "NOT met"
-    except ValueError:
-        met = "unknown (no runs)"
     print()
-    print(f"Target for (b), slowdown of the median steps/s below 1 %: **{met}** ({s}).")
+    for name, sl in zip(("guarded (ptrace)", "light"), s):
+        try:
+            met = "met" if float(sl.split()[0]) < 1.0 else "NOT met"
+        except ValueError:
+            met = "unknown (no runs)"
+        print(f"Target for (b), {name}: slowdown of the median steps/s below 1 %: **{met}** ({sl}).")
+if sig:
+    print()
+    u, _ = med("sig", "unguarded", "total_s")
+    for name, v in (("guarded (ptrace)", "guarded"), ("light", "light")):
+        g, _ = med("sig", v, "total_s")
+        if u and g:
+            sl = (g / u - 1) * 100
+            print(f"Target for (a), {name}: total slowdown below 1 %: **{'met' if sl < 1.0 else 'NOT met'}** ({sl:+.2f} %).")
 print()
 print("Slowdown: guarded / unguarded - 1 for times, unguarded / guarded - 1 for rates; positive = the guard costs.")
 print()
@@ -320,5 +349,5 @@ start_watchdog $((BUDGET_S + 40))
 log "gpusnap guard bench: budget ${BUDGET_S}s"
 collect_header
 bench_sig
-bench_gpu
+if [ "$GPU_R" -gt 0 ]; then bench_gpu; fi
 FINISHED=1
