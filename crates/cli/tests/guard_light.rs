@@ -221,3 +221,53 @@ fn a_missing_preload_library_is_named() {
     let r = w.gpusnap(&["run", "--light", "--", "/nonexistent/program"]);
     assert_eq!(r.code, 127, "{}", r.stderr);
 }
+
+/// A Python program sees its own signal dispositions under `--light`, and
+/// its own fatal-signal handler (faulthandler) runs and dies as it would.
+#[test]
+fn a_python_program_sees_no_difference() {
+    let w = World::new(&[8192]);
+    let script = r#"
+import ctypes, faulthandler, os, signal, sys
+ctypes.CDLL("libcuda.so.1")  # the fake: the library now counts the process as CUDA
+assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGTERM)
+assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+old = signal.signal(signal.SIGUSR1, lambda s, f: None)
+assert old == signal.SIG_DFL, old
+os.kill(os.getpid(), signal.SIGUSR1)  # handled: no death
+assert signal.signal(signal.SIGUSR1, signal.SIG_DFL) is not signal.SIG_DFL
+assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+print("dispositions ok", flush=True)
+faulthandler.enable()
+ctypes.string_at(0)
+"#;
+    let run = |light: bool| {
+        let mut cmd = if light {
+            let mut c = w.gpusnap_cmd(&["run", "--light", "--", "python3", "-c", script]);
+            c.stdout(Stdio::piped()).stderr(Stdio::piped());
+            c
+        } else {
+            let mut c = Command::new("python3");
+            w.env(&mut c);
+            c.args(["-c", script]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+            c
+        };
+        let out = cmd.output().unwrap();
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (plain, plain_out, plain_err) = run(false);
+    let (light, light_out, light_err) = run(true);
+    assert_eq!(plain.signal(), Some(libc::SIGSEGV), "{plain_err}");
+    assert_eq!(light.signal(), Some(libc::SIGSEGV), "{light_err}");
+    assert!(
+        plain_out.contains("dispositions ok") && light_out.contains("dispositions ok"),
+        "{light_out}{light_err}"
+    );
+    for err in [&plain_err, &light_err] {
+        assert!(err.contains("Fatal Python error: Segmentation fault"), "{err}");
+    }
+}
