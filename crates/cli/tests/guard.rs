@@ -6,28 +6,8 @@ mod common;
 use common::*;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
-
-fn status_file(w: &World, name: &str) -> PathBuf {
-    w.tmp.path().join(name)
-}
-
-fn pid_in(path: &PathBuf) -> i32 {
-    wait_for(Duration::from_secs(20), || {
-        std::fs::read_to_string(path).is_ok_and(|s| s.split_whitespace().count() >= 3)
-    });
-    std::fs::read_to_string(path).unwrap().split_whitespace().next().unwrap().parse().unwrap()
-}
-
-/// The program run without the guard, for its natural ending.
-fn unguarded(w: &World, args: &[&str]) -> ExitStatus {
-    let mut cmd = Command::new(fake_workload_bin());
-    w.env(&mut cmd);
-    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
-    cmd.status().unwrap()
-}
-
 /// Runs the workload under `gpusnap run`, returns (its exit status, the
 /// workload's pid).
 fn guarded(w: &mut World, status: &str, extra: &[&str]) -> (ExitStatus, i32) {
@@ -54,15 +34,6 @@ fn run_guarded(w: &mut World, st: &PathBuf, keeper: bool, extra: &[&str]) -> (us
     let idx = w.spawn_gpusnap(&args);
     (idx, pid_in(st))
 }
-
-fn assert_suspended_before_death(w: &World, pid: i32) {
-    let calls = w.calls_on(pid);
-    assert!(
-        calls.windows(2).any(|c| c[0] == "lock=0" && c[1] == "checkpoint=0"),
-        "no lock + checkpoint of {pid} before it died: {calls:?}"
-    );
-}
-
 #[test]
 fn deaths_are_suspended_and_keep_their_status() {
     let mut w = World::new(&[16_384]);
@@ -203,14 +174,6 @@ fn hibernate_detaches_the_guard_and_wake_attaches_one() {
     let st = status_file(&w, "hw");
     let (idx, pid) = run_guarded(&mut w, &st, false, &[]);
     let p = pid.to_string();
-    let tracer = |pid: i32| -> i32 {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .ok()
-            .and_then(|s| {
-                s.lines().find_map(|l| l.strip_prefix("TracerPid:").map(|v| v.trim().parse().unwrap_or(0)))
-            })
-            .unwrap_or(0)
-    };
     assert_eq!(tracer(pid), w.child_pid(idx));
     // CRIU must be the only tracer while it dumps: the guard lets go.
     let r = w.json(&["hibernate", &p, "--image", "guarded"]);

@@ -7,27 +7,8 @@ mod common;
 use common::*;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
-
-fn status_file(w: &World, name: &str) -> PathBuf {
-    w.tmp.path().join(name)
-}
-
-fn pid_in(path: &PathBuf) -> i32 {
-    wait_for(Duration::from_secs(20), || {
-        std::fs::read_to_string(path).is_ok_and(|s| s.split_whitespace().count() >= 3)
-    });
-    std::fs::read_to_string(path).unwrap().split_whitespace().next().unwrap().parse().unwrap()
-}
-
-fn unguarded(w: &World, args: &[&str]) -> ExitStatus {
-    let mut cmd = Command::new(fake_workload_bin());
-    w.env(&mut cmd);
-    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
-    cmd.status().unwrap()
-}
-
 /// Starts the fake workload (512 MiB, status file `st`) under `gpusnap run
 /// --light`; returns the `run` child's index and the workload's pid.
 fn run_light(w: &mut World, st: &PathBuf, extra: &[&str]) -> (usize, i32) {
@@ -38,24 +19,6 @@ fn run_light(w: &mut World, st: &PathBuf, extra: &[&str]) -> (usize, i32) {
     let idx = w.spawn_gpusnap(&args);
     (idx, pid_in(st))
 }
-
-fn tracer(pid: i32) -> i32 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines().find_map(|l| l.strip_prefix("TracerPid:").map(|v| v.trim().parse().unwrap_or(0)))
-        })
-        .unwrap_or(-1)
-}
-
-fn assert_suspended_before_death(w: &World, pid: i32) {
-    let calls = w.calls_on(pid);
-    assert!(
-        calls.windows(2).any(|c| c[0] == "lock=0" && c[1] == "checkpoint=0"),
-        "no lock + checkpoint of {pid} before it died: {calls:?}"
-    );
-}
-
 fn notes(w: &World, pid: i32) -> Vec<String> {
     let h = w.json(&["history", &pid.to_string()]).json();
     h["events"].as_array().unwrap().iter().filter_map(|e| e["detail"].as_str().map(str::to_string)).collect()

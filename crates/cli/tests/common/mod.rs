@@ -452,3 +452,45 @@ pub fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+// ---------------------------------------------------------------- the guard's tests
+
+/// A file in the world's scratch directory.
+pub fn status_file(w: &World, name: &str) -> PathBuf {
+    w.tmp.path().join(name)
+}
+
+/// The pid a workload wrote into its status file (waits for it).
+pub fn pid_in(path: &PathBuf) -> i32 {
+    wait_for(Duration::from_secs(20), || {
+        std::fs::read_to_string(path).is_ok_and(|s| s.split_whitespace().count() >= 3)
+    });
+    std::fs::read_to_string(path).unwrap().split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// The fake workload run with `args` and no guard, for its natural ending.
+pub fn unguarded(w: &World, args: &[&str]) -> ExitStatus {
+    let mut cmd = Command::new(fake_workload_bin());
+    w.env(&mut cmd);
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+    cmd.status().unwrap()
+}
+
+/// The fake driver's journal shows a lock and then a checkpoint of `pid`.
+pub fn assert_suspended_before_death(w: &World, pid: i32) {
+    let calls = w.calls_on(pid);
+    assert!(
+        calls.windows(2).any(|c| c[0] == "lock=0" && c[1] == "checkpoint=0"),
+        "no lock + checkpoint of {pid} before it died: {calls:?}"
+    );
+}
+
+/// TracerPid of `pid` (-1 when it is gone).
+pub fn tracer(pid: i32) -> i32 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| l.strip_prefix("TracerPid:").map(|v| v.trim().parse().unwrap_or(0)))
+        })
+        .unwrap_or(-1)
+}
