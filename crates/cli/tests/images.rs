@@ -81,6 +81,38 @@ fn a_cuda_process_hibernates_and_wakes_with_its_data() {
 }
 
 #[test]
+fn a_tree_of_two_cuda_processes_hibernates_and_wakes_together() {
+    criu_present();
+    let mut w = World::with_config(&[16_384], json!({ "checkpoint_gbps": 4.0, "restore_gbps": 4.0 }));
+    let pid = w.workload(2048, 0, &["--child"]);
+    let kid_status = std::path::PathBuf::from(format!("{}.child", w.status_path(pid).display()));
+    wait_for(Duration::from_secs(20), || read_status(&kid_status).is_some_and(|s| s.1 >= 1));
+    let kid = read_status(&kid_status).unwrap().0;
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", "pair"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let mut cuda: Vec<i64> =
+        r.json()["cuda"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect();
+    cuda.sort();
+    let mut want = vec![pid as i64, kid as i64];
+    want.sort();
+    assert_eq!(cuda, want);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid) && !pid_exists(kid));
+    let r = w.json(&["wake", "pair", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    w.adopt(kid);
+    w.assert_progressing(pid);
+    let n = read_status(&kid_status).unwrap().1;
+    wait_for(Duration::from_secs(20), || read_status(&kid_status).is_some_and(|s| s.1 > n + 2 && s.2));
+    for p in [pid, kid] {
+        assert_eq!(w.calls_on(p), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"], "{p}");
+    }
+    let r = w.json(&["stop", "--tree", &pid.to_string(), "--grace", "2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}
+
+#[test]
 fn leave_running_keeps_the_tree_as_it_was() {
     criu_present();
     let mut w = World::new(&[8192]);

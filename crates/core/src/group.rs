@@ -19,7 +19,7 @@ pub type ProgressFactory<'a> = &'a (dyn Fn() -> Box<dyn Progress> + Sync);
 
 impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// Runs `f` for every item on its own engine (thread), in parallel.
-    fn in_parallel<I: Send, T: Send>(
+    pub(crate) fn in_parallel<I: Send, T: Send>(
         &self,
         items: Vec<(i32, I)>,
         progress: ProgressFactory<'_>,

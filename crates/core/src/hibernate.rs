@@ -120,19 +120,18 @@ fn hostname() -> String {
 impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// Suspends every CUDA process of `pids` or none: on a failure, the ones
     /// already suspended are resumed. Returns those it suspended.
+    /// Suspends every CUDA process of a tree, in parallel (a group: all or
+    /// none); returns the ones this call suspended.
     pub fn suspend_all(&mut self, pids: &[i32], lock_timeout_ms: u32) -> Result<Vec<i32>, Error> {
-        let mut done = Vec::new();
-        for &pid in pids {
-            match self.suspend(pid, lock_timeout_ms) {
-                Ok(r) if !r.already => done.push(pid),
-                Ok(_) => {}
-                Err(e) => {
-                    self.resume_after_failure(&done);
-                    return Err(Error::Member { pid, source: Box::new(e) });
-                }
-            }
+        if pids.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(done)
+        let quiet = || Box::new(crate::progress::Quiet) as Box<dyn Progress>;
+        let reports = self.suspend_group(pids, lock_timeout_ms, &quiet).map_err(|e| match e {
+            Error::Member { .. } => e,
+            other => Error::Member { pid: pids[0], source: Box::new(other) },
+        })?;
+        Ok(reports.iter().filter(|r| !r.already).map(|r| r.pid).collect())
     }
 
     /// Puts processes this operation suspended back on the GPU. Their memory
@@ -551,25 +550,30 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 )?;
             }
         }
-        for (p, fp) in resume.iter().zip(footprints) {
-            let res = (|| {
-                let t = target::resolve(p.pid)?;
-                self.store_mut().record(&t, "checkpointed", Some(fp))?;
-                self.store_mut().note(
-                    &t,
-                    "wake",
-                    None,
-                    &format!("restored by CRIU from image {}", m.name),
-                )?;
-                self.restore_and_unlock(&t, fp, pairs)?;
-                Ok::<_, Error>(t)
-            })();
-            match res {
+        // The CUDA processes back on their GPUs, in parallel: the driver's
+        // calls on different processes are independent.
+        let back = |e: &mut Self, (pid, fp): (i32, &BTreeMap<String, u64>)| {
+            let t = target::resolve(pid)?;
+            e.store_mut().record(&t, "checkpointed", Some(fp))?;
+            e.store_mut().note(&t, "wake", None, &format!("restored by CRIU from image {}", m.name))?;
+            e.restore_and_unlock(&t, fp, pairs)?;
+            Ok::<_, Error>(t)
+        };
+        type Item<'f> = (i32, (i32, &'f BTreeMap<String, u64>));
+        let items: Vec<Item<'_>> =
+            resume.iter().zip(footprints).map(|(p, fp)| (p.pid, (p.pid, fp))).collect();
+        let results = if items.len() == 1 {
+            let (pid, item) = items[0];
+            vec![(pid, back(self, item))]
+        } else {
+            let quiet = || Box::new(crate::progress::Quiet) as Box<dyn Progress>;
+            self.in_parallel(items, &quiet, back)
+        };
+        for (pid, r) in results {
+            match r {
                 Ok(t) => restored.push(t),
-                Err(e) => {
-                    failure = Some(Error::Member { pid: p.pid, source: Box::new(e) });
-                    break;
-                }
+                Err(e) if failure.is_none() => failure = Some(Error::Member { pid, source: Box::new(e) }),
+                Err(e) => tracing::error!(pid, "also failed: {e}"),
             }
         }
         if let Some(err) = failure {

@@ -72,12 +72,23 @@ pub fn self_pid() -> i32 {
         .unwrap_or(std::process::id() as i32)
 }
 
-/// Whether this process shares the initial time namespace (pid 1's).
+/// Whether this process shares the initial time namespace. A CRIU-restored
+/// process gets a time namespace whose clocks are offset to continue from the
+/// dump: its /proc/self/timens_offsets is not all zeros. (Comparing with
+/// /proc/1/ns/time is not enough: pid 1's namespace links can be unreadable
+/// in a container, as on this project's CI.)
 pub fn in_initial_time_namespace() -> bool {
+    if let Ok(s) = std::fs::read_to_string("/proc/self/timens_offsets") {
+        return offsets_are_zero(&s);
+    }
     match (std::fs::read_link("/proc/self/ns/time"), std::fs::read_link("/proc/1/ns/time")) {
         (Ok(a), Ok(b)) => a == b,
         _ => true,
     }
+}
+
+fn offsets_are_zero(s: &str) -> bool {
+    s.lines().flat_map(|l| l.split_whitespace().skip(1)).all(|n| n == "0")
 }
 
 pub fn is_same_live_process(pid: i32, start_time: u64) -> bool {
@@ -87,6 +98,12 @@ pub fn is_same_live_process(pid: i32, start_time: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn time_namespace_offsets() {
+        assert!(offsets_are_zero("monotonic           0         0\nboottime            0         0\n"));
+        assert!(!offsets_are_zero("monotonic          -8 397967774\nboottime           -8 397963055\n"));
+    }
 
     #[test]
     fn parses_names_with_spaces_and_parens() {
