@@ -238,10 +238,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     if opts.durable {
                         let dir = criu_dir.clone();
                         s.spawn(move || {
-                            while done_rx.recv_timeout(Duration::from_millis(500))
+                            while done_rx.recv_timeout(Duration::from_millis(250))
                                 == Err(std::sync::mpsc::RecvTimeoutError::Timeout)
                             {
-                                let _ = crate::image::syncfs(&dir);
+                                crate::image::start_writeback(&dir);
                             }
                         });
                     }

@@ -197,7 +197,7 @@ impl PendingImage {
         // The flush to disk runs while the files are hashed (one is disk
         // bound, the other CPU bound); both end before the rename.
         let dir = self.dir.clone();
-        let flush = std::thread::spawn(move || if durable { syncfs(&dir) } else { Ok(()) });
+        let flush = std::thread::spawn(move || if durable { sync_tree(&dir) } else { Ok(()) });
         let mut rel = Vec::new();
         files_under(&self.dir, &self.dir.join("criu"), &mut rel).map_err(io(&name, "list files"))?;
         rel.sort();
@@ -219,8 +219,8 @@ impl PendingImage {
         write_private(&self.dir.join("manifest.b3"), sum.as_bytes())
             .map_err(io(&name, "write manifest.b3"))?;
         // The image's pages reach the disk before it counts as written (and
-        // before hibernate ends the process it holds): one syncfs flushes
-        // them all (the manifest is fsynced as it is written).
+        // before hibernate ends the process it holds); the manifest is
+        // fsynced as it is written.
         flush
             .join()
             .map_err(|_| ImageError::Io {
@@ -256,15 +256,41 @@ fn write_private(p: &Path, data: &[u8]) -> std::io::Result<()> {
     f.sync_all()
 }
 
-/// Flushes the filesystem holding `p` to disk.
-pub fn syncfs(p: &Path) -> std::io::Result<()> {
+/// Queues the dirty pages of every file under `dir` for write-back and
+/// returns at once (sync_file_range WRITE: no waiting). Called while CRIU
+/// is still writing, so that the disk works alongside it and little is left
+/// for [`sync_tree`] at the end. Only the image's own files: unlike a
+/// syncfs, another program's dirty data on the same filesystem never makes
+/// a hibernate wait.
+pub fn start_writeback(dir: &Path) {
     use std::os::fd::AsRawFd;
-    let d = fs::File::open(p)?;
-    // SAFETY: syncfs on a valid open fd.
-    if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
-        return Err(std::io::Error::last_os_error());
+    let mut rel = Vec::new();
+    if files_under(dir, dir, &mut rel).is_err() {
+        return;
     }
-    Ok(())
+    for r in rel {
+        if let Ok(f) = fs::File::open(dir.join(r)) {
+            // SAFETY: a valid fd; offset 0 and length 0 mean the whole file.
+            unsafe { libc::sync_file_range(f.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+        }
+    }
+}
+
+/// Puts every file under `dir`, and the directories themselves, on disk
+/// (fdatasync each: one page file holds nearly all of an image's bytes).
+pub fn sync_tree(dir: &Path) -> std::io::Result<()> {
+    let mut rel = Vec::new();
+    files_under(dir, dir, &mut rel)?;
+    for r in &rel {
+        fs::File::open(dir.join(r))?.sync_data()?;
+    }
+    let mut dirs: Vec<PathBuf> = rel.iter().filter_map(|r| r.parent().map(|p| dir.join(p))).collect();
+    dirs.sort();
+    dirs.dedup();
+    for d in dirs {
+        sync_dir(&d)?;
+    }
+    sync_dir(dir)
 }
 
 fn sync_dir(p: &Path) -> std::io::Result<()> {
@@ -418,6 +444,17 @@ impl ImageStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn write_back_and_sync_of_a_tree() {
+        let d = tempfile::tempdir().unwrap();
+        fs::create_dir_all(d.path().join("criu/sub")).unwrap();
+        fs::write(d.path().join("criu/pages-1.img"), vec![7u8; 1 << 20]).unwrap();
+        fs::write(d.path().join("criu/sub/x.img"), b"x").unwrap();
+        start_writeback(d.path());
+        sync_tree(d.path()).unwrap();
+        assert!(sync_tree(&d.path().join("missing")).is_err());
+    }
 
     fn manifest(name: &str) -> Manifest {
         Manifest {
