@@ -78,8 +78,14 @@ enum Cmd {
         snapshot_first: bool,
     },
     /// Suspend a process tree's CUDA state, dump the tree with CRIU into an image, and end it.
+    ///
+    /// A PID is the root of a tree (its children go with it). A group
+    /// (several pids, --tree, --cgroup, --all) is hibernated as the trees
+    /// that hold it, one image each (NAME-ROOT), all or nothing: no tree is
+    /// ended until every image is written.
     Hibernate {
-        pid: i32,
+        #[command(flatten)]
+        select: Select,
         /// Image name (default COMM-PID-MILLIS), under STATE_DIR/images.
         #[arg(long)]
         image: Option<String>,
@@ -95,7 +101,8 @@ enum Cmd {
     },
     /// Keep an image of a process tree and leave it as it is (= hibernate --leave-running).
     Snapshot {
-        pid: i32,
+        #[command(flatten)]
+        select: Select,
         #[arg(long)]
         image: Option<String>,
         #[arg(long, default_value_t = 30_000)]
@@ -441,23 +448,23 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 output::resumed,
             )
         }
-        Cmd::Hibernate { pid, image, leave_running, lock_timeout, no_sync } => {
+        Cmd::Hibernate { select, image, leave_running, lock_timeout, no_sync } => {
             let opts = HibernateOptions {
                 name: image.clone(),
                 leave_running: *leave_running,
                 lock_timeout_ms: *lock_timeout,
                 durable: !no_sync,
             };
-            hibernate(cli, out, *pid, &opts)
+            hibernate(cli, out, select, &opts)
         }
-        Cmd::Snapshot { pid, image, lock_timeout } => {
+        Cmd::Snapshot { select, image, lock_timeout } => {
             let opts = HibernateOptions {
                 name: image.clone(),
                 leave_running: true,
                 lock_timeout_ms: *lock_timeout,
                 durable: true,
             };
-            hibernate(cli, out, *pid, &opts)
+            hibernate(cli, out, select, &opts)
         }
         Cmd::Wake { image, wait, margin, no_guard, device_map } => {
             let c = criu(cli)?;
@@ -532,6 +539,21 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
 }
 
 impl Select {
+    /// The roots of the trees a hibernate of this selection dumps: each pid
+    /// named, the --tree root, the processes of a --cgroup, the CUDA
+    /// processes (--all), less any that lies inside another's tree.
+    fn roots(&self, e: &mut DynEngine) -> anyhow::Result<Vec<i32>> {
+        let mut want: Vec<i32> = self.pids.clone();
+        want.extend(self.tree);
+        if let Some(cg) = &self.cgroup {
+            want.extend(gpusnap_core::target::cgroup_processes(cg)?);
+        }
+        if self.all {
+            want.extend(e.ps()?.into_iter().filter(|r| r.state != "stopped").map(|r| r.pid));
+        }
+        Ok(gpusnap_core::hibernate::roots_of(&want))
+    }
+
     /// The pids named, plus the CUDA processes of the groups named, in order
     /// and without repeats. A group that turns out empty is not an error.
     fn resolve(&self, e: &mut DynEngine) -> anyhow::Result<Vec<i32>> {
@@ -566,16 +588,27 @@ impl Select {
 /// Hibernate (or snapshot) with the guard out of CRIU's way: CRIU must be
 /// the only tracer while it dumps. The guard is re-attached where the tree
 /// stays alive.
-fn hibernate(cli: &Cli, out: &Out, pid: i32, opts: &HibernateOptions) -> anyhow::Result<()> {
+fn hibernate(cli: &Cli, out: &Out, select: &Select, opts: &HibernateOptions) -> anyhow::Result<()> {
     let c = criu(cli)?;
     let mut e = engine_with(cli, out, true)?;
-    gpusnap_core::target::resolve_callable(pid)?;
-    let tree: Vec<i32> = gpusnap_core::hibernate::process_tree(pid).into_iter().map(|(p, _)| p).collect();
+    let roots = select.roots(&mut e)?;
+    if roots.is_empty() {
+        anyhow::bail!(Error::BadPid { pid: 0 });
+    }
+    let mut tree: Vec<i32> = Vec::new();
+    for &root in &roots {
+        gpusnap_core::target::resolve_callable(root)?;
+        tree.extend(gpusnap_core::hibernate::process_tree(root).into_iter().map(|(p, _)| p));
+    }
     let detached = gpusnap_core::guard::detach_for(&cli.state_dir, &tree)?;
-    let res = e.hibernate(&c, &images(cli), pid, opts);
+    let res = e.hibernate_group(&c, &images(cli), &roots, opts);
     respawn_guard(&cli.state_dir, &detached);
     let r = res?;
-    out.one(&r, &output::hibernated(&r));
+    if let [one] = r.as_slice() {
+        out.one(one, &output::hibernated(one));
+    } else {
+        out.all(&r, output::hibernated);
+    }
     Ok(())
 }
 

@@ -195,38 +195,6 @@ fn hibernate_detaches_the_guard_and_wake_attaches_one() {
     assert!(calls.windows(2).any(|c| c[0] == "lock=0" && c[1] == "checkpoint=0"), "{calls:?}");
 }
 
-/// A memory cgroup for one test (v1's memory controller or v2), removed on drop.
-struct Cgroup(PathBuf);
-
-impl Cgroup {
-    fn new(limit: u64) -> Option<Self> {
-        let name = format!("gpusnap-test-{}", std::process::id());
-        for (root, limit_file) in
-            [("/sys/fs/cgroup/memory", "memory.limit_in_bytes"), ("/sys/fs/cgroup", "memory.max")]
-        {
-            let d = PathBuf::from(root).join(&name);
-            if std::fs::create_dir(&d).is_ok() {
-                if std::fs::write(d.join(limit_file), limit.to_string()).is_ok() {
-                    return Some(Cgroup(d));
-                }
-                let _ = std::fs::remove_dir(&d);
-            }
-        }
-        None
-    }
-}
-
-impl Drop for Cgroup {
-    fn drop(&mut self) {
-        for _ in 0..50 {
-            if std::fs::remove_dir(&self.0).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
 #[test]
 fn the_oom_watch_suspends_while_host_memory_can_still_take_it() {
     let Some(cg) = Cgroup::new(256 << 20) else {

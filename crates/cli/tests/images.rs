@@ -443,3 +443,60 @@ fn a_session_leader_outside_the_namespace_is_explained_refused_and_avoided_by_ru
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(prog), nix::sys::signal::Signal::SIGKILL);
     wait_for(Duration::from_secs(20), || ns.try_wait().unwrap().is_some());
 }
+
+/// Starts the fake workload inside cgroup `cg` (it joins before exec).
+fn workload_in(w: &mut World, cg: &std::path::Path, name: &str) -> (i32, std::path::PathBuf) {
+    let st = w.tmp.path().join(name);
+    let wl = fake_workload_bin();
+    let script = format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.display());
+    w.spawn_env(
+        "sh",
+        &["-c", &script, "sh", wl.to_str().unwrap(), "--mib", "1024", "--status", st.to_str().unwrap()],
+    );
+    wait_for(Duration::from_secs(20), || read_status(&st).is_some_and(|s| s.1 >= 1));
+    (read_status(&st).unwrap().0, st)
+}
+
+#[test]
+fn a_cgroup_of_two_trees_hibernates_all_or_nothing() {
+    criu_present();
+    let Some(cg) = Cgroup::new(1 << 40) else {
+        eprintln!("skipped: no cgroup can be created here");
+        return;
+    };
+    let mut w = World::new(&[16_384]);
+    let (a, st_a) = workload_in(&mut w, &cg.0, "pod-a");
+    let (b, st_b) = workload_in(&mut w, &cg.0, "pod-b");
+    let cgs = cg.0.to_str().unwrap().to_string();
+
+    // The second tree's checkpoint fails: the first tree is put back as it
+    // was and its image removed; nothing was ended.
+    let second = a.max(b);
+    w.set_config("inject", json!([{ "call": "checkpoint", "pid": second, "rc": 999, "count": 1 }]));
+    let r = w.json(&["hibernate", "--cgroup", &cgs, "--image", "pod"]);
+    assert_eq!(r.code, 4, "{}", r.stderr);
+    assert!(r.stderr.contains(&format!("member {second}")), "{}", r.stderr);
+    for (p, st) in [(a, &st_a), (b, &st_b)] {
+        assert!(w.alive(p));
+        assert_eq!(w.json(&["state", &p.to_string()]).json()["state"], "running");
+        assert_progressing_at(st);
+    }
+    assert_eq!(w.json(&["images", "list"]).json()["images"].as_array().unwrap().len(), 0);
+
+    // Then both, one image each.
+    let r = w.json(&["hibernate", "--cgroup", &cgs, "--image", "pod"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let results = r.json()["results"].as_array().unwrap().clone();
+    assert_eq!(results.len(), 2, "{results:?}");
+    for p in [a, b] {
+        w.reap(p);
+        wait_for(Duration::from_secs(10), || !pid_exists(p));
+    }
+    for p in [a, b] {
+        let r = w.json(&["wake", &format!("pod-{p}"), "--wait", "10", "--no-guard"]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        w.adopt(p);
+    }
+    assert_progressing_at(&st_a);
+    assert_progressing_at(&st_b);
+}

@@ -50,6 +50,43 @@ pub struct HibernateReport {
     pub total_ms: u64,
 }
 
+/// A tree dumped and its image committed, not yet ended (see
+/// [`Engine::hibernate_group`]).
+struct Dumped {
+    report: HibernateReport,
+    started: Instant,
+    pids: Vec<Target>,
+    cuda_members: Vec<Target>,
+    suspended: Vec<i32>,
+}
+
+/// Of `pids`, those with no ancestor among them: the roots of the trees
+/// that hold them all (a group's trees, for CRIU, which dumps whole trees).
+pub fn roots_of(pids: &[i32]) -> Vec<i32> {
+    let set: std::collections::HashSet<i32> = pids.iter().copied().collect();
+    let ppid = |p: i32| Process::new(p).and_then(|x| x.stat()).map(|s| s.ppid).unwrap_or(0);
+    let mut out = Vec::new();
+    for &p in pids {
+        let mut a = ppid(p);
+        let mut inside = false;
+        // Bounded: a pid chain is never longer than the pid space.
+        for _ in 0..4096 {
+            if a <= 1 {
+                break;
+            }
+            if set.contains(&a) {
+                inside = true;
+                break;
+            }
+            a = ppid(a);
+        }
+        if !inside && !out.contains(&p) {
+            out.push(p);
+        }
+    }
+    out
+}
+
 #[derive(Debug, Clone)]
 pub struct WakeOptions {
     /// How long to wait for GPU memory and for the image's pids to come free.
@@ -179,6 +216,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(out)
     }
 
+    /// Hibernates the tree rooted at `root` (or, with `leave_running`,
+    /// snapshots it): every CUDA process suspended (all or none), the tree
+    /// dumped by CRIU, the image checksummed and renamed into place, and only
+    /// then the tree ended. A failure at any step puts everything back.
     pub fn hibernate(
         &mut self,
         criu: &Criu,
@@ -186,6 +227,66 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         root: i32,
         opts: &HibernateOptions,
     ) -> Result<HibernateReport, Error> {
+        let d = self.dump_tree(criu, images, root, opts)?;
+        self.finish_hibernate(d, opts)
+    }
+
+    /// Hibernates several trees (a group: the roots of the processes of a
+    /// cgroup, say), one image each (`NAME-ROOT` when a name is given), all
+    /// or nothing: every tree is dumped and its image written before any
+    /// tree is ended; if one fails, the others are put back as they were
+    /// and their images removed.
+    pub fn hibernate_group(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        roots: &[i32],
+        opts: &HibernateOptions,
+    ) -> Result<Vec<HibernateReport>, Error> {
+        if roots.len() == 1 {
+            return self.hibernate(criu, images, roots[0], opts).map(|r| vec![r]);
+        }
+        let mut dumped: Vec<Dumped> = Vec::new();
+        for &root in roots {
+            let o =
+                HibernateOptions { name: opts.name.as_ref().map(|n| format!("{n}-{root}")), ..opts.clone() };
+            match self.dump_tree(criu, images, root, &o) {
+                Ok(d) => dumped.push(d),
+                Err(e) => {
+                    for d in dumped.into_iter().rev() {
+                        self.abandon_hibernate(d, images, opts);
+                    }
+                    return Err(Error::Member { pid: root, source: Box::new(e) });
+                }
+            }
+        }
+        let mut out = Vec::new();
+        let mut failed = None;
+        for d in dumped {
+            let root = d.report.root_pid;
+            // Every image is safe by now: a failure here is one tree's.
+            match self.finish_hibernate(d, opts) {
+                Ok(r) => out.push(r),
+                Err(e) if failed.is_none() => failed = Some(Error::Member { pid: root, source: Box::new(e) }),
+                Err(e) => tracing::error!(root, "also failed: {e}"),
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    /// Steps 1-3 of a hibernate: suspended, dumped, image committed; the
+    /// tree is left stopped (or running) for [`Self::finish_hibernate`] or
+    /// [`Self::abandon_hibernate`].
+    fn dump_tree(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        root: i32,
+        opts: &HibernateOptions,
+    ) -> Result<Dumped, Error> {
         let started = Instant::now();
         let root_t = target::resolve_callable(root)?;
         let tree = process_tree(root);
@@ -358,13 +459,35 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         };
         let write_ms = ms(t_write);
         let path = images.locate(&name);
+        let cuda_members: Vec<Target> =
+            members.iter().filter(|(_, st)| st.is_some()).map(|(t, _)| t.clone()).collect();
+        Ok(Dumped {
+            report: HibernateReport {
+                image: name,
+                path,
+                root_pid: root,
+                processes: pids.iter().map(|t| t.pid).collect(),
+                cuda,
+                image_bytes: manifest.total_bytes(),
+                left_running: opts.leave_running,
+                suspend_ms,
+                dump_ms,
+                write_ms,
+                total_ms: 0,
+            },
+            started,
+            pids,
+            cuda_members,
+            suspended,
+        })
+    }
 
-        // 4. The image is safe: end the tree, or put it back as it was.
-        for (t, st) in &members {
-            if st.is_some() {
-                let state = if opts.leave_running { None } else { Some("hibernated") };
-                self.store_mut().note(t, "hibernate", state, &format!("image {name}"))?;
-            }
+    /// Step 4: the image is safe: end the tree, or put it back as it was.
+    fn finish_hibernate(&mut self, d: Dumped, opts: &HibernateOptions) -> Result<HibernateReport, Error> {
+        let Dumped { mut report, started, pids, cuda_members, suspended } = d;
+        for t in &cuda_members {
+            let state = if opts.leave_running { None } else { Some("hibernated") };
+            self.store_mut().note(t, "hibernate", state, &format!("image {}", report.image))?;
         }
         if opts.leave_running {
             // The image is safe either way; a process that could not be put
@@ -375,19 +498,22 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         } else {
             kill_tree(&pids)?;
         }
-        Ok(HibernateReport {
-            image: name,
-            path,
-            root_pid: root,
-            processes: pids.iter().map(|t| t.pid).collect(),
-            cuda,
-            image_bytes: manifest.total_bytes(),
-            left_running: opts.leave_running,
-            suspend_ms,
-            dump_ms,
-            write_ms,
-            total_ms: ms(started),
-        })
+        report.total_ms = ms(started);
+        Ok(report)
+    }
+
+    /// Undoes steps 1-3 for a tree of a group whose other member failed:
+    /// the tree runs on as it was, its image is removed.
+    fn abandon_hibernate(&mut self, d: Dumped, images: &ImageStore, opts: &HibernateOptions) {
+        if !opts.leave_running {
+            continue_tree(&d.pids);
+        }
+        if let Some(e) = self.resume_after_failure(&d.suspended) {
+            tracing::error!(root = d.report.root_pid, "could not put the tree back on the GPU: {e}");
+        }
+        if let Err(e) = images.remove(&d.report.image) {
+            tracing::error!(image = d.report.image, "could not remove the image: {e}");
+        }
     }
 
     pub fn wake(

@@ -385,6 +385,20 @@ while True:
         (pid, out)
     }
 
+    /// Starts `prog args` with the fake world's environment, in the
+    /// background (a child reaped on exit; its stderr in a file).
+    pub fn spawn_env(&mut self, prog: &str, args: &[&str]) -> usize {
+        let n = self.children.len();
+        let mut cmd = Command::new(prog);
+        self.env(&mut cmd);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.tmp.path().join(format!("spawned-{n}.log"))).unwrap());
+        self.children.push(Kid::spawn(cmd));
+        n
+    }
+
     /// Starts gpusnap in the background (a child reaped on exit).
     pub fn spawn_gpusnap(&mut self, args: &[&str]) -> usize {
         let mut cmd = self.gpusnap_cmd(args);
@@ -493,4 +507,36 @@ pub fn tracer(pid: i32) -> i32 {
             s.lines().find_map(|l| l.strip_prefix("TracerPid:").map(|v| v.trim().parse().unwrap_or(0)))
         })
         .unwrap_or(-1)
+}
+
+/// A memory cgroup for one test (v1's memory controller or v2), removed on drop.
+pub struct Cgroup(pub PathBuf);
+
+impl Cgroup {
+    pub fn new(limit: u64) -> Option<Self> {
+        let name = format!("gpusnap-test-{}", std::process::id());
+        for (root, limit_file) in
+            [("/sys/fs/cgroup/memory", "memory.limit_in_bytes"), ("/sys/fs/cgroup", "memory.max")]
+        {
+            let d = PathBuf::from(root).join(&name);
+            if std::fs::create_dir(&d).is_ok() {
+                if std::fs::write(d.join(limit_file), limit.to_string()).is_ok() {
+                    return Some(Cgroup(d));
+                }
+                let _ = std::fs::remove_dir(&d);
+            }
+        }
+        None
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.0).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
 }
