@@ -23,6 +23,9 @@
 #                      first run)
 #   GUARD_WORKER_ARGS  extra arguments for dying_worker.py (a dry run against
 #                      gpusnap's fake driver uses "--backend driver")
+#   GUARD_RUN_ARGS     extra arguments for `gpusnap run`: "--light" checks the
+#                      light mode (the preload library next to $GPUSNAP; no
+#                      keeper there, so set GUARD_KEEPER=0)
 # Writes $OUT/guard-e2e.md (the table, also printed on stdout) and
 # $OUT/guard-e2e.log (timestamped log, gpusnap outputs, worker logs).
 # Exit 0 when every check passed, 1 when one failed or was skipped.
@@ -58,6 +61,7 @@ GUARD_SIGTERM=${GUARD_SIGTERM:-1}
 GUARD_KEEPER=${GUARD_KEEPER:-1}
 GUARD_RESTORE=${GUARD_RESTORE:-1}
 read -r -a WARGS <<<"${GUARD_WORKER_ARGS:-}"
+read -r -a RARGS <<<"${GUARD_RUN_ARGS:-}"
 THREADS=2
 START_TIMEOUT_S=150   # torch import + CUDA init of all workers, started together
 EXIT_TIMEOUT_S=60     # STATUS.die -> `gpusnap run` has exited
@@ -96,7 +100,7 @@ write_table() {
         echo "- date: $HDR_DATE"
         echo "- host: $HDR_HOST (kernel $HDR_KERNEL, host memory $HDR_HOSTMEM)"
         echo "- GPU: $HDR_GPU, $HDR_GPU_MEM; driver $HDR_DRIVER"
-        echo "- gpusnap: $HDR_VERSION ($GPUSNAP)"
+        echo "- gpusnap: $HDR_VERSION ($GPUSNAP); \`gpusnap run${GUARD_RUN_ARGS:+ $GUARD_RUN_ARGS}\`"
         echo "- torch: ${torch:-?}${GUARD_WORKER_ARGS:+; worker args: $GUARD_WORKER_ARGS}"
         echo "- workers: $GIB GiB each, $THREADS extra threads; modes: $GUARD_MODES$([ "$GUARD_SIGTERM" = 1 ] && echo " sigterm (busy, never restored)"); restored before the death: $([ "$GUARD_RESTORE" = 1 ] && echo yes || echo no); keeper row: $([ "$GUARD_KEEPER" = 1 ] && echo yes || echo no)"
         echo "- death-to-suspended: from writing STATUS.die to the guard's checkpoint ok event (the worker polls the file every 5 ms)"
@@ -233,7 +237,7 @@ start_guarded() {
     # No core files: an aborted or segfaulting 2 GiB worker would write one.
     (
         ulimit -c 0
-        NO_COLOR=1 exec "$GPUSNAP" -v --json --state-dir "$STATE_DIR" run --name "$name" -- \
+        NO_COLOR=1 exec "$GPUSNAP" -v --json --state-dir "$STATE_DIR" run --name "$name" ${RARGS[@]+"${RARGS[@]}"} -- \
             python3 "$GPU_DIR/dying_worker.py" "$GIB" "$st" --threads "$THREADS" ${WARGS[@]+"${WARGS[@]}"} "$@"
     ) </dev/null >"$WORK/$key.log" 2>&1 &
     RUNP[$key]=$!
@@ -515,12 +519,22 @@ section_mode() {
             "suspend exit $r1 ${s1:-?}; resume exit $r2 ${s2:-?}; $got" "$v"
     fi
 
-    # Without its guard the death would kill a live (restored) process.
-    tracer=$(tracer_of "$pid")
-    if [ "$tracer" != "$run" ]; then
-        row "$key.2" "[$mode] the death" "worker traced by its gpusnap run ($run)" \
-            "tracer ${tracer:-none} ($(pstate "$pid" || echo gone)): not told to die; the cleanup stops it" FAIL
-        return 0
+    # Without its guard the death would kill a live (restored) process:
+    # traced by its `run`, or (light mode) carrying the preload library
+    # with its `run` alive to answer on the socket.
+    if [[ " ${RARGS[*]-} " == *" --light "* ]]; then
+        if ! alive "$run" || ! grep -q 'libgpusnap_preload' "/proc/$pid/maps" 2>/dev/null; then
+            row "$key.2" "[$mode] the death" "worker carries libgpusnap_preload.so and its gpusnap run ($run) lives" \
+                "run alive: $(alive "$run" && echo yes || echo no); preload mapped: $(grep -qs libgpusnap_preload "/proc/$pid/maps" && echo yes || echo no): not told to die; the cleanup stops it" FAIL
+            return 0
+        fi
+    else
+        tracer=$(tracer_of "$pid")
+        if [ "$tracer" != "$run" ]; then
+            row "$key.2" "[$mode] the death" "worker traced by its gpusnap run ($run)" \
+                "tracer ${tracer:-none} ($(pstate "$pid" || echo gone)): not told to die; the cleanup stops it" FAIL
+            return 0
+        fi
     fi
 
     # 2. the death
@@ -600,7 +614,7 @@ keeper_helpers() {
 
 # section_keeper: kill -9 the `run` guard; the keeper re-attaches a new guard.
 section_keeper() {
-    local key=keeper pid=${WPID[keeper]:-} run=${RUNP[keeper]} st=$WORK/keeper.status
+    local key=keeper pid=${WPID[keeper]:-} run=${RUNP[keeper]:-} st=$WORK/keeper.status
     local t0 tracer="" ms="" i0 got v end rc h0 h1 news smi d2s
     [ "$GUARD_KEEPER" = 1 ] || return 0
     if ! is_ready keeper; then row k "keeper takeover" "worker ready" "worker did not start" SKIP; return 0; fi

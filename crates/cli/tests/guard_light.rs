@@ -234,3 +234,43 @@ ctypes.string_at(0)
         assert!(err.contains("Fatal Python error: Segmentation fault"), "{err}");
     }
 }
+
+/// SIGTERM from outside to a program whose main thread is nearly always
+/// inside a (fake) CUDA call, holding the driver's lock: the library must
+/// not wait inside that call (the guard's lock would wait for it), so the
+/// program runs on until the guard has suspended it, and then dies of the
+/// SIGTERM.
+#[test]
+fn sigterm_to_a_busy_program_is_suspended_before_it_kills() {
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "busy");
+    let worker = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/gpu/dying_worker.py");
+    let idx = w.spawn_gpusnap(&[
+        "run",
+        "--light",
+        "--",
+        "python3",
+        worker.to_str().unwrap(),
+        "1",
+        st.to_str().unwrap(),
+        "--backend",
+        "driver",
+        "--interval",
+        "0",
+        "--no-setsid",
+    ]);
+    wait_for(Duration::from_secs(20), || {
+        std::fs::read_to_string(&st).is_ok_and(|s| s.split_whitespace().nth(1).is_some_and(|i| i != "0"))
+    });
+    let pid = pid_in(&st);
+    std::thread::sleep(Duration::from_millis(300));
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM).unwrap();
+    let s = w.wait_child(idx);
+    assert_eq!(s.signal(), Some(libc::SIGTERM), "{s:?}");
+    assert_suspended_before_death(&w, pid);
+    assert!(
+        notes(&w, pid).iter().any(|n| n.contains("before death (signal SIGTERM)")),
+        "{:?}",
+        notes(&w, pid)
+    );
+}

@@ -35,7 +35,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 use std::ffi::{c_char, c_int, c_void};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 
 /// Set once libcuda is seen in the process (at load, or after a `dlopen`):
 /// only such a process has anything to suspend.
@@ -238,10 +238,35 @@ fn errno_ptr() -> *mut c_int {
     unsafe { libc::__errno_location() }
 }
 
+/// Per signal: the connection on which an asynchronous death was announced
+/// to the guard and not yet answered (-1: none).
+static PENDING: [AtomicI32; 65] = [const { AtomicI32::new(-1) }; 65];
+
 /// The handler on a terminating signal the program left at its default.
+///
+/// A signal sent by another process (SIGTERM from a supervisor, say) may
+/// find this thread inside a CUDA call, holding the driver's locks that the
+/// guard's lock call then waits for: so the handler only announces the
+/// death and returns, the program runs on (its CUDA calls block once the
+/// guard has locked it), and the guard sends the same signal again when the
+/// process is suspended; the handler then finds the answer and lets the
+/// signal kill. A fault, or a signal the process sent itself (abort,
+/// raise), is answered here: the thread waits, then dies of it.
 extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void) {
     // SAFETY: errno of this thread, saved and restored around the handler.
     let saved = unsafe { *errno_ptr() };
+    // SAFETY: `info` is the kernel's siginfo for this delivery; for the
+    // codes of a sent signal (SI_USER, SI_QUEUE, SI_TKILL) si_pid is valid.
+    let (code, sender) = unsafe {
+        match info.as_ref() {
+            Some(i) if matches!(i.si_code, 0 | -1 | -6) => (i.si_code, i.si_pid()),
+            Some(i) => (i.si_code, 0),
+            None => (0, 0),
+        }
+    };
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() };
+    let from_outside = sender > 0 && sender != me;
     let mut why = *b"signal   ";
     let mut n = sig as u32;
     let mut i = why.len();
@@ -250,7 +275,31 @@ extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void
         why[i] = b'0' + (n % 10) as u8;
         n /= 10;
     }
-    notify(&why[..]);
+    let slot = &PENDING[sig as usize];
+    if from_outside && guarded_process() {
+        let fd = slot.load(Ordering::SeqCst);
+        if fd < 0 {
+            if let Some(fd) = announce(b"dying-async ", &why[..]) {
+                if slot.compare_exchange(-1, fd, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+                    // SAFETY: our own fd; another thread announced first.
+                    unsafe { libc::close(fd) };
+                }
+                // SAFETY: as above.
+                unsafe { *errno_ptr() = saved };
+                return;
+            }
+            // No guard answers: the death goes on now.
+        } else if !answered(fd) {
+            // SAFETY: as above.
+            unsafe { *errno_ptr() = saved };
+            return;
+        } else if slot.compare_exchange(fd, -1, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            // SAFETY: the fd this slot held.
+            unsafe { libc::close(fd) };
+        }
+    } else {
+        notify(&why[..]);
+    }
     // SAFETY: zeroed sigaction with SIG_DFL; the real sigaction.
     unsafe {
         let mut dfl: libc::sigaction = std::mem::zeroed();
@@ -258,8 +307,6 @@ extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void
         real_sigaction()(sig, &dfl, std::ptr::null_mut());
     }
     OURS[sig as usize].store(false, Ordering::SeqCst);
-    // SAFETY: `info` is the kernel's siginfo for this delivery.
-    let code = unsafe { info.as_ref().map_or(0, |i| i.si_code) };
     let fault = matches!(
         sig,
         libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP | libc::SIGSYS
@@ -270,42 +317,70 @@ extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void
         // happens again.
         // SAFETY: raw system calls with integer arguments.
         unsafe {
-            libc::syscall(libc::SYS_tgkill, libc::getpid(), libc::syscall(libc::SYS_gettid), sig);
+            libc::syscall(libc::SYS_tgkill, me, libc::syscall(libc::SYS_gettid), sig);
         }
     }
     // SAFETY: as above.
     unsafe { *errno_ptr() = saved };
 }
 
-/// Tells the guard "this process is dying" and waits for its answer. Only
-/// async-signal-safe system calls; nothing if libcuda was never loaded or
-/// no guard listens.
-fn notify(why: &[u8]) {
+/// Whether this process has something for the guard to suspend, and a
+/// guard to ask.
+fn guarded_process() -> bool {
+    ADDR_LEN.load(Ordering::Acquire) != 0 && CUDA.load(Ordering::SeqCst)
+}
+
+/// Whether the guard has answered on `fd` (a line, or the connection
+/// closed): a poll that does not wait.
+fn answered(fd: c_int) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd; no waiting.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// Connects to the guard and sends `head` + `why` + newline; the open
+/// connection, or `None` when no guard answers.
+fn announce(head: &[u8], why: &[u8]) -> Option<c_int> {
     let len = ADDR_LEN.load(Ordering::Acquire);
-    if len == 0 || !CUDA.load(Ordering::SeqCst) {
-        return;
-    }
     // SAFETY: raw socket calls on a fd we own; ADDR is written once before
     // ADDR_LEN is published.
     unsafe {
         let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
         if fd < 0 {
-            return;
+            return None;
         }
         let addr = std::ptr::addr_of!(ADDR).cast::<libc::sockaddr>();
         if libc::connect(fd, addr, len as libc::socklen_t) != 0 {
             libc::close(fd);
-            return;
+            return None;
         }
         let mut msg = [0u8; 64];
-        let head = b"dying ";
-        let n = head.len() + why.len().min(40);
-        msg[..head.len()].copy_from_slice(head);
-        msg[head.len()..n].copy_from_slice(&why[..n - head.len()]);
+        let n = (head.len() + why.len()).min(62);
+        let h = head.len().min(n);
+        msg[..h].copy_from_slice(&head[..h]);
+        msg[h..n].copy_from_slice(&why[..n - h]);
         msg[n] = b'\n';
-        let _ = libc::write(fd, msg.as_ptr().cast(), n + 1);
-        // Wait for the answer (the guard closes the connection after it).
-        let mut buf = [0u8; 16];
+        if libc::write(fd, msg.as_ptr().cast(), n + 1) != (n + 1) as isize {
+            libc::close(fd);
+            return None;
+        }
+        Some(fd)
+    }
+}
+
+/// Tells the guard "this process is dying" and waits for its answer. Only
+/// async-signal-safe system calls; nothing if libcuda was never loaded or
+/// no guard listens.
+fn notify(why: &[u8]) {
+    if !guarded_process() {
+        return;
+    }
+    let Some(fd) = announce(b"dying ", why) else { return };
+    // Wait for the answer (the guard closes the connection after it).
+    let mut buf = [0u8; 16];
+    // SAFETY: reads into a buffer of its length from a fd we own.
+    unsafe {
         loop {
             let r = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
             if r > 0 && buf[..r as usize].contains(&b'\n') {

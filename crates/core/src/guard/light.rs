@@ -167,6 +167,20 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
     }
 }
 
+/// The preload library's reason in the traced guard's words: `signal 11`
+/// -> `signal SIGSEGV`, `exit` -> `exit_group via exit`, `_exit` ->
+/// `exit_group via _exit`.
+fn light_why(words: &[&str]) -> String {
+    match words {
+        ["signal", n] => match n.parse::<i32>() {
+            Ok(sig) => format!("signal {}", super::signal_name(sig)),
+            Err(_) => format!("signal {n}"),
+        },
+        [how @ ("exit" | "_exit")] => format!("exit_group via {how}"),
+        other => other.join(" "),
+    }
+}
+
 fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
     conn: UnixStream,
     api: &Deadline<A>,
@@ -181,11 +195,20 @@ fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
         return;
     }
     let mut words = line.split_whitespace();
-    let reply = match words.next() {
-        Some("dying") => {
-            let why = words.collect::<Vec<_>>().join(" ");
+    let first = words.next();
+    let reply = match first {
+        Some(kind @ ("dying" | "dying-async")) => {
+            let rest: Vec<&str> = words.collect();
+            let resend = (kind == "dying-async")
+                .then(|| match rest.as_slice() {
+                    ["signal", n] => n.parse::<i32>().ok(),
+                    _ => None,
+                })
+                .flatten();
+            let why = light_why(&rest);
             match peer_pid(&conn) {
                 Some(pid) => {
+                    let who = target::resolve(pid).ok();
                     let outcome = Store::open(state_dir).and_then(|mut store| {
                         suspend_now(api, gpus, &mut store, pid, &why, lock_timeout_ms).map_err(|e| {
                             let msg = format!("could not suspend before death ({why}): {e}");
@@ -196,6 +219,16 @@ fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
                         })
                     });
                     tracing::info!(pid, why, ?outcome, "light guard");
+                    if let Some(sig) = resend {
+                        // The library let the program run on: the answer
+                        // first, then the signal again, which now kills.
+                        let _ = (&conn).write_all(b"ok\n");
+                        if who.as_ref().is_some_and(target::is_alive) {
+                            // SAFETY: kill with a pid and a signal number.
+                            unsafe { libc::kill(pid, sig) };
+                        }
+                        return;
+                    }
                     "ok\n".to_string()
                 }
                 None => "error: no peer credentials\n".to_string(),
@@ -208,4 +241,17 @@ fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
         _ => "error: unknown request\n".to_string(),
     };
     let _ = (&conn).write_all(reply.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_in_the_guards_words() {
+        assert_eq!(light_why(&["signal", "11"]), "signal SIGSEGV");
+        assert_eq!(light_why(&["exit"]), "exit_group via exit");
+        assert_eq!(light_why(&["_exit"]), "exit_group via _exit");
+        assert_eq!(light_why(&["signal", "x"]), "signal x");
+    }
 }
