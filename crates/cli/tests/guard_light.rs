@@ -104,11 +104,19 @@ fn a_killed_guard_leaves_the_program_running_and_a_new_guard_serves_it() {
         .unwrap();
     w.wait_child(idx);
     assert_progressing_at(&st);
+    let guard_finding = |w: &World| -> String {
+        let d = w.json(&["doctor", &pid.to_string()]).json();
+        let f = d["findings"].as_array().unwrap().iter().find(|f| f["check"] == "guard").cloned();
+        f.map(|f| f["severity"].as_str().unwrap_or("").to_string()).unwrap_or_default()
+    };
+    // doctor sees that no one answers for it now.
+    assert_eq!(guard_finding(&w), "warn");
     // `gpusnap guard` sees a light program and serves its socket again,
     // without tracing it.
     let r = w.gpusnap(&["guard", "--daemon", &pid.to_string()]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(tracer(pid), 0);
+    assert_eq!(guard_finding(&w), "ok");
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGABRT).unwrap();
     wait_for(Duration::from_secs(20), || !pid_exists(pid));
     assert_suspended_before_death(&w, pid);

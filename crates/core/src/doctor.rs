@@ -187,6 +187,31 @@ pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
     }
     let maps = read("maps");
     let mapped = |needle: &str| maps.lines().any(|l| l.contains(needle));
+    if mapped("libgpusnap_preload") {
+        let env = std::fs::read(dir.join("environ")).unwrap_or_default();
+        let key = format!("{}=", crate::guard::light::SOCKET_ENV);
+        let socket = env
+            .split(|b| *b == 0)
+            .find_map(|kv| kv.strip_prefix(key.as_bytes()))
+            .map(|v| String::from_utf8_lossy(v).into_owned());
+        match socket {
+            Some(s) if crate::guard::light::is_served(Path::new(&s)) => out.push(f(
+                "guard",
+                Severity::Ok,
+                format!("guarded by `gpusnap run --light` (socket {s})"),
+                None,
+            )),
+            other => out.push(f(
+                "guard",
+                Severity::Warn,
+                format!(
+                    "carries gpusnap's preload library, but no guard answers on {}: a death now would not be suspended",
+                    other.as_deref().unwrap_or("its socket (none in its environment)")
+                ),
+                Some("`gpusnap guard PID` serves its socket again"),
+            )),
+        }
+    }
     if !mapped("libcuda.so") {
         out.push(f(
             "cuda",
@@ -397,6 +422,14 @@ mod tests {
             assert!(got.iter().any(|(c, _)| *c == want), "{want} missing from {got:?}");
         }
         assert!(got.contains(&("nccl", Severity::Warn)));
+    }
+
+    #[test]
+    fn a_light_program_without_its_guard_is_named() {
+        let maps = format!("{CUDA}7f02-7f03 r-xp 0 00:00 2 /usr/lib/gpusnap/libgpusnap_preload.so\n");
+        let d = fixture(&maps, "GPUSNAP_GUARD_SOCKET=/nonexistent/light-1.sock", "S", 0);
+        let got = checks(&process_at(d.path(), 4242, 1));
+        assert!(got.contains(&("guard", Severity::Warn)), "{got:?}");
     }
 
     #[test]
