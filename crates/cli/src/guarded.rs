@@ -46,6 +46,7 @@ pub fn run_light(
     name: Option<String>,
     lock_timeout: u32,
     preload: Option<&Path>,
+    oom_watch: bool,
     cmd: &[OsString],
 ) -> anyhow::Result<()> {
     let mut store = Store::open(&cli.state_dir)?;
@@ -81,6 +82,9 @@ pub fn run_light(
         }
     };
     let leader = child.id() as i32;
+    if oom_watch {
+        lg.watch_memory(leader)?;
+    }
     if let Ok(t) = gpusnap_core::target::resolve(leader) {
         store.note(&t, "guard", None, &format!("guarded by gpusnap {me} (light)"))?;
     }

@@ -180,7 +180,7 @@ enum Cmd {
         /// forks then cost nothing extra; raw `exit_group` calls (Go, static
         /// binaries) and children that drop LD_PRELOAD are not caught
         /// (docs/guard.md).
-        #[arg(long, conflicts_with = "oom_watch")]
+        #[arg(long)]
         light: bool,
         /// The preload library for --light (default: next to gpusnap, or
         /// GPUSNAP_PRELOAD).
@@ -485,8 +485,8 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             out.one(&r, &output::woken(&r));
             Ok(())
         }
-        Cmd::Run { light: true, name, lock_timeout, preload, cmd, .. } => {
-            guarded::run_light(cli, name.clone(), *lock_timeout, preload.as_deref(), cmd)
+        Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, cmd, .. } => {
+            guarded::run_light(cli, name.clone(), *lock_timeout, preload.as_deref(), *oom_watch, cmd)
         }
         Cmd::Run { name, lock_timeout, no_keeper, oom_watch, cmd, .. } => {
             guarded::run(cli, name.clone(), *lock_timeout, !no_keeper, *oom_watch, cmd)

@@ -197,43 +197,46 @@ fn hibernate_detaches_the_guard_and_wake_attaches_one() {
 
 #[test]
 fn the_oom_watch_suspends_while_host_memory_can_still_take_it() {
-    let Some(cg) = Cgroup::new(256 << 20) else {
-        eprintln!("skipped: no memory cgroup can be created here");
-        return;
-    };
-    let w = World::new(&[16_384]);
-    let st = status_file(&w, "oom");
-    let wl = fake_workload_bin();
-    // The program joins the cgroup (256 MiB) before it starts: its 2 GiB of
-    // device memory would not fit in what is left of it.
-    let script = format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.0.display());
-    let mut cmd = std::process::Command::new("sh");
-    w.env(&mut cmd);
-    cmd.args(["-c", &script, "sh", env!("CARGO_BIN_EXE_gpusnap"), "run", "--no-keeper", "--oom-watch", "--"])
-        .arg(&wl)
-        .args(["--mib", "2048", "--status"])
-        .arg(&st)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    let mut run = cmd.spawn().unwrap();
-    let pid = pid_in(&st);
-    // Suspended while alive, journaled as the watch's doing.
-    wait_for(Duration::from_secs(20), || {
-        w.json(&["state", &pid.to_string()]).json()["state"] == "checkpointed"
-    });
-    assert!(pid_exists(pid));
-    assert!(w.calls_on(pid).windows(2).any(|c| c[0] == "lock=0" && c[1] == "checkpoint=0"));
-    let h = w.json(&["history", &pid.to_string()]).json();
-    assert!(
-        h["events"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|e| e["detail"].as_str().is_some_and(|d| d.contains("memory cgroup"))),
-        "{h}"
-    );
-    // It is safe to end now.
-    assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "1"]).code, 0);
-    let _ = run.wait();
+    // Traced, and light (`run --light --oom-watch`).
+    for mode in ["--no-keeper", "--light"] {
+        let Some(cg) = Cgroup::new(256 << 20) else {
+            eprintln!("skipped: no memory cgroup can be created here");
+            return;
+        };
+        let w = World::new(&[16_384]);
+        let st = status_file(&w, "oom");
+        let wl = fake_workload_bin();
+        // The program joins the cgroup (256 MiB) before it starts: its 2 GiB
+        // of device memory would not fit in what is left of it.
+        let script = format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.0.display());
+        let mut cmd = std::process::Command::new("sh");
+        w.env(&mut cmd);
+        cmd.args(["-c", &script, "sh", env!("CARGO_BIN_EXE_gpusnap"), "run", mode, "--oom-watch", "--"])
+            .arg(&wl)
+            .args(["--mib", "2048", "--status"])
+            .arg(&st)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let mut run = cmd.spawn().unwrap();
+        let pid = pid_in(&st);
+        // Suspended while alive, journaled as the watch's doing.
+        wait_for(Duration::from_secs(20), || {
+            w.json(&["state", &pid.to_string()]).json()["state"] == "checkpointed"
+        });
+        assert!(pid_exists(pid), "{mode}");
+        assert!(w.calls_on(pid).windows(2).any(|c| c[0] == "lock=0" && c[1] == "checkpoint=0"), "{mode}");
+        let h = w.json(&["history", &pid.to_string()]).json();
+        assert!(
+            h["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["detail"].as_str().is_some_and(|d| d.contains("memory cgroup"))),
+            "{mode}: {h}"
+        );
+        // It is safe to end now.
+        assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "1"]).code, 0, "{mode}");
+        let _ = run.wait();
+    }
 }

@@ -127,6 +127,26 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
         }
     }
 
+    /// Watches the memory cgroups of `leader` and its descendants (as
+    /// `run --oom-watch` does for traced programs, see [`super::oom_watch`]),
+    /// on threads of their own.
+    pub fn watch_memory(&self, leader: i32) -> Result<(), Error> {
+        let shared = Arc::new(std::sync::Mutex::new(vec![leader]));
+        let store = Store::open(&self.state_dir)?;
+        let (api, gpus, lt) = (self.api.clone(), Arc::clone(&self.gpus), self.lock_timeout_ms);
+        let tree = Arc::clone(&shared);
+        // The tree, again every second: a light guard sees no forks.
+        std::thread::spawn(move || loop {
+            let pids: Vec<i32> = crate::hibernate::process_tree(leader).into_iter().map(|(p, _)| p).collect();
+            if let Ok(mut t) = tree.lock() {
+                *t = pids;
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        });
+        std::thread::spawn(move || super::oom_watch(api, gpus, store, shared, lt));
+        Ok(())
+    }
+
     /// Binds `path` (mode 0600; a stale socket left by a dead guard is
     /// replaced) and serves it on a thread of its own until the process ends.
     pub fn serve(&self, path: &Path) -> Result<u64, Error> {

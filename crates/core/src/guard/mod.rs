@@ -689,7 +689,7 @@ pub fn cgroup_memory(pid: i32) -> Option<(u64, u64)> {
 /// 256 MiB), suspend it now, while that is still possible. The kernel's OOM
 /// killer uses SIGKILL, which nothing can catch; a suspended process can be
 /// killed safely, a live restored one can take the host with it.
-fn oom_watch<A: CheckpointApi, G: GpuInventory>(
+pub(crate) fn oom_watch<A: CheckpointApi, G: GpuInventory>(
     api: Deadline<A>,
     gpus: Arc<G>,
     mut store: Store,
