@@ -85,6 +85,23 @@ pub fn run_light(
     if oom_watch {
         lg.watch_memory(leader)?;
     }
+    // LD_PRELOAD does not reach a statically linked or setuid program, nor
+    // one a wrapper started with a clean environment: say so, once it has
+    // had time to start, rather than guard nothing in silence.
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        let maps = std::fs::read_to_string(format!("/proc/{leader}/maps"));
+        if let Ok(maps) = maps {
+            if !maps.contains(light::LIBRARY) {
+                tracing::warn!(
+                    pid = leader,
+                    "{} is not loaded in the program (statically linked? setuid? started with a clean \
+                     environment?): its deaths are not guarded; run it without --light",
+                    light::LIBRARY
+                );
+            }
+        }
+    });
     if let Ok(t) = gpusnap_core::target::resolve(leader) {
         store.note(&t, "guard", None, &format!("guarded by gpusnap {me} (light)"))?;
     }

@@ -282,3 +282,13 @@ fn sigterm_to_a_busy_program_is_suspended_before_it_kills() {
         notes(&w, pid)
     );
 }
+
+/// A program the library cannot reach (here: a wrapper drops LD_PRELOAD)
+/// is named, not guarded in silence.
+#[test]
+fn a_program_without_the_library_is_named() {
+    let w = World::new(&[8192]);
+    let r = w.gpusnap(&["run", "--light", "--", "env", "-u", "LD_PRELOAD", "sleep", "3"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stderr.contains("libgpusnap_preload.so is not loaded in the program"), "{}", r.stderr);
+}
