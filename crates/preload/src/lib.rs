@@ -433,6 +433,19 @@ extern "C" fn init() {
     // SAFETY: registering a function that lives as long as the process
     // (this library is never unloaded).
     unsafe { libc::atexit(at_exit) };
+    // SAFETY: as above; only the child handler is given.
+    unsafe { libc::pthread_atfork(None, None, Some(forget_pending)) };
+}
+
+/// In a forked child: the parent's announced deaths are not the child's.
+extern "C" fn forget_pending() {
+    for slot in &PENDING {
+        let fd = slot.swap(-1, Ordering::SeqCst);
+        if fd >= 0 {
+            // SAFETY: the child's copy of the parent's connection.
+            unsafe { libc::close(fd) };
+        }
+    }
 }
 
 #[used]
