@@ -865,3 +865,21 @@ fn wait_pid_free(p: &ProcDesc, wait: Duration) -> Result<(), Error> {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roots_of_a_process_and_its_child() {
+        let me = std::process::id() as i32;
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
+        let kid = child.id() as i32;
+        assert_eq!(roots_of(&[kid, me]), vec![me]);
+        assert_eq!(roots_of(&[kid]), vec![kid]);
+        assert_eq!(roots_of(&[me, me]), vec![me]);
+        assert!(process_tree(me).iter().any(|(p, pp)| *p == kid && *pp == me));
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
