@@ -11,6 +11,9 @@
 #   hbench  tests/gpu/bench-hibernate.sh $HBENCH_SIZES (hibernate/wake against driver + CRIU)
 #   multi   tests/gpu/multi-e2e.sh (two GPUs: remap, a group across GPUs, one
 #           process on two GPUs, NCCL; ~3-4 min; needs a machine with 2 GPUs)
+#   guard   tests/gpu/guard-e2e.sh traced, then with --light, then
+#           tests/gpu/guard-bench.sh (both modes); ~4 min; needs
+#           libgpusnap_preload.so next to $GPUSNAP
 # Environment:
 #   OUT              results (default: a new /tmp/gpusnap-device.* directory)
 #   DEVICE_BUDGET_S  the whole call's wall-clock budget (default 570); each
@@ -25,9 +28,10 @@
 #   CRIU_SRC         the relocatable CRIU to install (default .dev/criu), into
 #                    /opt/gpusnap/criu (its bin/criu has absolute paths there)
 # Anything else (E2E_SECTIONS, REPS, ...) passes through to the stages.
-# Files in $OUT (at most seven): device.log (this script's log, then the logs
-# of bench, hbench and multi), gpu-e2e.md, e2e.log, bench.md,
-# bench-hibernate.md, multi-e2e.md, results.json (host, CRIU, every stage's
+# Files in $OUT (at most ten): device.log (this script's log, then the logs
+# of bench, hbench, multi and guard), gpu-e2e.md, e2e.log, bench.md,
+# bench-hibernate.md, multi-e2e.md, guard-e2e.md, guard-e2e-light.md,
+# guard-bench.md, results.json (host, CRIU, every stage's
 # exit status and time, and the JSON of each stage). Exit 0 when every stage
 # ran and exited 0.
 
@@ -57,14 +61,14 @@ say() {
 }
 
 usage() {
-    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi]..." >&2
+    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard]..." >&2
     exit 2
 }
 
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(e2e)
 for s in "${STAGES[@]}"; do
-    case $s in e2e | bench | hbench | multi) ;; *) usage ;; esac
+    case $s in e2e | bench | hbench | multi | guard) ;; *) usage ;; esac
 done
 if [ ! -f tests/gpu/e2e.sh ]; then
     echo "run tests/gpu/device.sh from the repository root" >&2
@@ -150,7 +154,7 @@ host_info() {
 
 # weight STAGE: the wall it wants; shares of the time left go by these.
 weight() {
-    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi) echo 300 ;; esac
+    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; esac
 }
 # slack STAGE: its watchdog fires this long after its soft budget, and its
 # cleanup runs after that.
@@ -159,7 +163,7 @@ slack() {
 }
 # floor STAGE: below this soft budget the stage cannot do anything useful.
 floor_s() {
-    case $1 in e2e | multi) echo 150 ;; bench) echo 100 ;; hbench) echo 120 ;; esac
+    case $1 in e2e | multi | guard) echo 150 ;; bench) echo 100 ;; hbench) echo 120 ;; esac
 }
 
 stage_row() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGES_TSV"; }
@@ -181,9 +185,9 @@ for line in open(tsv):
     st = {"stage": f[0], "rc": int(f[1]) if f[1].lstrip("-").isdigit() else None, "wall_s": int(f[2] or 0),
           "share_s": int(f[3] or 0), "budget_s": int(f[4] or 0), "note": f[5]}
     src = {"e2e": "e2e/gpu-e2e.json", "bench": "bench/bench.json", "hbench": "hbench/bench-hibernate.json",
-           "multi": "multi/multi-e2e.json"}[f[0]]
+           "multi": "multi/multi-e2e.json"}.get(f[0])
     try:
-        st["result"] = json.load(open(os.path.join(scr, src)))
+        st["result"] = json.load(open(os.path.join(scr, src))) if src else None
     except (OSError, ValueError):
         st["result"] = None
     stages.append(st)
@@ -230,6 +234,15 @@ run_stage() {
             cmd=(env OUT="$dir" HBENCH_BUDGET_S="$soft" tests/gpu/bench-hibernate.sh "${sz[@]}")
             ;;
         multi) cmd=(env OUT="$dir" MULTI_BUDGET_S="$soft" tests/gpu/multi-e2e.sh) ;;
+        guard)
+            # Three runs in one stage, a third of the budget each.
+            local third=$((soft / 3))
+            cmd=(bash -c 'rc=0
+                env OUT="$1/traced" GUARD_BUDGET_S="$2" tests/gpu/guard-e2e.sh || rc=1
+                env OUT="$1/light" GUARD_BUDGET_S="$2" GUARD_RUN_ARGS=--light GUARD_KEEPER=0 tests/gpu/guard-e2e.sh || rc=1
+                env OUT="$1/bench" GUARD_BENCH_BUDGET_S="$2" tests/gpu/guard-bench.sh || rc=1
+                exit $rc' _ "$dir" "$((third - 45))")
+            ;;
     esac
     say "stage $name: share ${share}s of ${left}s left, soft budget ${soft}s: ${cmd[*]}"
     t0=$SECONDS
@@ -256,6 +269,15 @@ run_stage() {
             else
                 append_log "hbench stderr" "$dir/stderr.txt"
             fi
+            ;;
+        guard)
+            cp -f "$dir/traced/guard-e2e.md" "$OUT/guard-e2e.md" 2>/dev/null || say "guard wrote no guard-e2e.md"
+            cp -f "$dir/light/guard-e2e.md" "$OUT/guard-e2e-light.md" 2>/dev/null || say "guard (light) wrote no guard-e2e.md"
+            cp -f "$dir/bench/guard-bench.md" "$OUT/" 2>/dev/null || say "guard wrote no guard-bench.md"
+            for f in traced/guard-e2e.log light/guard-e2e.log bench/guard-bench.log; do
+                if [ -s "$dir/$f" ]; then append_log "$f" "$dir/$f"; fi
+            done
+            append_log "guard stderr" "$dir/stderr.txt"
             ;;
         multi)
             cp -f "$dir/multi-e2e.md" "$OUT/" 2>/dev/null || say "multi wrote no multi-e2e.md"
