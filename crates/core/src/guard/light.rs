@@ -42,6 +42,21 @@ pub fn socket_for(state_dir: &Path, run_pid: u32) -> PathBuf {
 /// The preload library: `explicit`, else `GPUSNAP_PRELOAD`, else next to
 /// the running executable or in `../lib/gpusnap/` from it.
 pub fn find_library(explicit: Option<&Path>) -> Result<PathBuf, Error> {
+    let lib = locate_library(explicit)?;
+    // LD_PRELOAD splits its list at spaces and colons.
+    let text = lib.to_string_lossy();
+    if text.contains([' ', ':', '\t', '\n']) {
+        return Err(Error::Proc {
+            pid: 0,
+            reason: format!(
+                "{text}: LD_PRELOAD cannot name a path with spaces or colons; pass --preload PATH"
+            ),
+        });
+    }
+    Ok(lib)
+}
+
+fn locate_library(explicit: Option<&Path>) -> Result<PathBuf, Error> {
     let missing = |why: String| Error::Proc { pid: 0, reason: why };
     if let Some(p) =
         explicit.map(Path::to_path_buf).or_else(|| std::env::var_os("GPUSNAP_PRELOAD").map(PathBuf::from))
@@ -266,6 +281,19 @@ fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_library_path_ld_preload_cannot_carry_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let bad = d.path().join("with space.so");
+        std::fs::write(&bad, b"").unwrap();
+        let e = find_library(Some(&bad)).unwrap_err();
+        assert!(e.to_string().contains("spaces or colons"), "{e}");
+        let good = d.path().join("lib.so");
+        std::fs::write(&good, b"").unwrap();
+        assert_eq!(find_library(Some(&good)).unwrap(), good);
+        assert!(find_library(Some(&d.path().join("missing.so"))).is_err());
+    }
 
     #[test]
     fn reasons_in_the_guards_words() {
