@@ -593,7 +593,10 @@ fn hibernate(cli: &Cli, out: &Out, select: &Select, opts: &HibernateOptions) -> 
     let mut e = engine_with(cli, out, true)?;
     let roots = select.roots(&mut e)?;
     if roots.is_empty() {
-        anyhow::bail!(Error::BadPid { pid: 0 });
+        // As for the other commands, a group that turns out empty is no error.
+        eprintln!("gpusnap: no process in that group: nothing to hibernate");
+        out.all::<gpusnap_core::hibernate::HibernateReport>(&[], output::hibernated);
+        return Ok(());
     }
     let mut tree: Vec<i32> = Vec::new();
     for &root in &roots {

@@ -500,3 +500,18 @@ fn a_cgroup_of_two_trees_hibernates_all_or_nothing() {
     assert_progressing_at(&st_a);
     assert_progressing_at(&st_b);
 }
+
+#[test]
+fn an_empty_group_hibernates_nothing() {
+    criu_present();
+    // Not --all: the other tests' fake workloads run beside this one.
+    let Some(cg) = Cgroup::new(1 << 40) else {
+        eprintln!("skipped: no cgroup can be created here");
+        return;
+    };
+    let w = World::new(&[8192]);
+    let r = w.json(&["hibernate", "--cgroup", cg.0.to_str().unwrap()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["results"].as_array().unwrap().len(), 0);
+    assert!(r.stderr.contains("nothing to hibernate"), "{}", r.stderr);
+}

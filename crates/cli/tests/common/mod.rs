@@ -514,7 +514,10 @@ pub struct Cgroup(pub PathBuf);
 
 impl Cgroup {
     pub fn new(limit: u64) -> Option<Self> {
-        let name = format!("gpusnap-test-{}", std::process::id());
+        // Unique per test: tests of one binary run at the same time.
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let name = format!("gpusnap-test-{}-{n}", std::process::id());
         for (root, limit_file) in
             [("/sys/fs/cgroup/memory", "memory.limit_in_bytes"), ("/sys/fs/cgroup", "memory.max")]
         {
