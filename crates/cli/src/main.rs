@@ -109,9 +109,13 @@ enum Cmd {
         lock_timeout: u32,
     },
     /// Restore a process tree from an image and put its CUDA processes back on the GPU.
+    ///
+    /// Several images (the trees of a hibernated group) are woken all or
+    /// nothing: all verified and admitted together before any is restored.
     Wake {
-        /// An image name under STATE_DIR/images, or a path to an image directory.
-        image: String,
+        /// Image names under STATE_DIR/images, or paths to image directories.
+        #[arg(required = true, num_args = 1..)]
+        images: Vec<String>,
         /// Wait up to SECS for GPU memory and for the image's pids to come free.
         #[arg(long, value_name = "SECS", default_value_t = 0)]
         wait: u64,
@@ -466,7 +470,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             };
             hibernate(cli, out, select, &opts)
         }
-        Cmd::Wake { image, wait, margin, no_guard, device_map } => {
+        Cmd::Wake { images: names, wait, margin, no_guard, device_map } => {
             let c = criu(cli)?;
             let mut e = engine_with(cli, out, true)?;
             let opts = WakeOptions {
@@ -476,13 +480,18 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 device_map: device_map.clone().map(|m| m.0).unwrap_or_default(),
                 force: false,
             };
-            let r = e.wake(&c, &images(cli), image, &opts)?;
+            let r = e.wake_group(&c, &images(cli), names, &opts)?;
             if !no_guard {
-                if let Err(e) = start_guard(&cli.state_dir, &r.processes) {
+                let pids: Vec<i32> = r.iter().flat_map(|w| w.processes.iter().copied()).collect();
+                if let Err(e) = start_guard(&cli.state_dir, &pids) {
                     tracing::warn!("woken, but the guard could not attach: {e}");
                 }
             }
-            out.one(&r, &output::woken(&r));
+            if let [one] = r.as_slice() {
+                out.one(one, &output::woken(one));
+            } else {
+                out.all(&r, output::woken);
+            }
             Ok(())
         }
         Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, cmd, .. } => {

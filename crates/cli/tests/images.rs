@@ -492,11 +492,22 @@ fn a_cgroup_of_two_trees_hibernates_all_or_nothing() {
         w.reap(p);
         wait_for(Duration::from_secs(10), || !pid_exists(p));
     }
+    // The group wakes all or nothing: the second image's CUDA restore
+    // fails, the first tree is ended safely, both images stay.
+    let (ia, ib) = (format!("pod-{}", a.min(b)), format!("pod-{}", a.max(b)));
+    w.set_config("inject", json!([{ "call": "restore", "pid": second, "rc": 999, "count": 1 }]));
+    let r = w.json(&["wake", &ia, &ib, "--wait", "10", "--no-guard"]);
+    assert_eq!(r.code, 4, "{}", r.stderr);
+    assert!(r.stderr.contains(&format!("image {ib} of the group")), "{}", r.stderr);
     for p in [a, b] {
-        let r = w.json(&["wake", &format!("pod-{p}"), "--wait", "10", "--no-guard"]);
-        assert_eq!(r.code, 0, "{}", r.stderr);
-        w.adopt(p);
+        wait_for(Duration::from_secs(20), || !pid_exists(p));
     }
+    assert_eq!(w.json(&["images", "list"]).json()["images"].as_array().unwrap().len(), 2);
+    let r = w.json(&["wake", &ia, &ib, "--wait", "10", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["results"].as_array().unwrap().len(), 2);
+    w.adopt(a);
+    w.adopt(b);
     assert_progressing_at(&st_a);
     assert_progressing_at(&st_b);
 }

@@ -60,6 +60,8 @@ pub enum Error {
     BadMap(String),
     #[error("member {pid} of the group: {source}")]
     Member { pid: i32, source: Box<Error> },
+    #[error("image {image} of the group: {source}")]
+    GroupImage { image: String, source: Box<Error> },
     #[error(transparent)]
     Gpu(#[from] gpusnap_gpu::GpuError),
     #[error("state store {path}: {reason}")]
@@ -100,7 +102,7 @@ impl Error {
             | Self::NoFootprint { .. }
             | Self::ForeignSession { .. } => 2,
             Self::NoMemory { .. } => 3,
-            Self::Member { source, .. } => source.exit_code(),
+            Self::Member { source, .. } | Self::GroupImage { source, .. } => source.exit_code(),
             Self::Image(crate::image::ImageError::Io { .. }) => 1,
             Self::Image(_) | Self::Incompatible { .. } | Self::BadMap(_) => 2,
             Self::Criu(_)
@@ -152,7 +154,7 @@ impl Error {
             Self::CudaWithoutDriver { .. } => "no_driver",
             Self::Incompatible { .. } => "incompatible",
             Self::BadMap(_) => "bad_device_map",
-            Self::Member { source, .. } => source.kind(),
+            Self::Member { source, .. } | Self::GroupImage { source, .. } => source.kind(),
         }
     }
 }

@@ -50,6 +50,29 @@ pub struct HibernateReport {
     pub total_ms: u64,
 }
 
+/// One image of a wake, verified and checked, not yet restored.
+struct WakePlan {
+    name: String,
+    started: Instant,
+    dir: PathBuf,
+    m: Manifest,
+    /// The CUDA processes to put back on the GPU, in the image's order.
+    resume: Vec<i32>,
+    /// What each of them needs, per GPU it goes to.
+    fps: Vec<BTreeMap<String, u64>>,
+    pairs: Vec<gpusnap_cuda::GpuPair>,
+    verify_ms: u64,
+}
+
+/// An error of one image of a group wake, named by the image (alone, the
+/// error itself).
+fn member(names: &[String], name: &str, e: Error) -> Error {
+    if names.len() <= 1 {
+        return e;
+    }
+    Error::GroupImage { image: name.to_string(), source: Box::new(e) }
+}
+
 /// A tree dumped and its image committed, not yet ended (see
 /// [`Engine::hibernate_group`]).
 struct Dumped {
@@ -523,6 +546,105 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         name: &str,
         opts: &WakeOptions,
     ) -> Result<WakeReport, Error> {
+        let names = [name.to_string()];
+        let mut r = self.wake_group(criu, images, &names, opts)?;
+        Ok(r.remove(0))
+    }
+
+    /// Wakes several images (the trees of a hibernated group), all or
+    /// nothing: every image is verified and checked against this host, and
+    /// their processes admitted together, before any is restored; if one
+    /// fails, the trees already woken are ended safely (suspended first) and
+    /// every image stays as it was, for a retry.
+    pub fn wake_group(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        names: &[String],
+        opts: &WakeOptions,
+    ) -> Result<Vec<WakeReport>, Error> {
+        let mut plans = Vec::new();
+        for name in names {
+            let plan = self.plan_wake(images, name, opts).map_err(|e| member(names, name, e))?;
+            plans.push(plan);
+        }
+        // The images' pids must be free: a dying old process may still hold one.
+        let t_wait = Instant::now();
+        for plan in &plans {
+            for p in &plan.m.processes {
+                wait_pid_free(p, opts.wait.max(Duration::from_secs(10)))
+                    .map_err(|e| member(names, &plan.name, e))?;
+            }
+        }
+        let mut need: BTreeMap<String, u64> = BTreeMap::new();
+        for plan in &plans {
+            for fp in &plan.fps {
+                for (u, b) in fp {
+                    *need.entry(u.clone()).or_insert(0) += b;
+                }
+            }
+        }
+        let reservation = if need.is_empty() {
+            Vec::new()
+        } else {
+            // The images' processes do not exist yet: nothing to journal on.
+            let left = opts.wait.saturating_sub(t_wait.elapsed());
+            let first = plans[0].m.root_pid;
+            self.admit_waiting(first, None, &need, opts.margin_bytes, left)?.0
+        };
+        let waited_ms = ms(t_wait);
+
+        let mut out: Vec<WakeReport> = Vec::new();
+        let mut failed = None;
+        for plan in &plans {
+            let resume: Vec<&ProcDesc> = plan
+                .resume
+                .iter()
+                .filter_map(|pid| plan.m.processes.iter().find(|p| p.pid == *pid))
+                .collect();
+            match self.wake_admitted(criu, &plan.dir, &plan.m, &resume, &plan.fps, &plan.pairs) {
+                Ok((root_pid, criu_ms, restore_ms)) => out.push(WakeReport {
+                    image: plan.m.name.clone(),
+                    root_pid,
+                    processes: plan.m.processes.iter().map(|p| p.pid).collect(),
+                    resumed: plan.resume.clone(),
+                    verify_ms: plan.verify_ms,
+                    waited_ms,
+                    criu_ms,
+                    restore_ms,
+                    total_ms: ms(plan.started),
+                }),
+                Err(e) => {
+                    failed = Some(member(names, &plan.name, e));
+                    break;
+                }
+            }
+        }
+        self.store_mut().release(&reservation)?;
+        if let Some(err) = failed {
+            // The images are untouched; the trees woken before are ended,
+            // suspended first where they are on the GPU, so that the whole
+            // group can be woken again.
+            let stop = StopOptions { grace: Duration::from_secs(2), force: false, lock_timeout_ms: 30_000 };
+            for r in out.iter().rev() {
+                for &pid in r.processes.iter().rev() {
+                    if let Ok(t) = target::resolve(pid) {
+                        if let Err(e) = self.stop(t.pid, &stop) {
+                            tracing::error!(pid, "could not end a woken process after the group failed: {e}");
+                        }
+                    }
+                }
+            }
+            return Err(err);
+        }
+        Ok(out)
+    }
+
+    /// Everything about waking one image that can be decided before anything
+    /// is restored: the image verified (manifest, every checksum), this host
+    /// checked (driver, GPUs), the CUDA processes to put back and the memory
+    /// each needs where it goes.
+    fn plan_wake(&mut self, images: &ImageStore, name: &str, opts: &WakeOptions) -> Result<WakePlan, Error> {
         let started = Instant::now();
         // Verify everything before anything is restored.
         let (dir, m) = images.manifest(name)?;
@@ -579,42 +701,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
             out
         };
-
-        // The image's pids must be free: a dying old process may still hold one.
-        let t_wait = Instant::now();
-        for p in &m.processes {
-            wait_pid_free(p, opts.wait.max(Duration::from_secs(10)))?;
-        }
-        let mut need: BTreeMap<String, u64> = BTreeMap::new();
-        for p in &resume {
-            for (u, b) in moved(&p.footprint) {
-                *need.entry(u).or_insert(0) += b;
-            }
-        }
-        let reservation = if need.is_empty() {
-            Vec::new()
-        } else {
-            // The image's processes do not exist yet: nothing to journal on.
-            let left = opts.wait.saturating_sub(t_wait.elapsed());
-            self.admit_waiting(m.root_pid, None, &need, opts.margin_bytes, left)?.0
-        };
-        let waited_ms = ms(t_wait);
-
         let fps: Vec<BTreeMap<String, u64>> = resume.iter().map(|p| moved(&p.footprint)).collect();
-        let out = self.wake_admitted(criu, &dir, &m, &resume, &fps, &pairs);
-        self.store_mut().release(&reservation)?;
-        let (root_pid, criu_ms, restore_ms) = out?;
-        Ok(WakeReport {
-            image: m.name.clone(),
-            root_pid,
-            processes: m.processes.iter().map(|p| p.pid).collect(),
-            resumed: resume.iter().map(|p| p.pid).collect(),
-            verify_ms,
-            waited_ms,
-            criu_ms,
-            restore_ms,
-            total_ms: ms(started),
-        })
+        let resume: Vec<i32> = resume.iter().map(|p| p.pid).collect();
+        Ok(WakePlan { name: name.to_string(), started, dir, m, resume, fps, pairs, verify_ms })
     }
 
     fn wake_admitted(
