@@ -131,15 +131,27 @@ impl Criu {
 
     fn run(&self, op: &'static str, mut cmd: Command, log: &Path) -> Result<(), CriuError> {
         tracing::debug!(?cmd, "running criu");
-        let out = cmd.output().map_err(|e| CriuError::Spawn(e.to_string()))?;
-        if out.status.success() {
-            return Ok(());
+        let mut tries = 0;
+        loop {
+            let out = cmd.output().map_err(|e| CriuError::Spawn(e.to_string()))?;
+            if out.status.success() {
+                return Ok(());
+            }
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let line = last_error(&text)
+                .or_else(|| String::from_utf8_lossy(&out.stderr).lines().last().map(str::to_string))
+                .unwrap_or_else(|| format!("exit status {}", out.status));
+            // CRIU probes the kernel before it touches any process; those
+            // probes can fail while other CRIUs run (measured: several
+            // dumps at once). Nothing was done yet: try again.
+            if line.contains("kernel features detection") && tries < 3 {
+                tries += 1;
+                tracing::warn!(op, tries, "criu could not probe the kernel; trying again");
+                std::thread::sleep(std::time::Duration::from_millis(300 * tries));
+                continue;
+            }
+            return Err(CriuError::Failed { op, line, log: log.display().to_string() });
         }
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        let line = last_error(&text)
-            .or_else(|| String::from_utf8_lossy(&out.stderr).lines().last().map(str::to_string))
-            .unwrap_or_else(|| format!("exit status {}", out.status));
-        Err(CriuError::Failed { op, line, log: log.display().to_string() })
     }
 }
 
@@ -149,9 +161,10 @@ pub fn last_error(log: &str) -> Option<String> {
     log.lines()
         .rev()
         .filter(|l| l.contains("Error (") || l.contains("Error:"))
-        // Printed by every run without CAP_SYS_RESOURCE, and harmless; and
-        // the closing "Restoring FAILED." says nothing about why.
-        .find(|l| !l.contains("RLIMIT_NOFILE") && !l.ends_with("FAILED."))
+        // Printed by every run without CAP_SYS_RESOURCE, and harmless; the
+        // closing "Restoring FAILED." says nothing about why, nor does
+        // "Restorer fail PID", which follows the restorer's own error.
+        .find(|l| !l.contains("RLIMIT_NOFILE") && !l.ends_with("FAILED.") && !l.contains("Restorer fail"))
         .map(|l| {
             let l = l.trim();
             // "(00.012345) Error (criu/cr-dump.c:123): message"
@@ -180,6 +193,12 @@ mod tests {
         let (maj, min, v) = parse_version("Version: 3.17.1\nGitID: v3.17.1\n").unwrap();
         assert_eq!((maj, min, v.as_str()), (3, 17, "3.17.1"));
         assert!(parse_version("garbage").is_none());
+    }
+
+    #[test]
+    fn the_restorers_own_error_is_named() {
+        let log = "(00.1) pie: 42: Error (criu/pie/restorer.c:1700): Unable to restore timers: -22\n(00.2) Error (criu/cr-restore.c:2100): Restorer fail 42\n(00.3) Error (criu/cr-restore.c:2331): Restoring FAILED.\n";
+        assert_eq!(last_error(log).unwrap(), "Unable to restore timers: -22");
     }
 
     #[test]

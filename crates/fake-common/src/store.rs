@@ -107,6 +107,21 @@ impl Store {
         Ok(out)
     }
 
+    /// The state as last written, read without the lock (every write is an
+    /// atomic rename, so a read sees one whole version). For polls that only
+    /// look: a process stopped (by CRIU, a debugger) while holding the lock
+    /// would stall every other caller, and a CUDA process that is waiting to
+    /// be resumed polls all the time.
+    pub fn peek_state(&self) -> io::Result<State> {
+        let path = self.dir.join("state.json");
+        match fs::read_to_string(&path) {
+            Ok(text) if !text.is_empty() => serde_json::from_str(&text).map_err(|e| bad_file(&path, e)),
+            Ok(_) => Ok(State::default()),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(State::default()),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The config alone. Callers that also need the state use [`transact`],
     /// which reads it under the lock.
     ///

@@ -241,7 +241,20 @@ fn as_workload<T>(
     let store = Store::from_env();
     let me = procfs::self_pid();
     let mut f = Some(f);
+    let blocked_in = |state: &gpusnap_fake_common::state::State| {
+        state.procs.get(&me).is_some_and(|p| {
+            let stale = new_context.is_some_and(|start| p.start_time != start);
+            !p.accepts_work() && !stale
+        })
+    };
     loop {
+        // Looked at without the lock first: a blocked process (locked,
+        // checkpointed) polls, and CRIU may freeze it mid-poll; frozen while
+        // holding the lock it would stall everyone else.
+        if store.peek_state().is_ok_and(|st| blocked_in(&st)) {
+            sleep(POLL);
+            continue;
+        }
         let done = store
             .transact(|t| {
                 let blocked = t.state.procs.get(&me).is_some_and(|p| {

@@ -5,7 +5,7 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Output, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::OnceLock;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -210,21 +210,43 @@ impl World {
         cmd
     }
 
-    /// Runs gpusnap to completion (bounded: a hang fails the test).
+    /// Runs gpusnap to completion (bounded: a hang fails the test, with
+    /// what it printed so far and where each of its threads waits).
     pub fn gpusnap(&self, args: &[&str]) -> Run {
+        use std::io::Read;
         let mut child = self.gpusnap_cmd(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        // Drained while it runs: a full pipe must not look like a hang.
+        let drain = |mut r: Box<dyn Read + Send>| {
+            std::thread::spawn(move || {
+                let mut v = Vec::new();
+                let _ = r.read_to_end(&mut v);
+                v
+            })
+        };
+        let out = drain(Box::new(child.stdout.take().unwrap()));
+        let err = drain(Box::new(child.stderr.take().unwrap()));
         let end = Instant::now() + Duration::from_secs(60);
-        loop {
-            if child.try_wait().unwrap().is_some() {
-                break;
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break st;
             }
             if Instant::now() > end {
+                let pid = child.id();
+                let mut waits = String::new();
+                for t in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+                    let wchan = std::fs::read_to_string(t.path().join("wchan")).unwrap_or_default();
+                    let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+                    waits += &format!("{} {} {wchan}; ", t.file_name().to_string_lossy(), comm.trim());
+                }
+                let kids = children_of(pid as i32);
                 let _ = child.kill();
-                panic!("gpusnap {args:?} hung");
+                let _ = child.wait();
+                let stderr = String::from_utf8_lossy(&err.join().unwrap_or_default()).into_owned();
+                panic!("gpusnap {args:?} hung; threads: {waits}children: {kids:?}; stderr: {stderr}");
             }
             std::thread::sleep(Duration::from_millis(10));
-        }
-        let Output { status, stdout, stderr } = child.wait_with_output().unwrap();
+        };
+        let (stdout, stderr) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
         Run {
             code: status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&stdout).into_owned(),
