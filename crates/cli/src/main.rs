@@ -560,7 +560,17 @@ impl Select {
         if self.all {
             want.extend(e.ps()?.into_iter().filter(|r| r.state != "stopped").map(|r| r.pid));
         }
-        Ok(gpusnap_core::hibernate::roots_of(&want))
+        let mut roots = gpusnap_core::hibernate::roots_of(&want);
+        // A group's member may end between the listing and now (a short-lived
+        // process of a container); a pid named on the command line may not.
+        roots.retain(|p| {
+            self.pids.contains(p)
+                || !matches!(
+                    gpusnap_core::target::resolve(*p),
+                    Err(Error::NoProcess { .. } | Error::Zombie { .. })
+                )
+        });
+        Ok(roots)
     }
 
     /// The pids named, plus the CUDA processes of the groups named, in order

@@ -209,16 +209,31 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     }
 
     /// Classifies the tree's processes: CUDA (with driver state) or plain.
-    fn cuda_members(&self, tree: &[(i32, i32)]) -> Result<Vec<(Target, Option<ProcessState>)>, Error> {
+    /// A member other than the root that is gone (or a zombie) by the time it
+    /// is looked at is dropped from `tree`: a tree that starts and ends
+    /// short-lived children loses some between the walk and now.
+    fn cuda_members(&self, tree: &mut Vec<(i32, i32)>) -> Result<Vec<(Target, Option<ProcessState>)>, Error> {
         let driverless = self.api_version() == 0;
         let mapping: std::collections::HashSet<i32> = if driverless {
             target::processes_mapping_libcuda().into_iter().collect()
         } else {
             Default::default()
         };
+        let root = tree.first().map(|(p, _)| *p);
+        tree.retain(|&(pid, _)| {
+            Some(pid) == root || !matches!(target::resolve(pid), Err(Error::NoProcess { .. } | Error::Zombie { .. }))
+        });
         let mut out = Vec::new();
-        for &(pid, _) in tree {
-            let t = target::resolve_callable(pid)?;
+        let mut gone = Vec::new();
+        for &(pid, _) in tree.iter() {
+            let t = match target::resolve_callable(pid) {
+                Ok(t) => t,
+                Err(Error::NoProcess { .. } | Error::Zombie { .. }) if Some(pid) != root => {
+                    gone.push(pid);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             if driverless {
                 if mapping.contains(&pid) {
                     return Err(Error::CudaWithoutDriver {
@@ -233,9 +248,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             match self.driver_state(&t) {
                 Ok(s) => out.push((t, Some(s))),
                 Err(Error::NotCuda { .. }) => out.push((t, None)),
+                Err(_) if Some(pid) != root && !target::is_alive(&t) => gone.push(pid),
                 Err(e) => return Err(Error::Member { pid, source: Box::new(e) }),
             }
         }
+        tree.retain(|(p, _)| !gone.contains(p));
         Ok(out)
     }
 
@@ -312,7 +329,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     ) -> Result<Dumped, Error> {
         let started = Instant::now();
         let root_t = target::resolve_callable(root)?;
-        let tree = process_tree(root);
+        let mut tree = process_tree(root);
         // Refused before anything is suspended: CRIU would fail on it only
         // after the GPU state had gone to host memory.
         for &(p, _) in &tree {
@@ -321,7 +338,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 return Err(Error::ForeignSession { pid: p, comm });
             }
         }
-        let members = self.cuda_members(&tree)?;
+        let members = self.cuda_members(&mut tree)?;
         let name =
             opts.name.clone().unwrap_or_else(|| format!("{}-{}-{}", sanitize(&root_t.comm), root, now_ms()));
         let pending = images.begin(&name)?;
