@@ -134,8 +134,7 @@ fn a_killed_guard_leaves_the_program_running_and_a_new_guard_serves_it() {
 
 #[test]
 fn hibernate_lets_run_go_and_wake_serves_the_program_again() {
-    let criu = std::process::Command::new("criu").arg("--version").output().is_ok_and(|o| o.status.success());
-    assert!(criu, "this test needs CRIU >= 4 on PATH (scripts/install-criu.sh)");
+    criu_present();
     let mut w = World::new(&[16_384]);
     let st = status_file(&w, "hl");
     // The program's stderr is a file of its own: `run` writes to its own

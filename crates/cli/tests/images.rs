@@ -7,11 +7,6 @@ use serde_json::json;
 use std::process::Stdio;
 use std::time::Duration;
 
-fn criu_present() {
-    let ok = std::process::Command::new("criu").arg("--version").output().is_ok_and(|o| o.status.success());
-    assert!(ok, "these tests need CRIU >= 4 on PATH (scripts/install-criu.sh)");
-}
-
 #[test]
 fn a_plain_process_tree_hibernates_and_wakes_where_it_left_off() {
     criu_present();

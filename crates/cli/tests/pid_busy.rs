@@ -8,11 +8,6 @@ mod common;
 use common::*;
 use std::time::Duration;
 
-fn criu_present() {
-    let ok = std::process::Command::new("criu").arg("--version").output().is_ok_and(|o| o.status.success());
-    assert!(ok, "these tests need CRIU >= 4 on PATH (scripts/install-criu.sh)");
-}
-
 #[test]
 fn a_pid_held_by_another_program_is_named() {
     criu_present();

@@ -221,7 +221,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         };
         let root = tree.first().map(|(p, _)| *p);
         tree.retain(|&(pid, _)| {
-            Some(pid) == root || !matches!(target::resolve(pid), Err(Error::NoProcess { .. } | Error::Zombie { .. }))
+            Some(pid) == root
+                || !matches!(target::resolve(pid), Err(Error::NoProcess { .. } | Error::Zombie { .. }))
         });
         let mut out = Vec::new();
         let mut gone = Vec::new();

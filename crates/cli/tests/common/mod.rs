@@ -565,3 +565,9 @@ impl Drop for Cgroup {
         }
     }
 }
+
+/// The image tests need a real CRIU on PATH (CI installs it).
+pub fn criu_present() {
+    let ok = Command::new("criu").arg("--version").output().is_ok_and(|o| o.status.success());
+    assert!(ok, "these tests need CRIU >= 4 on PATH (scripts/install-criu.sh)");
+}
