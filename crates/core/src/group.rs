@@ -48,7 +48,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     /// The first failure, as the group's error, after `undo` put back what
     /// the others did.
-    fn fail_group<T>(
+    pub(crate) fn fail_group<T>(
         results: Vec<(i32, Result<T, Error>)>,
         undo: impl FnOnce(Vec<(i32, T)>),
     ) -> Result<Vec<T>, Error> {
@@ -176,18 +176,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         let results =
             self.in_parallel(pids.iter().map(|&p| (p, p)).collect(), progress, |e, pid| e.stop(pid, opts));
-        let mut out = Vec::new();
-        let mut failed = None;
-        for (pid, r) in results {
-            match r {
-                Ok(r) => out.push(r),
-                Err(e) if failed.is_none() => failed = Some(Error::Member { pid, source: Box::new(e) }),
-                Err(e) => tracing::error!(pid, "also failed: {e}"),
-            }
-        }
-        match failed {
-            Some(e) => Err(e),
-            None => Ok(out),
-        }
+        // Nothing to put back: the others are ended either way.
+        Self::fail_group(results, |_| {})
     }
 }

@@ -57,7 +57,7 @@ struct WakePlan {
     dir: PathBuf,
     m: Manifest,
     /// The CUDA processes to put back on the GPU, in the image's order.
-    resume: Vec<i32>,
+    resume: Vec<ProcDesc>,
     /// What each of them needs, per GPU it goes to.
     fps: Vec<BTreeMap<String, u64>>,
     pairs: Vec<gpusnap_cuda::GpuPair>,
@@ -178,19 +178,17 @@ fn hostname() -> String {
 }
 
 impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
-    /// Suspends every CUDA process of `pids` or none: on a failure, the ones
-    /// already suspended are resumed. Returns those it suspended.
     /// Suspends every CUDA process of a tree, in parallel (a group: all or
     /// none); returns the ones this call suspended.
     pub fn suspend_all(&mut self, pids: &[i32], lock_timeout_ms: u32) -> Result<Vec<i32>, Error> {
         if pids.is_empty() {
             return Ok(Vec::new());
         }
-        let quiet = || Box::new(crate::progress::Quiet) as Box<dyn Progress>;
-        let reports = self.suspend_group(pids, lock_timeout_ms, &quiet).map_err(|e| match e {
-            Error::Member { .. } => e,
-            other => Error::Member { pid: pids[0], source: Box::new(other) },
-        })?;
+        let reports =
+            self.suspend_group(pids, lock_timeout_ms, &crate::progress::quiet).map_err(|e| match e {
+                Error::Member { .. } => e,
+                other => Error::Member { pid: pids[0], source: Box::new(other) },
+            })?;
         Ok(reports.iter().filter(|r| !r.already).map(|r| r.pid).collect())
     }
 
@@ -220,10 +218,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             Default::default()
         };
         let root = tree.first().map(|(p, _)| *p);
-        tree.retain(|&(pid, _)| {
-            Some(pid) == root
-                || !matches!(target::resolve(pid), Err(Error::NoProcess { .. } | Error::Zombie { .. }))
-        });
         let mut out = Vec::new();
         let mut gone = Vec::new();
         for &(pid, _) in tree.iter() {
@@ -301,21 +295,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 }
             }
         }
-        let mut out = Vec::new();
-        let mut failed = None;
-        for d in dumped {
-            let root = d.report.root_pid;
-            // Every image is safe by now: a failure here is one tree's.
-            match self.finish_hibernate(d, opts) {
-                Ok(r) => out.push(r),
-                Err(e) if failed.is_none() => failed = Some(Error::Member { pid: root, source: Box::new(e) }),
-                Err(e) => tracing::error!(root, "also failed: {e}"),
-            }
-        }
-        match failed {
-            Some(e) => Err(e),
-            None => Ok(out),
-        }
+        // Every image is safe by now: a failure here is one tree's, with
+        // nothing to put back.
+        let results: Vec<_> =
+            dumped.into_iter().map(|d| (d.report.root_pid, self.finish_hibernate(d, opts))).collect();
+        Self::fail_group(results, |_| {})
     }
 
     /// Steps 1-3 of a hibernate: suspended, dumped, image committed; the
@@ -615,17 +599,13 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let mut out: Vec<WakeReport> = Vec::new();
         let mut failed = None;
         for plan in &plans {
-            let resume: Vec<&ProcDesc> = plan
-                .resume
-                .iter()
-                .filter_map(|pid| plan.m.processes.iter().find(|p| p.pid == *pid))
-                .collect();
+            let resume: Vec<&ProcDesc> = plan.resume.iter().collect();
             match self.wake_admitted(criu, &plan.dir, &plan.m, &resume, &plan.fps, &plan.pairs) {
                 Ok((root_pid, criu_ms, restore_ms)) => out.push(WakeReport {
                     image: plan.m.name.clone(),
                     root_pid,
                     processes: plan.m.processes.iter().map(|p| p.pid).collect(),
-                    resumed: plan.resume.clone(),
+                    resumed: plan.resume.iter().map(|p| p.pid).collect(),
                     verify_ms: plan.verify_ms,
                     waited_ms,
                     criu_ms,
@@ -640,19 +620,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         self.store_mut().release(&reservation)?;
         if let Some(err) = failed {
-            // The images are untouched; the trees woken before are ended,
-            // suspended first where they are on the GPU, so that the whole
-            // group can be woken again.
-            let stop = StopOptions { grace: Duration::from_secs(2), force: false, lock_timeout_ms: 30_000 };
-            for r in out.iter().rev() {
-                for &pid in r.processes.iter().rev() {
-                    if let Ok(t) = target::resolve(pid) {
-                        if let Err(e) = self.stop(t.pid, &stop) {
-                            tracing::error!(pid, "could not end a woken process after the group failed: {e}");
-                        }
-                    }
-                }
-            }
+            // The images are untouched; the trees woken before are ended so
+            // that the whole group can be woken again.
+            self.end_woken(out.iter().rev().flat_map(|r| r.processes.iter().rev().copied()));
             return Err(err);
         }
         Ok(out)
@@ -720,7 +690,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             out
         };
         let fps: Vec<BTreeMap<String, u64>> = resume.iter().map(|p| moved(&p.footprint)).collect();
-        let resume: Vec<i32> = resume.iter().map(|p| p.pid).collect();
+        let resume: Vec<ProcDesc> = resume.into_iter().cloned().collect();
         Ok(WakePlan { name: name.to_string(), started, dir, m, resume, fps, pairs, verify_ms })
     }
 
@@ -769,8 +739,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let criu_ms = ms(t_criu);
 
         let t_restore = Instant::now();
-        let mut restored: Vec<Target> = Vec::new();
-        let mut failure = None;
         // Every CUDA process of the image is known again, resumed or not.
         for p in m.processes.iter().filter(|p| p.cuda && !resume.iter().any(|r| r.pid == p.pid)) {
             if let Ok(t) = target::resolve(p.pid) {
@@ -795,39 +763,34 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         type Item<'f> = (i32, (i32, &'f BTreeMap<String, u64>));
         let items: Vec<Item<'_>> =
             resume.iter().zip(footprints).map(|(p, fp)| (p.pid, (p.pid, fp))).collect();
+        // One process alone runs here, with the engine's progress display.
         let results = if items.len() == 1 {
             let (pid, item) = items[0];
             vec![(pid, back(self, item))]
         } else {
-            let quiet = || Box::new(crate::progress::Quiet) as Box<dyn Progress>;
-            self.in_parallel(items, &quiet, back)
+            self.in_parallel(items, &crate::progress::quiet, back)
         };
-        for (pid, r) in results {
-            match r {
-                Ok(t) => restored.push(t),
-                Err(e) if failure.is_none() => failure = Some(Error::Member { pid, source: Box::new(e) }),
-                Err(e) => tracing::error!(pid, "also failed: {e}"),
-            }
-        }
-        if let Some(err) = failure {
-            // The image is untouched: end what was restored, safely (the ones
-            // already on the GPU are suspended first), so wake can be retried.
-            // Not forced: a process already back on the GPU is suspended
-            // before it is killed, or left running if that fails.
-            let stop = StopOptions { grace: Duration::from_secs(2), force: false, lock_timeout_ms: 30_000 };
-            for p in m.processes.iter().rev() {
-                if let Ok(t) = target::resolve(p.pid) {
-                    if let Err(e) = self.stop(t.pid, &stop) {
-                        tracing::error!(
-                            pid = t.pid,
-                            "could not end a restored process after a failed wake: {e}"
-                        );
-                    }
-                }
-            }
+        if let Err(err) = Self::fail_group(results, |_| {}) {
+            // The image is untouched: end what was restored so that wake can
+            // be retried.
+            self.end_woken(m.processes.iter().rev().map(|p| p.pid));
             return Err(err);
         }
         Ok((root, criu_ms, ms(t_restore)))
+    }
+
+    /// Ends restored processes of a wake that failed, safely: not forced, so
+    /// a process already back on the GPU is suspended before it is killed,
+    /// or left running if that fails.
+    fn end_woken(&mut self, pids: impl Iterator<Item = i32>) {
+        let stop = StopOptions { grace: Duration::from_secs(2), force: false, lock_timeout_ms: 30_000 };
+        for pid in pids {
+            if let Ok(t) = target::resolve(pid) {
+                if let Err(e) = self.stop(t.pid, &stop) {
+                    tracing::error!(pid, "could not end a restored process after a failed wake: {e}");
+                }
+            }
+        }
     }
 
     /// Is this host's driver able to restore the image's CUDA processes?

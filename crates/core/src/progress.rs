@@ -25,6 +25,11 @@ impl Progress for Quiet {
     }
 }
 
+/// A [`Quiet`] display, for a group's members (one factory call each).
+pub fn quiet() -> Box<dyn Progress> {
+    Box::new(Quiet)
+}
+
 /// Runs `work` while a side thread samples `probe` every 100 ms and reports
 /// what it returns. The driver's calls are opaque, so progress is observed
 /// from outside: the target's resident memory grows by what checkpoint has
