@@ -63,16 +63,7 @@ pub fn run_light(
     let mut command = std::process::Command::new(&cmd[0]);
     command.args(&cmd[1..]).env("LD_PRELOAD", preload_env).env(light::SOCKET_ENV, &socket);
     // The same session rule as the traced `run` (see guard::launch).
-    if gpusnap_core::target::session_leader_visible_self() == Some(false) {
-        use std::os::unix::process::CommandExt;
-        // SAFETY: setsid is async-signal-safe and touches no memory.
-        unsafe {
-            command.pre_exec(|| {
-                libc::setsid();
-                Ok(())
-            });
-        }
-    }
+    gpusnap_core::target::own_session_where_needed(&mut command);
     let mut child = match command.spawn() {
         Ok(c) => c,
         Err(e) => {
@@ -113,7 +104,7 @@ pub fn run_light(
         processes: vec![leader],
         socket: socket.clone(),
     };
-    std::fs::write(&record, serde_json::to_vec(&file)?)?;
+    file.save(&record)?;
     forward_signals(leader);
     let status = child.wait()?;
     let _ = std::fs::remove_file(&record);
@@ -242,14 +233,20 @@ pub fn guard(
     }
     // Processes started by `run --light` carry the preload library: their
     // guard serves the socket they were started with, and traces nothing.
-    let (light_pids, traced): (Vec<i32>, Vec<i32>) =
-        pids.iter().partition(|p| light::socket_of(**p).is_some());
-    let light_targets: Vec<gpusnap_core::target::Target> =
-        light_pids.iter().filter_map(|p| gpusnap_core::target::resolve(*p).ok()).collect();
-    if !light_pids.is_empty() {
+    let mut traced = Vec::new();
+    let mut sockets = std::collections::BTreeSet::new();
+    let mut light_targets: Vec<gpusnap_core::target::Target> = Vec::new();
+    for &p in &pids {
+        match light::socket_of(p) {
+            Some(s) => {
+                sockets.insert(s);
+                light_targets.extend(gpusnap_core::target::resolve(p).ok());
+            }
+            None => traced.push(p),
+        }
+    }
+    if !sockets.is_empty() {
         let lg = new_light_guard(cli, lock_timeout);
-        let sockets: std::collections::BTreeSet<_> =
-            light_pids.iter().filter_map(|p| light::socket_of(*p)).collect();
         for s in &sockets {
             lg.serve(s)?;
         }
@@ -257,22 +254,27 @@ pub fn guard(
         for t in &light_targets {
             store.note(t, "guard", None, &format!("guarded by gpusnap {} (light)", std::process::id()))?;
         }
-        if traced.is_empty() {
-            if daemon {
-                report_ready(true);
-            }
-            // No tracee to wait for: watch the processes themselves.
-            while light_targets.iter().any(gpusnap_core::target::is_alive) {
-                std::thread::sleep(std::time::Duration::from_millis(200));
-            }
-            return Ok(());
-        }
-        // The light sockets stay served by threads of this process while
-        // the traced ones are guarded below.
+        // The sockets stay served by threads of this process.
     }
+    if traced.is_empty() {
+        if daemon {
+            report_ready(true);
+        }
+    } else {
+        trace(cli, lock_timeout, &traced, daemon)?;
+    }
+    // No tracee left to wait for: watch the light processes themselves.
+    while light_targets.iter().any(gpusnap_core::target::is_alive) {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    Ok(())
+}
+
+/// The traced guard of `traced` and their children, until none is left.
+fn trace(cli: &Cli, lock_timeout: u32, traced: &[i32], daemon: bool) -> anyhow::Result<()> {
     guard::start_keeper(&keeper_argv(cli, lock_timeout))?;
     let mut g = new_guard(cli, lock_timeout, None)?;
-    for &p in &traced {
+    for &p in traced {
         g.attach(p)?;
         // Children may come and go while they are attached: one that is gone
         // by then needs no guard. Children of a light program are light.
@@ -291,9 +293,6 @@ pub fn guard(
         report_ready(true);
     }
     g.run_loop()?;
-    while light_targets.iter().any(gpusnap_core::target::is_alive) {
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
     Ok(())
 }
 

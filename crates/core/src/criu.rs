@@ -104,19 +104,8 @@ impl Criu {
         cmd.args(["restore", "--restore-detached", "--pidfile"]).arg(&pidfile);
         self.common(&mut cmd, images, work, "restore.log");
         // With --shell-job a tree restored without its session leader joins
-        // CRIU's session. Where ours has a leader outside this pid namespace
-        // (a runner started by `docker exec`), CRIU gets a session of its
-        // own, so that the woken tree can be dumped again.
-        if crate::target::session_leader_visible_self() == Some(false) {
-            use std::os::unix::process::CommandExt;
-            // SAFETY: setsid is async-signal-safe and touches no memory.
-            unsafe {
-                cmd.pre_exec(|| {
-                    libc::setsid();
-                    Ok(())
-                });
-            }
-        }
+        // CRIU's session: it must be one the woken tree can be dumped in again.
+        crate::target::own_session_where_needed(&mut cmd);
         self.run("restore", cmd, &work.join("restore.log"))?;
         let pid =
             std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok()).ok_or_else(|| {

@@ -187,18 +187,13 @@ pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
     }
     let maps = read("maps");
     let mapped = |needle: &str| maps.lines().any(|l| l.contains(needle));
+    let env = std::fs::read(dir.join("environ")).unwrap_or_default();
     if mapped("libgpusnap_preload") {
-        let env = std::fs::read(dir.join("environ")).unwrap_or_default();
-        let key = format!("{}=", crate::guard::light::SOCKET_ENV);
-        let socket = env
-            .split(|b| *b == 0)
-            .find_map(|kv| kv.strip_prefix(key.as_bytes()))
-            .map(|v| String::from_utf8_lossy(v).into_owned());
-        match socket {
-            Some(s) if crate::guard::light::is_served(Path::new(&s)) => out.push(f(
+        match crate::guard::light::socket_in_environ(&env) {
+            Some(s) if crate::guard::light::is_served(&s) => out.push(f(
                 "guard",
                 Severity::Ok,
-                format!("guarded by `gpusnap run --light` (socket {s})"),
+                format!("guarded by `gpusnap run --light` (socket {})", s.display()),
                 None,
             )),
             other => out.push(f(
@@ -206,7 +201,7 @@ pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
                 Severity::Warn,
                 format!(
                     "carries gpusnap's preload library, but no guard answers on {}: a death now would not be suspended",
-                    other.as_deref().unwrap_or("its socket (none in its environment)")
+                    other.map_or("its socket (none in its environment)".into(), |s| s.display().to_string())
                 ),
                 Some("`gpusnap guard PID` serves its socket again"),
             )),
@@ -266,7 +261,6 @@ pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
             Some("call nvmlShutdown in the program when it is done with NVML"),
         ));
     }
-    let env = std::fs::read(dir.join("environ")).unwrap_or_default();
     let var = |k: &str| {
         env.split(|b| *b == 0)
             .filter_map(|kv| std::str::from_utf8(kv).ok())

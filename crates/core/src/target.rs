@@ -151,6 +151,23 @@ pub fn session_leader_visible_self() -> Option<bool> {
     session_visible_in(&std::fs::read_to_string("/proc/self/status").ok()?)
 }
 
+/// Gives the program `cmd` starts a session of its own where this
+/// process's session leader is outside its pid namespace (a runner started
+/// by `docker exec`): CRIU could not dump it otherwise. Where ours is
+/// visible the program keeps it, and with it the terminal's job control.
+pub fn own_session_where_needed(cmd: &mut std::process::Command) {
+    if session_leader_visible_self() == Some(false) {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: setsid is async-signal-safe and touches no memory.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+    }
+}
+
 pub(crate) fn session_visible_in(status: &str) -> Option<bool> {
     let sid: i32 =
         status.lines().find_map(|l| l.strip_prefix("NSsid:"))?.split_whitespace().last()?.parse().ok()?;

@@ -106,11 +106,12 @@ fn our_action(like: Option<&libc::sigaction>) -> libc::sigaction {
     a
 }
 
-/// Installs our handler on `sig` (its disposition is the default now).
-fn install(sig: c_int, like: Option<&libc::sigaction>) -> c_int {
+/// Installs our handler on `sig` where the program wants the default
+/// action; the previous action goes to `old` (null: not wanted).
+fn install(sig: c_int, like: Option<&libc::sigaction>, old: *mut libc::sigaction) -> c_int {
     let a = our_action(like);
-    // SAFETY: a valid action; no old action wanted.
-    let r = unsafe { real_sigaction()(sig, &a, std::ptr::null_mut()) };
+    // SAFETY: a valid action; `old` is null or the caller's sigaction.
+    let r = unsafe { real_sigaction()(sig, &a, old) };
     if r == 0 {
         OURS[sig as usize].store(true, Ordering::SeqCst);
     }
@@ -134,14 +135,7 @@ pub unsafe extern "C" fn sigaction(
     // SAFETY: `act` is null or points at a sigaction (the caller's contract).
     let new = unsafe { act.as_ref() };
     let r = match new {
-        Some(a) if is_default(a.sa_sigaction) => {
-            // SAFETY: as above.
-            let r = unsafe { real(sig, &our_action(Some(a)), old) };
-            if r == 0 {
-                OURS[i].store(true, Ordering::SeqCst);
-            }
-            r
-        }
+        Some(a) if is_default(a.sa_sigaction) => install(sig, Some(a), old),
         Some(_) => {
             // SAFETY: as above.
             let r = unsafe { real(sig, act, old) };
@@ -427,7 +421,7 @@ extern "C" fn init() {
         let mut cur: libc::sigaction = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         if unsafe { sa(sig, std::ptr::null(), &mut cur) } == 0 && is_default(cur.sa_sigaction) {
-            install(sig, Some(&cur));
+            install(sig, Some(&cur), std::ptr::null_mut());
         }
     }
     // SAFETY: registering a function that lives as long as the process

@@ -13,7 +13,7 @@
 //! later for the same process (after `snapshot`, or `wake`: CRIU restores
 //! the environment) binds the same path and serves it again.
 
-use super::suspend_now;
+use super::suspend_before_death;
 use crate::error::Error;
 use crate::store::Store;
 use crate::target;
@@ -81,13 +81,16 @@ fn locate_library(explicit: Option<&Path>) -> Result<PathBuf, Error> {
 /// The socket path a light-mode program was started with, from its
 /// environment; `None` for any other process.
 pub fn socket_of(pid: i32) -> Option<PathBuf> {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    socket_in_environ(&std::fs::read(format!("/proc/{pid}/environ")).ok()?)
+}
+
+/// The socket path in an environment block (NUL-separated `KEY=VALUE`).
+pub fn socket_in_environ(env: &[u8]) -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
     let key = format!("{SOCKET_ENV}=");
     env.split(|b| *b == 0)
         .find_map(|kv| kv.strip_prefix(key.as_bytes()).map(|v| PathBuf::from(std::ffi::OsStr::from_bytes(v))))
 }
-
-use std::os::unix::ffi::OsStrExt;
 
 /// Removes the socket at `path` if it is still the one this process bound
 /// (its inode `ino`): a newer guard may have taken the path over.
@@ -244,16 +247,14 @@ fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
             match peer_pid(&conn) {
                 Some(pid) => {
                     let who = target::resolve(pid).ok();
-                    let outcome = Store::open(state_dir).and_then(|mut store| {
-                        suspend_now(api, gpus, &mut store, pid, &why, lock_timeout_ms).map_err(|e| {
-                            let msg = format!("could not suspend before death ({why}): {e}");
-                            if let Ok(t) = target::resolve(pid) {
-                                let _ = store.note(&t, "guard", None, &msg);
-                            }
-                            e
-                        })
-                    });
-                    tracing::info!(pid, why, ?outcome, "light guard");
+                    match Store::open(state_dir) {
+                        Ok(mut store) => {
+                            suspend_before_death(api, gpus, &mut store, pid, &why, lock_timeout_ms);
+                        }
+                        Err(e) => {
+                            tracing::error!(pid, why, "light guard: no journal, nothing suspended: {e}")
+                        }
+                    }
                     if let Some(sig) = resend {
                         // The library let the program run on: the answer
                         // first, then the signal again, which now kills.

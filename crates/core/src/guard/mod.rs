@@ -62,6 +62,16 @@ pub struct GuardFile {
     pub socket: PathBuf,
 }
 
+impl GuardFile {
+    /// Writes the record at `path` under a temporary name and renames it:
+    /// a reader (hibernate, a keeper) never sees half of one.
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec(self).map_err(std::io::Error::other)?)?;
+        std::fs::rename(&tmp, path)
+    }
+}
+
 pub fn guards_dir(state_dir: &Path) -> PathBuf {
     state_dir.join("guards")
 }
@@ -343,6 +353,27 @@ fn suspend_now<A: CheckpointApi, G: GpuInventory + ?Sized>(
     Ok(outcome)
 }
 
+/// [`suspend_now`] for a process about to die of `why`; the outcome, good or
+/// bad, goes into the journal and the log, and is returned.
+pub(crate) fn suspend_before_death<A: CheckpointApi, G: GpuInventory + ?Sized>(
+    api: &Deadline<A>,
+    gpus: &G,
+    store: &mut Store,
+    pid: i32,
+    why: &str,
+    lock_timeout_ms: u32,
+) -> String {
+    let outcome = suspend_now(api, gpus, store, pid, why, lock_timeout_ms).unwrap_or_else(|e| {
+        let msg = format!("could not suspend before death ({why}): {e}");
+        if let Ok(t) = target::resolve(pid) {
+            let _ = store.note(&t, "guard", None, &msg);
+        }
+        msg
+    });
+    tracing::info!(pid, why, outcome = %outcome, "guard");
+    outcome
+}
+
 /// A request from another gpusnap (hibernate) to the guard's event loop.
 struct Detach {
     pids: Vec<i32>,
@@ -403,13 +434,7 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
             processes: self.processes(),
             socket: self.socket_path(),
         };
-        let path = self.record_file();
-        let tmp = path.with_extension("json.tmp");
-        if let Ok(body) = serde_json::to_vec(&g) {
-            if std::fs::write(&tmp, body).is_ok() {
-                let _ = std::fs::rename(&tmp, &path);
-            }
-        }
+        let _ = g.save(&self.record_file());
     }
 
     /// Seizes every thread of `pid` (again until no new thread appears).
@@ -447,15 +472,7 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     /// Suspends process `pid` before it dies of `why`; the outcome, good or
     /// bad, goes into the journal.
     fn suspend_dying(&mut self, pid: i32, why: &str) {
-        let outcome = suspend_now(&self.api, &*self.gpus, &mut self.store, pid, why, self.lock_timeout_ms)
-            .unwrap_or_else(|e| {
-                let msg = format!("could not suspend before death ({why}): {e}");
-                if let Ok(t) = target::resolve(pid) {
-                    let _ = self.store.note(&t, "guard", None, &msg);
-                }
-                msg
-            });
-        tracing::info!(pid, why, outcome = %outcome, "guard");
+        suspend_before_death(&self.api, &*self.gpus, &mut self.store, pid, why, self.lock_timeout_ms);
     }
 
     fn on_gone(&mut self, tid: i32, ending: Ending) {
