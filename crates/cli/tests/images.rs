@@ -482,3 +482,60 @@ fn an_empty_group_hibernates_nothing() {
     assert_eq!(r.json()["results"].as_array().unwrap().len(), 0);
     assert!(r.stderr.contains("nothing to hibernate"), "{}", r.stderr);
 }
+
+/// The group forms of hibernate and wake fed nonsense: clear errors, and
+/// nothing restored, ended or removed.
+#[test]
+fn group_hibernate_and_wake_refuse_bad_input() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, out) = w.cpu_tree();
+    let tid: i32 = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .find(|t| *t != pid)
+        .expect("the tree's root has a second thread");
+    let r = w.json(&["hibernate", &pid.to_string(), &tid.to_string()]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains(&format!("{tid} is a thread of {pid}")), "{}", r.stderr);
+    let r = w.json(&["hibernate", &pid.to_string(), "999999999"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("no process 999999999"), "{}", r.stderr);
+    let r = w.json(&["hibernate", "--cgroup", "/nonexistent/cgroup"]);
+    assert_ne!(r.code, 0, "{}", r.stderr);
+    assert!(r.stderr.contains("is not a cgroup"), "{}", r.stderr);
+    // Nothing was touched: the tree runs on, no image was written.
+    let n = count(&out);
+    wait_for(Duration::from_secs(10), || count(&out) > n);
+    assert_eq!(w.json(&["images", "list"]).json()["images"].as_array().unwrap().len(), 0);
+
+    // A group wake with a missing or a corrupt member restores nothing.
+    assert_eq!(w.json(&["hibernate", &pid.to_string(), "--image", "good"]).code, 0);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let r = w.json(&["wake", "good", "nope"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("image nope of the group: no image nope"), "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "image_missing");
+    assert!(!pid_exists(pid), "nothing was restored");
+    let (p2, _) = w.cpu_tree();
+    assert_eq!(w.json(&["hibernate", &p2.to_string(), "--image", "bad"]).code, 0);
+    w.reap(p2);
+    let page = std::fs::read_dir(w.state_dir().join("images/bad/criu"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("pages-"))
+        .unwrap();
+    let mut b = std::fs::read(&page).unwrap();
+    b[0] ^= 0xff;
+    std::fs::write(&page, &b).unwrap();
+    let r = w.json(&["wake", "good", "bad"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
+    assert!(!pid_exists(pid) && !pid_exists(p2), "nothing was restored");
+    // The good image is still whole and wakes alone.
+    let r = w.json(&["wake", "good", "--wait", "10", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+}
