@@ -310,4 +310,8 @@ impl Progress for Bar {
             }
         }
     }
+
+    fn sibling(&self) -> Box<dyn Progress> {
+        Box::new(Bar(Mutex::new(None), self.1.clone()))
+    }
 }

@@ -184,8 +184,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         if pids.is_empty() {
             return Ok(Vec::new());
         }
+        // Each member's checkpoint shows beside the others'.
+        let proto = self.progress().sibling();
         let reports =
-            self.suspend_group(pids, lock_timeout_ms, &crate::progress::quiet).map_err(|e| match e {
+            self.suspend_group(pids, lock_timeout_ms, &|| proto.sibling()).map_err(|e| match e {
                 Error::Member { .. } => e,
                 other => Error::Member { pid: pids[0], source: Box::new(other) },
             })?;
@@ -768,7 +770,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             let (pid, item) = items[0];
             vec![(pid, back(self, item))]
         } else {
-            self.in_parallel(items, &crate::progress::quiet, back)
+            let proto = self.progress().sibling();
+            self.in_parallel(items, &|| proto.sibling(), back)
         };
         if let Err(err) = Self::fail_group(results, |_| {}) {
             // The image is untouched: end what was restored so that wake can

@@ -11,6 +11,11 @@ pub trait Progress: Send + Sync {
     fn enabled(&self) -> bool {
         true
     }
+    /// Another display of the same kind, shown beside this one: for the
+    /// members of a group that work at the same time.
+    fn sibling(&self) -> Box<dyn Progress> {
+        Box::new(Quiet)
+    }
 }
 
 /// Shows nothing (`--json`, pipes, tests).
@@ -23,11 +28,6 @@ impl Progress for Quiet {
     fn enabled(&self) -> bool {
         false
     }
-}
-
-/// A [`Quiet`] display, for a group's members (one factory call each).
-pub fn quiet() -> Box<dyn Progress> {
-    Box::new(Quiet)
 }
 
 /// Runs `work` while a side thread samples `probe` every 100 ms and reports
