@@ -8,9 +8,10 @@
 //! - a process stopped by a signal (state T) is refused instead of hanging the
 //!   caller (the driver ignores the lock timeout there); a ptrace stop (t) is
 //!   allowed, since CRIU holds the tree in one while its plugin works;
-//! - a restore goes through admission (the footprint recorded at lock time,
-//!   or the newest one recorded under that pid when CRIU restored it with a
-//!   new start time), and an out-of-memory restore is recorded as stuck.
+//! - a restore goes through admission (the footprint recorded at lock time;
+//!   when CRIU restored the process with a new start time, its record moves
+//!   to it, see `Engine::record_of`), and an out-of-memory restore is
+//!   recorded as stuck.
 
 use crate::engine::Engine;
 use crate::error::Error;
@@ -50,7 +51,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     pub fn compat_state(&mut self, pid: i32) -> Result<ProcessState, Error> {
         let t = self.compat_target(pid)?;
-        self.driver_state(&t)
+        let st = self.driver_state(&t)?;
+        if matches!(st, ProcessState::Locked | ProcessState::Checkpointed) {
+            self.record_now(&t)?;
+        }
+        Ok(st)
     }
 
     pub fn compat_restore_tid(&mut self, pid: i32) -> Result<i32, Error> {
@@ -94,13 +99,18 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         device_map: &[(String, String)],
         margin: u64,
     ) -> Result<(), Error> {
-        let rec = match self.store().get(t)? {
-            Some(r) => Some(r),
-            // CRIU restored it: same pid, new start time, no record yet.
-            None => self.store().latest_for_pid(t.pid)?,
+        // CRIU restored it: same pid, new start time. Recognised, its record
+        // (footprint included) moves to it, so that a restore refused here
+        // leaves a process `gpusnap resume` can finish.
+        let rec = match self.record_of(t) {
+            // Not recognisably the same program (a record of an older
+            // gpusnap has no identity): the newest footprint under the pid is
+            // still the best estimate for admission.
+            Err(Error::Reused { .. }) => self.store().latest_for_pid(t.pid)?,
+            other => other?,
         };
         if let Some(reason) = rec.as_ref().and_then(|r| r.unrecoverable.clone()) {
-            if self.store().get(t)?.is_some() {
+            if rec.as_ref().is_some_and(|r| r.start_time == t.start_time) {
                 return Err(Error::Unrecoverable { pid: t.pid, reason });
             }
         }

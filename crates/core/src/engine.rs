@@ -241,6 +241,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     pub fn state(&mut self, pid: i32) -> Result<StateReport, Error> {
         let t = target::resolve_callable(pid)?;
+        self.record_now(&t)?;
         self.reconcile(&t)?;
         let st = self.driver_state(&t)?;
         let rec = self.store.get(&t)?;
@@ -290,6 +291,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
             match self.driver_state(&t) {
                 Ok(st) => {
+                    self.record_now(&t)?;
                     self.reconcile(&t)?;
                     let rec = self.store.get(&t)?;
                     out.push(self.report(&t, st, rec.as_ref())?);
@@ -306,6 +308,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let t = target::resolve_callable(pid)?;
         // One gpusnap at a time drives a process (a guard may be suspending it).
         let _serial = self.store.lock_target(pid)?;
+        self.record_now(&t)?;
         self.reconcile(&t)?;
         let st = self.driver_state(&t)?;
         match st {
@@ -392,15 +395,59 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     /// Looks up what gpusnap recorded of `t`, refusing a pid that now belongs
     /// to another program than the one that was suspended there.
-    fn record_of(&self, t: &Target) -> Result<Option<Record>, Error> {
+    ///
+    /// A process that CRIU restored outside gpusnap (`criu dump` + `criu
+    /// restore`, a container runtime's checkpoint) comes back under its old
+    /// pid with a new start time: it is recognised as the recorded one when
+    /// the driver has it locked or checkpointed (a program that merely got
+    /// the pid cannot be: a fresh process starts running), and it runs the
+    /// same executable with the same command line, from another time
+    /// namespace ([`target::Fingerprint::restored_as`]). Its record then
+    /// moves to the new start time (journaled, `adopt`).
+    pub(crate) fn record_of(&mut self, t: &Target) -> Result<Option<Record>, Error> {
         if let Some(r) = self.store.get(t)? {
             return Ok(Some(r));
         }
-        match self.store.latest_for_pid(t.pid)? {
-            Some(old) if old.state == "checkpointed" || old.state == "locked" => {
-                Err(Error::Reused { pid: t.pid, comm: t.comm.clone() })
+        let old = match self.store.latest_for_pid(t.pid)? {
+            Some(old) if old.state == "checkpointed" || old.state == "locked" => old,
+            _ => return Ok(None),
+        };
+        let reused = |why: String| {
+            tracing::info!(pid = t.pid, "not the process gpusnap recorded: {why}");
+            Err(Error::Reused { pid: t.pid, comm: t.comm.clone() })
+        };
+        if old.start_time >= t.start_time {
+            return reused("it started before the recorded one".into());
+        }
+        let Some(was) = self.store.identity(t.pid, old.start_time)? else {
+            return reused("nothing but the pid was recorded".into());
+        };
+        if let Err(why) = was.restored_as(&target::fingerprint(t.pid)) {
+            return reused(why);
+        }
+        match self.driver_state(t) {
+            Ok(st @ (ProcessState::Locked | ProcessState::Checkpointed)) => {
+                let detail = format!(
+                    "restored outside gpusnap (same program, driver state {st}): record moved from start time {}",
+                    old.start_time
+                );
+                tracing::info!(pid = t.pid, "{detail}");
+                self.store.adopt(&old, t, &detail)?;
+                self.store.get(t)
             }
-            _ => Ok(None),
+            Ok(st) => reused(format!("the driver reports it {st}")),
+            Err(Error::NotCuda { .. }) => reused("it has no CUDA context".into()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// [`Self::record_of`] for commands that act on whatever process holds
+    /// the pid now (state, ps, suspend, stop): a reused pid simply has no
+    /// record.
+    pub(crate) fn record_now(&mut self, t: &Target) -> Result<Option<Record>, Error> {
+        match self.record_of(t) {
+            Err(Error::Reused { .. }) => Ok(None),
+            other => other,
         }
     }
 
@@ -681,7 +728,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     cuda = false;
                 }
                 Err(Error::NotCuda { .. }) => cuda = false,
-                Ok(ProcessState::Checkpointed) => suspended = true,
+                Ok(ProcessState::Checkpointed) => {
+                    // Restored by CRIU outside gpusnap: its record goes on under the new start time.
+                    self.record_now(&t)?;
+                    suspended = true
+                }
                 Ok(ProcessState::Running | ProcessState::Locked) => {
                     match self.suspend(pid, opts.lock_timeout_ms) {
                         Ok(_) => suspended = true,

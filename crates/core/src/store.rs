@@ -7,7 +7,7 @@
 //! and the admission ledger (reservations of resumes in flight).
 
 use crate::error::Error;
-use crate::target::Target;
+use crate::target::{Fingerprint, Target};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -46,6 +46,17 @@ CREATE TABLE IF NOT EXISTS events (
     actor INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_target ON events (pid, start_time);
+-- What a recorded process runs, to recognise it after a CRIU restore outside
+-- gpusnap (same pid, new start time). A table of its own rather than new
+-- columns, so that stores of older gpusnaps open unchanged.
+CREATE TABLE IF NOT EXISTS identities (
+    pid INTEGER NOT NULL,
+    start_time INTEGER NOT NULL,
+    exe TEXT,
+    cmdline BLOB,
+    timens TEXT,
+    PRIMARY KEY (pid, start_time)
+);
 CREATE TABLE IF NOT EXISTS reservations (
     id INTEGER PRIMARY KEY,
     gpu_uuid TEXT NOT NULL,
@@ -176,6 +187,10 @@ impl Store {
         state: &str,
         footprint: Option<&BTreeMap<String, u64>>,
     ) -> Result<(), Error> {
+        // Read while the process is certainly the one `t` names (it is being
+        // acted on); a process that is gone keeps what was recorded before.
+        let identity = Some(crate::target::fingerprint(t.pid))
+            .filter(|f| f.exe.is_some() && crate::target::is_alive(t));
         let tx = self
             .conn
             .transaction()
@@ -186,6 +201,13 @@ impl Store {
                  ON CONFLICT (pid, start_time) DO UPDATE SET state = ?4, updated_ms = ?5",
                 params![t.pid, t.start_time as i64, t.comm, state, now_ms()],
             )?;
+            if let Some(id) = &identity {
+                tx.execute(
+                    "INSERT OR REPLACE INTO identities (pid, start_time, exe, cmdline, timens)
+                     VALUES (?1, ?2, ?3, ?4, ?5)",
+                    params![t.pid, t.start_time as i64, id.exe, id.cmdline, id.timens],
+                )?;
+            }
             if let Some(fp) = footprint {
                 tx.execute(
                     "DELETE FROM footprints WHERE pid = ?1 AND start_time = ?2",
@@ -198,6 +220,58 @@ impl Store {
                     )?;
                 }
             }
+            tx.commit()
+        })();
+        res.map_err(|e| self.err(e))
+    }
+
+    /// What `pid` at `start` ran, when it was recorded.
+    pub fn identity(&self, pid: i32, start: u64) -> Result<Option<Fingerprint>, Error> {
+        self.conn
+            .query_row(
+                "SELECT exe, cmdline, timens FROM identities WHERE pid = ?1 AND start_time = ?2",
+                params![pid, start as i64],
+                |r| Ok(Fingerprint { exe: r.get(0)?, cmdline: r.get(1)?, timens: r.get(2)? }),
+            )
+            .optional()
+            .map_err(|e| self.err(e))
+    }
+
+    /// Moves the record of `old` (its state, footprint and identity) to `t`,
+    /// the same process brought back by CRIU under a new start time, and
+    /// journals the move, all in one transaction. The journal of the old
+    /// start time stays where it is (`history` shows both). A stuck mark is
+    /// not carried over: the restored process's state is the image's, taken
+    /// before whatever stranded the old one, and the driver judges it anew.
+    pub fn adopt(&mut self, old: &Record, t: &Target, detail: &str) -> Result<(), Error> {
+        let identity = crate::target::fingerprint(t.pid);
+        let me = self.me.0;
+        let tx = self.conn.transaction().map_err(|e| Error::Store {
+            path: self.path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        let res = (|| {
+            let (pid, from, to) = (t.pid, old.start_time as i64, t.start_time as i64);
+            tx.execute(
+                "UPDATE processes SET start_time = ?3, comm = ?4, unrecoverable = NULL, updated_ms = ?5
+                 WHERE pid = ?1 AND start_time = ?2",
+                params![pid, from, to, t.comm, now_ms()],
+            )?;
+            tx.execute(
+                "UPDATE footprints SET start_time = ?3 WHERE pid = ?1 AND start_time = ?2",
+                params![pid, from, to],
+            )?;
+            tx.execute("DELETE FROM identities WHERE pid = ?1 AND start_time = ?2", params![pid, from])?;
+            tx.execute(
+                "INSERT OR REPLACE INTO identities (pid, start_time, exe, cmdline, timens)
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![pid, to, identity.exe, identity.cmdline, identity.timens],
+            )?;
+            tx.execute(
+                "INSERT INTO events (ts_ms, pid, start_time, op, phase, state, detail, actor)
+                 VALUES (?1, ?2, ?3, 'adopt', 'note', ?4, ?5, ?6)",
+                params![now_ms(), pid, to, old.state, detail, me],
+            )?;
             tx.commit()
         })();
         res.map_err(|e| self.err(e))

@@ -98,6 +98,59 @@ pub fn is_alive(t: &Target) -> bool {
     }
 }
 
+/// What a process runs and where its clocks come from: enough to tell the
+/// process CRIU restored under a recorded pid (same program, new start time)
+/// from another program that was handed that pid.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fingerprint {
+    /// The target of /proc/PID/exe.
+    pub exe: Option<String>,
+    /// /proc/PID/cmdline as it is (NUL-separated).
+    pub cmdline: Option<Vec<u8>>,
+    /// The target of /proc/PID/ns/time (`time:[INODE]`). CRIU restores a
+    /// tree into a time namespace of its own (so that its clocks go on from
+    /// the dump) wherever the kernel has them, so a restored process never
+    /// shares the namespace the recorded one had, and a program that merely
+    /// got the pid usually does.
+    pub timens: Option<String>,
+}
+
+pub fn fingerprint(pid: i32) -> Fingerprint {
+    let link = |what: &str| {
+        std::fs::read_link(format!("/proc/{pid}/{what}")).ok().map(|p| p.to_string_lossy().into_owned())
+    };
+    Fingerprint {
+        exe: link("exe"),
+        cmdline: std::fs::read(format!("/proc/{pid}/cmdline")).ok().filter(|c| !c.is_empty()),
+        timens: link("ns/time"),
+    }
+}
+
+impl Fingerprint {
+    /// Whether `now` (a live process under the pid this one was recorded
+    /// for) can be the recorded process brought back by CRIU: the same
+    /// executable and command line, and not the time namespace the recorded
+    /// one lived in. Unknown executable or command line: no.
+    pub fn restored_as(&self, now: &Fingerprint) -> Result<(), String> {
+        match (&self.exe, &now.exe) {
+            (Some(a), Some(b)) if a == b => {}
+            (Some(a), Some(b)) => return Err(format!("it runs {b}, not {a}")),
+            _ => return Err("its executable is unknown".into()),
+        }
+        match (&self.cmdline, &now.cmdline) {
+            (Some(a), Some(b)) if a == b => {}
+            (Some(_), Some(_)) => return Err("its command line differs".into()),
+            _ => return Err("its command line is unknown".into()),
+        }
+        if let (Some(a), Some(b)) = (&self.timens, &now.timens) {
+            if a == b {
+                return Err(format!("it shares the recorded process's time namespace ({a}), which a CRIU restore would not"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Resident memory in bytes (VmRSS), used to show checkpoint progress: the
 /// driver copies device memory into the target's own address space.
 pub fn rss_bytes(pid: i32) -> Option<u64> {

@@ -1,0 +1,154 @@
+//! Processes that CRIU dumped and restored outside gpusnap (plain `criu
+//! dump`/`criu restore`, as container runtimes do, and CRIU's own CUDA
+//! plugin with gpusnap as its `cuda-checkpoint`): same pid, new start time,
+//! and gpusnap still knows them.
+
+mod common;
+
+use common::*;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// Runs criu with `args` in a session of its own (a restored tree's
+/// session must be reachable from it), failing the test with its log.
+fn criu(w: &World, args: &[&str], log: &Path, env: &[(&str, &str)]) {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new("criu");
+    w.env(&mut cmd);
+    cmd.args(args).arg("-v4").arg("--log-file").arg(log).stdin(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let out = cmd.output().unwrap();
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "criu {args:?}: {}\n{}\nlog tail:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        text.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+    );
+}
+
+/// Field 22 of /proc/PID/stat.
+fn start_time(pid: i32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    s[s.rfind(')').unwrap() + 2..].split_whitespace().nth(19).unwrap().parse().unwrap()
+}
+
+/// `criu dump` of `pid` (which CRIU then ends), waits until the pid is free.
+fn dump(w: &mut World, pid: i32, dir: &Path, env: &[(&str, &str)]) {
+    std::fs::create_dir_all(dir).unwrap();
+    let d = dir.to_str().unwrap();
+    criu(w, &["dump", "--tree", &pid.to_string(), "--images-dir", d, "--file-locks"], &dir.join("dump.log"), env);
+    w.reap(pid);
+    wait_for(Duration::from_secs(30), || !pid_exists(pid));
+}
+
+fn restore(w: &mut World, pid: i32, dir: &Path, env: &[(&str, &str)]) {
+    let d = dir.to_str().unwrap();
+    criu(w, &["restore", "--restore-detached", "--images-dir", d, "--file-locks"], &dir.join("restore.log"), env);
+    w.adopt(pid);
+    assert!(pid_exists(pid), "criu restored {pid}");
+}
+
+#[test]
+fn a_suspended_process_restored_by_plain_criu_resumes_without_flags() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(1024, 0, &[]);
+    let p = pid.to_string();
+    let r = w.json(&["suspend", &p]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let before = start_time(pid);
+
+    let img = w.tmp.path().join("img");
+    dump(&mut w, pid, &img, &[]);
+    restore(&mut w, pid, &img, &[]);
+    assert_ne!(start_time(pid), before, "a restored process has a new start time");
+
+    // state and ps know it, with the footprint recorded at suspend.
+    let r = w.json(&["state", &p]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v = r.json();
+    assert_eq!(v["state"], "checkpointed");
+    assert_eq!(v["footprint_bytes"], 1024 * MIB);
+    assert_eq!(v["start_time"], start_time(pid));
+    let ps = w.json(&["ps"]).json();
+    let row = ps["processes"].as_array().unwrap().iter().find(|x| x["pid"] == pid).cloned();
+    assert_eq!(row.expect("ps lists it")["footprint_bytes"], 1024 * MIB);
+
+    // resume with no flags: admission with the recorded footprint.
+    let r = w.json(&["resume", &p]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["results"][0]["footprint_bytes"], 1024 * MIB);
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+
+    // The move of the record is in the journal.
+    let h = w.json(&["history", &p]);
+    assert!(h.stdout.contains("\"adopt\""), "{}", h.stdout);
+    assert!(h.stdout.contains("restored outside gpusnap"), "{}", h.stdout);
+
+    let r = w.json(&["stop", &p, "--grace", "2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["results"][0]["suspended"], true);
+}
+
+#[test]
+fn a_restored_process_can_be_stopped_and_driven_by_the_drop_in() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(512, 0, &[]);
+    let p = pid.to_string();
+    assert_eq!(w.json(&["suspend", &p]).code, 0);
+    let img = w.tmp.path().join("img");
+    dump(&mut w, pid, &img, &[]);
+    restore(&mut w, pid, &img, &[]);
+
+    // NVIDIA's command line, through gpusnap: the state, then a toggle back.
+    let cc = |args: &[&str]| {
+        let mut a = vec!["cuda-checkpoint"];
+        a.extend_from_slice(args);
+        w.gpusnap(&a)
+    };
+    let r = cc(&["--get-state", "--pid", &p]);
+    assert_eq!((r.code, r.stdout.trim()), (0, "checkpointed"), "{}", r.stderr);
+    let r = cc(&["--toggle", "--pid", &p]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.assert_progressing(pid);
+    let r = w.json(&["stop", &p, "--grace", "2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["results"][0]["suspended"], true);
+    wait_for(Duration::from_secs(30), || !pid_exists(pid));
+}
+
+#[test]
+fn resume_of_a_restored_process_is_refused_when_memory_is_short() {
+    criu_present();
+    let mut w = World::new(&[4096]);
+    let pid = w.workload(2048, 0, &[]);
+    let p = pid.to_string();
+    assert_eq!(w.json(&["suspend", &p]).code, 0);
+    let img = w.tmp.path().join("img");
+    dump(&mut w, pid, &img, &[]);
+    restore(&mut w, pid, &img, &[]);
+    // Another tenant takes most of the GPU meanwhile.
+    let hog = w.workload(3000, 0, &[]);
+    let r = w.json(&["resume", &p]);
+    assert_eq!(r.code, 3, "{}", r.stderr);
+    assert!(r.stderr.contains("footprint 2048 MiB"), "{}", r.stderr);
+    w.kill(hog);
+    let r = w.json(&["resume", &p, "--wait", "30"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
+}
