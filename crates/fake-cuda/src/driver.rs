@@ -231,6 +231,11 @@ pub fn get_restore_tid(store: &Store, pid: i32) -> Result<i32, CuResult> {
 /// `new_context` is the caller's start time when it creates a context: an
 /// entry from another start time is an earlier process's with the same pid
 /// (kept because it was checkpointed), whose resume it must not wait for.
+/// So is any entry of another start time when the caller lives in the
+/// initial time namespace: it is a fresh program that got the pid, not the
+/// process CRIU restored (which lives in a time namespace of its own, where
+/// /proc shows its start time shifted), and the real driver does not hold a
+/// fresh process's calls for a dead one's state.
 fn as_workload<T>(
     new_context: Option<u64>,
     f: impl FnOnce(&Store, &mut Txn, i32) -> Result<T, CuResult>,
@@ -240,12 +245,16 @@ fn as_workload<T>(
     }
     let store = Store::from_env();
     let me = procfs::self_pid();
+    let fresh_start = procfs::in_initial_time_namespace()
+        .then(|| procfs::stat(me).map(|s| s.start_time))
+        .flatten();
+    let stale_for_me = |p: &gpusnap_fake_common::state::Proc| {
+        new_context.is_some_and(|start| p.start_time != start)
+            || fresh_start.is_some_and(|start| p.start_time != start)
+    };
     let mut f = Some(f);
     let blocked_in = |state: &gpusnap_fake_common::state::State| {
-        state.procs.get(&me).is_some_and(|p| {
-            let stale = new_context.is_some_and(|start| p.start_time != start);
-            !p.accepts_work() && !stale
-        })
+        state.procs.get(&me).is_some_and(|p| !p.accepts_work() && !stale_for_me(p))
     };
     loop {
         // Looked at without the lock first: a blocked process (locked,
@@ -257,10 +266,7 @@ fn as_workload<T>(
         }
         let done = store
             .transact(|t| {
-                let blocked = t.state.procs.get(&me).is_some_and(|p| {
-                    let stale = new_context.is_some_and(|start| p.start_time != start);
-                    !p.accepts_work() && !stale
-                });
+                let blocked = t.state.procs.get(&me).is_some_and(|p| !p.accepts_work() && !stale_for_me(p));
                 if blocked {
                     return None;
                 }
