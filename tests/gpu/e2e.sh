@@ -11,8 +11,10 @@
 #                 ends the run, through the cleanup, 60 s after it
 #   BIG_GIB STUCK_GIB SMALL_GIB  P1 worker sizes (default 8, 2, 1)
 #   HIB_GIB REC_GIB              P2 worker sizes (default 4, 2)
-#   E2E_SECTIONS  the sections to run (default "a b c d e h r x")
-#   E2E_P2        auto (default): run the P2 (CRIU) sections h r x when
+#   EXT_GIB       (k) worker size (default 2)
+#   E2E_SECTIONS  the sections to run (default "a b c d e h r x"; k is not in
+#                 the default list: E2E_SECTIONS=k runs it alone)
+#   E2E_P2        auto (default): run the P2 (CRIU) sections h r x k when
 #                 selected; without a usable CRIU each is a SKIP row.
 #                 no: leave them out (one INFO row says so)
 #   E2E_WAKE_ARGS extra arguments for `gpusnap wake` in (h) (e.g. --no-guard)
@@ -26,7 +28,9 @@
 # driver calls into the stranded state), thr (fresh, with extra threads:
 # bad input). P2 workers: hib (hibernate into an image, wake), rec (suspended,
 # snapshotted, driven into the stuck state, recovered from the snapshot by
-# `gpusnap resume`). Images live in this run's state dir and are removed at
+# `gpusnap resume`), ext (k: suspended by gpusnap, then dumped and restored
+# by plain criu outside gpusnap, as a container runtime would, and resumed
+# by `gpusnap resume` with no flags). Images live in this run's state dir and are removed at
 # the end. Every restored worker is ended through `gpusnap stop`, which
 # suspends it before the kill; see lib.sh stop_safely for the fallback.
 
@@ -40,6 +44,7 @@ STUCK_GIB=${STUCK_GIB:-2}
 SMALL_GIB=${SMALL_GIB:-1}
 HIB_GIB=${HIB_GIB:-4}
 REC_GIB=${REC_GIB:-2}
+EXT_GIB=${EXT_GIB:-2}
 E2E_SECTIONS=${E2E_SECTIONS:-a b c d e h r x}
 E2E_P2=${E2E_P2:-auto}
 E2E_WAKE_ARGS=${E2E_WAKE_ARGS:-}
@@ -56,6 +61,7 @@ WB="" WS="" WT=""           # pids of the big, stuck and thread workers
 WB_OK=0 WS_OK=0 WT_OK=0
 WH="" WR=""                 # pids of the hibernate and recovery workers (P2)
 WH_OK=0 WR_OK=0
+WK="" WK_OK=0               # pid of the worker CRIU restores outside gpusnap (k)
 P2=0                        # 1: the P2 sections run (CRIU usable)
 CRIU_BIN="" CRIU_VERSION="" CRIU_CHECK="" CRIU_CHECK_RC="" CRIU_WHY=""
 
@@ -212,7 +218,7 @@ preflight() {
 # p2_preflight: whether the P2 sections run; records CRIU's version and check.
 p2_preflight() {
     local sec want=""
-    for sec in h r x; do selected "$sec" && want="$want $sec"; done
+    for sec in h r x k; do selected "$sec" && want="$want $sec"; done
     [ -n "$want" ] || return 0
     if [ "$E2E_P2" = no ]; then
         CRIU_WHY="E2E_P2=no"
@@ -247,7 +253,7 @@ p2_can() {
 start_workers() {
     local t0=$SECONDS got="" p1=0 p2=0 s
     for s in a b c d e; do selected "$s" && p1=1; done
-    if [ "$P2" = 1 ] && { selected h || selected r || selected x; }; then p2=1; fi
+    if [ "$P2" = 1 ] && { selected h || selected r || selected x || selected k; }; then p2=1; fi
     # All start at once (torch's import and the allocation overlap); the P2
     # workers simply run on through P1.
     if [ "$p1" = 1 ]; then
@@ -261,6 +267,7 @@ start_workers() {
     if [ "$p2" = 1 ]; then
         if selected h; then start_worker hib "$HIB_GIB"; WH=$LAST_PID; fi
         if selected r || selected x; then start_worker rec "$REC_GIB"; WR=$LAST_PID; fi
+        if selected k; then start_worker ext "$EXT_GIB"; WK=$LAST_PID; fi
     fi
     if [ "$p1" = 1 ]; then
         if wait_ready big "$WB" 240; then WB_OK=1; fi
@@ -280,7 +287,11 @@ start_workers() {
             if wait_ready rec "$WR" 60; then WR_OK=1; got="$got, rec ok"; else got="$got, rec failed"; s=FAIL; fi
             got="$got ($(smi_pid_mib "$WR") MiB)"
         fi
-        row w2 "P2 workers start (pids ${WH:--} ${WR:--})" "all ready, checksum ok" "${got#, }" "$s" "$((SECONDS - t0)) s"
+        if [ -n "$WK" ]; then
+            if wait_ready ext "$WK" 120; then WK_OK=1; got="$got, ext ok"; else got="$got, ext failed"; s=FAIL; fi
+            got="$got ($(smi_pid_mib "$WK") MiB)"
+        fi
+        row w2 "P2 workers start (pids ${WH:--} ${WR:--} ${WK:--})" "all ready, checksum ok" "${got#, }" "$s" "$((SECONDS - t0)) s"
     fi
 }
 
@@ -909,6 +920,77 @@ PY
     return 0
 }
 
+# start_time PID: field 22 of /proc/PID/stat.
+start_time() { sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | awk '{ print $20 }'; }
+
+# plain_criu ID CHECK LOG ARGS...: criu ARGS (as gpusnap would run it, less
+# --shell-job: the worker is a session leader), as a row; sets CR_RC.
+plain_criu() {
+    local id=$1 what=$2 log=$3 t0 t1 s err
+    shift 3
+    t0=$(now)
+    CR_RC=0
+    timeout -k 10 300 "$CRIU_BIN" "$@" -v4 --log-file "$log" --file-locks --ext-unix-sk --tcp-established \
+        </dev/null >>"$WORK/criu-k.out" 2>&1 || CR_RC=$?
+    t1=$(now)
+    s=$(fsub "$t0" "$t1")
+    # The rlimit line is in every log of an unprivileged-ish root (docs/criu.md): not a cause.
+    err=""
+    if [ "$CR_RC" != 0 ]; then err=$(grep 'Error' "$log" 2>/dev/null | grep -v RLIMIT_NOFILE | head -n 1 | cut -c1-200); fi
+    row "$id" "$what" "exit 0" "exit $CR_RC${err:+; first Error line: $err}" "$([ "$CR_RC" = 0 ] && echo PASS || echo FAIL)" "$s s"
+    if [ "$CR_RC" != 0 ] && [ -s "$log" ]; then log_file "criu log (last lines)" <(tail -n 30 "$log"); fi
+}
+
+# (k) a worker suspended by gpusnap, then dumped and restored by plain criu
+# (outside gpusnap, as container runtimes do): same pid, new start time.
+# gpusnap must recognise it (state, its recorded footprint) and `resume`
+# with no flags must bring it back with its data.
+section_k() {
+    local pid=$WK fp st0 st1 got v i0 img=$WORK/k-image
+    p2_can k "criu outside gpusnap" || return 0
+    if [ "$WK_OK" != 1 ]; then row k "criu outside gpusnap" "ext worker" "ext worker did not start" SKIP; return 0; fi
+    need 90 k "criu outside gpusnap" || return 0
+    gs 120 suspend "$pid"
+    fp=$(gs_result footprint_bytes)
+    v=FAIL; [[ $GS_RC == 0 && $(gs_result state) == checkpointed ]] && v=PASS
+    row k1 "gpusnap suspend of the $EXT_GIB GiB worker (pid $pid)" "exit 0, checkpointed" \
+        "exit $GS_RC, $(gs_result state), footprint $(gb "$fp") GB${GS_MSG:+; $GS_MSG}" "$v" "${GS_S} s"
+    [ "$v" = PASS ] || return 0
+    sleep 0.5
+    read_status "$WORK/ext.status"
+    i0=$ST_ITER
+    st0=$(start_time "$pid")
+    rm -rf "$img" && mkdir -p "$img"
+    mark_restored "$pid"
+    plain_criu k2 "plain criu dump --tree $pid (criu ends the worker)" "$img/dump.log" \
+        dump --tree "$pid" --images-dir "$img"
+    reap "$pid"
+    [ "$CR_RC" = 0 ] || return 0
+    wait_pid_free "$pid" 60 || log "pid $pid still held after the dump"
+    plain_criu k3 "plain criu restore --restore-detached" "$img/restore.log" \
+        restore --restore-detached --images-dir "$img"
+    [ "$CR_RC" = 0 ] || return 0
+    st1=$(start_time "$pid")
+    gs_state "$pid"
+    v=FAIL; [[ $GS_RC == 0 && $S_STATE == checkpointed && $S_FP == "$fp" && -n $st1 && $st1 != "$st0" ]] && v=PASS
+    row k4 "gpusnap state of the restored worker" "exit 0, checkpointed, footprint as recorded at suspend, new start time" \
+        "exit $GS_RC, ${S_STATE:-?}, footprint $(gb "$S_FP") GB (recorded $(gb "$fp") GB), start time $st0 -> ${st1:-gone}${GS_MSG:+; $GS_MSG}" "$v"
+
+    gs 180 resume "$pid"
+    v=FAIL; [[ $GS_RC == 0 && $(gs_result state) == running ]] && v=PASS
+    row k5 "gpusnap resume PID (no flags)" "exit 0, running (admitted with the recorded footprint)" \
+        "exit $GS_RC, $(gs_result state), footprint $(gb "$(gs_result footprint_bytes)") GB${GS_MSG:+; $GS_MSG}" "$v" "${GS_S} s"
+    if ! alive "$pid"; then got="no process $pid"; elif wait_iter_gt ext "${i0:-0}" 30; then got="iteration $i0 -> $ST_ITER, ok=$ST_OK, status pid $ST_PID"; else got="no progress in 30 s (iteration ${ST_ITER:-?}, ok=${ST_OK:-?})"; fi
+    v=FAIL; [[ $ST_ITER -gt ${i0:-0} && $ST_OK == 1 && $ST_PID == "$pid" ]] && v=PASS
+    row k6 "work continues, data intact" "iteration advances from $i0, ok=1, same pid" "$got" "$v"
+    gs 30 history "$pid"
+    got=$(jget "$GS_OUT" 'next((e["detail"] for e in d["events"] if e["op"] == "adopt"), "")' 2>/dev/null)
+    row k7 "gpusnap history PID" "an adopt entry (the record moved to the new start time)" "${got:-none}" "$([ -n "$got" ] && echo PASS || echo FAIL)"
+    stop_row k8 "criu-restored" "$pid"
+    rm -rf "$img"
+    return 0
+}
+
 # p2_end: the recovered worker is stopped through gpusnap; the images go.
 p2_end() {
     local n=0 d b
@@ -942,6 +1024,7 @@ if preflight; then
     section_r
     kill_fillers
     section_x
+    section_k
     p2_end
 fi
 FINISHED=1

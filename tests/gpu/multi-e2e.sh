@@ -20,6 +20,10 @@
 #                    time of one)
 #   TWO_GIB          m3: GiB on each GPU (default 4)
 #   NCCL_GIB         m4: GiB of the NCCL worker's checked tensor (default 1)
+#   NCCL2_GIB        m5: GiB of each rank's checked tensor (default 2)
+#   NCCL2_ENV        m5: extra VAR=VALUE words for both ranks (e.g.
+#                    "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1" to see whether
+#                    the transport between the ranks is what breaks)
 # Writes $OUT/multi-e2e.md (the table, also printed on stdout),
 # $OUT/multi-e2e.json (rows, figures, the m2 timings) and $OUT/multi-e2e.log.
 # Exit 0 when every check passed, 1 when one failed or was skipped.
@@ -42,6 +46,16 @@
 #       1, an all_reduce on cuda:0): doctor must report check "nccl" with
 #       severity "error"; what suspend does is recorded, and after a resume
 #       whether another all_reduce works.
+#   m5  (not in the default list: MULTI_SECTIONS=m5, MULTI_BUDGET_S=480) two
+#       processes, one per GPU, one NCCL communicator (nccl2_worker.py:
+#       init_process_group nccl, world size 2, an all_reduce every iteration
+#       whose sum both ranks check): doctor and suspend say what is known
+#       about multi-rank NCCL; `suspend R0 R1` (one group, all or nothing),
+#       nothing on either GPU while suspended, `resume R0 R1`, then the
+#       all_reduces go on with the right sum. If that held: `hibernate R0 R1`
+#       (two trees, two images) and `wake` of both images, and the
+#       all_reduces go on again. What breaks is recorded, every wait has a
+#       deadline, and both ranks are ended through `gpusnap stop`.
 # Every restored worker is ended through `gpusnap stop`, which suspends it
 # before the kill; see lib.sh stop_safely for the fallback. CUDA indices are
 # nvidia-smi's (CUDA_DEVICE_ORDER=PCI_BUS_ID), as for gpusnap's --device-map.
@@ -66,6 +80,8 @@ PAR_REPS=${PAR_REPS:-2}
 RATIO_MAX=${MULTI_RATIO_MAX:-0.7}
 TWO_GIB=${TWO_GIB:-4}
 NCCL_GIB=${NCCL_GIB:-1}
+NCCL2_GIB=${NCCL2_GIB:-2}
+NCCL2_ENV=${NCCL2_ENV:-}
 START_TIMEOUT_S=240 # torch import + CUDA (and NCCL) init of all workers, started together
 
 ROWS=$WORK/rows.tsv
@@ -76,8 +92,8 @@ BENCH=$WORK/bench.tsv   # rep, mode, suspend s, resume s, member ms
 : >"$BENCH"
 NPASS=0 NFAIL=0 NSKIP=0 NINFO=0
 FINISHED=0
-WR="" WC="" WP0="" WP1="" W2="" WN=""  # remap, cvd, par0, par1, two, nccl
-WR_OK=0 WC_OK=0 WP0_OK=0 WP1_OK=0 W2_OK=0 WN_OK=0
+WR="" WC="" WP0="" WP1="" W2="" WN="" WA="" WB=""  # remap, cvd, par0, par1, two, nccl, nccl2 ranks 0 and 1
+WR_OK=0 WC_OK=0 WP0_OK=0 WP1_OK=0 W2_OK=0 WN_OK=0 WA_OK=0 WB_OK=0
 PAR_SUS="" PAR_RES="" SEQ_SUS="" SEQ_RES=""  # m2 wall seconds, one per repetition
 GPU_UUID=() GPU_NAME=()
 NGPU=0
@@ -426,7 +442,19 @@ start_workers() {
         start_py nccl -- "$GPU_DIR/nccl_worker.py" "$NCCL_GIB" "$WORK/nccl.status" --device 0
         WN=$LAST_PID
     fi
-    for w in remap:WR cvd:WC par0:WP0 par1:WP1 two:W2 nccl:WN; do
+    if selected m5; then
+        local port envs
+        port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        read -r -a envs <<<"$NCCL2_ENV"
+        # As torchrun sets them: doctor reads WORLD_SIZE and RANK from the environment.
+        start_py nccl2a MASTER_PORT="$port" WORLD_SIZE=2 RANK=0 ${envs[@]+"${envs[@]}"} -- \
+            "$GPU_DIR/nccl2_worker.py" "$NCCL2_GIB" "$WORK/nccl2a.status" --rank 0
+        WA=$LAST_PID
+        start_py nccl2b MASTER_PORT="$port" WORLD_SIZE=2 RANK=1 ${envs[@]+"${envs[@]}"} -- \
+            "$GPU_DIR/nccl2_worker.py" "$NCCL2_GIB" "$WORK/nccl2b.status" --rank 1
+        WB=$LAST_PID
+    fi
+    for w in remap:WR cvd:WC par0:WP0 par1:WP1 two:W2 nccl:WN nccl2a:WA nccl2b:WB; do
         name=${w%%:*} var=${w#*:}
         pid=${!var}
         [ -n "$pid" ] || continue
@@ -898,6 +926,142 @@ section_m4() {
     return 0
 }
 
+# ---------------------------------------------------------------- m5: two NCCL ranks
+
+# ranks_advance I0 I1 TIMEOUT_S: both ranks pass their iterations I0 and I1
+# with ok=1 (checksum and all_reduce sum right); ADV says what was seen.
+ranks_advance() {
+    local r0=1 r1=1 A_ADV
+    if advanced nccl2a "$1" "$3"; then r0=0; fi
+    A_ADV=$ADV
+    if advanced nccl2b "$2" "$3"; then r1=0; fi
+    ADV="rank 0: $A_ADV, last all_reduce $(tr -d '\n' <"$WORK/nccl2a.status.allreduce" 2>/dev/null); rank 1: $ADV, last all_reduce $(tr -d '\n' <"$WORK/nccl2b.status.allreduce" 2>/dev/null)"
+    [ "$r0" = 0 ] && [ "$r1" = 0 ]
+}
+
+# nccl_finding: the doctor finding "nccl" of the last gpusnap output.
+nccl_finding() {
+    jget "$GS_OUT" 'next((x["severity"] + ": " + x["message"] for x in d["findings"] if x["check"] == "nccl"), "")'
+}
+
+m5_hibernate() {
+    local p0=$WA p1=$WB v st imgs n i0 i1
+    need 150 m5.7 "hibernate and wake the two ranks" || return 0
+    i0=$(iter nccl2a) i1=$(iter nccl2b)
+    gs 400 hibernate "$p0" "$p1" --image nccl2
+    imgs=$(jget "$GS_OUT" "' '.join(r['image'] for r in d['results'])")
+    n=$(jget "$GS_OUT" "len(d['results'])")
+    fig m5.hibernate_exit "$GS_RC"
+    fig m5.hibernate_message "$GS_MSG"
+    wait_pid_free "$p0" 60 || true
+    wait_pid_free "$p1" 60 || true
+    v=FAIL; [[ $GS_RC == 0 && $n == 2 ]] && ! alive "$p0" && ! alive "$p1" && v=PASS
+    row m5.7 "hibernate R0 R1 (two trees, two images)" "exit 0, 2 images, both ranks ended" \
+        "exit $GS_RC, images: ${imgs:-none}; rank 0 $(alive "$p0" && echo alive || echo gone), rank 1 $(alive "$p1" && echo alive || echo gone)${GS_MSG:+; $GS_MSG}" \
+        "$v" "${GS_S} s"
+    if [ "$v" != PASS ]; then
+        for n in $imgs; do image_logs "$n"; done
+        return 0
+    fi
+    mark_restored "$p0"
+    mark_restored "$p1"
+    # shellcheck disable=SC2086 # the image names are words
+    gs 400 wake $imgs --wait 60
+    st=$(jget "$GS_OUT" "' '.join(str(p) for r in d['results'] for p in r['resumed'])")
+    fig m5.wake_exit "$GS_RC"
+    fig m5.wake_message "$GS_MSG"
+    v=FAIL; [[ $GS_RC == 0 ]] && alive "$p0" && alive "$p1" && v=PASS
+    row m5.8 "wake both images (one group)" "exit 0, both ranks back and resumed" \
+        "exit $GS_RC, resumed: ${st:-none}; rank 0 $(alive "$p0" && echo alive || echo gone), rank 1 $(alive "$p1" && echo alive || echo gone)${GS_MSG:+; $GS_MSG}" \
+        "$v" "${GS_S} s"
+    [ "$v" = PASS ] || { for n in $imgs; do image_logs "$n"; done; return 0; }
+    v=FAIL; ranks_advance "$i0" "$i1" 60 && v=PASS
+    fig m5.allreduce_after_wake "$ADV"
+    row m5.9 "all_reduce after the wake" "both ranks advance, sums right" "$ADV" "$v"
+    return 0
+}
+
+section_m5() {
+    local p0=$WA p1=$WB v got st f i0 i1 rc msg kind states
+    selected m5 || return 0
+    if [ "$WA_OK" != 1 ] || [ "$WB_OK" != 1 ]; then
+        row m5 "two NCCL ranks" "both ranks start" "rank 0 ready: $WA_OK, rank 1 ready: $WB_OK (see nccl2a.log, nccl2b.log)" FAIL
+        stop_row m5.10 "the NCCL ranks" ${WA:+"$WA"} ${WB:+"$WB"}
+        return 0
+    fi
+    if ! need 120 m5 "two NCCL ranks"; then
+        stop_row m5.10 "the NCCL ranks" "$p0" "$p1"
+        return 0
+    fi
+    i0=$(iter nccl2a) i1=$(iter nccl2b)
+    v=FAIL; ranks_advance "$i0" "$i1" 30 && [[ -n $(pid_on "$p0" 0) && -n $(pid_on "$p1" 1) ]] && v=PASS
+    row m5.1 "two ranks (pids $p0 $p1), one per GPU, world size 2, all_reduce every iteration" \
+        "both advance, sums right; rank 0 on GPU0, rank 1 on GPU1" \
+        "$ADV; nvidia-smi: $p0 $(pid_where "$p0"), $p1 $(pid_where "$p1"); libnccl: $(maps_nccl "$p0" | cut -c1-80)" "$v"
+
+    gs 30 doctor "$p0"
+    f=$(nccl_finding)
+    fig m5.doctor "$f"
+    v=FAIL; [[ $GS_RC == 0 && ( $f == error:* || $f == warn:* ) && $f == *rank* ]] && v=PASS
+    row m5.2 "gpusnap doctor R0" "finding nccl (warn or error) naming the ranks" "exit $GS_RC; ${f:-no nccl finding}" "$v"
+
+    i0=$(iter nccl2a) i1=$(iter nccl2b)
+    gs 240 suspend "$p0" "$p1"
+    rc=$GS_RC msg=$GS_MSG kind=$(gs_err_kind)
+    states=$(jget "$GS_OUT" "'/'.join(r['state'] for r in d['results'])")
+    f=$(grep -i 'nccl' "$GS_ERR" | head -n 1 | cut -c1-300)
+    fig m5.suspend_exit "$rc"
+    fig m5.suspend_message "$msg"
+    fig m5.suspend_warning "$f"
+    v=FAIL; [[ $rc == 0 && $states == checkpointed/checkpointed ]] && v=PASS
+    row m5.3 "suspend R0 R1 (one group)" "exit 0, both checkpointed; a warning about NCCL first" \
+        "exit $rc${kind:+ ($kind)}, ${states:-no result}${msg:+: $msg}; warning: ${f:-none}" "$v" "${GS_S} s"
+    if [ "$v" != PASS ]; then
+        # All or nothing: a failed group leaves both running.
+        gs_state "$p0"
+        got="rank 0 ${S_STATE:-?}"
+        gs_state "$p1"
+        got="$got, rank 1 ${S_STATE:-?}"
+        v=FAIL; ranks_advance "$(iter nccl2a)" "$(iter nccl2b)" 60 && v=PASS
+        row m5.4 "after the failed group suspend" "both running, all_reduces go on" "$got; $ADV" "$v"
+        stop_row m5.10 "the NCCL ranks" "$p0" "$p1"
+        return 0
+    fi
+    got=""
+    wait_smi_unlisted "$p0" 10 || got="$got rank 0 listed: $(pid_where "$p0");"
+    wait_smi_unlisted "$p1" 10 || got="$got rank 1 listed: $(pid_where "$p1");"
+    sleep 2
+    i0=$(iter nccl2a) i1=$(iter nccl2b)
+    sleep 2
+    [ "$(iter nccl2a)" = "$i0" ] && [ "$(iter nccl2b)" = "$i1" ] || got="$got iterations moved while suspended;"
+    v=FAIL; [ -z "$got" ] && v=PASS
+    row m5.4 "while suspended" "nvidia-smi lists neither rank; neither iterates" "${got:-as expected}" "$v"
+
+    mark_restored "$p0"
+    mark_restored "$p1"
+    gs 240 resume "$p0" "$p1"
+    states=$(jget "$GS_OUT" "'/'.join(r['state'] for r in d['results'])")
+    fig m5.resume_exit "$GS_RC"
+    fig m5.resume_message "$GS_MSG"
+    v=FAIL; [[ $GS_RC == 0 && $states == running/running ]] && v=PASS
+    row m5.5 "resume R0 R1 (one group)" "exit 0, both running" "exit $GS_RC, ${states:-no result}${GS_MSG:+; $GS_MSG}" "$v" "${GS_S} s"
+    if [ "$v" = PASS ]; then
+        v=FAIL; ranks_advance "$i0" "$i1" 60 && v=PASS
+        fig m5.allreduce_after_resume "$ADV"
+        row m5.6 "all_reduce after the resume" "both ranks advance, sums right" "$ADV" "$v"
+        if [ "$v" = PASS ]; then
+            if criu_probe; then
+                m5_hibernate
+            else
+                row m5.7 "hibernate and wake the two ranks" "criu usable" "$CRIU_WHY" SKIP
+            fi
+        fi
+    fi
+    stop_row m5.10 "the NCCL ranks" "$p0" "$p1"
+    images_clear
+    return 0
+}
+
 # ---------------------------------------------------------------- main
 
 install_traps
@@ -911,6 +1075,7 @@ if preflight; then
     section_m2
     section_m3
     section_m4
+    section_m5
 fi
 FINISHED=1
 exit 0 # on_exit writes the table and sets the exit status
