@@ -401,6 +401,13 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Suspend { select, lock_timeout } => {
             let mut e = engine(cli, out)?;
             let pids = &select.resolve(&mut e)?;
+            // Said before anything is done: what is known about suspending a
+            // rank of a multi-process NCCL job.
+            for &pid in pids {
+                if let Some(note) = doctor::nccl_job_note(pid, pids) {
+                    eprintln!("gpusnap: warning: {note}");
+                }
+            }
             let r = e.suspend_group(pids, *lock_timeout, &|| out.progress())?;
             out.all(&r, output::suspended);
             Ok(())

@@ -147,6 +147,99 @@ pub fn process(pid: i32, host_gpus: usize) -> Vec<Finding> {
 }
 
 /// [`process`] on a /proc tree at `root` (tests give it crafted ones).
+/// A rank of a multi-process job, as launchers (torchrun, vLLM, Ray,
+/// mpirun through torch.distributed) describe it in the environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NcclJob {
+    pub world_size: u32,
+    pub rank: Option<u32>,
+    /// MASTER_ADDR:MASTER_PORT: the job's rendezvous, shared by its ranks.
+    pub rendezvous: Option<String>,
+}
+
+impl NcclJob {
+    pub fn from_environ(env: &[u8]) -> Option<Self> {
+        let var = |k: &str| {
+            env.split(|b| *b == 0).find_map(|kv| {
+                let kv = std::str::from_utf8(kv).ok()?;
+                kv.strip_prefix(k)?.strip_prefix('=').map(str::to_string)
+            })
+        };
+        let world_size = var("WORLD_SIZE")?.trim().parse().ok()?;
+        let rank = var("RANK").and_then(|r| r.trim().parse().ok());
+        let rendezvous = match (var("MASTER_ADDR"), var("MASTER_PORT")) {
+            (Some(a), Some(p)) => Some(format!("{a}:{p}")),
+            _ => None,
+        };
+        Some(Self { world_size, rank, rendezvous })
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "{} of a {}-rank job (WORLD_SIZE={}{})",
+            self.rank.map_or("a rank".to_string(), |r| format!("rank {r}")),
+            self.world_size,
+            self.world_size,
+            self.rendezvous.as_deref().map(|r| format!(", rendezvous {r}")).unwrap_or_default()
+        )
+    }
+
+    /// The other processes under `root` (/proc) of the same job: the same
+    /// world size and rendezvous, and libcuda mapped (a launcher carries the
+    /// same environment but holds no CUDA state).
+    pub fn peers(&self, root: &Path, pid: i32) -> Vec<i32> {
+        let Some(rv) = &self.rendezvous else { return Vec::new() };
+        let Ok(rd) = std::fs::read_dir(root) else { return Vec::new() };
+        let mut out: Vec<i32> = rd
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|p| *p != pid)
+            .filter(|p| {
+                let dir = root.join(p.to_string());
+                std::fs::read(dir.join("environ"))
+                    .ok()
+                    .and_then(|e| NcclJob::from_environ(&e))
+                    .is_some_and(|j| j.world_size == self.world_size && j.rendezvous.as_ref() == Some(rv))
+                    && std::fs::read_to_string(dir.join("maps")).is_ok_and(|m| m.contains("libcuda.so"))
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+}
+
+/// What is known about suspending `pid` when it is a rank of a
+/// multi-process NCCL job, said before a suspend; `None` for anything else.
+/// `group` is what the suspend covers: ranks of the job left out are named.
+pub fn nccl_job_note(pid: i32, group: &[i32]) -> Option<String> {
+    let dir = Path::new("/proc").join(pid.to_string());
+    let maps = std::fs::read_to_string(dir.join("maps")).ok()?;
+    if !maps.contains("libnccl") {
+        return None;
+    }
+    let job = NcclJob::from_environ(&std::fs::read(dir.join("environ")).ok()?)?;
+    if job.world_size < 2 {
+        return None;
+    }
+    let left_out: Vec<String> = job
+        .peers(Path::new("/proc"), pid)
+        .into_iter()
+        .filter(|p| !group.contains(p))
+        .map(|p| p.to_string())
+        .collect();
+    Some(format!(
+        "process {pid} is {}: NVIDIA does not support checkpointing NCCL communicators across processes (see `gpusnap doctor {pid}`){}",
+        job.describe(),
+        if left_out.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; ranks of the same job not in this suspend: {} (they stall at their next collective until it is resumed)",
+                left_out.join(" ")
+            )
+        }
+    ))
+}
+
 pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
     let mut out = Vec::new();
     let dir = root.join(pid.to_string());
@@ -229,7 +322,27 @@ pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
             })
             .unwrap_or_default();
         let live = threads.iter().any(|c| c.to_ascii_lowercase().contains("nccl")) || mapped("/dev/shm/nccl");
-        if live {
+        let job = NcclJob::from_environ(&env).filter(|j| j.world_size > 1);
+        if let Some(j) = job {
+            let peers = j.peers(root, pid);
+            out.push(f(
+                "nccl",
+                Severity::Warn,
+                format!(
+                    "{}{}: the communicator spans processes. NVIDIA does not support checkpointing NCCL communicators (NVIDIA/cuda-checkpoint#5); a one-rank communicator survived suspend and resume on an H200 with r580, for ranks across processes see docs/gpu-e2e.md (multi-e2e m5). A rank suspended alone stalls the others at their next collective",
+                    j.describe(),
+                    if peers.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            "; the other ranks on this host: {}",
+                            peers.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(" ")
+                        )
+                    }
+                ),
+                Some("suspend every rank of the job in one call (all the pids, `--tree LAUNCHER` or `--cgroup`), so that all or none are suspended; or destroy the communicators first (torch.distributed.destroy_process_group; vLLM: sleep mode)"),
+            ));
+        } else if live {
             out.push(f(
                 "nccl",
                 Severity::Warn,
@@ -455,6 +568,37 @@ mod tests {
 
 #[cfg(test)]
 mod nccl_tests {
+    #[test]
+    fn a_rank_of_a_multi_process_job_is_named_with_its_peers() {
+        use super::*;
+        let d = tempfile::tempdir().unwrap();
+        for (pid, rank, cuda) in [(4242, 0, true), (4243, 1, true), (4244, 1, false), (4245, 0, true)] {
+            let p = d.path().join(pid.to_string());
+            std::fs::create_dir_all(p.join("task")).unwrap();
+            let maps = if cuda {
+                "1-2 r-xp 0 0:0 1 /usr/lib/libcuda.so.1\n3-4 r-xp 0 0:0 2 /x/libnccl.so.2\n"
+            } else {
+                "3-4 r-xp 0 0:0 2 /usr/bin/python3\n"
+            };
+            std::fs::write(p.join("maps"), maps).unwrap();
+            let port = if pid == 4245 { 29501 } else { 29500 };
+            std::fs::write(
+                p.join("environ"),
+                format!("A=1\0WORLD_SIZE=2\0RANK={rank}\0MASTER_ADDR=127.0.0.1\0MASTER_PORT={port}\0"),
+            )
+            .unwrap();
+            std::fs::write(p.join("stat"), format!("{pid} (python3) S 1 1 1 0 -1 0")).unwrap();
+            std::fs::write(p.join("status"), "Name:\tpython3\n").unwrap();
+        }
+        let v = process_at(d.path(), 4242, 2);
+        let n = v.iter().find(|f| f.check == "nccl").expect("an nccl finding");
+        assert_eq!(n.severity, Severity::Warn);
+        assert!(n.message.contains("rank 0 of a 2-rank job"), "{}", n.message);
+        // Same rendezvous and CUDA: 4243; the launcher (no libcuda) and another job are not.
+        assert!(n.message.contains("the other ranks on this host: 4243"), "{}", n.message);
+        assert!(n.fix.as_deref().unwrap().contains("in one call"));
+    }
+
     use super::*;
 
     #[test]
