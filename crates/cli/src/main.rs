@@ -387,6 +387,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::State { pid } => {
+            gpusnap_core::target::resolve_callable(*pid)?;
             let mut e = engine(cli, out)?;
             let r = e.state(*pid)?;
             out.state(&r);
@@ -399,6 +400,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Suspend { select, lock_timeout } => {
+            select.validate(Check::Callable)?;
             let mut e = engine(cli, out)?;
             let pids = &select.resolve(&mut e)?;
             // Said before anything is done: what is known about suspending a
@@ -413,6 +415,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Resume { select, wait, margin, footprint, snapshot_first, device_map } => {
+            select.validate(Check::Callable)?;
             let mut e = engine(cli, out)?;
             let pids = &select.resolve(&mut e)?;
             let opts = ResumeOptions {
@@ -511,6 +514,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             guarded::guard(cli, pids, *lock_timeout, *takeover, *daemon)
         }
         Cmd::Recover { pid, wait, margin, force } => {
+            gpusnap_core::target::resolve(*pid)?;
             let c = criu(cli)?;
             let mut e = engine(cli, out)?;
             let opts = WakeOptions {
@@ -540,6 +544,8 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Stop { select, grace, force, lock_timeout } => {
+            // A stopped process is stop's to refuse (or --force), not bad input.
+            select.validate(Check::Exists)?;
             let mut e = engine_with(cli, out, true)?;
             let pids = &select.resolve(&mut e)?;
             let opts = StopOptions {
@@ -554,7 +560,39 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
     }
 }
 
+/// How much [`Select::validate`] asks of a pid named.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Check {
+    /// A process gpusnap may act on (not a thread, a zombie, another user's).
+    Exists,
+    /// ... and not stopped: the driver would hang on it.
+    Callable,
+}
+
 impl Select {
+    /// The targets named, checked before the driver (or CRIU) is loaded, so
+    /// that bad input gets the same error (exit 2) on a host without the
+    /// driver as with one, and nothing is done when one of them is wrong:
+    /// each pid named, the --tree root, the --cgroup.
+    fn validate(&self, check: Check) -> Result<(), Error> {
+        let several = self.pids.len() > 1 || self.tree.is_some() || self.cgroup.is_some() || self.all;
+        for &pid in &self.pids {
+            let r = match check {
+                Check::Exists => gpusnap_core::target::resolve(pid),
+                Check::Callable => gpusnap_core::target::resolve_callable(pid),
+            };
+            // A group names the member, as the group's own errors do.
+            r.map_err(|e| if several { Error::Member { pid, source: Box::new(e) } } else { e })?;
+        }
+        if let Some(root) = self.tree {
+            gpusnap_core::target::resolve(root)?;
+        }
+        if let Some(cg) = &self.cgroup {
+            gpusnap_core::target::cgroup_processes(cg)?;
+        }
+        Ok(())
+    }
+
     /// The roots of the trees a hibernate of this selection dumps: each pid
     /// named, the --tree root, the processes of a --cgroup, the CUDA
     /// processes (--all), less any that lies inside another's tree.
@@ -615,6 +653,7 @@ impl Select {
 /// the only tracer while it dumps. The guard is re-attached where the tree
 /// stays alive.
 fn hibernate(cli: &Cli, out: &Out, select: &Select, opts: &HibernateOptions) -> anyhow::Result<()> {
+    select.validate(Check::Callable)?;
     let c = criu(cli)?;
     let mut e = engine_with(cli, out, true)?;
     let roots = select.roots(&mut e)?;

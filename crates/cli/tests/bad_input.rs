@@ -138,3 +138,57 @@ fn piped_output_has_no_progress_bar() {
     assert!(r.stderr.is_empty(), "{:?}", r.stderr);
     w.kill(pid);
 }
+
+/// On a host without the driver, bad targets are still bad input (exit 2,
+/// the same line as with a driver): they are checked before the driver is
+/// loaded, which only live targets need.
+#[test]
+fn targets_are_checked_before_the_driver_is_loaded() {
+    let w = World::new(&[8192]);
+    let mut sleep = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+    let live = sleep.id().to_string();
+    let cases: &[(&[&str], &str)] = &[
+        (&["suspend", "999999999"], "no process 999999999"),
+        (&["resume", "999999999"], "no process 999999999"),
+        (&["resume", "999999999", "--footprint", "100"], "no process 999999999"),
+        (&["state", "0"], "0 is not a valid process id"),
+        (&["state", "999999999"], "no process 999999999"),
+        (&["suspend", "--tree", "999999999"], "no process 999999999"),
+        (&["resume", "--tree", "999999999"], "no process 999999999"),
+        (&["stop", "999999999"], "no process 999999999"),
+        (&["stop", "--tree", "999999999"], "no process 999999999"),
+        (&["suspend", &live, "999999999"], "member 999999999 of the group: no process 999999999"),
+        (&["suspend", "--cgroup", "/nonexistent/cgroup"], "/nonexistent/cgroup is not a cgroup"),
+        (&["stop", "--cgroup", "/nonexistent/cgroup"], "/nonexistent/cgroup is not a cgroup"),
+        (&["hibernate", "--cgroup", "/nonexistent/cgroup"], "/nonexistent/cgroup is not a cgroup"),
+        (&["hibernate", "999999999"], "no process 999999999"),
+        (&["snapshot", "999999999"], "no process 999999999"),
+        (&["recover", "999999999"], "no process 999999999"),
+    ];
+    for (args, want) in cases {
+        let with = w.json(args);
+        let mut cmd = w.gpusnap_cmd(&[&["--json"], *args].concat());
+        // No fake driver or NVML here (a GPU host's real driver is in the
+        // system's library path and would still be found: then this only
+        // repeats the first half).
+        cmd.env("LD_LIBRARY_PATH", "/nonexistent").env("GPUSNAP_CRIU", "/nonexistent/criu");
+        let out = cmd.output().unwrap();
+        let without = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(with.code, 2, "{args:?} with the driver: {}", with.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?} without the driver: {without}");
+        assert!(with.stderr.contains(want), "{args:?}: {}", with.stderr);
+        assert_eq!(without.lines().next(), with.stderr.lines().next(), "{args:?}");
+        assert_eq!(without.lines().count(), 1, "{args:?}: {without}");
+    }
+    // A live process still needs the driver (suspend), or not (stop of a
+    // process without CUDA).
+    let mut cmd = w.gpusnap_cmd(&["suspend", &live]);
+    cmd.env("LD_LIBRARY_PATH", "/nonexistent");
+    let out = cmd.output().unwrap();
+    if !std::path::Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1").exists() {
+        assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("cannot load libcuda.so.1"));
+    }
+    let _ = sleep.kill();
+    let _ = sleep.wait();
+}

@@ -18,6 +18,8 @@ pub enum Error {
     Permission { pid: i32 },
     #[error("cannot read /proc/{pid}: {reason}")]
     Proc { pid: i32, reason: String },
+    #[error("{path} is not a cgroup (no cgroup.procs)")]
+    NoCgroup { path: String },
     #[error(
         "pid {pid} now belongs to another program ({comm}); the process gpusnap suspended there is gone"
     )]
@@ -100,6 +102,7 @@ impl Error {
             | Self::NotCuda { .. }
             | Self::WrongState { .. }
             | Self::NoFootprint { .. }
+            | Self::NoCgroup { .. }
             | Self::ForeignSession { .. } => 2,
             Self::NoMemory { .. } => 3,
             Self::Member { source, .. } | Self::GroupImage { source, .. } => source.exit_code(),
@@ -130,6 +133,7 @@ impl Error {
             Self::Stopped { .. } => "stopped",
             Self::Permission { .. } => "permission",
             Self::Proc { .. } => "proc",
+            Self::NoCgroup { .. } => "no_cgroup",
             Self::Reused { .. } => "pid_reused",
             Self::NotCuda { .. } => "not_cuda",
             Self::WrongState { .. } => "wrong_state",

@@ -232,10 +232,7 @@ pub(crate) fn session_visible_in(status: &str) -> Option<bool> {
 pub fn cgroup_processes(path: &Path) -> Result<Vec<i32>, Error> {
     let root = if path.is_absolute() { path.to_path_buf() } else { Path::new("/sys/fs/cgroup").join(path) };
     if !root.join("cgroup.procs").is_file() {
-        return Err(Error::Proc {
-            pid: 0,
-            reason: format!("{} is not a cgroup (no cgroup.procs)", root.display()),
-        });
+        return Err(Error::NoCgroup { path: root.display().to_string() });
     }
     let mut out = Vec::new();
     let mut dirs = vec![root];
