@@ -14,6 +14,18 @@
 # command to run, and as root /usr/local/bin/criu links to it unless a good
 # enough criu is already on PATH.
 #
+# --cuda-plugin also builds CRIU's CUDA plugin (cuda_plugin.so, which Debian
+# does not package) from Debian's source package of the same criu version
+# (.dsc, .orig.tar, .debian.tar from the same mirror, verified by apt against
+# the signed index; Debian's patches applied) and installs it as
+# PREFIX/lib/criu/cuda_plugin.so. criu loads it only when told to
+# (`--libdir PREFIX/lib/criu` or CRIU_LIBS_DIR=PREFIX/lib/criu): gpusnap's
+# own hibernate and wake do not want it (docs/criu.md). Building needs
+# build-essential pkg-config protobuf-c-compiler libprotobuf-c-dev
+# protobuf-compiler libprotobuf-dev libnl-3-dev libnet1-dev libcap-dev
+# libbsd-dev uuid-dev python3 (bookworm has them all; about 2 minutes on 2
+# cores). A plugin already built for this criu version is kept.
+#
 # Environment:
 #   CRIU_DEBIAN_MIRROR  archive URI to fetch from (default: the URI this
 #                       machine's apt sources use for its own release)
@@ -31,8 +43,23 @@ die() {
 	exit 1
 }
 
-PREFIX=$(realpath -m -- "${1:-/opt/gpusnap/criu}")
+CUDA_PLUGIN=0
+args=()
+for a in "$@"; do
+	case $a in
+		--cuda-plugin) CUDA_PLUGIN=1 ;;
+		-h | --help)
+			sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+			exit 0
+			;;
+		-*) die "unknown option $a (--cuda-plugin, --help)" ;;
+		*) args+=("$a") ;;
+	esac
+done
+((${#args[@]} <= 1)) || die "usage: $0 [--cuda-plugin] [PREFIX]"
+PREFIX=$(realpath -m -- "${args[0]:-/opt/gpusnap/criu}")
 WRAPPER=$PREFIX/bin/criu
+PLUGIN_DIR=$PREFIX/lib/criu
 started=$SECONDS
 
 # `criu --version` prints "Version: 4.1.1" (plus a GitID line on some builds).
@@ -79,9 +106,210 @@ link_into_path() {
 }
 
 finish() {
+	if ((CUDA_PLUGIN)); then
+		cuda_plugin
+	fi
 	link_into_path
 	log "criu $(criu_version "$WRAPPER") ready at $WRAPPER ($((SECONDS - started)) s)"
 	exit 0
+}
+
+# private_apt: a private apt for Debian $SUITE (its own lists and cache, an
+# empty dpkg status, deb-src too with --cuda-plugin). Sets work, apt_opts,
+# cand (criu's version there) and upstream. Once.
+APT_READY=0
+private_apt() {
+	((APT_READY)) && return 0
+	APT_READY=1
+	for tool in apt-get apt-cache dpkg dpkg-deb; do
+		command -v "$tool" >/dev/null || die "$tool not found: this script needs a Debian-based system"
+	done
+	arch=$(dpkg --print-architecture)
+	[[ $arch == amd64 ]] || die "only amd64 is supported (this is $arch)"
+	[[ -r $KEYRING ]] || die "$KEYRING missing: apt-get install debian-archive-keyring"
+
+	# The URI this machine's apt uses for its own release (deb.debian.org, a
+	# local mirror, a snapshot...). Reads one-line and deb822 sources.
+	debian_mirror() {
+		local codename
+		# shellcheck disable=SC1091
+		codename=$(. /etc/os-release && printf '%s' "${VERSION_CODENAME:-}")
+		shopt -s nullglob
+		local lists=(/etc/apt/sources.list /etc/apt/sources.list.d/*.list)
+		local deb822=(/etc/apt/sources.list.d/*.sources)
+		shopt -u nullglob
+		{
+			for f in "${lists[@]}"; do
+				[[ -r $f ]] || continue
+				# deb [opts] URI SUITE COMPONENTS...
+				sed -e 's/#.*//' -e 's/\[[^]]*\]//' "$f" |
+					awk '$1 == "deb" { print $2, $3 }'
+			done
+			for f in "${deb822[@]}"; do
+				[[ -r $f ]] || continue
+				awk '
+					function flush() {
+						if (types ~ /(^| )deb( |$)/ && tolower(enabled) != "no")
+							for (i = 1; i <= ns; i++) print uri, s[i]
+						types = uri = enabled = ""; ns = 0
+					}
+					/^#/ { next }
+					/^[ \t]*$/ { flush(); next }
+					{
+						key = tolower($1); sub(/:$/, "", key)
+						if (key == "types") { $1 = ""; types = $0 " " }
+						else if (key == "uris") uri = $2
+						else if (key == "enabled") enabled = $2
+						else if (key == "suites") { ns = 0; for (i = 2; i <= NF; i++) s[++ns] = $i }
+					}
+					END { flush() }' "$f"
+			done
+		} | awk -v codename="$codename" '
+			$1 ~ /^(https?|file):/ && $2 !~ /-(security|updates|backports)$/ && $1 !~ /security/ {
+				if ($2 == codename || $2 == "stable") { print $1; found = 1; exit }
+				if (first == "") first = $1
+			}
+			END { if (!found && first != "") print first }'
+	}
+
+	mirror=${CRIU_DEBIAN_MIRROR:-$(debian_mirror)}
+	[[ -n $mirror ]] || die "found no Debian archive in /etc/apt/sources.list*; set CRIU_DEBIAN_MIRROR"
+	mirror=${mirror%/}
+
+	work=$(mktemp -d "${TMPDIR:-/tmp}/install-criu.XXXXXX")
+	trap 'rm -rf -- "$work"' EXIT
+	mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$work/debs"
+	# deb-src: the plugin is built from criu's source package.
+	local types=deb
+	if ((CUDA_PLUGIN)); then types+=' deb-src'; fi
+	cat >"$work/$SUITE.sources" <<-EOF
+		Types: $types
+		URIs: $mirror
+		Suites: $SUITE
+		Components: main
+		Signed-By: $KEYRING
+	EOF
+	# apt drops privileges to _apt for downloads; let it write there.
+	if ((EUID == 0)) && id _apt >/dev/null 2>&1; then
+		chmod 0755 "$work"
+		chown -R _apt "$work/lists" "$work/debs"
+	fi
+
+	# A private apt: only the $SUITE list, its own lists and cache, an empty
+	# dpkg status (so the whole dependency closure is resolved, whatever the
+	# system has installed). Proxy and similar settings from /etc/apt still apply.
+	apt_opts=(
+		-o "Dir::Etc::SourceList=$work/$SUITE.sources"
+		-o "Dir::Etc::SourceParts=/nonexistent"
+		-o "Dir::State::Lists=$work/lists"
+		-o "Dir::Cache=$work/cache"
+		-o "Dir::State::status=/dev/null"
+		-o "APT::Architecture=amd64"
+		-o "APT::Architectures::=amd64"
+		-o "Acquire::IndexTargets::deb::DEP-11::DefaultEnabled=false"
+		-o "Acquire::Languages=none"
+	)
+
+	log "fetching the $SUITE package index from $mirror"
+	if ! out=$(apt-get "${apt_opts[@]}" -qq update 2>&1) || grep -q '^[WE]:' <<<"$out"; then
+		printf '%s\n' "$out" >&2
+		if grep -q NO_PUBKEY <<<"$out"; then
+			die "$KEYRING lacks the keys $SUITE is signed with: apt-get update && apt-get install debian-archive-keyring"
+		fi
+		die "apt-get update of $SUITE from $mirror failed"
+	fi
+
+	cand=$(apt-cache "${apt_opts[@]}" policy criu | sed -n 's/^ *Candidate: *//p')
+	[[ -n $cand && $cand != "(none)" ]] || die "$SUITE at $mirror has no criu package"
+	upstream=${cand#*:}
+	upstream=${upstream%-*}
+	version_ge "$upstream" "$MIN_VERSION" || die "$SUITE has criu $cand, need >= $MIN_VERSION"
+}
+
+# cuda_plugin: PLUGIN_DIR/cuda_plugin.so for the criu at $WRAPPER, built from
+# Debian $SUITE's source package of that very version (CRIU resolves a
+# plugin's symbols against its own binary, so the two must match).
+cuda_plugin() {
+	local want dsc tool missing=() probe
+	want=$(criu_version "$WRAPPER")
+	if [[ -f $PLUGIN_DIR/cuda_plugin.so && $(cat "$PLUGIN_DIR/.cuda_plugin.version" 2>/dev/null) == "$want" ]]; then
+		log "CUDA plugin for criu $want already at $PLUGIN_DIR/cuda_plugin.so"
+		return 0
+	fi
+	for tool in cc make pkg-config protoc protoc-c python3 dpkg-source; do
+		command -v "$tool" >/dev/null || missing+=("$tool")
+	done
+	((${#missing[@]} == 0)) || die "building the CUDA plugin needs ${missing[*]}: apt-get install build-essential pkg-config protobuf-c-compiler libprotobuf-c-dev protobuf-compiler libprotobuf-dev libnl-3-dev libnet1-dev libcap-dev libbsd-dev uuid-dev python3"
+	private_apt
+	[[ $upstream == "$want" ]] ||
+		die "criu at $WRAPPER is $want, $SUITE's source package is $cand: the plugin must be built from the source of the criu that loads it"
+	log "fetching the source package of criu $cand"
+	mkdir -p "$work/src"
+	if ((EUID == 0)) && id _apt >/dev/null 2>&1; then chown _apt "$work/src"; fi
+	# Each file of the source package, checked by apt against the SHA256 the
+	# signed Sources index gives for it.
+	local dir files=() f sha name got=()
+	dir=$(apt-cache "${apt_opts[@]}" showsrc criu |
+		awk -v v="$cand" '/^Package: / { p = 0 } /^Version: / { p = ($2 == v) } p && /^Directory: / { print $2; exit }')
+	mapfile -t files < <(apt-cache "${apt_opts[@]}" showsrc criu |
+		awk -v v="$cand" '
+			/^Package: / { p = 0 } /^Version: / { p = ($2 == v) }
+			/^[^ ]/ { sect = $1 }
+			p && sect == "Checksums-Sha256:" && /^ / { print $1, $3 }')
+	[[ -n $dir && ${#files[@]} -gt 0 ]] || die "$SUITE's Sources index has no files for criu $cand"
+	for f in "${files[@]}"; do
+		sha=${f%% *} name=${f#* }
+		if /usr/lib/apt/apt-helper "${apt_opts[@]}" download-file "$mirror/$dir/$name" "$work/src/$name" "SHA256:$sha" \
+			>"$work/fetch.log" 2>&1; then
+			got+=("$name")
+		else
+			log "could not fetch $mirror/$dir/$name: $(grep -m 1 -E '^(E|W):' "$work/fetch.log" || tail -n 1 "$work/fetch.log")"
+		fi
+	done
+	dsc=$(find "$work/src" -maxdepth 1 -name 'criu_*.dsc' -print -quit)
+	if [[ -n $dsc ]] && ((${#got[@]} == ${#files[@]})); then
+		# Debian's patches applied, as in the binary package.
+		(cd "$work/src" && dpkg-source -x "${dsc##*/}" criu >"$work/unpack.log" 2>&1) || {
+			cat -- "$work/unpack.log" >&2
+			die "dpkg-source -x ${dsc##*/} failed"
+		}
+	else
+		# Debian's own changes are packaging; the plugin and the headers it
+		# builds against are upstream's, which the .orig tarball holds.
+		local orig
+		orig=$(find "$work/src" -maxdepth 1 -name 'criu_*.orig.tar.*' -print -quit)
+		[[ -n $orig ]] || die "could not fetch criu $cand's source (.orig.tar) from $mirror"
+		log "warning: building from the upstream tarball alone (${orig##*/}): Debian's patches could not be fetched"
+		mkdir -p "$work/src/criu"
+		tar -xf "$orig" -C "$work/src/criu" --strip-components=1 || die "cannot unpack ${orig##*/}"
+	fi
+	log "building cuda_plugin.so (criu $cand; a few minutes)"
+	if ! make -C "$work/src/criu" -j"$(nproc)" cuda_plugin >"$work/build.log" 2>&1; then
+		tail -n 40 -- "$work/build.log" >&2
+		die "building the CUDA plugin failed (the packages it needs are named in --help)"
+	fi
+	mkdir -p "$PLUGIN_DIR"
+	install -m 0755 "$work/src/criu/plugins/cuda/cuda_plugin.so" "$PLUGIN_DIR/cuda_plugin.so.new"
+	mv -f -- "$PLUGIN_DIR/cuda_plugin.so.new" "$PLUGIN_DIR/cuda_plugin.so"
+	printf '%s\n' "$want" >"$PLUGIN_DIR/.cuda_plugin.version"
+	# criu must load it: a dump of a throwaway process names the plugin in
+	# its log (a dump that fails for other reasons, a sandbox without the
+	# privileges, only warns).
+	setsid sleep 60 </dev/null >/dev/null 2>&1 &
+	probe=$!
+	mkdir -p "$work/probe"
+	"$WRAPPER" dump --tree "$probe" --images-dir "$work/probe" --leave-running --libdir "$PLUGIN_DIR" \
+		-v4 --log-file "$work/probe/dump.log" >/dev/null 2>&1 || true
+	kill "$probe" 2>/dev/null || true
+	wait "$probe" 2>/dev/null || true
+	if grep -q 'Plugin "cuda_plugin"' "$work/probe/dump.log" 2>/dev/null; then
+		log "installed $PLUGIN_DIR/cuda_plugin.so (criu loads it with --libdir $PLUGIN_DIR or CRIU_LIBS_DIR=$PLUGIN_DIR)"
+	elif grep -q 'cuda_plugin' "$work/probe/dump.log" 2>/dev/null; then
+		grep 'cuda_plugin\|Error' "$work/probe/dump.log" | head -n 5 >&2
+		die "criu $want does not load the plugin it was built with"
+	else
+		log "warning: installed $PLUGIN_DIR/cuda_plugin.so, but a probe dump could not show that criu loads it here: $(grep -m 1 Error "$work/probe/dump.log" 2>/dev/null | grep -v RLIMIT || echo 'no log')"
+	fi
 }
 
 # 1. Already installed.
@@ -105,106 +333,7 @@ if sys=$(system_criu); then
 fi
 
 # 3. Unpack Debian $SUITE's criu into PREFIX/root.
-for tool in apt-get apt-cache dpkg dpkg-deb; do
-	command -v "$tool" >/dev/null || die "$tool not found: this script needs a Debian-based system"
-done
-arch=$(dpkg --print-architecture)
-[[ $arch == amd64 ]] || die "only amd64 is supported (this is $arch)"
-[[ -r $KEYRING ]] || die "$KEYRING missing: apt-get install debian-archive-keyring"
-
-# The URI this machine's apt uses for its own release (deb.debian.org, a
-# local mirror, a snapshot...). Reads one-line and deb822 sources.
-debian_mirror() {
-	local codename
-	# shellcheck disable=SC1091
-	codename=$(. /etc/os-release && printf '%s' "${VERSION_CODENAME:-}")
-	shopt -s nullglob
-	local lists=(/etc/apt/sources.list /etc/apt/sources.list.d/*.list)
-	local deb822=(/etc/apt/sources.list.d/*.sources)
-	shopt -u nullglob
-	{
-		for f in "${lists[@]}"; do
-			[[ -r $f ]] || continue
-			# deb [opts] URI SUITE COMPONENTS...
-			sed -e 's/#.*//' -e 's/\[[^]]*\]//' "$f" |
-				awk '$1 == "deb" { print $2, $3 }'
-		done
-		for f in "${deb822[@]}"; do
-			[[ -r $f ]] || continue
-			awk '
-				function flush() {
-					if (types ~ /(^| )deb( |$)/ && tolower(enabled) != "no")
-						for (i = 1; i <= ns; i++) print uri, s[i]
-					types = uri = enabled = ""; ns = 0
-				}
-				/^#/ { next }
-				/^[ \t]*$/ { flush(); next }
-				{
-					key = tolower($1); sub(/:$/, "", key)
-					if (key == "types") { $1 = ""; types = $0 " " }
-					else if (key == "uris") uri = $2
-					else if (key == "enabled") enabled = $2
-					else if (key == "suites") { ns = 0; for (i = 2; i <= NF; i++) s[++ns] = $i }
-				}
-				END { flush() }' "$f"
-		done
-	} | awk -v codename="$codename" '
-		$1 ~ /^(https?|file):/ && $2 !~ /-(security|updates|backports)$/ && $1 !~ /security/ {
-			if ($2 == codename || $2 == "stable") { print $1; found = 1; exit }
-			if (first == "") first = $1
-		}
-		END { if (!found && first != "") print first }'
-}
-
-mirror=${CRIU_DEBIAN_MIRROR:-$(debian_mirror)}
-[[ -n $mirror ]] || die "found no Debian archive in /etc/apt/sources.list*; set CRIU_DEBIAN_MIRROR"
-mirror=${mirror%/}
-
-work=$(mktemp -d "${TMPDIR:-/tmp}/install-criu.XXXXXX")
-trap 'rm -rf -- "$work"' EXIT
-mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$work/debs"
-cat >"$work/$SUITE.sources" <<EOF
-Types: deb
-URIs: $mirror
-Suites: $SUITE
-Components: main
-Signed-By: $KEYRING
-EOF
-# apt drops privileges to _apt for downloads; let it write there.
-if ((EUID == 0)) && id _apt >/dev/null 2>&1; then
-	chmod 0755 "$work"
-	chown -R _apt "$work/lists" "$work/debs"
-fi
-
-# A private apt: only the $SUITE list, its own lists and cache, an empty
-# dpkg status (so the whole dependency closure is resolved, whatever the
-# system has installed). Proxy and similar settings from /etc/apt still apply.
-apt_opts=(
-	-o "Dir::Etc::SourceList=$work/$SUITE.sources"
-	-o "Dir::Etc::SourceParts=/nonexistent"
-	-o "Dir::State::Lists=$work/lists"
-	-o "Dir::Cache=$work/cache"
-	-o "Dir::State::status=/dev/null"
-	-o "APT::Architecture=amd64"
-	-o "APT::Architectures::=amd64"
-	-o "Acquire::IndexTargets::deb::DEP-11::DefaultEnabled=false"
-	-o "Acquire::Languages=none"
-)
-
-log "fetching the $SUITE package index from $mirror"
-if ! out=$(apt-get "${apt_opts[@]}" -qq update 2>&1) || grep -q '^[WE]:' <<<"$out"; then
-	printf '%s\n' "$out" >&2
-	if grep -q NO_PUBKEY <<<"$out"; then
-		die "$KEYRING lacks the keys $SUITE is signed with: apt-get update && apt-get install debian-archive-keyring"
-	fi
-	die "apt-get update of $SUITE from $mirror failed"
-fi
-
-cand=$(apt-cache "${apt_opts[@]}" policy criu | sed -n 's/^ *Candidate: *//p')
-[[ -n $cand && $cand != "(none)" ]] || die "$SUITE at $mirror has no criu package"
-upstream=${cand#*:}
-upstream=${upstream%-*}
-version_ge "$upstream" "$MIN_VERSION" || die "$SUITE has criu $cand, need >= $MIN_VERSION"
+private_apt
 
 # criu and everything it needs at run time (Depends and Pre-Depends, all
 # the way down), by the names $SUITE uses (libgnutls30t64, not libgnutls30;

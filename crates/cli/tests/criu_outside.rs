@@ -152,3 +152,86 @@ fn resume_of_a_restored_process_is_refused_when_memory_is_short() {
     w.assert_progressing(pid);
     assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
 }
+
+/// The directory holding CRIU's CUDA plugin for the `criu` these tests run:
+/// GPUSNAP_TEST_CRIU_PLUGINS, else PREFIX/lib/criu next to the wrapper that
+/// scripts/install-criu.sh --cuda-plugin writes (PREFIX/bin/criu). `None`
+/// (the test is skipped, saying why) where there is none, except in CI
+/// (CI=true), which installs it and must prove it.
+fn cuda_plugin_dir() -> Option<std::path::PathBuf> {
+    let mut dirs: Vec<std::path::PathBuf> =
+        std::env::var_os("GPUSNAP_TEST_CRIU_PLUGINS").map(std::path::PathBuf::from).into_iter().collect();
+    let criu = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join("criu"))
+        .find(|p| p.is_file());
+    // PREFIX/bin/criu as found on PATH, and where its links lead.
+    for c in criu.iter().cloned().chain(criu.as_ref().and_then(|c| std::fs::canonicalize(c).ok())) {
+        if let Some(prefix) = c.parent().and_then(|b| b.parent()) {
+            dirs.push(prefix.join("lib/criu"));
+        }
+    }
+    if let Some(d) = dirs.into_iter().find(|d| d.join("cuda_plugin.so").is_file()) {
+        return Some(d);
+    }
+    let why = "CRIU's cuda_plugin.so is not installed next to the criu on PATH \
+               (scripts/install-criu.sh --cuda-plugin, or GPUSNAP_TEST_CRIU_PLUGINS=DIR)";
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}; CI must run this test");
+    eprintln!("skipped: {why}");
+    None
+}
+
+/// CRIU's own CUDA plugin, with gpusnap linked as `cuda-checkpoint` on its
+/// PATH and the plugin turned on without a GPU (CRIU_FAULT=138): `criu dump`
+/// locks and checkpoints the process through gpusnap; `criu restore` while
+/// the GPU lacks the memory: gpusnap refuses the plugin's restore, CRIU
+/// still succeeds, and the process is back, checkpointed and recoverable;
+/// `gpusnap resume` (no flags) then runs it once there is room.
+#[test]
+fn criu_cuda_plugin_through_gpusnap_with_too_little_memory_on_restore() {
+    criu_present();
+    let Some(plugins) = cuda_plugin_dir() else { return };
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(1024, 0, &[]);
+    let p = pid.to_string();
+    let bin = w.tmp.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_gpusnap"), bin.join("cuda-checkpoint")).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let env = [("PATH", path.as_str()), ("CRIU_FAULT", "138"), ("CRIU_LIBS_DIR", plugins.to_str().unwrap())];
+
+    let img = w.tmp.path().join("img");
+    dump(&mut w, pid, &img, &env);
+    let log = std::fs::read_to_string(img.join("dump.log")).unwrap();
+    assert!(log.contains("cuda_plugin: pausing devices on pid"), "the plugin ran:\n{log}");
+    // The driver saw gpusnap's lock and checkpoint, nothing else.
+    assert_eq!(w.calls_on(pid), ["get_restore_tid=0", "lock=0", "get_restore_tid=0", "checkpoint=0"]);
+    let h = w.json(&["history", &p]).stdout;
+    assert!(h.contains("\"lock\"") && h.contains("\"checkpoint\""), "{h}");
+
+    // Restore with less GPU memory than the process needs.
+    let gpu = |mib: u64| {
+        serde_json::json!([{ "uuid": "GPU-00000000-0000-0000-0000-000000000000", "total_mib": mib }])
+    };
+    w.set_config("gpus", gpu(600));
+    restore(&mut w, pid, &img, &env);
+    let log = std::fs::read_to_string(img.join("restore.log")).unwrap();
+    assert!(log.contains("RESUME_DEVICES RESTORE failed"), "{log}");
+    assert!(log.contains("not enough GPU memory"), "{log}");
+    assert!(!w.calls_on(pid).iter().any(|c| c.starts_with("restore")), "no restore was attempted");
+
+    let r = w.json(&["state", &p]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v = r.json();
+    assert_eq!(v["state"], "checkpointed");
+    assert_eq!(v["unrecoverable"], false);
+    assert_eq!(v["footprint_bytes"], 1024 * MIB, "the footprint the drop-in recorded at lock");
+    let r = w.json(&["resume", &p]);
+    assert_eq!(r.code, 3, "still no room: {}", r.stderr);
+
+    w.set_config("gpus", gpu(8192));
+    let r = w.json(&["resume", &p]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.assert_progressing(pid);
+    let r = w.json(&["stop", &p, "--grace", "2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}
