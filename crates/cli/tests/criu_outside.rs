@@ -48,14 +48,24 @@ fn start_time(pid: i32) -> u64 {
 fn dump(w: &mut World, pid: i32, dir: &Path, env: &[(&str, &str)]) {
     std::fs::create_dir_all(dir).unwrap();
     let d = dir.to_str().unwrap();
-    criu(w, &["dump", "--tree", &pid.to_string(), "--images-dir", d, "--file-locks"], &dir.join("dump.log"), env);
+    criu(
+        w,
+        &["dump", "--tree", &pid.to_string(), "--images-dir", d, "--file-locks"],
+        &dir.join("dump.log"),
+        env,
+    );
     w.reap(pid);
     wait_for(Duration::from_secs(30), || !pid_exists(pid));
 }
 
 fn restore(w: &mut World, pid: i32, dir: &Path, env: &[(&str, &str)]) {
     let d = dir.to_str().unwrap();
-    criu(w, &["restore", "--restore-detached", "--images-dir", d, "--file-locks"], &dir.join("restore.log"), env);
+    criu(
+        w,
+        &["restore", "--restore-detached", "--images-dir", d, "--file-locks"],
+        &dir.join("restore.log"),
+        env,
+    );
     w.adopt(pid);
     assert!(pid_exists(pid), "criu restored {pid}");
 }
@@ -209,9 +219,7 @@ fn criu_cuda_plugin_through_gpusnap_with_too_little_memory_on_restore() {
     assert!(h.contains("\"lock\"") && h.contains("\"checkpoint\""), "{h}");
 
     // Restore with less GPU memory than the process needs.
-    let gpu = |mib: u64| {
-        serde_json::json!([{ "uuid": "GPU-00000000-0000-0000-0000-000000000000", "total_mib": mib }])
-    };
+    let gpu = |mib: u64| serde_json::json!([{ "uuid": "GPU-00000000-0000-0000-0000-000000000000", "total_mib": mib }]);
     w.set_config("gpus", gpu(600));
     restore(&mut w, pid, &img, &env);
     let log = std::fs::read_to_string(img.join("restore.log")).unwrap();

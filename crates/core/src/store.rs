@@ -189,8 +189,8 @@ impl Store {
     ) -> Result<(), Error> {
         // Read while the process is certainly the one `t` names (it is being
         // acted on); a process that is gone keeps what was recorded before.
-        let identity = Some(crate::target::fingerprint(t.pid))
-            .filter(|f| f.exe.is_some() && crate::target::is_alive(t));
+        let identity =
+            Some(crate::target::fingerprint(t.pid)).filter(|f| f.exe.is_some() && crate::target::is_alive(t));
         let tx = self
             .conn
             .transaction()
@@ -246,10 +246,10 @@ impl Store {
     pub fn adopt(&mut self, old: &Record, t: &Target, detail: &str) -> Result<(), Error> {
         let identity = crate::target::fingerprint(t.pid);
         let me = self.me.0;
-        let tx = self.conn.transaction().map_err(|e| Error::Store {
-            path: self.path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        let tx = self
+            .conn
+            .transaction()
+            .map_err(|e| Error::Store { path: self.path.display().to_string(), reason: e.to_string() })?;
         let res = (|| {
             let (pid, from, to) = (t.pid, old.start_time as i64, t.start_time as i64);
             tx.execute(

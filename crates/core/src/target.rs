@@ -144,7 +144,9 @@ impl Fingerprint {
         }
         if let (Some(a), Some(b)) = (&self.timens, &now.timens) {
             if a == b {
-                return Err(format!("it shares the recorded process's time namespace ({a}), which a CRIU restore would not"));
+                return Err(format!(
+                    "it shares the recorded process's time namespace ({a}), which a CRIU restore would not"
+                ));
             }
         }
         Ok(())

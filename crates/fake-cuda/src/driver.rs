@@ -245,9 +245,8 @@ fn as_workload<T>(
     }
     let store = Store::from_env();
     let me = procfs::self_pid();
-    let fresh_start = procfs::in_initial_time_namespace()
-        .then(|| procfs::stat(me).map(|s| s.start_time))
-        .flatten();
+    let fresh_start =
+        procfs::in_initial_time_namespace().then(|| procfs::stat(me).map(|s| s.start_time)).flatten();
     let stale_for_me = |p: &gpusnap_fake_common::state::Proc| {
         new_context.is_some_and(|start| p.start_time != start)
             || fresh_start.is_some_and(|start| p.start_time != start)
