@@ -224,7 +224,8 @@ gs() {
     GS_S=$(fsub "$t0" "$t1")
     # The error line is "gpusnap: ..." (a "  hint:" line may follow).
     # shellcheck disable=SC2034 # read by the callers
-    GS_MSG=$(grep -m 1 '^gpusnap: ' "$GS_ERR" | cut -c1-300)
+    # Warnings said before acting ("gpusnap: warning: ...") are not the error.
+    GS_MSG=$(grep '^gpusnap: ' "$GS_ERR" | grep -v '^gpusnap: warning: ' | head -n 1 | cut -c1-300)
     if [ -z "$GS_MSG" ]; then GS_MSG=$(grep -v '^[[:space:]]*$' "$GS_ERR" | tail -n 1 | cut -c1-300); fi
     log "  -> exit $GS_RC in ${GS_S}s; stdout: $(head -c 1500 "$GS_OUT" | tr '\n' ' ')"
     if [ -s "$GS_ERR" ]; then
