@@ -147,7 +147,19 @@ fn targets_are_checked_before_the_driver_is_loaded() {
     let w = World::new(&[8192]);
     let mut sleep = std::process::Command::new("sleep").arg("30").spawn().unwrap();
     let live = sleep.id().to_string();
+    // A thread of this test process, alive while the cases run.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let th = std::thread::spawn(move || {
+        tx.send(nix::unistd::gettid().as_raw()).unwrap();
+        let _ = done_rx.recv();
+    });
+    let tid = rx.recv().unwrap().to_string();
+    let thread_of = format!("{tid} is a thread of {}", std::process::id());
     let cases: &[(&[&str], &str)] = &[
+        (&["state", &tid], &thread_of),
+        (&["resume", &tid], &thread_of),
+        (&["stop", &tid], &thread_of),
         (&["suspend", "999999999"], "no process 999999999"),
         (&["resume", "999999999"], "no process 999999999"),
         (&["resume", "999999999", "--footprint", "100"], "no process 999999999"),
@@ -191,4 +203,6 @@ fn targets_are_checked_before_the_driver_is_loaded() {
     }
     let _ = sleep.kill();
     let _ = sleep.wait();
+    let _ = done_tx.send(());
+    th.join().unwrap();
 }
