@@ -647,7 +647,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         for plan in &plans {
             for fp in &plan.fps {
                 for (u, b) in fp {
-                    *need.entry(u.clone()).or_insert(0) += b;
+                    let e = need.entry(u.clone()).or_insert(0u64);
+                    *e = e.saturating_add(*b);
                 }
             }
         }
@@ -756,7 +757,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             for (u, b) in fp {
                 let key = u.parse::<gpusnap_cuda::GpuUuid>().ok();
                 let to = remapped.as_ref().zip(key).and_then(|(m, k)| m.get(&k)).cloned();
-                *out.entry(to.unwrap_or_else(|| u.clone())).or_insert(0) += b;
+                let e = out.entry(to.unwrap_or_else(|| u.clone())).or_insert(0u64);
+                *e = e.saturating_add(*b);
             }
             out
         };

@@ -78,7 +78,7 @@ pub struct Record {
 
 impl Record {
     pub fn footprint_bytes(&self) -> u64 {
-        self.footprint.values().sum()
+        self.footprint.values().fold(0u64, |a, b| a.saturating_add(*b))
     }
 }
 
