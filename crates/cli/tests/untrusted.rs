@@ -499,3 +499,37 @@ fn a_failed_dump_names_criu_s_first_error_and_keeps_its_log() {
     assert!(std::fs::read_to_string(&log).unwrap().contains("Unable to detach"), "the log named exists");
     w.assert_progressing(pid);
 }
+
+#[test]
+fn a_dump_without_criu_s_plugin_directory_names_the_cause() {
+    // What was seen on the H200: CRIU's first error is the cause; the
+    // detach error after it is a consequence; the log named must exist.
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(512, 0, &[]);
+    let real = String::from_utf8(Command::new("sh").args(["-c", "command -v criu"]).output().unwrap().stdout)
+        .unwrap()
+        .trim()
+        .to_string();
+    let wrap = w.tmp.path().join("criu-no-plugins");
+    let missing = w.tmp.path().join("no-such-plugin-dir");
+    std::fs::write(
+        &wrap,
+        format!(
+            "#!/bin/sh\ncase \"$1\" in\ndump|restore) op=$1; shift; exec \"{real}\" \"$op\" -L \"{}\" \"$@\" ;;\n*) exec \"{real}\" \"$@\" ;;\nesac\n",
+            missing.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrap, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let r = w.json(&["--criu", wrap.to_str().unwrap(), "hibernate", &pid.to_string(), "--image", "np"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    let msg = r.stderr.lines().next().unwrap();
+    assert!(msg.contains("criu dump failed: Unable to open directory"), "{msg}");
+    let log = msg.split("(log: ").nth(1).and_then(|s| s.split(')').next()).unwrap().to_string();
+    assert!(log.starts_with(&w.state_dir().join("logs").display().to_string()), "{log}");
+    assert!(std::fs::metadata(&log).unwrap().len() > 0, "the log named exists");
+    assert!(!w.state_dir().join("images/np").exists());
+    assert_eq!(w.json(&["state", &pid.to_string()]).json()["state"], "running");
+    w.assert_progressing(pid);
+}
