@@ -3,7 +3,7 @@
 use gpusnap_core::doctor::{Finding, Severity};
 use gpusnap_core::engine::{ResumeReport, StateReport, StopReport, SuspendReport};
 use gpusnap_core::hibernate::{HibernateReport, WakeReport};
-use gpusnap_core::image::{ImageError, Manifest};
+use gpusnap_core::image::{ImageError, Named};
 use gpusnap_core::store::Event;
 use gpusnap_core::Progress;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -161,7 +161,7 @@ impl Out {
 
     /// Images by their directories' names; what a manifest says is
     /// untrusted text (escaped) until it is verified.
-    pub fn images(&self, list: &[Result<(String, Manifest), (String, ImageError)>]) {
+    pub fn images(&self, list: &[Result<Named, (String, ImageError)>]) {
         if self.json {
             let v: Vec<_> = list
                 .iter()

@@ -178,7 +178,11 @@ fn tampered_linked_unlisted_oversized_and_unsigned_images_are_refused() {
     // A copy under another name is listed by its directory's name.
     copy_image(&good, &images.join("renamed"));
     let r = w.json(&["images"]);
-    assert!(r.json()["images"].as_array().unwrap().iter().any(|i| i["name"] == "renamed" && i["error"].is_null()));
+    assert!(r.json()["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|i| i["name"] == "renamed" && i["error"].is_null()));
 
     // Another host's image: refused unless its key is trusted.
     let other = World::new(&[8192]);
@@ -201,7 +205,8 @@ fn tampered_linked_unlisted_oversized_and_unsigned_images_are_refused() {
     let r = w.json(&["wake", "good", "--wait", "10"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.adopt(pid);
-    let logs: Vec<_> = std::fs::read_dir(w.state_dir().join("logs")).unwrap().filter_map(|e| e.ok()).collect();
+    let logs: Vec<_> =
+        std::fs::read_dir(w.state_dir().join("logs")).unwrap().filter_map(|e| e.ok()).collect();
     assert!(logs.iter().any(|e| e.path().join("restore.log").is_file()), "{logs:?}");
     assert!(!good.join("logs").exists());
     assert_eq!(w.json(&["images", "verify", "good"]).code, 0, "waking changed nothing in the image");
@@ -405,7 +410,10 @@ fn a_hibernate_killed_after_the_dump_is_reconciled_by_the_next_run() {
     child.wait().unwrap();
     if let Ok(s) = std::fs::read_to_string(&flag) {
         if let Ok(wrapper) = s.trim().parse::<i32>() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(wrapper), nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(wrapper),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
     }
     assert_eq!(proc_state(pid), 'T', "CRIU left it stopped");

@@ -168,7 +168,9 @@ pub fn new_log_dir(state_dir: &Path, label: &str) -> std::io::Result<PathBuf> {
     crate::image::mkdir_private(&logs)?;
     let mut old: Vec<PathBuf> = std::fs::read_dir(&logs)?
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_str().is_some_and(|n| n.as_bytes().first().is_some_and(u8::is_ascii_digit)))
+        .filter(|e| {
+            e.file_name().to_str().is_some_and(|n| n.as_bytes().first().is_some_and(u8::is_ascii_digit))
+        })
         .map(|e| e.path())
         .collect();
     old.sort();
@@ -176,8 +178,10 @@ pub fn new_log_dir(state_dir: &Path, label: &str) -> std::io::Result<PathBuf> {
     for p in old.into_iter().take(excess) {
         let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
     }
-    let label: String =
-        label.chars().map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') { c } else { '_' }).collect();
+    let label: String = label
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') { c } else { '_' })
+        .collect();
     let dir = logs.join(format!("{:013}-{label}", crate::store::now_ms()));
     crate::image::mkdir_private(&dir)?;
     Ok(dir)

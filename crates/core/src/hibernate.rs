@@ -963,12 +963,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         }
         for a in &alive {
-            self.store_mut().note(
-                a,
-                "recover",
-                Some("stopped"),
-                &format!("ended to wake image {image}"),
-            )?;
+            self.store_mut().note(a, "recover", Some("stopped"), &format!("ended to wake image {image}"))?;
         }
         kill_tree(&alive)?;
         let mut o = opts.clone();
@@ -1016,7 +1011,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// time) are touched. Temporary images are removed by [`ImageStore::gc`].
     pub fn reconcile_hibernates(&mut self, images: &ImageStore) -> Result<Vec<Interrupted>, Error> {
         let open = self.store().open_entries("hibernate")?;
-        let mut by_image: Vec<(String, Vec<(i64, Target, String)>)> = Vec::new();
+        type Entries = Vec<(i64, Target, String)>;
+        let mut by_image: Vec<(String, Entries)> = Vec::new();
         for e in open {
             let image = detail_field(&e.2, "image").unwrap_or("?").to_string();
             match by_image.iter_mut().find(|(i, _)| *i == image) {
@@ -1026,7 +1022,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         let mut out = Vec::new();
         for (image, entries) in by_image {
-            let alive: Vec<(i64, Target, String)> = entries
+            let alive: Entries = entries
                 .iter()
                 .filter(|(_, t, _)| target::resolve(t.pid).is_ok_and(|now| now.start_time == t.start_time))
                 .cloned()
@@ -1058,7 +1054,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     if matches!(state, Ok(ProcessState::Checkpointed | ProcessState::Locked)) {
                         let opts = ResumeOptions { wait: Duration::from_secs(30), ..Default::default() };
                         if let Err(e) = self.resume(t.pid, &opts) {
-                            tracing::error!(pid = t.pid, "could not resume after an interrupted hibernate: {e}");
+                            tracing::error!(
+                                pid = t.pid,
+                                "could not resume after an interrupted hibernate: {e}"
+                            );
                         }
                     }
                 }

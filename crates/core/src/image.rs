@@ -711,7 +711,9 @@ impl ImageStore {
         for s in self.stale() {
             match fs::remove_dir_all(&s.path) {
                 Ok(()) => out.push(s),
-                Err(e) => tracing::warn!(path = %s.path.display(), "cannot remove a stale temporary image: {e}"),
+                Err(e) => {
+                    tracing::warn!(path = %s.path.display(), "cannot remove a stale temporary image: {e}")
+                }
             }
         }
         out
@@ -803,7 +805,9 @@ fn check_contents(name: &str, dir: &Path, m: &Manifest) -> Result<(), ImageError
             } else if ft.is_symlink() {
                 return Err(corrupt(format!("{rs} is a symbolic link (an image holds regular files only)")));
             } else if !ft.is_file() && !ft.is_dir() {
-                return Err(corrupt(format!("{rs} is not a regular file (an image holds regular files only)")));
+                return Err(corrupt(format!(
+                    "{rs} is not a regular file (an image holds regular files only)"
+                )));
             } else {
                 return Err(corrupt(format!("{rs} is not listed in the manifest")));
             }

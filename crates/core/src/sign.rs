@@ -176,7 +176,9 @@ impl Trust {
                 let p = PathBuf::from(e);
                 let f = std::fs::File::open(&p).map_err(|err| SignError::BadKey(format!("{e}: {err}")))?;
                 let mut s = String::new();
-                f.take(4096).read_to_string(&mut s).map_err(|err| SignError::BadKey(format!("{e}: {err}")))?;
+                f.take(4096)
+                    .read_to_string(&mut s)
+                    .map_err(|err| SignError::BadKey(format!("{e}: {err}")))?;
                 s
             };
             keys.push(parse_public(&text)?);

@@ -9,9 +9,9 @@
 use crate::error::Error;
 use crate::target::Target;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use serde::Serialize;
 use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -128,7 +128,9 @@ impl Store {
         }
         let conn = Connection::open_with_flags(
             &path,
-            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_NOFOLLOW,
+            OpenFlags::SQLITE_OPEN_READ_WRITE
+                | OpenFlags::SQLITE_OPEN_NO_MUTEX
+                | OpenFlags::SQLITE_OPEN_NOFOLLOW,
         )
         .map_err(|e| err(e.to_string()))?;
         conn.busy_timeout(busy_timeout()).map_err(|e| err(e.to_string()))?;
@@ -182,7 +184,9 @@ impl Store {
             conn.execute_batch(SCHEMA).map_err(|e| err(e.to_string()))?;
             return Ok(Self { conn, path, me: me() });
         }
-        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_NOFOLLOW;
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX
+            | OpenFlags::SQLITE_OPEN_NOFOLLOW;
         let try_open = |conn: Connection| -> rusqlite::Result<Connection> {
             conn.busy_timeout(busy_timeout())?;
             let _: i32 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
@@ -450,12 +454,28 @@ impl Store {
     }
 
     /// Closes an entry of [`Self::begin_with`], changing no recorded state.
-    pub fn close(&mut self, begin_id: i64, t: &Target, op: &str, ok: bool, detail: &str) -> Result<(), Error> {
+    pub fn close(
+        &mut self,
+        begin_id: i64,
+        t: &Target,
+        op: &str,
+        ok: bool,
+        detail: &str,
+    ) -> Result<(), Error> {
         self.conn
             .execute(
                 "INSERT INTO events (ts_ms, pid, start_time, op, phase, begin_id, detail, actor)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-                params![now_ms(), t.pid, t.start_time as i64, op, if ok { "ok" } else { "failed" }, begin_id, detail, self.me.0],
+                params![
+                    now_ms(),
+                    t.pid,
+                    t.start_time as i64,
+                    op,
+                    if ok { "ok" } else { "failed" },
+                    begin_id,
+                    detail,
+                    self.me.0
+                ],
             )
             .map(|_| ())
             .map_err(|e| self.err(e))
@@ -474,7 +494,9 @@ impl Store {
             )
             .map_err(|e| self.err(e))?;
         let rows: Vec<(i64, i32, i64, String, String, i32)> = stmt
-            .query_map(params![op], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)))
+            .query_map(params![op], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
+            })
             .map_err(|e| self.err(e))?
             .collect::<Result<_, _>>()
             .map_err(|e| self.err(e))?;
@@ -482,7 +504,9 @@ impl Store {
         Ok(rows
             .into_iter()
             .filter(|r| r.5 != me && !pid_alive(r.5))
-            .map(|(id, pid, st, comm, detail, _)| (id, Target { pid, start_time: st as u64, comm, uid: 0 }, detail))
+            .map(|(id, pid, st, comm, detail, _)| {
+                (id, Target { pid, start_time: st as u64, comm, uid: 0 }, detail)
+            })
             .collect())
     }
 
