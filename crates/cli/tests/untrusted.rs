@@ -143,7 +143,15 @@ fn tampered_linked_unlisted_oversized_and_unsigned_images_are_refused() {
     std::fs::set_permissions(&outside, std::fs::Permissions::from_mode(0o755)).unwrap();
     let r = variant("logs", &|d| std::os::unix::fs::symlink(&outside, d.join("logs")).unwrap());
     refused(&r, "logs", "symbolic link");
+    // CRIU's directory itself moved out and linked (it verified and woke).
+    let r = variant("criudir", &|d| {
+        let away = outside.join("criu-away");
+        std::fs::rename(d.join("criu"), &away).unwrap();
+        std::os::unix::fs::symlink(&away, d.join("criu")).unwrap();
+    });
+    refused(&r, "criudir", "symbolic link");
     assert!(!outside.join("restore.log").exists() && !outside.join("restore.pid").exists());
+    assert!(!outside.join("criu-away/restore.log").exists());
     assert_eq!(std::fs::metadata(&outside).unwrap().permissions().mode() & 0o777, 0o755);
     // A FIFO, and a link to /dev/zero with size 0: refused at once, no hang, no OOM.
     let r = variant("fifo", &|d| {

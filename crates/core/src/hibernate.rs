@@ -1028,7 +1028,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 .cloned()
                 .collect();
             let stopping = entries.iter().any(|(_, _, d)| detail_field(d, "stop") == Some("1"));
-            let complete = crate::image::valid_name(&image) && images.manifest(&image).is_ok();
+            // Complete: committed, signed, and holding these very processes
+            // (an image of the same name taken since is not this one).
+            let complete = crate::image::valid_name(&image)
+                && images.manifest(&image).is_ok_and(|(_, m)| {
+                    entries.iter().all(|(_, t, _)| {
+                        m.processes.iter().any(|p| p.pid == t.pid && p.start_time == t.start_time)
+                    })
+                });
             let finish = stopping && complete;
             tracing::warn!(image, finish, "reconciling a hibernate interrupted by a gpusnap that died");
             if finish {

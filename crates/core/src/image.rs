@@ -438,7 +438,12 @@ impl ImageStore {
 
     /// Is `dir` this store's own directory for an image (not a path elsewhere)?
     fn in_store(&self, dir: &Path) -> bool {
-        dir.parent() == Some(self.root.as_path())
+        if dir.parent() == Some(self.root.as_path()) {
+            return true;
+        }
+        // The same directory by another spelling (a linked state dir, `//`).
+        let parent = dir.parent().and_then(|p| fs::canonicalize(p).ok());
+        parent.is_some() && parent == fs::canonicalize(&self.root).ok()
     }
 
     /// Starts a new image `name` (which must not exist yet).
