@@ -549,3 +549,41 @@ fn a_dump_without_criu_s_plugin_directory_names_the_cause() {
     assert_eq!(w.json(&["state", &pid.to_string()]).json()["state"], "running");
     w.assert_progressing(pid);
 }
+
+#[test]
+fn a_hibernate_killed_after_its_image_was_committed_is_finished_by_the_next_run() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(1024, 0, &[]);
+    let p = pid.to_string();
+    assert_eq!(w.json(&["state", &p]).code, 0);
+    // The database held after the dump keeps gpusnap waiting in its first
+    // journal note after the commit: killed there, the image is complete
+    // and the tree still stopped.
+    let (criu, flag, go) = pausing_criu(&w, "dump");
+    let mut child = spawn_with(
+        &w,
+        &[("GPUSNAP_DB_WAIT", "120")],
+        &["--criu", criu.to_str().unwrap(), "hibernate", &p, "--image", "done"],
+    );
+    wait_for(Duration::from_secs(60), || flag.exists());
+    let db = rusqlite::Connection::open(w.state_dir().join("gpusnap.db")).unwrap();
+    db.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    std::fs::write(&go, b"").unwrap();
+    let image = w.state_dir().join("images/done");
+    wait_for(Duration::from_secs(60), || image.join("manifest.sig").is_file());
+    child.kill().unwrap();
+    child.wait().unwrap();
+    db.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(proc_state(pid), 'T', "left stopped");
+    let r = w.json(&["images", "gc"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["reconciled"][0]["outcome"], "finished", "{}", r.stdout);
+    w.reap(pid);
+    assert!(!pid_exists(pid), "the hibernate was finished: the tree ended");
+    let r = w.json(&["wake", "done", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
+}
