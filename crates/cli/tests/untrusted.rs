@@ -320,6 +320,28 @@ fn read_only_commands_do_not_wait_behind_a_writer() {
     db.execute_batch("ROLLBACK").unwrap();
     let r = w.json(&["history", &p]);
     assert!(!r.json()["events"].as_array().unwrap().is_empty(), "{}", r.stdout);
+    // On a read-only state directory ("unable to open database file").
+    for args in [&["history", &p][..], &["state", &p][..], &["ps"][..]] {
+        let mut cmd = Command::new("unshare");
+        w.env(&mut cmd);
+        let state = w.state_dir();
+        cmd.args([
+            "-m",
+            "sh",
+            "-c",
+            "mount --bind -o ro \"$0\" \"$0\" && touch \"$0/x\" 2>/dev/null && exit 99; shift; exec \"$@\"",
+        ])
+        .arg(&state)
+        .arg("--")
+        .arg(env!("CARGO_BIN_EXE_gpusnap"))
+        .arg("--json")
+        .args(args)
+        .stdin(Stdio::null());
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?} on a read-only state dir: {err}");
+    }
+    assert_eq!(w.json(&["state", &p]).json()["state"], "checkpointed");
     // A state dir with no database yet reads as empty, and is not created.
     let fresh = World::new(&[8192]);
     let r = fresh.json(&["history", "1"]);

@@ -110,9 +110,22 @@ pub struct Store {
 impl Store {
     /// Opens (creating it with mode 0700) the state directory's database.
     pub fn open(dir: &Path) -> Result<Self, Error> {
+        check_state_dir(dir)?;
+        match Self::open_writable(dir) {
+            // A state directory on a read-only filesystem (a snapshot, a
+            // read-only mount into a container): what only reads still
+            // works; a write says why it cannot.
+            Err(e) if read_only_fs(dir) && dir.join("gpusnap.db").exists() => {
+                tracing::info!("state store is read-only ({e}); opening it for reading");
+                Self::open_read_only(dir)
+            }
+            other => other,
+        }
+    }
+
+    fn open_writable(dir: &Path) -> Result<Self, Error> {
         let path = dir.join("gpusnap.db");
         let err = |reason: String| Error::Store { path: path.display().to_string(), reason };
-        check_state_dir(dir)?;
         // Created 0600 before SQLite sees it (SQLite would use the umask;
         // its -wal and -shm files copy the database's mode).
         match std::fs::OpenOptions::new()
@@ -611,6 +624,11 @@ fn row_to_record(r: &rusqlite::Row<'_>) -> rusqlite::Result<Record> {
 
 fn pid_alive(pid: i32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Is `dir` on a filesystem mounted read-only?
+fn read_only_fs(dir: &Path) -> bool {
+    nix::sys::statvfs::statvfs(dir).is_ok_and(|v| v.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY))
 }
 
 fn me() -> (i32, u64) {
