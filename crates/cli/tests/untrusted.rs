@@ -609,3 +609,29 @@ fn a_hibernate_killed_after_its_image_was_committed_is_finished_by_the_next_run(
     w.assert_progressing(pid);
     assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
 }
+
+#[test]
+fn a_failed_restore_names_criu_s_first_error_and_a_log_that_exists() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, _) = w.cpu_tree();
+    assert_eq!(w.json(&["hibernate", &pid.to_string(), "--image", "fr"]).code, 0);
+    w.reap(pid);
+    let fake = w.tmp.path().join("criu-restore-fails");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version: 4.2.1'; exit 0; fi\n\
+         for a; do case $prev in --work-dir) d=$a;; esac; prev=$a; done\n\
+         printf '(00.1) Error (criu/files.c:1): cause of it all\\n(00.2) Error (criu/cr-restore.c:2): what followed\\n' > \"$d/restore.log\"\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let r = w.json(&["--criu", fake.to_str().unwrap(), "wake", "fr"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    let msg = r.stderr.lines().next().unwrap();
+    assert!(msg.contains("criu restore failed: cause of it all; last error: what followed"), "{msg}");
+    let log = msg.split("(log: ").nth(1).and_then(|s| s.split(')').next()).unwrap().to_string();
+    assert!(log.starts_with(&w.state_dir().join("logs").display().to_string()), "{log}");
+    assert!(std::fs::read_to_string(&log).unwrap().contains("cause of it all"));
+    assert_eq!(w.json(&["images", "verify", "fr"]).code, 0, "the image is kept for a retry");
+}

@@ -1030,20 +1030,40 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             let stopping = entries.iter().any(|(_, _, d)| detail_field(d, "stop") == Some("1"));
             // Complete: committed, signed, and holding these very processes
             // (an image of the same name taken since is not this one).
-            let complete = crate::image::valid_name(&image)
-                && images.manifest(&image).is_ok_and(|(_, m)| {
+            let complete = if crate::image::valid_name(&image) {
+                images.manifest(&image).ok().map(|(_, m)| m).filter(|m| {
                     entries.iter().all(|(_, t, _)| {
                         m.processes.iter().any(|p| p.pid == t.pid && p.start_time == t.start_time)
                     })
-                });
-            let finish = stopping && complete;
+                })
+            } else {
+                None
+            };
+            let finish = stopping && complete.is_some();
             tracing::warn!(image, finish, "reconciling a hibernate interrupted by a gpusnap that died");
-            if finish {
-                // Every process of the tree is in the image, which is safe.
-                let ts: Vec<Target> = alive.iter().map(|(_, t, _)| t.clone()).collect();
+            if let (true, Some(m)) = (finish, &complete) {
+                // Every process of the tree (children born during the dump
+                // too) is in the image, which is safe: end those still the
+                // ones it holds.
+                let ts: Vec<Target> = m
+                    .processes
+                    .iter()
+                    .filter_map(|p| target::resolve(p.pid).ok().filter(|t| t.start_time == p.start_time))
+                    .collect();
                 kill_tree(&ts)?;
             } else {
-                let ts: Vec<Target> = alive.iter().map(|(_, t, _)| t.clone()).collect();
+                // CRIU stopped the whole tree, children born during the dump
+                // (not journaled) included.
+                let mut ts: Vec<Target> = Vec::new();
+                for (_, t, _) in &alive {
+                    for (p, _) in process_tree(t.pid) {
+                        if let Ok(k) = target::resolve(p) {
+                            if !ts.iter().any(|x| x.pid == k.pid) {
+                                ts.push(k);
+                            }
+                        }
+                    }
+                }
                 continue_tree(&ts);
                 for (_, t, d) in &alive {
                     if detail_field(d, "resume") != Some("1") {
