@@ -917,6 +917,81 @@ PY
     gs 30 hibernate "$dead"
     v=FAIL; [[ $GS_RC == 2 ]] && v=PASS
     row x3 "hibernate a pid that does not exist ($dead)" "exit 2" "exit $GS_RC: ${GS_MSG:-no message}" "$v"
+    section_x_untrusted "$src"
+    return 0
+}
+
+# Images as untrusted input (issue 13) and CRIU's first error (issue 8, 2).
+# x5: an edited manifest (its signature no longer matches); x6: a `logs`
+# link out of the image (wake wrote restore.log through it); x7: a dump
+# with CRIU's plugin directory missing names CRIU's first error (not the
+# detach error that follows it) and a log that still exists in STATE/logs.
+section_x_untrusted() {
+    local src=$1 d out got v pid wrap log
+    if [ -n "$src" ] && disk_ok x5 "wake an edited image" "$(du_bytes "$STATE_DIR/images/$src")"; then
+        d=$STATE_DIR/images/e2e-edited
+        rm -rf "$d"
+        cp -a "$STATE_DIR/images/$src" "$d"
+        python3 - "$d/manifest.json" <<'PY'
+import json, sys
+p = sys.argv[1]
+m = json.load(open(p))
+m["files"] = []
+json.dump(m, open(p, "w"), indent=2)
+PY
+        gs 120 wake e2e-edited
+        got="exit $GS_RC: ${GS_MSG:-no message}"
+        v=FAIL; [[ $GS_RC == 2 ]] && grep -qi signature "$GS_ERR" && v=PASS
+        if [ "$GS_RC" = 0 ]; then
+            pid=$(jget "$GS_OUT" 'd["root_pid"]')
+            if [ -n "$pid" ]; then WORKERS+=("$pid"); mark_restored "$pid"; got="$got; pid $pid restored"; fi
+        fi
+        row x5 "wake a copy of $src with an edited manifest (files: [])" "exit 2, 'signature', nothing restored" "$got" "$v" "${GS_S} s"
+        gs 60 images rm e2e-edited
+
+        d=$STATE_DIR/images/e2e-linked
+        out=$WORK/x6-outside
+        rm -rf "$d" "$out"
+        mkdir -p "$out"
+        chmod 0755 "$out"
+        cp -a "$STATE_DIR/images/$src" "$d"
+        ln -s "$out" "$d/logs"
+        gs 120 wake e2e-linked
+        got="exit $GS_RC: ${GS_MSG:-no message}; $(find "$out" -mindepth 1 | wc -l) files in the link's target, mode $(stat -c %a "$out")"
+        v=FAIL
+        if [[ $GS_RC == 2 ]] && grep -qi 'symbolic link' "$GS_ERR" && [ -z "$(ls -A "$out")" ] && [ "$(stat -c %a "$out")" = 755 ]; then v=PASS; fi
+        if [ "$GS_RC" = 0 ]; then
+            pid=$(jget "$GS_OUT" 'd["root_pid"]')
+            if [ -n "$pid" ]; then WORKERS+=("$pid"); mark_restored "$pid"; got="$got; pid $pid restored"; fi
+        fi
+        row x6 "wake a copy of $src with a 'logs' link out of it" "exit 2, 'symbolic link', nothing written or chmodded outside" "$got" "$v" "${GS_S} s"
+        rm -f "$d/logs"
+        gs 60 images rm e2e-linked
+    else
+        row x5 "wake an edited image" "exit 2, signature" "no image to copy" SKIP
+    fi
+
+    # A criu whose plugin directory does not exist: CRIU's first error is
+    # "Unable to open directory", its last "Unable to detach".
+    wrap=$WORK/criu-no-plugins
+    cat >"$wrap" <<EOF_WRAP
+#!/bin/sh
+case "\$1" in
+dump|restore) op=\$1; shift; exec "$CRIU_BIN" "\$op" -L "$WORK/no-such-plugin-dir" "\$@" ;;
+*) exec "$CRIU_BIN" "\$@" ;;
+esac
+EOF_WRAP
+    chmod 0755 "$wrap"
+    setsid sleep 600 </dev/null >/dev/null 2>&1 &
+    pid=$!
+    gs 120 --criu "$wrap" hibernate "$pid" --image e2e-noplugins
+    log=$(sed -n 's/.*(log: \([^)]*\)).*/\1/p' "$GS_ERR" | head -n 1)
+    got="exit $GS_RC: ${GS_MSG:-no message}; log ${log:-not named}$([ -n "$log" ] && [ -s "$log" ] && echo ' exists')"
+    v=FAIL
+    if [[ $GS_RC == 1 ]] && grep -q 'Unable to open directory' "$GS_ERR" && [[ $log == "$STATE_DIR"/logs/* ]] && [ -s "$log" ] && alive "$pid"; then v=PASS; fi
+    row x7 "hibernate with CRIU's plugin directory missing" "exit 1, CRIU's first error (Unable to open directory), the log in STATE/logs exists, the process runs on" "$got" "$v" "${GS_S} s"
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
     return 0
 }
 

@@ -485,13 +485,15 @@ wait_pid_free() {
 }
 
 # image_logs IMAGE: the tails of the image's CRIU logs (its dump.log and the
-# newest restore.log) into the log. A failed hibernate leaves no image (its
-# error names the CRIU log line); a failed wake leaves its restore log here.
+# newest restore.log) into the log. A failed hibernate leaves no image; its
+# dump.log is kept in STATE_DIR/logs/MILLIS-dump-IMAGE/, and every wake's
+# restore log in STATE_DIR/logs/MILLIS-restore-IMAGE/ (the error names it).
 image_logs() {
-    local dir=$STATE_DIR/images/$1 f newest=""
-    # restore-<unix ms>: the last in glob order is the newest.
-    for f in "$dir"/logs/restore-*/restore.log; do [ -s "$f" ] && newest=$f; done
-    for f in "$dir/criu/dump.log" ${newest:+"$newest"}; do
+    local dir=$STATE_DIR/images/$1 f newest="" dump=""
+    # MILLIS-...: the last in glob order is the newest.
+    for f in "$STATE_DIR"/logs/*-restore-"$1"/restore.log; do [ -s "$f" ] && newest=$f; done
+    for f in "$STATE_DIR"/logs/*-dump-"$1"/dump.log "$dir/criu/dump.log"; do [ -s "$f" ] && dump=$f; done
+    for f in ${dump:+"$dump"} ${newest:+"$newest"}; do
         [ -s "$f" ] || continue
         printf '    ---- last 30 lines of %s\n' "$f" >>"$LOG"
         tail -n 30 "$f" | cut -c1-300 | sed 's/^/    | /' >>"$LOG"

@@ -37,6 +37,12 @@ struct Cli {
     /// The CRIU binary (default: `criu` on PATH); CRIU >= 4.0 is required, 4.2 on kernels >= 6.16.
     #[arg(long, global = true, env = "GPUSNAP_CRIU")]
     criu: Option<PathBuf>,
+    /// Also trust images signed by KEY (64 hex digits, or a file holding
+    /// them: `gpusnap images key` on the host that took them prints its
+    /// key). Images signed by this host's own key are always trusted;
+    /// `recover` trusts only those.
+    #[arg(long, global = true, value_name = "KEY")]
+    trust: Vec<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -247,10 +253,16 @@ struct Select {
 enum ImagesCmd {
     /// Every image (the default).
     List,
-    /// Check an image's manifest and every file's checksum.
+    /// Check an image's signature, manifest and every file's checksum.
     Verify { image: String },
-    /// Remove an image.
+    /// Remove an image (a name in the store, or the path of an image directory).
     Rm { image: String },
+    /// Copy an image directory (from another host, say) into the store, verified.
+    Import { path: String },
+    /// Finish or undo hibernates a killed gpusnap left, and remove its temporary images.
+    Gc,
+    /// This host's public key: what other hosts pass to --trust to wake its images.
+    Key,
 }
 
 fn main() -> ExitCode {
@@ -335,8 +347,42 @@ pub(crate) fn engine_at(dir: &std::path::Path) -> anyhow::Result<DynEngine> {
     Ok(Engine::new(Deadline::new(api, Timeouts::default()), gpus, store))
 }
 
-fn images(cli: &Cli) -> ImageStore {
-    ImageStore::new(cli.state_dir.join("images"))
+/// The image store, trusting this host's key and those of `--trust`.
+fn images(cli: &Cli) -> Result<ImageStore, Error> {
+    gpusnap_core::store::check_state_dir(&cli.state_dir)?;
+    let trust = gpusnap_core::sign::Trust::new(&cli.state_dir, &cli.trust)?;
+    Ok(ImageStore::new(cli.state_dir.join("images"), trust))
+}
+
+/// The image store trusting only this host's key: `recover` (and resume's
+/// automatic recovery) act on the manifest's processes.
+fn own_images(cli: &Cli) -> Result<ImageStore, Error> {
+    gpusnap_core::store::check_state_dir(&cli.state_dir)?;
+    let trust = gpusnap_core::sign::Trust::host_only(&cli.state_dir)?;
+    Ok(ImageStore::new(cli.state_dir.join("images"), trust))
+}
+
+/// The next run after a gpusnap killed mid-hibernate finishes or undoes
+/// what it left (a tree stopped by CRIU, CUDA processes suspended).
+fn reconcile(cli: &Cli, e: &mut DynEngine) {
+    let done = own_images(cli).and_then(|store| e.reconcile_hibernates(&store));
+    match done {
+        Ok(list) => {
+            for i in list {
+                eprintln!(
+                    "gpusnap: reconciled a hibernate to image {} interrupted by a gpusnap that died: {} {:?}",
+                    i.image, i.outcome, i.pids
+                );
+            }
+        }
+        Err(err) => tracing::warn!("could not reconcile interrupted hibernates: {err}"),
+    }
+}
+
+/// MiB to bytes, saturating: a huge value is refused by admission, never
+/// wrapped into a small one.
+fn mib(v: u64) -> u64 {
+    v.saturating_mul(1 << 20)
 }
 
 fn criu(cli: &Cli) -> Result<Criu, Error> {
@@ -394,7 +440,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::History { pid } => {
-            let store = Store::open(&cli.state_dir)?;
+            let store = Store::open_read_only(&cli.state_dir)?;
             let h = store.history(*pid)?;
             out.history(*pid, &h);
             Ok(())
@@ -402,6 +448,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Suspend { select, lock_timeout } => {
             select.validate(Check::Callable)?;
             let mut e = engine(cli, out)?;
+            reconcile(cli, &mut e);
             let pids = &select.resolve(&mut e)?;
             // Said before anything is done: what is known about suspending a
             // rank of a multi-process NCCL job.
@@ -417,14 +464,15 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Resume { select, wait, margin, footprint, snapshot_first, device_map } => {
             select.validate(Check::Callable)?;
             let mut e = engine(cli, out)?;
+            reconcile(cli, &mut e);
             let pids = &select.resolve(&mut e)?;
             let opts = ResumeOptions {
-                margin_bytes: margin << 20,
+                margin_bytes: mib(*margin),
                 wait: Duration::from_secs(*wait),
-                footprint_bytes: footprint.map(|m| m << 20),
+                footprint_bytes: footprint.map(mib),
                 device_map: device_map.clone().map(|m| m.0).unwrap_or_default(),
             };
-            let store = images(cli);
+            let store = own_images(cli)?;
             if pids.len() > 1 && !snapshot_first {
                 // A group: admission for all of it, restores in parallel.
                 let r = e.resume_group(pids, &opts, &|| out.progress())?;
@@ -482,15 +530,17 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         }
         Cmd::Wake { images: names, wait, margin, no_guard, device_map } => {
             let c = criu(cli)?;
+            let store = images(cli)?;
             let mut e = engine_with(cli, out, true)?;
+            reconcile(cli, &mut e);
             let opts = WakeOptions {
                 wait: Duration::from_secs(*wait),
-                margin_bytes: margin << 20,
+                margin_bytes: mib(*margin),
                 force_resume: vec![],
                 device_map: device_map.clone().map(|m| m.0).unwrap_or_default(),
                 force: false,
             };
-            let r = e.wake_group(&c, &images(cli), names, &opts)?;
+            let r = e.wake_group(&c, &store, names, &opts)?;
             if !no_guard {
                 let pids: Vec<i32> = r.iter().flat_map(|w| w.processes.iter().copied()).collect();
                 if let Err(e) = start_guard(&cli.state_dir, &pids) {
@@ -516,29 +566,76 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Recover { pid, wait, margin, force } => {
             gpusnap_core::target::resolve(*pid)?;
             let c = criu(cli)?;
+            let store = own_images(cli)?;
             let mut e = engine(cli, out)?;
+            reconcile(cli, &mut e);
             let opts = WakeOptions {
                 wait: Duration::from_secs(*wait),
-                margin_bytes: margin << 20,
+                margin_bytes: mib(*margin),
                 force_resume: vec![],
                 device_map: vec![],
                 force: *force,
             };
-            let r = e.recover(&c, &images(cli), *pid, &opts)?;
+            let r = e.recover(&c, &store, *pid, &opts)?;
             out.one(&r, &output::woken(&r));
             Ok(())
         }
         Cmd::Images { cmd } => {
-            let store = images(cli);
+            let store = images(cli)?;
             match cmd.as_ref().unwrap_or(&ImagesCmd::List) {
                 ImagesCmd::List => out.images(&store.list()),
                 ImagesCmd::Verify { image } => {
                     let (_, m) = store.verify(image, |_| {}).map_err(Error::Image)?;
-                    out.one(&m, &format!("{image}: ok, {} files, {} bytes", m.files.len(), m.total_bytes()));
+                    out.one(
+                        &m,
+                        &format!(
+                            "{}: ok, {} files, {} bytes, signed by {}",
+                            output::printable(image),
+                            m.files.len(),
+                            m.total_bytes(),
+                            m.signer
+                        ),
+                    );
                 }
                 ImagesCmd::Rm { image } => {
                     store.remove(image).map_err(Error::Image)?;
-                    out.one(&serde_json::json!({ "removed": image }), &format!("removed {image}"));
+                    out.one(
+                        &serde_json::json!({ "removed": image }),
+                        &format!("removed {}", output::printable(image)),
+                    );
+                }
+                ImagesCmd::Import { path } => {
+                    let (name, dir, m) = store.import(path, |_| {}).map_err(Error::Image)?;
+                    out.one(
+                        &serde_json::json!({ "imported": name, "path": dir, "bytes": m.total_bytes() }),
+                        &format!("imported {name} ({} bytes)", m.total_bytes()),
+                    );
+                }
+                ImagesCmd::Gc => {
+                    let reconciled = match engine_with(cli, out, true) {
+                        Ok(mut e) => e.reconcile_hibernates(&own_images(cli)?)?,
+                        Err(err) => return Err(err),
+                    };
+                    let removed = store.gc();
+                    for i in &reconciled {
+                        out.line(&format!(
+                            "interrupted hibernate to {}: {} {:?}",
+                            output::printable(&i.image),
+                            i.outcome,
+                            i.pids
+                        ));
+                    }
+                    for r in &removed {
+                        out.line(&format!("removed {} ({} bytes)", r.path.display(), r.bytes));
+                    }
+                    out.one(
+                        &serde_json::json!({ "reconciled": reconciled, "removed": removed }),
+                        &format!("{} reconciled, {} removed", reconciled.len(), removed.len()),
+                    );
+                }
+                ImagesCmd::Key => {
+                    let k = gpusnap_core::sign::HostKey::load_or_create(&cli.state_dir)?;
+                    out.one(&serde_json::json!({ "key": k.public_hex() }), &k.public_hex());
                 }
             }
             Ok(())
@@ -547,6 +644,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             // A stopped process is stop's to refuse (or --force), not bad input.
             select.validate(Check::Exists)?;
             let mut e = engine_with(cli, out, true)?;
+            reconcile(cli, &mut e);
             let pids = &select.resolve(&mut e)?;
             let opts = StopOptions {
                 grace: Duration::from_secs(*grace),
@@ -655,7 +753,9 @@ impl Select {
 fn hibernate(cli: &Cli, out: &Out, select: &Select, opts: &HibernateOptions) -> anyhow::Result<()> {
     select.validate(Check::Callable)?;
     let c = criu(cli)?;
+    let store = images(cli)?;
     let mut e = engine_with(cli, out, true)?;
+    reconcile(cli, &mut e);
     let roots = select.roots(&mut e)?;
     if roots.is_empty() {
         // As for the other commands, a group that turns out empty is no error.
@@ -669,7 +769,7 @@ fn hibernate(cli: &Cli, out: &Out, select: &Select, opts: &HibernateOptions) -> 
         tree.extend(gpusnap_core::hibernate::process_tree(root).into_iter().map(|(p, _)| p));
     }
     let detached = gpusnap_core::guard::detach_for(&cli.state_dir, &tree)?;
-    let res = e.hibernate_group(&c, &images(cli), &roots, opts);
+    let res = e.hibernate_group(&c, &store, &roots, opts);
     respawn_guard(&cli.state_dir, &detached);
     let r = res?;
     if let [one] = r.as_slice() {
@@ -732,7 +832,7 @@ fn snapshot_if_suspended(e: &mut DynEngine, criu: &Criu, store: &ImageStore, pid
         .list()
         .into_iter()
         .filter_map(Result::ok)
-        .map(|m| m.name)
+        .map(|(n, _)| n)
         .filter(|n| n.starts_with(&prefix))
         .collect();
     let opts =

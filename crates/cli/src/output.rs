@@ -3,7 +3,7 @@
 use gpusnap_core::doctor::{Finding, Severity};
 use gpusnap_core::engine::{ResumeReport, StateReport, StopReport, SuspendReport};
 use gpusnap_core::hibernate::{HibernateReport, WakeReport};
-use gpusnap_core::image::{ImageError, Manifest};
+use gpusnap_core::image::{ImageError, Named};
 use gpusnap_core::store::Event;
 use gpusnap_core::Progress;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -159,14 +159,16 @@ impl Out {
         }
     }
 
-    pub fn images(&self, list: &[Result<Manifest, (String, ImageError)>]) {
+    /// Images by their directories' names; what a manifest says is
+    /// untrusted text (escaped) until it is verified.
+    pub fn images(&self, list: &[Result<Named, (String, ImageError)>]) {
         if self.json {
             let v: Vec<_> = list
                 .iter()
                 .map(|r| match r {
-                    Ok(m) => json!({ "name": m.name, "created_ms": m.created_ms, "host": m.host, "root_pid": m.root_pid,
+                    Ok((n, m)) => json!({ "name": n, "created_ms": m.created_ms, "host": m.host, "root_pid": m.root_pid,
                         "processes": m.processes.len(), "cuda": m.processes.iter().filter(|p| p.cuda).count(),
-                        "bytes": m.total_bytes(), "footprint_bytes": m.footprint_by_gpu().values().sum::<u64>() }),
+                        "bytes": m.total_bytes(), "footprint_bytes": m.footprint_total(), "signer": m.signer }),
                     Err((n, e)) => json!({ "name": n, "error": e.to_string() }),
                 })
                 .collect();
@@ -176,16 +178,16 @@ impl Out {
         println!("{:<40} {:>8} {:>6} {:>10} {:>12}  HOST", "IMAGE", "ROOT", "PROCS", "SIZE", "GPU MEMORY");
         for r in list {
             match r {
-                Ok(m) => println!(
+                Ok((n, m)) => println!(
                     "{:<40} {:>8} {:>6} {:>10} {:>12}  {}",
-                    m.name,
+                    printable(n),
                     m.root_pid,
                     m.processes.len(),
                     gib(m.total_bytes()),
-                    gib(m.footprint_by_gpu().values().sum()),
-                    m.host
+                    gib(m.footprint_total()),
+                    printable(&m.host)
                 ),
-                Err((n, e)) => println!("{n:<40} unreadable: {e}"),
+                Err((n, e)) => println!("{:<40} unreadable: {}", printable(n), printable(&e.to_string())),
             }
         }
     }
@@ -314,4 +316,15 @@ impl Progress for Bar {
     fn sibling(&self) -> Box<dyn Progress> {
         Box::new(Bar(Mutex::new(None), self.1.clone()))
     }
+}
+
+/// Text from an image or a file name, safe on a terminal: control
+/// characters (escape sequences among them) are shown escaped.
+pub fn printable(s: &str) -> String {
+    s.chars()
+        .flat_map(|c| {
+            let esc: Vec<char> = if c.is_control() { c.escape_default().collect() } else { vec![c] };
+            esc
+        })
+        .collect()
 }

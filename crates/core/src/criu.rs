@@ -2,8 +2,10 @@
 //!
 //! Driven through its command line rather than `criu swrk` RPC: the command
 //! line is what users debug with, its flags are stable across 3.x/4.x, and it
-//! keeps protobuf out of the build. Its log is kept with the image; a failure
-//! is surfaced as the last error line of that log.
+//! keeps protobuf out of the build. A failure is surfaced as the first error
+//! line of its log (the cause; later errors are often its consequences) and
+//! the last, and the log of every failed dump or restore is kept in
+//! `STATE_DIR/logs/` (pruned to the newest [`KEEP_LOGS`]), which the error names.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -19,6 +21,7 @@ pub enum CriuError {
     #[error("criu {found} is too old: gpusnap needs CRIU >= {}.{} (Debian bookworm's 3.17 fails on current kernels; trixie's 4.1.1 works)", MIN_VERSION.0, MIN_VERSION.1)]
     TooOld { found: String },
     #[error("criu {op} failed: {line} (log: {log})")]
+    /// `line`: CRIU's first error, and its last when they differ.
     Failed { op: &'static str, line: String, log: String },
     #[error("cannot run criu: {0}")]
     Spawn(String),
@@ -126,8 +129,8 @@ impl Criu {
             if out.status.success() {
                 return Ok(());
             }
-            let text = std::fs::read_to_string(log).unwrap_or_default();
-            let line = last_error(&text)
+            let text = read_log(log);
+            let line = first_and_last_error(&text)
                 .or_else(|| String::from_utf8_lossy(&out.stderr).lines().last().map(str::to_string))
                 .unwrap_or_else(|| format!("exit status {}", out.status));
             // CRIU probes the kernel before it touches any process; those
@@ -144,16 +147,79 @@ impl Criu {
     }
 }
 
-/// The most telling line of a CRIU log: its last `Error` line, without the
-/// timestamp and source prefix.
-pub fn last_error(log: &str) -> Option<String> {
+/// How many CRIU logs `STATE_DIR/logs/` keeps.
+pub const KEEP_LOGS: usize = 20;
+
+/// The tail of a CRIU log (with -v4 it can be large; the errors that
+/// matter are at its start and end, and the start is kept whole).
+fn read_log(log: &Path) -> String {
+    use std::io::Read;
+    let mut buf = Vec::new();
+    if let Ok(f) = crate::image::open_regular(log, u64::MAX) {
+        let _ = f.take(64 << 20).read_to_end(&mut buf);
+    }
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// A new directory for one CRIU run's logs: `STATE_DIR/logs/MILLIS-LABEL`
+/// (0700), the oldest beyond [`KEEP_LOGS`] removed.
+pub fn new_log_dir(state_dir: &Path, label: &str) -> std::io::Result<PathBuf> {
+    let logs = state_dir.join("logs");
+    crate::image::mkdir_private(&logs)?;
+    let mut old: Vec<PathBuf> = std::fs::read_dir(&logs)?
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name().to_str().is_some_and(|n| n.as_bytes().first().is_some_and(u8::is_ascii_digit))
+        })
+        .map(|e| e.path())
+        .collect();
+    old.sort();
+    let excess = (old.len() + 1).saturating_sub(KEEP_LOGS);
+    for p in old.into_iter().take(excess) {
+        let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+    }
+    let label: String = label
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') { c } else { '_' })
+        .collect();
+    let dir = logs.join(format!("{:013}-{label}", crate::store::now_ms()));
+    crate::image::mkdir_private(&dir)?;
+    Ok(dir)
+}
+
+impl CriuError {
+    /// Keeps the log of a failed run in `STATE_DIR/logs/` (its own place may
+    /// be a partial image about to be removed) and names that copy.
+    pub fn keep_log(self, state_dir: &Path, label: &str) -> Self {
+        match self {
+            Self::Failed { op, line, log } => {
+                let src = PathBuf::from(&log);
+                let kept = new_log_dir(state_dir, label).and_then(|d| {
+                    let to = d.join(src.file_name().unwrap_or_default());
+                    std::fs::copy(&src, &to).map(|_| to)
+                });
+                let log = match kept {
+                    Ok(p) => p.display().to_string(),
+                    Err(e) => {
+                        tracing::warn!("could not keep CRIU's log {log}: {e}");
+                        log
+                    }
+                };
+                Self::Failed { op, line, log }
+            }
+            other => other,
+        }
+    }
+}
+
+/// CRIU's error lines, each without its timestamp and source prefix.
+fn error_lines(log: &str) -> impl DoubleEndedIterator<Item = String> + '_ {
     log.lines()
-        .rev()
         .filter(|l| l.contains("Error (") || l.contains("Error:"))
         // Printed by every run without CAP_SYS_RESOURCE, and harmless; the
         // closing "Restoring FAILED." says nothing about why, nor does
         // "Restorer fail PID", which follows the restorer's own error.
-        .find(|l| !l.contains("RLIMIT_NOFILE") && !l.ends_with("FAILED.") && !l.contains("Restorer fail"))
+        .filter(|l| !l.contains("RLIMIT_NOFILE") && !l.ends_with("FAILED.") && !l.contains("Restorer fail"))
         .map(|l| {
             let l = l.trim();
             // "(00.012345) Error (criu/cr-dump.c:123): message"
@@ -162,6 +228,22 @@ pub fn last_error(log: &str) -> Option<String> {
                 _ => l.trim_start_matches(|c: char| c != 'E').to_string(),
             }
         })
+}
+
+/// The last error line of a CRIU log.
+pub fn last_error(log: &str) -> Option<String> {
+    error_lines(log).next_back()
+}
+
+/// The first error line of a CRIU log (the cause), and the last when it is
+/// another: "FIRST; last error: LAST".
+pub fn first_and_last_error(log: &str) -> Option<String> {
+    let mut it = error_lines(log);
+    let first = it.next()?;
+    match it.next_back() {
+        Some(last) if last != first => Some(format!("{first}; last error: {last}")),
+        _ => Some(first),
+    }
 }
 
 fn which(name: &str) -> Option<PathBuf> {
@@ -188,6 +270,31 @@ mod tests {
     fn the_restorers_own_error_is_named() {
         let log = "(00.1) pie: 42: Error (criu/pie/restorer.c:1700): Unable to restore timers: -22\n(00.2) Error (criu/cr-restore.c:2100): Restorer fail 42\n(00.3) Error (criu/cr-restore.c:2331): Restoring FAILED.\n";
         assert_eq!(last_error(log).unwrap(), "Unable to restore timers: -22");
+    }
+
+    #[test]
+    fn the_first_error_is_the_cause() {
+        let log = "(00.1) Error (criu/plugin.c:9): Unable to open directory /usr/lib/criu: No such file\n(00.2) info\n(00.3) Error (criu/cr-dump.c:5): Unable to detach from 1098: No such process\n";
+        assert_eq!(
+            first_and_last_error(log).unwrap(),
+            "Unable to open directory /usr/lib/criu: No such file; last error: Unable to detach from 1098: No such process"
+        );
+        assert_eq!(first_and_last_error("(0.1) Error (a.c:1): one\n").unwrap(), "one");
+        assert!(first_and_last_error("(0.1) fine\n").is_none());
+    }
+
+    #[test]
+    fn logs_are_kept_and_pruned() {
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("dump.log");
+        std::fs::write(&src, "x").unwrap();
+        for _ in 0..KEEP_LOGS + 5 {
+            let e = CriuError::Failed { op: "dump", line: "l".into(), log: src.display().to_string() };
+            let CriuError::Failed { log, .. } = e.keep_log(d.path(), "dump-a") else { panic!() };
+            assert!(log.starts_with(&d.path().join("logs").display().to_string()), "{log}");
+            assert!(Path::new(&log).is_file());
+        }
+        assert!(std::fs::read_dir(d.path().join("logs")).unwrap().count() <= KEEP_LOGS);
     }
 
     #[test]

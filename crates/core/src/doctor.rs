@@ -27,6 +27,42 @@ fn f(check: &'static str, severity: Severity, message: impl Into<String>, fix: O
     Finding { check, severity, message: message.into(), fix: fix.map(str::to_string) }
 }
 
+/// What killed gpusnaps left behind: hibernates never finished (a tree
+/// left stopped, CUDA processes left suspended) and temporary images.
+fn leftovers(state_dir: &Path, store: &crate::store::Store) -> Vec<Finding> {
+    let mut out = Vec::new();
+    match crate::hibernate::interrupted_hibernates(store) {
+        Ok(list) => {
+            for i in list {
+                out.push(Finding {
+                    check: "interrupted-hibernate",
+                    severity: Severity::Warn,
+                    message: format!(
+                        "a hibernate to image {} was interrupted (gpusnap died); processes {:?} may be stopped or suspended",
+                        i.image, i.pids
+                    ),
+                    fix: Some("run `gpusnap images gc` (or any hibernate, wake, suspend, resume or stop): it finishes the hibernate if its image is complete, else continues and resumes the tree".into()),
+                });
+            }
+        }
+        Err(e) => out.push(f("interrupted-hibernate", Severity::Warn, e.to_string(), None)),
+    }
+    let images = crate::image::ImageStore::new(state_dir.join("images"), crate::sign::Trust::default());
+    for s in images.stale() {
+        out.push(Finding {
+            check: "stale-image",
+            severity: Severity::Warn,
+            message: format!(
+                "{} is a temporary image left by a gpusnap that died ({} bytes)",
+                s.path.display(),
+                s.bytes
+            ),
+            fix: Some("`gpusnap images gc` removes it (so does the next hibernate)".into()),
+        });
+    }
+    out
+}
+
 /// Host checks: driver and its checkpoint API, NVML and GPUs, huge pages,
 /// privileges, the state directory.
 pub fn host(state_dir: &Path) -> Vec<Finding> {
@@ -115,12 +151,15 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
         ));
     }
     match crate::store::Store::open(state_dir) {
-        Ok(_) => out.push(f(
-            "state",
-            Severity::Ok,
-            format!("state store {} is writable", state_dir.display()),
-            None,
-        )),
+        Ok(store) => {
+            out.push(f(
+                "state",
+                Severity::Ok,
+                format!("state store {} is writable", state_dir.display()),
+                None,
+            ));
+            out.extend(leftovers(state_dir, &store));
+        }
         Err(e) => {
             out.push(f("state", Severity::Error, e.to_string(), Some("use --state-dir or GPUSNAP_STATE_DIR")))
         }

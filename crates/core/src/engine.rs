@@ -579,11 +579,13 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 };
                 let reserved = held.get(uuid).copied().unwrap_or(0);
                 let free = g.free_bytes.saturating_sub(reserved);
-                if free < bytes + margin {
+                // Saturating: a footprint or margin from a manifest or the
+                // command line must be refused, never wrap into a small one.
+                if free < bytes.saturating_add(margin) {
                     short.push(format!(
                         "GPU {} needs {} MiB (footprint {} MiB + margin {} MiB), {} MiB free{}",
                         g.index,
-                        (bytes + margin) / MIB,
+                        bytes.saturating_add(margin) / MIB,
                         bytes / MIB,
                         margin / MIB,
                         free / MIB,

@@ -48,6 +48,8 @@ pub enum Error {
     Criu(#[from] crate::criu::CriuError),
     #[error(transparent)]
     Image(#[from] crate::image::ImageError),
+    #[error(transparent)]
+    Sign(#[from] crate::sign::SignError),
     #[error("pid {pid} is held by another program ({comm}); the image needs it free: stop that program or wake elsewhere")]
     PidBusy { pid: i32, comm: String },
     #[error("process {pid} ({comm}) is in a session whose leader is outside its pid namespace, which CRIU cannot dump; start it in a session of its own (setsid, or `gpusnap run`)")]
@@ -108,6 +110,8 @@ impl Error {
             Self::Member { source, .. } | Self::GroupImage { source, .. } => source.exit_code(),
             Self::Image(crate::image::ImageError::Io { .. }) => 1,
             Self::Image(_) | Self::Incompatible { .. } | Self::BadMap(_) => 2,
+            Self::Sign(crate::sign::SignError::BadKey(_)) => 2,
+            Self::Sign(_) => 1,
             Self::Criu(_)
             | Self::PidBusy { .. }
             | Self::StillRunning { .. }
@@ -151,7 +155,10 @@ impl Error {
             Self::Image(crate::image::ImageError::Missing(_)) => "image_missing",
             Self::Image(crate::image::ImageError::Exists(_)) => "image_exists",
             Self::Image(crate::image::ImageError::Io { .. }) => "image_io",
+            Self::Image(crate::image::ImageError::Untrusted { .. }) => "image_untrusted",
+            Self::Image(crate::image::ImageError::BadName { .. }) => "bad_image_name",
             Self::Image(_) => "image_invalid",
+            Self::Sign(_) => "key",
             Self::PidBusy { .. } => "pid_busy",
             Self::StillRunning { .. } => "still_running",
             Self::ForeignSession { .. } => "foreign_session",

@@ -81,6 +81,7 @@ struct Dumped {
     pids: Vec<Target>,
     cuda_members: Vec<Target>,
     suspended: Vec<i32>,
+    journal: Vec<(i64, Target)>,
 }
 
 /// Of `pids`, those with no ancestor among them: the roots of the trees
@@ -329,21 +330,59 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let name =
             opts.name.clone().unwrap_or_else(|| format!("{}-{}-{}", sanitize(&root_t.comm), root, now_ms()));
         let pending = images.begin(&name)?;
-
-        // 1. CUDA state off the GPU, all or none.
-        let t_suspend = Instant::now();
         let cuda: Vec<i32> = members.iter().filter(|(_, s)| s.is_some()).map(|(t, _)| t.pid).collect();
         let was_running: Vec<i32> = members
             .iter()
             .filter(|(_, s)| matches!(s, Some(ProcessState::Running | ProcessState::Locked)))
             .map(|(t, _)| t.pid)
             .collect();
-        let suspended = self.suspend_all(&cuda, opts.lock_timeout_ms)?;
+        // Journaled before anything is done, so that a gpusnap killed in
+        // the middle (after CRIU stopped the tree, say) is reconciled by the
+        // next run (see [`Engine::reconcile_hibernates`]).
+        let mut journal: Vec<(i64, Target)> = Vec::new();
+        for (t, _) in &members {
+            let detail = format!(
+                "image={name} resume={} stop={}",
+                u8::from(was_running.contains(&t.pid)),
+                u8::from(!opts.leave_running)
+            );
+            match self.store_mut().begin_with(t, "hibernate", &detail) {
+                Ok(id) => journal.push((id, t.clone())),
+                Err(e) => {
+                    self.close_journal(&journal, false, "not started");
+                    return Err(e);
+                }
+            }
+        }
+
+        // 1. CUDA state off the GPU, all or none.
+        let t_suspend = Instant::now();
+        let suspended = match self.suspend_all(&cuda, opts.lock_timeout_ms) {
+            Ok(s) => s,
+            Err(e) => {
+                self.close_journal(&journal, false, "suspend failed");
+                return Err(e);
+            }
+        };
         let suspend_ms = ms(t_suspend);
         let undo = |e: &mut Self, err: Error| -> Error {
             e.resume_after_failure(&suspended);
+            e.close_journal(&journal, false, &format!("undone: {err}"));
             err
         };
+        // Read before CRIU acts: after it, a store error must not leave
+        // the tree stopped.
+        let mut footprints: HashMap<i32, BTreeMap<String, u64>> = HashMap::new();
+        for (t, st) in &members {
+            if st.is_some() {
+                match self.store().get(t) {
+                    Ok(r) => {
+                        footprints.insert(t.pid, r.map(|r| r.footprint).unwrap_or_default());
+                    }
+                    Err(err) => return Err(undo(self, err)),
+                }
+            }
+        }
 
         // 2. CRIU dump, leaving the tree stopped (or, with leave_running,
         // running) until the image is safe.
@@ -380,7 +419,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             },
         );
         if let Err(e) = dumped {
-            // CRIU leaves the tree running when a dump fails.
+            // CRIU leaves the tree running when a dump fails. Its log is
+            // kept outside the partial image, which is removed.
+            let e = e.keep_log(images.state_dir(), &format!("dump-{name}"));
             return Err(undo(self, e.into()));
         }
         // The tree as CRIU dumped it: it is stopped now (or, left running,
@@ -402,6 +443,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 continue_tree(&pids);
             }
             e.resume_after_failure(&suspended);
+            e.close_journal(&journal, false, &format!("undone: {err}"));
             err
         };
         let dump_ms = ms(t_dump);
@@ -412,7 +454,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let mut gpu_uuids = std::collections::BTreeSet::new();
         for ((t, st), (_, ppid)) in members.iter().zip(tree.iter()) {
             let footprint = if st.is_some() {
-                self.store().get(t)?.map(|r| r.footprint).unwrap_or_default()
+                footprints.get(&t.pid).cloned().unwrap_or_default()
             } else {
                 BTreeMap::new()
             };
@@ -470,6 +512,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             root_pid: root,
             processes: procs,
             criu_version: criu.version.clone(),
+            signer: String::new(),
             files: Vec::new(),
         };
         let total_img = dir_bytes(&pending.criu_dir());
@@ -485,7 +528,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             Err(e) => return Err(undo(self, e.into())),
         };
         let write_ms = ms(t_write);
-        let path = images.locate(&name);
+        let path = images.root.join(&name);
         let cuda_members: Vec<Target> =
             members.iter().filter(|(_, st)| st.is_some()).map(|(t, _)| t.clone()).collect();
         Ok(Dumped {
@@ -506,25 +549,44 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             pids,
             cuda_members,
             suspended,
+            journal,
         })
+    }
+
+    /// Closes a hibernate's journal entries; a store error here is logged
+    /// (what they describe is already done or undone).
+    fn close_journal(&mut self, journal: &[(i64, Target)], ok: bool, detail: &str) {
+        for (id, t) in journal {
+            if let Err(e) = self.store_mut().close(*id, t, "hibernate", ok, detail) {
+                tracing::error!(pid = t.pid, "cannot journal the end of hibernate: {e}");
+            }
+        }
     }
 
     /// Step 4: the image is safe: end the tree, or put it back as it was.
     fn finish_hibernate(&mut self, d: Dumped, opts: &HibernateOptions) -> Result<HibernateReport, Error> {
-        let Dumped { mut report, started, pids, cuda_members, suspended } = d;
+        let Dumped { mut report, started, pids, cuda_members, suspended, journal } = d;
+        // The image is committed: from here the hibernate is finished
+        // whatever the store says (an error here used to leave the tree
+        // stopped for good); the records are only notes.
         for t in &cuda_members {
             let state = if opts.leave_running { None } else { Some("hibernated") };
-            self.store_mut().note(t, "hibernate", state, &format!("image {}", report.image))?;
+            if let Err(e) = self.store_mut().note(t, "hibernate", state, &format!("image {}", report.image)) {
+                tracing::error!(pid = t.pid, "hibernated, but the journal could not record it: {e}");
+            }
         }
-        if opts.leave_running {
+        let res = if opts.leave_running {
             // The image is safe either way; a process that could not be put
             // back on the GPU is still reported.
-            if let Some(e) = self.resume_after_failure(&suspended) {
-                return Err(e);
+            match self.resume_after_failure(&suspended) {
+                Some(e) => Err(e),
+                None => Ok(()),
             }
         } else {
-            kill_tree(&pids)?;
-        }
+            kill_tree(&pids)
+        };
+        self.close_journal(&journal, res.is_ok(), &format!("image {}", report.image));
+        res?;
         report.total_ms = ms(started);
         Ok(report)
     }
@@ -538,6 +600,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         if let Some(e) = self.resume_after_failure(&d.suspended) {
             tracing::error!(root = d.report.root_pid, "could not put the tree back on the GPU: {e}");
         }
+        self.close_journal(&d.journal, false, "undone: another tree of the group failed");
         if let Err(e) = images.remove(&d.report.image) {
             tracing::error!(image = d.report.image, "could not remove the image: {e}");
         }
@@ -584,7 +647,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         for plan in &plans {
             for fp in &plan.fps {
                 for (u, b) in fp {
-                    *need.entry(u.clone()).or_insert(0) += b;
+                    let e = need.entry(u.clone()).or_insert(0u64);
+                    *e = e.saturating_add(*b);
                 }
             }
         }
@@ -602,9 +666,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let mut failed = None;
         for plan in &plans {
             let resume: Vec<&ProcDesc> = plan.resume.iter().collect();
-            match self.wake_admitted(criu, &plan.dir, &plan.m, &resume, &plan.fps, &plan.pairs) {
+            match self.wake_admitted(criu, images.state_dir(), plan, &resume) {
                 Ok((root_pid, criu_ms, restore_ms)) => out.push(WakeReport {
-                    image: plan.m.name.clone(),
+                    image: plan.name.clone(),
                     root_pid,
                     processes: plan.m.processes.iter().map(|p| p.pid).collect(),
                     resumed: plan.resume.iter().map(|p| p.pid).collect(),
@@ -620,7 +684,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 }
             }
         }
-        self.store_mut().release(&reservation)?;
+        // Best effort: a reservation of a gpusnap that exits is void anyway,
+        // and a store error must not skip the undo below.
+        if let Err(e) = self.store_mut().release(&reservation) {
+            tracing::warn!("could not release the reservation: {e}");
+        }
         if let Some(err) = failed {
             // The images are untouched; the trees woken before are ended so
             // that the whole group can be woken again.
@@ -636,17 +704,19 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// each needs where it goes.
     fn plan_wake(&mut self, images: &ImageStore, name: &str, opts: &WakeOptions) -> Result<WakePlan, Error> {
         let started = Instant::now();
-        // Verify everything before anything is restored.
-        let (dir, m) = images.manifest(name)?;
+        // Verify everything before anything is restored; an image given by
+        // path is copied into the store as it is verified.
+        let (_, m) = images.manifest(name)?;
         let progress: &dyn Progress = self.progress();
         progress.begin(&format!("verify {name}"), m.total_bytes());
         let mut seen = 0u64;
-        let verified = images.verify(name, |n| {
-            seen += n;
+        let verified = images.verified_in_store(name, |n| {
+            seen = seen.saturating_add(n);
             progress.update(seen);
         });
         progress.end();
-        verified?;
+        let (name, dir, m) = verified?;
+        let name = name.as_str();
         let verify_ms = ms(started);
 
         let resume: Vec<&ProcDesc> = m
@@ -687,7 +757,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             for (u, b) in fp {
                 let key = u.parse::<gpusnap_cuda::GpuUuid>().ok();
                 let to = remapped.as_ref().zip(key).and_then(|(m, k)| m.get(&k)).cloned();
-                *out.entry(to.unwrap_or_else(|| u.clone())).or_insert(0) += b;
+                let e = out.entry(to.unwrap_or_else(|| u.clone())).or_insert(0u64);
+                *e = e.saturating_add(*b);
             }
             out
         };
@@ -699,17 +770,17 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     fn wake_admitted(
         &mut self,
         criu: &Criu,
-        dir: &Path,
-        m: &Manifest,
+        state_dir: &Path,
+        plan: &WakePlan,
         resume: &[&ProcDesc],
-        footprints: &[BTreeMap<String, u64>],
-        pairs: &[gpusnap_cuda::GpuPair],
     ) -> Result<(i32, u64, u64), Error> {
+        let WakePlan { name, dir, m, fps: footprints, pairs, .. } = plan;
         let t_criu = Instant::now();
-        let work = dir.join("logs").join(format!("restore-{}", now_ms()));
-        crate::image::mkdir_private(&work).map_err(|e| {
+        // CRIU's log and pidfile go to the state directory, never into the
+        // image (a link planted there made root write elsewhere).
+        let work = crate::criu::new_log_dir(state_dir, &format!("restore-{name}")).map_err(|e| {
             Error::Image(crate::image::ImageError::Io {
-                name: m.name.clone(),
+                name: name.clone(),
                 op: "create the log directory".into(),
                 err: e,
             })
@@ -718,7 +789,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let expect: u64 = m.total_bytes();
         let root = observe(
             progress,
-            &format!("wake {}", m.name),
+            &format!("wake {name}"),
             expect,
             || None,
             || {
@@ -741,24 +812,33 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let criu_ms = ms(t_criu);
 
         let t_restore = Instant::now();
-        // Every CUDA process of the image is known again, resumed or not.
-        for p in m.processes.iter().filter(|p| p.cuda && !resume.iter().any(|r| r.pid == p.pid)) {
-            if let Ok(t) = target::resolve(p.pid) {
-                self.store_mut().record(&t, "checkpointed", Some(&p.footprint))?;
-                self.store_mut().note(
-                    &t,
-                    "wake",
-                    None,
-                    &format!("restored by CRIU from image {}, left suspended", m.name),
-                )?;
+        // CRIU has acted: from here every error ends what it restored
+        // (the image stays for a retry).
+        let recorded = (|| {
+            // Every CUDA process of the image is known again, resumed or not.
+            for p in m.processes.iter().filter(|p| p.cuda && !resume.iter().any(|r| r.pid == p.pid)) {
+                if let Ok(t) = target::resolve(p.pid) {
+                    self.store_mut().record(&t, "checkpointed", Some(&p.footprint))?;
+                    self.store_mut().note(
+                        &t,
+                        "wake",
+                        None,
+                        &format!("restored by CRIU from image {name}, left suspended"),
+                    )?;
+                }
             }
+            Ok::<_, Error>(())
+        })();
+        if let Err(err) = recorded {
+            self.end_woken(m.processes.iter().rev().map(|p| p.pid));
+            return Err(err);
         }
         // The CUDA processes back on their GPUs, in parallel: the driver's
         // calls on different processes are independent.
         let back = |e: &mut Self, (pid, fp): (i32, &BTreeMap<String, u64>)| {
             let t = target::resolve(pid)?;
             e.store_mut().record(&t, "checkpointed", Some(fp))?;
-            e.store_mut().note(&t, "wake", None, &format!("restored by CRIU from image {}", m.name))?;
+            e.store_mut().note(&t, "wake", None, &format!("restored by CRIU from image {name}"))?;
             e.restore_and_unlock(&t, fp, pairs)?;
             Ok::<_, Error>(t)
         };
@@ -790,7 +870,18 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         for pid in pids {
             if let Ok(t) = target::resolve(pid) {
                 if let Err(e) = self.stop(t.pid, &stop) {
-                    tracing::error!(pid, "could not end a restored process after a failed wake: {e}");
+                    // stop journals, so a store error stops it too; a process
+                    // whose CUDA state is not on the GPU (or that has none)
+                    // is safe to kill without it.
+                    let on_gpu = target::resolve_callable(pid)
+                        .ok()
+                        .and_then(|t| self.driver_state(&t).ok())
+                        .is_some_and(|s| s == ProcessState::Running);
+                    if on_gpu || !target::is_alive(&t) {
+                        tracing::error!(pid, "could not end a restored process after a failed wake: {e}");
+                    } else if let Err(e) = kill_tree(std::slice::from_ref(&t)) {
+                        tracing::error!(pid, "could not end a restored process after a failed wake: {e}");
+                    }
                 }
             }
         }
@@ -847,7 +938,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 op: "recover",
             });
         }
-        let Some(m) = images.find_for(pid, t.start_time) else {
+        // Only a signed image of the store, by its directory's name: a
+        // manifest's own claims (its name, its processes) count only once
+        // its signature says gpusnap wrote it.
+        let Some((image, m)) = images.find_for(pid, t.start_time) else {
             return Err(Error::Unrecoverable {
                 pid,
                 reason: "no image of it exists (take one with `gpusnap snapshot` while it is suspended)"
@@ -869,17 +963,143 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         }
         for a in &alive {
-            self.store_mut().note(
-                a,
-                "recover",
-                Some("stopped"),
-                &format!("ended to wake image {}", m.name),
-            )?;
+            self.store_mut().note(a, "recover", Some("stopped"), &format!("ended to wake image {image}"))?;
         }
         kill_tree(&alive)?;
         let mut o = opts.clone();
         o.force_resume.push(pid);
-        self.wake(criu, images, &m.name, &o)
+        self.wake(criu, images, &image, &o)
+    }
+}
+
+/// A hibernate that a gpusnap killed mid-way left behind, as its journal
+/// says (for `doctor`, and what [`Engine::reconcile_hibernates`] did).
+#[derive(Debug, Clone, Serialize)]
+pub struct Interrupted {
+    pub image: String,
+    pub pids: Vec<i32>,
+    /// finished (the image was complete: the stopped tree was ended),
+    /// resumed (the tree was continued and its CUDA processes resumed), or
+    /// pending (not reconciled yet).
+    pub outcome: String,
+}
+
+/// The fields of a hibernate journal entry's detail.
+fn detail_field<'a>(detail: &'a str, key: &str) -> Option<&'a str> {
+    detail.split(' ').find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// Hibernates begun by a gpusnap that is gone and never finished, by image.
+pub fn interrupted_hibernates(store: &crate::Store) -> Result<Vec<Interrupted>, Error> {
+    let mut out: Vec<Interrupted> = Vec::new();
+    for (_, t, detail) in store.open_entries("hibernate")? {
+        let image = detail_field(&detail, "image").unwrap_or("?").to_string();
+        match out.iter_mut().find(|i| i.image == image) {
+            Some(i) => i.pids.push(t.pid),
+            None => out.push(Interrupted { image, pids: vec![t.pid], outcome: "pending".into() }),
+        }
+    }
+    Ok(out)
+}
+
+impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
+    /// Reconciles hibernates that a gpusnap killed mid-way left open: if
+    /// their image was committed (signed and complete), the hibernate is
+    /// finished (the tree, stopped by CRIU and off the GPU, is ended);
+    /// otherwise the tree is continued and the CUDA processes it suspended
+    /// are resumed. Only processes still the ones journaled (pid and start
+    /// time) are touched. Temporary images are removed by [`ImageStore::gc`].
+    pub fn reconcile_hibernates(&mut self, images: &ImageStore) -> Result<Vec<Interrupted>, Error> {
+        let open = self.store().open_entries("hibernate")?;
+        type Entries = Vec<(i64, Target, String)>;
+        let mut by_image: Vec<(String, Entries)> = Vec::new();
+        for e in open {
+            let image = detail_field(&e.2, "image").unwrap_or("?").to_string();
+            match by_image.iter_mut().find(|(i, _)| *i == image) {
+                Some((_, v)) => v.push(e),
+                None => by_image.push((image, vec![e])),
+            }
+        }
+        let mut out = Vec::new();
+        for (image, entries) in by_image {
+            let alive: Entries = entries
+                .iter()
+                .filter(|(_, t, _)| target::resolve(t.pid).is_ok_and(|now| now.start_time == t.start_time))
+                .cloned()
+                .collect();
+            let stopping = entries.iter().any(|(_, _, d)| detail_field(d, "stop") == Some("1"));
+            // Complete: committed, signed, and holding these very processes
+            // (an image of the same name taken since is not this one).
+            let complete = if crate::image::valid_name(&image) {
+                images.manifest(&image).ok().map(|(_, m)| m).filter(|m| {
+                    entries.iter().all(|(_, t, _)| {
+                        m.processes.iter().any(|p| p.pid == t.pid && p.start_time == t.start_time)
+                    })
+                })
+            } else {
+                None
+            };
+            let finish = stopping && complete.is_some();
+            tracing::warn!(image, finish, "reconciling a hibernate interrupted by a gpusnap that died");
+            if let (true, Some(m)) = (finish, &complete) {
+                // Every process of the tree (children born during the dump
+                // too) is in the image, which is safe: end those still the
+                // ones it holds.
+                let ts: Vec<Target> = m
+                    .processes
+                    .iter()
+                    .filter_map(|p| target::resolve(p.pid).ok().filter(|t| t.start_time == p.start_time))
+                    .collect();
+                kill_tree(&ts)?;
+            } else {
+                // CRIU stopped the whole tree, children born during the dump
+                // (not journaled) included.
+                let mut ts: Vec<Target> = Vec::new();
+                for (_, t, _) in &alive {
+                    for (p, _) in process_tree(t.pid) {
+                        if let Ok(k) = target::resolve(p) {
+                            if !ts.iter().any(|x| x.pid == k.pid) {
+                                ts.push(k);
+                            }
+                        }
+                    }
+                }
+                continue_tree(&ts);
+                for (_, t, d) in &alive {
+                    if detail_field(d, "resume") != Some("1") {
+                        continue;
+                    }
+                    // SIGCONT is seen at once by the kernel, but wait for it:
+                    // the driver hangs on a stopped process.
+                    let end = Instant::now() + Duration::from_secs(10);
+                    while target::resolve_callable(t.pid).is_err_and(|e| matches!(e, Error::Stopped { .. }))
+                        && Instant::now() < end
+                    {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    let state = target::resolve_callable(t.pid).and_then(|t| self.driver_state(&t));
+                    if matches!(state, Ok(ProcessState::Checkpointed | ProcessState::Locked)) {
+                        let opts = ResumeOptions { wait: Duration::from_secs(30), ..Default::default() };
+                        if let Err(e) = self.resume(t.pid, &opts) {
+                            tracing::error!(
+                                pid = t.pid,
+                                "could not resume after an interrupted hibernate: {e}"
+                            );
+                        }
+                    }
+                }
+            }
+            let outcome = if finish { "finished" } else { "resumed" };
+            for (id, t, _) in &entries {
+                self.store_mut().close(*id, t, "hibernate", finish, &format!("reconciled: {outcome}"))?;
+            }
+            out.push(Interrupted {
+                image,
+                pids: entries.iter().map(|(_, t, _)| t.pid).collect(),
+                outcome: outcome.into(),
+            });
+        }
+        Ok(out)
     }
 }
 

@@ -3,14 +3,24 @@
 //! ```text
 //! NAME/
 //!   manifest.json   magic, format, who/where/when, driver and GPUs, processes
-//!                   with their footprints, CRIU version, blake3 of every file
-//!   manifest.b3     blake3 of manifest.json
-//!   criu/           CRIU's image files and dump.log
-//!   logs/           restore logs (not part of the checksummed image)
+//!                   with their footprints, CRIU version, the signer's key,
+//!                   size and blake3 of every file
+//!   manifest.sig    ed25519 signature of manifest.json by the signer ([`crate::sign`])
+//!   criu/           CRIU's image files and dump.log, every one listed
 //! ```
 //! An image is written under a temporary name and renamed when complete, and
 //! is readable only by its owner (0700/0600): it is the memory of a process,
-//! secrets included. It is verified in full before anything is restored.
+//! secrets included.
+//!
+//! An image is untrusted input (it may come from another host, and CRIU runs
+//! it as root): it may hold nothing but those regular files (no links, no
+//! hard links, no FIFOs or devices, nothing unlisted), every read is bounded
+//! and made only after the file's type is checked on the open descriptor,
+//! and it is verified in full before anything is restored. CRIU reads only
+//! images inside the store (root-owned, 0700, refused when others can write
+//! it: nobody else can change a file between its verification and CRIU's
+//! read); an image given by path is copied into the store, verified as it is
+//! copied. See docs/images.md.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -20,9 +30,13 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 pub const MAGIC: &str = "gpusnap-image";
-pub const FORMAT: u32 = 1;
+/// 2: signed (`manifest.sig`, `signer`); 1 was checksummed only.
+pub const FORMAT: u32 = 2;
 /// A manifest larger than this is not ours (Firecracker-style bound on reads).
 const MAX_MANIFEST: u64 = 16 << 20;
+const MAX_SIG: u64 = 4096;
+const MANIFEST: &str = "manifest.json";
+const SIG: &str = "manifest.sig";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
@@ -36,6 +50,10 @@ pub enum ImageError {
     Corrupt { name: String, why: String },
     #[error("image {0} already exists (remove it with `gpusnap images rm`, or choose another --image)")]
     Exists(String),
+    #[error("image {name} cannot be trusted: {why}")]
+    Untrusted { name: String, why: String },
+    #[error("{name:?} is not an image name or path: {why}")]
+    BadName { name: String, why: String },
     #[error("image {name}: {op}: {err}")]
     Io { name: String, op: String, err: std::io::Error },
 }
@@ -86,6 +104,9 @@ pub struct Manifest {
     pub root_pid: i32,
     pub processes: Vec<ProcDesc>,
     pub criu_version: String,
+    /// The public key (hex) of the host that wrote and signed it.
+    #[serde(default)]
+    pub signer: String,
     pub files: Vec<FileDesc>,
 }
 
@@ -94,21 +115,21 @@ impl Manifest {
         let mut out = BTreeMap::new();
         for p in &self.processes {
             for (u, b) in &p.footprint {
-                *out.entry(u.clone()).or_insert(0) += b;
+                let e = out.entry(u.clone()).or_insert(0u64);
+                *e = e.saturating_add(*b);
             }
         }
         out
     }
 
-    pub fn total_bytes(&self) -> u64 {
-        self.files.iter().map(|f| f.size).sum()
+    // Saturating: the numbers come from an untrusted manifest.
+    pub fn footprint_total(&self) -> u64 {
+        self.footprint_by_gpu().values().fold(0u64, |a, b| a.saturating_add(*b))
     }
-}
 
-/// Where images live: `<state dir>/images`, or a path given directly.
-#[derive(Debug, Clone)]
-pub struct ImageStore {
-    pub root: PathBuf,
+    pub fn total_bytes(&self) -> u64 {
+        self.files.iter().fold(0u64, |a, f| a.saturating_add(f.size))
+    }
 }
 
 pub fn valid_name(name: &str) -> bool {
@@ -123,30 +144,78 @@ fn io(name: &str, op: impl Into<String>) -> impl FnOnce(std::io::Error) -> Image
     move |err| ImageError::Io { name: name.to_string(), op, err }
 }
 
+/// Creates a private directory, or checks that an existing one is a real
+/// directory (not a link) before making it private: chmod follows links.
 pub fn mkdir_private(p: &Path) -> std::io::Result<()> {
     fs::DirBuilder::new().recursive(true).mode(0o700).create(p)?;
+    let meta = fs::symlink_metadata(p)?;
+    if !meta.is_dir() {
+        return Err(std::io::Error::other(format!("{} is not a directory (a link?)", p.display())));
+    }
     fs::set_permissions(p, fs::Permissions::from_mode(0o700))
 }
 
 /// Hashes a file, reporting bytes as it goes. Large files are mapped and
 /// hashed on every core (BLAKE3's tree hashing): checksumming an image of
 /// tens of GB must not take longer than writing it.
-pub fn hash_file(p: &Path, mut on_bytes: impl FnMut(u64)) -> std::io::Result<(u64, String)> {
+pub fn hash_file(p: &Path, on_bytes: impl FnMut(u64)) -> std::io::Result<(u64, String)> {
+    hash_open(open_regular(p, u64::MAX)?, on_bytes)
+}
+
+/// Opens `p` for reading only if it is a regular file of its own (not a
+/// link, not a hard link to elsewhere, not a FIFO or device) of at most
+/// `max` bytes: the type is checked on the descriptor, which O_NONBLOCK
+/// keeps a FIFO from blocking in open.
+pub fn open_regular(p: &Path, max: u64) -> std::io::Result<fs::File> {
+    use std::os::unix::fs::MetadataExt;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(p)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                std::io::Error::other("a symbolic link")
+            } else {
+                e
+            }
+        })?;
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    if meta.nlink() > 1 {
+        return Err(std::io::Error::other("a hard link to a file elsewhere"));
+    }
+    if meta.len() > max {
+        return Err(std::io::Error::other(format!("too large ({} bytes)", meta.len())));
+    }
+    Ok(f)
+}
+
+/// Reads a file opened by [`open_regular`], at most `max` bytes.
+fn read_bounded(f: fs::File, max: u64) -> std::io::Result<Vec<u8>> {
+    let mut buf = Vec::new();
+    f.take(max.saturating_add(1)).read_to_end(&mut buf)?;
+    if buf.len() as u64 > max {
+        return Err(std::io::Error::other("too large"));
+    }
+    Ok(buf)
+}
+
+/// Hashes a file opened by [`open_regular`].
+fn hash_open(f: fs::File, mut on_bytes: impl FnMut(u64)) -> std::io::Result<(u64, String)> {
     const CHUNK: usize = 256 << 20;
-    let f = fs::File::open(p)?;
     let len = f.metadata()?.len();
     let mut h = blake3::Hasher::new();
     if len < (16 << 20) {
-        let mut f = f;
-        let mut buf = Vec::with_capacity(len as usize);
-        f.read_to_end(&mut buf)?;
+        let buf = read_bounded(f, len)?;
         h.update(&buf);
         on_bytes(buf.len() as u64);
         return Ok((buf.len() as u64, h.finalize().to_hex().to_string()));
     }
-    // SAFETY: the image files are ours (0600, in a 0700 directory) and no
-    // one writes them while they are hashed; a concurrent truncation could
-    // fault, which is the risk memmap2 documents for every mapping.
+    // SAFETY: a regular file (checked on the descriptor) in the 0700 store
+    // or being copied into it; a concurrent truncation could fault, which
+    // is the risk memmap2 documents for every mapping.
     let map = unsafe { memmap2::Mmap::map(&f)? };
     let _ = map.advise(memmap2::Advice::Sequential);
     for chunk in map.chunks(CHUNK) {
@@ -176,6 +245,7 @@ pub struct PendingImage {
     pub name: String,
     pub dir: PathBuf,
     final_dir: PathBuf,
+    state_dir: PathBuf,
     committed: bool,
 }
 
@@ -209,15 +279,24 @@ impl PendingImage {
                 hash_file(&p, &mut on_bytes).map_err(io(&name, format!("hash {}", r.display())))?;
             m.files.push(FileDesc { path: r.to_string_lossy().into_owned(), size, blake3: hash });
         }
+        let key = crate::sign::HostKey::load_or_create(&self.state_dir).map_err(|e| ImageError::Io {
+            name: name.clone(),
+            op: "sign".into(),
+            err: std::io::Error::other(e.to_string()),
+        })?;
+        m.signer = key.public_hex();
         let body = serde_json::to_vec_pretty(&m).map_err(|e| ImageError::Io {
             name: name.clone(),
             op: "encode manifest".into(),
             err: std::io::Error::other(e),
         })?;
-        write_private(&self.dir.join("manifest.json"), &body).map_err(io(&name, "write manifest"))?;
-        let sum = blake3::hash(&body).to_hex().to_string();
-        write_private(&self.dir.join("manifest.b3"), sum.as_bytes())
-            .map_err(io(&name, "write manifest.b3"))?;
+        write_private(&self.dir.join(MANIFEST), &body).map_err(io(&name, "write manifest"))?;
+        let sig = serde_json::to_vec_pretty(&key.sign(&body)).map_err(|e| ImageError::Io {
+            name: name.clone(),
+            op: "encode signature".into(),
+            err: std::io::Error::other(e),
+        })?;
+        write_private(&self.dir.join(SIG), &sig).map_err(io(&name, "write manifest.sig"))?;
         // The image's pages reach the disk before it counts as written (and
         // before hibernate ends the process it holds); the manifest is
         // fsynced as it is written.
@@ -230,7 +309,7 @@ impl PendingImage {
             })?
             .map_err(io(&name, "sync"))?;
         sync_dir(&self.dir).map_err(io(&name, "sync"))?;
-        if self.final_dir.exists() {
+        if fs::symlink_metadata(&self.final_dir).is_ok() {
             return Err(ImageError::Exists(name));
         }
         fs::rename(&self.dir, &self.final_dir).map_err(io(&name, "rename into place"))?;
@@ -239,6 +318,22 @@ impl PendingImage {
         }
         self.committed = true;
         Ok(m)
+    }
+}
+
+impl PendingImage {
+    /// Renames a complete directory into place (no manifest written here).
+    fn install(mut self) -> std::io::Result<()> {
+        sync_dir(&self.dir)?;
+        if fs::symlink_metadata(&self.final_dir).is_ok() {
+            return Err(std::io::Error::from(std::io::ErrorKind::AlreadyExists));
+        }
+        fs::rename(&self.dir, &self.final_dir)?;
+        if let Some(parent) = self.final_dir.parent() {
+            sync_dir(parent)?;
+        }
+        self.committed = true;
+        Ok(())
     }
 }
 
@@ -297,18 +392,58 @@ fn sync_dir(p: &Path) -> std::io::Result<()> {
     fs::File::open(p)?.sync_all()
 }
 
+/// Where images live: `<state dir>/images`, trusting the signatures of
+/// [`crate::sign::Trust`].
+#[derive(Debug, Clone)]
+pub struct ImageStore {
+    pub root: PathBuf,
+    trust: crate::sign::Trust,
+}
+
+/// An image's name: the directory's own, never one its manifest claims.
+pub type Named = (String, Manifest);
+
+/// A temporary directory of the store left by a gpusnap that is gone
+/// (killed mid-hibernate or mid-removal).
+#[derive(Debug, Clone, Serialize)]
+pub struct Stale {
+    pub path: PathBuf,
+    pub bytes: u64,
+}
+
 impl ImageStore {
-    pub fn new(root: PathBuf) -> Self {
-        Self { root }
+    pub fn new(root: PathBuf, trust: crate::sign::Trust) -> Self {
+        Self { root, trust }
     }
 
-    /// `name` is an image in this store, or a path to an image directory.
-    pub fn locate(&self, name: &str) -> PathBuf {
-        if name.contains('/') {
-            PathBuf::from(name)
-        } else {
-            self.root.join(name)
+    /// The state directory the store lives in (`STATE/images`).
+    pub fn state_dir(&self) -> &Path {
+        self.root.parent().unwrap_or(&self.root)
+    }
+
+    /// `name` is an image of this store, or (with a `/`) a path to an
+    /// image directory; anything else is refused.
+    pub fn locate(&self, name: &str) -> Result<PathBuf, ImageError> {
+        if valid_name(name) {
+            return Ok(self.root.join(name));
         }
+        if name.contains('/') && !name.trim_matches('/').is_empty() {
+            return Ok(PathBuf::from(name));
+        }
+        Err(ImageError::BadName {
+            name: name.chars().take(200).collect(),
+            why: "names are letters, digits, '-', '_' and '.', not starting with '.' (or give a path to an image directory)".into(),
+        })
+    }
+
+    /// Is `dir` this store's own directory for an image (not a path elsewhere)?
+    fn in_store(&self, dir: &Path) -> bool {
+        if dir.parent() == Some(self.root.as_path()) {
+            return true;
+        }
+        // The same directory by another spelling (a linked state dir, `//`).
+        let parent = dir.parent().and_then(|p| fs::canonicalize(p).ok());
+        parent.is_some() && parent == fs::canonicalize(&self.root).ok()
     }
 
     /// Starts a new image `name` (which must not exist yet).
@@ -320,80 +455,86 @@ impl ImageStore {
             });
         }
         mkdir_private(&self.root).map_err(io(name, "create the image directory"))?;
+        // Every hibernate clears what killed ones left behind.
+        self.gc();
         let final_dir = self.root.join(name);
-        if final_dir.exists() {
+        if fs::symlink_metadata(&final_dir).is_ok() {
             return Err(ImageError::Exists(name.into()));
         }
         let dir = self.root.join(format!(".{name}.tmp-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
+        mkdir_private(&dir).map_err(io(name, "create"))?;
         mkdir_private(&dir.join("criu")).map_err(io(name, "create"))?;
-        Ok(PendingImage { name: name.into(), dir, final_dir, committed: false })
+        Ok(PendingImage {
+            name: name.into(),
+            dir,
+            final_dir,
+            state_dir: self.state_dir().to_path_buf(),
+            committed: false,
+        })
     }
 
-    /// Reads and checks the manifest only (fast).
-    pub fn manifest(&self, name: &str) -> Result<(PathBuf, Manifest), ImageError> {
-        let dir = self.locate(name);
-        if !dir.join("manifest.json").is_file() {
-            if dir.is_dir() {
-                return Err(ImageError::Foreign { name: name.into(), why: "no manifest.json".into() });
-            }
-            return Err(ImageError::Missing(name.into()));
-        }
-        let meta = fs::metadata(dir.join("manifest.json")).map_err(io(name, "stat manifest"))?;
-        if meta.len() > MAX_MANIFEST {
-            return Err(ImageError::Foreign { name: name.into(), why: "manifest.json is too large".into() });
-        }
-        let body = fs::read(dir.join("manifest.json")).map_err(io(name, "read manifest"))?;
-        let v: serde_json::Value = serde_json::from_slice(&body)
-            .map_err(|e| ImageError::Corrupt { name: name.into(), why: format!("manifest.json: {e}") })?;
-        if v.get("magic").and_then(|m| m.as_str()) != Some(MAGIC) {
-            return Err(ImageError::Foreign { name: name.into(), why: "wrong magic".into() });
-        }
-        let format = v.get("format").and_then(|f| f.as_u64()).unwrap_or(0) as u32;
-        if format > FORMAT {
-            return Err(ImageError::Newer { name: name.into(), found: format });
-        }
-        let want = fs::read_to_string(dir.join("manifest.b3"))
-            .map_err(|_| ImageError::Corrupt { name: name.into(), why: "manifest.b3 is missing".into() })?;
-        if blake3::hash(&body).to_hex().as_str() != want.trim() {
-            return Err(ImageError::Corrupt {
+    /// The directory of an image, which must be a real directory (not a link).
+    fn image_dir(&self, name: &str) -> Result<PathBuf, ImageError> {
+        let dir = self.locate(name)?;
+        match fs::symlink_metadata(&dir) {
+            Err(_) => Err(ImageError::Missing(name.into())),
+            Ok(m) if m.file_type().is_symlink() => Err(ImageError::Foreign {
                 name: name.into(),
-                why: "manifest.json does not match manifest.b3".into(),
+                why: "it is a symbolic link, not an image directory".into(),
+            }),
+            Ok(m) if !m.is_dir() => {
+                Err(ImageError::Foreign { name: name.into(), why: "not a directory".into() })
+            }
+            Ok(_) => Ok(dir),
+        }
+    }
+
+    /// Reads the manifest and its signature (bounded reads, regular files
+    /// only) and checks them: magic, format, signed by a trusted key.
+    pub fn manifest(&self, name: &str) -> Result<(PathBuf, Manifest), ImageError> {
+        let dir = self.image_dir(name)?;
+        let (body, m) = read_manifest(name, &dir)?;
+        let corrupt = |why: String| ImageError::Corrupt { name: name.into(), why };
+        let sig = match open_regular(&dir.join(SIG), MAX_SIG) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ImageError::Untrusted {
+                    name: name.into(),
+                    why: "it is not signed (no manifest.sig; images of gpusnap before format 2 must be taken again)".into(),
+                })
+            }
+            Err(e) => return Err(corrupt(format!("manifest.sig: {e}"))),
+            Ok(f) => read_bounded(f, MAX_SIG).map_err(|e| corrupt(format!("manifest.sig: {e}")))?,
+        };
+        let env: crate::sign::Envelope =
+            serde_json::from_slice(&sig).map_err(|e| corrupt(format!("manifest.sig: {e}")))?;
+        let key = self
+            .trust
+            .check(&body, &env)
+            .map_err(|e| ImageError::Untrusted { name: name.into(), why: e.to_string() })?;
+        if !m.signer.eq_ignore_ascii_case(&key) {
+            return Err(ImageError::Untrusted {
+                name: name.into(),
+                why: "its manifest names another signer than the one who signed it".into(),
             });
         }
-        let m: Manifest = serde_json::from_value(v)
-            .map_err(|e| ImageError::Corrupt { name: name.into(), why: format!("manifest.json: {e}") })?;
+        check_paths(name, &m)?;
         Ok((dir, m))
     }
 
-    /// Reads the manifest and checks every file's size and checksum.
+    /// Checks the whole image: the manifest (signed), then that the
+    /// directory holds exactly the listed files, each a regular file of its
+    /// size and checksum.
     pub fn verify(
         &self,
         name: &str,
         mut on_bytes: impl FnMut(u64),
     ) -> Result<(PathBuf, Manifest), ImageError> {
         let (dir, m) = self.manifest(name)?;
+        check_contents(name, &dir, &m)?;
         for f in &m.files {
-            let p = dir.join(&f.path);
-            if f.path.contains("..") || f.path.starts_with('/') {
-                return Err(ImageError::Corrupt { name: name.into(), why: format!("bad path {}", f.path) });
-            }
-            let meta = fs::metadata(&p).map_err(|_| ImageError::Corrupt {
-                name: name.into(),
-                why: format!("{} is missing", f.path),
-            })?;
-            if meta.len() != f.size {
-                return Err(ImageError::Corrupt {
-                    name: name.into(),
-                    why: format!(
-                        "{} is {} bytes, the manifest says {} (truncated?)",
-                        f.path,
-                        meta.len(),
-                        f.size
-                    ),
-                });
-            }
-            let (_, h) = hash_file(&p, &mut on_bytes).map_err(io(name, format!("read {}", f.path)))?;
+            let file = open_listed(name, &dir, f)?;
+            let (_, h) = hash_open(file, &mut on_bytes).map_err(io(name, format!("read {}", f.path)))?;
             if h != f.blake3 {
                 return Err(ImageError::Corrupt {
                     name: name.into(),
@@ -404,41 +545,300 @@ impl ImageStore {
         Ok((dir, m))
     }
 
-    /// Every image here (manifests that read; others are reported as errors).
-    pub fn list(&self) -> Vec<Result<Manifest, (String, ImageError)>> {
+    /// An image ready for CRIU: verified, and inside the store. An image
+    /// given by path is first copied into the store (as its directory's
+    /// name), verified as it is copied, so that CRIU reads only bytes that
+    /// were checked and that nobody else can change.
+    pub fn verified_in_store(
+        &self,
+        name: &str,
+        on_bytes: impl FnMut(u64),
+    ) -> Result<(String, PathBuf, Manifest), ImageError> {
+        let dir = self.locate(name)?;
+        if self.in_store(&dir) {
+            let (dir, m) = self.verify(name, on_bytes)?;
+            return Ok((name.to_string(), dir, m));
+        }
+        self.import(name, on_bytes)
+    }
+
+    /// Copies the image at `path` into the store under its directory's name.
+    pub fn import(
+        &self,
+        path: &str,
+        mut on_bytes: impl FnMut(u64),
+    ) -> Result<(String, PathBuf, Manifest), ImageError> {
+        let (src, m) = self.manifest(path)?;
+        check_contents(path, &src, &m)?;
+        let base = src
+            .file_name()
+            .and_then(|n| n.to_str())
+            .filter(|n| valid_name(n))
+            .ok_or_else(|| ImageError::BadName {
+                name: path.into(),
+                why: "its directory's name is not a valid image name".into(),
+            })?
+            .to_string();
+        let pending = self.begin(&base)?;
+        for f in &m.files {
+            let mut from = open_listed(path, &src, f)?;
+            let to_path = pending.dir.join(&f.path);
+            if let Some(parent) = to_path.parent() {
+                mkdir_private(parent).map_err(io(path, "create"))?;
+            }
+            let mut to = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&to_path)
+                .map_err(io(path, format!("copy {}", f.path)))?;
+            // Hashed as copied: what is checked is what lands in the store.
+            let mut h = blake3::Hasher::new();
+            let mut buf = vec![0u8; 1 << 20];
+            let mut n = 0u64;
+            loop {
+                let k = from.read(&mut buf).map_err(io(path, format!("read {}", f.path)))?;
+                if k == 0 {
+                    break;
+                }
+                n += k as u64;
+                if n > f.size {
+                    break;
+                }
+                h.update(&buf[..k]);
+                to.write_all(&buf[..k]).map_err(io(path, format!("copy {}", f.path)))?;
+                on_bytes(k as u64);
+            }
+            if n != f.size || h.finalize().to_hex().as_str() != f.blake3 {
+                return Err(ImageError::Corrupt {
+                    name: path.into(),
+                    why: format!("{} fails its checksum", f.path),
+                });
+            }
+            to.sync_data().map_err(io(path, "sync"))?;
+        }
+        // The manifest and its signature as they were: the signature covers
+        // those exact bytes.
+        let (body, _) = read_manifest(path, &src)?;
+        let sig = open_regular(&src.join(SIG), MAX_SIG)
+            .and_then(|f| read_bounded(f, MAX_SIG))
+            .map_err(io(path, "read manifest.sig"))?;
+        write_private(&pending.dir.join(MANIFEST), &body).map_err(io(path, "write manifest"))?;
+        write_private(&pending.dir.join(SIG), &sig).map_err(io(path, "write manifest.sig"))?;
+        let final_dir = pending.final_dir.clone();
+        pending.install().map_err(io(path, "rename into place"))?;
+        // Read back as the store's own image (signature and all).
+        let (dir, m) = self.verify(&base, |_| {})?;
+        debug_assert_eq!(dir, final_dir);
+        Ok((base, dir, m))
+    }
+
+    /// Every image here by its directory's name; one that does not read is
+    /// an error of its own and never hides the others.
+    pub fn list(&self) -> Vec<Result<Named, (String, ImageError)>> {
         let Ok(rd) = fs::read_dir(&self.root) else {
             return Vec::new();
         };
         let mut names: Vec<String> = rd
             .filter_map(|e| e.ok())
-            .filter(|e| e.path().is_dir())
             .filter_map(|e| e.file_name().to_str().map(str::to_string))
             .filter(|n| !n.starts_with('.'))
             .collect();
         names.sort();
-        names.into_iter().map(|n| self.manifest(&n).map(|(_, m)| m).map_err(|e| (n, e))).collect()
+        names
+            .into_iter()
+            .map(|n| match self.manifest(&n) {
+                Ok((_, m)) => Ok((n, m)),
+                Err(e) => Err((n, e)),
+            })
+            .collect()
     }
 
-    /// Removes an image: renamed aside first, so a crash mid-removal never
-    /// leaves a half image under its name.
+    /// Removes an image: a name of this store, or a path to a directory
+    /// holding a gpusnap manifest; nothing else. Renamed aside first, so a
+    /// crash mid-removal never leaves a half image under its name.
     pub fn remove(&self, name: &str) -> Result<(), ImageError> {
-        let dir = self.locate(name);
-        if !dir.is_dir() {
-            return Err(ImageError::Missing(name.into()));
+        let dir = self.image_dir(name)?;
+        if !self.in_store(&dir) {
+            // A path: only a directory that holds a gpusnap manifest (a
+            // signature is not asked: a foreign image may be removed).
+            read_manifest(name, &dir)?;
         }
-        let aside = dir.with_file_name(format!(".{}.rm-{}", name.replace('/', "_"), std::process::id()));
+        let base = dir.file_name().and_then(|n| n.to_str()).unwrap_or("image").replace('/', "_");
+        let aside = dir.with_file_name(format!(".{base}.rm-{}", std::process::id()));
         fs::rename(&dir, &aside).map_err(io(name, "rename aside"))?;
+        // remove_dir_all does not follow links inside.
         fs::remove_dir_all(&aside).map_err(io(name, "remove"))
     }
 
-    /// The newest image that holds the process `pid` with `start_time`.
-    pub fn find_for(&self, pid: i32, start_time: u64) -> Option<Manifest> {
+    /// The newest signed image of this store that holds the process `pid`
+    /// with `start_time`, by its directory's name.
+    pub fn find_for(&self, pid: i32, start_time: u64) -> Option<Named> {
         self.list()
             .into_iter()
             .filter_map(Result::ok)
-            .filter(|m| m.processes.iter().any(|p| p.pid == pid && p.start_time == start_time))
-            .max_by_key(|m| m.created_ms)
+            .filter(|(_, m)| m.processes.iter().any(|p| p.pid == pid && p.start_time == start_time))
+            .max_by_key(|(_, m)| m.created_ms)
     }
+
+    /// Temporary directories (`.NAME.tmp-PID`, `.NAME.rm-PID`) whose
+    /// gpusnap is gone.
+    pub fn stale(&self) -> Vec<Stale> {
+        let Ok(rd) = fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for e in rd.filter_map(|e| e.ok()) {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(owner) = temp_owner(&name) else { continue };
+            if owner == std::process::id() as i32 || gpusnap_alive(owner) {
+                continue;
+            }
+            let path = e.path();
+            let mut bytes = 0;
+            let mut rel = Vec::new();
+            if files_under(&path, &path, &mut rel).is_ok() {
+                bytes = rel
+                    .iter()
+                    .filter_map(|r| fs::symlink_metadata(path.join(r)).ok())
+                    .fold(0u64, |a, m| a.saturating_add(m.len()));
+            }
+            out.push(Stale { path, bytes });
+        }
+        out.sort_by(|a, b| a.path.cmp(&b.path));
+        out
+    }
+
+    /// Removes the stale temporary directories; returns what was removed.
+    pub fn gc(&self) -> Vec<Stale> {
+        let mut out = Vec::new();
+        for s in self.stale() {
+            match fs::remove_dir_all(&s.path) {
+                Ok(()) => out.push(s),
+                Err(e) => {
+                    tracing::warn!(path = %s.path.display(), "cannot remove a stale temporary image: {e}")
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The pid in a temporary directory's name (`.NAME.tmp-PID`, `.NAME.rm-PID`).
+fn temp_owner(name: &str) -> Option<i32> {
+    if !name.starts_with('.') {
+        return None;
+    }
+    let (_, pid) = name.rsplit_once(".tmp-").or_else(|| name.rsplit_once(".rm-"))?;
+    pid.parse().ok()
+}
+
+/// Is `pid` a running gpusnap (its temporary directories are in use)?
+fn gpusnap_alive(pid: i32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim().starts_with("gpusnap"))
+}
+
+/// The manifest's bytes and contents (magic and format checked, not the
+/// signature).
+fn read_manifest(name: &str, dir: &Path) -> Result<(Vec<u8>, Manifest), ImageError> {
+    let corrupt = |why: String| ImageError::Corrupt { name: name.into(), why };
+    let f = match open_regular(&dir.join(MANIFEST), MAX_MANIFEST) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(ImageError::Foreign { name: name.into(), why: "no manifest.json".into() })
+        }
+        Err(e) => return Err(ImageError::Foreign { name: name.into(), why: format!("manifest.json: {e}") }),
+    };
+    let body = read_bounded(f, MAX_MANIFEST).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
+    if v.get("magic").and_then(|m| m.as_str()) != Some(MAGIC) {
+        return Err(ImageError::Foreign { name: name.into(), why: "wrong magic".into() });
+    }
+    let format = v.get("format").and_then(|f| f.as_u64()).unwrap_or(0);
+    if format > FORMAT as u64 {
+        return Err(ImageError::Newer { name: name.into(), found: format.min(u32::MAX as u64) as u32 });
+    }
+    let m: Manifest = serde_json::from_value(v).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
+    Ok((body, m))
+}
+
+/// Every listed path is a plain relative path under `criu/`, listed once.
+fn check_paths(name: &str, m: &Manifest) -> Result<(), ImageError> {
+    let mut seen = std::collections::HashSet::new();
+    for f in &m.files {
+        let p = Path::new(&f.path);
+        let plain = p.components().all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !plain || !f.path.starts_with("criu/") || f.path.contains('\0') || !seen.insert(&f.path) {
+            return Err(ImageError::Corrupt { name: name.into(), why: format!("bad path {:?}", f.path) });
+        }
+    }
+    Ok(())
+}
+
+/// The image directory holds the manifest, its signature and the listed
+/// files, nothing else, and every entry is a real directory or a regular
+/// file (checked without following anything).
+fn check_contents(name: &str, dir: &Path, m: &Manifest) -> Result<(), ImageError> {
+    let corrupt = |why: String| ImageError::Corrupt { name: name.into(), why };
+    let listed: std::collections::HashSet<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
+    let mut dirs: std::collections::HashSet<String> = std::collections::HashSet::new();
+    for f in &m.files {
+        let mut p = Path::new(&f.path).parent();
+        while let Some(d) = p.filter(|d| !d.as_os_str().is_empty()) {
+            dirs.insert(d.to_string_lossy().into_owned());
+            p = d.parent();
+        }
+    }
+    dirs.insert("criu".into());
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let rd = fs::read_dir(dir.join(&rel)).map_err(io(name, "list"))?;
+        for e in rd {
+            let e = e.map_err(io(name, "list"))?;
+            let r = rel.join(e.file_name());
+            let rs = r.to_string_lossy().into_owned();
+            let ft = e.file_type().map_err(io(name, "list"))?;
+            if rel.as_os_str().is_empty() && (rs == MANIFEST || rs == SIG) {
+                continue; // opened with the same checks when read
+            }
+            if ft.is_dir() && dirs.contains(&rs) {
+                stack.push(r);
+            } else if ft.is_file() && listed.contains(rs.as_str()) {
+                // its type and links are checked again on the descriptor
+            } else if ft.is_symlink() {
+                return Err(corrupt(format!("{rs} is a symbolic link (an image holds regular files only)")));
+            } else if !ft.is_file() && !ft.is_dir() {
+                return Err(corrupt(format!(
+                    "{rs} is not a regular file (an image holds regular files only)"
+                )));
+            } else {
+                return Err(corrupt(format!("{rs} is not listed in the manifest")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Opens a listed file with every check, and checks its size.
+fn open_listed(name: &str, dir: &Path, f: &FileDesc) -> Result<fs::File, ImageError> {
+    let file = open_regular(&dir.join(&f.path), u64::MAX).map_err(|e| ImageError::Corrupt {
+        name: name.into(),
+        why: if e.kind() == std::io::ErrorKind::NotFound {
+            format!("{} is missing", f.path)
+        } else {
+            format!("{}: {e}", f.path)
+        },
+    })?;
+    let len = file.metadata().map_err(io(name, format!("stat {}", f.path)))?.len();
+    if len != f.size {
+        return Err(ImageError::Corrupt {
+            name: name.into(),
+            why: format!("{} is {} bytes, the manifest says {} (truncated?)", f.path, len, f.size),
+        });
+    }
+    Ok(file)
 }
 
 #[cfg(test)]
@@ -471,8 +871,15 @@ mod tests {
             root_pid: 1,
             processes: vec![],
             criu_version: "4.1.1".into(),
+            signer: String::new(),
             files: vec![],
         }
+    }
+
+    fn store_in(state: &Path) -> ImageStore {
+        // The host key is made by the first commit; the store trusts it.
+        crate::sign::HostKey::load_or_create(state).unwrap();
+        ImageStore::new(state.join("images"), crate::sign::Trust::host_only(state).unwrap())
     }
 
     fn make(store: &ImageStore, name: &str) -> PathBuf {
@@ -480,13 +887,13 @@ mod tests {
         fs::write(p.criu_dir().join("pages-1.img"), vec![7u8; 100_000]).unwrap();
         fs::write(p.criu_dir().join("core-1.img"), b"core").unwrap();
         p.commit(manifest(name), true, |_| {}).unwrap();
-        store.locate(name)
+        store.locate(name).unwrap()
     }
 
     #[test]
     fn written_images_verify_and_are_private() {
         let d = tempfile::tempdir().unwrap();
-        let s = ImageStore::new(d.path().join("images"));
+        let s = store_in(d.path());
         let dir = make(&s, "a");
         let (_, m) = s.verify("a", |_| {}).unwrap();
         assert_eq!(m.files.len(), 2);
@@ -499,7 +906,7 @@ mod tests {
     #[test]
     fn damage_is_found() {
         let d = tempfile::tempdir().unwrap();
-        let s = ImageStore::new(d.path().join("images"));
+        let s = store_in(d.path());
         let dir = make(&s, "t");
         // truncated
         let f = fs::OpenOptions::new().write(true).open(dir.join("criu/pages-1.img")).unwrap();
@@ -516,12 +923,12 @@ mod tests {
         let dir = make(&s, "m");
         let body = fs::read_to_string(dir.join("manifest.json")).unwrap().replace("\"h\"", "\"x\"");
         fs::write(dir.join("manifest.json"), body).unwrap();
-        assert!(matches!(s.manifest("m"), Err(ImageError::Corrupt { .. })));
+        assert!(matches!(s.manifest("m"), Err(ImageError::Untrusted { .. })));
         // newer format
         let dir = make(&s, "n");
-        let body =
-            fs::read_to_string(dir.join("manifest.json")).unwrap().replace("\"format\": 1", "\"format\": 9");
-        fs::write(dir.join("manifest.b3"), blake3::hash(body.as_bytes()).to_hex().as_bytes()).unwrap();
+        let body = fs::read_to_string(dir.join("manifest.json"))
+            .unwrap()
+            .replace(&format!("\"format\": {FORMAT}"), "\"format\": 9");
         fs::write(dir.join("manifest.json"), body).unwrap();
         assert!(matches!(s.manifest("n"), Err(ImageError::Newer { found: 9, .. })));
         // foreign directory, missing image
@@ -533,7 +940,7 @@ mod tests {
     #[test]
     fn an_uncommitted_image_leaves_nothing() {
         let d = tempfile::tempdir().unwrap();
-        let s = ImageStore::new(d.path().join("images"));
+        let s = store_in(d.path());
         let p = s.begin("x").unwrap();
         fs::write(p.criu_dir().join("pages-1.img"), b"x").unwrap();
         drop(p);

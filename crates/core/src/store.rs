@@ -8,13 +8,16 @@
 
 use crate::error::Error;
 use crate::target::{Fingerprint, Target};
-use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 use serde::Serialize;
 use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-const SCHEMA_VERSION: i32 = 1;
+// 2: the identities table (what a recorded process ran, to know it again
+// after a CRIU restore outside gpusnap).
+const SCHEMA_VERSION: i32 = 2;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS processes (
@@ -88,7 +91,7 @@ pub struct Record {
 
 impl Record {
     pub fn footprint_bytes(&self) -> u64 {
-        self.footprint.values().sum()
+        self.footprint.values().fold(0u64, |a, b| a.saturating_add(*b))
     }
 }
 
@@ -120,20 +123,58 @@ pub struct Store {
 impl Store {
     /// Opens (creating it with mode 0700) the state directory's database.
     pub fn open(dir: &Path) -> Result<Self, Error> {
+        check_state_dir(dir)?;
+        match Self::open_writable(dir) {
+            // A state directory on a read-only filesystem (a snapshot, a
+            // read-only mount into a container): what only reads still
+            // works; a write says why it cannot.
+            Err(e) if read_only_fs(dir) && dir.join("gpusnap.db").exists() => {
+                tracing::info!("state store is read-only ({e}); opening it for reading");
+                Self::open_read_only(dir)
+            }
+            other => other,
+        }
+    }
+
+    fn open_writable(dir: &Path) -> Result<Self, Error> {
         let path = dir.join("gpusnap.db");
         let err = |reason: String| Error::Store { path: path.display().to_string(), reason };
-        create_private_dir(dir).map_err(|e| err(format!("cannot create {}: {e}", dir.display())))?;
-        let conn = Connection::open(&path).map_err(|e| err(e.to_string()))?;
-        conn.busy_timeout(Duration::from_secs(60)).map_err(|e| err(e.to_string()))?;
+        // Created 0600 before SQLite sees it (SQLite would use the umask;
+        // its -wal and -shm files copy the database's mode).
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+        {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(err(format!("cannot create: {e}"))),
+        }
+        let conn = Connection::open_with_flags(
+            &path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE
+                | OpenFlags::SQLITE_OPEN_NO_MUTEX
+                | OpenFlags::SQLITE_OPEN_NOFOLLOW,
+        )
+        .map_err(|e| err(e.to_string()))?;
+        conn.busy_timeout(busy_timeout()).map_err(|e| err(e.to_string()))?;
         // Switching to WAL needs the database to itself and does not wait on
         // the busy handler: two gpusnaps opening a new store together retry.
-        let mut tries = 0;
-        while let Err(e) = conn.pragma_update(None, "journal_mode", "WAL") {
-            tries += 1;
-            if tries > 100 {
-                return Err(err(e.to_string()));
+        // Asked only when not yet WAL: an open that writes nothing never
+        // waits behind a writer.
+        let mode: String =
+            conn.pragma_query_value(None, "journal_mode", |r| r.get(0)).map_err(|e| err(e.to_string()))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            let mut tries = 0;
+            while let Err(e) = conn.pragma_update(None, "journal_mode", "WAL") {
+                tries += 1;
+                if tries > 100 {
+                    return Err(err(e.to_string()));
+                }
+                std::thread::sleep(Duration::from_millis(50));
             }
-            std::thread::sleep(Duration::from_millis(50));
         }
         conn.pragma_update(None, "synchronous", "NORMAL").map_err(|e| err(e.to_string()))?;
         let version: i32 =
@@ -143,12 +184,65 @@ impl Store {
                 "written by a newer gpusnap (schema {version}, this one knows {SCHEMA_VERSION})"
             )));
         }
-        conn.execute_batch(SCHEMA).map_err(|e| err(e.to_string()))?;
-        conn.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(|e| err(e.to_string()))?;
-        let me_pid = std::process::id() as i32;
-        let me_start =
-            procfs::process::Process::myself().and_then(|p| p.stat()).map(|s| s.starttime).unwrap_or(0);
-        Ok(Self { conn, path, me: (me_pid, me_start) })
+        // Migrated only when needed: every open writing the schema made
+        // read-only commands wait behind any writer.
+        if version < SCHEMA_VERSION {
+            conn.execute_batch(SCHEMA).map_err(|e| err(e.to_string()))?;
+            conn.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(|e| err(e.to_string()))?;
+        }
+        Ok(Self { conn, path, me: me() })
+    }
+
+    /// Opens the database for reading only (history, listings): never
+    /// writes, never waits behind a writer, and works on a read-only state
+    /// directory. A state directory with no database yet reads as empty.
+    pub fn open_read_only(dir: &Path) -> Result<Self, Error> {
+        let path = dir.join("gpusnap.db");
+        let err = |reason: String| Error::Store { path: path.display().to_string(), reason };
+        if std::fs::symlink_metadata(dir).is_err() {
+            let conn = Connection::open_in_memory().map_err(|e| err(e.to_string()))?;
+            conn.execute_batch(SCHEMA).map_err(|e| err(e.to_string()))?;
+            return Ok(Self { conn, path, me: me() });
+        }
+        check_state_dir_only(dir)?;
+        if std::fs::symlink_metadata(&path).is_err() {
+            let conn = Connection::open_in_memory().map_err(|e| err(e.to_string()))?;
+            conn.execute_batch(SCHEMA).map_err(|e| err(e.to_string()))?;
+            return Ok(Self { conn, path, me: me() });
+        }
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX
+            | OpenFlags::SQLITE_OPEN_NOFOLLOW;
+        let try_open = |conn: Connection| -> rusqlite::Result<Connection> {
+            conn.busy_timeout(busy_timeout())?;
+            let _: i32 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+            Ok(conn)
+        };
+        let conn = match Connection::open_with_flags(&path, flags).and_then(try_open) {
+            Ok(c) => c,
+            // A WAL database in a directory this process cannot write (no
+            // -shm to share): read it as it is on disk.
+            Err(_) => {
+                let uri = format!("file:{}?immutable=1", path.display());
+                Connection::open_with_flags(&uri, flags | OpenFlags::SQLITE_OPEN_URI)
+                    .and_then(try_open)
+                    .map_err(|e| err(e.to_string()))?
+            }
+        };
+        let version: i32 =
+            conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(|e| err(e.to_string()))?;
+        if version > SCHEMA_VERSION {
+            return Err(err(format!(
+                "written by a newer gpusnap (schema {version}, this one knows {SCHEMA_VERSION})"
+            )));
+        }
+        if version == 0 {
+            // Never written yet: as empty.
+            let conn = Connection::open_in_memory().map_err(|e| err(e.to_string()))?;
+            conn.execute_batch(SCHEMA).map_err(|e| err(e.to_string()))?;
+            return Ok(Self { conn, path, me: me() });
+        }
+        Ok(Self { conn, path, me: me() })
     }
 
     pub fn path(&self) -> &Path {
@@ -234,6 +328,11 @@ impl Store {
                 |r| Ok(Fingerprint { exe: r.get(0)?, cmdline: r.get(1)?, timens: r.get(2)? }),
             )
             .optional()
+            .or_else(|e| match &e {
+                // An older store opened read-only (not migrated): no identities yet.
+                rusqlite::Error::SqliteFailure(_, Some(m)) if m.contains("no such table") => Ok(None),
+                _ => Err(e),
+            })
             .map_err(|e| self.err(e))
     }
 
@@ -420,7 +519,7 @@ impl Store {
             .conn
             .prepare_cached(
                 "SELECT b.id, b.op, b.actor FROM events b WHERE b.pid = ?1 AND b.start_time = ?2 AND b.phase = 'begin'
-                 AND NOT EXISTS (SELECT 1 FROM events e WHERE e.begin_id = b.id)",
+                 AND b.op != 'hibernate' AND NOT EXISTS (SELECT 1 FROM events e WHERE e.begin_id = b.id)",
             )
             .map_err(|e| self.err(e))?;
         let rows: Vec<(i64, String, i32)> = stmt
@@ -433,6 +532,75 @@ impl Store {
             .into_iter()
             .filter(|(_, _, actor)| *actor != me && !pid_alive(*actor))
             .map(|(id, op, _)| Pending { id, op })
+            .collect())
+    }
+
+    /// Journals the start of an operation that is not a driver call, with
+    /// what its reconciliation needs to know; returns the entry to close.
+    pub fn begin_with(&mut self, t: &Target, op: &str, detail: &str) -> Result<i64, Error> {
+        self.conn
+            .execute(
+                "INSERT INTO events (ts_ms, pid, start_time, op, phase, detail, actor) VALUES (?1, ?2, ?3, ?4, 'begin', ?5, ?6)",
+                params![now_ms(), t.pid, t.start_time as i64, op, detail, self.me.0],
+            )
+            .map_err(|e| self.err(e))?;
+        Ok(self.conn.last_insert_rowid())
+    }
+
+    /// Closes an entry of [`Self::begin_with`], changing no recorded state.
+    pub fn close(
+        &mut self,
+        begin_id: i64,
+        t: &Target,
+        op: &str,
+        ok: bool,
+        detail: &str,
+    ) -> Result<(), Error> {
+        self.conn
+            .execute(
+                "INSERT INTO events (ts_ms, pid, start_time, op, phase, begin_id, detail, actor)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+                params![
+                    now_ms(),
+                    t.pid,
+                    t.start_time as i64,
+                    op,
+                    if ok { "ok" } else { "failed" },
+                    begin_id,
+                    detail,
+                    self.me.0
+                ],
+            )
+            .map(|_| ())
+            .map_err(|e| self.err(e))
+    }
+
+    /// Entries of `op` begun by a gpusnap no longer running and never
+    /// closed, on any process: (entry, process, detail).
+    pub fn open_entries(&self, op: &str) -> Result<Vec<(i64, Target, String)>, Error> {
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT b.id, b.pid, b.start_time, COALESCE(p.comm, ''), COALESCE(b.detail, ''), b.actor FROM events b
+                 LEFT JOIN processes p ON p.pid = b.pid AND p.start_time = b.start_time
+                 WHERE b.op = ?1 AND b.phase = 'begin'
+                 AND NOT EXISTS (SELECT 1 FROM events e WHERE e.begin_id = b.id) ORDER BY b.id",
+            )
+            .map_err(|e| self.err(e))?;
+        let rows: Vec<(i64, i32, i64, String, String, i32)> = stmt
+            .query_map(params![op], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
+            })
+            .map_err(|e| self.err(e))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| self.err(e))?;
+        let me = self.me.0;
+        Ok(rows
+            .into_iter()
+            .filter(|r| r.5 != me && !pid_alive(r.5))
+            .map(|(id, pid, st, comm, detail, _)| {
+                (id, Target { pid, start_time: st as u64, comm, uid: 0 }, detail)
+            })
             .collect())
     }
 
@@ -537,6 +705,86 @@ fn row_to_record(r: &rusqlite::Row<'_>) -> rusqlite::Result<Record> {
 
 fn pid_alive(pid: i32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Is `dir` on a filesystem mounted read-only?
+fn read_only_fs(dir: &Path) -> bool {
+    nix::sys::statvfs::statvfs(dir).is_ok_and(|v| v.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY))
+}
+
+fn me() -> (i32, u64) {
+    let me_pid = std::process::id() as i32;
+    let me_start =
+        procfs::process::Process::myself().and_then(|p| p.stat()).map(|s| s.starttime).unwrap_or(0);
+    (me_pid, me_start)
+}
+
+/// How long a writer waits for another (`GPUSNAP_DB_WAIT`, seconds;
+/// default 60).
+fn busy_timeout() -> Duration {
+    let secs = std::env::var("GPUSNAP_DB_WAIT").ok().and_then(|s| s.parse::<u64>().ok()).unwrap_or(60);
+    Duration::from_secs(secs)
+}
+
+/// What lives in the state directory; none of it may be a link (root would
+/// follow it: chmod, writes, images placed elsewhere).
+const STATE_ENTRIES: &[&str] =
+    &["gpusnap.db", "gpusnap.db-wal", "gpusnap.db-shm", "host.key", "images", "logs", "locks", "guards"];
+
+/// The state directory (created 0700 if missing) must belong to this user
+/// (or root) and be writable by nobody else, and nothing in it may be a
+/// link: its journal, keys and images are trusted, and root acts on them.
+pub fn check_state_dir(dir: &Path) -> Result<(), Error> {
+    create_private_dir(dir).map_err(|e| Error::Store {
+        path: dir.display().to_string(),
+        reason: format!("cannot create: {e}"),
+    })?;
+    check_state_dir_only(dir)
+}
+
+fn check_state_dir_only(dir: &Path) -> Result<(), Error> {
+    let bad = |reason: String| Error::Store { path: dir.display().to_string(), reason };
+    let meta = std::fs::metadata(dir).map_err(|e| bad(e.to_string()))?;
+    if !meta.is_dir() {
+        return Err(bad("not a directory".into()));
+    }
+    private_dir(dir, &meta).map_err(bad)?;
+    for name in STATE_ENTRIES {
+        let p = dir.join(name);
+        let Ok(m) = std::fs::symlink_metadata(&p) else { continue };
+        if m.file_type().is_symlink() {
+            return Err(bad(format!(
+                "{} is a symbolic link; gpusnap follows none in its state directory: remove it",
+                p.display()
+            )));
+        }
+        if m.is_dir() {
+            private_dir(&p, &m).map_err(bad)?;
+        }
+    }
+    Ok(())
+}
+
+/// A directory of ours: owned by this user or root, writable by nobody else.
+fn private_dir(p: &Path, meta: &std::fs::Metadata) -> Result<(), String> {
+    let me = nix::unistd::geteuid().as_raw();
+    if meta.uid() != me && meta.uid() != 0 {
+        return Err(format!(
+            "{} belongs to uid {}, not to this user: `chown {me} {}` (or choose another --state-dir)",
+            p.display(),
+            meta.uid(),
+            p.display()
+        ));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "{} is writable by others (mode {:o}): `chmod 700 {}` (or choose another --state-dir)",
+            p.display(),
+            meta.mode() & 0o7777,
+            p.display()
+        ));
+    }
+    Ok(())
 }
 
 fn create_private_dir(dir: &Path) -> std::io::Result<()> {

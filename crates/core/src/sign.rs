@@ -1,0 +1,252 @@
+//! Signatures: who wrote a manifest, and whether this host trusts them.
+//!
+//! An image is treated like a download (it may come from another host or an
+//! object store, and gpusnap runs it as root): its manifest is signed with
+//! ed25519 by the host key of the gpusnap that wrote it, and everything else
+//! in the image is bound to the manifest by its blake3 checksums. The API is
+//! over bytes, not over a manifest type, so that any signed document (a
+//! manifest listing chunks, an index of a remote store) can use it.
+//!
+//! The host key is a 32-byte ed25519 seed in `STATE_DIR/host.key` (hex,
+//! 0600, created on first need); its public half is printed by
+//! `gpusnap images key` and is what another host passes to `--trust`.
+
+use ed25519_dalek::{Signature, Signer as _, SigningKey, VerifyingKey};
+use serde::{Deserialize, Serialize};
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+pub const ALGORITHM: &str = "ed25519";
+const KEY_FILE: &str = "host.key";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SignError {
+    #[error("host key {path}: {reason}")]
+    HostKey { path: String, reason: String },
+    #[error("not a public key: {0} (give 64 hex digits, or a file holding them: `gpusnap images key` prints this host's)")]
+    BadKey(String),
+}
+
+/// A signature of some bytes, stored beside them (`manifest.sig`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Envelope {
+    pub algorithm: String,
+    /// The signer's public key, hex.
+    pub key: String,
+    /// The signature, hex.
+    pub signature: String,
+}
+
+/// This host's signing key.
+pub struct HostKey {
+    key: SigningKey,
+}
+
+impl HostKey {
+    /// The key of the state directory `dir`, created on first need. The
+    /// directory itself is checked by [`crate::store::check_state_dir`].
+    pub fn load_or_create(dir: &Path) -> Result<Self, SignError> {
+        if let Some(k) = Self::load(dir)? {
+            return Ok(k);
+        }
+        let path = dir.join(KEY_FILE);
+        let err = |reason: String| SignError::HostKey { path: path.display().to_string(), reason };
+        let key = SigningKey::generate(&mut rand::rngs::OsRng);
+        // Written under a temporary name and linked into place: a reader
+        // never sees half a key, and of two gpusnaps creating one at once
+        // the first wins and the other uses it.
+        let tmp = dir.join(format!(".{KEY_FILE}.tmp-{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)
+            .map_err(|e| err(format!("cannot create: {e}")))?;
+        f.write_all(hex::encode(key.to_bytes()).as_bytes())
+            .and_then(|()| f.sync_all())
+            .map_err(|e| err(format!("cannot write: {e}")))?;
+        let linked = std::fs::hard_link(&tmp, &path);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => Ok(Self { key }),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                Self::load(dir)?.ok_or_else(|| err("vanished while created".into()))
+            }
+            Err(e) => Err(err(format!("cannot create: {e}"))),
+        }
+    }
+
+    /// The key of `dir`, if one was made.
+    pub fn load(dir: &Path) -> Result<Option<Self>, SignError> {
+        let path = dir.join(KEY_FILE);
+        let err = |reason: String| SignError::HostKey { path: path.display().to_string(), reason };
+        let f = match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(err(format!("cannot open (a link?): {e}"))),
+        };
+        let meta = f.metadata().map_err(|e| err(e.to_string()))?;
+        use std::os::unix::fs::MetadataExt;
+        if !meta.is_file() || meta.mode() & 0o077 != 0 || meta.uid() != nix::unistd::geteuid().as_raw() {
+            return Err(err(format!(
+                "must be a regular file owned by this user, mode 0600 (it is {:o}): remove it and a new one is made",
+                meta.mode() & 0o7777
+            )));
+        }
+        let mut text = String::new();
+        f.take(256).read_to_string(&mut text).map_err(|e| err(e.to_string()))?;
+        let bytes: [u8; 32] = hex::decode(text.trim())
+            .ok()
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(|| err("not 64 hex digits".into()))?;
+        Ok(Some(Self { key: SigningKey::from_bytes(&bytes) }))
+    }
+
+    pub fn public_hex(&self) -> String {
+        hex::encode(self.key.verifying_key().to_bytes())
+    }
+
+    pub fn sign(&self, body: &[u8]) -> Envelope {
+        Envelope {
+            algorithm: ALGORITHM.into(),
+            key: self.public_hex(),
+            signature: hex::encode(self.key.sign(body).to_bytes()),
+        }
+    }
+}
+
+/// The keys whose signatures are accepted: this host's, and those named
+/// with `--trust`.
+#[derive(Debug, Clone, Default)]
+pub struct Trust {
+    keys: Vec<VerifyingKey>,
+    /// The state directory whose host key is trusted; read when a check
+    /// needs it (a hibernate in this same run may have just made it).
+    host: Option<PathBuf>,
+}
+
+/// Why a signature is not accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Untrusted {
+    Malformed(String),
+    /// Signed by a key that is not trusted here (its hex).
+    Foreign(String),
+    BadSignature,
+}
+
+impl std::fmt::Display for Untrusted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Malformed(why) => write!(f, "its signature is malformed ({why})"),
+            Self::Foreign(k) => write!(
+                f,
+                "it is signed by key {k}, which is not this host's (if you trust it, pass --trust {k})"
+            ),
+            Self::BadSignature => write!(f, "its signature does not match (tampered with)"),
+        }
+    }
+}
+
+pub fn parse_public(text: &str) -> Result<VerifyingKey, SignError> {
+    let bytes: [u8; 32] = hex::decode(text.trim())
+        .ok()
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| SignError::BadKey(text.chars().take(80).collect()))?;
+    VerifyingKey::from_bytes(&bytes).map_err(|_| SignError::BadKey(text.chars().take(80).collect()))
+}
+
+impl Trust {
+    /// This host's key (if one was made) and each of `extra`: 64 hex digits,
+    /// or the path of a file holding them.
+    pub fn new(state_dir: &Path, extra: &[String]) -> Result<Self, SignError> {
+        let mut keys = Vec::new();
+        // A key that is there must be sound (mode, owner): said now.
+        HostKey::load(state_dir)?;
+        for e in extra {
+            let text = if hex::decode(e.trim()).is_ok_and(|b| b.len() == 32) {
+                e.clone()
+            } else {
+                let p = PathBuf::from(e);
+                let f = std::fs::File::open(&p).map_err(|err| SignError::BadKey(format!("{e}: {err}")))?;
+                let mut s = String::new();
+                f.take(4096)
+                    .read_to_string(&mut s)
+                    .map_err(|err| SignError::BadKey(format!("{e}: {err}")))?;
+                s
+            };
+            keys.push(parse_public(&text)?);
+        }
+        Ok(Self { keys, host: Some(state_dir.to_path_buf()) })
+    }
+
+    /// Only this host's key.
+    pub fn host_only(state_dir: &Path) -> Result<Self, SignError> {
+        Self::new(state_dir, &[])
+    }
+
+    /// Checks `env` over `body`; returns the signer's key (hex).
+    pub fn check(&self, body: &[u8], env: &Envelope) -> Result<String, Untrusted> {
+        if env.algorithm != ALGORITHM {
+            return Err(Untrusted::Malformed(format!("algorithm {:?}", env.algorithm)));
+        }
+        let key = parse_public(&env.key).map_err(|_| Untrusted::Malformed("key".into()))?;
+        let host = || {
+            let dir = self.host.as_deref()?;
+            HostKey::load(dir).ok().flatten().map(|k| k.key.verifying_key())
+        };
+        if !self.keys.contains(&key) && host() != Some(key) {
+            return Err(Untrusted::Foreign(hex::encode(key.to_bytes())));
+        }
+        let sig: [u8; 64] = hex::decode(&env.signature)
+            .ok()
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(|| Untrusted::Malformed("signature".into()))?;
+        key.verify_strict(body, &Signature::from_bytes(&sig)).map_err(|_| Untrusted::BadSignature)?;
+        Ok(env.key.to_ascii_lowercase())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signatures_are_checked_against_trusted_keys() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let ka = HostKey::load_or_create(a.path()).unwrap();
+        assert_eq!(HostKey::load_or_create(a.path()).unwrap().public_hex(), ka.public_hex(), "kept");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(a.path().join(KEY_FILE)).unwrap().permissions().mode() & 0o777, 0o600);
+        let kb = HostKey::load_or_create(b.path()).unwrap();
+        let env = ka.sign(b"body");
+        let here = Trust::host_only(a.path()).unwrap();
+        assert_eq!(here.check(b"body", &env).unwrap(), ka.public_hex());
+        assert_eq!(here.check(b"bodY", &env), Err(Untrusted::BadSignature));
+        let there = Trust::host_only(b.path()).unwrap();
+        assert!(matches!(there.check(b"body", &env), Err(Untrusted::Foreign(_))));
+        let told = Trust::new(b.path(), &[ka.public_hex()]).unwrap();
+        assert!(told.check(b"body", &env).is_ok());
+        // A file holding the key works as well as its text.
+        std::fs::write(b.path().join("a.pub"), ka.public_hex() + "\n").unwrap();
+        let file = b.path().join("a.pub").display().to_string();
+        assert!(Trust::new(b.path(), &[file]).unwrap().check(b"body", &env).is_ok());
+        assert!(Trust::new(b.path(), &["zz".into()]).is_err());
+        // Signed by B but claiming A's key: refused.
+        let forged = Envelope { key: ka.public_hex(), ..kb.sign(b"body") };
+        assert_eq!(here.check(b"body", &forged), Err(Untrusted::BadSignature));
+        // Trusted from before the host key existed: it counts once made.
+        let c = tempfile::tempdir().unwrap();
+        let early = Trust::host_only(c.path()).unwrap();
+        let kc = HostKey::load_or_create(c.path()).unwrap();
+        assert!(early.check(b"x", &kc.sign(b"x")).is_ok());
+        assert!(matches!(Trust::default().check(b"x", &kc.sign(b"x")), Err(Untrusted::Foreign(_))));
+    }
+}
