@@ -109,8 +109,7 @@ impl Agent {
     /// the GPU first when admission refuses: idle services are suspended,
     /// lowest priority first, then least recently used.
     pub async fn bring_back(self: &Arc<Self>, svc: &Arc<Service>, why: &str) {
-        let waking = svc.lock().state == State::Waking;
-        let kind = if waking { "wake" } else { "resume" };
+        let kind = if svc.lock().state == State::Waking { "wake" } else { "resume" };
         let deadline = Instant::now() + svc.cfg.wake_timeout;
         // One admission decision at a time: two services coming back together
         // must not evict each other.
@@ -118,6 +117,9 @@ impl Agent {
         self.journal(svc, None, &format!("{kind}: {why}"));
         let started = Instant::now();
         loop {
+            // A woken image whose processes were suspended when it was taken
+            // is then resumed: Waking becomes Resuming.
+            let waking = svc.lock().state == State::Waking;
             let (a, s) = (Arc::clone(self), Arc::clone(svc));
             let r = tokio::task::spawn_blocking(move || a.bring_back_once(&s, waking)).await;
             let r = r.unwrap_or_else(|e| Err((1, e.to_string())));
@@ -154,7 +156,7 @@ impl Agent {
                     {
                         let mut g = svc.lock();
                         g.last_error = Some(msg);
-                        let back = if waking { State::Hibernated } else { State::Suspended };
+                        let back = if g.state == State::Waking { State::Hibernated } else { State::Suspended };
                         svc.set_state(&mut g, back);
                     }
                     // Waiters give up at their own deadline; they must not
@@ -193,7 +195,12 @@ impl Agent {
                 tracing::warn!(service = svc.name, image, "could not remove the woken image: {err}");
             }
             self.journal(svc, Some(&t), &format!("woken from {image} in {} ms", r.total_ms));
-            Ok(())
+            {
+                let mut g = svc.lock();
+                svc.set_state(&mut g, State::Resuming);
+            }
+            self.persist();
+            return self.bring_back_once(svc, false);
         } else {
             let root = svc.lock().process.clone().ok_or((1, "no process".to_string()))?;
             let pids = cuda_pids(self, root.pid);
