@@ -332,6 +332,7 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
             return Ok(());
         }
         let target = line.split_whitespace().nth(1).unwrap_or("/").to_string();
+        let mut close = line.trim_end().ends_with("HTTP/1.0");
         let mut length = 0usize;
         loop {
             let mut h = String::new();
@@ -344,6 +345,9 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
             if let Some((k, v)) = h.split_once(':') {
                 if k.eq_ignore_ascii_case("content-length") {
                     length = v.trim().parse().unwrap_or(0);
+                }
+                if k.eq_ignore_ascii_case("connection") {
+                    close = v.trim().eq_ignore_ascii_case("close");
                 }
             }
         }
@@ -375,6 +379,9 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
         }
         out.flush().map_err(|e| e.to_string())?;
+        if close {
+            return Ok(());
+        }
     }
 }
 
