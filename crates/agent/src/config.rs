@@ -83,9 +83,14 @@ pub struct ServiceConfig {
     /// Connections allowed to wait for the service at once; more are closed.
     #[serde(default = "default_max_waiting")]
     pub max_waiting: usize,
-    /// Extra GPU memory required beyond the footprint on resume (MiB).
+    /// Extra GPU memory required beyond the footprint on resume.
     #[serde(default = "default_margin", deserialize_with = "size")]
     pub margin: u64,
+    /// What the server takes on the GPU once loaded: before a (cold) start,
+    /// idle services are suspended until this much is free. Unset: started
+    /// as is (a server that finds the GPU full fails and is restarted).
+    #[serde(default, deserialize_with = "size_opt")]
+    pub gpu_memory: Option<u64>,
 }
 
 fn default_suspend_after() -> Option<Duration> {

@@ -96,6 +96,13 @@ impl Agent {
     pub fn spawn_start(self: &Arc<Self>, svc: &Arc<Service>, why: &'static str) {
         let (agent, svc) = (Arc::clone(self), Arc::clone(svc));
         tokio::spawn(async move {
+            // A server that declares its size starts only once it fits, and
+            // holds the GPU lock until it listens (has loaded): two cold
+            // starts must not both count the same free memory.
+            let _gpu = match svc.cfg.gpu_memory {
+                Some(need) => Some(agent.make_room(&svc, need).await),
+                None => None,
+            };
             let a = Arc::clone(&agent);
             let s = Arc::clone(&svc);
             let r = tokio::task::spawn_blocking(move || a.start_blocking(&s, why)).await;
@@ -103,6 +110,40 @@ impl Agent {
                 agent.died(&svc, &format!("could not start: {e}"));
             }
         });
+    }
+
+    /// Suspends idle services (as a resume would) until `need` bytes are
+    /// free on the GPU with the most free memory, or wake_timeout passes.
+    async fn make_room(self: &Arc<Self>, svc: &Arc<Service>, need: u64) -> tokio::sync::MutexGuard<'_, ()> {
+        let gpu = self.gpu_lock.lock().await;
+        let deadline = Instant::now() + svc.cfg.wake_timeout;
+        loop {
+            let a = Arc::clone(self);
+            let free = tokio::task::spawn_blocking(move || {
+                a.engine().ok().and_then(|e| e.gpus().gpus().ok()).map(|g| g.iter().map(|g| g.free_bytes).max().unwrap_or(0))
+            })
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or(u64::MAX);
+            if free >= need.saturating_add(svc.cfg.margin) || Instant::now() >= deadline {
+                return gpu;
+            }
+            match self.pick_victim(svc) {
+                Some(v) => {
+                    let reason = format!(
+                        "evicted to make room for {} to start ({} MiB free, {} MiB needed)",
+                        svc.name,
+                        free >> 20,
+                        need >> 20
+                    );
+                    if self.suspend(&v, &reason).await.is_err() {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+                None => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
     }
 
     /// Resume (state Resuming) or wake (state Waking) `svc`, making room on
@@ -401,10 +442,25 @@ impl Agent {
             g.runner = Some(runner);
             g.image = None;
             g.ending_on_purpose = false;
+        }
+        self.persist();
+        // Started means serving: a model server listens once it has loaded.
+        let deadline = Instant::now() + svc.cfg.wake_timeout;
+        while std::net::TcpStream::connect_timeout(&svc.cfg.backend, Duration::from_secs(1)).is_err() {
+            if !target::is_alive(&t) {
+                return Err(format!("the program ended before it listened on {} (see {})", svc.cfg.backend, log_path.display()));
+            }
+            if Instant::now() > deadline {
+                tracing::warn!(service = svc.name, "not listening on {} after wake_timeout", svc.cfg.backend);
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        {
+            let mut g = svc.lock();
             g.last_activity = Instant::now();
             svc.set_state(&mut g, State::Running);
         }
-        self.persist();
         self.journal(svc, Some(&t), &format!("started (pid {program}, under run --light {runner}): {why}"));
         Ok(())
     }

@@ -304,15 +304,14 @@ fn resident(w: &World, pid: i64) -> Option<bool> {
 
 #[test]
 fn two_services_on_a_gpu_that_fits_one_swap_on_demand() {
-    // 1000 MiB, two servers of 600: only one can be resident. The second
-    // cannot even start until the first is suspended (it dies of
-    // cuMemAlloc and is restarted with back-off).
+    // 1000 MiB, two servers of 600: only one can be resident. They declare
+    // their size, so the second starts only once the first is evicted.
     let mut a = AgentWorld::new(
         1000,
         "",
         &[
-            Svc { name: "a", mib: 600, extra: "suspend_after = \"1s\"\nwake_timeout = \"60s\"" },
-            Svc { name: "b", mib: 600, extra: "suspend_after = \"1s\"\nwake_timeout = \"60s\"" },
+            Svc { name: "a", mib: 600, extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"" },
+            Svc { name: "b", mib: 600, extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"" },
         ],
     );
     // Settled: one suspended (idle) and the other running with its memory
@@ -372,6 +371,7 @@ fn two_services_on_a_gpu_that_fits_one_swap_on_demand() {
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     assert_eq!(watcher.join().unwrap(), 0, "both servers were resident at once");
     assert_eq!(restarts(&a), restarts_before, "a server was restarted: {:?}", a.services());
+    assert_eq!(restarts_before, 0, "a server failed to start: {:?}", a.services());
     assert_eq!(answers.len(), 6);
     assert!(resident(&a.w, pb) == Some(true) && resident(&a.w, pa) != Some(true));
     let notes = a.notes(pa);
