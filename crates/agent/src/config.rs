@@ -306,10 +306,10 @@ priority = 10
         assert!(e.starts_with("x.toml:15:") && e.contains("foo"), "{e}");
         let dup = format!("{GOOD}\n[[service]]\nname = \"a\"\nlisten = \"127.0.0.1:8001\"\nbackend = \"127.0.0.1:18001\"\ncommand = [\"s\"]\n");
         let e = err(&dup);
-        assert!(e.starts_with("x.toml:18:") && e.contains("duplicate service name"), "{e}");
+        assert!(e.starts_with("x.toml:17:") && e.contains("duplicate service name"), "{e}");
         let port = dup.replace("name = \"a\"\nlisten = \"127.0.0.1:8001\"", "name = \"b\"\nlisten = \"127.0.0.1:8000\"");
         let e = err(&port);
-        assert!(e.starts_with("x.toml:19:") && e.contains("port 8000"), "{e}");
+        assert!(e.starts_with("x.toml:18:") && e.contains("port 8000"), "{e}");
         let e = err(&GOOD.replace("command = [\"serve\"]\n", ""));
         assert!(e.starts_with("x.toml:7:") && e.contains("exactly one of command"), "{e}");
         let e = err(&GOOD.replace("\"5m\"", "\"5 parsecs\""));
