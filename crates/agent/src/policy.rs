@@ -162,11 +162,14 @@ impl Agent {
             // is then resumed: Waking becomes Resuming.
             let waking = svc.lock().state == State::Waking;
             let (a, s) = (Arc::clone(self), Arc::clone(svc));
+            // The transition's own time: evictions before it are theirs.
+            let attempt = Instant::now();
             let r = tokio::task::spawn_blocking(move || a.bring_back_once(&s, waking)).await;
             let r = r.unwrap_or_else(|e| Err((1, e.to_string())));
             match r {
                 Ok(()) => {
-                    self.metrics.transition(&svc.name, kind, true, started.elapsed().as_secs_f64());
+                    self.metrics.transition(&svc.name, kind, true, attempt.elapsed().as_secs_f64());
+                    tracing::info!(service = svc.name, kind, total_ms = started.elapsed().as_millis() as u64, "back");
                     {
                         let mut g = svc.lock();
                         g.image = None;

@@ -66,7 +66,8 @@ struct Args {
     /// after touching the device memory, so that a suspended server holds
     /// its requests as a real one does. `GET /` answers
     /// `ok <pid> <request> <1 if intact else 0>`; `GET /stream?chunks=N&ms=M`
-    /// streams N chunked lines, one every M ms, each after a touch.
+    /// streams N chunked lines, one every M ms, each after a touch;
+    /// `GET /generate?...` answers a hash of its query (the same every time).
     #[arg(long, value_name = "PORT")]
     http: Option<u16>,
 }
@@ -374,7 +375,14 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
             write!(out, "0\r\n\r\n").map_err(|e| e.to_string())?;
         } else {
             let intact = gpu.touch()?;
-            let text = format!("ok {pid} {n} {}\n", u8::from(intact));
+            let text = if path == "/generate" {
+                // Deterministic "tokens" for the agent benchmark's dry run:
+                // the same prompt always gets the same answer.
+                let h = query.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+                format!("{h:016x} {}\n", u8::from(intact))
+            } else {
+                format!("ok {pid} {n} {}\n", u8::from(intact))
+            };
             write!(out, "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{text}", text.len())
                 .map_err(|e| e.to_string())?;
         }
