@@ -228,6 +228,9 @@ impl Agent {
             };
             let r = e.wake(&self.criu().map_err(err)?, &self.images, &image, &opts).map_err(err)?;
             let t = target::resolve(r.root_pid).map_err(err)?;
+            // The light guard's runner ended with the hibernated tree; a
+            // running tree can only take the traced guard, as `gpusnap wake` gives it.
+            self.start_guard(&r.processes);
             {
                 let mut g = svc.lock();
                 g.process = Some(t.clone());
@@ -383,12 +386,34 @@ impl Agent {
         let criu = self.criu().map_err(|e| e.to_string())?;
         let opts =
             HibernateOptions { name: Some(name), leave_running: false, lock_timeout_ms: LOCK_TIMEOUT_MS, durable: true };
+        // CRIU must be the tree's only tracer: a traced guard (attached after
+        // an earlier wake) lets go first, and comes back if the tree stays.
+        let tree: Vec<i32> = process_tree(root.pid).into_iter().map(|(p, _)| p).collect();
+        let detached = gpusnap_core::guard::detach_for(&self.state_dir, &tree).map_err(|e| e.to_string())?;
         match e.hibernate(&criu, &self.images, root.pid, &opts) {
             Ok(r) => Ok(r.image),
             Err(err) => {
                 svc.lock().image = None;
+                self.start_guard(&detached.into_iter().filter(|p| target::resolve(*p).is_ok()).collect::<Vec<_>>());
                 Err(err.to_string())
             }
+        }
+    }
+
+    /// `gpusnap guard --daemon PIDS`, as `gpusnap wake` starts it.
+    fn start_guard(&self, pids: &[i32]) {
+        if pids.is_empty() {
+            return;
+        }
+        let st = std::process::Command::new(&self.exe)
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .args(["guard", "--daemon"])
+            .args(pids.iter().map(|p| p.to_string()))
+            .stdin(std::process::Stdio::null())
+            .status();
+        if !st.is_ok_and(|s| s.success()) {
+            tracing::warn!(?pids, "the guard could not attach to the woken processes");
         }
     }
 

@@ -402,6 +402,12 @@ fn host_memory_pressure_hibernates_and_a_request_wakes() {
     let f: Vec<&str> = body.split_whitespace().collect();
     assert_eq!((f[0], f[1], f[3]), ("ok", pid.to_string().as_str(), "1"), "{body}");
     a.w.adopt(pid as i32);
+    // Again: the woken server carries the traced guard now (as after
+    // `gpusnap wake`), which must let go for CRIU.
+    let s = a.wait_state("h", "hibernated");
+    assert_ne!(s["image"].as_str().unwrap(), image);
+    let body = get(a.port(0), "/");
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
     let m = a.metrics();
     assert!(m.contains("kind=\"hibernate\",result=\"ok\""), "{m}");
     assert!(m.contains("kind=\"wake\",result=\"ok\""), "{m}");
