@@ -1,13 +1,13 @@
 //! gpusnap's node agent: model servers leave the GPU when idle and are back
 //! on the next request; more models than GPUs.
 //!
-//! - [`config`]: the TOML file;
-//! - [`daemon`]: startup, adoption after a crash, systemd readiness;
-//! - [`proxy`]: a TCP proxy per service, which wakes it on demand;
-//! - [`policy`]: idle suspend, eviction, hibernation, restarts, all through
-//!   the core `Engine`;
-//! - [`api`]: HTTP/JSON on a unix socket; [`client`]: the CLI's side of it;
-//! - [`metrics`]: Prometheus.
+//! - [`config`] reads the TOML file;
+//! - [`daemon`] starts, adopts after a crash, tells systemd it is ready;
+//! - [`proxy`] is a TCP proxy per service, which wakes it on demand;
+//! - [`policy`] suspends the idle, evicts, hibernates and restarts, all
+//!   through the core `Engine`;
+//! - [`api`] serves HTTP/JSON on a unix socket, [`client`] is the CLI's side;
+//! - [`metrics`] holds the Prometheus metrics.
 
 pub mod api;
 pub mod client;

@@ -247,7 +247,7 @@ impl Agent {
                 svc.set_state(&mut g, State::Resuming);
             }
             self.persist();
-            return self.bring_back_once(svc, false);
+            self.bring_back_once(svc, false)
         } else {
             let root = svc.lock().process.clone().ok_or((1, "no process".to_string()))?;
             let pids = cuda_pids(self, root.pid);
