@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 const LOCK_TIMEOUT_MS: u32 = 30_000;
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// After a failed hibernation, the policy waits this long before another.
+const HIBERNATE_RETRY: Duration = Duration::from_secs(60);
 
 fn quiet() -> Box<dyn gpusnap_core::Progress> {
     Box::new(Quiet)
@@ -354,6 +356,7 @@ impl Agent {
             Err(e) => {
                 g.ending_on_purpose = false;
                 g.last_error = Some(e.clone());
+                g.hibernate_not_before = Some(Instant::now() + HIBERNATE_RETRY);
                 let back = match g.process.as_ref().map(|t| cuda_pids(self, t.pid)) {
                     Some(p) if !p.is_empty() && self.all_checkpointed(&p) => State::Suspended,
                     _ => State::Running,
@@ -571,10 +574,11 @@ impl Agent {
         self.reap();
         let mut hibernate_one: Option<(Instant, Arc<Service>)> = None;
         for svc in self.services.clone() {
-            let (state, since, alive, restart_due) = {
+            let (state, since, alive, restart_due, may_hibernate) = {
                 let g = svc.lock();
                 let alive = g.process.as_ref().is_some_and(target::is_alive);
-                (g.state, g.since, alive, g.restart_at.is_some_and(|t| Instant::now() >= t))
+                let may_hibernate = g.conns.is_empty() && g.hibernate_not_before.is_none_or(|t| Instant::now() >= t);
+                (g.state, g.since, alive, g.restart_at.is_some_and(|t| Instant::now() >= t), may_hibernate)
             };
             match state {
                 State::Running | State::Suspended if !alive => {
@@ -596,17 +600,15 @@ impl Agent {
                         });
                     }
                 }
-                State::Suspended => {
+                State::Suspended if may_hibernate => {
                     if let Some(d) = svc.cfg.hibernate_after.filter(|d| since.elapsed() >= *d) {
-                        if svc.lock().conns.is_empty() {
-                            let (a, s) = (Arc::clone(self), Arc::clone(&svc));
-                            tokio::spawn(async move {
-                                let _ = a.hibernate(&s, &format!("suspended for {}", crate::fmt_duration(d))).await;
-                            });
-                            continue;
-                        }
+                        let (a, s) = (Arc::clone(self), Arc::clone(&svc));
+                        tokio::spawn(async move {
+                            let _ = a.hibernate(&s, &format!("suspended for {}", crate::fmt_duration(d))).await;
+                        });
+                        continue;
                     }
-                    if svc.lock().conns.is_empty() && hibernate_one.as_ref().is_none_or(|(t, _)| since < *t) {
+                    if hibernate_one.as_ref().is_none_or(|(t, _)| since < *t) {
                         hibernate_one = Some((since, Arc::clone(&svc)));
                     }
                 }

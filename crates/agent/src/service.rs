@@ -94,6 +94,9 @@ pub struct Inner {
     pub restarts: u32,
     pub restart_at: Option<Instant>,
     pub last_error: Option<String>,
+    /// No hibernation before this (one failed: CRIU missing, say); the
+    /// policy must not retry it every tick.
+    pub hibernate_not_before: Option<Instant>,
     /// A state change the agent makes itself (hibernate, stop): the process
     /// ending is expected, not a crash.
     pub ending_on_purpose: bool,
@@ -126,6 +129,7 @@ impl Service {
                 restarts: 0,
                 restart_at: None,
                 last_error: None,
+                hibernate_not_before: None,
                 ending_on_purpose: false,
             }),
             changed: tokio::sync::watch::channel(0).0,
