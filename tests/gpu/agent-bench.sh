@@ -22,7 +22,10 @@
 #                      libgpusnap_preload.so must lie next to it)
 #   OUT                results directory (default: a new /tmp/gpusnap-out.* dir)
 #   AGENT_WEIGHTS_GB   weights per server (16) and AGENT_KV_GB its KV cache
-#                      (59): 75 GB each, two do not fit one H200 (143 GB)
+#                      (59): 75 GB each, two do not fit one H200 (143 GB).
+#                      A swap holds both in host RAM for a moment: with less
+#                      than 2 x size + 24 GB available the KV cache shrinks,
+#                      and a filler (filler.py) keeps room for one server only
 #   AGENT_BACKEND      auto (transformers if importable, else plain PyTorch),
 #                      transformers or torch
 #   AGENT_SWAPS        alternating requests (4); AGENT_TOKENS new tokens per
@@ -145,7 +148,29 @@ report() {
 
 install_traps
 start_watchdog $((BUDGET + 60))
-log "agent-bench: GPUSNAP=$GPUSNAP OUT=$OUT server=$SERVER weights=${WEIGHTS_GB}GB kv=${KV_GB}GB"
+
+# A swap holds both servers in host RAM for a moment (the other one is
+# suspended before this one is resumed): two 75 GB servers need ~170 GB of
+# it. With less, the servers are made smaller (KV cache first) and a filler
+# takes GPU memory so that still only one fits: the kernel's OOM killer must
+# never meet a suspended CUDA process.
+FILL_LEAVE_MIB=""
+if [ "$SERVER" != fake ]; then
+    avail_gb=$(calc %.1f 'm * 1048576 / 1e9' m="$(mem_avail_mib)")
+    size_gb=$(calc %.1f 'w + k' w="$WEIGHTS_GB" k="$KV_GB")
+    if ! fle "$(calc %.1f '2 * s + 24' s="$size_gb")" "$avail_gb"; then
+        KV_GB=$(calc %.1f '((a - 24) / 2 - w > 4) ? (a - 24) / 2 - w : 4' a="$avail_gb" w="$WEIGHTS_GB")
+        row s1 "server size for this host's RAM" "2 x size + 24 GB <= available" \
+            "${avail_gb} GB available: KV cache ${AGENT_KV_GB:-59} -> ${KV_GB} GB" INFO
+    fi
+    size_gb=$(calc %.1f 'w + k' w="$WEIGHTS_GB" k="$KV_GB")
+    gpu_free_gb=$(calc %.1f 'm * 1048576 / 1e9' m="$(smi_free_mib)")
+    if fle "$(calc %.1f '2 * s + 4' s="$size_gb")" "$gpu_free_gb"; then
+        # Room for both: leave 1.5 servers' worth free, so that one fits.
+        FILL_LEAVE_MIB=$(calc %d 's * 1.5 * 1e9 / 1048576' s="$size_gb")
+    fi
+fi
+log "agent-bench: GPUSNAP=$GPUSNAP OUT=$OUT server=$SERVER weights=${WEIGHTS_GB}GB kv=${KV_GB}GB filler leaves ${FILL_LEAVE_MIB:-no filler} MiB"
 
 # ---------------------------------------------------------------- (a) cold start
 t0=$(now)
@@ -171,6 +196,14 @@ fi
 stop_safely "$COLD_PID" cold >>"$LOG" 2>&1 || log "cold server: stop failed"
 
 # ---------------------------------------------------------------- (b) the agent
+if [ -n "$FILL_LEAVE_MIB" ]; then
+    if start_filler "$FILL_LEAVE_MIB" 120; then
+        row s2 "filler: only one server fits the GPU" "free ~1.5 servers" "holds ${FILL_HELD:-?} MiB, leaves ${FILL_AFTER:-?} MiB" INFO
+    else
+        row s2 "filler: only one server fits the GPU" "ready" "failed" FAIL
+        exit 1
+    fi
+fi
 gb_need=$(calc %d '(w + k) * 1e9' w="$WEIGHTS_GB" k="$KV_GB")
 cat >"$WORK/agent.toml" <<EOF
 [agent]
