@@ -195,7 +195,7 @@ async fn events(AxState(agent): AxState<Arc<Agent>>, axum::extract::Query(q): ax
     let follow = q.follow.unwrap_or(true);
     let start = match q.after {
         Some(a) => a,
-        None => store.events_after(0, usize::MAX >> 1).map(|v| v.len().saturating_sub(100)).unwrap_or(0) as i64,
+        None => store.last_event_id().unwrap_or(0).saturating_sub(100).max(0),
     };
     let store = Arc::new(std::sync::Mutex::new(store));
     let stream = futures_util::stream::unfold(start, move |after| {

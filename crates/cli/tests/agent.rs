@@ -256,6 +256,17 @@ fn idle_service_is_suspended_and_a_request_wakes_it() {
     assert!(waited.ends_with(" 1"), "{waited}");
     assert!(m.contains("gpusnap_agent_transitions_total{service=\"m\",kind=\"resume\",result=\"ok\"} 1"), "{m}");
 
+    // The journal through the API: the decisions with their reasons.
+    let (code, events) = a.api("GET", "/v1/events?after=0&follow=false");
+    assert_eq!(code, 200);
+    let decisions: Vec<Value> = events
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["op"] == "agent" && e["pid"] == pid)
+        .collect();
+    assert!(decisions.iter().any(|e| e["detail"].as_str().unwrap().contains("suspend: idle for")), "{events}");
+    assert!(decisions.iter().any(|e| e["detail"].as_str().unwrap().contains("resume: a connection arrived")), "{events}");
+
     // The CLI client talks to the same API.
     let r = a.w.gpusnap(&["services", "--socket", &a.socket.display().to_string()]);
     assert_eq!(r.code, 0, "{}", r.stderr);

@@ -392,6 +392,13 @@ impl Store {
         rows.collect::<Result<_, _>>().map_err(|e| self.err(e))
     }
 
+    /// The newest journal entry's id (0 for an empty journal).
+    pub fn last_event_id(&self) -> Result<i64, Error> {
+        self.conn
+            .query_row("SELECT COALESCE(MAX(id), 0) FROM events", [], |r| r.get(0))
+            .map_err(|e| self.err(e))
+    }
+
     /// Journal entries of every process after entry `after`, oldest first.
     pub fn events_after(&self, after: i64, limit: usize) -> Result<Vec<JournalEntry>, Error> {
         let mut stmt = self
