@@ -253,8 +253,20 @@ impl Agent {
         } else {
             let root = svc.lock().process.clone().ok_or((1, "no process".to_string()))?;
             let pids = cuda_pids(self, root.pid);
-            let opts = ResumeOptions { margin_bytes: svc.cfg.margin, ..Default::default() };
-            let r = e.resume_group(&pids, &opts, &quiet).map_err(err)?;
+            let mut opts = ResumeOptions { margin_bytes: svc.cfg.margin, ..Default::default() };
+            let r = match e.resume_group(&pids, &opts, &quiet) {
+                // Its GPU is full: another GPU of the same model with room
+                // takes it before anyone is evicted.
+                Err(refused) if refused.exit_code() == 3 => match self.other_gpu(&mut e, &pids, svc.cfg.margin) {
+                    Some((old, new)) => {
+                        self.journal(svc, Some(&root), &format!("resume onto {new}: {old} is full ({refused})"));
+                        opts.device_map = vec![(old, new)];
+                        e.resume_group(&pids, &opts, &quiet).map_err(err)?
+                    }
+                    None => return Err(err(refused)),
+                },
+                r => r.map_err(err)?,
+            };
             let ms: u64 = r.iter().map(|r| r.total_ms).max().unwrap_or(0);
             self.journal(svc, Some(&root), &format!("resumed in {ms} ms"));
             Ok(())
@@ -401,6 +413,27 @@ impl Agent {
                 Err(err.to_string())
             }
         }
+    }
+
+    /// For a service suspended from one GPU: another GPU of the same model
+    /// with room for its footprint (and the margin), as (old, new) uuids.
+    fn other_gpu(&self, e: &mut crate::daemon::DynEngine, pids: &[i32], margin: u64) -> Option<(String, String)> {
+        let mut fp: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
+        for pid in pids {
+            for (u, b) in e.store().latest_for_pid(*pid).ok()??.footprint {
+                *fp.entry(u).or_insert(0) += b;
+            }
+        }
+        if fp.len() != 1 {
+            return None;
+        }
+        let (old, need) = fp.into_iter().next()?;
+        let gpus = e.gpus().gpus().ok()?;
+        let model = gpus.iter().find(|g| g.uuid == old)?.name.clone();
+        gpus.into_iter()
+            .filter(|g| g.uuid != old && g.name == model && g.free_bytes >= need.saturating_add(margin))
+            .max_by_key(|g| g.free_bytes)
+            .map(|g| (old, g.uuid))
     }
 
     /// `gpusnap guard --daemon PIDS`, as `gpusnap wake` starts it.

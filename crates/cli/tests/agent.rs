@@ -35,7 +35,11 @@ struct AgentWorld {
 
 impl AgentWorld {
     fn new(gpu_mib: u64, agent_extra: &str, svcs: &[Svc]) -> Self {
-        let w = World::new(&[gpu_mib]);
+        Self::on_gpus(&[gpu_mib], agent_extra, svcs)
+    }
+
+    fn on_gpus(gpus: &[u64], agent_extra: &str, svcs: &[Svc]) -> Self {
+        let w = World::new(gpus);
         // A directory others may enter: the 403 test connects as nobody.
         let sockdir = tempfile::Builder::new().prefix("gpusnap-agent-test").tempdir_in("/tmp").unwrap();
         use std::os::unix::fs::PermissionsExt;
@@ -473,6 +477,29 @@ fn a_service_that_dies_is_restarted() {
     assert_eq!(new["restarts"], 1);
     let body = get(a.port(0), "/");
     assert!(body.starts_with(&format!("ok {} ", new["pid"])), "{body}");
+}
+
+#[test]
+fn a_full_gpu_sends_the_resume_to_another_gpu_of_the_same_model() {
+    let mut a = AgentWorld::on_gpus(
+        &[1000, 1000],
+        "",
+        &[Svc { name: "r", mib: 600, extra: "suspend_after = \"500ms\"\nwake_timeout = \"60s\"" }],
+    );
+    let pid = a.wait_state("r", "suspended")["pid"].as_i64().unwrap();
+    // A tenant outside the agent takes GPU 0: nobody the agent could evict.
+    a.w.workload(600, 0, &[]);
+    let body = get(a.port(0), "/");
+    let f: Vec<&str> = body.split_whitespace().collect();
+    assert_eq!((f[0], f[1], f[3]), ("ok", pid.to_string().as_str(), "1"), "{body}");
+    let text = std::fs::read_to_string(a.w.fake_dir().join("state.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["procs"][pid.to_string()]["contexts"], serde_json::json!([1]), "{text}");
+    let notes = a.notes(pid);
+    assert!(
+        notes.iter().any(|n| n["detail"].as_str().unwrap().contains("resume onto GPU-00000001")),
+        "{notes:?}"
+    );
 }
 
 /// Asks the API as `nobody` (tests run as root): a forked child drops its
