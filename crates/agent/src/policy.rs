@@ -276,21 +276,53 @@ impl Agent {
     /// The idle running service to suspend for `for_svc`: never one with
     /// traffic in flight; lowest priority, then least recently used.
     fn pick_victim(&self, for_svc: &Service) -> Option<Arc<Service>> {
+        // Only services on the GPUs the resume needs (its footprint's);
+        // unknown (a cold start): any.
+        let needed = self.footprint_gpus(for_svc);
         let mut best: Option<(i64, i64, Arc<Service>)> = None;
         for s in &self.services {
             if s.name == for_svc.name {
                 continue;
             }
-            let g = s.lock();
-            if g.state != State::Running || Service::has_traffic(&g) {
-                continue;
+            let (key, root) = {
+                let g = s.lock();
+                if g.state != State::Running || Service::has_traffic(&g) {
+                    continue;
+                }
+                ((s.cfg.priority, g.last_used_ms), g.process.as_ref().map(|t| t.pid))
+            };
+            if let (false, Some(root)) = (needed.is_empty(), root) {
+                let on = self.running_gpus(root);
+                if !on.is_empty() && on.is_disjoint(&needed) {
+                    continue;
+                }
             }
-            let key = (s.cfg.priority, g.last_used_ms);
             if best.as_ref().is_none_or(|(p, u, _)| key < (*p, *u)) {
                 best = Some((key.0, key.1, Arc::clone(s)));
             }
         }
         best.map(|(_, _, s)| s)
+    }
+
+    /// The GPUs a suspended service's recorded footprint is on.
+    fn footprint_gpus(&self, svc: &Service) -> std::collections::BTreeSet<String> {
+        let Some(root) = svc.lock().process.as_ref().map(|t| t.pid) else { return Default::default() };
+        let Ok(e) = self.engine() else { return Default::default() };
+        cuda_pids(self, root)
+            .into_iter()
+            .filter_map(|p| e.store().latest_for_pid(p).ok().flatten())
+            .flat_map(|r| r.footprint.into_keys())
+            .collect()
+    }
+
+    /// The GPUs a running service's CUDA processes hold memory on (NVML).
+    fn running_gpus(&self, root: i32) -> std::collections::BTreeSet<String> {
+        let pids = cuda_pids(self, root);
+        let Ok(e) = self.engine() else { return Default::default() };
+        e.gpus()
+            .processes()
+            .map(|ps| ps.into_iter().filter(|p| pids.contains(&(p.pid as i32))).map(|p| p.uuid).collect())
+            .unwrap_or_default()
     }
 
     /// Suspends a running service unless traffic arrived meanwhile.

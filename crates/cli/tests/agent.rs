@@ -21,6 +21,7 @@ fn free_port() -> u16 {
 struct Svc {
     name: &'static str,
     mib: u64,
+    gpu: u32,
     extra: &'static str,
 }
 
@@ -52,10 +53,11 @@ impl AgentWorld {
             ports.push((listen, backend));
             text += &format!(
                 "\n[[service]]\nname = \"{}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\n\
-                 command = [{:?}, \"--mib\", \"{}\", \"--http\", \"{backend}\"]\n{}\n",
+                 command = [{:?}, \"--mib\", \"{}\", \"--gpu\", \"{}\", \"--http\", \"{backend}\"]\n{}\n",
                 s.name,
                 fake_workload_bin().display().to_string(),
                 s.mib,
+                s.gpu,
                 s.extra
             );
         }
@@ -226,7 +228,7 @@ fn idle_service_is_suspended_and_a_request_wakes_it() {
     let mut a = AgentWorld::new(
         1000,
         "",
-        &[Svc { name: "m", mib: 300, extra: "suspend_after = \"700ms\"\nwake_timeout = \"60s\"" }],
+        &[Svc { name: "m", mib: 300, gpu: 0, extra: "suspend_after = \"700ms\"\nwake_timeout = \"60s\"" }],
     );
     let s = a.wait_state("m", "running");
     let pid = s["pid"].as_i64().unwrap();
@@ -288,7 +290,7 @@ fn a_stream_longer_than_suspend_after_is_not_cut() {
     // Chunks 100 ms apart, suspend_after 1.5 s: a pause in a stream longer
     // than suspend_after would count as idle (the proxy cannot tell it from
     // the end of a response), so the gap is kept well under it.
-    let mut a = AgentWorld::new(1000, "", &[Svc { name: "s", mib: 200, extra: "suspend_after = \"1500ms\"" }]);
+    let mut a = AgentWorld::new(1000, "", &[Svc { name: "s", mib: 200, gpu: 0, extra: "suspend_after = \"1500ms\"" }]);
     let pid = a.wait_state("s", "running")["pid"].as_i64().unwrap();
     get(a.port(0), "/");
     a.wait_state("s", "suspended");
@@ -325,8 +327,8 @@ fn two_services_on_a_gpu_that_fits_one_swap_on_demand() {
         1000,
         "",
         &[
-            Svc { name: "a", mib: 600, extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"" },
-            Svc { name: "b", mib: 600, extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"" },
+            Svc { name: "a", mib: 600, gpu: 0, extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"" },
+            Svc { name: "b", mib: 600, gpu: 0, extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"" },
         ],
     );
     // Settled: one suspended (idle) and the other running with its memory
@@ -403,7 +405,7 @@ fn host_memory_pressure_hibernates_and_a_request_wakes() {
     let mut a = AgentWorld::new(
         1000,
         "min_host_available = \"1PiB\"",
-        &[Svc { name: "h", mib: 300, extra: "suspend_after = \"500ms\"\nwake_timeout = \"60s\"" }],
+        &[Svc { name: "h", mib: 300, gpu: 0, extra: "suspend_after = \"500ms\"\nwake_timeout = \"60s\"" }],
     );
     let pid = a.wait_state("h", "running")["pid"].as_i64().unwrap();
     let s = a.wait_state("h", "hibernated");
@@ -434,8 +436,8 @@ fn a_killed_agent_is_restarted_and_adopts_every_service_as_it_was() {
         2000,
         "",
         &[
-            Svc { name: "idle", mib: 300, extra: "suspend_after = \"500ms\"" },
-            Svc { name: "busy", mib: 300, extra: "suspend_after = \"1h\"" },
+            Svc { name: "idle", mib: 300, gpu: 0, extra: "suspend_after = \"500ms\"" },
+            Svc { name: "busy", mib: 300, gpu: 0, extra: "suspend_after = \"1h\"" },
         ],
     );
     let idle = a.wait_state("idle", "suspended")["pid"].as_i64().unwrap();
@@ -461,7 +463,7 @@ fn a_killed_agent_is_restarted_and_adopts_every_service_as_it_was() {
 
 #[test]
 fn a_service_that_dies_is_restarted() {
-    let mut a = AgentWorld::new(1000, "", &[Svc { name: "d", mib: 100, extra: "suspend_after = \"1h\"" }]);
+    let mut a = AgentWorld::new(1000, "", &[Svc { name: "d", mib: 100, gpu: 0, extra: "suspend_after = \"1h\"" }]);
     let pid = a.wait_state("d", "running")["pid"].as_i64().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
     let end = Instant::now() + LONG;
@@ -484,7 +486,7 @@ fn a_full_gpu_sends_the_resume_to_another_gpu_of_the_same_model() {
     let mut a = AgentWorld::on_gpus(
         &[1000, 1000],
         "",
-        &[Svc { name: "r", mib: 600, extra: "suspend_after = \"500ms\"\nwake_timeout = \"60s\"" }],
+        &[Svc { name: "r", mib: 600, gpu: 0, extra: "suspend_after = \"500ms\"\nwake_timeout = \"60s\"" }],
     );
     let pid = a.wait_state("r", "suspended")["pid"].as_i64().unwrap();
     // A tenant outside the agent takes GPU 0: nobody the agent could evict.
@@ -500,6 +502,38 @@ fn a_full_gpu_sends_the_resume_to_another_gpu_of_the_same_model() {
         notes.iter().any(|n| n["detail"].as_str().unwrap().contains("resume onto GPU-00000001")),
         "{notes:?}"
     );
+}
+
+#[test]
+fn only_services_on_the_full_gpu_are_evicted_and_a_late_one_is_closed() {
+    // x runs on GPU 0 (no room left there for y), y was suspended from GPU 1,
+    // which a tenant outside the agent then fills: suspending x would not
+    // help y, so x stays, and y's connection is closed after wake_timeout.
+    let mut a = AgentWorld::on_gpus(
+        &[1000, 1000],
+        "",
+        &[
+            Svc { name: "x", mib: 600, gpu: 0, extra: "suspend_after = \"1h\"" },
+            Svc { name: "y", mib: 600, gpu: 1, extra: "suspend_after = \"500ms\"\nwake_timeout = \"2s\"" },
+        ],
+    );
+    a.wait_state("x", "running");
+    let y = a.wait_state("y", "suspended")["pid"].as_i64().unwrap();
+    a.w.workload(600, 1, &[]);
+    let mut s = TcpStream::connect(("127.0.0.1", a.port(1))).unwrap();
+    s.set_read_timeout(Some(LONG)).unwrap();
+    write!(s, "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    assert_eq!(text, "", "a connection to a service that could not come back was answered");
+    assert_eq!(a.state("x"), "running");
+    // The resume gives up at its own wake_timeout, a moment after the connection's.
+    a.wait_state("y", "suspended");
+    assert_eq!(a.state("x"), "running");
+    assert_eq!(driver_state(&a.w, y), "checkpointed");
+    let m = a.metrics();
+    assert!(m.contains("gpusnap_agent_connections_closed_unserved_total{service=\"y\"} 1"), "{m}");
+    assert!(m.contains("gpusnap_agent_admission_refusals_total{service=\"y\"}"), "{m}");
 }
 
 /// Asks the API as `nobody` (tests run as root): a forked child drops its
@@ -545,7 +579,7 @@ fn api_as_nobody(socket: &Path) -> i32 {
 
 #[test]
 fn the_api_refuses_a_peer_that_is_neither_root_nor_in_the_group() {
-    let mut a = AgentWorld::new(1000, "", &[Svc { name: "p", mib: 100, extra: "" }]);
+    let mut a = AgentWorld::new(1000, "", &[Svc { name: "p", mib: 100, gpu: 0, extra: "" }]);
     a.wait_state("p", "running");
     // The socket's mode already keeps others out (0660); open it to show
     // that the credentials check stands on its own.
@@ -560,7 +594,7 @@ fn the_api_refuses_a_peer_that_is_neither_root_nor_in_the_group() {
 
 #[test]
 fn metrics_pass_promtool() {
-    let mut a = AgentWorld::new(1000, "", &[Svc { name: "x", mib: 100, extra: "suspend_after = \"500ms\"" }]);
+    let mut a = AgentWorld::new(1000, "", &[Svc { name: "x", mib: 100, gpu: 0, extra: "suspend_after = \"500ms\"" }]);
     a.wait_state("x", "suspended");
     get(a.port(0), "/");
     let text = a.metrics();
