@@ -14,6 +14,9 @@
 #   guard   tests/gpu/guard-e2e.sh traced, then with --light, then
 #           tests/gpu/guard-bench.sh (both modes); ~4 min; needs
 #           libgpusnap_preload.so next to $GPUSNAP
+#   agent   tests/gpu/agent-bench.sh (the node agent: two ~75 GB model servers
+#           swapped on one GPU, answers checked, ttfb, proxy p50; ~6-8 min;
+#           libgpusnap_preload.so next to $GPUSNAP; 128 GiB host RAM)
 # Environment:
 #   OUT              results (default: a new /tmp/gpusnap-device.* directory)
 #   DEVICE_BUDGET_S  the whole call's wall-clock budget (default 570); each
@@ -61,14 +64,14 @@ say() {
 }
 
 usage() {
-    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard]..." >&2
+    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|agent]..." >&2
     exit 2
 }
 
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(e2e)
 for s in "${STAGES[@]}"; do
-    case $s in e2e | bench | hbench | multi | guard) ;; *) usage ;; esac
+    case $s in e2e | bench | hbench | multi | guard | agent) ;; *) usage ;; esac
 done
 if [ ! -f tests/gpu/e2e.sh ]; then
     echo "run tests/gpu/device.sh from the repository root" >&2
@@ -154,7 +157,7 @@ host_info() {
 
 # weight STAGE: the wall it wants; shares of the time left go by these.
 weight() {
-    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; esac
+    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; agent) echo 480 ;; esac
 }
 # slack STAGE: its watchdog fires this long after its soft budget, and its
 # cleanup runs after that.
@@ -163,7 +166,7 @@ slack() {
 }
 # floor STAGE: below this soft budget the stage cannot do anything useful.
 floor_s() {
-    case $1 in e2e | multi | guard) echo 150 ;; bench) echo 100 ;; hbench) echo 120 ;; esac
+    case $1 in e2e | multi | guard) echo 150 ;; bench) echo 100 ;; hbench) echo 120 ;; agent) echo 240 ;; esac
 }
 
 stage_row() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGES_TSV"; }
@@ -234,6 +237,7 @@ run_stage() {
             cmd=(env OUT="$dir" HBENCH_BUDGET_S="$soft" tests/gpu/bench-hibernate.sh "${sz[@]}")
             ;;
         multi) cmd=(env OUT="$dir" MULTI_BUDGET_S="$soft" tests/gpu/multi-e2e.sh) ;;
+        agent) cmd=(env OUT="$dir" AGENT_BENCH_BUDGET_S="$soft" tests/gpu/agent-bench.sh) ;;
         guard)
             # Three runs in one stage, a third of the budget each.
             local third=$((soft / 3))
@@ -278,6 +282,10 @@ run_stage() {
                 if [ -s "$dir/$f" ]; then append_log "$f" "$dir/$f"; fi
             done
             append_log "guard stderr" "$dir/stderr.txt"
+            ;;
+        agent)
+            cp -f "$dir/agent-bench.md" "$OUT/" 2>/dev/null || say "agent wrote no agent-bench.md"
+            if [ -s "$dir/agent-bench.log" ]; then append_log agent-bench.log "$dir/agent-bench.log"; else append_log "agent stderr" "$dir/stderr.txt"; fi
             ;;
         multi)
             cp -f "$dir/multi-e2e.md" "$OUT/" 2>/dev/null || say "multi wrote no multi-e2e.md"

@@ -1,5 +1,6 @@
 //! The `gpusnap` command line: parses arguments, calls the library, prints.
 
+mod agent;
 mod compat;
 mod guarded;
 mod output;
@@ -224,6 +225,25 @@ enum Cmd {
     },
     /// The journal of one pid: every driver call gpusnap made on it.
     History { pid: i32 },
+    /// The node agent: a proxy per model server that suspends it when idle
+    /// and brings it back on the next request (docs/agent.md).
+    Agent {
+        #[arg(long, value_name = "FILE", default_value = "/etc/gpusnap/agent.toml")]
+        config: PathBuf,
+    },
+    /// The agent's services and their states.
+    Services {
+        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
+        socket: PathBuf,
+    },
+    /// Ask the agent to act on one service.
+    Service {
+        name: String,
+        #[arg(value_enum)]
+        action: agent::Action,
+        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
+        socket: PathBuf,
+    },
     /// Check this host (and a process) for what checkpointing needs, and explain what is missing.
     Doctor {
         /// A process to check as well.
@@ -292,8 +312,9 @@ fn main() -> ExitCode {
                     err.exit_code()
                 }
                 None => {
-                    out.error("failed", &format!("{e:#}"), None, 1);
-                    1
+                    let code = agent::exit_code(&e).unwrap_or(1);
+                    out.error("failed", &format!("{e:#}"), None, code);
+                    code
                 }
             };
             ExitCode::from(code as u8)
@@ -439,6 +460,9 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             out.state(&r);
             Ok(())
         }
+        Cmd::Agent { config } => agent::run_agent(cli, config),
+        Cmd::Services { socket } => agent::services(out, socket),
+        Cmd::Service { name, action, socket } => agent::service(out, socket, name, *action),
         Cmd::History { pid } => {
             let store = Store::open_read_only(&cli.state_dir)?;
             let h = store.history(*pid)?;

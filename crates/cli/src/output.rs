@@ -150,6 +150,31 @@ impl Out {
         }
     }
 
+    /// The agent's services (`GET /v1/services`) as a table, or as they came.
+    pub fn agent_services(&self, list: &serde_json::Value) {
+        if self.json {
+            self.emit(list.clone());
+            return;
+        }
+        println!("{:<20} {:<12} {:<22} {:>8} {:>6} {:>10}", "SERVICE", "STATE", "LISTEN", "PID", "CONNS", "IDLE");
+        for s in list.as_array().into_iter().flatten() {
+            let pid = s["pid"].as_i64().map_or("-".to_string(), |p| p.to_string());
+            let idle = format!("{:.1}s", s["idle_ms"].as_u64().unwrap_or(0) as f64 / 1000.0);
+            println!(
+                "{:<20} {:<12} {:<22} {:>8} {:>6} {:>10}",
+                s["name"].as_str().unwrap_or("?"),
+                s["state"].as_str().unwrap_or("?"),
+                s["listen"].as_str().unwrap_or("?"),
+                pid,
+                s["connections"].as_u64().unwrap_or(0),
+                idle
+            );
+            if let Some(e) = s["last_error"].as_str() {
+                println!("  last error: {e}");
+            }
+        }
+    }
+
     /// One result: its JSON, or its line.
     pub fn one<T: Serialize>(&self, v: &T, human: &str) {
         if self.json {

@@ -106,6 +106,16 @@ pub struct Event {
     pub detail: Option<String>,
 }
 
+/// A journal entry with its place in the journal and its process, for those
+/// who follow the journal as it grows (the agent's `GET /v1/events`).
+#[derive(Debug, Clone, Serialize)]
+pub struct JournalEntry {
+    pub id: i64,
+    pub pid: i32,
+    #[serde(flatten)]
+    pub event: Event,
+}
+
 /// A journal entry left open by a gpusnap that died mid-call.
 #[derive(Debug, Clone)]
 pub struct Pending {
@@ -618,6 +628,39 @@ impl Store {
                     phase: r.get(2)?,
                     state: r.get(3)?,
                     detail: r.get(4)?,
+                })
+            })
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<_, _>>().map_err(|e| self.err(e))
+    }
+
+    /// The newest journal entry's id (0 for an empty journal).
+    pub fn last_event_id(&self) -> Result<i64, Error> {
+        self.conn
+            .query_row("SELECT COALESCE(MAX(id), 0) FROM events", [], |r| r.get(0))
+            .map_err(|e| self.err(e))
+    }
+
+    /// Journal entries of every process after entry `after`, oldest first.
+    pub fn events_after(&self, after: i64, limit: usize) -> Result<Vec<JournalEntry>, Error> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT id, pid, ts_ms, op, phase, state, detail FROM events WHERE id > ?1 ORDER BY id LIMIT ?2",
+            )
+            .map_err(|e| self.err(e))?;
+        let rows = stmt
+            .query_map(params![after, limit as i64], |r| {
+                Ok(JournalEntry {
+                    id: r.get(0)?,
+                    pid: r.get(1)?,
+                    event: Event {
+                        ts_ms: r.get(2)?,
+                        op: r.get(3)?,
+                        phase: r.get(4)?,
+                        state: r.get(5)?,
+                        detail: r.get(6)?,
+                    },
                 })
             })
             .map_err(|e| self.err(e))?;

@@ -62,6 +62,14 @@ struct Args {
     /// CUDA state of its own.
     #[arg(long)]
     child: bool,
+    /// Be a fake model server: answer HTTP/1.1 on 127.0.0.1:PORT (keep-alive)
+    /// after touching the device memory, so that a suspended server holds
+    /// its requests as a real one does. `GET /` answers
+    /// `ok <pid> <request> <1 if intact else 0>`; `GET /stream?chunks=N&ms=M`
+    /// streams N chunked lines, one every M ms, each after a touch;
+    /// `GET /generate?...` answers a hash of its query (the same every time).
+    #[arg(long, value_name = "PORT")]
+    http: Option<u16>,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -206,6 +214,10 @@ fn run(args: &Args) -> Result<(), String> {
         });
     }
     let pid = std::process::id();
+    if let Some(port) = args.http {
+        let gpu = Gpu { cuda, ptr, data, served: std::sync::atomic::AtomicU64::new(0) };
+        return serve_http(std::sync::Arc::new(gpu), port, args.print_ready);
+    }
     if args.print_ready {
         let mut out = std::io::stdout().lock();
         writeln!(out, "ready {pid}").and_then(|()| out.flush()).map_err(|e| e.to_string())?;
@@ -268,6 +280,117 @@ fn run(args: &Args) -> Result<(), String> {
         sleep(Duration::from_millis(100));
     }
     Ok(())
+}
+
+/// The server's device memory and the pattern it must still hold.
+struct Gpu {
+    cuda: Cuda,
+    ptr: u64,
+    data: Vec<u8>,
+    served: std::sync::atomic::AtomicU64,
+}
+
+impl Gpu {
+    /// Reads the pattern back from the device: blocks while the process is
+    /// suspended, as a real server's next kernel launch would.
+    fn touch(&self) -> Result<bool, String> {
+        if self.data.is_empty() {
+            return Ok(true);
+        }
+        let mut back = vec![0u8; self.data.len()];
+        // SAFETY: `back` is as long as the length passed.
+        let rc = unsafe { (self.cuda.memcpy_dtoh)(back.as_mut_ptr().cast(), self.ptr, back.len()) };
+        self.cuda.check("cuMemcpyDtoH_v2", rc)?;
+        Ok(back == self.data)
+    }
+}
+
+fn serve_http(gpu: std::sync::Arc<Gpu>, port: u16, print_ready: bool) -> Result<(), String> {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind {port}: {e}"))?;
+    if print_ready {
+        println!("ready {}", std::process::id());
+    }
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        let gpu = std::sync::Arc::clone(&gpu);
+        std::thread::spawn(move || {
+            if let Err(e) = serve_conn(&gpu, conn) {
+                eprintln!("fake-workload: connection: {e}");
+            }
+        });
+    }
+    Ok(())
+}
+
+/// HTTP/1.1 by hand: the fake needs three fixed routes, not a web framework.
+fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
+    use std::io::{BufRead, BufReader, Read};
+    let mut out = conn.try_clone().map_err(|e| e.to_string())?;
+    let mut input = BufReader::new(conn);
+    loop {
+        let mut line = String::new();
+        if input.read_line(&mut line).map_err(|e| e.to_string())? == 0 {
+            return Ok(());
+        }
+        let target = line.split_whitespace().nth(1).unwrap_or("/").to_string();
+        let mut close = line.trim_end().ends_with("HTTP/1.0");
+        let mut length = 0usize;
+        loop {
+            let mut h = String::new();
+            if input.read_line(&mut h).map_err(|e| e.to_string())? == 0 {
+                return Ok(());
+            }
+            if h.trim().is_empty() {
+                break;
+            }
+            if let Some((k, v)) = h.split_once(':') {
+                if k.eq_ignore_ascii_case("content-length") {
+                    length = v.trim().parse().unwrap_or(0);
+                }
+                if k.eq_ignore_ascii_case("connection") {
+                    close = v.trim().eq_ignore_ascii_case("close");
+                }
+            }
+        }
+        let mut body = vec![0u8; length];
+        input.read_exact(&mut body).map_err(|e| e.to_string())?;
+        let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+        let param = |k: &str| {
+            query.split('&').find_map(|kv| kv.strip_prefix(k).and_then(|v| v.strip_prefix('='))).and_then(|v| v.parse::<u64>().ok())
+        };
+        let n = gpu.served.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        let pid = std::process::id();
+        if path == "/stream" {
+            let chunks = param("chunks").unwrap_or(5);
+            let every = param("ms").unwrap_or(100);
+            write!(out, "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n")
+                .map_err(|e| e.to_string())?;
+            for i in 0..chunks {
+                let intact = gpu.touch()?;
+                let piece = format!("chunk {i} {}\n", u8::from(intact));
+                write!(out, "{:x}\r\n{piece}\r\n", piece.len()).map_err(|e| e.to_string())?;
+                out.flush().map_err(|e| e.to_string())?;
+                sleep(Duration::from_millis(every));
+            }
+            write!(out, "0\r\n\r\n").map_err(|e| e.to_string())?;
+        } else {
+            let intact = gpu.touch()?;
+            let text = if path == "/generate" {
+                // Deterministic "tokens" for the agent benchmark's dry run:
+                // the same prompt always gets the same answer.
+                let h = query.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+                format!("{h:016x} {}\n", u8::from(intact))
+            } else {
+                format!("ok {pid} {n} {}\n", u8::from(intact))
+            };
+            write!(out, "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{text}", text.len())
+                .map_err(|e| e.to_string())?;
+        }
+        out.flush().map_err(|e| e.to_string())?;
+        if close {
+            return Ok(());
+        }
+    }
 }
 
 fn main() -> ExitCode {

@@ -1,0 +1,174 @@
+//! Prometheus metrics (prometheus-client), in base units.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabels {
+    pub state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransitionLabels {
+    pub service: String,
+    pub kind: String,
+    pub result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServiceLabels {
+    pub service: String,
+}
+
+fn seconds_buckets() -> Histogram {
+    // 1 ms .. ~9 min: a proxy hop to a resume of tens of GB to a cold wake.
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 20))
+}
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub services: Family<StateLabels, Gauge>,
+    pub transitions: Family<TransitionLabels, Counter>,
+    pub durations: Family<KindLabels, Histogram, fn() -> Histogram>,
+    pub wait: Family<ServiceLabels, Histogram, fn() -> Histogram>,
+    pub in_flight: Family<ServiceLabels, Gauge>,
+    pub host_bytes: Gauge<u64, AtomicU64>,
+    pub image_bytes: Gauge<u64, AtomicU64>,
+    pub refusals: Family<ServiceLabels, Counter>,
+    pub connections_closed: Family<ServiceLabels, Counter>,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("gpusnap_agent");
+        let m = Self {
+            services: Family::default(),
+            transitions: Family::default(),
+            durations: Family::new_with_constructor(seconds_buckets),
+            wait: Family::new_with_constructor(seconds_buckets),
+            in_flight: Family::default(),
+            host_bytes: Gauge::default(),
+            image_bytes: Gauge::default(),
+            refusals: Family::default(),
+            connections_closed: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register("services", "Services by state", m.services.clone());
+        registry.register("transitions", "Transitions by service, kind and result", m.transitions.clone());
+        registry.register_with_unit(
+            "transition_duration",
+            "Duration of suspend, resume, hibernate and wake",
+            prometheus_client::registry::Unit::Seconds,
+            m.durations.clone(),
+        );
+        registry.register_with_unit(
+            "request_wait",
+            "Time a connection waited for its service to come back",
+            prometheus_client::registry::Unit::Seconds,
+            m.wait.clone(),
+        );
+        registry.register("connections_in_flight", "Open client connections", m.in_flight.clone());
+        registry.register_with_unit(
+            "host_memory",
+            "Device memory of suspended services, held in host RAM",
+            prometheus_client::registry::Unit::Bytes,
+            m.host_bytes.clone(),
+        );
+        registry.register_with_unit(
+            "image",
+            "Size of the images of hibernated services",
+            prometheus_client::registry::Unit::Bytes,
+            m.image_bytes.clone(),
+        );
+        registry.register("admission_refusals", "Resumes refused for lack of GPU memory", m.refusals.clone());
+        registry.register(
+            "connections_closed_unserved",
+            "Connections closed because their service could not come back in time",
+            m.connections_closed.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    /// OpenMetrics text, as prometheus-client writes it.
+    pub fn encode_openmetrics(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    /// The Prometheus text format (0.0.4), which every scraper and
+    /// `promtool check metrics` read.
+    pub fn encode(&self) -> String {
+        to_prometheus_text(&self.encode_openmetrics())
+    }
+
+    pub fn transition(&self, service: &str, kind: &str, ok: bool, secs: f64) {
+        self.transitions
+            .get_or_create(&TransitionLabels {
+                service: service.into(),
+                kind: kind.into(),
+                result: if ok { "ok" } else { "failed" }.into(),
+            })
+            .inc();
+        if ok {
+            self.durations.get_or_create(&KindLabels { kind: kind.into() }).observe(secs);
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// OpenMetrics -> Prometheus text 0.0.4. prometheus-client writes only
+/// OpenMetrics, whose counter families are named without `_total` (their
+/// samples carry it) and which has `# UNIT` and `# EOF` lines; the older
+/// format names the family as its samples. A few lines of rewriting, rather
+/// than a second metrics crate.
+pub fn to_prometheus_text(om: &str) -> String {
+    let counters: std::collections::HashSet<&str> = om
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(om.len());
+    for line in om.lines() {
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        let rewritten = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters.contains(name).then(|| format!("{p}{name}_total {tail}"))
+        });
+        out.push_str(rewritten.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn counters_are_named_as_their_samples() {
+        let m = super::Metrics::new();
+        m.transition("a", "suspend", true, 0.5);
+        let text = m.encode();
+        assert!(text.contains("# TYPE gpusnap_agent_transitions_total counter"), "{text}");
+        assert!(text.contains("# HELP gpusnap_agent_transitions_total "), "{text}");
+        assert!(!text.contains("# EOF") && !text.contains("# UNIT"), "{text}");
+    }
+}

@@ -1,0 +1,199 @@
+//! The TCP proxy in front of each service (as Knative's activator and KEDA's
+//! interceptor do): bytes both ways, any protocol, never parsed. It sees
+//! enough to know whether a request is in flight: the client sent bytes the
+//! backend has not answered yet. Client bytes for a service that is not
+//! running wait until it is back (resumed, woken or started).
+
+use crate::daemon::Agent;
+use crate::metrics::ServiceLabels;
+use crate::service::{Conn, Service, State};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+const BUF: usize = 64 * 1024;
+
+pub async fn serve(agent: Arc<Agent>, svc: Arc<Service>, listener: TcpListener) {
+    loop {
+        match listener.accept().await {
+            Ok((client, _)) => {
+                let (a, s) = (Arc::clone(&agent), Arc::clone(&svc));
+                tokio::spawn(async move { handle(a, s, client).await });
+            }
+            Err(e) => {
+                tracing::warn!(service = svc.name, "accept: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Takes a connection out of the books when it ends, however it ends.
+struct Registered {
+    svc: Arc<Service>,
+    agent: Arc<Agent>,
+    id: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        let mut g = self.svc.lock();
+        g.conns.remove(&self.id);
+        g.last_activity = Instant::now();
+        drop(g);
+        self.agent.metrics.in_flight.get_or_create(&ServiceLabels { service: self.svc.name.clone() }).dec();
+    }
+}
+
+/// Counts a connection as waiting for its service (bounded by max_waiting).
+struct Waiting<'a>(&'a Service);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.lock().waiting -= 1;
+    }
+}
+
+impl Service {
+    /// Marks a request in flight, if the service is running: under the same
+    /// lock the policy decides to suspend under, so it can never suspend
+    /// between this check and the bytes reaching the backend.
+    fn begin_request(&self, id: u64) -> bool {
+        let mut g = self.lock();
+        if g.state != State::Running {
+            return false;
+        }
+        if let Some(c) = g.conns.get_mut(&id) {
+            c.awaiting = true;
+        }
+        g.last_activity = Instant::now();
+        g.last_used_ms = gpusnap_core::store::now_ms();
+        true
+    }
+
+    fn answered(&self, id: u64) {
+        let mut g = self.lock();
+        if let Some(c) = g.conns.get_mut(&id) {
+            c.awaiting = false;
+        }
+        g.last_activity = Instant::now();
+    }
+}
+
+/// Waits for the service, bounded in count and time; records the wait.
+async fn wait_for(agent: &Arc<Agent>, svc: &Arc<Service>) -> Result<(), String> {
+    {
+        let mut g = svc.lock();
+        if g.waiting >= svc.cfg.max_waiting {
+            return Err(format!("{}: {} connections already wait", svc.name, g.waiting));
+        }
+        g.waiting += 1;
+    }
+    let _w = Waiting(svc);
+    let t0 = Instant::now();
+    let r = agent.ensure_running(svc, t0 + svc.cfg.wake_timeout).await;
+    if let Ok(true) = r {
+        agent.metrics.wait.get_or_create(&ServiceLabels { service: svc.name.clone() }).observe(t0.elapsed().as_secs_f64());
+        tracing::info!(service = svc.name, waited_ms = t0.elapsed().as_millis() as u64, "connection waited for its service");
+    }
+    r.map(|_| ()).map_err(|e| e.0)
+}
+
+async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
+    let _ = client.set_nodelay(true);
+    let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+    {
+        let mut g = svc.lock();
+        g.conns.insert(id, Conn { awaiting: false });
+        g.last_activity = Instant::now();
+    }
+    agent.metrics.in_flight.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+    let _reg = Registered { svc: Arc::clone(&svc), agent: Arc::clone(&agent), id };
+    let closed = || agent.metrics.connections_closed.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+
+    if let Err(e) = wait_for(&agent, &svc).await {
+        tracing::warn!(service = svc.name, "closing a connection: {e}");
+        closed();
+        let _ = client.shutdown().await;
+        return;
+    }
+    // A server just started may not listen yet: retry until wake_timeout.
+    let deadline = Instant::now() + svc.cfg.wake_timeout;
+    let backend = loop {
+        match TcpStream::connect(svc.cfg.backend).await {
+            Ok(b) => break b,
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!(service = svc.name, "backend not there yet: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => {
+                tracing::warn!(service = svc.name, "backend {}: {e}", svc.cfg.backend);
+                closed();
+                return;
+            }
+        }
+    };
+    let _ = backend.set_nodelay(true);
+    let (mut cr, mut cw) = client.into_split();
+    let (mut br, mut bw) = backend.into_split();
+
+    let up = {
+        let (agent, svc) = (Arc::clone(&agent), Arc::clone(&svc));
+        async move {
+            let mut buf = vec![0u8; BUF];
+            loop {
+                let n = match cr.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                // A keep-alive connection may outlive a suspension: bytes on
+                // it bring the service back as a new connection would.
+                while !svc.begin_request(id) {
+                    if let Err(e) = wait_for(&agent, &svc).await {
+                        tracing::warn!(service = svc.name, "closing a connection: {e}");
+                        agent.metrics.connections_closed.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+                        return false;
+                    }
+                }
+                if bw.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+            let _ = bw.shutdown().await;
+            true
+        }
+    };
+    let down = {
+        let svc = Arc::clone(&svc);
+        async move {
+            let mut buf = vec![0u8; BUF];
+            loop {
+                let n = match br.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                svc.answered(id);
+                if cw.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+            let _ = cw.shutdown().await;
+        }
+    };
+    tokio::pin!(up);
+    tokio::pin!(down);
+    // The client's half ending is not the end: the answer may still come.
+    // The backend's half ending is (it closed the connection), unless the
+    // client gave up waiting, which closes both.
+    tokio::select! {
+        ok = &mut up => {
+            if ok {
+                down.await;
+            }
+        }
+        _ = &mut down => {}
+    }
+}

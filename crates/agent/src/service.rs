@@ -1,0 +1,202 @@
+//! One service: its state, its connections, and what survives the agent
+//! (the record in `STATE_DIR/agent/services.json`).
+
+use crate::config::ServiceConfig;
+use gpusnap_core::target::Target;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    Starting,
+    Running,
+    Suspending,
+    Suspended,
+    Resuming,
+    Hibernating,
+    Hibernated,
+    Waking,
+    Stopping,
+    /// The process is gone (died, or could not be started); restarted when allowed.
+    Dead,
+}
+
+impl State {
+    pub const ALL: [State; 10] = [
+        State::Starting,
+        State::Running,
+        State::Suspending,
+        State::Suspended,
+        State::Resuming,
+        State::Hibernating,
+        State::Hibernated,
+        State::Waking,
+        State::Stopping,
+        State::Dead,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Starting => "starting",
+            State::Running => "running",
+            State::Suspending => "suspending",
+            State::Suspended => "suspended",
+            State::Resuming => "resuming",
+            State::Hibernating => "hibernating",
+            State::Hibernated => "hibernated",
+            State::Waking => "waking",
+            State::Stopping => "stopping",
+            State::Dead => "dead",
+        }
+    }
+
+    /// A transition is under way: nobody else may start one.
+    pub fn in_transition(self) -> bool {
+        matches!(
+            self,
+            State::Starting
+                | State::Suspending
+                | State::Resuming
+                | State::Hibernating
+                | State::Waking
+                | State::Stopping
+        )
+    }
+}
+
+/// One client connection as the idle rule sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Conn {
+    /// The client sent bytes that the backend has not answered yet: a request
+    /// is in flight, however long the backend thinks.
+    pub awaiting: bool,
+}
+
+#[derive(Debug)]
+pub struct Inner {
+    pub state: State,
+    /// The service's program (the root of its process tree).
+    pub process: Option<Target>,
+    /// `gpusnap run --light` that started it, when the agent did.
+    pub runner: Option<i32>,
+    /// Its image while hibernated (and while being woken).
+    pub image: Option<String>,
+    pub conns: HashMap<u64, Conn>,
+    pub last_activity: Instant,
+    pub last_used_ms: i64,
+    /// When the current state was entered.
+    pub since: Instant,
+    pub waiting: usize,
+    pub restarts: u32,
+    pub restart_at: Option<Instant>,
+    pub last_error: Option<String>,
+    /// No hibernation before this (one failed: CRIU missing, say); the
+    /// policy must not retry it every tick.
+    pub hibernate_not_before: Option<Instant>,
+    /// A state change the agent makes itself (hibernate, stop): the process
+    /// ending is expected, not a crash.
+    pub ending_on_purpose: bool,
+}
+
+pub struct Service {
+    pub cfg: ServiceConfig,
+    pub name: String,
+    pub inner: Mutex<Inner>,
+    /// Bumped on every state change; waiters watch it.
+    pub changed: tokio::sync::watch::Sender<u64>,
+}
+
+impl Service {
+    pub fn new(cfg: ServiceConfig) -> Self {
+        let name = cfg.name.get_ref().clone();
+        Self {
+            cfg,
+            name,
+            inner: Mutex::new(Inner {
+                state: State::Dead,
+                process: None,
+                runner: None,
+                image: None,
+                conns: HashMap::new(),
+                last_activity: Instant::now(),
+                last_used_ms: gpusnap_core::store::now_ms(),
+                since: Instant::now(),
+                waiting: 0,
+                restarts: 0,
+                restart_at: None,
+                last_error: None,
+                hibernate_not_before: None,
+                ending_on_purpose: false,
+            }),
+            changed: tokio::sync::watch::channel(0).0,
+        }
+    }
+
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic in another holder leaves plain data behind: keep serving.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn set_state(&self, inner: &mut Inner, state: State) {
+        if inner.state != state {
+            tracing::info!(service = self.name, from = inner.state.as_str(), to = state.as_str(), "state");
+            inner.state = state;
+            inner.since = Instant::now();
+        }
+        self.changed.send_modify(|v| *v += 1);
+    }
+
+    /// No bytes for `after`, no request awaiting its answer, nobody waiting.
+    pub fn idle_for(inner: &Inner, after: Duration) -> bool {
+        inner.waiting == 0 && !inner.conns.values().any(|c| c.awaiting) && inner.last_activity.elapsed() >= after
+    }
+
+    /// Busy enough that it must not be taken off the GPU for another service.
+    pub fn has_traffic(inner: &Inner) -> bool {
+        inner.waiting > 0 || inner.conns.values().any(|c| c.awaiting)
+    }
+}
+
+/// What the agent must find again after a crash or a restart.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Persisted {
+    pub pid: Option<i32>,
+    pub start_time: Option<u64>,
+    pub comm: Option<String>,
+    pub runner: Option<i32>,
+    pub image: Option<String>,
+    /// The transition under way when this was written ("hibernate", "wake").
+    pub doing: Option<String>,
+}
+
+pub fn state_file(state_dir: &Path) -> std::path::PathBuf {
+    state_dir.join("agent").join("services.json")
+}
+
+pub fn load_persisted(state_dir: &Path) -> BTreeMap<String, Persisted> {
+    std::fs::read(state_file(state_dir))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+/// Temp name + fsync + rename: a crash leaves the old file or the new one.
+pub fn save_persisted(state_dir: &Path, all: &BTreeMap<String, Persisted>) -> std::io::Result<()> {
+    use std::io::Write;
+    let path = state_file(state_dir);
+    let dir = path.parent().unwrap_or(state_dir);
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".services.json.{}", std::process::id()));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&serde_json::to_vec_pretty(all).map_err(std::io::Error::other)?)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &path)?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}

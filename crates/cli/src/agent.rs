@@ -1,0 +1,76 @@
+//! `gpusnap agent`, `gpusnap services`, `gpusnap service NAME ACTION`: the
+//! daemon and its remote control live in the agent crate.
+
+use crate::output::Out;
+use crate::Cli;
+use gpusnap_agent::client::{self, ClientError};
+use gpusnap_agent::{AgentError, Config, Setup};
+use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, Timeouts};
+use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};
+use std::path::Path;
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Action {
+    Suspend,
+    Resume,
+    Hibernate,
+    Wake,
+    Restart,
+}
+
+impl Action {
+    fn as_str(self) -> &'static str {
+        match self {
+            Action::Suspend => "suspend",
+            Action::Resume => "resume",
+            Action::Hibernate => "hibernate",
+            Action::Wake => "wake",
+            Action::Restart => "restart",
+        }
+    }
+}
+
+/// The exit code an agent or client error carries.
+pub fn exit_code(e: &anyhow::Error) -> Option<i32> {
+    e.downcast_ref::<AgentError>()
+        .map(AgentError::exit_code)
+        .or_else(|| e.downcast_ref::<ClientError>().map(ClientError::exit_code))
+}
+
+pub fn run_agent(cli: &Cli, config: &Path) -> anyhow::Result<()> {
+    let config = Config::load(config).map_err(AgentError::from)?;
+    // A host without a driver still proxies (and starts) its services: the
+    // agent then only cannot take them off the GPU, which each attempt says.
+    let api: Box<dyn CheckpointApi> = match CudaDriver::load() {
+        Ok(d) => Box::new(d),
+        Err(e) => Box::new(Absent { why: e.to_string() }),
+    };
+    let gpus: Box<dyn GpuInventory> = match NvmlInventory::load() {
+        Ok(n) => Box::new(n),
+        Err(_) => Box::new(NoGpus),
+    };
+    let exe = std::env::current_exe()?;
+    gpusnap_agent::run(Setup {
+        config,
+        state_dir: cli.state_dir.clone(),
+        criu: cli.criu.clone(),
+        api: Deadline::new(api, Timeouts::default()),
+        gpus,
+        exe,
+    })?;
+    Ok(())
+}
+
+pub fn services(out: &Out, socket: &Path) -> anyhow::Result<()> {
+    let body = client::request(socket, "GET", "/v1/services")?;
+    let v: serde_json::Value = serde_json::from_str(&body)?;
+    out.agent_services(&v);
+    Ok(())
+}
+
+pub fn service(out: &Out, socket: &Path, name: &str, action: Action) -> anyhow::Result<()> {
+    let body = client::request(socket, "POST", &format!("/v1/services/{name}/{}", action.as_str()))?;
+    let v: serde_json::Value = serde_json::from_str(&body)?;
+    out.agent_services(&serde_json::Value::Array(vec![v]));
+    Ok(())
+}

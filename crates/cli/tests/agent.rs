@@ -1,0 +1,666 @@
+//! The node agent against the fakes: fake model servers (`fake-workload
+//! --http`, a fake CUDA process that touches its device memory before it
+//! answers) behind `gpusnap agent`.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+struct Svc {
+    name: &'static str,
+    mib: u64,
+    gpu: u32,
+    extra: &'static str,
+}
+
+struct AgentWorld {
+    w: World,
+    socket: PathBuf,
+    config: PathBuf,
+    ports: Vec<(u16, u16)>,
+    agent: Option<usize>,
+    _sockdir: tempfile::TempDir,
+}
+
+impl AgentWorld {
+    fn new(gpu_mib: u64, agent_extra: &str, svcs: &[Svc]) -> Self {
+        Self::on_gpus(&[gpu_mib], agent_extra, svcs)
+    }
+
+    fn on_gpus(gpus: &[u64], agent_extra: &str, svcs: &[Svc]) -> Self {
+        let w = World::new(gpus);
+        // A directory others may enter: the 403 test connects as nobody.
+        let sockdir = tempfile::Builder::new().prefix("gpusnap-agent-test").tempdir_in("/tmp").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(sockdir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let socket = sockdir.path().join("agent.sock");
+        let mut text = format!("[agent]\nsocket = {:?}\n{agent_extra}\n", socket.display().to_string());
+        let mut ports = Vec::new();
+        for s in svcs {
+            let (listen, backend) = (free_port(), free_port());
+            ports.push((listen, backend));
+            text += &format!(
+                "\n[[service]]\nname = \"{}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\n\
+                 command = [{:?}, \"--mib\", \"{}\", \"--gpu\", \"{}\", \"--http\", \"{backend}\"]\n{}\n",
+                s.name,
+                fake_workload_bin().display().to_string(),
+                s.mib,
+                s.gpu,
+                s.extra
+            );
+        }
+        let config = w.tmp.path().join("agent.toml");
+        std::fs::write(&config, text).unwrap();
+        let mut a = Self { w, socket, config, ports, agent: None, _sockdir: sockdir };
+        a.start();
+        a
+    }
+
+    fn start(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+        let cfg = self.config.display().to_string();
+        let n = self.w.spawn_gpusnap(&["agent", "--config", &cfg]);
+        self.agent = Some(n);
+        let sock = self.socket.clone();
+        wait_for(LONG, || UnixStream::connect(&sock).is_ok());
+    }
+
+    fn kill9(&mut self) {
+        let n = self.agent.take().unwrap();
+        self.w.children[n].kill();
+        self.w.children[n].wait();
+    }
+
+    fn api(&self, method: &str, path: &str) -> (u16, String) {
+        api_call(&self.socket, method, path)
+    }
+
+    fn services(&self) -> Vec<Value> {
+        let (code, body) = self.api("GET", "/v1/services");
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str::<Value>(&body).unwrap().as_array().unwrap().clone()
+    }
+
+    fn service(&self, name: &str) -> Value {
+        let (code, body) = self.api("GET", &format!("/v1/services/{name}"));
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    fn state(&self, name: &str) -> String {
+        self.service(name)["state"].as_str().unwrap().to_string()
+    }
+
+    /// Waits for a state; registers the service's processes for cleanup.
+    fn wait_state(&mut self, name: &str, state: &str) -> Value {
+        let mut last;
+        let end = Instant::now() + LONG;
+        loop {
+            last = self.service(name);
+            if last["state"] == state {
+                break;
+            }
+            assert!(Instant::now() < end, "{name} not {state} within {LONG:?}: {last}\nagent log: {}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for k in ["runner", "pid"] {
+            if let Some(p) = last[k].as_i64() {
+                if !self.w.adopted.contains(&(p as i32)) {
+                    self.w.adopt(p as i32);
+                }
+            }
+        }
+        last
+    }
+
+    fn log(&self) -> String {
+        let n = self.agent.unwrap_or(0);
+        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default()
+    }
+
+    fn port(&self, i: usize) -> u16 {
+        self.ports[i].0
+    }
+
+    fn notes(&self, pid: i64) -> Vec<Value> {
+        let r = self.w.json(&["history", &pid.to_string()]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        let v = r.json();
+        let list = v.get("events").cloned().unwrap_or(v);
+        list.as_array().unwrap().iter().filter(|e| e["op"] == "agent").cloned().collect()
+    }
+
+    fn metrics(&self) -> String {
+        let (code, body) = self.api("GET", "/metrics");
+        assert_eq!(code, 200);
+        body
+    }
+}
+
+impl Drop for AgentWorld {
+    /// The services run in sessions of their own and outlive the agent (on
+    /// purpose): end what the agent last recorded, even after a failure.
+    fn drop(&mut self) {
+        if let Some(n) = self.agent.take() {
+            self.w.children[n].kill();
+        }
+        let path = self.w.state_dir().join("agent").join("services.json");
+        let v: Value = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        for rec in v.as_object().into_iter().flat_map(|o| o.values()) {
+            for k in ["runner", "pid"] {
+                if let Some(p) = rec[k].as_i64() {
+                    if !self.w.adopted.contains(&(p as i32)) {
+                        self.w.adopt(p as i32);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn api_call(socket: &Path, method: &str, path: &str) -> (u16, String) {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(LONG)).unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    split_response(&text)
+}
+
+fn split_response(text: &str) -> (u16, String) {
+    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text, ""));
+    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        return (code, dechunk(body));
+    }
+    (code, body.to_string())
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
+    }
+    out
+}
+
+/// One HTTP request through the agent's proxy; the body of its answer.
+fn get(port: u16, path: &str) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(LONG)).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    let (code, body) = split_response(&text);
+    assert_eq!(code, 200, "GET {path} on {port}: {text:?}");
+    body
+}
+
+fn driver_state(w: &World, pid: i64) -> String {
+    let r = w.json(&["state", &pid.to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    r.json()["state"].as_str().unwrap().to_string()
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64
+}
+
+#[test]
+fn idle_service_is_suspended_and_a_request_wakes_it() {
+    let mut a = AgentWorld::new(
+        1000,
+        "",
+        &[Svc { name: "m", mib: 300, gpu: 0, extra: "suspend_after = \"700ms\"\nwake_timeout = \"60s\"" }],
+    );
+    let s = a.wait_state("m", "running");
+    let pid = s["pid"].as_i64().unwrap();
+    // A first request keeps it up; from its end, idleness is counted.
+    assert!(get(a.port(0), "/").starts_with(&format!("ok {pid} ")));
+    let answered = now_ms();
+    a.wait_state("m", "suspended");
+    assert_eq!(driver_state(&a.w, pid), "checkpointed");
+    let notes = a.notes(pid);
+    let decided = notes
+        .iter()
+        .filter(|n| n["detail"].as_str().unwrap().contains("suspend: idle for"))
+        .map(|n| n["ts_ms"].as_i64().unwrap())
+        .find(|t| *t >= answered)
+        .unwrap_or_else(|| panic!("no idle suspend after the request: {notes:?}"));
+    // suspend_after (700 ms) + 1 s.
+    assert!(decided - answered <= 1700, "suspended {} ms after the last byte", decided - answered);
+
+    // A request to the suspended service is held, the service resumed, and
+    // the answer comes from the same process with its memory intact.
+    let body = get(a.port(0), "/");
+    assert_eq!(body.trim_end(), format!("ok {pid} 2 1"));
+    assert_eq!(a.state("m"), "running");
+    let notes = a.notes(pid);
+    assert!(notes.iter().any(|n| n["detail"].as_str().unwrap().contains("resume: a connection arrived")), "{notes:?}");
+    let m = a.metrics();
+    let waited = m
+        .lines()
+        .find(|l| l.starts_with("gpusnap_agent_request_wait_seconds_count{service=\"m\"}"))
+        .unwrap_or_else(|| panic!("no wait recorded:\n{m}"));
+    assert!(waited.ends_with(" 1"), "{waited}");
+    assert!(m.contains("gpusnap_agent_transitions_total{service=\"m\",kind=\"resume\",result=\"ok\"} 1"), "{m}");
+
+    // The journal through the API: the decisions with their reasons.
+    let (code, events) = a.api("GET", "/v1/events?after=0&follow=false");
+    assert_eq!(code, 200);
+    let decisions: Vec<Value> = events
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["op"] == "agent" && e["pid"] == pid)
+        .collect();
+    assert!(decisions.iter().any(|e| e["detail"].as_str().unwrap().contains("suspend: idle for")), "{events}");
+    assert!(decisions.iter().any(|e| e["detail"].as_str().unwrap().contains("resume: a connection arrived")), "{events}");
+
+    // The CLI client talks to the same API.
+    let r = a.w.gpusnap(&["services", "--socket", &a.socket.display().to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stdout.contains("running"), "{}", r.stdout);
+    let r = a.w.json(&["service", "m", "suspend", "--socket", &a.socket.display().to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()[0]["state"], "suspended");
+    let r = a.w.gpusnap(&["service", "nope", "resume", "--socket", &a.socket.display().to_string()]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("no service \"nope\""), "{}", r.stderr);
+}
+
+#[test]
+fn a_stream_longer_than_suspend_after_is_not_cut() {
+    // Chunks 100 ms apart, suspend_after 1.5 s: a pause in a stream longer
+    // than suspend_after would count as idle (the proxy cannot tell it from
+    // the end of a response), so the gap is kept well under it.
+    let mut a = AgentWorld::new(1000, "", &[Svc { name: "s", mib: 200, gpu: 0, extra: "suspend_after = \"1500ms\"" }]);
+    let pid = a.wait_state("s", "running")["pid"].as_i64().unwrap();
+    get(a.port(0), "/");
+    a.wait_state("s", "suspended");
+    let from = now_ms();
+    // 40 chunks 100 ms apart: 4 s of streaming, more than twice suspend_after.
+    let body = get(a.port(0), "/stream?chunks=40&ms=100");
+    let lines: Vec<&str> = body.lines().collect();
+    assert_eq!(lines.len(), 40, "{body}");
+    assert!(lines.iter().all(|l| l.ends_with(" 1")), "{body}");
+    let to = now_ms();
+    let suspends: Vec<i64> = a
+        .notes(pid)
+        .iter()
+        .filter(|n| n["detail"].as_str().unwrap().contains("suspend: idle"))
+        .map(|n| n["ts_ms"].as_i64().unwrap())
+        .filter(|t| *t > from + 100 && *t < to - 100)
+        .collect();
+    assert!(suspends.is_empty(), "suspended while streaming at {suspends:?} ({from}..{to})");
+}
+
+/// Whether the fake driver holds device memory for `pid` now.
+fn resident(w: &World, pid: i64) -> Option<bool> {
+    let text = std::fs::read_to_string(w.fake_dir().join("state.json")).ok()?;
+    let v: Value = serde_json::from_str(&text).ok()?;
+    let e = v.get("procs")?.get(pid.to_string())?;
+    e["resident"].as_bool()
+}
+
+#[test]
+fn two_services_on_a_gpu_that_fits_one_swap_on_demand() {
+    // 1000 MiB, two servers of 600: only one can be resident. They declare
+    // their size, so the second starts only once the first is evicted.
+    let mut a = AgentWorld::new(
+        1000,
+        "",
+        &[
+            Svc { name: "a", mib: 600, gpu: 0, extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"" },
+            Svc { name: "b", mib: 600, gpu: 0, extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"" },
+        ],
+    );
+    // Settled: one suspended (idle) and the other running with its memory
+    // (it may have been restarted meanwhile, having started first).
+    let end = Instant::now() + LONG;
+    let (pa, pb) = loop {
+        let v = a.services();
+        let pid = |i: usize| v[i]["pid"].as_i64().filter(|p| pid_exists(*p as i32));
+        let st = |i: usize| v[i]["state"].as_str().unwrap_or("").to_string();
+        if let (Some(x), Some(y)) = (pid(0), pid(1)) {
+            let settled = match (st(0).as_str(), st(1).as_str()) {
+                ("running", "suspended") => resident(&a.w, x) == Some(true),
+                ("suspended", "running") => resident(&a.w, y) == Some(true),
+                _ => false,
+            };
+            if settled {
+                break (x, y);
+            }
+        }
+        assert!(Instant::now() < end, "the services never settled: {v:?}\n{}", a.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    a.wait_state("a", a.state("a").as_str());
+    a.wait_state("b", a.state("b").as_str());
+    let restarts = |a: &AgentWorld| a.services().iter().map(|s| s["restarts"].as_u64().unwrap()).sum::<u64>();
+    let restarts_before = restarts(&a);
+
+    // Watch the fake driver all along: never both resident.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let stop = std::sync::Arc::clone(&stop);
+        let dir = a.w.fake_dir();
+        std::thread::spawn(move || {
+            let mut both = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let w = |pid: i64| {
+                    let text = std::fs::read_to_string(dir.join("state.json")).ok()?;
+                    let v: Value = serde_json::from_str(&text).ok()?;
+                    v.get("procs")?.get(pid.to_string())?["resident"].as_bool()
+                };
+                if w(pa) == Some(true) && w(pb) == Some(true) {
+                    both += 1;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            both
+        })
+    };
+    let mut answers = Vec::new();
+    for i in 0..6 {
+        let (port, pid) = if i % 2 == 0 { (a.port(0), pa) } else { (a.port(1), pb) };
+        let body = get(port, "/");
+        let f: Vec<&str> = body.split_whitespace().collect();
+        assert_eq!((f[0], f[1], f[3]), ("ok", pid.to_string().as_str(), "1"), "request {i}: {body}");
+        answers.push(body);
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(watcher.join().unwrap(), 0, "both servers were resident at once");
+    assert_eq!(restarts(&a), restarts_before, "a server was restarted: {:?}", a.services());
+    assert_eq!(restarts_before, 0, "a server failed to start: {:?}", a.services());
+    assert_eq!(answers.len(), 6);
+    assert!(resident(&a.w, pb) == Some(true) && resident(&a.w, pa) != Some(true));
+    let notes = a.notes(pa);
+    assert!(
+        notes.iter().any(|n| n["detail"].as_str().unwrap().contains("evicted to make room for b")),
+        "{notes:?}"
+    );
+}
+
+#[test]
+fn host_memory_pressure_hibernates_and_a_request_wakes() {
+    criu_present();
+    // A threshold no host meets: every suspended service is under pressure.
+    let mut a = AgentWorld::new(
+        1000,
+        "min_host_available = \"1PiB\"",
+        &[Svc { name: "h", mib: 300, gpu: 0, extra: "suspend_after = \"500ms\"\nwake_timeout = \"60s\"" }],
+    );
+    let pid = a.wait_state("h", "running")["pid"].as_i64().unwrap();
+    let s = a.wait_state("h", "hibernated");
+    let image = s["image"].as_str().unwrap().to_string();
+    assert!(a.w.state_dir().join("images").join(&image).join("manifest.json").exists());
+    assert!(!pid_exists(pid as i32), "the hibernated server still runs");
+    let notes = a.notes(pid);
+    assert!(notes.iter().any(|n| n["detail"].as_str().unwrap().contains("< min_host_available")), "{notes:?}");
+    // The request wakes it (CRIU restores the same pid) and its memory is intact.
+    let body = get(a.port(0), "/");
+    let f: Vec<&str> = body.split_whitespace().collect();
+    assert_eq!((f[0], f[1], f[3]), ("ok", pid.to_string().as_str(), "1"), "{body}");
+    a.w.adopt(pid as i32);
+    // Again: the woken server carries the traced guard now (as after
+    // `gpusnap wake`), which must let go for CRIU.
+    let s = a.wait_state("h", "hibernated");
+    assert_ne!(s["image"].as_str().unwrap(), image);
+    let body = get(a.port(0), "/");
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
+    let m = a.metrics();
+    assert!(m.contains("kind=\"hibernate\",result=\"ok\""), "{m}");
+    assert!(m.contains("kind=\"wake\",result=\"ok\""), "{m}");
+}
+
+#[test]
+fn a_killed_agent_is_restarted_and_adopts_every_service_as_it_was() {
+    let mut a = AgentWorld::new(
+        2000,
+        "",
+        &[
+            Svc { name: "idle", mib: 300, gpu: 0, extra: "suspend_after = \"500ms\"" },
+            Svc { name: "busy", mib: 300, gpu: 0, extra: "suspend_after = \"1h\"" },
+        ],
+    );
+    let idle = a.wait_state("idle", "suspended")["pid"].as_i64().unwrap();
+    let busy = a.wait_state("busy", "running")["pid"].as_i64().unwrap();
+    let restores = |a: &AgentWorld| a.w.calls_on(idle as i32).iter().filter(|c| c.starts_with("restore=")).count();
+    let restores_before = restores(&a);
+    a.kill9();
+    // The services do not notice.
+    assert_eq!(driver_state(&a.w, idle), "checkpointed");
+    assert_eq!(driver_state(&a.w, busy), "running");
+    a.start();
+    let s = a.service("idle");
+    assert_eq!((s["state"].as_str(), s["pid"].as_i64()), (Some("suspended"), Some(idle)), "{s}");
+    let s = a.service("busy");
+    assert_eq!((s["state"].as_str(), s["pid"].as_i64()), (Some("running"), Some(busy)), "{s}");
+    // None resumed (or started) twice.
+    assert_eq!(restores(&a), restores_before);
+    assert!(a.notes(idle).iter().any(|n| n["detail"].as_str().unwrap().contains("adopted as suspended")));
+    // And it serves as before.
+    let body = get(a.port(0), "/");
+    assert!(body.starts_with(&format!("ok {idle} ")), "{body}");
+}
+
+#[test]
+fn a_service_that_dies_is_restarted() {
+    let mut a = AgentWorld::new(1000, "", &[Svc { name: "d", mib: 100, gpu: 0, extra: "suspend_after = \"1h\"" }]);
+    let pid = a.wait_state("d", "running")["pid"].as_i64().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let end = Instant::now() + LONG;
+    let new = loop {
+        let s = a.service("d");
+        if s["state"] == "running" && s["pid"].as_i64().is_some_and(|p| p != pid) {
+            break s;
+        }
+        assert!(Instant::now() < end, "not restarted: {s}\n{}", a.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    a.wait_state("d", "running");
+    assert_eq!(new["restarts"], 1);
+    let body = get(a.port(0), "/");
+    assert!(body.starts_with(&format!("ok {} ", new["pid"])), "{body}");
+}
+
+#[test]
+fn a_full_gpu_sends_the_resume_to_another_gpu_of_the_same_model() {
+    let mut a = AgentWorld::on_gpus(
+        &[1000, 1000],
+        "",
+        &[Svc { name: "r", mib: 600, gpu: 0, extra: "suspend_after = \"500ms\"\nwake_timeout = \"60s\"" }],
+    );
+    let pid = a.wait_state("r", "suspended")["pid"].as_i64().unwrap();
+    // A tenant outside the agent takes GPU 0: nobody the agent could evict.
+    a.w.workload(600, 0, &[]);
+    let body = get(a.port(0), "/");
+    let f: Vec<&str> = body.split_whitespace().collect();
+    assert_eq!((f[0], f[1], f[3]), ("ok", pid.to_string().as_str(), "1"), "{body}");
+    let text = std::fs::read_to_string(a.w.fake_dir().join("state.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["procs"][pid.to_string()]["contexts"], serde_json::json!([1]), "{text}");
+    let notes = a.notes(pid);
+    assert!(
+        notes.iter().any(|n| n["detail"].as_str().unwrap().contains("resume onto GPU-00000001")),
+        "{notes:?}"
+    );
+}
+
+#[test]
+fn only_services_on_the_full_gpu_are_evicted_and_a_late_one_is_closed() {
+    // x runs on GPU 0 (no room left there for y), y was suspended from GPU 1,
+    // which a tenant outside the agent then fills: suspending x would not
+    // help y, so x stays, and y's connection is closed after wake_timeout.
+    let mut a = AgentWorld::on_gpus(
+        &[1000, 1000],
+        "",
+        &[
+            Svc { name: "x", mib: 600, gpu: 0, extra: "suspend_after = \"1h\"" },
+            Svc { name: "y", mib: 600, gpu: 1, extra: "suspend_after = \"500ms\"\nwake_timeout = \"2s\"" },
+        ],
+    );
+    a.wait_state("x", "running");
+    let y = a.wait_state("y", "suspended")["pid"].as_i64().unwrap();
+    a.w.workload(600, 1, &[]);
+    let mut s = TcpStream::connect(("127.0.0.1", a.port(1))).unwrap();
+    s.set_read_timeout(Some(LONG)).unwrap();
+    write!(s, "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    assert_eq!(text, "", "a connection to a service that could not come back was answered");
+    assert_eq!(a.state("x"), "running");
+    // The resume gives up at its own wake_timeout, a moment after the connection's.
+    a.wait_state("y", "suspended");
+    assert_eq!(a.state("x"), "running");
+    assert_eq!(driver_state(&a.w, y), "checkpointed");
+    let m = a.metrics();
+    assert!(m.contains("gpusnap_agent_connections_closed_unserved_total{service=\"y\"} 1"), "{m}");
+    assert!(m.contains("gpusnap_agent_admission_refusals_total{service=\"y\"}"), "{m}");
+}
+
+/// Asks the API as `nobody` (tests run as root): a forked child drops its
+/// privileges and makes one raw request; its exit code is the HTTP status / 100.
+fn api_as_nobody(socket: &Path) -> i32 {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(socket.as_os_str().as_bytes()).unwrap();
+    let req = b"GET /v1/services HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n";
+    // SAFETY: the child only makes raw system calls on memory prepared
+    // before the fork (no allocation, no locks) and ends with _exit.
+    unsafe {
+        let pid = libc::fork();
+        assert!(pid >= 0);
+        if pid == 0 {
+            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                libc::_exit(90);
+            }
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            let mut addr: libc::sockaddr_un = std::mem::zeroed();
+            addr.sun_family = libc::AF_UNIX as u16;
+            let bytes = path.as_bytes_with_nul();
+            for (i, b) in bytes.iter().enumerate() {
+                addr.sun_path[i] = *b as libc::c_char;
+            }
+            let len = std::mem::size_of::<libc::sockaddr_un>() as u32;
+            if libc::connect(fd, (&raw const addr).cast(), len) != 0 {
+                libc::_exit(91);
+            }
+            libc::write(fd, req.as_ptr().cast(), req.len());
+            let mut buf = [0u8; 16];
+            let n = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
+            // "HTTP/1.1 403"
+            if n < 12 {
+                libc::_exit(92);
+            }
+            libc::_exit(i32::from(buf[9] - b'0'));
+        }
+        let mut st = 0;
+        libc::waitpid(pid, &mut st, 0);
+        libc::WEXITSTATUS(st)
+    }
+}
+
+#[test]
+fn the_api_refuses_a_peer_that_is_neither_root_nor_in_the_group() {
+    let mut a = AgentWorld::new(1000, "", &[Svc { name: "p", mib: 100, gpu: 0, extra: "" }]);
+    a.wait_state("p", "running");
+    // The socket's mode already keeps others out (0660); open it to show
+    // that the credentials check stands on its own.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&a.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    assert_eq!(api_as_nobody(&a.socket), 4, "nobody was not refused with 403");
+    // Root is let in.
+    assert_eq!(a.api("GET", "/v1/services").0, 200);
+    let (code, body) = a.api("GET", "/v1/processes");
+    assert_eq!(code, 200, "{body}");
+}
+
+#[test]
+fn metrics_pass_promtool() {
+    let mut a = AgentWorld::new(1000, "", &[Svc { name: "x", mib: 100, gpu: 0, extra: "suspend_after = \"500ms\"" }]);
+    a.wait_state("x", "suspended");
+    get(a.port(0), "/");
+    let text = a.metrics();
+    for name in [
+        "gpusnap_agent_services{state=\"running\"}",
+        "gpusnap_agent_transitions_total",
+        "gpusnap_agent_transition_duration_seconds_bucket",
+        "gpusnap_agent_request_wait_seconds_bucket",
+        "gpusnap_agent_connections_in_flight",
+        "gpusnap_agent_host_memory_bytes",
+        "gpusnap_agent_image_bytes",
+    ] {
+        assert!(text.contains(name), "{name} missing:\n{text}");
+    }
+    let promtool = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let mut child = match promtool {
+        Ok(c) => c,
+        Err(e) => {
+            assert!(std::env::var("CI").is_err(), "promtool is needed in CI (Debian's prometheus package): {e}");
+            eprintln!("promtool not found ({e}): skipping the check (install Debian's prometheus package)");
+            return;
+        }
+    };
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn bad_configs_are_refused_naming_the_line() {
+    let w = World::new(&[1000]);
+    let good = "[agent]\nsocket = \"/tmp/x.sock\"\n\n[[service]]\nname = \"a\"\nlisten = \"127.0.0.1:1\"\n\
+                backend = \"127.0.0.1:2\"\ncommand = [\"x\"]\n";
+    let second = "\n[[service]]\nname = \"b\"\nlisten = \"127.0.0.1:3\"\nbackend = \"127.0.0.1:4\"\ncommand = [\"y\"]\n";
+    let cases = [
+        (good.replace("command", "colour = 1\ncommand"), 8, "unknown field `colour`"),
+        (format!("{good}{}", second.replace("\"b\"", "\"a\"")), 11, "duplicate service name \"a\""),
+        (format!("{good}{}", second.replace("127.0.0.1:3", "127.0.0.1:1")), 12, "port 1"),
+        (good.replace("command = [\"x\"]\n", ""), 5, "exactly one of command, pid_file, cgroup"),
+        (good.replace("command", "suspend_after = \"soon\"\ncommand"), 8, "bad duration"),
+        (format!("{good}min_host_available = 1"), 0, ""),
+    ];
+    for (i, (text, line, what)) in cases.iter().enumerate() {
+        let path = w.tmp.path().join(format!("bad{i}.toml"));
+        std::fs::write(&path, text).unwrap();
+        let r = w.gpusnap(&["agent", "--config", &path.display().to_string()]);
+        if *line == 0 {
+            // A key of [agent] after a [[service]] belongs to the service.
+            assert_eq!(r.code, 2, "{text}\n{}", r.stderr);
+            continue;
+        }
+        assert_eq!(r.code, 2, "{text}\n{}", r.stderr);
+        let want = format!("{}:{line}:", path.display());
+        assert!(r.stderr.contains(&want) && r.stderr.contains(what), "want {want} {what}, got: {}", r.stderr);
+        assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+    }
+    let r = w.gpusnap(&["agent", "--config", "/nonexistent/agent.toml"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+}

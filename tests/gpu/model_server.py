@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""A model server for the agent benchmark: random weights, deterministic.
+
+python3 model_server.py --port P [--seed S] [--weights-gb W] [--kv-gb K]
+                        [--backend auto|transformers|torch] [--ready FILE]
+
+Loads a causal LM with random weights (seeded, so the same seed gives the
+same model) and preallocates a KV cache of K GB, so that the process holds
+about W + K GB of device memory like a serving engine does. Then serves
+HTTP on 127.0.0.1:P (the port opens only once the model is loaded, so the
+agent and the benchmark see a cold start end there):
+
+  GET /health                      -> "ok"
+  GET /generate?prompt=TEXT&n=N    -> "tok tok ...\n" (greedy, N new tokens)
+
+With transformers (LlamaForCausalLM from a config, random init on the GPU)
+or, when it is missing or --backend torch, a plain PyTorch model (embedding,
+a stack of MLP blocks, a head), greedy either way: same prompt, same tokens.
+"""
+
+import argparse
+import hashlib
+import http.server
+import os
+import sys
+import time
+import urllib.parse
+
+import torch
+
+p = argparse.ArgumentParser()
+p.add_argument("--port", type=int, required=True)
+p.add_argument("--seed", type=int, default=0)
+p.add_argument("--weights-gb", type=float, default=float(os.environ.get("AGENT_WEIGHTS_GB", "16")))
+p.add_argument("--kv-gb", type=float, default=float(os.environ.get("AGENT_KV_GB", "59")))
+p.add_argument("--backend", default=os.environ.get("AGENT_BACKEND", "auto"))
+p.add_argument("--ready", default=None)
+args = p.parse_args()
+
+t0 = time.time()
+torch.manual_seed(args.seed)
+torch.cuda.manual_seed_all(args.seed)
+dev = torch.device("cuda")
+VOCAB = 32000
+HIDDEN = 4096
+backend = args.backend
+if backend == "auto":
+    try:
+        import transformers  # noqa: F401
+
+        backend = "transformers"
+    except Exception:
+        backend = "torch"
+
+if backend == "transformers":
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    inter = 14336
+    per_layer = (2 * HIDDEN * HIDDEN + 2 * HIDDEN * 1024 + 3 * HIDDEN * inter) * 2
+    layers = max(1, int((args.weights_gb * 1e9 - 2 * VOCAB * HIDDEN * 2) // per_layer))
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+    )
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        model = LlamaForCausalLM(cfg)
+    model.eval()
+
+    def generate(ids, n):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids], device=dev),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return out[0, len(ids):].tolist()
+
+else:
+    width = 4 * HIDDEN
+    per_block = 2 * HIDDEN * width * 2
+    blocks = max(1, int((args.weights_gb * 1e9 - 2 * VOCAB * HIDDEN * 2) // per_block))
+    emb = torch.randn(VOCAB, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02
+    ws = [
+        (
+            torch.randn(HIDDEN, width, device=dev, dtype=torch.bfloat16) * 0.02,
+            torch.randn(width, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02,
+        )
+        for _ in range(blocks)
+    ]
+    head = torch.randn(HIDDEN, VOCAB, device=dev, dtype=torch.bfloat16) * 0.02
+
+    def generate(ids, n):
+        out = []
+        ids = list(ids)
+        with torch.no_grad():
+            for _ in range(n):
+                h = emb[torch.tensor(ids, device=dev)].mean(0, keepdim=True)
+                for a, b in ws:
+                    h = h + torch.relu(h @ a) @ b
+                    h = h / (h.float().norm() + 1e-3).to(h.dtype)
+                tok = int(torch.argmax((h @ head).float(), dim=-1).item())
+                out.append(tok)
+                ids.append(tok)
+        return out
+
+# The KV cache a serving engine preallocates: touched, so it is resident.
+kv = torch.empty(int(args.kv_gb * 1e9), dtype=torch.uint8, device=dev)
+kv.fill_(1)
+torch.cuda.synchronize()
+load_s = time.time() - t0
+
+
+def tokenize(text):
+    return [int.from_bytes(hashlib.sha256(w.encode()).digest()[:4], "little") % VOCAB for w in text.split()] or [1]
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def answer(self, text):
+        body = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        u = urllib.parse.urlparse(self.path)
+        q = urllib.parse.parse_qs(u.query)
+        if u.path == "/health":
+            # Touch the GPU: a suspended server holds the request, as it would
+            # a real one.
+            kv[:1].add_(0)
+            torch.cuda.synchronize()
+            return self.answer("ok\n")
+        if u.path == "/generate":
+            prompt = q.get("prompt", ["hello world"])[0]
+            n = int(q.get("n", ["16"])[0])
+            toks = generate(tokenize(prompt), n)
+            return self.answer(" ".join(map(str, toks)) + "\n")
+        self.send_error(404)
+
+
+srv = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+held = torch.cuda.memory_allocated() / 1e9
+print(f"ready pid={os.getpid()} backend={backend} load_s={load_s:.1f} held_gb={held:.1f}", flush=True)
+if args.ready:
+    with open(args.ready, "w") as f:
+        f.write(f"{os.getpid()} {backend} {load_s:.2f} {held:.1f}\n")
+try:
+    srv.serve_forever()
+except KeyboardInterrupt:
+    sys.exit(0)
