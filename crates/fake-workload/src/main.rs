@@ -62,6 +62,10 @@ struct Args {
     /// CUDA state of its own.
     #[arg(long)]
     child: bool,
+    /// Start a thread every N µs that ends at once (0: none): threads come
+    /// and go while a tracer attaches.
+    #[arg(long, default_value_t = 0)]
+    churn_us: u64,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -200,6 +204,13 @@ fn run(args: &Args) -> Result<(), String> {
         }
     }
 
+    if args.churn_us > 0 {
+        let every = Duration::from_micros(args.churn_us);
+        std::thread::spawn(move || loop {
+            let _ = std::thread::spawn(|| ());
+            sleep(every);
+        });
+    }
     for _ in 0..args.threads {
         std::thread::spawn(|| loop {
             sleep(Duration::from_secs(3600));
