@@ -351,12 +351,18 @@ int main(void) {
 }
 "#;
     cc(&d, main, "main", &["-L.", "-learly", "-Wl,-rpath,$ORIGIN", "-ldl", "-include", "unistd.h"]);
+    let (o, e) = (w.tmp.path().join("early.out"), w.tmp.path().join("early.err"));
     let mut cmd = w.gpusnap_cmd(&["run", "--light", "--", d.join("main").to_str().unwrap()]);
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let child = cmd.spawn().unwrap();
-    let out = child.wait_with_output().unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    cmd.stdout(std::fs::File::create(&o).unwrap()).stderr(std::fs::File::create(&e).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    // Before the fix the late handler's CUDA call blocked for good.
+    let mut status = None;
+    wait_for(Duration::from_secs(60), || {
+        status = child.try_wait().unwrap();
+        status.is_some()
+    });
+    let (stdout, stderr) = (std::fs::read_to_string(&o).unwrap(), std::fs::read_to_string(&e).unwrap());
+    assert_eq!(status.unwrap().code(), Some(0), "{stdout}{stderr}");
     assert!(stderr.contains("late handler rc=0"), "{stderr}");
     let pid: i32 = stdout.split_whitespace().next().unwrap().parse().unwrap();
     assert_suspended_before_death(&w, pid);
@@ -369,20 +375,20 @@ int main(void) {
 #[test]
 fn traced_attach_races_with_threads_that_come_and_go() {
     let mut w = World::new(&[16_384]);
-    let pid = w.workload(256, 0, &["--churn-us", "500"]);
+    // Many threads to seize (so the first pass takes a while), and one that
+    // makes a short-lived thread every 0.5 ms.
+    let pid = w.workload(256, 0, &["--churn-us", "500", "--threads", "300"]);
     let r = w.gpusnap(&["guard", "--daemon", &pid.to_string()]);
     assert_eq!(r.code, 0, "{}", r.stderr);
-    let mut guard = tracer(pid);
+    let guard = tracer(pid);
     assert!(guard > 0);
-    for _ in 0..3 {
-        // The keeper's takeover attaches to the same churning program.
-        kill(guard, nix::sys::signal::Signal::SIGKILL);
-        wait_for(Duration::from_secs(30), || {
-            let t = tracer(pid);
-            t > 0 && t != guard
-        });
-        guard = tracer(pid);
-    }
+    // The keeper's takeover attaches to the same churning program.
+    kill(guard, nix::sys::signal::Signal::SIGKILL);
+    wait_for(Duration::from_secs(30), || {
+        let t = tracer(pid);
+        t > 0 && t != guard
+    });
+    let guard = tracer(pid);
     kill(pid, nix::sys::signal::Signal::SIGABRT);
     wait_for(Duration::from_secs(30), || !w.alive(pid));
     assert_suspended_before_death(&w, pid);
@@ -401,18 +407,38 @@ fn kill_quietly(pid: i32) {
 fn traced_stops_are_served_while_a_suspend_runs() {
     let mut w = World::with_config(&[16_384], serde_json::json!({ "checkpoint_gbps": 0.5 }));
     let st = status_file(&w, "storm");
+    // A second thread queues 200 ms of GPU work over and over (so the
+    // guard's lock waits for it, and the thread is nearly always inside the
+    // driver, holding its lock), and takes the SIGUSR1 storm.
+    let pre = r#"
+import ctypes, os, threading, time
+signal.signal(signal.SIGUSR1, lambda *a: None)
+status = sys.argv[3]
+def enqueue():
+    cu = ctypes.CDLL("libcuda.so.1")
+    while not os.path.exists(status):
+        time.sleep(0.01)
+    with open(status + ".tid.tmp", "w") as f:
+        f.write(str(threading.get_native_id()))
+    os.replace(status + ".tid.tmp", status + ".tid")
+    while True:
+        cu.fakeEnqueueWork(200)
+threading.Thread(target=enqueue, daemon=True).start()
+"#;
     let mut args = vec!["run".to_string(), TRACED.to_string(), "--".to_string()];
-    args.extend(busy_worker_args(&st, "signal.signal(signal.SIGUSR1, lambda *a: None)"));
+    args.extend(busy_worker_args(&st, pre));
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
     let idx = w.spawn_gpusnap(&a);
     let pid = wait_busy(&st);
+    let tid_file = PathBuf::from(format!("{}.tid", st.display()));
+    wait_for(Duration::from_secs(20), || tid_file.exists());
+    let tid: i32 = std::fs::read_to_string(&tid_file).unwrap().trim().parse().unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let s2 = std::sync::Arc::clone(&stop);
     let storm = std::thread::spawn(move || {
         while !s2.load(std::sync::atomic::Ordering::SeqCst) {
-            if nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGUSR1)
-                .is_err()
-            {
+            // SAFETY: tgkill with integer arguments.
+            if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, libc::SIGUSR1) } != 0 {
                 break;
             }
             std::thread::sleep(Duration::from_micros(500));

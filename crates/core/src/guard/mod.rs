@@ -253,10 +253,43 @@ fn origin(sig: i32, code: i32, sender: i32, pid: i32) -> Origin {
     Origin::Async
 }
 
-/// The tracer of thread `tid` (TracerPid), `None` when it is gone.
-fn tracer_of(tid: i32) -> Option<i32> {
-    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
-    status.lines().find_map(|l| l.strip_prefix("TracerPid:")?.trim().parse().ok())
+enum Refused {
+    /// Traced by this thread already.
+    Ours,
+    /// Exiting or gone.
+    Ending,
+    /// Traced by someone else, or not ours to trace.
+    Other,
+}
+
+/// Why a PTRACE_SEIZE of `tid` answered EPERM. A thread of a program that
+/// keeps making short-lived ones may be between its exit and its
+/// disappearance from /proc, where the kernel refuses it and /proc still
+/// shows it untraced; asked again a moment later it is gone.
+fn seize_refused(tid: i32) -> Refused {
+    // SAFETY: gettid has no preconditions.
+    let me = unsafe { libc::gettid() };
+    for _ in 0..20 {
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{tid}/status")) else {
+            return Refused::Ending;
+        };
+        let field = |key: &str| status.lines().find_map(|l| l.strip_prefix(key)).map(str::trim).unwrap_or("");
+        if matches!(field("State:").chars().next(), Some('Z' | 'X')) {
+            return Refused::Ending;
+        }
+        match field("TracerPid:").parse::<i32>() {
+            Ok(t) if t == me => return Refused::Ours,
+            Ok(0) => {}
+            _ => return Refused::Other,
+        }
+        std::thread::sleep(Duration::from_millis(1));
+        match seize(tid).map_err(|e| e.raw_os_error()) {
+            Ok(()) => return Refused::Ours,
+            Err(Some(libc::ESRCH)) => return Refused::Ending,
+            Err(_) => {}
+        }
+    }
+    Refused::Other
 }
 
 /// One decoded waitpid status.
@@ -599,21 +632,23 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
                     // Gone between the listing and the seize: nothing to guard.
                     Err(Some(libc::ESRCH)) => {}
                     // Created by a thread already seized, so traced by us
-                    // already (PTRACE_O_TRACECLONE). Not counted as new: a
-                    // program that keeps making threads would keep this
-                    // loop going, and its new threads are ours anyway.
-                    // SAFETY: gettid has no preconditions.
-                    Err(Some(libc::EPERM)) if tracer_of(tid) == Some(unsafe { libc::gettid() }) => {
-                        self.tids.insert(tid, pid);
-                    }
-                    Err(Some(libc::EPERM)) if tracer_of(tid).is_none() => {}
-                    Err(Some(libc::EPERM)) => {
-                        return Err(Error::Proc {
-                            pid,
-                            reason: "cannot trace it (already traced by another tool, or no permission)"
-                                .into(),
-                        })
-                    }
+                    // already (PTRACE_O_TRACECLONE), or ending (the kernel
+                    // refuses a thread that is exiting). Not counted as
+                    // new: a program that keeps making threads would keep
+                    // this loop going, and its new threads are ours anyway.
+                    Err(Some(libc::EPERM)) => match seize_refused(tid) {
+                        Refused::Ours => {
+                            self.tids.insert(tid, pid);
+                        }
+                        Refused::Ending => {}
+                        Refused::Other => {
+                            return Err(Error::Proc {
+                                pid,
+                                reason: "cannot trace it (already traced by another tool, or no permission)"
+                                    .into(),
+                            })
+                        }
+                    },
                     Err(e) => {
                         let e = std::io::Error::from_raw_os_error(e.unwrap_or(libc::EIO));
                         return Err(Error::Proc {
