@@ -761,7 +761,10 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
                 }
                 let (code, from) = siginfo(tid).unwrap_or((0, 0));
                 // Our own re-sent signal: the process is suspended already.
-                if from == std::process::id() as i32 && self.resent.remove(&(pid, sig)) {
+                // Not told by the sender pid: seen from a tracee in another
+                // pid namespace the guard's pid reads 0, and whatever else
+                // kills it now kills a suspended process.
+                if self.resent.remove(&(pid, sig)) {
                     cont(tid, sig);
                     return;
                 }
