@@ -766,7 +766,7 @@ section_light_python() {
     local st=$WORK/lp.status backend=torch pid="" sub="" pipe="" ops="" libs="" t0 v smi0
     [[ " ${RARGS[*]-} " == *" --light "* ]] || return 0
     [ "$GUARD_LIGHT_PY" = 1 ] || return 0
-    need 100 lp "[light] python: subprocess + lazily loaded CUDA libraries" || return 0
+    need 60 lp "[light] python: subprocess + lazily loaded CUDA libraries" || return 0
     [[ " ${WARGS[*]-} " == *" driver "* ]] && backend=driver
     rm -f "$st" "$st".*
     (
