@@ -402,6 +402,10 @@ pub struct Guard<A: CheckpointApi, G: GpuInventory> {
     resent: BTreeSet<(i32, i32)>,
     /// Requests and finished suspends for the event loop.
     inbox: Arc<Inbox>,
+    /// The process being attached: in the record from before the first
+    /// seize, so that a guard killed while it attaches (its keeper fires
+    /// as soon as it dies) leaves its keeper something to take over.
+    attaching: Option<i32>,
 }
 
 /// What the event loop does for a process once its suspend is done.
@@ -579,6 +583,7 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
             jobs: HashMap::new(),
             resent: BTreeSet::new(),
             inbox: Arc::new(Inbox::default()),
+            attaching: None,
         }
     }
 
@@ -591,7 +596,7 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     }
 
     fn processes(&self) -> Vec<i32> {
-        self.tids.values().copied().collect::<BTreeSet<_>>().into_iter().collect()
+        self.tids.values().copied().chain(self.attaching).collect::<BTreeSet<_>>().into_iter().collect()
     }
 
     /// Watch the memory cgroups of the guarded processes and suspend them
@@ -618,6 +623,15 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     /// Seizes every thread of `pid` (again until no new thread appears).
     pub fn attach(&mut self, pid: i32) -> Result<(), Error> {
         let t = target::resolve(pid)?;
+        self.attaching = Some(pid);
+        self.save();
+        let r = self.seize_all(pid, &t);
+        self.attaching = None;
+        self.save();
+        r
+    }
+
+    fn seize_all(&mut self, pid: i32, t: &Target) -> Result<(), Error> {
         loop {
             let mut new = 0;
             for tid in threads_of(pid) {
@@ -662,11 +676,10 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
                 break;
             }
         }
-        self.store.note(&t, "guard", None, &format!("guarded by gpusnap {}", std::process::id()))?;
+        self.store.note(t, "guard", None, &format!("guarded by gpusnap {}", std::process::id()))?;
         if self.leader == 0 {
             self.leader = pid;
         }
-        self.save();
         Ok(())
     }
 
