@@ -16,6 +16,13 @@
 #   GUARD_SIGTERM      1 (default): also the "sigterm" mode: SIGTERM (as from
 #                      Kubernetes) to a worker whose main thread is busy in
 #                      CUDA calls (--interval 0); never restored; 0: not
+#   GUARD_RUNTERM      1 (default): also the "runterm" mode: a restored worker
+#                      is sent SIGTERM through its `gpusnap run` (the pid a
+#                      kubelet or `docker stop` signals), not directly; 0: not
+#   GUARD_LIGHT_PY     1 (default; light mode only): a Python program that
+#                      uses subprocess (vfork), a broken pipe, and torch ops
+#                      whose CUDA libraries load lazily (linalg: cusolver,
+#                      matmul: cublasLt, conv: cuDNN), then exits (sys.exit)
 #   GUARD_KEEPER       1 (default): the keeper row (kill -9 of the guard); 0: not
 #   GUARD_RESTORE      1 (default): each death-mode worker is suspended and
 #                      resumed first (a restored process, the case the guard
@@ -59,6 +66,8 @@ GIB=${GUARD_GIB:-2}
 GUARD_MODES=${GUARD_MODES:-segv abort os_exit:5 sys_exit:6}
 GUARD_SIGTERM=${GUARD_SIGTERM:-1}
 GUARD_KEEPER=${GUARD_KEEPER:-1}
+GUARD_RUNTERM=${GUARD_RUNTERM:-1}
+GUARD_LIGHT_PY=${GUARD_LIGHT_PY:-1}
 GUARD_RESTORE=${GUARD_RESTORE:-1}
 read -r -a WARGS <<<"${GUARD_WORKER_ARGS:-}"
 read -r -a RARGS <<<"${GUARD_RUN_ARGS:-}"
@@ -186,7 +195,7 @@ natural_status() {
     case $m in
         segv) echo 139 ;;
         abort) echo 134 ;;
-        sigterm) echo 143 ;;
+        sigterm | runterm) echo 143 ;;
         os_exit:* | sys_exit:*) echo "${m#*:}" ;;
         *) echo "?" ;;
     esac
@@ -197,7 +206,7 @@ why_of() {
     case ${1%%@*} in
         segv) echo "signal SIGSEGV" ;;
         abort) echo "signal SIGABRT" ;;
-        sigterm) echo "signal SIGTERM" ;;
+        sigterm | runterm) echo "signal SIGTERM" ;;
         *) echo "exit_group" ;;
     esac
 }
@@ -339,6 +348,12 @@ die_now() {
         kill -TERM "${WPID[$1]}"
         return 0
     fi
+    # runterm: to the `gpusnap run` pid, which forwards it to the program.
+    if [ "$2" = runterm ]; then
+        T_DIE_MS=$(now_ms)
+        kill -TERM "${RUNP[$1]}"
+        return 0
+    fi
     printf '%s\n' "$2" >"$st.die.tmp"
     T_DIE_MS=$(now_ms)
     mv -f "$st.die.tmp" "$st.die"
@@ -456,6 +471,10 @@ start_all() {
     if [ "$GUARD_SIGTERM" = 1 ]; then
         WMODE[sigterm]=sigterm
         start_guarded sigterm g-sigterm --interval 0
+    fi
+    if [ "$GUARD_RUNTERM" = 1 ]; then
+        WMODE[runterm]=runterm
+        start_guarded runterm g-runterm
     fi
     if [ "$GUARD_KEEPER" = 1 ]; then
         start_guarded keeper g-keeper
@@ -577,7 +596,7 @@ section_mode() {
         # A failed suspension is only in the guard's log, not in the journal.
         got="$got; last events: $H_ALL; guard log: $(guard_says "$key" "$pid")"
     fi
-    fig="death-to-suspended ${d2s:-?} ms ($([ "$mode" = sigterm ] && echo SIGTERM || echo STATUS.die) -> checkpoint ok); lock+checkpoint ${lc:-?} ms"
+    fig="death-to-suspended ${d2s:-?} ms ($(case $mode in sigterm) echo SIGTERM ;; runterm) echo "SIGTERM to gpusnap run" ;; *) echo STATUS.die ;; esac) -> checkpoint ok); lock+checkpoint ${lc:-?} ms"
     if [ -n "$death_ms" ] && [ -n "$H_CK_MS" ]; then fig="$fig; died $((death_ms - H_CK_MS)) ms after it"; fi
     if [ -s "$st.dying" ]; then fig="$fig; worker acted $(awk -v d="$T_DIE_MS" '{ printf "%.0f", $4 * 1000 - d }' "$st.dying") ms after STATUS.die"; fi
     row "$key.4" "[$mode] history: suspended before the death" \
@@ -681,6 +700,115 @@ section_keeper() {
     return 0
 }
 
+# ---------------------------------------------------------------- light: python
+
+# A Python program under `run --light`: subprocess.run (CPython forks it with
+# vfork and resets SIGPIPE in the child), a broken pipe (must stay a
+# BrokenPipeError: SIGPIPE ignored), CUDA libraries loaded lazily by torch
+# (cusolver, cublasLt, cuDNN, dlopened from torch's own libraries, whose
+# RUNPATH must keep working), work after all that, then sys.exit(5).
+LP_PY=$WORK/light_program.py
+cat >"$LP_PY" <<'PY'
+import os, subprocess, sys, time
+status, backend = sys.argv[1], sys.argv[2]
+def lazy_libs():
+    names = ("libcusolver", "libcublasLt", "libcudnn")
+    found = set()
+    for line in open("/proc/self/maps"):
+        base = os.path.basename(line.split()[-1]) if "/" in line else ""
+        for n in names:
+            if base.startswith(n):
+                found.add(base.split(".so")[0])
+    return ",".join(sorted(found)) or "none"
+before = lazy_libs()
+if backend == "torch":
+    import torch
+    x = torch.randn(1024, 1024, device="cuda")
+    def work():
+        a = x @ x.T + 1024 * torch.eye(1024, device="cuda")   # cublas(Lt)
+        inv = torch.linalg.inv(a)                              # cusolver
+        conv = torch.nn.functional.conv2d(torch.randn(4, 3, 64, 64, device="cuda"),
+                                          torch.randn(8, 3, 3, 3, device="cuda"))  # cuDNN
+        torch.cuda.synchronize()
+        return float((a @ inv).diagonal().mean()) , float(conv.abs().sum())
+    ok1 = abs(work()[0] - 1.0) < 1e-2
+else:
+    import ctypes
+    cu = ctypes.CDLL("libcuda.so.1")
+    d, ctx, p = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+    assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(d), 0) == 0
+    assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, d) == 0
+    assert cu.cuMemAlloc_v2(ctypes.byref(p), 512 << 20) == 0
+    buf = ctypes.create_string_buffer(b"x" * 4096, 4096)
+    def work():
+        return cu.cuMemcpyHtoD_v2(p, buf, 4096) == 0 and cu.cuMemcpyDtoH_v2(buf, p, 4096) == 0
+    ok1 = work()
+r = subprocess.run(["sh", "-c", "echo sub-ok"], capture_output=True, text=True)
+rd, wr = os.pipe()
+os.close(rd)
+try:
+    os.write(wr, b"x")
+    pipe = "no-error"
+except BrokenPipeError:
+    pipe = "BrokenPipeError"
+ok2 = bool(work()) if backend != "torch" else abs(work()[0] - 1.0) < 1e-2
+line = f"{os.getpid()} {r.stdout.strip() or 'sub-failed'} {pipe} ops={'ok' if ok1 and ok2 else 'bad'} libs={before}->{lazy_libs()}\n"
+with open(status + ".tmp", "w") as f:
+    f.write(line)
+os.replace(status + ".tmp", status)
+while not os.path.exists(status + ".die"):
+    time.sleep(0.05)
+work()
+sys.exit(5)
+PY
+
+section_light_python() {
+    local st=$WORK/lp.status backend=torch pid="" sub="" pipe="" ops="" libs="" t0 v smi0
+    [[ " ${RARGS[*]-} " == *" --light "* ]] || return 0
+    [ "$GUARD_LIGHT_PY" = 1 ] || return 0
+    need 60 lp "[light] python: subprocess + lazily loaded CUDA libraries" || return 0
+    [[ " ${WARGS[*]-} " == *" driver "* ]] && backend=driver
+    rm -f "$st" "$st".*
+    (
+        ulimit -c 0
+        NO_COLOR=1 exec "$GPUSNAP" -v --json --state-dir "$STATE_DIR" run --name g-lp ${RARGS[@]+"${RARGS[@]}"} -- \
+            python3 "$LP_PY" "$st" "$backend"
+    ) </dev/null >"$WORK/lp.log" 2>&1 &
+    RUNP[lp]=$!
+    RUNS+=("$!")
+    t0=$SECONDS
+    while [ ! -s "$st" ] && [ $((SECONDS - t0)) -lt 150 ] && alive "${RUNP[lp]}"; do sleep 0.5; done
+    if [ ! -s "$st" ]; then
+        row lp.1 "[light] python: subprocess.run, a broken pipe, lazily loaded CUDA libraries ($backend)" \
+            "it reports" "no report within 150 s (run alive: $(alive "${RUNP[lp]}" && echo yes || echo no))" FAIL
+        log_file "lp log" "$WORK/lp.log"
+        return 0
+    fi
+    read -r pid sub pipe ops libs <"$st"
+    WORKERS+=("$pid")
+    v=FAIL
+    [[ $sub == sub-ok && $pipe == BrokenPipeError && $ops == ops=ok ]] && v=PASS
+    row lp.1 "[light] python: subprocess.run, a broken pipe, lazily loaded CUDA libraries ($backend)" \
+        "sub-ok; BrokenPipeError (SIGPIPE still ignored after the vfork child); CUDA ops ok before and after" \
+        "$sub; $pipe; $ops; $libs (mapped: before torch -> after)" "$v"
+    smi0=$(smi_pid_mib "$pid")
+    deathwatch "$pid" "$WORK/lp.death" 65 || log "deathwatch for $pid did not start"
+    T_DIE_MS=$(now_ms)
+    : >"$st.die"
+    wait_run lp 60
+    v=FAIL
+    [[ $RUN_RC == 5 ]] && v=PASS
+    row lp.2 "[light] it works on, then sys.exit(5)" "gpusnap run exit 5 within 60 s" "exit $RUN_RC after ~${RUN_S} s" "$v"
+    history_facts "$pid"
+    v=FAIL
+    [[ $H_DYING == "exit_group via exit" && $H_LOCK == ok && $H_CK == ok && $H_NOTE == *"before death (exit_group via exit)"* ]] && v=PASS
+    row lp.3 "[light] history: suspended before its exit (after torch's own exit handlers)" \
+        "'dying: exit_group via exit', lock ok, checkpoint ok, note '... before death (exit_group via exit)'" \
+        "dying: ${H_DYING:-none}; lock ${H_LOCK:-?}; checkpoint ${H_CK:-?}; note '${H_NOTE:-none}'$([ "$v" = FAIL ] && echo "; last events: $H_ALL")" \
+        "$v" "nvidia-smi ${smi0:-not listed} MiB before"
+    return 0
+}
+
 # ---------------------------------------------------------------- main
 
 install_traps
@@ -693,6 +821,8 @@ if preflight; then
         section_mode "$(key_of "$mode")"
     done
     if [ "$GUARD_SIGTERM" = 1 ]; then section_mode sigterm; fi
+    if [ "$GUARD_RUNTERM" = 1 ]; then section_mode runterm; fi
     section_keeper
+    section_light_python
 fi
 FINISHED=1

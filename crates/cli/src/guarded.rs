@@ -60,6 +60,11 @@ pub fn run_light(
         preload_env.push(":");
         preload_env.push(more);
     }
+    // The program's orphans (a child that outlives the leader) become ours,
+    // so `run` sees them end and serves the socket until the last of them
+    // has, as the traced guard does with every process it traces.
+    // SAFETY: prctl with integer arguments only.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let mut command = std::process::Command::new(&cmd[0]);
     command.args(&cmd[1..]).env("LD_PRELOAD", preload_env).env(light::SOCKET_ENV, &socket);
     // The same session rule as the traced `run` (see guard::launch).
@@ -107,6 +112,19 @@ pub fn run_light(
     file.save(&record)?;
     forward_signals(leader);
     let status = child.wait()?;
+    // The rest of the tree: children still running, and orphans handed to
+    // us as they are orphaned.
+    loop {
+        let mut st = 0;
+        // SAFETY: waitpid writes one int.
+        let r = unsafe { libc::waitpid(-1, &mut st, 0) };
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            break;
+        }
+    }
+    // A request accepted or waiting (an answer that came late, to a
+    // process that is gone) is journaled before `run` ends.
+    lg.quiesce(std::time::Duration::from_secs(30));
     let _ = std::fs::remove_file(&record);
     light::unbind(&socket, ino);
     use std::os::unix::process::ExitStatusExt;

@@ -70,6 +70,10 @@ struct Args {
     /// `GET /generate?...` answers a hash of its query (the same every time).
     #[arg(long, value_name = "PORT")]
     http: Option<u16>,
+    /// Start a thread every N µs that ends at once (0: none): threads come
+    /// and go while a tracer attaches.
+    #[arg(long, default_value_t = 0)]
+    churn_us: u64,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -208,6 +212,13 @@ fn run(args: &Args) -> Result<(), String> {
         }
     }
 
+    if args.churn_us > 0 {
+        let every = Duration::from_micros(args.churn_us);
+        std::thread::spawn(move || loop {
+            let _ = std::thread::spawn(|| ());
+            sleep(every);
+        });
+    }
     for _ in 0..args.threads {
         std::thread::spawn(|| loop {
             sleep(Duration::from_secs(3600));

@@ -8,20 +8,24 @@
 //! about to die, waits for its answer (the guard suspends the process's CUDA
 //! state meanwhile), then lets the death go on unchanged:
 //! - **fatal signals**: a handler of ours sits wherever the program leaves a
-//!   terminating signal at its default action. `sigaction` and `signal` are
-//!   wrapped so that the program still sees, sets and gets back its own
-//!   dispositions; a handler the program installs replaces ours (its signal
-//!   is then no death), and one it resets to the default brings ours back.
-//!   After the answer the default action is restored and the signal raised
-//!   again (a fault simply repeats), so the process dies of it as it would
-//!   have, core dump and wait status included;
-//! - **`exit()`** and a return from `main`: an `atexit` handler registered
-//!   before any of the program's, so it runs after them (no CUDA call of
-//!   the program can come after the suspend and block on it);
+//!   terminating signal at its default action. `sigaction`, `signal`,
+//!   `bsd_signal`, `sysv_signal` and `sigset` are wrapped so that the program
+//!   still sees, sets and gets back its own dispositions; a handler the
+//!   program installs replaces ours (its signal is then no death), and one it
+//!   resets to the default brings ours back. After the answer the default
+//!   action is restored and the signal raised again (a fault that repeats
+//!   simply repeats), so the process dies of it as it would have, core dump
+//!   and wait status included;
+//! - **`exit()`** and a return from `main`: an exit handler registered
+//!   before any other (`__cxa_atexit` and `atexit` are wrapped for that), so
+//!   it runs after every handler of the program and of its libraries;
 //! - **`_exit()` / `_Exit()`**: wrapped.
 //!
 //! Signals that do not kill, and the program's own handlers, are never
-//! touched: they cost nothing. What light mode cannot see: a raw
+//! touched: they cost nothing. `dlopen` is not wrapped (glibc resolves a
+//! `dlopen` by its caller's RUNPATH and namespace, and the caller would be
+//! us): whether libcuda is loaded is read from the loader's list of loaded
+//! objects at the moment of death. What light mode cannot see: a raw
 //! `exit_group` system call or signal disposition changed by raw system
 //! call (Go, static binaries), children whose environment drops
 //! `LD_PRELOAD`, and a stack overflow on a thread without an alternate
@@ -30,35 +34,48 @@
 //!
 //! Written by hand: no crate does in-process interposition of libc's
 //! signal and exit functions. Everything reachable from a signal handler
-//! makes only async-signal-safe system calls and touches only atomics.
+//! makes only async-signal-safe system calls and touches only atomics and
+//! memory the loader keeps consistent for debuggers.
 
 #![allow(clippy::missing_safety_doc)]
 
 use std::ffi::{c_char, c_int, c_void};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
-/// Set once libcuda is seen in the process (at load, or after a `dlopen`):
-/// only such a process has anything to suspend.
+/// Set once libcuda is seen loaded in the process: only such a process has
+/// anything to suspend (and a library, once loaded, stays for good).
 static CUDA: AtomicBool = AtomicBool::new(false);
 /// The guard's socket address (`sockaddr_un`), written once at load.
 static ADDR_LEN: AtomicUsize = AtomicUsize::new(0);
 static mut ADDR: libc::sockaddr_un = libc::sockaddr_un { sun_family: 0, sun_path: [0; 108] };
-/// Per signal: our handler is installed (the program wants the default).
-static OURS: [AtomicBool; 65] = [const { AtomicBool::new(false) }; 65];
+/// How long a dying process waits without a word from the guard
+/// (`GPUSNAP_GUARD_WAIT_MS`); the guard sends a byte every second while it
+/// works, so only a stopped or stuck guard runs into it.
+static WAIT_MS: AtomicI64 = AtomicI64::new(15_000);
+/// The longest a dying process waits for the guard at all, heartbeats or
+/// not: a guard stuck in a driver or NVML call must not hang the program.
+const TOTAL_MS: i64 = 600_000;
+/// The loader's `_r_debug` (its list of loaded objects), found at load.
+static R_DEBUG: AtomicUsize = AtomicUsize::new(0);
 /// The next definitions of the wrapped functions (libc's), from dlsym.
 static REAL_SIGACTION: AtomicUsize = AtomicUsize::new(0);
 static REAL_SIGNAL: AtomicUsize = AtomicUsize::new(0);
+static REAL_BSD_SIGNAL: AtomicUsize = AtomicUsize::new(0);
+static REAL_SYSV_SIGNAL: AtomicUsize = AtomicUsize::new(0);
+static REAL_SIGSET: AtomicUsize = AtomicUsize::new(0);
 static REAL_EXIT: AtomicUsize = AtomicUsize::new(0);
 static REAL_EXIT2: AtomicUsize = AtomicUsize::new(0);
-static REAL_DLOPEN: AtomicUsize = AtomicUsize::new(0);
+static REAL_CXA_ATEXIT: AtomicUsize = AtomicUsize::new(0);
+/// Our exit handler is registered (it must be the first of all).
+static EXIT_HANDLER: AtomicBool = AtomicBool::new(false);
 
 type SigactionFn = unsafe extern "C" fn(c_int, *const libc::sigaction, *mut libc::sigaction) -> c_int;
 type SignalFn = unsafe extern "C" fn(c_int, libc::sighandler_t) -> libc::sighandler_t;
 type ExitFn = unsafe extern "C" fn(c_int) -> !;
-type DlopenFn = unsafe extern "C" fn(*const c_char, c_int) -> *mut c_void;
+type CxaAtexitFn = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, *mut c_void) -> c_int;
 
 /// `dlsym(RTLD_NEXT, name)`, cached in `slot`. Not async-signal-safe the
-/// first time: every slot is filled at load, before a handler can run.
+/// first time: every slot a handler needs is filled at load.
 fn next(slot: &AtomicUsize, name: &std::ffi::CStr) -> usize {
     let p = slot.load(Ordering::Acquire);
     if p != 0 {
@@ -76,6 +93,10 @@ fn real_sigaction() -> SigactionFn {
     unsafe { std::mem::transmute::<usize, SigactionFn>(p) }
 }
 
+fn active() -> bool {
+    ADDR_LEN.load(Ordering::Acquire) != 0
+}
+
 /// Signals whose default action ends the process and that can be caught.
 /// 32 and 33 are glibc's own (thread cancellation, setxid).
 fn guarded(sig: c_int) -> bool {
@@ -89,8 +110,8 @@ fn guarded(sig: c_int) -> bool {
     }
 }
 
-fn is_default(handler: libc::sighandler_t) -> bool {
-    handler == libc::SIG_DFL
+fn our_handler() -> usize {
+    on_fatal as *const () as usize
 }
 
 /// Our handler for `sig`, keeping the program's mask and flags.
@@ -102,7 +123,7 @@ fn our_action(like: Option<&libc::sigaction>) -> libc::sigaction {
         a.sa_flags = l.sa_flags & (libc::SA_RESTART | libc::SA_ONSTACK);
     }
     a.sa_flags |= libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_RESTART;
-    a.sa_sigaction = on_fatal as *const () as usize;
+    a.sa_sigaction = our_handler();
     a
 }
 
@@ -111,11 +132,26 @@ fn our_action(like: Option<&libc::sigaction>) -> libc::sigaction {
 fn install(sig: c_int, like: Option<&libc::sigaction>, old: *mut libc::sigaction) -> c_int {
     let a = our_action(like);
     // SAFETY: a valid action; `old` is null or the caller's sigaction.
-    let r = unsafe { real_sigaction()(sig, &a, old) };
-    if r == 0 {
-        OURS[sig as usize].store(true, Ordering::SeqCst);
+    unsafe { real_sigaction()(sig, &a, old) }
+}
+
+/// What the program set where our handler sits: the default action. Read
+/// from the kernel's own record (the handler is ours or it is not), never
+/// from a table of ours: a vfork child shares our memory but not our
+/// dispositions, and what it changes must not change our view.
+fn as_program_sees(old: &mut libc::sigaction) {
+    if old.sa_sigaction == our_handler() {
+        old.sa_sigaction = libc::SIG_DFL;
+        old.sa_flags &= !libc::SA_SIGINFO;
     }
-    r
+}
+
+fn as_program_sees_handler(h: libc::sighandler_t) -> libc::sighandler_t {
+    if h == our_handler() {
+        libc::SIG_DFL
+    } else {
+        h
+    }
 }
 
 /// The wrapped `sigaction`: the program sets and reads its own view.
@@ -126,85 +162,104 @@ pub unsafe extern "C" fn sigaction(
     old: *mut libc::sigaction,
 ) -> c_int {
     let real = real_sigaction();
-    if !guarded(sig) || ADDR_LEN.load(Ordering::Acquire) == 0 {
+    if !guarded(sig) || !active() {
         // SAFETY: the caller's arguments, passed on.
         return unsafe { real(sig, act, old) };
     }
-    let i = sig as usize;
-    let ours_before = OURS[i].load(Ordering::SeqCst);
     // SAFETY: `act` is null or points at a sigaction (the caller's contract).
-    let new = unsafe { act.as_ref() };
-    let r = match new {
-        Some(a) if is_default(a.sa_sigaction) => install(sig, Some(a), old),
-        Some(_) => {
-            // SAFETY: as above.
-            let r = unsafe { real(sig, act, old) };
-            if r == 0 {
-                OURS[i].store(false, Ordering::SeqCst);
-            }
-            r
-        }
-        // SAFETY: a query; passed on.
-        None => unsafe { real(sig, act, old) },
+    let r = match unsafe { act.as_ref() } {
+        Some(a) if a.sa_sigaction == libc::SIG_DFL => install(sig, Some(a), old),
+        // SAFETY: the caller's arguments, passed on (a handler, an ignore, a query).
+        _ => unsafe { real(sig, act, old) },
     };
-    if r == 0 && ours_before {
+    if r == 0 {
         // SAFETY: `old` is null or points at a sigaction the caller owns.
         if let Some(o) = unsafe { old.as_mut() } {
-            // What the program set: the default action.
-            o.sa_sigaction = libc::SIG_DFL;
-            o.sa_flags &= !libc::SA_SIGINFO;
+            as_program_sees(o);
         }
     }
     r
 }
 
-/// The wrapped `signal` (glibc's calls its internal sigaction, not ours).
-#[no_mangle]
-pub unsafe extern "C" fn signal(sig: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
-    if !guarded(sig) || ADDR_LEN.load(Ordering::Acquire) == 0 {
-        let p = next(&REAL_SIGNAL, c"signal");
-        // SAFETY: libc's signal has this signature.
-        let real = unsafe { std::mem::transmute::<usize, SignalFn>(p) };
-        // SAFETY: the caller's arguments, passed on.
-        return unsafe { real(sig, handler) };
-    }
-    // SAFETY: zeroed sigaction is valid; BSD semantics as glibc's signal().
-    let mut a: libc::sigaction = unsafe { std::mem::zeroed() };
-    a.sa_sigaction = handler;
-    a.sa_flags = libc::SA_RESTART;
-    // SAFETY: zeroed sigaction is valid.
-    let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
-    // SAFETY: valid pointers for the call.
-    if unsafe { sigaction(sig, &a, &mut old) } != 0 {
+/// The `signal` family: glibc's versions call its internal sigaction, not
+/// ours, so each is wrapped. A handler or an ignore goes to libc's own (its
+/// flags stay libc's: `siginterrupt` keeps working); the default action is
+/// ours again right after.
+fn signal_via(
+    slot: &AtomicUsize,
+    name: &std::ffi::CStr,
+    sig: c_int,
+    h: libc::sighandler_t,
+) -> libc::sighandler_t {
+    let p = next(slot, name);
+    if p == 0 {
         return libc::SIG_ERR;
     }
-    old.sa_sigaction
-}
-
-/// The wrapped `dlopen`: notes when libcuda arrives.
-#[no_mangle]
-pub unsafe extern "C" fn dlopen(file: *const c_char, mode: c_int) -> *mut c_void {
-    let p = next(&REAL_DLOPEN, c"dlopen");
-    // SAFETY: libc's dlopen has this signature.
-    let real = unsafe { std::mem::transmute::<usize, DlopenFn>(p) };
+    // SAFETY: the signal family shares this signature.
+    let real = unsafe { std::mem::transmute::<usize, SignalFn>(p) };
     // SAFETY: the caller's arguments, passed on.
-    let h = unsafe { real(file, mode) };
-    if !h.is_null() && !CUDA.load(Ordering::Relaxed) {
-        note_cuda(real);
+    let old = unsafe { real(sig, h) };
+    if !guarded(sig) || !active() || old == libc::SIG_ERR {
+        return old;
     }
-    h
+    if h == libc::SIG_DFL {
+        install(sig, None, std::ptr::null_mut());
+    }
+    as_program_sees_handler(old)
 }
 
-/// Whether libcuda is loaded now (a no-load dlopen of it succeeds).
-fn note_cuda(real: DlopenFn) {
-    // SAFETY: RTLD_NOLOAD only looks; the handle is released at once.
-    unsafe {
-        let h = real(c"libcuda.so.1".as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
-        if !h.is_null() {
-            CUDA.store(true, Ordering::SeqCst);
-            libc::dlclose(h);
-        }
+#[no_mangle]
+pub unsafe extern "C" fn signal(sig: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    signal_via(&REAL_SIGNAL, c"signal", sig, handler)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn bsd_signal(sig: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    signal_via(&REAL_BSD_SIGNAL, c"bsd_signal", sig, handler)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sysv_signal(sig: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    signal_via(&REAL_SYSV_SIGNAL, c"sysv_signal", sig, handler)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sigset(sig: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    signal_via(&REAL_SIGSET, c"sigset", sig, handler)
+}
+
+/// The wrapped `__cxa_atexit` (what `atexit` and C++ static destructors
+/// register with): our exit handler goes in before the first registration
+/// of anyone, so it runs after all of them. Libraries linked at start run
+/// their constructors (and register their handlers) before ours runs.
+#[no_mangle]
+pub unsafe extern "C" fn __cxa_atexit(
+    f: extern "C" fn(*mut c_void),
+    arg: *mut c_void,
+    dso: *mut c_void,
+) -> c_int {
+    let real = register_exit_handler();
+    match real {
+        // SAFETY: the caller's arguments, passed on to libc's.
+        Some(real) => unsafe { real(f, arg, dso) },
+        None => -1,
     }
+}
+
+/// Registers our exit handler once, first; libc's `__cxa_atexit`.
+fn register_exit_handler() -> Option<CxaAtexitFn> {
+    let p = next(&REAL_CXA_ATEXIT, c"__cxa_atexit");
+    if p == 0 {
+        return None;
+    }
+    // SAFETY: libc's __cxa_atexit has this signature.
+    let real = unsafe { std::mem::transmute::<usize, CxaAtexitFn>(p) };
+    if !EXIT_HANDLER.swap(true, Ordering::SeqCst) {
+        // SAFETY: a function that lives as long as the process (this
+        // library is never unloaded); no DSO handle, so no dlclose runs it.
+        unsafe { real(at_exit, std::ptr::null_mut(), std::ptr::null_mut()) };
+    }
+    Some(real)
 }
 
 #[no_mangle]
@@ -223,7 +278,7 @@ pub unsafe extern "C" fn _Exit(code: c_int) -> ! {
     unsafe { std::mem::transmute::<usize, ExitFn>(p)(code) }
 }
 
-extern "C" fn at_exit() {
+extern "C" fn at_exit(_: *mut c_void) {
     notify(b"exit");
 }
 
@@ -232,20 +287,140 @@ fn errno_ptr() -> *mut c_int {
     unsafe { libc::__errno_location() }
 }
 
+/// The loader's `struct r_debug` and `struct link_map` (the public heads of
+/// both, as <link.h> has them): debuggers read them from outside at any
+/// time, so a read from a signal handler is as safe.
+#[repr(C)]
+struct RDebug {
+    version: c_int,
+    map: *const LinkMap,
+}
+
+#[repr(C)]
+struct LinkMap {
+    addr: usize,
+    name: *const c_char,
+    ld: *const c_void,
+    next: *const LinkMap,
+    prev: *const LinkMap,
+}
+
+/// Whether libcuda is loaded now: an object whose file name starts with
+/// `libcuda.so` in the loader's list. Without the list (not glibc's loader),
+/// assume so: the guard then asks the driver, which answers for a process
+/// without CUDA state at once.
+fn cuda_loaded() -> bool {
+    if CUDA.load(Ordering::Relaxed) {
+        return true;
+    }
+    let r = R_DEBUG.load(Ordering::Acquire) as *const RDebug;
+    if r.is_null() {
+        return true;
+    }
+    // SAFETY: the loader's list; entries are never freed while a library
+    // stays loaded, and a new one is linked in only once complete. At most
+    // 100000 entries, so a torn read cannot loop for ever.
+    let found = unsafe {
+        let mut m = (*r).map;
+        let mut n = 0;
+        let mut found = false;
+        while !m.is_null() && n < 100_000 {
+            if is_libcuda((*m).name) {
+                found = true;
+                break;
+            }
+            m = (*m).next;
+            n += 1;
+        }
+        found
+    };
+    if found {
+        CUDA.store(true, Ordering::Relaxed);
+    }
+    found
+}
+
+/// Whether the C string `name`'s last path component starts with `libcuda.so`.
+///
+/// # Safety
+/// `name` is null or a NUL-terminated string.
+unsafe fn is_libcuda(name: *const c_char) -> bool {
+    if name.is_null() {
+        return false;
+    }
+    const WANT: &[u8] = b"libcuda.so";
+    let (mut i, mut base) = (0usize, 0usize);
+    // SAFETY: reading up to the NUL (the caller's contract), at most 4096.
+    unsafe {
+        while *name.add(i) != 0 && i < 4096 {
+            if *name.add(i) as u8 == b'/' {
+                base = i + 1;
+            }
+            i += 1;
+        }
+        (0..WANT.len()).all(|k| base + k < i && *name.add(base + k) as u8 == WANT[k])
+    }
+}
+
+fn now_ms() -> i64 {
+    // SAFETY: zeroed timespec, filled by clock_gettime (async-signal-safe).
+    let mut t: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    t.tv_sec * 1000 + t.tv_nsec / 1_000_000
+}
+
 /// Per signal: the connection on which an asynchronous death was announced
-/// to the guard and not yet answered (-1: none).
+/// to the guard and not yet answered (-1: none), the inode of that socket
+/// (the program may close the fd and reuse its number), and when the guard
+/// was last heard on it.
 static PENDING: [AtomicI32; 65] = [const { AtomicI32::new(-1) }; 65];
+static PENDING_INO: [AtomicU64; 65] = [const { AtomicU64::new(0) }; 65];
+static PENDING_HEARD: [AtomicI64; 65] = [const { AtomicI64::new(0) }; 65];
+
+/// How a signal came: decided by si_code, the kernel's own word, never by
+/// the sender's pid (0 for the kernel and for a sender in another pid
+/// namespace alike).
+#[derive(PartialEq, Eq, Clone, Copy)]
+enum Origin {
+    /// A fault of this thread's (SEGV, BUS, ILL, FPE, TRAP, SYS from the
+    /// kernel): the thread stands at a known instruction.
+    Fault,
+    /// Sent by this process to itself (`raise`, `abort`, `kill(getpid())`,
+    /// the kernel's SIGPIPE or SIGXFSZ for this thread's write).
+    Own,
+    /// Anything else: another process's `kill` (any namespace), a terminal's
+    /// Ctrl-C or hang-up, `alarm`, SIGXCPU, a POSIX timer. The thread may have
+    /// been stopped anywhere, even inside a driver call.
+    Async,
+}
+
+fn origin(sig: c_int, code: c_int, sender: i32, me: i32) -> Origin {
+    let fault_sig = matches!(
+        sig,
+        libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP | libc::SIGSYS
+    );
+    if code > 0 {
+        // SI_KERNEL (tty, alarm, XCPU) or a fault code.
+        return if fault_sig { Origin::Fault } else { Origin::Async };
+    }
+    // SI_USER, SI_QUEUE, SI_TKILL from this very process.
+    if matches!(code, 0 | -1 | -6) && sender == me && me > 0 {
+        return Origin::Own;
+    }
+    Origin::Async
+}
 
 /// The handler on a terminating signal the program left at its default.
 ///
-/// A signal sent by another process (SIGTERM from a supervisor, say) may
-/// find this thread inside a CUDA call, holding the driver's locks that the
-/// guard's lock call then waits for: so the handler only announces the
-/// death and returns, the program runs on (its CUDA calls block once the
-/// guard has locked it), and the guard sends the same signal again when the
-/// process is suspended; the handler then finds the answer and lets the
-/// signal kill. A fault, or a signal the process sent itself (abort,
-/// raise), is answered here: the thread waits, then dies of it.
+/// An asynchronous signal (see [`Origin`]) may find this thread inside a
+/// CUDA call, holding the driver's locks that the guard's lock call then
+/// waits for: so the handler only announces the death and returns, the
+/// program runs on (its CUDA calls block once the guard has locked it),
+/// and the guard sends the same signal again when the process is
+/// suspended; the handler then finds the answer and lets the signal kill.
+/// A fault, or a signal the process sent itself, is answered here: the
+/// thread waits, then dies of it.
 extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void) {
     // SAFETY: errno of this thread, saved and restored around the handler.
     let saved = unsafe { *errno_ptr() };
@@ -260,7 +435,7 @@ extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void
     };
     // SAFETY: getpid has no preconditions.
     let me = unsafe { libc::getpid() };
-    let from_outside = sender > 0 && sender != me;
+    let how = origin(sig, code, sender, me);
     let mut why = *b"signal   ";
     let mut n = sig as u32;
     let mut i = why.len();
@@ -269,27 +444,11 @@ extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void
         why[i] = b'0' + (n % 10) as u8;
         n /= 10;
     }
-    let slot = &PENDING[sig as usize];
-    if from_outside && guarded_process() {
-        let fd = slot.load(Ordering::SeqCst);
-        if fd < 0 {
-            if let Some(fd) = announce(b"dying-async ", &why[..]) {
-                if slot.compare_exchange(-1, fd, Ordering::SeqCst, Ordering::SeqCst).is_err() {
-                    // SAFETY: our own fd; another thread announced first.
-                    unsafe { libc::close(fd) };
-                }
-                // SAFETY: as above.
-                unsafe { *errno_ptr() = saved };
-                return;
-            }
-            // No guard answers: the death goes on now.
-        } else if !answered(fd) {
+    if how == Origin::Async && guarded_process() {
+        if !async_death(sig, &why) {
             // SAFETY: as above.
             unsafe { *errno_ptr() = saved };
             return;
-        } else if slot.compare_exchange(fd, -1, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
-            // SAFETY: the fd this slot held.
-            unsafe { libc::close(fd) };
         }
     } else {
         notify(&why[..]);
@@ -300,15 +459,12 @@ extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void
         dfl.sa_sigaction = libc::SIG_DFL;
         real_sigaction()(sig, &dfl, std::ptr::null_mut());
     }
-    OURS[sig as usize].store(false, Ordering::SeqCst);
-    let fault = matches!(
-        sig,
-        libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP | libc::SIGSYS
-    );
-    if !(fault && code > 0) {
-        // Sent (kill, raise, abort, a timer): send it again; it is taken
-        // with the default action as this handler returns. A fault simply
-        // happens again.
+    // A fault that repeats (the instruction runs again) kills on its own as
+    // this handler returns; a trap (int3, a seccomp SIGSYS) resumes after
+    // the instruction, so it is sent again like any other signal.
+    let repeats =
+        how == Origin::Fault && matches!(sig, libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE);
+    if !repeats {
         // SAFETY: raw system calls with integer arguments.
         unsafe {
             libc::syscall(libc::SYS_tgkill, me, libc::syscall(libc::SYS_gettid), sig);
@@ -318,44 +474,223 @@ extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void
     unsafe { *errno_ptr() = saved };
 }
 
+/// An asynchronous death of `sig`: announced to the guard the first time
+/// (the program runs on), then, at the guard's own re-sent signal, allowed.
+/// Returns whether the death goes on now.
+fn async_death(sig: c_int, why: &[u8]) -> bool {
+    let i = sig as usize;
+    let slot = &PENDING[i];
+    let fd = slot.load(Ordering::SeqCst);
+    if fd < 0 {
+        let Some(fd) = announce(b"dying-async ", why) else {
+            // No guard answers: the death goes on now.
+            return true;
+        };
+        PENDING_INO[i].store(inode_of(fd).unwrap_or(0), Ordering::SeqCst);
+        PENDING_HEARD[i].store(now_ms(), Ordering::SeqCst);
+        if slot.compare_exchange(-1, fd, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            // SAFETY: our own fd; another thread announced first.
+            unsafe { libc::close(fd) };
+        }
+        return false;
+    }
+    if inode_of(fd).is_none_or(|ino| ino != PENDING_INO[i].load(Ordering::SeqCst)) {
+        // The program closed our connection (its number may now be a file
+        // of its own, which we must not touch): the answer is lost.
+        let _ = slot.compare_exchange(fd, -1, Ordering::SeqCst, Ordering::SeqCst);
+        return true;
+    }
+    let go = match poll_answer(fd) {
+        Answer::Done => true,
+        Answer::Heard => {
+            PENDING_HEARD[i].store(now_ms(), Ordering::SeqCst);
+            false
+        }
+        // A guard that has said nothing for that long (stopped, stuck) is
+        // not waited for: the death goes on, unsuspended.
+        Answer::Silent => {
+            now_ms() - PENDING_HEARD[i].load(Ordering::SeqCst) > WAIT_MS.load(Ordering::Relaxed)
+        }
+    };
+    if go && slot.compare_exchange(fd, -1, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+        // SAFETY: the fd this slot held (checked to be our socket above).
+        unsafe { libc::close(fd) };
+    }
+    go
+}
+
+/// The inode of the socket `fd`, if it is one.
+fn inode_of(fd: c_int) -> Option<u64> {
+    // SAFETY: zeroed stat, filled by fstat (async-signal-safe).
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return None;
+    }
+    Some(st.st_ino)
+}
+
+enum Answer {
+    /// A whole answer (a line), or the connection closed.
+    Done,
+    /// Heartbeats only: the guard is at work.
+    Heard,
+    /// Nothing to read now.
+    Silent,
+}
+
+/// What the guard has sent on `fd` so far, read without waiting.
+fn poll_answer(fd: c_int) -> Answer {
+    let mut heard = false;
+    let mut buf = [0u8; 64];
+    loop {
+        // SAFETY: reads into a buffer of its length; never blocks.
+        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if r == 0 {
+            return Answer::Done;
+        }
+        if r < 0 {
+            // SAFETY: errno of this thread.
+            let e = unsafe { *errno_ptr() };
+            return match e {
+                libc::EAGAIN | libc::EINTR if heard => Answer::Heard,
+                libc::EAGAIN | libc::EINTR => Answer::Silent,
+                _ => Answer::Done,
+            };
+        }
+        if buf[..r as usize].contains(&b'\n') {
+            return Answer::Done;
+        }
+        heard = true;
+    }
+}
+
 /// Whether this process has something for the guard to suspend, and a
 /// guard to ask.
 fn guarded_process() -> bool {
-    ADDR_LEN.load(Ordering::Acquire) != 0 && CUDA.load(Ordering::SeqCst)
+    active() && cuda_loaded()
 }
 
-/// Whether the guard has answered on `fd` (a line, or the connection
-/// closed): a poll that does not wait.
-fn answered(fd: c_int) -> bool {
-    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid pollfd; no waiting.
-    let r = unsafe { libc::poll(&mut p, 1, 0) };
-    r > 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+/// Field 22 of /proc/self/stat (the start time the journal keys processes
+/// by), read with raw system calls: the guard can journal a death it
+/// learns of only after the process is gone.
+fn start_time() -> Option<u64> {
+    let mut buf = [0u8; 1024];
+    // SAFETY: open/read/close with a NUL-terminated path and a buffer of
+    // its length.
+    let n = unsafe {
+        let fd = libc::open(c"/proc/self/stat".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return None;
+        }
+        let n = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
+        libc::close(fd);
+        n
+    };
+    let text = buf.get(..usize::try_from(n).ok()?)?;
+    let close = text.iter().rposition(|b| *b == b')')?;
+    // Fields after the command: state is field 3, start time field 22.
+    let field = text[close + 1..].split(|b| *b == b' ').filter(|f| !f.is_empty()).nth(19)?;
+    let mut v: u64 = 0;
+    for b in field {
+        if !b.is_ascii_digit() {
+            return None;
+        }
+        v = v.checked_mul(10)?.checked_add(u64::from(b - b'0'))?;
+    }
+    Some(v)
 }
 
-/// Connects to the guard and sends `head` + `why` + newline; the open
-/// connection, or `None` when no guard answers.
+/// Waits until `fd` is ready for `events`, at most `ms`; whether it is.
+fn wait_fd(fd: c_int, events: libc::c_short, ms: i64) -> bool {
+    let end = now_ms() + ms;
+    loop {
+        let left = end - now_ms();
+        if left <= 0 {
+            return false;
+        }
+        let mut p = libc::pollfd { fd, events, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, left.min(i32::MAX as i64) as c_int) };
+        if r > 0 {
+            return true;
+        }
+        // SAFETY: errno of this thread.
+        if r < 0 && unsafe { *errno_ptr() } != libc::EINTR {
+            return false;
+        }
+    }
+}
+
+/// Connects to the guard and sends `head` + `why` + ` start=T` + newline;
+/// the open connection, or `None` when no guard answers in time. Every wait
+/// is bounded (a stopped guard, a full backlog).
 fn announce(head: &[u8], why: &[u8]) -> Option<c_int> {
     let len = ADDR_LEN.load(Ordering::Acquire);
+    let wait = WAIT_MS.load(Ordering::Relaxed);
+    let mut msg = [0u8; 96];
+    let mut n = 0;
+    let mut put = |bytes: &[u8]| {
+        for b in bytes {
+            if n < msg.len() - 1 {
+                msg[n] = *b;
+                n += 1;
+            }
+        }
+    };
+    put(head);
+    put(why);
+    if let Some(t) = start_time() {
+        let mut digits = [0u8; 20];
+        let (mut v, mut k) = (t, digits.len());
+        loop {
+            k -= 1;
+            digits[k] = b'0' + (v % 10) as u8;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        put(b" start=");
+        put(&digits[k..]);
+    }
+    msg[n] = b'\n';
+    n += 1;
     // SAFETY: raw socket calls on a fd we own; ADDR is written once before
     // ADDR_LEN is published.
     unsafe {
-        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0);
         if fd < 0 {
             return None;
         }
         let addr = std::ptr::addr_of!(ADDR).cast::<libc::sockaddr>();
-        if libc::connect(fd, addr, len as libc::socklen_t) != 0 {
+        let end = now_ms() + wait;
+        loop {
+            if libc::connect(fd, addr, len as libc::socklen_t) == 0 {
+                break;
+            }
+            let e = *errno_ptr();
+            // A unix socket whose backlog is full answers EAGAIN at once:
+            // try again a little later, within the bound.
+            if (e == libc::EAGAIN || e == libc::EINTR) && now_ms() < end {
+                let pause = libc::timespec { tv_sec: 0, tv_nsec: 10_000_000 };
+                libc::nanosleep(&pause, std::ptr::null_mut());
+                continue;
+            }
             libc::close(fd);
             return None;
         }
-        let mut msg = [0u8; 64];
-        let n = (head.len() + why.len()).min(62);
-        let h = head.len().min(n);
-        msg[..h].copy_from_slice(&head[..h]);
-        msg[h..n].copy_from_slice(&why[..n - h]);
-        msg[n] = b'\n';
-        if libc::write(fd, msg.as_ptr().cast(), n + 1) != (n + 1) as isize {
+        let mut sent = 0;
+        while sent < n {
+            let r = libc::send(fd, msg[sent..n].as_ptr().cast(), n - sent, libc::MSG_NOSIGNAL);
+            if r > 0 {
+                sent += r as usize;
+                continue;
+            }
+            let e = *errno_ptr();
+            if (e == libc::EAGAIN || e == libc::EINTR) && wait_fd(fd, libc::POLLOUT, end - now_ms()) {
+                continue;
+            }
             libc::close(fd);
             return None;
         }
@@ -365,27 +700,33 @@ fn announce(head: &[u8], why: &[u8]) -> Option<c_int> {
 
 /// Tells the guard "this process is dying" and waits for its answer. Only
 /// async-signal-safe system calls; nothing if libcuda was never loaded or
-/// no guard listens.
+/// no guard listens. The wait ends when the guard has been silent for
+/// `GPUSNAP_GUARD_WAIT_MS` or after ten minutes in all: the death then goes
+/// on unsuspended (the guard journals that its answer came too late).
 fn notify(why: &[u8]) {
     if !guarded_process() {
         return;
     }
     let Some(fd) = announce(b"dying ", why) else { return };
-    // Wait for the answer (the guard closes the connection after it).
-    let mut buf = [0u8; 16];
-    // SAFETY: reads into a buffer of its length from a fd we own.
-    unsafe {
-        loop {
-            let r = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
-            if r > 0 && buf[..r as usize].contains(&b'\n') {
-                break;
-            }
-            if r == 0 || (r < 0 && *errno_ptr() != libc::EINTR) {
-                break;
-            }
+    let wait = WAIT_MS.load(Ordering::Relaxed);
+    let start = now_ms();
+    let mut heard = start;
+    loop {
+        let now = now_ms();
+        if now - start > TOTAL_MS {
+            break;
         }
-        libc::close(fd);
+        if !wait_fd(fd, libc::POLLIN, (heard + wait - now).min(start + TOTAL_MS - now)) {
+            break;
+        }
+        match poll_answer(fd) {
+            Answer::Done => break,
+            Answer::Heard => heard = now_ms(),
+            Answer::Silent => {}
+        }
     }
+    // SAFETY: our own fd.
+    unsafe { libc::close(fd) };
 }
 
 /// At load: remember the socket, put our handler wherever a terminating
@@ -397,6 +738,9 @@ extern "C" fn init() {
     if bytes.is_empty() || bytes.len() >= 108 {
         return;
     }
+    if let Some(ms) = std::env::var("GPUSNAP_GUARD_WAIT_MS").ok().and_then(|v| v.parse::<i64>().ok()) {
+        WAIT_MS.store(ms.clamp(100, TOTAL_MS), Ordering::Relaxed);
+    }
     // SAFETY: written once, here, before ADDR_LEN publishes it.
     unsafe {
         let a = &mut *std::ptr::addr_of_mut!(ADDR);
@@ -405,13 +749,13 @@ extern "C" fn init() {
             *d = *s as c_char;
         }
     }
-    let real = next(&REAL_DLOPEN, c"dlopen");
-    next(&REAL_SIGNAL, c"signal");
     next(&REAL_EXIT, c"_exit");
     next(&REAL_EXIT2, c"_Exit");
     let sa = real_sigaction();
-    // SAFETY: libc's dlopen.
-    note_cuda(unsafe { std::mem::transmute::<usize, DlopenFn>(real) });
+    // SAFETY: dlsym of the loader's public debugger interface.
+    let r = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_r_debug".as_ptr()) };
+    R_DEBUG.store(r as usize, Ordering::Release);
+    cuda_loaded();
     ADDR_LEN.store(std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1, Ordering::Release);
     for sig in 1..=64 {
         if !guarded(sig) {
@@ -420,22 +764,20 @@ extern "C" fn init() {
         // SAFETY: a query into a zeroed sigaction.
         let mut cur: libc::sigaction = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
-        if unsafe { sa(sig, std::ptr::null(), &mut cur) } == 0 && is_default(cur.sa_sigaction) {
+        if unsafe { sa(sig, std::ptr::null(), &mut cur) } == 0 && cur.sa_sigaction == libc::SIG_DFL {
             install(sig, Some(&cur), std::ptr::null_mut());
         }
     }
-    // SAFETY: registering a function that lives as long as the process
-    // (this library is never unloaded).
-    unsafe { libc::atexit(at_exit) };
+    register_exit_handler();
     // SAFETY: as above; only the child handler is given.
     unsafe { libc::pthread_atfork(None, None, Some(forget_pending)) };
 }
 
 /// In a forked child: the parent's announced deaths are not the child's.
 extern "C" fn forget_pending() {
-    for slot in &PENDING {
+    for (i, slot) in PENDING.iter().enumerate() {
         let fd = slot.swap(-1, Ordering::SeqCst);
-        if fd >= 0 {
+        if fd >= 0 && inode_of(fd).is_some_and(|ino| ino == PENDING_INO[i].load(Ordering::SeqCst)) {
             // SAFETY: the child's copy of the parent's connection.
             unsafe { libc::close(fd) };
         }
@@ -445,3 +787,41 @@ extern "C" fn forget_pending() {
 #[used]
 #[link_section = ".init_array"]
 static INIT: extern "C" fn() = init;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signals_are_classified_by_si_code_not_by_sender() {
+        let me = 100;
+        // A fault from the kernel, and int3's SI_KERNEL.
+        assert!(origin(libc::SIGSEGV, 1, 0, me) == Origin::Fault);
+        assert!(origin(libc::SIGTRAP, 0x80, 0, me) == Origin::Fault);
+        // Ctrl-C, alarm, SIGXCPU: SI_KERNEL, no sender pid.
+        assert!(origin(libc::SIGINT, 0x80, 0, me) == Origin::Async);
+        assert!(origin(libc::SIGALRM, 0x80, 0, me) == Origin::Async);
+        // A POSIX timer (SI_TIMER).
+        assert!(origin(libc::SIGTERM, -2, 0, me) == Origin::Async);
+        // kill from another pid namespace: sender 0.
+        assert!(origin(libc::SIGTERM, 0, 0, me) == Origin::Async);
+        assert!(origin(libc::SIGTERM, 0, 7, me) == Origin::Async);
+        // raise/abort, and the kernel's SIGPIPE for our own write.
+        assert!(origin(libc::SIGABRT, -6, me, me) == Origin::Own);
+        assert!(origin(libc::SIGPIPE, 0, me, me) == Origin::Own);
+        // SIGSEGV sent with kill is no fault.
+        assert!(origin(libc::SIGSEGV, 0, 7, me) == Origin::Async);
+    }
+
+    #[test]
+    fn libcuda_by_file_name() {
+        // SAFETY: NUL-terminated literals.
+        unsafe {
+            assert!(is_libcuda(c"/usr/lib/x86_64-linux-gnu/libcuda.so.1".as_ptr()));
+            assert!(is_libcuda(c"libcuda.so.580.1".as_ptr()));
+            assert!(!is_libcuda(c"/usr/lib/libcudart.so.12".as_ptr()));
+            assert!(!is_libcuda(c"/x/libcuda.so/libc.so.6".as_ptr()));
+            assert!(!is_libcuda(std::ptr::null()));
+        }
+    }
+}

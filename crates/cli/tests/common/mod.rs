@@ -423,7 +423,13 @@ while True:
 
     /// Starts gpusnap in the background (a child reaped on exit).
     pub fn spawn_gpusnap(&mut self, args: &[&str]) -> usize {
+        self.spawn_gpusnap_env(args, &[])
+    }
+
+    /// [`World::spawn_gpusnap`] with more environment variables.
+    pub fn spawn_gpusnap_env(&mut self, args: &[&str], env: &[(&str, &str)]) -> usize {
         let mut cmd = self.gpusnap_cmd(args);
+        cmd.envs(env.iter().copied());
         let n = self.children.len();
         cmd.stdout(std::fs::File::create(self.tmp.path().join(format!("gpusnap-{n}.out"))).unwrap())
             .stderr(std::fs::File::create(self.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap());

@@ -16,7 +16,7 @@
 use super::suspend_before_death;
 use crate::error::Error;
 use crate::store::Store;
-use crate::target;
+use crate::target::{self, Target};
 use gpusnap_cuda::{CheckpointApi, Deadline};
 use gpusnap_gpu::GpuInventory;
 use std::io::{BufRead, BufReader, Write};
@@ -132,6 +132,11 @@ pub struct LightGuard<A: CheckpointApi, G: GpuInventory> {
     lock_timeout_ms: u32,
     /// Set once `hibernate` has asked the guard to let the program go.
     pub detached: Arc<AtomicBool>,
+    /// Requests being answered now, and the listeners (to see requests not
+    /// yet accepted): a guard that ends waits for both, so that even a late
+    /// answer is journaled.
+    in_flight: Arc<std::sync::atomic::AtomicUsize>,
+    listeners: std::sync::Mutex<Vec<UnixListener>>,
 }
 
 impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
@@ -142,6 +147,26 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
             state_dir: state_dir.to_path_buf(),
             lock_timeout_ms,
             detached: Arc::new(AtomicBool::new(false)),
+            in_flight: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            listeners: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Waits (at most `limit`) until no request is waiting or being
+    /// answered.
+    pub fn quiesce(&self, limit: Duration) {
+        let end = std::time::Instant::now() + limit;
+        let pending = || {
+            self.listeners.lock().is_ok_and(|ls| {
+                ls.iter().any(|l| {
+                    let mut p = libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                    // SAFETY: one valid pollfd; no waiting.
+                    unsafe { libc::poll(&mut p, 1, 0) > 0 }
+                })
+            })
+        };
+        while (self.in_flight.load(Ordering::SeqCst) > 0 || pending()) && std::time::Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -173,7 +198,7 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
             reason: format!("guard socket {}: {e}", path.display()),
         };
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(fail)?;
+            super::private_dir(dir)?;
         }
         // The newest guard owns the path: one that served it before (the
         // `run` of a snapshotted program, a guard of the image's earlier
@@ -185,20 +210,33 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
             use std::os::unix::fs::MetadataExt;
             std::fs::symlink_metadata(path).map_err(fail)?.ino()
         };
-        let (api, gpus, dir, lt, detached) = (
+        if let (Ok(l), Ok(mut ls)) = (listener.try_clone(), self.listeners.lock()) {
+            ls.push(l);
+        }
+        let (api, gpus, dir, lt, detached, in_flight) = (
             self.api.clone(),
             Arc::clone(&self.gpus),
             self.state_dir.clone(),
             self.lock_timeout_ms,
             Arc::clone(&self.detached),
+            Arc::clone(&self.in_flight),
         );
         std::thread::spawn(move || {
             for conn in listener.incoming().flatten() {
-                let (api, gpus, dir, detached) =
-                    (api.clone(), Arc::clone(&gpus), dir.clone(), Arc::clone(&detached));
+                in_flight.fetch_add(1, Ordering::SeqCst);
+                let (api, gpus, dir, detached, in_flight) = (
+                    api.clone(),
+                    Arc::clone(&gpus),
+                    dir.clone(),
+                    Arc::clone(&detached),
+                    Arc::clone(&in_flight),
+                );
                 // One thread per caller: processes of a group die together,
                 // and each waits only for its own suspend.
-                std::thread::spawn(move || answer(conn, &api, &*gpus, &dir, lt, &detached));
+                std::thread::spawn(move || {
+                    answer(conn, &api, &*gpus, &dir, lt, &detached);
+                    in_flight.fetch_sub(1, Ordering::SeqCst);
+                });
             }
         });
         Ok(ino)
@@ -219,6 +257,66 @@ fn light_why(words: &[&str]) -> String {
     }
 }
 
+/// The pid and uid of the process at the other end of `s` (SO_PEERCRED).
+fn peer_uid(s: &UnixStream) -> Option<u32> {
+    // SAFETY: ucred is plain data; getsockopt fills at most `len` bytes.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a valid socket fd and a buffer of `len` bytes.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(cred.uid)
+}
+
+/// What a guard that answers late writes in the journal: the process did
+/// not wait (its bound ran out, or it was gone before the guard read its
+/// request).
+const NOT_ANSWERED: &str =
+    "the guard did not answer in time (stopped or stuck): the process did not wait, and died unsuspended";
+
+/// Sends a heartbeat byte every second on `conn` until `done`, so that the
+/// dying process (which waits only while it hears from the guard, see
+/// crates/preload) keeps waiting through a long checkpoint. A failed write
+/// means the process is gone or gave up: that is journaled at once (the
+/// suspend may be stuck for good), and reported.
+fn heartbeat(
+    conn: UnixStream,
+    done: Arc<AtomicBool>,
+    gone: Arc<AtomicBool>,
+    key: Option<Target>,
+    state_dir: PathBuf,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        while !done.load(Ordering::SeqCst) {
+            if (&conn).write_all(b".").is_err() {
+                if !gone.swap(true, Ordering::SeqCst) {
+                    journal_not_answered(&state_dir, key.as_ref());
+                }
+                return;
+            }
+            let end = std::time::Instant::now() + Duration::from_secs(1);
+            while !done.load(Ordering::SeqCst) && std::time::Instant::now() < end {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    })
+}
+
+fn journal_not_answered(state_dir: &Path, key: Option<&Target>) {
+    let Some(t) = key else { return };
+    tracing::warn!(pid = t.pid, "light guard: {NOT_ANSWERED}");
+    if let Ok(mut store) = Store::open(state_dir) {
+        let _ = store.note(t, "guard", None, NOT_ANSWERED);
+    }
+}
+
 fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
     conn: UnixStream,
     api: &Deadline<A>,
@@ -232,48 +330,69 @@ fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
     if BufReader::new(&conn).read_line(&mut line).is_err() {
         return;
     }
-    let mut words = line.split_whitespace();
-    let first = words.next();
-    let reply = match first {
+    let mut words: Vec<&str> = line.split_whitespace().collect();
+    // The library adds its start time: the journal's key for the process
+    // even when it is gone by the time the guard reads this.
+    let start = words.iter().find_map(|w| w.strip_prefix("start=")?.parse::<u64>().ok());
+    words.retain(|w| !w.starts_with("start="));
+    let reply = match words.first().copied() {
         Some(kind @ ("dying" | "dying-async")) => {
-            let rest: Vec<&str> = words.collect();
+            let rest = &words[1..];
             let resend = (kind == "dying-async")
-                .then(|| match rest.as_slice() {
+                .then(|| match rest {
                     ["signal", n] => n.parse::<i32>().ok(),
                     _ => None,
                 })
                 .flatten();
-            let why = light_why(&rest);
-            match peer_pid(&conn) {
-                Some(pid) => {
-                    let who = target::resolve(pid).ok();
-                    match Store::open(state_dir) {
-                        Ok(mut store) => {
-                            suspend_before_death(api, gpus, &mut store, pid, &why, lock_timeout_ms);
-                        }
-                        Err(e) => {
-                            tracing::error!(pid, why, "light guard: no journal, nothing suspended: {e}")
-                        }
+            let why = light_why(rest);
+            let Some(pid) = peer_pid(&conn) else {
+                let _ = (&conn).write_all(b"error: no peer credentials\n");
+                return;
+            };
+            // The process that asked (its start time as it reads it may
+            // differ from ours: CRIU restores into a time namespace, which
+            // shifts /proc's start times; so it only names a process that
+            // is gone).
+            let who = target::resolve(pid).ok();
+            let key = who
+                .clone()
+                .or_else(|| start.map(|s| Target { pid, start_time: s, comm: String::new(), uid: u32::MAX }));
+            let (done, gone) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+            let beat = conn.try_clone().ok().map(|c| {
+                heartbeat(c, Arc::clone(&done), Arc::clone(&gone), key.clone(), state_dir.to_path_buf())
+            });
+            if who.is_some() {
+                match Store::open(state_dir) {
+                    Ok(mut store) => {
+                        suspend_before_death(api, gpus, &mut store, pid, &why, lock_timeout_ms);
                     }
-                    if let Some(sig) = resend {
-                        // The library let the program run on: the answer
-                        // first, then the signal again, which now kills.
-                        let _ = (&conn).write_all(b"ok\n");
-                        if who.as_ref().is_some_and(target::is_alive) {
-                            // SAFETY: kill with a pid and a signal number.
-                            unsafe { libc::kill(pid, sig) };
-                        }
-                        return;
-                    }
-                    "ok\n".to_string()
+                    Err(e) => tracing::error!(pid, why, "light guard: no journal, nothing suspended: {e}"),
                 }
-                None => "error: no peer credentials\n".to_string(),
             }
+            done.store(true, Ordering::SeqCst);
+            if let Some(b) = beat {
+                let _ = b.join();
+            }
+            // Alive before the answer: once answered, it dies at once.
+            let alive = who.as_ref().is_some_and(target::is_alive);
+            let answered = (&conn).write_all(b"ok\n").is_ok() && alive;
+            if !answered && !gone.swap(true, Ordering::SeqCst) {
+                journal_not_answered(state_dir, key.as_ref());
+            }
+            if let (Some(sig), true) = (resend, answered) {
+                // The library let the program run on: the answer first,
+                // then the signal again, which now kills.
+                // SAFETY: kill with a pid and a signal number.
+                unsafe { libc::kill(pid, sig) };
+            }
+            return;
         }
-        Some("detach") => {
+        // Only the guard's own user (or root) may make it let go.
+        Some("detach") if peer_uid(&conn).is_some_and(|u| u == 0 || u == nix::unistd::geteuid().as_raw()) => {
             detached.store(true, Ordering::SeqCst);
             "ok\n".to_string()
         }
+        Some("detach") => "error: not allowed\n".to_string(),
         _ => "error: unknown request\n".to_string(),
     };
     let _ = (&conn).write_all(reply.as_bytes());

@@ -36,7 +36,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const PTRACE_EVENT_STOP: i32 = 128;
@@ -74,6 +74,38 @@ impl GuardFile {
 
 pub fn guards_dir(state_dir: &Path) -> PathBuf {
     state_dir.join("guards")
+}
+
+/// Creates `dir` (the guards' sockets live there) readable by its owner
+/// only, and checks an existing one: a socket is bound before its mode can
+/// be set, so the directory is what keeps other users out.
+pub fn private_dir(dir: &Path) -> Result<(), Error> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let fail = |why: String| Error::Proc {
+        pid: std::process::id() as i32,
+        reason: format!("{}: {why}", dir.display()),
+    };
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| fail(e.to_string()))?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(fail(e.to_string())),
+    }
+    let m = std::fs::symlink_metadata(dir).map_err(|e| fail(e.to_string()))?;
+    if !m.is_dir() {
+        return Err(fail("not a directory".into()));
+    }
+    let me = nix::unistd::geteuid().as_raw();
+    if m.uid() != me {
+        return Err(fail(format!("owned by uid {}, not by this user ({me})", m.uid())));
+    }
+    if m.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| fail(e.to_string()))?;
+    }
+    Ok(())
 }
 
 /// Every live guard's record.
@@ -164,10 +196,9 @@ fn is_fatal(tid: i32, sig: i32) -> bool {
     fault || mask("SigIgn:") & bit == 0
 }
 
-/// Who sent the signal a thread is stopped for: the sender's pid for a
-/// signal from kill/tgkill/sigqueue, `None` for one the kernel raised (a
-/// fault, a timer).
-fn sender(tid: i32) -> Option<i32> {
+/// The si_code and sender pid of the signal thread `tid` is stopped for
+/// (the pid is 0 unless the code is one of a sent signal).
+fn siginfo(tid: i32) -> Option<(i32, i32)> {
     // SAFETY: siginfo_t is plain data; PTRACE_GETSIGINFO fills it for a
     // tracee in a signal-delivery-stop.
     let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
@@ -180,12 +211,85 @@ fn sender(tid: i32) -> Option<i32> {
             &mut info as *mut libc::siginfo_t,
         )
     };
-    // SI_USER (0), SI_QUEUE (-1), SI_TKILL (-6): sent by a process.
-    if r != 0 || !matches!(info.si_code, 0 | -1 | -6) {
+    if r != 0 {
         return None;
     }
-    // SAFETY: for these si_codes the kill fields are the valid ones.
-    Some(unsafe { info.si_pid() })
+    // SI_USER (0), SI_QUEUE (-1), SI_TKILL (-6): sent by a process; for
+    // these codes the kill fields are the valid ones.
+    // SAFETY: as said.
+    let from = if matches!(info.si_code, 0 | -1 | -6) { unsafe { info.si_pid() } } else { 0 };
+    Some((info.si_code, from))
+}
+
+/// How a signal came, by si_code (the kernel's word), never by the sender's
+/// pid alone: 0 is the kernel's and also any sender's in another pid
+/// namespace (a container's SIGTERM). The preload library
+/// (crates/preload) decides the same way; it cannot share this code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// A fault of the stopped thread (SEGV, BUS, ILL, FPE, TRAP, SYS with a
+    /// kernel code): it stands at a known instruction.
+    Fault,
+    /// Sent by the process to itself: `raise`, `abort`, the kernel's
+    /// SIGPIPE for its own write.
+    Own,
+    /// Another process's `kill` (any namespace, `gpusnap run` forwarding
+    /// one), a terminal's Ctrl-C or hang-up, `alarm`, SIGXCPU, a timer: the
+    /// thread may have been stopped anywhere, even inside a driver call.
+    Async,
+}
+
+fn origin(sig: i32, code: i32, sender: i32, pid: i32) -> Origin {
+    let fault_sig = matches!(
+        sig,
+        libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE | libc::SIGTRAP | libc::SIGSYS
+    );
+    if code > 0 {
+        return if fault_sig { Origin::Fault } else { Origin::Async };
+    }
+    if matches!(code, 0 | -1 | -6) && sender == pid && pid > 0 {
+        return Origin::Own;
+    }
+    Origin::Async
+}
+
+enum Refused {
+    /// Traced by this thread already.
+    Ours,
+    /// Exiting or gone.
+    Ending,
+    /// Traced by someone else, or not ours to trace.
+    Other,
+}
+
+/// Why a PTRACE_SEIZE of `tid` answered EPERM. A thread of a program that
+/// keeps making short-lived ones may be between its exit and its
+/// disappearance from /proc, where the kernel refuses it and /proc still
+/// shows it untraced; asked again a moment later it is gone.
+fn seize_refused(tid: i32) -> Refused {
+    // SAFETY: gettid has no preconditions.
+    let me = unsafe { libc::gettid() };
+    for _ in 0..20 {
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{tid}/status")) else {
+            return Refused::Ending;
+        };
+        let field = |key: &str| status.lines().find_map(|l| l.strip_prefix(key)).map(str::trim).unwrap_or("");
+        if matches!(field("State:").chars().next(), Some('Z' | 'X')) {
+            return Refused::Ending;
+        }
+        match field("TracerPid:").parse::<i32>() {
+            Ok(t) if t == me => return Refused::Ours,
+            Ok(0) => {}
+            _ => return Refused::Other,
+        }
+        std::thread::sleep(Duration::from_millis(1));
+        match seize(tid).map_err(|e| e.raw_os_error()) {
+            Ok(()) => return Refused::Ours,
+            Err(Some(libc::ESRCH)) => return Refused::Ending,
+            Err(_) => {}
+        }
+    }
+    Refused::Other
 }
 
 /// One decoded waitpid status.
@@ -289,6 +393,79 @@ pub struct Guard<A: CheckpointApi, G: GpuInventory> {
     tids: HashMap<i32, i32>,
     leader: i32,
     ending: Option<Ending>,
+    /// Per process being suspended on a thread of its own: what to do when
+    /// it is done (the ptrace requests must come from the event loop).
+    jobs: HashMap<i32, Vec<After>>,
+    /// (pid, signal) the guard sent again after a suspend: the stop they
+    /// cause is let through. Anything else sent from this process (the
+    /// `run` front end forwarding a SIGTERM) is a death like any other.
+    resent: BTreeSet<(i32, i32)>,
+    /// Requests and finished suspends for the event loop.
+    inbox: Arc<Inbox>,
+    /// The process being attached: in the record from before the first
+    /// seize, so that a guard killed while it attaches (its keeper fires
+    /// as soon as it dies) leaves its keeper something to take over.
+    attaching: Option<i32>,
+}
+
+/// What the event loop does for a process once its suspend is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum After {
+    /// Let thread `tid` go on with signal `sig` (0: none): a fault, an own
+    /// signal, an `exit_group` held at its stop.
+    Cont(i32, i32),
+    /// Send `sig` again (it was held back: an asynchronous signal).
+    Resend(i32),
+}
+
+enum Msg {
+    Detach(Detach),
+    /// The suspend of this process is done; the process as it was then.
+    Suspended(i32, Option<Target>),
+}
+
+/// Messages for the event loop, which sleeps in waitpid: each poster
+/// interrupts that wait with a signal until its message has been taken, so
+/// a message posted just before the loop blocks is not left waiting for
+/// the next ptrace event.
+#[derive(Default)]
+struct Inbox {
+    queue: Mutex<Vec<Msg>>,
+    posted: std::sync::atomic::AtomicU64,
+    taken: std::sync::atomic::AtomicU64,
+    /// The event loop's thread (pthread_t), once it runs.
+    waiter: std::sync::atomic::AtomicU64,
+}
+
+impl Inbox {
+    fn post(&self, m: Msg) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let seq = {
+            let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            q.push(m);
+            self.posted.fetch_add(1, SeqCst) + 1
+        };
+        let end = Instant::now() + Duration::from_secs(60);
+        while self.taken.load(SeqCst) < seq && Instant::now() < end {
+            let w = self.waiter.load(SeqCst);
+            if w != 0 {
+                // SAFETY: the event loop's thread, which lives as long as
+                // the process; its handler for this signal does nothing.
+                unsafe { libc::pthread_kill(w as libc::pthread_t, wakeup_signal()) };
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn take(&self) -> Vec<Msg> {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let v = std::mem::take(&mut *q);
+        self.taken.store(
+            self.posted.load(std::sync::atomic::Ordering::SeqCst),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+        v
+    }
 }
 
 /// Suspends process `pid` (lock with a timeout, checkpoint), journaled, and
@@ -377,7 +554,9 @@ pub(crate) fn suspend_before_death<A: CheckpointApi, G: GpuInventory + ?Sized>(
 /// A request from another gpusnap (hibernate) to the guard's event loop.
 struct Detach {
     pids: Vec<i32>,
-    reply: mpsc::Sender<String>,
+    /// The asker's connection: the event loop answers on it before it can
+    /// end (a reply left to another thread would race with the exit).
+    conn: UnixStream,
 }
 
 impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
@@ -401,6 +580,10 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
             tids: HashMap::new(),
             leader: 0,
             ending: None,
+            jobs: HashMap::new(),
+            resent: BTreeSet::new(),
+            inbox: Arc::new(Inbox::default()),
+            attaching: None,
         }
     }
 
@@ -413,7 +596,7 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     }
 
     fn processes(&self) -> Vec<i32> {
-        self.tids.values().copied().collect::<BTreeSet<_>>().into_iter().collect()
+        self.tids.values().copied().chain(self.attaching).collect::<BTreeSet<_>>().into_iter().collect()
     }
 
     /// Watch the memory cgroups of the guarded processes and suspend them
@@ -440,31 +623,63 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     /// Seizes every thread of `pid` (again until no new thread appears).
     pub fn attach(&mut self, pid: i32) -> Result<(), Error> {
         let t = target::resolve(pid)?;
+        self.attaching = Some(pid);
+        self.save();
+        let r = self.seize_all(pid, &t);
+        self.attaching = None;
+        self.save();
+        r
+    }
+
+    fn seize_all(&mut self, pid: i32, t: &Target) -> Result<(), Error> {
         loop {
             let mut new = 0;
             for tid in threads_of(pid) {
                 if self.tids.contains_key(&tid) {
                     continue;
                 }
-                seize(tid).map_err(|e| match e.raw_os_error() {
-                    Some(libc::EPERM) => Error::Proc {
-                        pid,
-                        reason: "cannot trace it (already traced by another tool, or no permission)".into(),
+                match seize(tid).map_err(|e| e.raw_os_error()) {
+                    Ok(()) => {
+                        self.tids.insert(tid, pid);
+                        new += 1;
+                    }
+                    // Gone between the listing and the seize: nothing to guard.
+                    Err(Some(libc::ESRCH)) => {}
+                    // Created by a thread already seized, so traced by us
+                    // already (PTRACE_O_TRACECLONE), or ending (the kernel
+                    // refuses a thread that is exiting). Not counted as
+                    // new: a program that keeps making threads would keep
+                    // this loop going, and its new threads are ours anyway.
+                    Err(Some(libc::EPERM)) => match seize_refused(tid) {
+                        Refused::Ours => {
+                            self.tids.insert(tid, pid);
+                        }
+                        Refused::Ending => {}
+                        Refused::Other => {
+                            return Err(Error::Proc {
+                                pid,
+                                reason: "cannot trace it (already traced by another tool, or no permission)"
+                                    .into(),
+                            })
+                        }
                     },
-                    _ => Error::Proc { pid, reason: format!("PTRACE_SEIZE of thread {tid}: {e}") },
-                })?;
-                self.tids.insert(tid, pid);
-                new += 1;
+                    Err(e) => {
+                        let e = std::io::Error::from_raw_os_error(e.unwrap_or(libc::EIO));
+                        return Err(Error::Proc {
+                            pid,
+                            reason: format!("PTRACE_SEIZE of thread {tid}: {e}"),
+                        });
+                    }
+                }
             }
             if new == 0 {
                 break;
             }
         }
-        self.store.note(&t, "guard", None, &format!("guarded by gpusnap {}", std::process::id()))?;
+        self.store.note(t, "guard", None, &format!("guarded by gpusnap {}", std::process::id()))?;
         if self.leader == 0 {
             self.leader = pid;
         }
-        self.save();
         Ok(())
     }
 
@@ -473,6 +688,67 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     /// bad, goes into the journal.
     fn suspend_dying(&mut self, pid: i32, why: &str) {
         suspend_before_death(&self.api, &*self.gpus, &mut self.store, pid, why, self.lock_timeout_ms);
+    }
+
+    /// Suspends `pid` on a thread of its own, so that the event loop goes
+    /// on serving the other stops meanwhile (a thread of the program that
+    /// receives a signal or starts a thread must not stay stopped, maybe
+    /// holding a lock the suspend waits for); `after` is done when it ends.
+    /// A process already being suspended only gets `after` added.
+    fn suspend_then(&mut self, pid: i32, why: String, after: After) {
+        if let Some(list) = self.jobs.get_mut(&pid) {
+            if !list.contains(&after) {
+                list.push(after);
+            }
+            return;
+        }
+        self.jobs.insert(pid, vec![after]);
+        let (api, gpus, dir, lt, inbox) = (
+            self.api.clone(),
+            Arc::clone(&self.gpus),
+            self.state_dir.clone(),
+            self.lock_timeout_ms,
+            Arc::clone(&self.inbox),
+        );
+        // Taken now: a re-sent signal must reach this process, not one that
+        // took its pid during a long suspend.
+        let who = target::resolve(pid).ok();
+        std::thread::spawn(move || {
+            match Store::open(&dir) {
+                Ok(mut store) => {
+                    suspend_before_death(&api, &*gpus, &mut store, pid, &why, lt);
+                }
+                Err(e) => tracing::error!(pid, why, "guard: no journal, nothing suspended: {e}"),
+            }
+            inbox.post(Msg::Suspended(pid, who));
+        });
+    }
+
+    /// A suspend is done: the held threads go on, held-back signals go again.
+    fn suspended(&mut self, pid: i32, who: Option<Target>) {
+        for after in self.jobs.remove(&pid).unwrap_or_default() {
+            match after {
+                After::Cont(tid, sig) => cont(tid, sig),
+                After::Resend(sig) => {
+                    if who.as_ref().is_some_and(target::is_alive) {
+                        self.resent.insert((pid, sig));
+                        // SAFETY: kill with a signal number we were given.
+                        unsafe { libc::kill(pid, sig) };
+                    }
+                }
+            }
+        }
+    }
+
+    fn held(&self) -> BTreeSet<i32> {
+        self.jobs
+            .values()
+            .flatten()
+            .filter_map(|a| match a {
+                After::Cont(tid, _) => Some(*tid),
+                After::Resend(_) => None,
+            })
+            .collect()
     }
 
     fn on_gone(&mut self, tid: i32, ending: Ending) {
@@ -496,36 +772,43 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
                     cont(tid, sig);
                     return;
                 }
-                match sender(tid) {
-                    // Our own re-sent signal: the process is suspended already.
-                    Some(from) if from == std::process::id() as i32 => cont(tid, sig),
-                    // Sent by another process (kill, a supervisor): the thread
-                    // may have been stopped anywhere, even inside a driver call
-                    // holding the driver's locks. Hold the signal back, suspend
-                    // the process while it runs, then send the signal again.
-                    Some(from) if from != pid => {
+                let (code, from) = siginfo(tid).unwrap_or((0, 0));
+                // Our own re-sent signal: the process is suspended already.
+                // Not told by the sender pid: seen from a tracee in another
+                // pid namespace the guard's pid reads 0, and whatever else
+                // kills it now kills a suspended process.
+                if self.resent.remove(&(pid, sig)) {
+                    cont(tid, sig);
+                    return;
+                }
+                match origin(sig, code, from, pid) {
+                    // The thread may have been stopped anywhere, even inside
+                    // a driver call holding the driver's locks. Hold the
+                    // signal back, suspend the process while it runs, then
+                    // send the signal again.
+                    Origin::Async => {
                         cont(tid, 0);
-                        self.suspend_dying(pid, &format!("signal {} from pid {from}", signal_name(sig)));
-                        // SAFETY: kill with a signal number we were given.
-                        unsafe { libc::kill(pid, sig) };
+                        let why = if from > 0 {
+                            format!("signal {} from pid {from}", signal_name(sig))
+                        } else {
+                            format!("signal {}", signal_name(sig))
+                        };
+                        self.suspend_then(pid, why, After::Resend(sig));
                     }
                     // A fault or the process's own raise()/abort(): the thread
                     // stands at a known point; suspend with it held.
-                    _ => {
-                        self.suspend_dying(pid, &format!("signal {}", signal_name(sig)));
-                        cont(tid, sig);
+                    Origin::Fault | Origin::Own => {
+                        self.suspend_then(pid, format!("signal {}", signal_name(sig)), After::Cont(tid, sig));
                     }
                 }
             }
             Event::Ptrace(tid, event, sig) => {
                 self.adopt(tid);
                 match event {
-                    PTRACE_EVENT_SECCOMP => {
-                        if let Some(&pid) = self.tids.get(&tid) {
-                            self.suspend_dying(pid, "exit_group");
-                        }
-                        cont(tid, 0);
-                    }
+                    PTRACE_EVENT_SECCOMP => match self.tids.get(&tid) {
+                        Some(&pid) => self.suspend_then(pid, "exit_group".into(), After::Cont(tid, 0)),
+                        None => cont(tid, 0),
+                    },
                     PTRACE_EVENT_STOP => {
                         if matches!(sig, libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU) {
                             // A group-stop: keep it stopped as it would be
@@ -570,7 +853,15 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     }
 
     fn detach(&mut self, pids: &[i32]) -> String {
-        let tids: Vec<i32> = self.tids.iter().filter(|(_, p)| pids.contains(p)).map(|(t, _)| *t).collect();
+        // Threads held for a suspend in flight stay held: they go on (and
+        // die) when it ends.
+        let held = self.held();
+        let tids: Vec<i32> = self
+            .tids
+            .iter()
+            .filter(|(t, p)| pids.contains(p) && !held.contains(t))
+            .map(|(t, _)| *t)
+            .collect();
         for &tid in &tids {
             let _ = ptrace_raw(libc::PTRACE_INTERRUPT, tid, 0);
         }
@@ -579,12 +870,20 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
         while !pending.is_empty() && Instant::now() < deadline {
             match wait_any(false) {
                 Some(Event::Signal(tid, sig)) if pending.contains(&tid) => {
-                    // The signal it was stopped for goes with the detach.
+                    // The signal it was stopped for goes with the detach; a
+                    // fatal one kills untraced, so the suspend comes first.
+                    if let (Some(&pid), true) = (self.tids.get(&tid), is_fatal(tid, sig)) {
+                        self.suspend_dying(pid, &format!("signal {}", signal_name(sig)));
+                    }
                     let _ = ptrace_raw(libc::PTRACE_DETACH, tid, sig as usize);
                     pending.remove(&tid);
                     self.tids.remove(&tid);
                 }
-                Some(Event::Ptrace(tid, ..)) if pending.contains(&tid) => {
+                Some(Event::Ptrace(tid, event, _)) if pending.contains(&tid) => {
+                    // Stopped at its exit_group: released, it exits at once.
+                    if let (Some(&pid), PTRACE_EVENT_SECCOMP) = (self.tids.get(&tid), event) {
+                        self.suspend_dying(pid, "exit_group");
+                    }
                     let _ = ptrace_raw(libc::PTRACE_DETACH, tid, 0);
                     pending.remove(&tid);
                     self.tids.remove(&tid);
@@ -615,21 +914,23 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     /// The event loop: runs until every guarded process is gone (or was
     /// detached). Returns how the leader ended.
     pub fn run_loop(&mut self) -> Result<Ending, Error> {
-        std::fs::create_dir_all(guards_dir(&self.state_dir)).ok();
+        private_dir(&guards_dir(&self.state_dir))?;
         let _ = std::fs::remove_file(self.socket_path());
         let listener = UnixListener::bind(self.socket_path()).map_err(|e| Error::Proc {
             pid: std::process::id() as i32,
             reason: format!("guard socket: {e}"),
         })?;
-        let (tx, rx) = mpsc::channel::<Detach>();
         // Ptrace requests must come from this thread, which blocks in
-        // waitpid; the control thread interrupts that wait with a signal
-        // whose handler does nothing (no SA_RESTART), so requests are served
-        // at once and stops never wait for a poll interval.
+        // waitpid; the control thread and the suspends interrupt that wait
+        // with a signal whose handler does nothing (no SA_RESTART), so
+        // requests are served at once and stops never wait for a poll
+        // interval (see Inbox).
         install_wakeup_handler();
         // SAFETY: pthread_self has no preconditions.
         let me = unsafe { libc::pthread_self() };
-        std::thread::spawn(move || serve_control(listener, tx, me));
+        self.inbox.waiter.store(me as u64, std::sync::atomic::Ordering::SeqCst);
+        let inbox = Arc::clone(&self.inbox);
+        std::thread::spawn(move || serve_control(listener, inbox));
         self.save();
         if self.oom_watch {
             let (api, gpus, shared) = (self.api.clone(), Arc::clone(&self.gpus), Arc::clone(&self.shared));
@@ -638,9 +939,18 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
             std::thread::spawn(move || oom_watch(api, gpus, store, shared, lock_timeout));
         }
         while !self.tids.is_empty() {
-            if let Ok(req) = rx.try_recv() {
-                let answer = self.detach(&req.pids);
-                let _ = req.reply.send(answer);
+            let mut took = false;
+            for m in self.inbox.take() {
+                took = true;
+                match m {
+                    Msg::Detach(req) => {
+                        let answer = self.detach(&req.pids);
+                        let _ = (&req.conn).write_all(format!("{answer}\n").as_bytes());
+                    }
+                    Msg::Suspended(pid, who) => self.suspended(pid, who),
+                }
+            }
+            if took {
                 continue;
             }
             match wait_event(true) {
@@ -749,29 +1059,23 @@ pub(crate) fn oom_watch<A: CheckpointApi, G: GpuInventory>(
     }
 }
 
-fn serve_control(listener: UnixListener, tx: mpsc::Sender<Detach>, waiter: libc::pthread_t) {
+fn serve_control(listener: UnixListener, inbox: Arc<Inbox>) {
     for conn in listener.incoming().flatten() {
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
         let mut line = String::new();
         if BufReader::new(&conn).read_line(&mut line).is_err() {
             continue;
         }
         let mut words = line.split_whitespace();
-        let reply = match words.next() {
+        match words.next() {
             Some("detach") => {
                 let pids: Vec<i32> = words.filter_map(|w| w.parse().ok()).collect();
-                let (rtx, rrx) = mpsc::channel();
-                if tx.send(Detach { pids, reply: rtx }).is_err() {
-                    break;
-                }
-                // SAFETY: signalling a thread of this process that lives as
-                // long as the process (the event loop).
-                unsafe { libc::pthread_kill(waiter, wakeup_signal()) };
-                rrx.recv_timeout(Duration::from_secs(20)).unwrap_or_else(|_| "err timeout".into())
+                inbox.post(Msg::Detach(Detach { pids, conn }));
             }
-            _ => "err unknown request".into(),
-        };
-        let mut c = &conn;
-        let _ = c.write_all(format!("{reply}\n").as_bytes());
+            _ => {
+                let _ = (&conn).write_all(b"err unknown request\n");
+            }
+        }
     }
 }
 

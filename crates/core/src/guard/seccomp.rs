@@ -21,11 +21,25 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 const BPF_LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
 const BPF_JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
 const BPF_RET_K: u16 = 0x06; // BPF_RET | BPF_K
-/// The native ABI (seccomp_data.arch): x86-64, or aarch64 (GH200).
+/// The native ABI (seccomp_data.arch) and its compat ABI (i386 on x86-64,
+/// arm on aarch64), with `exit_group`'s number in each. x32 shares the
+/// native arch and marks its numbers with bit 30.
 #[cfg(target_arch = "x86_64")]
 const AUDIT_ARCH_NATIVE: u32 = 0xc000_003e;
+#[cfg(target_arch = "x86_64")]
+const AUDIT_ARCH_COMPAT: u32 = 0x4000_0003;
+#[cfg(target_arch = "x86_64")]
+const NR_COMPAT_EXIT_GROUP: u32 = 252;
+#[cfg(target_arch = "x86_64")]
+const X32_BIT: u32 = 0x4000_0000;
 #[cfg(target_arch = "aarch64")]
 const AUDIT_ARCH_NATIVE: u32 = 0xc000_00b7;
+#[cfg(target_arch = "aarch64")]
+const AUDIT_ARCH_COMPAT: u32 = 0x4000_0028;
+#[cfg(target_arch = "aarch64")]
+const NR_COMPAT_EXIT_GROUP: u32 = 248;
+#[cfg(target_arch = "aarch64")]
+const X32_BIT: u32 = 0;
 const OFFSET_NR: u32 = 0; // seccomp_data.nr
 const OFFSET_ARCH: u32 = 4; // seccomp_data.arch
 
@@ -33,16 +47,24 @@ fn insn(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
     libc::sock_filter { code, jt, jf, k }
 }
 
-/// `exit_group` on x86-64 -> stop for the tracer; everything else (other
-/// syscalls, other ABIs) -> allow.
-fn program() -> [libc::sock_filter; 6] {
+/// `exit_group` -> stop for the tracer, whichever way it is called: the
+/// native ABI, x32 (x86-64), or the compat ABI (`int 0x80` on x86-64, a
+/// 32-bit arm program on aarch64), each of which would otherwise end the
+/// process unsuspended. Everything else -> allow.
+fn program() -> [libc::sock_filter; 11] {
+    let nr = libc::SYS_exit_group as u32;
     [
-        insn(BPF_LD_W_ABS, 0, 0, OFFSET_ARCH),
-        insn(BPF_JEQ_K, 0, 3, AUDIT_ARCH_NATIVE),
-        insn(BPF_LD_W_ABS, 0, 0, OFFSET_NR),
-        insn(BPF_JEQ_K, 0, 1, libc::SYS_exit_group as u32),
-        insn(BPF_RET_K, 0, 0, libc::SECCOMP_RET_TRACE),
-        insn(BPF_RET_K, 0, 0, libc::SECCOMP_RET_ALLOW),
+        /* 0 */ insn(BPF_LD_W_ABS, 0, 0, OFFSET_ARCH),
+        /* 1 */ insn(BPF_JEQ_K, 0, 4, AUDIT_ARCH_NATIVE), // no: 6
+        /* 2 */ insn(BPF_LD_W_ABS, 0, 0, OFFSET_NR),
+        /* 3 */ insn(BPF_JEQ_K, 5, 0, nr), // yes: 9
+        /* 4 */ insn(BPF_JEQ_K, 4, 0, nr | X32_BIT), // yes: 9
+        /* 5 */ insn(BPF_RET_K, 0, 0, libc::SECCOMP_RET_ALLOW),
+        /* 6 */ insn(BPF_JEQ_K, 0, 3, AUDIT_ARCH_COMPAT), // no: 10
+        /* 7 */ insn(BPF_LD_W_ABS, 0, 0, OFFSET_NR),
+        /* 8 */ insn(BPF_JEQ_K, 0, 1, NR_COMPAT_EXIT_GROUP), // no: 10
+        /* 9 */ insn(BPF_RET_K, 0, 0, libc::SECCOMP_RET_TRACE),
+        /* 10 */ insn(BPF_RET_K, 0, 0, libc::SECCOMP_RET_ALLOW),
     ]
 }
 
@@ -89,12 +111,40 @@ pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
 mod tests {
     use super::*;
 
+    /// Runs the filter on (arch, nr) as the kernel would (the four
+    /// instructions it uses).
+    fn run(arch: u32, nr: u32) -> u32 {
+        let p = program();
+        let (mut pc, mut acc) = (0usize, 0u32);
+        loop {
+            let i = p[pc];
+            match i.code {
+                BPF_LD_W_ABS => acc = if i.k == OFFSET_ARCH { arch } else { nr },
+                BPF_JEQ_K => {
+                    pc += usize::from(if acc == i.k { i.jt } else { i.jf });
+                }
+                BPF_RET_K => return i.k,
+                other => panic!("unexpected instruction {other:#x}"),
+            }
+            pc += 1;
+        }
+    }
+
     #[test]
     fn the_program_traps_exit_group_only() {
-        let p = program();
-        assert_eq!(p.len(), 6);
-        assert_eq!(p[3].k, libc::SYS_exit_group as u32);
-        assert_eq!(p[4].k, libc::SECCOMP_RET_TRACE);
-        assert_eq!(p[5].k, libc::SECCOMP_RET_ALLOW);
+        let nr = libc::SYS_exit_group as u32;
+        assert_eq!(run(AUDIT_ARCH_NATIVE, nr), libc::SECCOMP_RET_TRACE);
+        assert_eq!(run(AUDIT_ARCH_NATIVE, libc::SYS_exit as u32), libc::SECCOMP_RET_ALLOW);
+        assert_eq!(run(AUDIT_ARCH_NATIVE, libc::SYS_write as u32), libc::SECCOMP_RET_ALLOW);
+        assert_eq!(run(AUDIT_ARCH_NATIVE, NR_COMPAT_EXIT_GROUP), libc::SECCOMP_RET_ALLOW);
+        assert_eq!(run(0x1234, nr), libc::SECCOMP_RET_ALLOW);
+    }
+
+    #[test]
+    fn exit_group_through_the_compat_and_x32_abis_is_trapped_too() {
+        let nr = libc::SYS_exit_group as u32;
+        assert_eq!(run(AUDIT_ARCH_COMPAT, NR_COMPAT_EXIT_GROUP), libc::SECCOMP_RET_TRACE);
+        assert_eq!(run(AUDIT_ARCH_COMPAT, 1), libc::SECCOMP_RET_ALLOW);
+        assert_eq!(run(AUDIT_ARCH_NATIVE, nr | X32_BIT), libc::SECCOMP_RET_TRACE);
     }
 }
