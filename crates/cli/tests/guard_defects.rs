@@ -484,19 +484,26 @@ print("views ok", flush=True)
 }
 
 /// Low item: the guards' directory, where the sockets are bound before
-/// their mode can be set, is private, also when it existed open.
+/// their mode can be set, is private: made 0700 when missing, and an
+/// existing one that others can write is refused with the fix (as every
+/// directory of the state dir is), never used.
 #[test]
 fn the_guard_socket_directory_is_private() {
     use std::os::unix::fs::PermissionsExt;
     let mut w = World::new(&[8192]);
     let dir: PathBuf = w.state_dir().join("guards");
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
     for mode in [LIGHT, TRACED] {
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
         let idx = w.spawn_gpusnap(&["run", mode, "--", "sleep", "1"]);
         assert_eq!(w.wait_child(idx).code(), Some(0), "{mode}");
         let m = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
         assert_eq!(m, 0o700, "{mode}: {m:o}");
+
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let r = w.gpusnap(&["run", mode, "--", "true"]);
+        assert_eq!(r.code, 1, "{mode}: {} {}", r.stdout, r.stderr);
+        assert!(r.stderr.contains("writable by others"), "{mode}: {}", r.stderr);
+        let m = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(m, 0o777, "{mode}: refused, left as it was: {m:o}");
     }
 }
