@@ -128,6 +128,10 @@ enum Cmd {
         /// indices, or UUIDs; the image's GPUs by UUID).
         #[arg(long, value_name = "MAP", value_parser = parse_map)]
         device_map: Option<DeviceMap>,
+        /// Restore every page before the tree runs (CRIU alone), not lazily
+        /// through gpusnap's page server while the tree already runs.
+        #[arg(long)]
+        eager: bool,
     },
     /// Bring back a process stuck after a failed restore from its newest image.
     Recover {
@@ -139,6 +143,9 @@ enum Cmd {
         wait: u64,
         #[arg(long, value_name = "MIB", default_value_t = 256)]
         margin: u64,
+        /// Restore every page before the tree runs (CRIU alone), not lazily.
+        #[arg(long)]
+        eager: bool,
     },
     /// List, verify or remove images.
     Images {
@@ -443,6 +450,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                                 force_resume: vec![],
                                 device_map: opts.device_map.clone(),
                                 force: false,
+                                eager: false,
                             };
                             e.recover(&c, &store, pid, &w).map(|w| output::recovered_as_resume(pid, &w))
                         }
@@ -470,7 +478,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             };
             hibernate(cli, out, select, &opts)
         }
-        Cmd::Wake { images: names, wait, margin, no_guard, device_map } => {
+        Cmd::Wake { images: names, wait, margin, no_guard, device_map, eager } => {
             let c = criu(cli)?;
             let mut e = engine_with(cli, out, true)?;
             let opts = WakeOptions {
@@ -479,6 +487,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 force_resume: vec![],
                 device_map: device_map.clone().map(|m| m.0).unwrap_or_default(),
                 force: false,
+                eager: *eager,
             };
             let r = e.wake_group(&c, &images(cli), names, &opts)?;
             if !no_guard {
@@ -503,7 +512,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Guard { pids, lock_timeout, takeover, daemon } => {
             guarded::guard(cli, pids, *lock_timeout, *takeover, *daemon)
         }
-        Cmd::Recover { pid, wait, margin, force } => {
+        Cmd::Recover { pid, wait, margin, force, eager } => {
             let c = criu(cli)?;
             let mut e = engine(cli, out)?;
             let opts = WakeOptions {
@@ -512,6 +521,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 force_resume: vec![],
                 device_map: vec![],
                 force: *force,
+                eager: *eager,
             };
             let r = e.recover(&c, &images(cli), *pid, &opts)?;
             out.one(&r, &output::woken(&r));

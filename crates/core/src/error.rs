@@ -46,6 +46,8 @@ pub enum Error {
     Criu(#[from] crate::criu::CriuError),
     #[error(transparent)]
     Image(#[from] crate::image::ImageError),
+    #[error("page server: {0}")]
+    Pages(#[from] gpusnap_pages::PagesError),
     #[error("pid {pid} is held by another program ({comm}); the image needs it free: stop that program or wake elsewhere")]
     PidBusy { pid: i32, comm: String },
     #[error("process {pid} ({comm}) is in a session whose leader is outside its pid namespace, which CRIU cannot dump; start it in a session of its own (setsid, or `gpusnap run`)")]
@@ -106,6 +108,7 @@ impl Error {
             Self::Image(crate::image::ImageError::Io { .. }) => 1,
             Self::Image(_) | Self::Incompatible { .. } | Self::BadMap(_) => 2,
             Self::Criu(_)
+            | Self::Pages(_)
             | Self::PidBusy { .. }
             | Self::StillRunning { .. }
             | Self::CudaWithoutDriver { .. } => 1,
@@ -144,6 +147,7 @@ impl Error {
             Self::Gpu(_) => "nvml",
             Self::Store { .. } => "store",
             Self::Criu(_) => "criu",
+            Self::Pages(_) => "pages",
             Self::Image(crate::image::ImageError::Missing(_)) => "image_missing",
             Self::Image(crate::image::ImageError::Exists(_)) => "image_exists",
             Self::Image(crate::image::ImageError::Io { .. }) => "image_io",

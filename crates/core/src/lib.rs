@@ -9,6 +9,7 @@ pub mod group;
 pub mod guard;
 pub mod hibernate;
 pub mod image;
+pub mod lazy;
 pub mod progress;
 pub mod remap;
 pub mod store;
