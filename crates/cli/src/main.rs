@@ -381,6 +381,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Doctor { pid } => {
             let mut findings = doctor::host(&cli.state_dir);
             findings.push(doctor::criu(cli.criu.as_deref()));
+            findings.push(doctor::lazy_wake());
             if let Some(pid) = pid {
                 findings.extend(process_findings(*pid));
             }

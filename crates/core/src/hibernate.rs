@@ -741,6 +741,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(WakePlan { name: name.to_string(), started, dir, m, resume, fps, pairs, verify_ms })
     }
 
+    // One image's restore: what plan_wake decided, plus the wake's choice of
+    // path; a struct of them would only be unpacked again here.
+    #[allow(clippy::too_many_arguments)]
     fn wake_admitted(
         &mut self,
         criu: &Criu,

@@ -37,8 +37,10 @@ pub fn restore(criu: &Criu, images: &Path, work: &Path, eager: bool) -> Result<R
     if let Some(why) = support.why_not {
         return fallback(why);
     }
-    let mut opts = Options::default();
-    opts.fail_after = std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.parse().ok());
+    let opts = Options {
+        fail_after: std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.parse().ok()),
+        ..Options::default()
+    };
     let server = match Server::start(images, work, opts) {
         Ok(s) => s,
         Err(e) => return fallback(format!("page server: {e}")),

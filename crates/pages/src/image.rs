@@ -36,6 +36,9 @@ impl Iov {
     pub fn len(&self) -> u64 {
         self.end - self.start
     }
+    pub fn is_empty(&self) -> bool {
+        self.end <= self.start
+    }
 }
 
 fn entries(path: &Path, magic: u32) -> Result<Vec<Vec<u8>>, PagesError> {

@@ -405,6 +405,7 @@ fn add_mm(sh: &Arc<Shared>, mm: Arc<Mm>) {
 fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
     let fd = mm.uffd.as_fd();
     let mut retry: Vec<u64> = Vec::new();
+    let mut buf = vec![0u8; sh.opts.fault_batch as usize];
     while !sh.stop.load(SeqCst) && !sh.failed() {
         if mm.st.lock().unwrap().gone {
             return;
@@ -413,7 +414,7 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
         // SAFETY: one valid pollfd for the call.
         unsafe { libc::poll(&mut p, 1, TICK.as_millis() as i32) };
         for addr in std::mem::take(&mut retry) {
-            fault(sh, mm, addr, &mut retry);
+            fault(sh, mm, addr, &mut retry, &mut buf);
         }
         loop {
             let msg = match sys::read_msg(fd) {
@@ -427,7 +428,7 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
             };
             let [a0, a1, a2] = msg.arg;
             match msg.event {
-                sys::EVENT_PAGEFAULT => fault(sh, mm, a1 & !(PAGE - 1), &mut retry),
+                sys::EVENT_PAGEFAULT => fault(sh, mm, a1 & !(PAGE - 1), &mut retry, &mut buf),
                 sys::EVENT_FORK => {
                     // SAFETY: reading the FORK event installed this new fd in
                     // our table; nothing else owns it.
@@ -480,7 +481,7 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
     }
 }
 
-fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>) {
+fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &mut [u8]) {
     let id = sh.next_id.fetch_add(1, SeqCst);
     let taken = {
         let mut st = mm.st.lock().unwrap();
@@ -491,10 +492,9 @@ fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>) {
             None => None,
         }
     };
-    let mut buf = vec![0u8; sh.opts.fault_batch as usize];
     match taken {
         Some(iov) => {
-            if let Err(e) = fill(sh, mm, id, iov, &mut buf) {
+            if let Err(e) = fill(sh, mm, id, iov, buf) {
                 sh.fail(e);
             }
         }
