@@ -790,6 +790,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let criu_ms = ms(t_criu);
         let t_pages = Instant::now();
         let (root, pages, notice) = (restored.root, restored.pages, restored.notice);
+        // The processes CRIU made (pid and start time), for a failed lazy
+        // wake to know exactly what is its own.
+        let woken: Vec<Target> = m.processes.iter().filter_map(|p| target::resolve(p.pid).ok()).collect();
         if let Some(n) = &notice {
             // Shown even without -v: the wake is slower than it could be.
             eprintln!("gpusnap: notice: {n}");
@@ -853,6 +856,16 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             // then, so that no process runs on for a moment on zero pages
             // where its memory should be.
             self.end_woken(m.processes.iter().rev().map(|p| p.pid));
+            if pages.is_some() {
+                // One that could not be suspended would run on zero pages
+                // where its memory is missing once the page server closes:
+                // its state is not the image's any more, so it is killed.
+                let left: Vec<Target> = woken.into_iter().filter(target::is_alive).collect();
+                if !left.is_empty() {
+                    tracing::error!(pids = ?left.iter().map(|t| t.pid).collect::<Vec<_>>(), "killing what a failed lazy wake could not end safely");
+                    let _ = kill_tree(&left);
+                }
+            }
             drop(pages);
             return Err(err);
         }

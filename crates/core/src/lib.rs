@@ -14,6 +14,7 @@ pub mod progress;
 pub mod remap;
 pub mod store;
 pub mod target;
+pub mod thp;
 
 pub use engine::{Engine, ResumeOptions, StopOptions};
 pub use error::Error;
