@@ -7,7 +7,10 @@ fn main() {
     // prost-build runs the protoc named here.
     std::env::set_var("PROTOC", protoc);
     let mut cfg = prost_build::Config::new();
-    cfg.compile_protos(&["proto/pagemap.proto", "proto/mm.proto"], &[std::path::PathBuf::from("proto"), include])
-        .expect("compile CRIU's protos");
+    cfg.compile_protos(
+        &["proto/pagemap.proto", "proto/mm.proto"],
+        &[std::path::PathBuf::from("proto"), include],
+    )
+    .expect("compile CRIU's protos");
     println!("cargo:rerun-if-changed=proto");
 }

@@ -31,7 +31,11 @@ pub fn restore(criu: &Criu, images: &Path, work: &Path, eager: bool) -> Result<R
     let fallback = |why: String| -> Result<Restored, CriuError> {
         tracing::warn!("lazy wake not possible ({why}): waking eagerly");
         let root = criu.restore(images, work)?;
-        Ok(Restored { root, pages: None, notice: Some(format!("lazy wake not possible ({why}): woken eagerly")) })
+        Ok(Restored {
+            root,
+            pages: None,
+            notice: Some(format!("lazy wake not possible ({why}): woken eagerly")),
+        })
     };
     let support = gpusnap_pages::support();
     if let Some(why) = support.why_not {

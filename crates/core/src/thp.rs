@@ -73,7 +73,10 @@ fn alive(o: &(i32, u64)) -> bool {
 /// Runs `f` on the record under an exclusive lock of the state dir's
 /// `thp.lock`; the record is written back atomically, or removed when
 /// `f` leaves it without owners.
-fn with_record<T>(state_dir: &Path, f: impl FnOnce(&mut Option<Record>) -> Result<T, ThpError>) -> Result<T, ThpError> {
+fn with_record<T>(
+    state_dir: &Path,
+    f: impl FnOnce(&mut Option<Record>) -> Result<T, ThpError>,
+) -> Result<T, ThpError> {
     use nix::fcntl::{Flock, FlockArg};
     let _ = std::fs::create_dir_all(state_dir);
     let lock_path = state_dir.join("thp.lock");
@@ -110,7 +113,10 @@ pub fn reconcile(state_dir: &Path) -> Result<Option<String>, ThpError> {
         let Some(r) = rec.as_mut() else { return Ok(None) };
         r.owners.retain(alive);
         if r.owners.is_empty() {
-            tracing::warn!(mode = r.previous, "a gpusnap that switched transparent huge pages died: switching them back");
+            tracing::warn!(
+                mode = r.previous,
+                "a gpusnap that switched transparent huge pages died: switching them back"
+            );
             set_mode(&r.previous)?;
             return Ok(Some(r.previous.clone()));
         }
@@ -169,7 +175,9 @@ impl Always {
 impl Drop for Always {
     fn drop(&mut self) {
         if let Err(e) = self.off() {
-            tracing::error!("could not switch transparent huge pages back: {e} (the next gpusnap command tries again)");
+            tracing::error!(
+                "could not switch transparent huge pages back: {e} (the next gpusnap command tries again)"
+            );
         }
     }
 }

@@ -96,7 +96,10 @@ pub fn lazy_iovs(images: &Path, pid: i32) -> Result<(u32, Vec<Iov>), PagesError>
         if flags & PE_LAZY != 0 {
             if !present {
                 // In a parent image or on a remote page server: not ours to serve.
-                return Err(bad(format!("lazy pages at {:#x} are not in this image (flags {flags:#x})", pe.vaddr)));
+                return Err(bad(format!(
+                    "lazy pages at {:#x} are not in this image (flags {flags:#x})",
+                    pe.vaddr
+                )));
             }
             // Split at VMA ends, as criu/uffd.c collect_iovs does.
             let (mut s, e) = (pe.vaddr, pe.vaddr + len);

@@ -56,9 +56,8 @@ pub struct Support {
 
 /// Probes the kernel the way CRIU does before a lazy restore.
 pub fn support() -> Support {
-    let unprivileged = std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd")
-        .ok()
-        .map(|s| s.trim() == "1");
+    let unprivileged =
+        std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd").ok().map(|s| s.trim() == "1");
     match sys::open(sys::NONCOOP) {
         Err(e) => Support {
             userfaultfd: false,
@@ -77,4 +76,3 @@ pub fn support() -> Support {
         }
     }
 }
-

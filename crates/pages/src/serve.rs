@@ -68,7 +68,8 @@ struct Piece {
 
 fn split(p: &Piece, at: u64) -> (Piece, Piece) {
     let l = Piece { iov: Iov { start: p.iov.start, end: at, off: p.iov.off }, owner: p.owner };
-    let r = Piece { iov: Iov { start: at, end: p.iov.end, off: p.iov.off + (at - p.iov.start) }, owner: p.owner };
+    let r =
+        Piece { iov: Iov { start: at, end: p.iov.end, off: p.iov.off + (at - p.iov.start) }, owner: p.owner };
     (l, r)
 }
 
@@ -93,6 +94,11 @@ fn cut(ps: &mut Vec<Piece>, a: u64, b: u64) {
 struct MmState {
     pieces: Vec<Piece>,
     gone: bool,
+    /// Where the background fill goes on: just past the last fault (the
+    /// process, or the driver inside it, reads on from there) or the last
+    /// background batch; from the lowest missing address when nothing is
+    /// missing past it.
+    hint: Option<u64>,
 }
 
 impl MmState {
@@ -118,11 +124,16 @@ impl MmState {
     /// Marks up to `max` bytes from `addr` (or from the first piece still
     /// to fill) as taken by fill `id`.
     fn take(&mut self, addr: Option<u64>, max: u64, id: u64) -> Option<Iov> {
+        let from = self.hint.unwrap_or(0);
         let i = match addr {
             Some(a) => self.pieces.iter().position(|p| a >= p.iov.start && a < p.iov.end && p.owner == 0)?,
-            None => self.pieces.iter().position(|p| p.owner == 0)?,
+            None => match self.pieces.iter().position(|p| p.owner == 0 && p.iov.end > from) {
+                Some(i) => i,
+                None => self.pieces.iter().position(|p| p.owner == 0)?,
+            },
         };
-        let start = addr.unwrap_or(self.pieces[i].iov.start);
+        let p = self.pieces[i].iov;
+        let start = addr.unwrap_or(if from > p.start && from < p.end { from } else { p.start });
         let end = self.pieces[i].iov.end.min(start + max);
         let mut v = std::mem::take(&mut self.pieces);
         cut(&mut v, start, end);
@@ -132,6 +143,9 @@ impl MmState {
             }
         }
         self.pieces = v;
+        if addr.is_none() {
+            self.hint = Some(end);
+        }
         self.pieces.iter().find(|p| p.owner == id).map(|p| p.iov)
     }
     fn in_flight(&self, addr: u64) -> Option<bool> {
@@ -196,7 +210,8 @@ impl Shared {
         let me = self.clone();
         match std::thread::Builder::new().name(name.into()).spawn(move || f(me)) {
             Ok(h) => self.threads.lock().unwrap().push(h),
-            Err(e) => self.fail(PagesError::Socket { path: name.into(), err: format!("cannot start a thread: {e}") }),
+            Err(e) => self
+                .fail(PagesError::Socket { path: name.into(), err: format!("cannot start a thread: {e}") }),
         }
     }
 }
@@ -215,7 +230,8 @@ impl Server {
     pub fn start(images: &Path, work: &Path, opts: Options) -> Result<Self, PagesError> {
         let socket = work.join(SOCKET);
         let _ = std::fs::remove_file(&socket);
-        let sock_err = |e: std::io::Error| PagesError::Socket { path: socket.display().to_string(), err: e.to_string() };
+        let sock_err =
+            |e: std::io::Error| PagesError::Socket { path: socket.display().to_string(), err: e.to_string() };
         // sun_path holds 107 bytes: a deep work dir is reached through its fd.
         let dir = File::open(work).map_err(sock_err)?;
         let listener = if socket.as_os_str().len() < 100 {
@@ -360,7 +376,8 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
     if !ready(listener.as_raw_fd(), &sh.stop) {
         return Ok(());
     }
-    let (conn, _) = listener.accept().map_err(|e| PagesError::Socket { path: SOCKET.into(), err: e.to_string() })?;
+    let (conn, _) =
+        listener.accept().map_err(|e| PagesError::Socket { path: SOCKET.into(), err: e.to_string() })?;
     drop(listener);
     loop {
         let mut w = [0u8; 4];
@@ -378,8 +395,10 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
             continue;
         }
         let mut one = [0u8; 1];
-        let uffd = recv(&conn, &mut one, &sh.stop)?
-            .ok_or_else(|| PagesError::Socket { path: SOCKET.into(), err: format!("no userfaultfd came for {pid}") })?;
+        let uffd = recv(&conn, &mut one, &sh.stop)?.ok_or_else(|| PagesError::Socket {
+            path: SOCKET.into(),
+            err: format!("no userfaultfd came for {pid}"),
+        })?;
         let (pages_id, iovs) = lazy_iovs(&sh.images, pid)?;
         let p = sh.images.join(format!("pages-{pages_id}.img"));
         let pages = File::open(&p)
@@ -389,7 +408,11 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
             pid,
             uffd,
             pages: Arc::new(pages),
-            st: Mutex::new(MmState { pieces: iovs.into_iter().map(|iov| Piece { iov, owner: 0 }).collect(), gone: false }),
+            st: Mutex::new(MmState {
+                pieces: iovs.into_iter().map(|iov| Piece { iov, owner: 0 }).collect(),
+                gone: false,
+                hint: None,
+            }),
         });
         add_mm(sh, mm);
     }
@@ -445,7 +468,7 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                             pid: mm.pid,
                             uffd: child,
                             pages: mm.pages.clone(),
-                            st: Mutex::new(MmState { pieces, gone: false }),
+                            st: Mutex::new(MmState { pieces, gone: false, hint: None }),
                         }),
                     );
                 }
@@ -454,7 +477,13 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                     mm.st.lock().unwrap().remap(a0, a1, a2);
                 }
                 sys::EVENT_REMOVE | sys::EVENT_UNMAP => {
-                    tracing::debug!(pid = mm.pid, start = a0, end = a1, ev = msg.event, "page server: REMOVE/UNMAP");
+                    tracing::debug!(
+                        pid = mm.pid,
+                        start = a0,
+                        end = a1,
+                        ev = msg.event,
+                        "page server: REMOVE/UNMAP"
+                    );
                     // A removed range keeps its VMA: faults there must be the
                     // kernel's zero pages from now on, not ours (criu/uffd.c
                     // handle_remove does the same).
@@ -464,7 +493,11 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                                 mm.st.lock().unwrap().gone = true;
                                 return;
                             }
-                            sh.fail(PagesError::Fill { pid: mm.pid, addr: a0, err: format!("unregister: {e}") });
+                            sh.fail(PagesError::Fill {
+                                pid: mm.pid,
+                                addr: a0,
+                                err: format!("unregister: {e}"),
+                            });
                             return;
                         }
                     }
@@ -472,7 +505,11 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                     sh.dropped.fetch_add(d, SeqCst);
                 }
                 other => {
-                    sh.fail(PagesError::Fill { pid: mm.pid, addr: 0, err: format!("unexpected uffd event {other:#x}") });
+                    sh.fail(PagesError::Fill {
+                        pid: mm.pid,
+                        addr: 0,
+                        err: format!("unexpected uffd event {other:#x}"),
+                    });
                     return;
                 }
             }
@@ -488,7 +525,12 @@ fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &
         match st.in_flight(addr) {
             // Another thread is filling it: its WAKE wakes this fault.
             Some(true) => return,
-            Some(false) => st.take(Some(addr), sh.opts.fault_batch, id),
+            Some(false) => {
+                let got = st.take(Some(addr), sh.opts.fault_batch, id);
+                // The background fill follows the reader.
+                st.hint = got.map(|iov| iov.end);
+                got
+            }
             None => None,
         }
     };
@@ -498,18 +540,25 @@ fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &
                 sh.fail(e);
             }
         }
-        None => match sys::zeropage(mm.uffd.as_fd(), addr, PAGE) {
-            Ok(()) => {
-                sh.zero_pages.fetch_add(1, SeqCst);
+        None => {
+            // Counted first: the zero page wakes the process, which may
+            // look at the report before this thread runs again.
+            sh.zero_pages.fetch_add(1, SeqCst);
+            let r = sys::zeropage(mm.uffd.as_fd(), addr, PAGE);
+            if r.is_err() {
+                sh.zero_pages.fetch_sub(1, SeqCst);
             }
-            // Filled meanwhile: only the wake is missing.
-            Err(Errno::EEXIST) => {
-                let _ = sys::wake(mm.uffd.as_fd(), addr, PAGE);
+            match r {
+                Ok(()) => {}
+                // Filled meanwhile: only the wake is missing.
+                Err(Errno::EEXIST) => {
+                    let _ = sys::wake(mm.uffd.as_fd(), addr, PAGE);
+                }
+                Err(Errno::EAGAIN) => retry.push(addr),
+                Err(Errno::ENOENT | Errno::ESRCH | Errno::ENOSPC) => {}
+                Err(e) => sh.fail(PagesError::Fill { pid: mm.pid, addr, err: format!("zeropage: {e}") }),
             }
-            Err(Errno::EAGAIN) => retry.push(addr),
-            Err(Errno::ENOENT | Errno::ESRCH | Errno::ENOSPC) => {}
-            Err(e) => sh.fail(PagesError::Fill { pid: mm.pid, addr, err: format!("zeropage: {e}") }),
-        },
+        }
     }
 }
 
@@ -565,9 +614,11 @@ fn filler(sh: Arc<Shared>) {
 fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8]) -> Result<(), PagesError> {
     let len = iov.len() as usize;
     let data = &mut buf[..len];
-    mm.pages
-        .read_exact_at(data, iov.off)
-        .map_err(|e| PagesError::Read { pid: mm.pid, off: iov.off, err: e.to_string() })?;
+    mm.pages.read_exact_at(data, iov.off).map_err(|e| PagesError::Read {
+        pid: mm.pid,
+        off: iov.off,
+        err: e.to_string(),
+    })?;
     if let Some(n) = sh.opts.fail_after {
         if sh.served.load(SeqCst) >= n {
             return Err(PagesError::Injected(n));
@@ -603,7 +654,11 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8]) -> Result<(), P
                 break;
             }
             Some(e) => {
-                return Err(PagesError::Fill { pid: mm.pid, addr: iov.start + pos, err: format!("copy: {e}") });
+                return Err(PagesError::Fill {
+                    pid: mm.pid,
+                    addr: iov.start + pos,
+                    err: format!("copy: {e}"),
+                });
             }
         }
     }
@@ -625,8 +680,12 @@ mod tests {
 
     fn st(ranges: &[(u64, u64)]) -> MmState {
         MmState {
-            pieces: ranges.iter().map(|&(s, e)| Piece { iov: Iov { start: s, end: e, off: s * 10 }, owner: 0 }).collect(),
+            pieces: ranges
+                .iter()
+                .map(|&(s, e)| Piece { iov: Iov { start: s, end: e, off: s * 10 }, owner: 0 })
+                .collect(),
             gone: false,
+            hint: None,
         }
     }
 
@@ -640,6 +699,20 @@ mod tests {
         let b = s.take(None, 0x10000, 8).unwrap();
         assert_eq!((b.start, b.end), (0x1000, 0x3000));
         assert_eq!(s.remaining(), 0x8000);
+    }
+
+    #[test]
+    fn the_background_fill_follows_the_last_fault() {
+        let mut s = st(&[(0x1000, 0x20000)]);
+        s.hint = Some(0x8000);
+        let a = s.take(None, 0x2000, 1).unwrap();
+        assert_eq!((a.start, a.end), (0x8000, 0xa000));
+        let b = s.take(None, 0x2000, 2).unwrap();
+        assert_eq!((b.start, b.end), (0xa000, 0xc000));
+        // Nothing missing past the hint: from the lowest again.
+        s.hint = Some(0x30000);
+        let c = s.take(None, 0x2000, 3).unwrap();
+        assert_eq!((c.start, c.end), (0x1000, 0x3000));
     }
 
     #[test]

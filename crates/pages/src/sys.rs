@@ -19,7 +19,8 @@ pub const FEATURE_EVENT_REMOVE: u64 = 1 << 3;
 pub const FEATURE_EVENT_UNMAP: u64 = 1 << 6;
 /// What CRIU asks for (`NEED_UFFD_API_FEATURES` in criu/uffd.c): without
 /// them a restored process that forks, remaps or unmaps loses pages.
-pub const NONCOOP: u64 = FEATURE_EVENT_FORK | FEATURE_EVENT_REMAP | FEATURE_EVENT_REMOVE | FEATURE_EVENT_UNMAP;
+pub const NONCOOP: u64 =
+    FEATURE_EVENT_FORK | FEATURE_EVENT_REMAP | FEATURE_EVENT_REMOVE | FEATURE_EVENT_UNMAP;
 
 pub const EVENT_PAGEFAULT: u8 = 0x12;
 pub const EVENT_FORK: u8 = 0x13;
@@ -117,7 +118,13 @@ pub fn register_missing(fd: BorrowedFd<'_>, start: u64, len: u64) -> nix::Result
 /// stopped the copy, if any (a copy can stop part-way, e.g. at a page
 /// that is already there: EEXIST).
 pub fn copy(fd: BorrowedFd<'_>, dst: u64, src: &[u8]) -> (u64, Option<nix::errno::Errno>) {
-    let mut c = UffdioCopy { dst, src: src.as_ptr() as u64, len: src.len() as u64, mode: COPY_MODE_DONTWAKE, copy: 0 };
+    let mut c = UffdioCopy {
+        dst,
+        src: src.as_ptr() as u64,
+        len: src.len() as u64,
+        mode: COPY_MODE_DONTWAKE,
+        copy: 0,
+    };
     // SAFETY: c is a valid uffdio_copy; src is readable for src.len() bytes
     // during the call (the kernel only reads it); dst is in another process
     // (or a registered range of ours), which the kernel validates.

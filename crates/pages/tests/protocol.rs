@@ -60,8 +60,14 @@ fn serves_lazy_pages_zero_fills_the_rest_and_skips_what_is_not_lazy() {
     let dir = tempfile::tempdir().unwrap();
     let pid = std::process::id() as i32;
     let entry = |vaddr: u64, nr: u64, flags: u32| {
-        pb::PagemapEntry { vaddr, compat_nr_pages: nr as u32, in_parent: None, flags: Some(flags), nr_pages: Some(nr) }
-            .encode_to_vec()
+        pb::PagemapEntry {
+            vaddr,
+            compat_nr_pages: nr as u32,
+            in_parent: None,
+            flags: Some(flags),
+            nr_pages: Some(nr),
+        }
+        .encode_to_vec()
     };
     let (lazy, present) = (2u32 | 4, 4u32);
     image(
