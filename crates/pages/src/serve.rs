@@ -99,6 +99,11 @@ struct MmState {
     /// background batch; from the lowest missing address when nothing is
     /// missing past it.
     hint: Option<u64>,
+    /// Pieces filled since the event thread last began a read: a fork's
+    /// child lacks those whose copy came after the kernel let copies into
+    /// the parent go on again (once the FORK event is read), so it gets
+    /// them too (a page the child has already gives EEXIST).
+    recent: Vec<Iov>,
 }
 
 impl MmState {
@@ -412,6 +417,7 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
                 pieces: iovs.into_iter().map(|iov| Piece { iov, owner: 0 }).collect(),
                 gone: false,
                 hint: None,
+                recent: Vec::new(),
             }),
         });
         add_mm(sh, mm);
@@ -440,6 +446,7 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
             fault(sh, mm, addr, &mut retry, &mut buf);
         }
         loop {
+            mm.st.lock().unwrap().recent.clear();
             let msg = match sys::read_msg(fd) {
                 Ok(Some(m)) => m,
                 Ok(None) => break,
@@ -456,8 +463,14 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                     // SAFETY: reading the FORK event installed this new fd in
                     // our table; nothing else owns it.
                     let child = unsafe { OwnedFd::from_raw_fd(a0 as u32 as RawFd) };
-                    let pieces: Vec<Piece> =
-                        mm.st.lock().unwrap().pieces.iter().map(|p| Piece { iov: p.iov, owner: 0 }).collect();
+                    let pieces: Vec<Piece> = {
+                        let st = mm.st.lock().unwrap();
+                        let mut v: Vec<Piece> =
+                            st.pieces.iter().map(|p| Piece { iov: p.iov, owner: 0 }).collect();
+                        v.extend(st.recent.iter().map(|iov| Piece { iov: *iov, owner: 0 }));
+                        v.sort_by_key(|p| p.iov.start);
+                        v
+                    };
                     let bytes: u64 = pieces.iter().map(|p| p.iov.len()).sum();
                     tracing::debug!(pid = mm.pid, bytes, "page server: FORK");
                     sh.total.fetch_add(bytes, SeqCst);
@@ -468,7 +481,7 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                             pid: mm.pid,
                             uffd: child,
                             pages: mm.pages.clone(),
-                            st: Mutex::new(MmState { pieces, gone: false, hint: None }),
+                            st: Mutex::new(MmState { pieces, gone: false, hint: None, recent: Vec::new() }),
                         }),
                     );
                 }
@@ -646,9 +659,15 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8]) -> Result<(), P
                 requeue = true;
                 break;
             }
-            // Not registered any more (unmapped or removed meanwhile): the
-            // event drops the rest.
-            Some(Errno::ENOENT) => break,
+            // Not registered there any more: moved (mremap), unmapped or
+            // removed meanwhile. The pieces go back as the events leave
+            // them: moved to where the mapping went, or dropped. Copying
+            // on to this address, or forgetting them, would lose the
+            // pages of a moved mapping (they would fault in as zeros).
+            Some(Errno::ENOENT) => {
+                requeue = true;
+                break;
+            }
             Some(Errno::ESRCH | Errno::ENOSPC) => {
                 mm.st.lock().unwrap().gone = true;
                 break;
@@ -669,6 +688,8 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8]) -> Result<(), P
             p.owner = 0;
         }
     } else {
+        let done: Vec<Iov> = st.pieces.iter().filter(|p| p.owner == id).map(|p| p.iov).collect();
+        st.recent.extend(done);
         st.pieces.retain(|p| p.owner != id);
     }
     Ok(())
@@ -686,6 +707,7 @@ mod tests {
                 .collect(),
             gone: false,
             hint: None,
+            recent: Vec::new(),
         }
     }
 
