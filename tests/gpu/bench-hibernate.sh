@@ -254,6 +254,8 @@ gpusnap_cycle() {
     w_tot=$(jget "$GS_OUT" 'd["total_ms"]') w_ver=$(jget "$GS_OUT" 'd["verify_ms"]')
     w_wait=$(jget "$GS_OUT" 'd["waited_ms"]') w_criu=$(jget "$GS_OUT" 'd["criu_ms"]')
     w_res=$(jget "$GS_OUT" 'd["restore_ms"]')
+    # A lazy wake (the default since the page server): until every page is in.
+    w_pages=$(jget "$GS_OUT" 'd.get("stages", {}).get("pages", 0)')
     if [ "$w_rc" != 0 ]; then
         note "size $gib GiB rep $rep: gpusnap wake failed (exit $w_rc): $GS_MSG; stopping this size"
         image_logs b
@@ -265,7 +267,7 @@ gpusnap_cycle() {
         image_bytes="$du" manifest_bytes="$img" \
         hibernate_s="$h_wall" hibernate_total_ms="$h_tot" suspend_ms="$h_sus" dump_ms="$h_dmp" write_ms="$h_wr" \
         pidfree_s="$pf_s" wake_s="$w_wall" wake_total_ms="$w_tot" verify_ms="$w_ver" waited_ms="$w_wait" criu_ms="$w_criu" \
-        restore_ms="$w_res"
+        restore_ms="$w_res" pages_ms="$w_pages"
     if ! worker_on "$name" "$pid" "$i"; then
         note "size $gib GiB rep $rep: after the gpusnap cycle the worker did not go on intact (alive $(alive "$pid" && echo yes || echo no), iteration ${ST_ITER:-?}, ok ${ST_OK:-?}, status pid ${ST_PID:-?})"
         return 1
@@ -420,8 +422,10 @@ for g in sizes:
         ("wake", "verify: checksum of the image (disk)", None, wv, "gpusnap only"),
         ("wake", "CRIU restore", m(B, "criu_restore_s"), wc, ""),
         ("wake", "driver: restore + unlock", mm(B, "restore_driver_ms"), wr, "bare: the two driver calls"),
+        ("wake", "page server: CRIU's return until every page is in", None, mm(G, "pages_ms"),
+         "lazy wake only (0 with --eager in HB_WAKE_ARGS); overlaps the driver's restore"),
         ("wake", "restore process (python + cuInit)", m(B, "restore_wall_s"), None, "bare only: cuckpt.py as a whole"),
-        ("wake", "other (inside gpusnap)", None, rest(wt, wv, wwt, wc, wr), ""),
+        ("wake", "other (inside gpusnap)", None, rest(wt, wv, wwt, wc, wr), "lazy: includes the wait for the last pages after the driver"),
         ("wake", "process start etc. (outside total_ms)", None, rest(ww, wt), "gpusnap wall - total_ms"),
         ("wake", "TOTAL (wall)", m(B, "wake_s"), ww, ""),
     ], "images": {"bare_du_bytes": m(B, "image_bytes"), "gpusnap_du_bytes": m(G, "image_bytes"),

@@ -227,6 +227,10 @@ impl Agent {
                 force_resume: Vec::new(),
                 device_map: Vec::new(),
                 force: false,
+                // Lazy where the host allows it (wake falls back to eager
+                // with a notice): the request waiting on it gets its first
+                // byte sooner.
+                eager: false,
             };
             let r = e.wake(&self.criu().map_err(err)?, &self.images, &image, &opts).map_err(err)?;
             let t = target::resolve(r.root_pid).map_err(err)?;

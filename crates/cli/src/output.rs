@@ -73,8 +73,9 @@ pub fn hibernated(r: &HibernateReport) -> String {
 }
 
 pub fn woken(r: &WakeReport) -> String {
+    let pages = if r.lazy { format!(", pages {} (lazy)", secs(r.stages.pages)) } else { String::new() };
     format!(
-        "woke {}: root pid {}, {} process(es), {} back on the GPU, in {} (verify {}, criu {}, restore {})",
+        "woke {}: root pid {}, {} process(es), {} back on the GPU, in {} (verify {}, criu {}, restore {}{pages})",
         r.image,
         r.root_pid,
         r.processes.len(),

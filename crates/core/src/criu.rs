@@ -101,10 +101,16 @@ impl Criu {
 
     /// Restores the image in `images` detached; returns the root's pid.
     pub fn restore(&self, images: &Path, work: &Path) -> Result<i32, CriuError> {
+        self.restore_with(images, work, &[])
+    }
+
+    /// [`Criu::restore`] with more of CRIU's flags (`--lazy-pages`: see
+    /// `crate::lazy`).
+    pub fn restore_with(&self, images: &Path, work: &Path, extra: &[&str]) -> Result<i32, CriuError> {
         let pidfile = work.join("restore.pid");
         let _ = std::fs::remove_file(&pidfile);
         let mut cmd = Command::new(&self.bin);
-        cmd.args(["restore", "--restore-detached", "--pidfile"]).arg(&pidfile);
+        cmd.args(["restore", "--restore-detached", "--pidfile"]).arg(&pidfile).args(extra);
         self.common(&mut cmd, images, work, "restore.log");
         // With --shell-job a tree restored without its session leader joins
         // CRIU's session: it must be one the woken tree can be dumped in again.

@@ -485,6 +485,31 @@ pub fn sandbox() -> Option<Finding> {
     })
 }
 
+/// Whether `wake` can restore lazily here (userfaultfd with fork, remap and
+/// unmap events: docs/pages.md), and `vm.unprivileged_userfaultfd`.
+pub fn lazy_wake() -> Finding {
+    let s = gpusnap_pages::support();
+    let unpriv = match s.unprivileged {
+        Some(true) => "vm.unprivileged_userfaultfd=1",
+        Some(false) => "vm.unprivileged_userfaultfd=0 (root or CAP_SYS_PTRACE needed)",
+        None => "vm.unprivileged_userfaultfd not readable",
+    };
+    match s.why_not {
+        None => f(
+            "lazy-wake",
+            Severity::Ok,
+            format!("userfaultfd with non-cooperative events (fork, remap, remove, unmap): wake fills memory lazily; {unpriv}"),
+            None,
+        ),
+        Some(why) => f(
+            "lazy-wake",
+            Severity::Warn,
+            format!("wake cannot restore lazily ({why}; {unpriv}): it falls back to CRIU's eager restore, slower for large processes"),
+            Some("a kernel with CONFIG_USERFAULTFD (4.14+ for the events), run as root or set vm.unprivileged_userfaultfd=1, and no seccomp filter on userfaultfd(2)"),
+        ),
+    }
+}
+
 /// CRIU's version, and whether it is new enough for this kernel.
 pub fn criu(explicit: Option<&Path>) -> Finding {
     match crate::criu::Criu::find(explicit) {

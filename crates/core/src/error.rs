@@ -50,6 +50,8 @@ pub enum Error {
     Image(#[from] crate::image::ImageError),
     #[error(transparent)]
     Sign(#[from] crate::sign::SignError),
+    #[error("page server: {0}")]
+    Pages(#[from] gpusnap_pages::PagesError),
     #[error("pid {pid} is held by another program ({comm}); the image needs it free: stop that program or wake elsewhere")]
     PidBusy { pid: i32, comm: String },
     #[error("process {pid} ({comm}) is in a session whose leader is outside its pid namespace, which CRIU cannot dump; start it in a session of its own (setsid, or `gpusnap run`)")]
@@ -113,6 +115,7 @@ impl Error {
             Self::Sign(crate::sign::SignError::BadKey(_)) => 2,
             Self::Sign(_) => 1,
             Self::Criu(_)
+            | Self::Pages(_)
             | Self::PidBusy { .. }
             | Self::StillRunning { .. }
             | Self::CudaWithoutDriver { .. } => 1,
@@ -152,6 +155,7 @@ impl Error {
             Self::Gpu(_) => "nvml",
             Self::Store { .. } => "store",
             Self::Criu(_) => "criu",
+            Self::Pages(_) => "pages",
             Self::Image(crate::image::ImageError::Missing(_)) => "image_missing",
             Self::Image(crate::image::ImageError::Exists(_)) => "image_exists",
             Self::Image(crate::image::ImageError::Io { .. }) => "image_io",

@@ -123,6 +123,9 @@ pub struct WakeOptions {
     pub device_map: Vec<(String, String)>,
     /// `recover` a process that is not known to be stuck (a rollback).
     pub force: bool,
+    /// Restore every page before the tree runs (CRIU alone), not lazily
+    /// through gpusnap's page server.
+    pub eager: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -137,6 +140,38 @@ pub struct WakeReport {
     pub criu_ms: u64,
     pub restore_ms: u64,
     pub total_ms: u64,
+    /// Memory filled by gpusnap's page server while the tree ran (false:
+    /// CRIU restored every page before the tree ran).
+    pub lazy: bool,
+    /// Bytes the page server put in place.
+    pub pages_bytes: u64,
+    /// Why a lazy wake fell back to an eager one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub notice: Option<String>,
+    /// Time of each stage in ms: verify, waited, criu, driver (the CUDA
+    /// restores) and pages (from CRIU's return until the last page was in
+    /// place; it overlaps driver).
+    pub stages: Stages,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Stages {
+    pub verify: u64,
+    pub waited: u64,
+    pub criu: u64,
+    pub driver: u64,
+    pub pages: u64,
+}
+
+/// What restoring one admitted image did.
+struct Woken {
+    root: i32,
+    criu_ms: u64,
+    driver_ms: u64,
+    pages_ms: u64,
+    pages_bytes: u64,
+    lazy: bool,
+    notice: Option<String>,
 }
 
 fn ms(since: Instant) -> u64 {
@@ -666,17 +701,27 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let mut failed = None;
         for plan in &plans {
             let resume: Vec<&ProcDesc> = plan.resume.iter().collect();
-            match self.wake_admitted(criu, images.state_dir(), plan, &resume) {
-                Ok((root_pid, criu_ms, restore_ms)) => out.push(WakeReport {
+            match self.wake_admitted(criu, images.state_dir(), plan, &resume, opts.eager) {
+                Ok(w) => out.push(WakeReport {
                     image: plan.name.clone(),
-                    root_pid,
+                    root_pid: w.root,
                     processes: plan.m.processes.iter().map(|p| p.pid).collect(),
                     resumed: plan.resume.iter().map(|p| p.pid).collect(),
                     verify_ms: plan.verify_ms,
                     waited_ms,
-                    criu_ms,
-                    restore_ms,
+                    criu_ms: w.criu_ms,
+                    restore_ms: w.driver_ms,
                     total_ms: ms(plan.started),
+                    lazy: w.lazy,
+                    pages_bytes: w.pages_bytes,
+                    notice: w.notice,
+                    stages: Stages {
+                        verify: plan.verify_ms,
+                        waited: waited_ms,
+                        criu: w.criu_ms,
+                        driver: w.driver_ms,
+                        pages: w.pages_ms,
+                    },
                 }),
                 Err(e) => {
                     failed = Some(member(names, &plan.name, e));
@@ -767,13 +812,17 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(WakePlan { name: name.to_string(), started, dir, m, resume, fps, pairs, verify_ms })
     }
 
+    // One image's restore: what plan_wake decided, plus the wake's choice of
+    // path; a struct of them would only be unpacked again here.
+    #[allow(clippy::too_many_arguments)]
     fn wake_admitted(
         &mut self,
         criu: &Criu,
         state_dir: &Path,
         plan: &WakePlan,
         resume: &[&ProcDesc],
-    ) -> Result<(i32, u64, u64), Error> {
+        eager: bool,
+    ) -> Result<Woken, Error> {
         let WakePlan { name, dir, m, fps: footprints, pairs, .. } = plan;
         let t_criu = Instant::now();
         // CRIU's log and pidfile go to the state directory, never into the
@@ -787,7 +836,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         })?;
         let progress: &dyn Progress = self.progress();
         let expect: u64 = m.total_bytes();
-        let root = observe(
+        let restored = observe(
             progress,
             &format!("wake {name}"),
             expect,
@@ -797,7 +846,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 // looked free (a reaper racing us): CRIU then says "File exists".
                 let mut tries = 0;
                 loop {
-                    match criu.restore(&dir.join("criu"), &work) {
+                    match crate::lazy::restore(criu, &dir.join("criu"), &work, eager) {
                         Err(crate::criu::CriuError::Failed { line, .. })
                             if line.contains("File exists") && tries < 5 =>
                         {
@@ -810,6 +859,15 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             },
         )?;
         let criu_ms = ms(t_criu);
+        let t_pages = Instant::now();
+        let (root, pages, notice) = (restored.root, restored.pages, restored.notice);
+        // The processes CRIU made (pid and start time), for a failed lazy
+        // wake to know exactly what is its own.
+        let woken: Vec<Target> = m.processes.iter().filter_map(|p| target::resolve(p.pid).ok()).collect();
+        if let Some(n) = &notice {
+            // Shown even without -v: the wake is slower than it could be.
+            eprintln!("gpusnap: notice: {n}");
+        }
 
         let t_restore = Instant::now();
         // CRIU has acted: from here every error ends what it restored
@@ -853,13 +911,45 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             let proto = self.progress().sibling();
             self.in_parallel(items, &|| proto.sibling(), back)
         };
-        if let Err(err) = Self::fail_group(results, |_| {}) {
+        let driver_ms = ms(t_restore);
+        let mut failed = Self::fail_group(results, |_| {}).err();
+        let (mut pages_ms, mut pages_bytes) = (0, 0);
+        if let (None, Some(srv)) = (&failed, &pages) {
+            // Only a tree with every page in place is woken: until then a
+            // dying page server would leave it running on missing memory.
+            let served = observe(
+                self.progress(),
+                &format!("pages {name}"),
+                srv.total_bytes(),
+                || Some(srv.done_bytes()),
+                || srv.wait(),
+            );
+            pages_ms = ms(t_pages);
+            match served {
+                Ok(r) => pages_bytes = r.bytes,
+                Err(e) => failed = Some(Error::Pages(e)),
+            }
+        }
+        if let Some(err) = failed {
             // The image is untouched: end what was restored so that wake can
-            // be retried.
+            // be retried. The page server keeps every userfaultfd open until
+            // then, so that no process runs on for a moment on zero pages
+            // where its memory should be.
             self.end_woken(m.processes.iter().rev().map(|p| p.pid));
+            if pages.is_some() {
+                // One that could not be suspended would run on zero pages
+                // where its memory is missing once the page server closes:
+                // its state is not the image's any more, so it is killed.
+                let left: Vec<Target> = woken.into_iter().filter(target::is_alive).collect();
+                if !left.is_empty() {
+                    tracing::error!(pids = ?left.iter().map(|t| t.pid).collect::<Vec<_>>(), "killing what a failed lazy wake could not end safely");
+                    let _ = kill_tree(&left);
+                }
+            }
+            drop(pages);
             return Err(err);
         }
-        Ok((root, criu_ms, ms(t_restore)))
+        Ok(Woken { root, criu_ms, driver_ms, pages_ms, pages_bytes, lazy: pages.is_some(), notice })
     }
 
     /// Ends restored processes of a wake that failed, safely: not forced, so

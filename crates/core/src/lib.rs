@@ -9,11 +9,13 @@ pub mod group;
 pub mod guard;
 pub mod hibernate;
 pub mod image;
+pub mod lazy;
 pub mod progress;
 pub mod remap;
 pub mod sign;
 pub mod store;
 pub mod target;
+pub mod thp;
 
 pub use engine::{Engine, ResumeOptions, StopOptions};
 pub use error::Error;

@@ -1,0 +1,179 @@
+//! Lazy wakes: CRIU restores the tree with --lazy-pages and gpusnap's page
+//! server fills its memory (crates/pages), with the real CRIU.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const MEM: &str = include_str!("lazy_mem.py");
+
+/// A python process with `mib` MiB in each of four regions; returns its
+/// pid and the path its files start with.
+fn mem_proc(w: &mut World, tag: &str, mib: u64) -> (i32, PathBuf) {
+    let out = w.state_dir().with_file_name(format!("mem-{tag}"));
+    let i = w.spawn_env("python3", &["-c", MEM, out.to_str().unwrap(), &mib.to_string()]);
+    let pid = w.child_pid(i);
+    wait_for(Duration::from_secs(60), || out.with_extension("before").exists() && out.exists());
+    (pid, out)
+}
+
+fn read(p: &Path, ext: &str) -> String {
+    std::fs::read_to_string(p.with_extension(ext)).unwrap_or_default().trim().to_string()
+}
+
+/// Asks the woken process to fork, remap, unmap and remove, then checks
+/// that it read every byte as it was.
+fn check_memory(out: &Path) {
+    let _ = std::fs::remove_file(out.with_extension("after"));
+    std::fs::write(out.with_extension("go"), "").unwrap();
+    wait_for(Duration::from_secs(60), || out.with_extension("after").exists());
+    let before = read(out, "before");
+    assert_eq!(read(out, "after"), before, "memory after the wake (A, moved B, C, D half removed)");
+    assert_eq!(read(out, "child"), before.split(' ').next().unwrap(), "a child forked during the wake");
+}
+
+fn hibernate(w: &World, pid: i32, image: &str) {
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", image]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+}
+
+#[test]
+fn a_lazy_wake_serves_every_page_through_fork_remap_unmap_and_remove() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, out) = mem_proc(&mut w, "lazy", 32);
+    hibernate(&w, pid, "mem");
+    // The process acts on its memory as soon as it runs again, while the
+    // page server is still filling it.
+    std::fs::write(out.with_extension("go"), "").unwrap();
+    let r = w.json(&["wake", "mem", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["lazy"], true, "{v}");
+    assert!(v["pages_bytes"].as_u64().unwrap() >= 4 * (32 << 20) / 2, "{v}");
+    for stage in ["verify", "waited", "criu", "driver", "pages"] {
+        assert!(v["stages"][stage].is_u64(), "{stage} in {v}");
+    }
+    wait_for(Duration::from_secs(60), || out.with_extension("after").exists());
+    let before = read(&out, "before");
+    assert_eq!(read(&out, "after"), before);
+    assert_eq!(read(&out, "child"), before.split(' ').next().unwrap());
+    // And once more, now that every page is in place.
+    check_memory(&out);
+    w.kill(pid);
+}
+
+#[test]
+fn eager_keeps_criu_restoring_every_page() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, out) = mem_proc(&mut w, "eager", 8);
+    hibernate(&w, pid, "mem");
+    let r = w.json(&["wake", "mem", "--eager", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["lazy"], false, "{v}");
+    assert_eq!(v["pages_bytes"], 0, "{v}");
+    assert!(v.get("notice").is_none(), "{v}");
+    check_memory(&out);
+    w.kill(pid);
+}
+
+#[test]
+fn a_criu_that_cannot_restore_lazily_falls_back_to_eager_with_a_notice() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, out) = mem_proc(&mut w, "fallback", 8);
+    hibernate(&w, pid, "mem");
+    // A CRIU (or kernel) without lazy restores: the lazy restore fails.
+    let wrapper = w.state_dir().with_file_name("criu-no-lazy");
+    std::fs::write(
+        &wrapper,
+        "#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = --lazy-pages ] && { echo 'Error (criu/uffd.c:1): Lazy pages are not available' >&2; exit 1; }; done\nexec criu \"$@\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let r = w.json(&["--criu", wrapper.to_str().unwrap(), "wake", "mem", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["lazy"], false, "{v}");
+    assert!(v["notice"].as_str().unwrap().contains("woken eagerly"), "{v}");
+    assert!(r.stderr.contains("notice: lazy wake not possible"), "{}", r.stderr);
+    check_memory(&out);
+    w.kill(pid);
+}
+
+#[test]
+fn a_corrupted_page_is_refused_before_any_process_runs_on_it() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, out) = mem_proc(&mut w, "corrupt", 8);
+    hibernate(&w, pid, "mem");
+    let criu_dir = w.state_dir().join("images/mem/criu");
+    let pages = std::fs::read_dir(&criu_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("pages-"))
+        .max_by_key(|p| p.metadata().unwrap().len())
+        .unwrap();
+    let good = std::fs::read(&pages).unwrap();
+    let mut bad = good.clone();
+    let at = bad.len() / 2;
+    bad[at] ^= 0x5a;
+    std::fs::write(&pages, &bad).unwrap();
+    let r = w.json(&["wake", "mem", "--no-guard"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(!pid_exists(pid), "nothing was restored");
+    // The page put back, the same image wakes.
+    std::fs::write(&pages, &good).unwrap();
+    let r = w.json(&["wake", "mem", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    assert_eq!(r.json()["lazy"], true);
+    check_memory(&out);
+    w.kill(pid);
+}
+
+#[test]
+fn fake_cuda_workloads_wake_lazily_as_a_group() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let a = w.workload(1024, 0, &[]);
+    let b = w.workload(2048, 0, &[]);
+    let (m, out) = mem_proc(&mut w, "group", 8);
+    let r = w.json(&["hibernate", &a.to_string(), &b.to_string(), &m.to_string(), "--image", "g"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    for p in [a, b, m] {
+        w.reap(p);
+        wait_for(Duration::from_secs(10), || !pid_exists(p));
+    }
+    let names = [format!("g-{a}"), format!("g-{b}"), format!("g-{m}")];
+    let mut args = vec!["wake", "--no-guard", "--wait", "10"];
+    args.extend(names.iter().map(String::as_str));
+    let r = w.json(&args);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    for p in [a, b, m] {
+        w.adopt(p);
+    }
+    let v = r.json();
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 3, "{v}");
+    assert!(results.iter().all(|x| x["lazy"] == true), "{v}");
+    // The CUDA data came back intact and the programs go on.
+    for p in [a, b] {
+        w.assert_progressing(p);
+        assert_eq!(w.json(&["state", &p.to_string()]).json()["state"], "running");
+    }
+    check_memory(&out);
+    for p in [a, b] {
+        assert_eq!(w.json(&["stop", &p.to_string(), "--grace", "2"]).code, 0);
+    }
+    w.kill(m);
+}

@@ -1,0 +1,42 @@
+//! A page server that fails in the middle of a wake (its own binary: the
+//! failure is injected through the environment, which the tests of one
+//! binary share).
+
+mod common;
+
+use common::*;
+use std::time::Duration;
+
+#[test]
+fn a_page_server_failing_mid_wake_ends_the_tree_and_keeps_the_image() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = w.workload(1024, 0, &[]);
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "x"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+
+    // Once its first pages are in, the page server fails.
+    std::env::set_var("GPUSNAP_PAGES_FAIL_AFTER", "4096");
+    let r = w.json(&["wake", "x", "--no-guard", "--wait", "10"]);
+    std::env::remove_var("GPUSNAP_PAGES_FAIL_AFTER");
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "pages", "{}", r.stdout);
+    // The woken tree was ended (suspended first when it was back on the GPU).
+    wait_for(Duration::from_secs(20), || !pid_exists(pid));
+    let ps = w.json(&["ps"]).json();
+    assert!(
+        ps["processes"].as_array().unwrap().iter().all(|x| x["pid"] != pid),
+        "nothing of it is left on the GPU"
+    );
+    // The image is intact and the retry wakes it.
+    assert_eq!(w.json(&["images", "verify", "x"]).code, 0);
+    let r = w.json(&["wake", "x", "--no-guard", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    assert_eq!(r.json()["lazy"], true);
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
+}

@@ -1,0 +1,69 @@
+//! The lazy wake: CRIU restores a tree without its anonymous memory and
+//! gpusnap's page server (crates/pages) fills it while the tree, and the
+//! driver's restore inside it, already run. See docs/pages.md.
+//!
+//! The one seam with the rest of wake: [`restore`] stands where
+//! `Criu::restore` stood and hands back the page server to wait on.
+
+use crate::criu::{Criu, CriuError};
+use gpusnap_pages::{Options, Server};
+use std::path::Path;
+
+/// Fails the page server on purpose after this many bytes: how the tests
+/// prove that a page server dying mid-wake leaves nothing half-done.
+pub const FAIL_AFTER_ENV: &str = "GPUSNAP_PAGES_FAIL_AFTER";
+
+/// A tree CRIU restored, and the page server still filling its memory
+/// (`None`: restored eagerly, every page already in place).
+pub struct Restored {
+    pub root: i32,
+    pub pages: Option<Server>,
+    /// Why a lazy wake fell back to an eager one.
+    pub notice: Option<String>,
+}
+
+/// Restores `images` (CRIU's files) lazily where this kernel and CRIU allow
+/// it, else eagerly with a notice; `eager` asks for today's path.
+pub fn restore(criu: &Criu, images: &Path, work: &Path, eager: bool) -> Result<Restored, CriuError> {
+    if eager {
+        return Ok(Restored { root: criu.restore(images, work)?, pages: None, notice: None });
+    }
+    let fallback = |why: String| -> Result<Restored, CriuError> {
+        tracing::warn!("lazy wake not possible ({why}): waking eagerly");
+        let root = criu.restore(images, work)?;
+        Ok(Restored {
+            root,
+            pages: None,
+            notice: Some(format!("lazy wake not possible ({why}): woken eagerly")),
+        })
+    };
+    let support = gpusnap_pages::support();
+    if let Some(why) = support.why_not {
+        return fallback(why);
+    }
+    let opts = Options {
+        fail_after: std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.parse().ok()),
+        ..Options::default()
+    };
+    let server = match Server::start(images, work, opts) {
+        Ok(s) => s,
+        Err(e) => return fallback(format!("page server: {e}")),
+    };
+    match criu.restore_with(images, work, &["--lazy-pages"]) {
+        Ok(root) => Ok(Restored { root, pages: Some(server), notice: None }),
+        // A pid still held: the caller waits and tries again, as for an
+        // eager restore.
+        Err(CriuError::Failed { line, op, log }) if line.contains("File exists") => {
+            server.abort();
+            Err(CriuError::Failed { op, line, log })
+        }
+        // CRIU ends what it restored when a restore fails: nothing of the
+        // tree is left, so the eager path starts from where it would have.
+        Err(CriuError::Failed { line, .. }) => {
+            server.abort();
+            drop(server);
+            fallback(format!("criu restore --lazy-pages: {line}"))
+        }
+        Err(e) => Err(e),
+    }
+}

@@ -1,0 +1,131 @@
+//! CRIU's image files, read with prost over CRIU's own schemas.
+//!
+//! Framing (criu/image.c, criu/protobuf.c, criu/include/magic.h): a file
+//! starts with IMG_COMMON_MAGIC and the file's own magic (two u32, native
+//! endian); then entries, each a u32 length and that many bytes of protobuf.
+//! `pages-N.img` is raw: no header, the pages back to back.
+
+use crate::PagesError;
+use prost::Message;
+use std::path::Path;
+
+#[allow(clippy::all, dead_code, non_camel_case_types)]
+pub mod pb {
+    include!(concat!(env!("OUT_DIR"), "/_.rs"));
+}
+
+const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
+const PAGEMAP_MAGIC: u32 = 0x5608_4025;
+const MM_MAGIC: u32 = 0x5749_2820;
+
+/// criu/include/pagemap.h
+pub const PE_PARENT: u32 = 1 << 0;
+pub const PE_LAZY: u32 = 1 << 1;
+pub const PE_PRESENT: u32 = 1 << 2;
+
+/// A run of pages a process gets from the page server: `[start, end)` of
+/// its address space, read from `off` in its pages file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Iov {
+    pub start: u64,
+    pub end: u64,
+    pub off: u64,
+}
+
+impl Iov {
+    pub fn len(&self) -> u64 {
+        self.end - self.start
+    }
+    pub fn is_empty(&self) -> bool {
+        self.end <= self.start
+    }
+}
+
+fn entries(path: &Path, magic: u32) -> Result<Vec<Vec<u8>>, PagesError> {
+    let bad = |why: &str| PagesError::Image { path: path.display().to_string(), why: why.to_string() };
+    let data = std::fs::read(path).map_err(|e| bad(&e.to_string()))?;
+    let u32_at = |i: usize| data.get(i..i + 4).map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+    if u32_at(0) != Some(IMG_COMMON_MAGIC) || u32_at(4) != Some(magic) {
+        return Err(bad("not the CRIU image it should be (magic)"));
+    }
+    let mut out = Vec::new();
+    let mut i = 8;
+    while i < data.len() {
+        let n = u32_at(i).ok_or_else(|| bad("truncated entry length"))? as usize;
+        let body = data.get(i + 4..i + 4 + n).ok_or_else(|| bad("truncated entry"))?;
+        out.push(body.to_vec());
+        i += 4 + n;
+    }
+    Ok(out)
+}
+
+/// The pages of process `pid` that CRIU leaves to the page server, split at
+/// VMA boundaries (one UFFDIO_COPY cannot cross a VMA), in address order;
+/// and the id of its pages file.
+pub fn lazy_iovs(images: &Path, pid: i32) -> Result<(u32, Vec<Iov>), PagesError> {
+    let pm_path = images.join(format!("pagemap-{pid}.img"));
+    let bad = |why: String| PagesError::Image { path: pm_path.display().to_string(), why };
+    let ents = entries(&pm_path, PAGEMAP_MAGIC)?;
+    let (head, rest) = ents.split_first().ok_or_else(|| bad("no pagemap head".into()))?;
+    let head = pb::PagemapHead::decode(head.as_slice()).map_err(|e| bad(e.to_string()))?;
+    let mm_path = images.join(format!("mm-{pid}.img"));
+    let mm = entries(&mm_path, MM_MAGIC)?;
+    let mm = mm.first().ok_or_else(|| PagesError::Image {
+        path: mm_path.display().to_string(),
+        why: "no mm entry".into(),
+    })?;
+    let mm = pb::MmEntry::decode(mm.as_slice())
+        .map_err(|e| PagesError::Image { path: mm_path.display().to_string(), why: e.to_string() })?;
+    let mut vmas: Vec<(u64, u64)> = mm.vmas.iter().map(|v| (v.start, v.end)).collect();
+    vmas.sort();
+
+    let mut out = Vec::new();
+    let mut off = 0u64;
+    for raw in rest {
+        let pe = pb::PagemapEntry::decode(raw.as_slice()).map_err(|e| bad(e.to_string()))?;
+        // As CRIU's init_compat_pagemap_entry: old images carry in_parent or
+        // no flags at all.
+        let flags = match pe.flags {
+            _ if pe.in_parent == Some(true) => PE_PARENT,
+            Some(f) => f,
+            None => PE_PRESENT,
+        };
+        let nr = pe.nr_pages.unwrap_or(pe.compat_nr_pages as u64);
+        let len = nr * crate::sys::PAGE;
+        let present = flags & PE_PRESENT != 0;
+        if flags & PE_LAZY != 0 {
+            if !present {
+                // In a parent image or on a remote page server: not ours to serve.
+                return Err(bad(format!(
+                    "lazy pages at {:#x} are not in this image (flags {flags:#x})",
+                    pe.vaddr
+                )));
+            }
+            // Split at VMA ends, as criu/uffd.c collect_iovs does.
+            let (mut s, e) = (pe.vaddr, pe.vaddr + len);
+            while s < e {
+                let vma_end = vmas.iter().find(|v| s >= v.0 && s < v.1).map(|v| v.1).unwrap_or(e);
+                let end = e.min(vma_end);
+                out.push(Iov { start: s, end, off: off + (s - pe.vaddr) });
+                s = end;
+            }
+        }
+        if present {
+            off += len;
+        }
+    }
+    Ok((head.pages_id, out))
+}
+
+/// Bytes of every process of an image that the page server would serve.
+pub fn lazy_bytes(images: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(images) else { return 0 };
+    rd.filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.strip_prefix("pagemap-")?.strip_suffix(".img")?.parse::<i32>().ok()
+        })
+        .filter_map(|pid| lazy_iovs(images, pid).ok())
+        .map(|(_, iovs)| iovs.iter().map(Iov::len).sum::<u64>())
+        .sum()
+}

@@ -1,0 +1,167 @@
+//! The page server against a stand-in for `criu restore --lazy-pages`: an
+//! image written with CRIU's framing and schemas, this process's own memory
+//! registered with a userfaultfd, handed over as CRIU hands it.
+
+use gpusnap_pages::{sys, Options, Server};
+use prost::Message;
+use std::io::Write;
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+#[allow(clippy::all, dead_code, non_camel_case_types)]
+mod pb {
+    include!(concat!(env!("OUT_DIR"), "/_.rs"));
+}
+
+const PAGE: usize = 4096;
+
+fn image(path: &Path, magic: u32, entries: &[Vec<u8>]) {
+    let mut f = std::fs::File::create(path).unwrap();
+    f.write_all(&0x5456_4319u32.to_ne_bytes()).unwrap();
+    f.write_all(&magic.to_ne_bytes()).unwrap();
+    for e in entries {
+        f.write_all(&(e.len() as u32).to_ne_bytes()).unwrap();
+        f.write_all(e).unwrap();
+    }
+}
+
+fn byte(page: usize) -> u8 {
+    (page % 251) as u8 + 1
+}
+
+#[test]
+fn serves_lazy_pages_zero_fills_the_rest_and_skips_what_is_not_lazy() {
+    let Ok((uffd, features)) = sys::open(sys::NONCOOP) else {
+        eprintln!("skipped: no userfaultfd here");
+        return;
+    };
+    assert_eq!(features & sys::NONCOOP, sys::NONCOOP);
+    // 64 pages of our own: pages 0..40 lazy in the image (two entries, a
+    // present-but-not-lazy one between them shifting the offset), 40..64
+    // not in the image at all (zero pages).
+    let n = 64;
+    // SAFETY: a fresh anonymous private mapping, unmapped at the end.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            n * PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(base, libc::MAP_FAILED);
+    let base = base as u64;
+    sys::register_missing(uffd.as_fd(), base, (n * PAGE) as u64).unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let pid = std::process::id() as i32;
+    let entry = |vaddr: u64, nr: u64, flags: u32| {
+        pb::PagemapEntry {
+            vaddr,
+            compat_nr_pages: nr as u32,
+            in_parent: None,
+            flags: Some(flags),
+            nr_pages: Some(nr),
+        }
+        .encode_to_vec()
+    };
+    let (lazy, present) = (2u32 | 4, 4u32);
+    image(
+        &dir.path().join(format!("pagemap-{pid}.img")),
+        0x5608_4025,
+        &[
+            pb::PagemapHead { pages_id: 7 }.encode_to_vec(),
+            entry(base, 30, lazy),
+            // Another mapping's pages, restored by CRIU itself: not served,
+            // but they take their room in pages-7.img.
+            entry(0x1000, 3, present),
+            entry(base + 30 * PAGE as u64, 10, lazy),
+        ],
+    );
+    let vma = pb::VmaEntry {
+        start: base,
+        end: base + (n * PAGE) as u64,
+        pgoff: 0,
+        shmid: 0,
+        prot: 3,
+        flags: 0x22,
+        status: 0,
+        fd: -1,
+        madv: None,
+        fdflags: None,
+    };
+    let mm = pb::MmEntry { vmas: vec![vma], ..Default::default() };
+    image(&dir.path().join(format!("mm-{pid}.img")), 0x5749_2820, &[mm.encode_to_vec()]);
+    let mut pages = Vec::new();
+    for p in 0..30 {
+        pages.extend(std::iter::repeat_n(byte(p), PAGE));
+    }
+    pages.extend(std::iter::repeat_n(0xEE, 3 * PAGE));
+    for p in 30..40 {
+        pages.extend(std::iter::repeat_n(byte(p), PAGE));
+    }
+    std::fs::write(dir.path().join("pages-7.img"), &pages).unwrap();
+
+    let work = tempfile::tempdir().unwrap();
+    let opts = Options { threads: 2, batch: 8 * PAGE as u64, fault_batch: 2 * PAGE as u64, fail_after: None };
+    let server = Server::start(dir.path(), work.path(), opts).unwrap();
+    assert_eq!(server.total_bytes(), 40 * PAGE as u64);
+
+    // What CRIU does: a zombie (negated pid, no fd), then our pid and the
+    // userfaultfd as SCM_RIGHTS with one byte, later "restore finished".
+    let s = UnixStream::connect(work.path().join("lazy-pages.socket")).unwrap();
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    (&s).write_all(&(-4242i32).to_ne_bytes()).unwrap();
+    (&s).write_all(&pid.to_ne_bytes()).unwrap();
+    let fds = [uffd.as_raw_fd()];
+    let dummy = [0u8; 1];
+    sendmsg::<()>(
+        s.as_raw_fd(),
+        &[std::io::IoSlice::new(&dummy)],
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::empty(),
+        None,
+    )
+    .unwrap();
+
+    // Faults before the restore is "finished" are served at once.
+    let reader = std::thread::spawn(move || {
+        // SAFETY: a page of our mapping; reading it faults it in.
+        let lazy = unsafe { std::ptr::read_volatile((base + 35 * PAGE as u64) as *const u8) };
+        // SAFETY: as above, a page the image does not cover.
+        let zero = unsafe { std::ptr::read_volatile((base + 50 * PAGE as u64) as *const u8) };
+        (lazy, zero)
+    });
+    let (lazy_byte, zero) = reader.join().unwrap();
+    assert_eq!(lazy_byte, byte(35));
+    assert_eq!(zero, 0);
+    (&s).write_all(&0x5253_5446u32.to_ne_bytes()).unwrap();
+
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let r = server.wait();
+        let _ = tx.send(());
+        (r, server)
+    });
+    rx.recv_timeout(Duration::from_secs(60)).expect("every page in place within 60 s");
+    let (r, server) = waiter.join().unwrap();
+    let r = r.unwrap();
+    assert_eq!(r.processes, 1);
+    assert_eq!(r.bytes, 40 * PAGE as u64);
+    assert!(r.zero_pages >= 1);
+    assert_eq!(server.done_bytes(), 40 * PAGE as u64);
+    // SAFETY: pages 0..40 of our mapping, all in place now.
+    let mem = unsafe { std::slice::from_raw_parts(base as *const u8, 40 * PAGE) };
+    for p in 0..40 {
+        assert!(mem[p * PAGE..(p + 1) * PAGE].iter().all(|&b| b == byte(p)), "page {p}");
+    }
+    drop(server);
+    // Its UNMAP event would wait for a reader: close the userfaultfd first.
+    drop(uffd);
+    // SAFETY: our own mapping; nothing refers to it any more.
+    unsafe { libc::munmap(base as *mut libc::c_void, n * PAGE) };
+}

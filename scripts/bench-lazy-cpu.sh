@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Lazy against eager wake of a plain process, on any machine (no GPU).
+#
+#   sudo scripts/bench-lazy-cpu.sh     REPS=5 SIZE_GIB=4 COLD=1 sudo scripts/bench-lazy-cpu.sh
+#
+# A Python process holding SIZE_GIB of written memory is hibernated once per
+# run (--no-sync), then woken with `gpusnap wake --eager` (CRIU restores every
+# page before the process runs) or `gpusnap wake` (lazy: gpusnap's page
+# server, crates/pages, fills the memory while the process runs). The process
+# is told before the wake to read all its memory once as soon as it runs;
+# "read all" is the time from the start of the wake until it has. "wake" is
+# until `gpusnap wake` returned (lazy: once every page was in place). The
+# image is in the page cache (warm) unless COLD=1 drops the caches before
+# each wake. The two ways alternate (ABBA). Prints a markdown table of
+# medians and every run. Needs root and CRIU >= 4 (scripts/install-criu.sh).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
+
+REPS=${REPS:-5}
+SIZE_GIB=${SIZE_GIB:-4}
+COLD=${COLD:-0}
+cargo build --release --quiet -p gpusnap
+gs=$PWD/target/release/gpusnap
+work=$(mktemp -d /var/tmp/gpusnap-lazybench.XXXXXX)
+export GPUSNAP_STATE_DIR=$work/state
+holder=
+cleanup() {
+    if [ -n "$holder" ]; then kill -9 "$holder" 2>/dev/null || true; fi
+    rm -rf -- "$work"
+}
+trap cleanup EXIT
+tsv=$work/runs.tsv
+: >"$tsv"
+
+cat >"$work/hold.py" <<'PY'
+import os, sys, time
+n = int(sys.argv[1]) << 30
+work = sys.argv[2]
+buf = bytearray(n)
+page = bytes(range(256)) * 16
+for i in range(0, n, 4096):
+    buf[i:i + 4096] = page
+open(work + "/ready", "w").write("ready\n")
+while True:
+    if os.path.exists(work + "/go"):
+        os.unlink(work + "/go")
+        # Reads every byte once (a search for what is not there).
+        assert buf.find(b"\xff\xfe" * 64) == -1
+        with open(work + "/done.tmp", "w") as f:
+            f.write(f"{time.time():.6f}\n")
+        os.replace(work + "/done.tmp", work + "/done")
+    time.sleep(0.01)
+PY
+
+now() { printf '%s\n' "$EPOCHREALTIME"; }
+secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.3f}')" "$1" "$2"; }
+gone() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
+
+one() {
+    local way=$1 rep=$2 t0 t1 done_at flag=()
+    rm -f "$work/ready" "$work/done" "$work/go"
+    setsid python3 "$work/hold.py" "$SIZE_GIB" "$work" </dev/null >/dev/null 2>&1 &
+    holder=$!
+    disown "$holder"
+    while [ ! -s "$work/ready" ]; do sleep 0.1; done
+    "$gs" --json hibernate "$holder" --image "b-$way-$rep" --no-sync >/dev/null
+    gone "$holder"
+    if [ "$COLD" = 1 ]; then
+        sync
+        echo 3 >/proc/sys/vm/drop_caches
+    fi
+    touch "$work/go"
+    [ "$way" = eager ] && flag=(--eager)
+    t0=$(now)
+    "$gs" --json wake "b-$way-$rep" --no-guard ${flag[@]+"${flag[@]}"} >"$work/wake.json"
+    t1=$(now)
+    while [ ! -s "$work/done" ]; do sleep 0.005; done
+    done_at=$(cat "$work/done")
+    python3 - "$work/wake.json" "$way" "$(secs "$t0" "$t1")" "$(secs "$t0" "$done_at")" >>"$tsv" <<'PY'
+import json, sys
+v = json.load(open(sys.argv[1]))
+s = v["stages"]
+assert v["lazy"] == (sys.argv[2] == "lazy"), v
+print("\t".join([sys.argv[2], sys.argv[3], sys.argv[4], str(s["criu"] / 1e3), str(s["pages"] / 1e3), str(v["pages_bytes"])]))
+PY
+    kill -9 "$holder"
+    gone "$holder"
+    holder=
+    "$gs" --json images rm "b-$way-$rep" >/dev/null
+}
+
+for rep in $(seq 1 "$REPS"); do
+    if [ $((rep % 2)) = 1 ]; then order="eager lazy"; else order="lazy eager"; fi
+    for way in $order; do one "$way" "$rep"; done
+done
+
+python3 - "$tsv" "$SIZE_GIB" "$REPS" "$COLD" <<'PY'
+import statistics, sys
+rows = [l.split("\t") for l in open(sys.argv[1]).read().splitlines()]
+size, reps, cold = sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+col = lambda way, i: [float(r[i]) for r in rows if r[0] == way]
+med = lambda way, i: statistics.median(col(way, i))
+print(f"plain process of {size} GiB, {reps} runs each way (ABBA), medians; image {'cold (caches dropped)' if cold else 'in the page cache'}")
+print()
+print("| wake | wake returned s | process read all its memory s | criu s | pages s |")
+print("|---|---|---|---|---|")
+for way in ("eager", "lazy"):
+    print(f"| {way} | {med(way, 1):.3f} | {med(way, 2):.3f} | {med(way, 3):.3f} | {med(way, 4):.3f} |")
+e, l = med("eager", 2), med("lazy", 2)
+print()
+print(f"read all: lazy / eager = {l / e:.2f}")
+print()
+print("runs (way, wake s, read all s):", "; ".join(f"{r[0]} {float(r[1]):.2f} {float(r[2]):.2f}" for r in rows))
+PY
