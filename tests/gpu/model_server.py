@@ -35,6 +35,13 @@ p.add_argument("--weights-gb", type=float, default=float(os.environ.get("AGENT_W
 p.add_argument("--kv-gb", type=float, default=float(os.environ.get("AGENT_KV_GB", "59")))
 p.add_argument("--backend", default=os.environ.get("AGENT_BACKEND", "auto"))
 p.add_argument("--ready", default=None)
+# The answer to this prompt is computed once at start-up, before anything can
+# suspend the process, and served by /reference without touching the GPU:
+# every later answer of this process must equal it (greedy decoding over
+# random weights is not reproducible across processes: near-equal logits
+# flip with cuBLAS's choice of algorithm, so another process is no reference).
+p.add_argument("--ref-prompt", default="the quick brown fox jumps over the lazy dog")
+p.add_argument("--ref-n", type=int, default=16)
 args = p.parse_args()
 
 t0 = time.time()
@@ -149,9 +156,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             n = int(q.get("n", ["16"])[0])
             toks = generate(tokenize(prompt), n)
             return self.answer(" ".join(map(str, toks)) + "\n")
+        if u.path == "/reference":
+            return self.answer(REFERENCE)
         self.send_error(404)
 
 
+REFERENCE = " ".join(map(str, generate(tokenize(args.ref_prompt), args.ref_n))) + "\n"
 srv = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
 held = torch.cuda.memory_allocated() / 1e9
 print(f"ready pid={os.getpid()} backend={backend} load_s={load_s:.1f} held_gb={held:.1f}", flush=True)
