@@ -11,6 +11,7 @@ pub mod hibernate;
 pub mod image;
 pub mod progress;
 pub mod remap;
+pub mod remote;
 pub mod sign;
 pub mod store;
 pub mod target;
