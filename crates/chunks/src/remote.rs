@@ -137,10 +137,20 @@ impl Remote {
                     retry_timeout: Duration::from_secs(20),
                     backoff: Default::default(),
                 };
+                let allow_http = std::env::var("AWS_ALLOW_HTTP").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
+                // The whole client configuration: with_client_options
+                // replaces what from_env read (AWS_ALLOW_HTTP among it).
                 let opts = object_store::ClientOptions::new()
+                    .with_allow_http(allow_http)
                     .with_connect_timeout(Duration::from_secs(5))
                     .with_timeout(Duration::from_secs(120));
-                let b = object_store::aws::AmazonS3Builder::from_env()
+                let mut b = object_store::aws::AmazonS3Builder::from_env();
+                // Named explicitly: from_env does not map these two of the
+                // standard variables in every object_store version.
+                if let Ok(e) = std::env::var("AWS_ENDPOINT_URL") {
+                    b = b.with_endpoint(e);
+                }
+                let b = b
                     .with_bucket_name(&url.bucket_or_dir)
                     .with_retry(retry)
                     .with_client_options(opts);
