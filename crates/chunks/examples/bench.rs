@@ -39,9 +39,14 @@ fn fixed(d: &[u8], size: usize) -> Vec<(blake3::Hash, usize)> {
 }
 
 fn cdc(d: &[u8]) -> Vec<(blake3::Hash, usize)> {
-    fastcdc::v2020::FastCDC::new(d, gpusnap_chunks::MIN_CHUNK, gpusnap_chunks::AVG_CHUNK, gpusnap_chunks::MAX_CHUNK)
-        .map(|c| (blake3::hash(&d[c.offset..c.offset + c.length]), c.length))
-        .collect()
+    fastcdc::v2020::FastCDC::new(
+        d,
+        gpusnap_chunks::MIN_CHUNK,
+        gpusnap_chunks::AVG_CHUNK,
+        gpusnap_chunks::MAX_CHUNK,
+    )
+    .map(|c| (blake3::hash(&d[c.offset..c.offset + c.length]), c.length))
+    .collect()
 }
 
 fn stored(a: &[(blake3::Hash, usize)], b: &[(blake3::Hash, usize)]) -> usize {
@@ -63,11 +68,24 @@ fn main() {
     println!("data: two images of {} and {} MiB sharing {shared_mib} MiB", a.len() >> 20, b.len() >> 20);
 
     let t = Instant::now();
-    let n = fastcdc::v2020::FastCDC::new(&a, gpusnap_chunks::MIN_CHUNK, gpusnap_chunks::AVG_CHUNK, gpusnap_chunks::MAX_CHUNK).count();
-    println!("fastcdc chunking:   {:.2} GB/s per core ({n} chunks)", gbps(a.len(), t.elapsed().as_secs_f64()));
+    let n = fastcdc::v2020::FastCDC::new(
+        &a,
+        gpusnap_chunks::MIN_CHUNK,
+        gpusnap_chunks::AVG_CHUNK,
+        gpusnap_chunks::MAX_CHUNK,
+    )
+    .count();
+    println!(
+        "fastcdc chunking:   {:.2} GB/s per core ({n} chunks)",
+        gbps(a.len(), t.elapsed().as_secs_f64())
+    );
     let t = Instant::now();
     let h = blake3::hash(&a);
-    println!("blake3 hashing:     {:.2} GB/s per core ({})", gbps(a.len(), t.elapsed().as_secs_f64()), &h.to_hex()[..8]);
+    println!(
+        "blake3 hashing:     {:.2} GB/s per core ({})",
+        gbps(a.len(), t.elapsed().as_secs_f64()),
+        &h.to_hex()[..8]
+    );
     let t = Instant::now();
     let ca = cdc(&a);
     println!("chunk + hash:       {:.2} GB/s per core", gbps(a.len(), t.elapsed().as_secs_f64()));
@@ -101,10 +119,17 @@ fn main() {
     println!("dedup, two images stored as a multiple of one:");
     println!("  content-defined (FastCDC 256K/1M/4M): {:.3}", s_cdc as f64 / one as f64);
     println!("  fixed 1 MiB:                          {:.3}", s_fixed as f64 / one as f64);
-    println!("  fixed 4 KiB (page-aligned):           {:.3} ({} chunks per image)", s_fixed4k as f64 / one as f64, one / 4096);
+    println!(
+        "  fixed 4 KiB (page-aligned):           {:.3} ({} chunks per image)",
+        s_fixed4k as f64 / one as f64,
+        one / 4096
+    );
 
     for f in &args[1.min(args.len())..] {
-        let Ok(d) = std::fs::read(f) else { eprintln!("cannot read {f}"); continue };
+        let Ok(d) = std::fs::read(f) else {
+            eprintln!("cannot read {f}");
+            continue;
+        };
         for level in [1, 3] {
             let t = Instant::now();
             let mut out = 0usize;
@@ -115,7 +140,11 @@ fn main() {
                 let z = zstd::bulk::compress(c, level).unwrap();
                 out += z.len().min(c.len());
             }
-            println!("{f}: zstd -{level} {:.2} GB/s, stored {:.3}", gbps(d.len(), t.elapsed().as_secs_f64()), out as f64 / d.len().max(1) as f64);
+            println!(
+                "{f}: zstd -{level} {:.2} GB/s, stored {:.3}",
+                gbps(d.len(), t.elapsed().as_secs_f64()),
+                out as f64 / d.len().max(1) as f64
+            );
         }
     }
 }

@@ -55,13 +55,23 @@ impl RemoteUrl {
                 if bucket.is_empty() || prefix.split('/').any(|c| c == ".." || c == ".") {
                     return Err(bad());
                 }
-                Ok(Self { base: format!("s3://{rest}"), scheme: "s3".into(), bucket_or_dir: bucket.into(), prefix: prefix.trim_matches('/').into() })
+                Ok(Self {
+                    base: format!("s3://{rest}"),
+                    scheme: "s3".into(),
+                    bucket_or_dir: bucket.into(),
+                    prefix: prefix.trim_matches('/').into(),
+                })
             }
             "file" => {
                 if !rest.starts_with('/') || rest.split('/').any(|c| c == "..") {
                     return Err(bad());
                 }
-                Ok(Self { base: format!("file://{rest}"), scheme: "file".into(), bucket_or_dir: rest.into(), prefix: String::new() })
+                Ok(Self {
+                    base: format!("file://{rest}"),
+                    scheme: "file".into(),
+                    bucket_or_dir: rest.into(),
+                    prefix: String::new(),
+                })
             }
             _ => Err(bad()),
         }
@@ -103,8 +113,11 @@ pub struct Remote {
 fn classify(url: &str, op: &str, e: object_store::Error) -> RemoteError {
     let why = e.to_string();
     let low = why.to_ascii_lowercase();
-    let denied = matches!(e, object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. })
-        || ["403", "401", "forbidden", "accessdenied", "invalidaccesskeyid", "signaturedoesnotmatch"]
+    let denied =
+        matches!(
+            e,
+            object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }
+        ) || ["403", "401", "forbidden", "accessdenied", "invalidaccesskeyid", "signaturedoesnotmatch"]
             .iter()
             .any(|k| low.contains(k));
     // The chain of sources holds the cause (connection refused, DNS).
@@ -137,7 +150,8 @@ impl Remote {
                     retry_timeout: Duration::from_secs(20),
                     backoff: Default::default(),
                 };
-                let allow_http = std::env::var("AWS_ALLOW_HTTP").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
+                let allow_http =
+                    std::env::var("AWS_ALLOW_HTTP").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
                 // The whole client configuration: with_client_options
                 // replaces what from_env read (AWS_ALLOW_HTTP among it).
                 let opts = object_store::ClientOptions::new()
@@ -150,10 +164,7 @@ impl Remote {
                 if let Ok(e) = std::env::var("AWS_ENDPOINT_URL") {
                     b = b.with_endpoint(e);
                 }
-                let b = b
-                    .with_bucket_name(&url.bucket_or_dir)
-                    .with_retry(retry)
-                    .with_client_options(opts);
+                let b = b.with_bucket_name(&url.bucket_or_dir).with_retry(retry).with_client_options(opts);
                 Arc::new(b.build().map_err(fail)?)
             }
             _ => {
@@ -162,14 +173,15 @@ impl Remote {
                     op: "create".into(),
                     why: e.to_string(),
                 })?;
-                Arc::new(object_store::local::LocalFileSystem::new_with_prefix(&url.bucket_or_dir).map_err(fail)?)
+                Arc::new(
+                    object_store::local::LocalFileSystem::new_with_prefix(&url.bucket_or_dir)
+                        .map_err(fail)?,
+                )
             }
         };
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(4)
-            .enable_all()
-            .build()
-            .map_err(|e| RemoteError::Unreachable { url: url.base.clone(), op: "start".into(), why: e.to_string() })?;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().map_err(
+            |e| RemoteError::Unreachable { url: url.base.clone(), op: "start".into(), why: e.to_string() },
+        )?;
         Ok(Self { url, store, rt })
     }
 
@@ -210,7 +222,7 @@ impl Remote {
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(classify(url, &format!("get {what}"), e)),
             Ok(r) => {
-                if r.meta.size as u64 > max as u64 {
+                if r.meta.size > max as u64 {
                     return Err(RemoteError::TooLarge { url: url.clone(), what: what.into() });
                 }
                 let b = r.bytes().await.map_err(|e| classify(url, &format!("get {what}"), e))?;
@@ -226,8 +238,14 @@ impl Remote {
     pub fn get_manifest(&self, name: &str) -> Result<(Vec<u8>, Vec<u8>), RemoteError> {
         let no = || RemoteError::NoImage { url: self.url.base.clone(), name: name.into() };
         self.rt.block_on(async {
-            let body = self.get_bounded(&self.key(&format!("images/{name}/manifest.json")), MAX_MANIFEST, "manifest").await?.ok_or_else(no)?;
-            let sig = self.get_bounded(&self.key(&format!("images/{name}/manifest.sig")), MAX_SIG, "manifest.sig").await?.ok_or_else(no)?;
+            let body = self
+                .get_bounded(&self.key(&format!("images/{name}/manifest.json")), MAX_MANIFEST, "manifest")
+                .await?
+                .ok_or_else(no)?;
+            let sig = self
+                .get_bounded(&self.key(&format!("images/{name}/manifest.sig")), MAX_SIG, "manifest.sig")
+                .await?
+                .ok_or_else(no)?;
             Ok((body, sig))
         })
     }
@@ -245,7 +263,8 @@ impl Remote {
         on_bytes: &(dyn Fn(u64) + Sync),
     ) -> Result<TransferReport, ChunkError> {
         let t0 = std::time::Instant::now();
-        let mut r = TransferReport { image: name.into(), remote: self.url.base.clone(), ..Default::default() };
+        let mut r =
+            TransferReport { image: name.into(), remote: self.url.base.clone(), ..Default::default() };
         let there = self.chunks()?;
         let mut todo = Vec::new();
         let mut seen = HashSet::new();
@@ -308,14 +327,18 @@ impl Remote {
         on_bytes: &(dyn Fn(u64) + Sync),
     ) -> Result<TransferReport, ChunkError> {
         let t0 = std::time::Instant::now();
-        let mut r = TransferReport { image: name.into(), remote: self.url.base.clone(), ..Default::default() };
+        let mut r =
+            TransferReport { image: name.into(), remote: self.url.base.clone(), ..Default::default() };
         let mut todo = Vec::new();
         let mut seen = HashSet::new();
         for c in chunks {
             r.bytes_total += c.size;
             r.chunks_total += 1;
             if !crate::valid_hash(&c.blake3) {
-                return Err(ChunkError::Corrupt { hash: c.blake3.chars().take(80).collect(), why: "not a blake3 name".into() });
+                return Err(ChunkError::Corrupt {
+                    hash: c.blake3.chars().take(80).collect(),
+                    why: "not a blake3 name".into(),
+                });
             }
             if local.has(&c.blake3) || !seen.insert(c.blake3.clone()) {
                 r.bytes_deduplicated += c.size;
@@ -330,9 +353,17 @@ impl Remote {
                 let url = url.clone();
                 async move {
                     let enc = self
-                        .get_bounded(&self.chunk_key(&c.blake3), crate::MAX_ENCODED as usize, &format!("chunk {}", c.blake3))
+                        .get_bounded(
+                            &self.chunk_key(&c.blake3),
+                            crate::MAX_ENCODED as usize,
+                            &format!("chunk {}", c.blake3),
+                        )
                         .await?
-                        .ok_or_else(|| RemoteError::Unreachable { url, op: format!("get chunk {}", c.blake3), why: "missing on the remote".into() })?;
+                        .ok_or_else(|| RemoteError::Unreachable {
+                            url,
+                            op: format!("get chunk {}", c.blake3),
+                            why: "missing on the remote".into(),
+                        })?;
                     let n = enc.len() as u64;
                     local.put_encoded(&c.blake3, &enc)?;
                     on_bytes(c.size);

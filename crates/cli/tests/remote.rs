@@ -30,17 +30,23 @@ fn free_port() -> u16 {
 /// Starts moto_server; without it the test is skipped here and fails on CI
 /// (.ci/run installs it).
 fn moto(extra_env: &[(&str, &str)]) -> Option<Moto> {
-    let found = Command::new("moto_server").arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status();
+    let found =
+        Command::new("moto_server").arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status();
     if !found.is_ok_and(|s| s.success()) {
         if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("moto_server is missing (pip install 'moto[server]'); the remote tests need a real S3 server");
+            panic!(
+                "moto_server is missing (pip install 'moto[server]'); the remote tests need a real S3 server"
+            );
         }
         eprintln!("skipped: moto_server is not installed (pip install 'moto[server]')");
         return None;
     }
     let port = free_port();
     let mut cmd = Command::new("moto_server");
-    cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()]).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+    cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
     for (k, v) in extra_env {
         cmd.env(k, v);
     }
@@ -238,8 +244,14 @@ fn replicas_share_chunks_an_interrupted_push_resumes_gc_keeps_the_other_and_dama
     // Two images cost less than 1.3x one, remote and local.
     let remote_bytes = dir_bytes(&chunks_dir);
     let local_bytes = dir_bytes(&w.state_dir().join("store/chunks"));
-    assert!((remote_bytes as f64) < 1.3 * image_bytes as f64, "remote {remote_bytes} vs one image {image_bytes}");
-    assert!((local_bytes as f64) < 1.3 * image_bytes as f64, "store {local_bytes} vs one image {image_bytes}");
+    assert!(
+        (remote_bytes as f64) < 1.3 * image_bytes as f64,
+        "remote {remote_bytes} vs one image {image_bytes}"
+    );
+    assert!(
+        (local_bytes as f64) < 1.3 * image_bytes as f64,
+        "store {local_bytes} vs one image {image_bytes}"
+    );
 
     // gc after rm: b stays whole (every chunk of it), a's own chunks go.
     assert_eq!(w.json(&["images", "rm", "a"]).code, 0);
@@ -262,7 +274,8 @@ fn replicas_share_chunks_an_interrupted_push_resumes_gc_keeps_the_other_and_dama
     let key = w.json(&["images", "key"]).json()["key"].as_str().unwrap().to_string();
     let mut other = World::new(&[8192]);
     other.run_limit = Duration::from_secs(600);
-    let victim = files_in(&chunks_dir).into_iter().max_by_key(|p| std::fs::metadata(p).unwrap().len()).unwrap();
+    let victim =
+        files_in(&chunks_dir).into_iter().max_by_key(|p| std::fs::metadata(p).unwrap().len()).unwrap();
     let mut bytes = std::fs::read(&victim).unwrap();
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x55;

@@ -157,8 +157,12 @@ impl Error {
             Self::Driverless(_) => "driver_missing",
             Self::Gpu(_) => "nvml",
             Self::Store { .. } => "store",
-            Self::Chunks(gpusnap_chunks::ChunkError::Remote(gpusnap_chunks::RemoteError::Denied { .. })) => "remote_denied",
-            Self::Chunks(gpusnap_chunks::ChunkError::Remote(gpusnap_chunks::RemoteError::Unreachable { .. })) => "remote_unreachable",
+            Self::Chunks(gpusnap_chunks::ChunkError::Remote(gpusnap_chunks::RemoteError::Denied {
+                ..
+            })) => "remote_denied",
+            Self::Chunks(gpusnap_chunks::ChunkError::Remote(gpusnap_chunks::RemoteError::Unreachable {
+                ..
+            })) => "remote_unreachable",
             Self::Chunks(gpusnap_chunks::ChunkError::Corrupt { .. }) => "corrupt_chunk",
             Self::Chunks(_) => "chunks",
             Self::Criu(_) => "criu",

@@ -167,6 +167,45 @@ pub fn hash_file(p: &Path, on_bytes: impl FnMut(u64)) -> std::io::Result<(u64, S
     hash_open(open_regular(p, u64::MAX)?, on_bytes)
 }
 
+/// A file's size, blake3 and chunk list (the chunks themselves are stored
+/// only when the image is pushed). Large files are mapped: the checksum
+/// runs on every core (BLAKE3's tree hashing), and so does the chunking
+/// (by segments), over one read of the pages.
+fn hash_and_chunk(
+    p: &Path,
+    on_bytes: &mut dyn FnMut(u64),
+) -> std::io::Result<(u64, String, Vec<gpusnap_chunks::ChunkRef>)> {
+    let f = open_regular(p, u64::MAX)?;
+    let len = f.metadata()?.len();
+    if len < (16 << 20) {
+        let buf = read_bounded(f, len)?;
+        on_bytes(buf.len() as u64);
+        let chunks = gpusnap_chunks::chunk_slice(&buf, 1, &|_| {});
+        return Ok((buf.len() as u64, blake3::hash(&buf).to_hex().to_string(), chunks));
+    }
+    // SAFETY: a regular file (checked on the descriptor) in the 0700 store,
+    // written by this hibernate's CRIU which has exited; a concurrent
+    // truncation could fault, which is the risk memmap2 documents for
+    // every mapping.
+    let map = unsafe { memmap2::Mmap::map(&f)? };
+    let _ = map.advise(memmap2::Advice::Sequential);
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let (hash, chunks) = std::thread::scope(|s| {
+        let chunker = s.spawn(|| {
+            gpusnap_chunks::chunk_slice(&map, threads, &|n| {
+                done.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+            })
+        });
+        let mut h = blake3::Hasher::new();
+        h.update_rayon(&map);
+        (h.finalize().to_hex().to_string(), chunker.join())
+    });
+    let chunks = chunks.map_err(|_| std::io::Error::other("chunking thread panicked"))?;
+    on_bytes(done.load(std::sync::atomic::Ordering::Relaxed));
+    Ok((map.len() as u64, hash, chunks))
+}
+
 /// Opens `p` for reading only if it is a regular file of its own (not a
 /// link, not a hard link to elsewhere, not a FIFO or device) of at most
 /// `max` bytes: the type is checked on the descriptor, which O_NONBLOCK
@@ -280,14 +319,8 @@ impl PendingImage {
         for r in rel {
             let p = self.dir.join(&r);
             fs::set_permissions(&p, fs::Permissions::from_mode(0o600)).map_err(io(&name, "chmod"))?;
-            // One read gives the checksum and the chunk list (the chunks
-            // themselves are stored only when the image is pushed).
-            let f = open_regular(&p, u64::MAX).map_err(io(&name, format!("hash {}", r.display())))?;
-            let (size, hash, chunks) = gpusnap_chunks::chunk_reader(std::io::BufReader::with_capacity(8 << 20, f), |c, _| {
-                on_bytes(c.size);
-                Ok(())
-            })
-            .map_err(io(&name, format!("hash {}", r.display())))?;
+            let (size, hash, chunks) =
+                hash_and_chunk(&p, &mut on_bytes).map_err(io(&name, format!("hash {}", r.display())))?;
             m.files.push(FileDesc { path: r.to_string_lossy().into_owned(), size, blake3: hash, chunks });
         }
         let key = crate::sign::HostKey::load_or_create(&self.state_dir).map_err(|e| ImageError::Io {
@@ -524,7 +557,13 @@ impl ImageStore {
 
     /// `sig` is a signature of `body` by a trusted key, and the manifest
     /// names that key as its signer.
-    pub(crate) fn check_signature(&self, name: &str, body: &[u8], sig: &[u8], m: &Manifest) -> Result<(), ImageError> {
+    pub(crate) fn check_signature(
+        &self,
+        name: &str,
+        body: &[u8],
+        sig: &[u8],
+        m: &Manifest,
+    ) -> Result<(), ImageError> {
         let corrupt = |why: String| ImageError::Corrupt { name: name.into(), why };
         let env: crate::sign::Envelope =
             serde_json::from_slice(sig).map_err(|e| corrupt(format!("manifest.sig: {e}")))?;

@@ -34,7 +34,10 @@ fn check_chunk_lists(name: &str, m: &Manifest) -> Result<(), ImageError> {
             return Err(ImageError::Corrupt {
                 name: name.into(),
                 why: if f.chunks.is_empty() {
-                    format!("{} has no chunk list (an image taken before chunk lists: take it again to push it)", f.path)
+                    format!(
+                        "{} has no chunk list (an image taken before chunk lists: take it again to push it)",
+                        f.path
+                    )
                 } else {
                     format!("{}: its chunk list does not cover the file", f.path)
                 },
@@ -63,9 +66,17 @@ pub fn push(
         let mut file = image::open_listed(name, &dir, f)?;
         for c in &f.chunks {
             let mut buf = vec![0u8; c.size as usize];
-            file.read_exact(&mut buf).map_err(|e| ImageError::Io { name: name.into(), op: format!("read {}", f.path), err: e })?;
+            file.read_exact(&mut buf).map_err(|e| ImageError::Io {
+                name: name.into(),
+                op: format!("read {}", f.path),
+                err: e,
+            })?;
             if blake3::hash(&buf).to_hex().as_str() != c.blake3 {
-                return Err(ImageError::Corrupt { name: name.into(), why: format!("{} fails its checksum", f.path) }.into());
+                return Err(ImageError::Corrupt {
+                    name: name.into(),
+                    why: format!("{} fails its checksum", f.path),
+                }
+                .into());
             }
             local.put(c, &buf)?;
         }
@@ -88,7 +99,11 @@ pub fn pull(
     let (url, rname) = RemoteUrl::parse_image(url_name).map_err(ChunkError::from)?;
     let name = as_name.unwrap_or(&rname).to_string();
     if !image::valid_name(&name) || !image::valid_name(&rname) {
-        return Err(ImageError::BadName { name, why: "names are letters, digits, '-', '_' and '.', not starting with '.'".into() }.into());
+        return Err(ImageError::BadName {
+            name,
+            why: "names are letters, digits, '-', '_' and '.', not starting with '.'".into(),
+        }
+        .into());
     }
     let remote = Remote::open(url).map_err(ChunkError::from)?;
     let (body, sig) = remote.get_manifest(&rname).map_err(ChunkError::from)?;
@@ -103,7 +118,14 @@ pub fn pull(
             on_bytes(total);
             return Ok((
                 name,
-                TransferReport { image: rname, remote: remote.url.base.clone(), bytes_total: total, bytes_deduplicated: total, chunks_total: all_chunks(&m).len() as u64, ..Default::default() },
+                TransferReport {
+                    image: rname,
+                    remote: remote.url.base.clone(),
+                    bytes_total: total,
+                    bytes_deduplicated: total,
+                    chunks_total: all_chunks(&m).len() as u64,
+                    ..Default::default()
+                },
             ));
         }
     }
@@ -115,9 +137,17 @@ pub fn pull(
     for f in &m.files {
         let to_path = pending.dir.join(&f.path);
         if let Some(parent) = to_path.parent() {
-            image::mkdir_private(parent).map_err(|e| ImageError::Io { name: name.clone(), op: "create".into(), err: e })?;
+            image::mkdir_private(parent).map_err(|e| ImageError::Io {
+                name: name.clone(),
+                op: "create".into(),
+                err: e,
+            })?;
         }
-        let ioe = |e: std::io::Error| ImageError::Io { name: name.clone(), op: format!("write {}", f.path), err: e };
+        let ioe = |e: std::io::Error| ImageError::Io {
+            name: name.clone(),
+            op: format!("write {}", f.path),
+            err: e,
+        };
         let mut to = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -132,15 +162,29 @@ pub fn pull(
             to.write_all(&data).map_err(ioe)?;
         }
         if h.finalize().to_hex().as_str() != f.blake3 {
-            return Err(ImageError::Corrupt { name: name.clone(), why: format!("{} fails its checksum", f.path) }.into());
+            return Err(ImageError::Corrupt {
+                name: name.clone(),
+                why: format!("{} fails its checksum", f.path),
+            }
+            .into());
         }
         to.sync_data().map_err(ioe)?;
     }
-    image::write_private(&pending.dir.join(image::MANIFEST), &body)
-        .map_err(|e| ImageError::Io { name: name.clone(), op: "write manifest".into(), err: e })?;
-    image::write_private(&pending.dir.join(image::SIG), &sig)
-        .map_err(|e| ImageError::Io { name: name.clone(), op: "write manifest.sig".into(), err: e })?;
-    pending.install().map_err(|e| ImageError::Io { name: name.clone(), op: "rename into place".into(), err: e })?;
+    image::write_private(&pending.dir.join(image::MANIFEST), &body).map_err(|e| ImageError::Io {
+        name: name.clone(),
+        op: "write manifest".into(),
+        err: e,
+    })?;
+    image::write_private(&pending.dir.join(image::SIG), &sig).map_err(|e| ImageError::Io {
+        name: name.clone(),
+        op: "write manifest.sig".into(),
+        err: e,
+    })?;
+    pending.install().map_err(|e| ImageError::Io {
+        name: name.clone(),
+        op: "rename into place".into(),
+        err: e,
+    })?;
     images.verify(&name, |_| {})?;
     Ok((name, report))
 }
@@ -162,5 +206,5 @@ pub fn gc(images: &ImageStore, on_chunk: &dyn Fn(u64)) -> Result<GcReport, crate
             }
         }
     }
-    Ok(local.gc(&referenced, |n| on_chunk(n)))
+    Ok(local.gc(&referenced, on_chunk))
 }

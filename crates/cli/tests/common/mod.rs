@@ -173,7 +173,13 @@ impl World {
                 c.insert(k.clone(), v.clone());
             }
         }
-        let w = Self { tmp, children: Vec::new(), adopted: Vec::new(), env_extra: Vec::new(), run_limit: Duration::from_secs(60) };
+        let w = Self {
+            tmp,
+            children: Vec::new(),
+            adopted: Vec::new(),
+            env_extra: Vec::new(),
+            run_limit: Duration::from_secs(60),
+        };
         w.write_config(&cfg);
         w
     }
