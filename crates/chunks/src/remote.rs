@@ -139,7 +139,17 @@ fn classify(url: &str, op: &str, e: object_store::Error) -> RemoteError {
 }
 
 impl Remote {
+    /// Opens a remote to read from (a missing directory remote is an error).
     pub fn open(url: RemoteUrl) -> Result<Self, RemoteError> {
+        Self::open_with(url, false)
+    }
+
+    /// Opens a remote to push to (a directory remote is created if missing).
+    pub fn open_for_push(url: RemoteUrl) -> Result<Self, RemoteError> {
+        Self::open_with(url, true)
+    }
+
+    fn open_with(url: RemoteUrl, create: bool) -> Result<Self, RemoteError> {
         let fail = |e: object_store::Error| classify(&url.base, "open", e);
         let store: Arc<dyn ObjectStore> = match url.scheme.as_str() {
             "s3" => {
@@ -168,9 +178,14 @@ impl Remote {
                 Arc::new(b.build().map_err(fail)?)
             }
             _ => {
-                std::fs::create_dir_all(&url.bucket_or_dir).map_err(|e| RemoteError::Unreachable {
+                let made = if create {
+                    std::fs::create_dir_all(&url.bucket_or_dir)
+                } else {
+                    std::fs::metadata(&url.bucket_or_dir).map(|_| ())
+                };
+                made.map_err(|e| RemoteError::Unreachable {
                     url: url.base.clone(),
-                    op: "create".into(),
+                    op: if create { "create" } else { "open" }.into(),
                     why: e.to_string(),
                 })?;
                 Arc::new(

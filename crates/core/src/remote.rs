@@ -59,7 +59,8 @@ pub fn push(
     let (dir, m) = images.manifest(name)?;
     image::check_contents_pub(name, &dir, &m)?;
     check_chunk_lists(name, &m)?;
-    let remote = Remote::open(RemoteUrl::parse(url).map_err(ChunkError::from)?).map_err(ChunkError::from)?;
+    let remote =
+        Remote::open_for_push(RemoteUrl::parse(url).map_err(ChunkError::from)?).map_err(ChunkError::from)?;
     let local = local_store(images)?;
     let _lock = local.shared_lock()?;
     for f in &m.files {
