@@ -296,8 +296,20 @@ enum ImagesCmd {
     Rm { image: String },
     /// Copy an image directory (from another host, say) into the store, verified.
     Import { path: String },
-    /// Finish or undo hibernates a killed gpusnap left, and remove its temporary images.
+    /// Finish or undo hibernates a killed gpusnap left, remove its temporary
+    /// images, and remove the chunks of STATE_DIR/store no image refers to.
     Gc,
+    /// Send an image to a remote: s3://BUCKET/PREFIX (AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP) or
+    /// file:///DIR. Only the chunks the remote lacks are sent; the manifest last.
+    Push { image: String, url: String },
+    /// Fetch URL/NAME into the store (signed by a trusted key, every chunk checked).
+    Pull {
+        url: String,
+        /// The name it gets here (default: its name on the remote).
+        #[arg(long = "as", value_name = "NAME")]
+        as_name: Option<String>,
+    },
     /// This host's public key: what other hosts pass to --trust to wake its images.
     Key,
 }
@@ -580,6 +592,16 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Wake { images: names, wait, margin, no_guard, device_map, eager } => {
             let c = criu(cli)?;
             let store = images(cli)?;
+            // A remote image (URL/NAME) is pulled first, then woken as any other.
+            let mut local_names = Vec::with_capacity(names.len());
+            for n in names {
+                if gpusnap_core::remote::Url::is_remote(n) {
+                    local_names.push(pull(out, &store, n, None)?.0);
+                } else {
+                    local_names.push(n.clone());
+                }
+            }
+            let names = &local_names;
             let mut e = engine_with(cli, out, true)?;
             reconcile(cli, &mut e);
             let opts = WakeOptions {
@@ -668,6 +690,16 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                         Err(err) => return Err(err),
                     };
                     let removed = store.gc();
+                    let p = out.progress();
+                    let chunks_gc = {
+                        let done = std::sync::atomic::AtomicU64::new(0);
+                        p.begin("gc", 0);
+                        let r = gpusnap_core::remote::gc(&store, &|n| {
+                            p.update(done.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n)
+                        });
+                        p.end();
+                        r?
+                    };
                     for i in &reconciled {
                         out.line(&format!(
                             "interrupted hibernate to {}: {} {:?}",
@@ -680,8 +712,56 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                         out.line(&format!("removed {} ({} bytes)", r.path.display(), r.bytes));
                     }
                     out.one(
-                        &serde_json::json!({ "reconciled": reconciled, "removed": removed }),
-                        &format!("{} reconciled, {} removed", reconciled.len(), removed.len()),
+                        &serde_json::json!({ "reconciled": reconciled, "removed": removed, "chunks": chunks_gc }),
+                        &format!(
+                            "{} reconciled, {} removed; chunks: {} removed ({} bytes freed), {} kept ({} bytes)",
+                            reconciled.len(),
+                            removed.len(),
+                            chunks_gc.chunks_removed,
+                            chunks_gc.bytes_freed,
+                            chunks_gc.chunks_kept,
+                            chunks_gc.bytes_kept
+                        ),
+                    );
+                }
+                ImagesCmd::Push { image, url } => {
+                    let p = out.progress();
+                    let done = std::sync::atomic::AtomicU64::new(0);
+                    if let Ok((_, m)) = store.manifest(image) {
+                        p.begin("push", m.total_bytes());
+                    }
+                    let r = gpusnap_core::remote::push(&store, image, url, &|n| {
+                        p.update(done.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n)
+                    });
+                    p.end();
+                    let r = r?;
+                    out.one(
+                        &r,
+                        &format!(
+                            "pushed {} to {}: {} bytes, {} sent ({} chunks), {} deduplicated, {:.1}s",
+                            output::printable(image),
+                            r.remote,
+                            r.bytes_total,
+                            r.bytes_sent,
+                            r.chunks_sent,
+                            r.bytes_deduplicated,
+                            r.seconds
+                        ),
+                    );
+                }
+                ImagesCmd::Pull { url, as_name } => {
+                    let (name, r) = pull(out, &store, url, as_name.as_deref())?;
+                    out.one(
+                        &serde_json::json!({ "name": name, "result": r }),
+                        &format!(
+                            "pulled {} as {name}: {} bytes, {} received ({} chunks), {} deduplicated, {:.1}s",
+                            output::printable(url),
+                            r.bytes_total,
+                            r.bytes_sent,
+                            r.chunks_sent,
+                            r.bytes_deduplicated,
+                            r.seconds
+                        ),
                     );
                 }
                 ImagesCmd::Key => {
@@ -829,6 +909,22 @@ fn hibernate(cli: &Cli, out: &Out, select: &Select, opts: &HibernateOptions) -> 
         out.all(&r, output::hibernated);
     }
     Ok(())
+}
+
+/// Pulls `url` (URL/NAME) into the store, with a progress bar on a terminal.
+fn pull(
+    out: &Out,
+    store: &ImageStore,
+    url: &str,
+    as_name: Option<&str>,
+) -> Result<(String, gpusnap_chunks::TransferReport), Error> {
+    let p = out.progress();
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let r = gpusnap_core::remote::pull(store, url, as_name, &|t| p.begin("pull", t), &|n| {
+        p.update(done.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n)
+    });
+    p.end();
+    r
 }
 
 /// The state directory an image store lives in (`STATE/images`).

@@ -51,6 +51,19 @@ fn parse_version(s: &str) -> Option<(u32, u32, String)> {
     Some((major, minor, v))
 }
 
+/// Is CRIU version `a` (an image's) newer than `b` (this host's), by
+/// major.minor (patch releases read the same images)? An unreadable version
+/// is never newer.
+pub fn newer_version(a: &str, b: &str) -> bool {
+    let nums = |v: &str| -> Option<Vec<u32>> {
+        v.trim().split('.').take(2).map(|p| p.trim().parse::<u32>().ok()).collect()
+    };
+    match (nums(a), nums(b)) {
+        (Some(x), Some(y)) => x > y,
+        _ => false,
+    }
+}
+
 impl Criu {
     /// Finds criu (`explicit`, else on PATH) and checks its version.
     pub fn find(explicit: Option<&Path>) -> Result<Self, CriuError> {
@@ -263,6 +276,16 @@ fn which(name: &str) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn newer_versions() {
+        assert!(newer_version("4.2.1", "4.1"));
+        assert!(!newer_version("4.2.1", "4.2"));
+        assert!(newer_version("5.0", "4.2.1"));
+        assert!(!newer_version("4.1.1", "4.2.1"));
+        assert!(!newer_version("4.2.1", "4.2.1"));
+        assert!(!newer_version("garbage", "4.0"));
+    }
 
     #[test]
     fn versions() {

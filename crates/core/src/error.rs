@@ -72,6 +72,8 @@ pub enum Error {
     Gpu(#[from] gpusnap_gpu::GpuError),
     #[error("state store {path}: {reason}")]
     Store { path: String, reason: String },
+    #[error(transparent)]
+    Chunks(#[from] gpusnap_chunks::ChunkError),
 }
 
 impl Error {
@@ -127,6 +129,14 @@ impl Error {
             | Self::Driverless(_)
             | Self::Gpu(_)
             | Self::Store { .. } => 1,
+            Self::Chunks(e) => {
+                use gpusnap_chunks::{ChunkError as C, RemoteError as R};
+                match e {
+                    C::Remote(R::Unreachable { .. } | R::Denied { .. }) => 6,
+                    C::Remote(_) | C::Corrupt { .. } => 2,
+                    C::Io { .. } | C::Missing(_) => 1,
+                }
+            }
         }
     }
 
@@ -154,6 +164,14 @@ impl Error {
             Self::Driverless(_) => "driver_missing",
             Self::Gpu(_) => "nvml",
             Self::Store { .. } => "store",
+            Self::Chunks(gpusnap_chunks::ChunkError::Remote(gpusnap_chunks::RemoteError::Denied {
+                ..
+            })) => "remote_denied",
+            Self::Chunks(gpusnap_chunks::ChunkError::Remote(gpusnap_chunks::RemoteError::Unreachable {
+                ..
+            })) => "remote_unreachable",
+            Self::Chunks(gpusnap_chunks::ChunkError::Corrupt { .. }) => "corrupt_chunk",
+            Self::Chunks(_) => "chunks",
             Self::Criu(_) => "criu",
             Self::Pages(_) => "pages",
             Self::Image(crate::image::ImageError::Missing(_)) => "image_missing",

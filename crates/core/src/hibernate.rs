@@ -668,6 +668,18 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let mut plans = Vec::new();
         for name in names {
             let plan = self.plan_wake(images, name, opts).map_err(|e| member(names, name, e))?;
+            // An image from another host may come from a newer CRIU, whose
+            // image files an older one may misread.
+            if crate::criu::newer_version(&plan.m.criu_version, &criu.version) {
+                let e = Error::Incompatible {
+                    image: plan.m.name.clone(),
+                    why: format!(
+                        "it was dumped by CRIU {}, this host's CRIU {} is older (install CRIU {} or newer: scripts/install-criu.sh)",
+                        plan.m.criu_version, criu.version, plan.m.criu_version
+                    ),
+                };
+                return Err(member(names, name, e));
+            }
             plans.push(plan);
         }
         // The images' pids must be free: a dying old process may still hold one.

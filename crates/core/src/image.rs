@@ -34,9 +34,9 @@ pub const MAGIC: &str = "gpusnap-image";
 pub const FORMAT: u32 = 2;
 /// A manifest larger than this is not ours (Firecracker-style bound on reads).
 const MAX_MANIFEST: u64 = 16 << 20;
-const MAX_SIG: u64 = 4096;
-const MANIFEST: &str = "manifest.json";
-const SIG: &str = "manifest.sig";
+pub(crate) const MAX_SIG: u64 = 4096;
+pub(crate) const MANIFEST: &str = "manifest.json";
+pub(crate) const SIG: &str = "manifest.sig";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
@@ -84,6 +84,11 @@ pub struct FileDesc {
     pub path: String,
     pub size: u64,
     pub blake3: String,
+    /// The file's content-defined chunks, in order (signed with the rest of
+    /// the manifest: what `images push` sends and `pull` reassembles). Empty
+    /// for an empty file and in images taken before chunk lists.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<gpusnap_chunks::ChunkRef>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -162,6 +167,45 @@ pub fn hash_file(p: &Path, on_bytes: impl FnMut(u64)) -> std::io::Result<(u64, S
     hash_open(open_regular(p, u64::MAX)?, on_bytes)
 }
 
+/// A file's size, blake3 and chunk list (the chunks themselves are stored
+/// only when the image is pushed). Large files are mapped: the checksum
+/// runs on every core (BLAKE3's tree hashing), and so does the chunking
+/// (by segments), over one read of the pages.
+fn hash_and_chunk(
+    p: &Path,
+    on_bytes: &mut dyn FnMut(u64),
+) -> std::io::Result<(u64, String, Vec<gpusnap_chunks::ChunkRef>)> {
+    let f = open_regular(p, u64::MAX)?;
+    let len = f.metadata()?.len();
+    if len < (16 << 20) {
+        let buf = read_bounded(f, len)?;
+        on_bytes(buf.len() as u64);
+        let chunks = gpusnap_chunks::chunk_slice(&buf, 1, &|_| {});
+        return Ok((buf.len() as u64, blake3::hash(&buf).to_hex().to_string(), chunks));
+    }
+    // SAFETY: a regular file (checked on the descriptor) in the 0700 store,
+    // written by this hibernate's CRIU which has exited; a concurrent
+    // truncation could fault, which is the risk memmap2 documents for
+    // every mapping.
+    let map = unsafe { memmap2::Mmap::map(&f)? };
+    let _ = map.advise(memmap2::Advice::Sequential);
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let (hash, chunks) = std::thread::scope(|s| {
+        let chunker = s.spawn(|| {
+            gpusnap_chunks::chunk_slice(&map, threads, &|n| {
+                done.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+            })
+        });
+        let mut h = blake3::Hasher::new();
+        h.update_rayon(&map);
+        (h.finalize().to_hex().to_string(), chunker.join())
+    });
+    let chunks = chunks.map_err(|_| std::io::Error::other("chunking thread panicked"))?;
+    on_bytes(done.load(std::sync::atomic::Ordering::Relaxed));
+    Ok((map.len() as u64, hash, chunks))
+}
+
 /// Opens `p` for reading only if it is a regular file of its own (not a
 /// link, not a hard link to elsewhere, not a FIFO or device) of at most
 /// `max` bytes: the type is checked on the descriptor, which O_NONBLOCK
@@ -193,7 +237,7 @@ pub fn open_regular(p: &Path, max: u64) -> std::io::Result<fs::File> {
 }
 
 /// Reads a file opened by [`open_regular`], at most `max` bytes.
-fn read_bounded(f: fs::File, max: u64) -> std::io::Result<Vec<u8>> {
+pub(crate) fn read_bounded(f: fs::File, max: u64) -> std::io::Result<Vec<u8>> {
     let mut buf = Vec::new();
     f.take(max.saturating_add(1)).read_to_end(&mut buf)?;
     if buf.len() as u64 > max {
@@ -275,9 +319,9 @@ impl PendingImage {
         for r in rel {
             let p = self.dir.join(&r);
             fs::set_permissions(&p, fs::Permissions::from_mode(0o600)).map_err(io(&name, "chmod"))?;
-            let (size, hash) =
-                hash_file(&p, &mut on_bytes).map_err(io(&name, format!("hash {}", r.display())))?;
-            m.files.push(FileDesc { path: r.to_string_lossy().into_owned(), size, blake3: hash });
+            let (size, hash, chunks) =
+                hash_and_chunk(&p, &mut on_bytes).map_err(io(&name, format!("hash {}", r.display())))?;
+            m.files.push(FileDesc { path: r.to_string_lossy().into_owned(), size, blake3: hash, chunks });
         }
         let key = crate::sign::HostKey::load_or_create(&self.state_dir).map_err(|e| ImageError::Io {
             name: name.clone(),
@@ -323,7 +367,7 @@ impl PendingImage {
 
 impl PendingImage {
     /// Renames a complete directory into place (no manifest written here).
-    fn install(mut self) -> std::io::Result<()> {
+    pub(crate) fn install(mut self) -> std::io::Result<()> {
         sync_dir(&self.dir)?;
         if fs::symlink_metadata(&self.final_dir).is_ok() {
             return Err(std::io::Error::from(std::io::ErrorKind::AlreadyExists));
@@ -345,7 +389,7 @@ impl Drop for PendingImage {
     }
 }
 
-fn write_private(p: &Path, data: &[u8]) -> std::io::Result<()> {
+pub(crate) fn write_private(p: &Path, data: &[u8]) -> std::io::Result<()> {
     let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(p)?;
     f.write_all(data)?;
     f.sync_all()
@@ -506,11 +550,26 @@ impl ImageStore {
             Err(e) => return Err(corrupt(format!("manifest.sig: {e}"))),
             Ok(f) => read_bounded(f, MAX_SIG).map_err(|e| corrupt(format!("manifest.sig: {e}")))?,
         };
+        self.check_signature(name, &body, &sig, &m)?;
+        check_paths(name, &m)?;
+        Ok((dir, m))
+    }
+
+    /// `sig` is a signature of `body` by a trusted key, and the manifest
+    /// names that key as its signer.
+    pub(crate) fn check_signature(
+        &self,
+        name: &str,
+        body: &[u8],
+        sig: &[u8],
+        m: &Manifest,
+    ) -> Result<(), ImageError> {
+        let corrupt = |why: String| ImageError::Corrupt { name: name.into(), why };
         let env: crate::sign::Envelope =
-            serde_json::from_slice(&sig).map_err(|e| corrupt(format!("manifest.sig: {e}")))?;
+            serde_json::from_slice(sig).map_err(|e| corrupt(format!("manifest.sig: {e}")))?;
         let key = self
             .trust
-            .check(&body, &env)
+            .check(body, &env)
             .map_err(|e| ImageError::Untrusted { name: name.into(), why: e.to_string() })?;
         if !m.signer.eq_ignore_ascii_case(&key) {
             return Err(ImageError::Untrusted {
@@ -518,8 +577,7 @@ impl ImageStore {
                 why: "its manifest names another signer than the one who signed it".into(),
             });
         }
-        check_paths(name, &m)?;
-        Ok((dir, m))
+        Ok(())
     }
 
     /// Checks the whole image: the manifest (signed), then that the
@@ -637,6 +695,17 @@ impl ImageStore {
     /// Every image here by its directory's name; one that does not read is
     /// an error of its own and never hides the others.
     pub fn list(&self) -> Vec<Result<Named, (String, ImageError)>> {
+        self.names()
+            .into_iter()
+            .map(|n| match self.manifest(&n) {
+                Ok((_, m)) => Ok((n, m)),
+                Err(e) => Err((n, e)),
+            })
+            .collect()
+    }
+
+    /// The names of the store's directories (temporary ones left out).
+    pub fn names(&self) -> Vec<String> {
         let Ok(rd) = fs::read_dir(&self.root) else {
             return Vec::new();
         };
@@ -647,12 +716,6 @@ impl ImageStore {
             .collect();
         names.sort();
         names
-            .into_iter()
-            .map(|n| match self.manifest(&n) {
-                Ok((_, m)) => Ok((n, m)),
-                Err(e) => Err((n, e)),
-            })
-            .collect()
     }
 
     /// Removes an image: a name of this store, or a path to a directory
@@ -741,7 +804,7 @@ fn gpusnap_alive(pid: i32) -> bool {
 
 /// The manifest's bytes and contents (magic and format checked, not the
 /// signature).
-fn read_manifest(name: &str, dir: &Path) -> Result<(Vec<u8>, Manifest), ImageError> {
+pub(crate) fn read_manifest(name: &str, dir: &Path) -> Result<(Vec<u8>, Manifest), ImageError> {
     let corrupt = |why: String| ImageError::Corrupt { name: name.into(), why };
     let f = match open_regular(&dir.join(MANIFEST), MAX_MANIFEST) {
         Ok(f) => f,
@@ -751,8 +814,19 @@ fn read_manifest(name: &str, dir: &Path) -> Result<(Vec<u8>, Manifest), ImageErr
         Err(e) => return Err(ImageError::Foreign { name: name.into(), why: format!("manifest.json: {e}") }),
     };
     let body = read_bounded(f, MAX_MANIFEST).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
+    let m = parse_manifest(name, &body)?;
+    Ok((body, m))
+}
+
+/// A manifest's contents from its bytes (magic and format checked, not the
+/// signature).
+pub(crate) fn parse_manifest(name: &str, body: &[u8]) -> Result<Manifest, ImageError> {
+    let corrupt = |why: String| ImageError::Corrupt { name: name.into(), why };
+    if body.len() as u64 > MAX_MANIFEST {
+        return Err(corrupt("manifest.json is too large".into()));
+    }
     let v: serde_json::Value =
-        serde_json::from_slice(&body).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
+        serde_json::from_slice(body).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
     if v.get("magic").and_then(|m| m.as_str()) != Some(MAGIC) {
         return Err(ImageError::Foreign { name: name.into(), why: "wrong magic".into() });
     }
@@ -760,12 +834,11 @@ fn read_manifest(name: &str, dir: &Path) -> Result<(Vec<u8>, Manifest), ImageErr
     if format > FORMAT as u64 {
         return Err(ImageError::Newer { name: name.into(), found: format.min(u32::MAX as u64) as u32 });
     }
-    let m: Manifest = serde_json::from_value(v).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
-    Ok((body, m))
+    serde_json::from_value(v).map_err(|e| corrupt(format!("manifest.json: {e}")))
 }
 
 /// Every listed path is a plain relative path under `criu/`, listed once.
-fn check_paths(name: &str, m: &Manifest) -> Result<(), ImageError> {
+pub(crate) fn check_paths(name: &str, m: &Manifest) -> Result<(), ImageError> {
     let mut seen = std::collections::HashSet::new();
     for f in &m.files {
         let p = Path::new(&f.path);
@@ -821,8 +894,21 @@ fn check_contents(name: &str, dir: &Path, m: &Manifest) -> Result<(), ImageError
     Ok(())
 }
 
+/// The manifest's and its signature's bytes, as stored (bounded reads).
+pub(crate) fn manifest_bytes(name: &str, dir: &Path) -> Result<(Vec<u8>, Vec<u8>), ImageError> {
+    let (body, _) = read_manifest(name, dir)?;
+    let sig = open_regular(&dir.join(SIG), MAX_SIG)
+        .and_then(|f| read_bounded(f, MAX_SIG))
+        .map_err(io(name, "read manifest.sig"))?;
+    Ok((body, sig))
+}
+
+pub(crate) fn check_contents_pub(name: &str, dir: &Path, m: &Manifest) -> Result<(), ImageError> {
+    check_contents(name, dir, m)
+}
+
 /// Opens a listed file with every check, and checks its size.
-fn open_listed(name: &str, dir: &Path, f: &FileDesc) -> Result<fs::File, ImageError> {
+pub(crate) fn open_listed(name: &str, dir: &Path, f: &FileDesc) -> Result<fs::File, ImageError> {
     let file = open_regular(&dir.join(&f.path), u64::MAX).map_err(|e| ImageError::Corrupt {
         name: name.into(),
         why: if e.kind() == std::io::ErrorKind::NotFound {

@@ -12,6 +12,7 @@ pub mod image;
 pub mod lazy;
 pub mod progress;
 pub mod remap;
+pub mod remote;
 pub mod sign;
 pub mod store;
 pub mod target;

@@ -124,6 +124,10 @@ pub struct World {
     pub children: Vec<Kid>,
     /// Processes restored by CRIU (not our children), ended on drop.
     pub adopted: Vec<i32>,
+    /// More environment for every gpusnap run (a remote's credentials).
+    pub env_extra: Vec<(String, String)>,
+    /// How long one gpusnap run may take before it counts as hung.
+    pub run_limit: Duration,
 }
 
 pub struct Run {
@@ -169,7 +173,13 @@ impl World {
                 c.insert(k.clone(), v.clone());
             }
         }
-        let w = Self { tmp, children: Vec::new(), adopted: Vec::new() };
+        let w = Self {
+            tmp,
+            children: Vec::new(),
+            adopted: Vec::new(),
+            env_extra: Vec::new(),
+            run_limit: Duration::from_secs(60),
+        };
         w.write_config(&cfg);
         w
     }
@@ -201,6 +211,9 @@ impl World {
             .env("GPUSNAP_FAKE_DIR", self.fake_dir())
             .env("GPUSNAP_STATE_DIR", self.state_dir())
             .env_remove("GPUSNAP_LOG");
+        for (k, v) in &self.env_extra {
+            cmd.env(k, v);
+        }
     }
 
     pub fn gpusnap_cmd(&self, args: &[&str]) -> Command {
@@ -225,7 +238,7 @@ impl World {
         };
         let out = drain(Box::new(child.stdout.take().unwrap()));
         let err = drain(Box::new(child.stderr.take().unwrap()));
-        let end = Instant::now() + Duration::from_secs(60);
+        let end = Instant::now() + self.run_limit;
         let status = loop {
             if let Some(st) = child.try_wait().unwrap() {
                 break st;

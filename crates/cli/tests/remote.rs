@@ -1,0 +1,319 @@
+//! The chunk store and remotes: push, pull and wake through a real
+//! S3-compatible server (moto_server, a separate process on loopback) and a
+//! local directory remote, with the real CRIU and the fakes.
+
+mod common;
+
+use common::*;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A moto S3 server on a free loopback port, ended on drop.
+struct Moto {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Starts moto_server; without it the test is skipped here and fails on CI
+/// (.ci/run installs it).
+fn moto(extra_env: &[(&str, &str)]) -> Option<Moto> {
+    let found =
+        Command::new("moto_server").arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status();
+    if !found.is_ok_and(|s| s.success()) {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!(
+                "moto_server is missing (pip install 'moto[server]'); the remote tests need a real S3 server"
+            );
+        }
+        eprintln!("skipped: moto_server is not installed (pip install 'moto[server]')");
+        return None;
+    }
+    let port = free_port();
+    let mut cmd = Command::new("moto_server");
+    cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    let m = Moto { child: cmd.spawn().expect("start moto_server"), port };
+    wait_for(Duration::from_secs(120), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    Some(m)
+}
+
+/// One plain HTTP request to moto (its S3 API takes unsigned requests unless
+/// auth is turned on); returns the status line.
+fn http(port: u16, method: &str, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.lines().next().unwrap_or("").to_string()
+}
+
+fn s3_env(w: &mut World, port: u16) {
+    for (k, v) in [
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_REGION", "us-east-1"),
+        ("AWS_ENDPOINT_URL", &format!("http://127.0.0.1:{port}")),
+        ("AWS_ALLOW_HTTP", "true"),
+    ] {
+        w.env_extra.push((k.into(), v.to_string()));
+    }
+}
+
+/// A python process holding `shared_mib` of bytes that are the same in every
+/// process started with the same seed (and incompressible), plus 8 MiB of
+/// its own; it counts in FILE so that a woken one can be seen running.
+fn memory_holder(w: &mut World, shared_mib: u64, seed: &str) -> (i32, PathBuf) {
+    let out = w.tmp.path().join(format!("holder-{}", w.children.len()));
+    let script = r#"
+import hashlib, os, sys, time
+out, mib, seed = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
+shared = bytearray()
+for i in range(mib // 16):
+    shared += hashlib.shake_128(seed + b"%d" % i).digest(16 << 20)
+private = bytearray(os.urandom(8 << 20))
+i = 0
+while True:
+    i += 1
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f: f.write(f"{i} {len(shared) + len(private)}\n")
+    os.replace(tmp, out)
+    time.sleep(0.05)
+"#;
+    let idx = w.spawn_env("python3", &["-c", script, out.to_str().unwrap(), &shared_mib.to_string(), seed]);
+    let pid = w.child_pid(idx);
+    wait_for(Duration::from_secs(600), || std::fs::read_to_string(&out).is_ok_and(|s| !s.is_empty()));
+    (pid, out)
+}
+
+fn dir_bytes(p: &Path) -> u64 {
+    let mut n = 0;
+    for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
+        let m = e.metadata().unwrap();
+        n += if m.is_dir() { dir_bytes(&e.path()) } else { m.len() };
+    }
+    n
+}
+
+fn files_in(p: &Path) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
+        if e.metadata().unwrap().is_dir() {
+            v.extend(files_in(&e.path()));
+        } else {
+            v.push(e.path());
+        }
+    }
+    v
+}
+
+fn url_of(p: &Path) -> String {
+    format!("file://{}", p.display())
+}
+
+#[test]
+fn a_plain_process_is_pushed_pulled_and_woken_through_s3() {
+    criu_present();
+    let Some(m) = moto(&[]) else { return };
+    assert!(http(m.port, "PUT", "/snaps").contains("200"), "bucket created");
+    let mut w = World::new(&[8192]);
+    s3_env(&mut w, m.port);
+    let (pid, out) = w.cpu_tree();
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "cpu"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let at = count(&out);
+
+    let r = w.json(&["images", "push", "cpu", "s3://snaps/fleet"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v = r.json();
+    let total = v["bytes_total"].as_u64().unwrap();
+    assert!(total > 0 && v["bytes_sent"].as_u64().unwrap() > 0 && v["seconds"].is_number(), "{v}");
+    // Again: every chunk is there already; only the manifest goes.
+    let v = w.json(&["images", "push", "cpu", "s3://snaps/fleet"]).json();
+    assert_eq!(v["chunks_sent"], 0, "{v}");
+    assert_eq!(v["bytes_deduplicated"].as_u64().unwrap(), total, "{v}");
+
+    // Another host (its own key) refuses the image until told to trust it.
+    let mut other = World::new(&[8192]);
+    s3_env(&mut other, m.port);
+    let r = other.json(&["images", "pull", "s3://snaps/fleet/cpu"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("--trust"), "{}", r.stderr);
+    assert!(other.json(&["images"]).json()["images"].as_array().unwrap().is_empty());
+    let key = w.json(&["images", "key"]).json()["key"].as_str().unwrap().to_string();
+    let r = other.json(&["--trust", &key, "images", "pull", "s3://snaps/fleet/cpu", "--as", "theirs"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["result"]["bytes_total"].as_u64().unwrap(), total);
+    assert_eq!(other.json(&["--trust", &key, "images", "verify", "theirs"]).code, 0);
+
+    // Here: the local image goes, and wake brings it back from the remote.
+    assert_eq!(w.json(&["images", "rm", "cpu"]).code, 0);
+    let r = w.json(&["wake", "s3://snaps/fleet/cpu", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    assert_eq!(r.json()["root_pid"], pid);
+    wait_for(Duration::from_secs(20), || count(&out) > at + 5);
+    // A name that is not on the remote: a clear error.
+    let r = w.json(&["images", "pull", "s3://snaps/fleet/nope"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("no image nope"), "{}", r.stderr);
+}
+
+#[test]
+fn a_cuda_process_is_woken_from_s3() {
+    criu_present();
+    let Some(m) = moto(&[]) else { return };
+    assert!(http(m.port, "PUT", "/gpu").contains("200"));
+    let mut w = World::new(&[16_384]);
+    s3_env(&mut w, m.port);
+    let pid = w.workload(2048, 0, &[]);
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "gpu"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    let r = w.json(&["images", "push", "gpu", "s3://gpu"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(w.json(&["images", "rm", "gpu"]).code, 0);
+    assert_eq!(w.json(&["images", "gc"]).code, 0);
+    let r = w.json(&["wake", "s3://gpu/gpu", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    assert_eq!(r.json()["resumed"][0], pid);
+    w.assert_progressing(pid);
+    let r = w.json(&["stop", &p, "--grace", "2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}
+
+#[test]
+fn replicas_share_chunks_an_interrupted_push_resumes_gc_keeps_the_other_and_damage_is_refused() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    w.run_limit = Duration::from_secs(600);
+    let (a, _) = memory_holder(&mut w, 1024, "weights");
+    let (b, _) = memory_holder(&mut w, 1024, "weights");
+    for (pid, name) in [(a, "a"), (b, "b")] {
+        let r = w.json(&["hibernate", &pid.to_string(), "--image", name, "--no-sync"]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        w.reap(pid);
+    }
+    let one = w.json(&["images", "verify", "a"]).json();
+    let image_bytes: u64 = one["files"].as_array().unwrap().iter().map(|f| f["size"].as_u64().unwrap()).sum();
+    assert!(image_bytes > 1 << 30, "{image_bytes}");
+
+    // A push killed mid-way leaves no image on the remote; the next one
+    // sends only what is missing.
+    let remote = w.tmp.path().join("remote");
+    let url = url_of(&remote);
+    let push = w.spawn_gpusnap(&["--json", "images", "push", "a", &url]);
+    let chunks_dir = remote.join("chunks");
+    wait_for(Duration::from_secs(600), || files_in(&chunks_dir).len() >= 3);
+    let _ = Command::new("kill").args(["-9", &w.child_pid(push).to_string()]).status();
+    w.wait_child(push);
+    let manifest = remote.join("images/a/manifest.json");
+    assert!(!manifest.exists(), "a half-pushed image is never visible");
+    let r = w.json(&["images", "push", "a", &url]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v = r.json();
+    assert!(v["bytes_deduplicated"].as_u64().unwrap() > 0, "resumed: {v}");
+    assert!(manifest.exists());
+    let r = w.json(&["images", "push", "b", &url]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v = r.json();
+    assert!(v["bytes_deduplicated"].as_u64().unwrap() > 1 << 30, "b shares a's weights: {v}");
+
+    // Two images cost less than 1.3x one, remote and local.
+    let remote_bytes = dir_bytes(&chunks_dir);
+    let local_bytes = dir_bytes(&w.state_dir().join("store/chunks"));
+    assert!(
+        (remote_bytes as f64) < 1.3 * image_bytes as f64,
+        "remote {remote_bytes} vs one image {image_bytes}"
+    );
+    assert!(
+        (local_bytes as f64) < 1.3 * image_bytes as f64,
+        "store {local_bytes} vs one image {image_bytes}"
+    );
+
+    // gc after rm: b stays whole (every chunk of it), a's own chunks go.
+    assert_eq!(w.json(&["images", "rm", "a"]).code, 0);
+    let r = w.json(&["images", "gc"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.json()["chunks"]["chunks_removed"].as_u64().unwrap() > 0, "{}", r.stdout);
+    let vb = w.json(&["images", "verify", "b"]).json();
+    for f in vb["files"].as_array().unwrap() {
+        for c in f["chunks"].as_array().into_iter().flatten() {
+            let h = c["blake3"].as_str().unwrap();
+            assert!(w.state_dir().join("store/chunks").join(&h[..2]).join(h).exists(), "chunk {h} of b kept");
+        }
+    }
+    // Pushing b again to a fresh remote needs only what the store kept.
+    let r = w.json(&["images", "push", "b", &url_of(&w.tmp.path().join("remote2"))]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+
+    // A damaged chunk on the remote is refused by a host pulling it, and
+    // nothing is installed there.
+    let key = w.json(&["images", "key"]).json()["key"].as_str().unwrap().to_string();
+    let mut other = World::new(&[8192]);
+    other.run_limit = Duration::from_secs(600);
+    let victim =
+        files_in(&chunks_dir).into_iter().max_by_key(|p| std::fs::metadata(p).unwrap().len()).unwrap();
+    let mut bytes = std::fs::read(&victim).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x55;
+    std::fs::write(&victim, bytes).unwrap();
+    let r = other.json(&["--trust", &key, "images", "pull", &format!("{url}/b")]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("corrupt"), "{}", r.stderr);
+    assert!(other.json(&["images"]).json()["images"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn an_unreachable_endpoint_and_wrong_credentials_are_clear_errors_and_nothing_is_lost() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, _) = w.cpu_tree();
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", "cpu"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    // Nothing listens on this port.
+    let port = free_port();
+    s3_env(&mut w, port);
+    let r = w.json(&["images", "push", "cpu", "s3://snaps/x"]);
+    assert_eq!(r.code, 6, "{}", r.stderr);
+    assert!(r.stderr.contains("remote s3://snaps/x"), "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "remote_unreachable");
+    let r = w.json(&["wake", "s3://snaps/x/cpu"]);
+    assert_eq!(r.code, 6, "{}", r.stderr);
+    assert_eq!(w.json(&["images", "verify", "cpu"]).code, 0, "the local image is intact");
+    let r = w.json(&["images", "push", "cpu", "ftp://x"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+
+    // moto with IAM auth on: the keys it issued work, others are refused.
+    let Some(m) = moto(&[("INITIAL_NO_AUTH_ACTION_COUNT", "0")]) else { return };
+    w.env_extra.clear();
+    s3_env(&mut w, m.port);
+    let r = w.json(&["images", "push", "cpu", "s3://snaps/x"]);
+    assert_eq!(r.code, 6, "{}", r.stderr);
+    assert!(r.stderr.contains("access denied"), "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "remote_denied");
+    assert_eq!(w.json(&["images", "verify", "cpu"]).code, 0, "the local image is intact");
+}
