@@ -106,8 +106,8 @@ pub fn is_served(path: &Path) -> bool {
     UnixStream::connect(path).is_ok()
 }
 
-/// The pid of the process at the other end of `s` (SO_PEERCRED).
-fn peer_pid(s: &UnixStream) -> Option<i32> {
+/// The credentials of the process at the other end of `s` (SO_PEERCRED).
+fn peer_cred(s: &UnixStream) -> Option<libc::ucred> {
     // SAFETY: ucred is plain data; getsockopt fills at most `len` bytes.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -121,7 +121,12 @@ fn peer_pid(s: &UnixStream) -> Option<i32> {
             &mut len,
         )
     };
-    (r == 0 && cred.pid > 0).then_some(cred.pid)
+    (r == 0).then_some(cred)
+}
+
+/// The pid of the process at the other end of `s`.
+fn peer_pid(s: &UnixStream) -> Option<i32> {
+    peer_cred(s).map(|c| c.pid).filter(|&p| p > 0)
 }
 
 /// A light-mode guard: the listening socket and what a suspend needs.
@@ -257,22 +262,9 @@ fn light_why(words: &[&str]) -> String {
     }
 }
 
-/// The pid and uid of the process at the other end of `s` (SO_PEERCRED).
+/// The uid of the process at the other end of `s`.
 fn peer_uid(s: &UnixStream) -> Option<u32> {
-    // SAFETY: ucred is plain data; getsockopt fills at most `len` bytes.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: a valid socket fd and a buffer of `len` bytes.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    (r == 0).then_some(cred.uid)
+    peer_cred(s).map(|c| c.uid)
 }
 
 /// What a guard that answers late writes in the journal: the process did
