@@ -621,15 +621,7 @@ impl Store {
             .prepare("SELECT ts_ms, op, phase, state, detail FROM events WHERE pid = ?1 ORDER BY id")
             .map_err(|e| self.err(e))?;
         let rows = stmt
-            .query_map(params![pid], |r| {
-                Ok(Event {
-                    ts_ms: r.get(0)?,
-                    op: r.get(1)?,
-                    phase: r.get(2)?,
-                    state: r.get(3)?,
-                    detail: r.get(4)?,
-                })
-            })
+            .query_map(params![pid], |r| event_at(r, 0))
             .map_err(|e| self.err(e))?;
         rows.collect::<Result<_, _>>().map_err(|e| self.err(e))
     }
@@ -651,17 +643,7 @@ impl Store {
             .map_err(|e| self.err(e))?;
         let rows = stmt
             .query_map(params![after, limit as i64], |r| {
-                Ok(JournalEntry {
-                    id: r.get(0)?,
-                    pid: r.get(1)?,
-                    event: Event {
-                        ts_ms: r.get(2)?,
-                        op: r.get(3)?,
-                        phase: r.get(4)?,
-                        state: r.get(5)?,
-                        detail: r.get(6)?,
-                    },
-                })
+                Ok(JournalEntry { id: r.get(0)?, pid: r.get(1)?, event: event_at(r, 2)? })
             })
             .map_err(|e| self.err(e))?;
         rows.collect::<Result<_, _>>().map_err(|e| self.err(e))
@@ -806,6 +788,18 @@ fn check_state_dir_only(dir: &Path) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+/// The journal event in the columns `ts_ms, op, phase, state, detail` of
+/// `r`, starting at column `first` (one reading for history and the stream).
+fn event_at(r: &rusqlite::Row<'_>, first: usize) -> rusqlite::Result<Event> {
+    Ok(Event {
+        ts_ms: r.get(first)?,
+        op: r.get(first + 1)?,
+        phase: r.get(first + 2)?,
+        state: r.get(first + 3)?,
+        detail: r.get(first + 4)?,
+    })
 }
 
 /// A directory of ours: owned by this user or root, writable by nobody else.
