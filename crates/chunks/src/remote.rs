@@ -104,6 +104,32 @@ pub struct TransferReport {
     pub seconds: f64,
 }
 
+impl TransferReport {
+    /// Counts `chunks` into the report and returns those to transfer: each
+    /// distinct chunk the other side lacks (`have` is false) once; the rest
+    /// are counted as deduplicated (and as progress) at once.
+    fn to_move(
+        &mut self,
+        chunks: &[ChunkRef],
+        have: impl Fn(&str) -> bool,
+        on_bytes: &(dyn Fn(u64) + Sync),
+    ) -> Vec<ChunkRef> {
+        let mut todo = Vec::new();
+        let mut seen = HashSet::new();
+        for c in chunks {
+            self.bytes_total += c.size;
+            self.chunks_total += 1;
+            if have(&c.blake3) || !seen.insert(c.blake3.clone()) {
+                self.bytes_deduplicated += c.size;
+                on_bytes(c.size);
+            } else {
+                todo.push(c.clone());
+            }
+        }
+        todo
+    }
+}
+
 pub struct Remote {
     pub url: RemoteUrl,
     store: Arc<dyn ObjectStore>,
@@ -281,18 +307,7 @@ impl Remote {
         let mut r =
             TransferReport { image: name.into(), remote: self.url.base.clone(), ..Default::default() };
         let there = self.chunks()?;
-        let mut todo = Vec::new();
-        let mut seen = HashSet::new();
-        for c in chunks {
-            r.bytes_total += c.size;
-            r.chunks_total += 1;
-            if there.contains(&c.blake3) || !seen.insert(c.blake3.clone()) {
-                r.bytes_deduplicated += c.size;
-                on_bytes(c.size);
-            } else {
-                todo.push(c.clone());
-            }
-        }
+        let todo = r.to_move(chunks, |h| there.contains(h), on_bytes);
         let url = self.url.base.clone();
         let sent: Vec<u64> = self.rt.block_on(async {
             futures::stream::iter(todo.into_iter().map(|c| {
@@ -344,24 +359,13 @@ impl Remote {
         let t0 = std::time::Instant::now();
         let mut r =
             TransferReport { image: name.into(), remote: self.url.base.clone(), ..Default::default() };
-        let mut todo = Vec::new();
-        let mut seen = HashSet::new();
-        for c in chunks {
-            r.bytes_total += c.size;
-            r.chunks_total += 1;
-            if !crate::valid_hash(&c.blake3) {
-                return Err(ChunkError::Corrupt {
-                    hash: c.blake3.chars().take(80).collect(),
-                    why: "not a blake3 name".into(),
-                });
-            }
-            if local.has(&c.blake3) || !seen.insert(c.blake3.clone()) {
-                r.bytes_deduplicated += c.size;
-                on_bytes(c.size);
-            } else {
-                todo.push(c.clone());
-            }
+        if let Some(c) = chunks.iter().find(|c| !crate::valid_hash(&c.blake3)) {
+            return Err(ChunkError::Corrupt {
+                hash: c.blake3.chars().take(80).collect(),
+                why: "not a blake3 name".into(),
+            });
         }
+        let todo = r.to_move(chunks, |h| local.has(h), on_bytes);
         let url = self.url.base.clone();
         let got: Vec<u64> = self.rt.block_on(async {
             futures::stream::iter(todo.into_iter().map(|c| {
