@@ -108,7 +108,7 @@ impl TransferReport {
     /// Counts `chunks` into the report and returns those to transfer: each
     /// distinct chunk the other side lacks (`have` is false) once; the rest
     /// are counted as deduplicated (and as progress) at once.
-    fn to_move(
+    fn pick_missing(
         &mut self,
         chunks: &[ChunkRef],
         have: impl Fn(&str) -> bool,
@@ -307,7 +307,7 @@ impl Remote {
         let mut r =
             TransferReport { image: name.into(), remote: self.url.base.clone(), ..Default::default() };
         let there = self.chunks()?;
-        let todo = r.to_move(chunks, |h| there.contains(h), on_bytes);
+        let todo = r.pick_missing(chunks, |h| there.contains(h), on_bytes);
         let url = self.url.base.clone();
         let sent: Vec<u64> = self.rt.block_on(async {
             futures::stream::iter(todo.into_iter().map(|c| {
@@ -365,7 +365,7 @@ impl Remote {
                 why: "not a blake3 name".into(),
             });
         }
-        let todo = r.to_move(chunks, |h| local.has(h), on_bytes);
+        let todo = r.pick_missing(chunks, |h| local.has(h), on_bytes);
         let url = self.url.base.clone();
         let got: Vec<u64> = self.rt.block_on(async {
             futures::stream::iter(todo.into_iter().map(|c| {
