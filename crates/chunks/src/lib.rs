@@ -375,9 +375,12 @@ mod tests {
     fn chunks_roundtrip_and_damage_is_found() {
         let d = tempfile::tempdir().unwrap();
         let s = LocalStore::open(d.path().join("store")).unwrap();
-        let mut data = vec![0u8; 3 << 20];
+        // A random head and a zero tail each at least twice the largest
+        // chunks (4 MiB): at least one chunk lies wholly in each, whatever
+        // the random cut points (with 2 + 1 MiB one chunk could span both).
+        let mut data = vec![0u8; 17 << 20];
         use rand::RngCore;
-        rand::thread_rng().fill_bytes(&mut data[..2 << 20]);
+        rand::thread_rng().fill_bytes(&mut data[..8 << 20]);
         let mut got = Vec::new();
         let (size, whole, list) = chunk_reader(&data[..], |c, b| {
             s.put(c, b).unwrap();
