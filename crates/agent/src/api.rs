@@ -140,7 +140,10 @@ async fn one_service(AxState(agent): AxState<Arc<Agent>>, Path(name): Path<Strin
     }
 }
 
-async fn action(AxState(agent): AxState<Arc<Agent>>, Path((name, action)): Path<(String, String)>) -> Response {
+async fn action(
+    AxState(agent): AxState<Arc<Agent>>,
+    Path((name, action)): Path<(String, String)>,
+) -> Response {
     let Some(svc) = agent.service(&name).cloned() else {
         return error(StatusCode::NOT_FOUND, format!("no service {name:?}"), 2);
     };
@@ -187,7 +190,10 @@ struct EventsQuery {
 }
 
 /// The journal as newline-delimited JSON, followed as it grows.
-async fn events(AxState(agent): AxState<Arc<Agent>>, axum::extract::Query(q): axum::extract::Query<EventsQuery>) -> Response {
+async fn events(
+    AxState(agent): AxState<Arc<Agent>>,
+    axum::extract::Query(q): axum::extract::Query<EventsQuery>,
+) -> Response {
     let store = match gpusnap_core::Store::open(&agent.state_dir) {
         Ok(s) => s,
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), 1),
@@ -279,7 +285,10 @@ impl Agent {
         }
         for st in State::ALL {
             let n = by_state.get(&st).copied().unwrap_or(0);
-            self.metrics.services.get_or_create(&crate::metrics::StateLabels { state: st.as_str().into() }).set(n);
+            self.metrics
+                .services
+                .get_or_create(&crate::metrics::StateLabels { state: st.as_str().into() })
+                .set(n);
         }
         self.metrics.host_bytes.set(host);
         self.metrics.image_bytes.set(images);

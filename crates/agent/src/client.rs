@@ -32,7 +32,10 @@ pub fn request(socket: &Path, method: &str, path: &str) -> Result<String, Client
         .build()
         .map_err(|e| ClientError::Protocol(e.to_string()))?;
     rt.block_on(async {
-        let connect = |e: std::io::Error| ClientError::Connect { path: socket.display().to_string(), reason: e.to_string() };
+        let connect = |e: std::io::Error| ClientError::Connect {
+            path: socket.display().to_string(),
+            reason: e.to_string(),
+        };
         let stream = tokio::net::UnixStream::connect(socket).await.map_err(connect)?;
         let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
@@ -46,13 +49,15 @@ pub fn request(socket: &Path, method: &str, path: &str) -> Result<String, Client
             .map_err(|e| ClientError::Protocol(e.to_string()))?;
         let resp = tx.send_request(req).await.map_err(|e| ClientError::Protocol(e.to_string()))?;
         let status = resp.status().as_u16();
-        let body = resp.into_body().collect().await.map_err(|e| ClientError::Protocol(e.to_string()))?.to_bytes();
+        let body =
+            resp.into_body().collect().await.map_err(|e| ClientError::Protocol(e.to_string()))?.to_bytes();
         let text = String::from_utf8_lossy(&body).into_owned();
         if (200..300).contains(&status) {
             return Ok(text);
         }
         let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-        let message = v["error"]["message"].as_str().map_or_else(|| format!("HTTP {status}: {text}"), str::to_string);
+        let message =
+            v["error"]["message"].as_str().map_or_else(|| format!("HTTP {status}: {text}"), str::to_string);
         let exit_code = v["error"]["exit_code"].as_i64().unwrap_or(1) as i32;
         Err(ClientError::Api { status, message, exit_code })
     })

@@ -212,7 +212,10 @@ impl Config {
             let at = s.name.span().start;
             let name = s.name.get_ref();
             if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-                return Err(invalid(at, format!("service name {name:?}: use letters, digits, '-', '_', '.'")));
+                return Err(invalid(
+                    at,
+                    format!("service name {name:?}: use letters, digits, '-', '_', '.'"),
+                ));
             }
             if let Some(first) = names.insert(name.clone(), line_of(text, at)) {
                 return Err(invalid(at, format!("duplicate service name {name:?} (first on line {first})")));
@@ -220,18 +223,27 @@ impl Config {
             let listen = *s.listen.get_ref();
             let lat = s.listen.span().start;
             if let Some((other, _)) = ports.get(&listen.port()) {
-                return Err(invalid(lat, format!("service {name:?} listens on port {} as {other:?} does", listen.port())));
+                return Err(invalid(
+                    lat,
+                    format!("service {name:?} listens on port {} as {other:?} does", listen.port()),
+                ));
             }
             ports.insert(listen.port(), (name.clone(), lat));
             if listen == s.backend {
-                return Err(invalid(lat, format!("service {name:?}: listen and backend are the same address")));
+                return Err(invalid(
+                    lat,
+                    format!("service {name:?}: listen and backend are the same address"),
+                ));
             }
-            let sources =
-                usize::from(s.command.is_some()) + usize::from(s.pid_file.is_some()) + usize::from(s.cgroup.is_some());
+            let sources = usize::from(s.command.is_some())
+                + usize::from(s.pid_file.is_some())
+                + usize::from(s.cgroup.is_some());
             if sources != 1 {
                 return Err(invalid(
                     at,
-                    format!("service {name:?}: give exactly one of command, pid_file, cgroup (it has {sources})"),
+                    format!(
+                        "service {name:?}: give exactly one of command, pid_file, cgroup (it has {sources})"
+                    ),
                 ));
             }
             if s.command.as_ref().is_some_and(|c| c.is_empty()) {
@@ -244,7 +256,11 @@ impl Config {
                 if s.backend.ip().is_loopback() || s.backend.ip().is_unspecified() {
                     return Err(invalid(
                         *at,
-                        format!("service {:?}: backend port {} is where {other:?} listens", s.name.get_ref(), s.backend.port()),
+                        format!(
+                            "service {:?}: backend port {} is where {other:?} listens",
+                            s.name.get_ref(),
+                            s.backend.port()
+                        ),
                     ));
                 }
             }
@@ -307,7 +323,10 @@ priority = 10
         let dup = format!("{GOOD}\n[[service]]\nname = \"a\"\nlisten = \"127.0.0.1:8001\"\nbackend = \"127.0.0.1:18001\"\ncommand = [\"s\"]\n");
         let e = err(&dup);
         assert!(e.starts_with("x.toml:17:") && e.contains("duplicate service name"), "{e}");
-        let port = dup.replace("name = \"a\"\nlisten = \"127.0.0.1:8001\"", "name = \"b\"\nlisten = \"127.0.0.1:8000\"");
+        let port = dup.replace(
+            "name = \"a\"\nlisten = \"127.0.0.1:8001\"",
+            "name = \"b\"\nlisten = \"127.0.0.1:8000\"",
+        );
         let e = err(&port);
         assert!(e.starts_with("x.toml:18:") && e.contains("port 8000"), "{e}");
         let e = err(&GOOD.replace("command = [\"serve\"]\n", ""));

@@ -255,7 +255,8 @@ impl Agent {
 /// Binds the API socket: removes a stale one, refuses when another agent
 /// answers there, then sets mode 0660 and the configured group.
 fn bind_socket(path: &Path, group: Option<&str>) -> Result<tokio::net::UnixListener, AgentError> {
-    let setup = |what: &str, e: &dyn std::fmt::Display| AgentError::Setup(format!("{}: {what}: {e}", path.display()));
+    let setup =
+        |what: &str, e: &dyn std::fmt::Display| AgentError::Setup(format!("{}: {what}: {e}", path.display()));
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             return Err(AgentError::Setup(format!("{}: another agent is serving there", path.display())));
@@ -270,7 +271,8 @@ fn bind_socket(path: &Path, group: Option<&str>) -> Result<tokio::net::UnixListe
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(|e| setup("chmod", &e))?;
     if let Some(g) = group {
         let gid = crate::api::group_id(g).ok_or_else(|| AgentError::Setup(format!("no group {g:?}")))?;
-        nix::unistd::chown(path, None, Some(nix::unistd::Gid::from_raw(gid))).map_err(|e| setup("chown", &e))?;
+        nix::unistd::chown(path, None, Some(nix::unistd::Gid::from_raw(gid)))
+            .map_err(|e| setup("chown", &e))?;
     }
     Ok(l)
 }
@@ -330,7 +332,11 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         }
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
         tracing::info!(socket = %agent.cfg.socket.display(), services = agent.services.len(), "agent ready");
-        eprintln!("gpusnap agent: ready ({} services, API on {})", agent.services.len(), agent.cfg.socket.display());
+        eprintln!(
+            "gpusnap agent: ready ({} services, API on {})",
+            agent.services.len(),
+            agent.cfg.socket.display()
+        );
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate()).map_err(|e| AgentError::Setup(e.to_string()))?;
         let mut int = signal(SignalKind::interrupt()).map_err(|e| AgentError::Setup(e.to_string()))?;

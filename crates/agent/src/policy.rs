@@ -44,14 +44,20 @@ impl Agent {
         let t = t.cloned().or_else(|| svc.lock().process.clone());
         let Some(t) = t else { return };
         let detail = format!("{}: {what}", svc.name);
-        if let Err(err) = gpusnap_core::Store::open(&self.state_dir).and_then(|mut s| s.note(&t, "agent", None, &detail)) {
+        if let Err(err) =
+            gpusnap_core::Store::open(&self.state_dir).and_then(|mut s| s.note(&t, "agent", None, &detail))
+        {
             tracing::warn!(service = svc.name, "could not journal: {err}");
         }
     }
 
     /// Waits until `svc` is running, starting whatever transition brings it
     /// back. Returns whether it had to wait.
-    pub async fn ensure_running(self: &Arc<Self>, svc: &Arc<Service>, deadline: Instant) -> Result<bool, Unavailable> {
+    pub async fn ensure_running(
+        self: &Arc<Self>,
+        svc: &Arc<Service>,
+        deadline: Instant,
+    ) -> Result<bool, Unavailable> {
         let mut waited = false;
         let mut rx = svc.changed.subscribe();
         loop {
@@ -70,7 +76,10 @@ impl Agent {
                         self.spawn_bring_back(svc, "a connection arrived");
                     }
                     State::Dead if svc.cfg.command.is_none() => {
-                        return Err(Unavailable(format!("{}: its process is gone and the agent cannot start it", svc.name)));
+                        return Err(Unavailable(format!(
+                            "{}: its process is gone and the agent cannot start it",
+                            svc.name
+                        )));
                     }
                     State::Dead if g.restart_at.is_none() => {
                         svc.set_state(&mut g, State::Starting);
@@ -122,7 +131,10 @@ impl Agent {
         loop {
             let a = Arc::clone(self);
             let free = tokio::task::spawn_blocking(move || {
-                a.engine().ok().and_then(|e| e.gpus().gpus().ok()).map(|g| g.iter().map(|g| g.free_bytes).max().unwrap_or(0))
+                a.engine()
+                    .ok()
+                    .and_then(|e| e.gpus().gpus().ok())
+                    .map(|g| g.iter().map(|g| g.free_bytes).max().unwrap_or(0))
             })
             .await
             .ok()
@@ -171,7 +183,12 @@ impl Agent {
             match r {
                 Ok(()) => {
                     self.metrics.transition(&svc.name, kind, true, attempt.elapsed().as_secs_f64());
-                    tracing::info!(service = svc.name, kind, total_ms = started.elapsed().as_millis() as u64, "back");
+                    tracing::info!(
+                        service = svc.name,
+                        kind,
+                        total_ms = started.elapsed().as_millis() as u64,
+                        "back"
+                    );
                     {
                         let mut g = svc.lock();
                         g.image = None;
@@ -183,7 +200,10 @@ impl Agent {
                     return;
                 }
                 Err((3, msg)) if Instant::now() < deadline => {
-                    self.metrics.refusals.get_or_create(&crate::metrics::ServiceLabels { service: svc.name.clone() }).inc();
+                    self.metrics
+                        .refusals
+                        .get_or_create(&crate::metrics::ServiceLabels { service: svc.name.clone() })
+                        .inc();
                     match self.pick_victim(svc) {
                         Some(v) => {
                             let reason = format!("evicted to make room for {} ({msg})", svc.name);
@@ -202,7 +222,8 @@ impl Agent {
                     {
                         let mut g = svc.lock();
                         g.last_error = Some(msg);
-                        let back = if g.state == State::Waking { State::Hibernated } else { State::Suspended };
+                        let back =
+                            if g.state == State::Waking { State::Hibernated } else { State::Suspended };
                         svc.set_state(&mut g, back);
                     }
                     // Waiters give up at their own deadline; they must not
@@ -261,14 +282,20 @@ impl Agent {
             let r = match e.resume_group(&pids, &opts, &quiet) {
                 // Its GPU is full: another GPU of the same model with room
                 // takes it before anyone is evicted.
-                Err(refused) if refused.exit_code() == 3 => match self.other_gpu(&mut e, &pids, svc.cfg.margin) {
-                    Some((old, new)) => {
-                        self.journal(svc, Some(&root), &format!("resume onto {new}: {old} is full ({refused})"));
-                        opts.device_map = vec![(old, new)];
-                        e.resume_group(&pids, &opts, &quiet).map_err(err)?
+                Err(refused) if refused.exit_code() == 3 => {
+                    match self.other_gpu(&mut e, &pids, svc.cfg.margin) {
+                        Some((old, new)) => {
+                            self.journal(
+                                svc,
+                                Some(&root),
+                                &format!("resume onto {new}: {old} is full ({refused})"),
+                            );
+                            opts.device_map = vec![(old, new)];
+                            e.resume_group(&pids, &opts, &quiet).map_err(err)?
+                        }
+                        None => return Err(err(refused)),
                     }
-                    None => return Err(err(refused)),
-                },
+                }
                 r => r.map_err(err)?,
             };
             let ms: u64 = r.iter().map(|r| r.total_ms).max().unwrap_or(0);
@@ -344,7 +371,9 @@ impl Agent {
         self.journal(svc, None, &format!("suspend: {reason}"));
         let started = Instant::now();
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
-        let r = tokio::task::spawn_blocking(move || a.suspend_blocking(&s)).await.unwrap_or_else(|e| Err(e.to_string()));
+        let r = tokio::task::spawn_blocking(move || a.suspend_blocking(&s))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
         let ok = r.is_ok();
         self.metrics.transition(&svc.name, "suspend", ok, started.elapsed().as_secs_f64());
         let mut g = svc.lock();
@@ -393,7 +422,9 @@ impl Agent {
         self.journal(svc, None, &format!("hibernate: {reason}"));
         let started = Instant::now();
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
-        let r = tokio::task::spawn_blocking(move || a.hibernate_blocking(&s)).await.unwrap_or_else(|e| Err(e.to_string()));
+        let r = tokio::task::spawn_blocking(move || a.hibernate_blocking(&s))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
         self.metrics.transition(&svc.name, "hibernate", r.is_ok(), started.elapsed().as_secs_f64());
         let mut g = svc.lock();
         match &r {
@@ -435,8 +466,12 @@ impl Agent {
         self.persist_doing(svc, "hibernate");
         let mut e = self.engine().map_err(|e| e.to_string())?;
         let criu = self.criu().map_err(|e| e.to_string())?;
-        let opts =
-            HibernateOptions { name: Some(name), leave_running: false, lock_timeout_ms: LOCK_TIMEOUT_MS, durable: true };
+        let opts = HibernateOptions {
+            name: Some(name),
+            leave_running: false,
+            lock_timeout_ms: LOCK_TIMEOUT_MS,
+            durable: true,
+        };
         // CRIU must be the tree's only tracer: a traced guard (attached after
         // an earlier wake) lets go first, and comes back if the tree stays.
         let tree: Vec<i32> = process_tree(root.pid).into_iter().map(|(p, _)| p).collect();
@@ -445,7 +480,9 @@ impl Agent {
             Ok(r) => Ok(r.image),
             Err(err) => {
                 svc.lock().image = None;
-                self.start_guard(&detached.into_iter().filter(|p| target::resolve(*p).is_ok()).collect::<Vec<_>>());
+                self.start_guard(
+                    &detached.into_iter().filter(|p| target::resolve(*p).is_ok()).collect::<Vec<_>>(),
+                );
                 Err(err.to_string())
             }
         }
@@ -453,7 +490,12 @@ impl Agent {
 
     /// For a service suspended from one GPU: another GPU of the same model
     /// with room for its footprint (and the margin), as (old, new) uuids.
-    fn other_gpu(&self, e: &mut crate::daemon::DynEngine, pids: &[i32], margin: u64) -> Option<(String, String)> {
+    fn other_gpu(
+        &self,
+        e: &mut crate::daemon::DynEngine,
+        pids: &[i32],
+        margin: u64,
+    ) -> Option<(String, String)> {
         let mut fp: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
         for pid in pids {
             for (u, b) in e.store().latest_for_pid(*pid).ok()??.footprint {
@@ -503,7 +545,11 @@ impl Agent {
         let logs = self.state_dir.join("agent");
         std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
         let log_path = logs.join(format!("{}.log", svc.name));
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path).map_err(|e| e.to_string())?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| e.to_string())?;
         let mut c = std::process::Command::new(&self.exe);
         c.arg("--state-dir")
             .arg(&self.state_dir)
@@ -526,7 +572,8 @@ impl Agent {
         // The program is the runner's child; it appears once run has set up.
         let deadline = Instant::now() + Duration::from_secs(30);
         let program = loop {
-            let kids = std::fs::read_to_string(format!("/proc/{runner}/task/{runner}/children")).unwrap_or_default();
+            let kids =
+                std::fs::read_to_string(format!("/proc/{runner}/task/{runner}/children")).unwrap_or_default();
             if let Some(p) = kids.split_whitespace().next().and_then(|p| p.parse::<i32>().ok()) {
                 break p;
             }
@@ -548,7 +595,11 @@ impl Agent {
         let deadline = Instant::now() + svc.cfg.wake_timeout;
         while std::net::TcpStream::connect_timeout(&svc.cfg.backend, Duration::from_secs(1)).is_err() {
             if !target::is_alive(&t) {
-                return Err(format!("the program ended before it listened on {} (see {})", svc.cfg.backend, log_path.display()));
+                return Err(format!(
+                    "the program ended before it listened on {} (see {})",
+                    svc.cfg.backend,
+                    log_path.display()
+                ));
             }
             if Instant::now() > deadline {
                 tracing::warn!(service = svc.name, "not listening on {} after wake_timeout", svc.cfg.backend);
@@ -595,7 +646,10 @@ impl Agent {
                 return Err(format!("{} is {}", svc.name, g.state.as_str()));
             }
             if svc.cfg.command.is_none() {
-                return Err(format!("{} was adopted, not started by the agent: it cannot be restarted", svc.name));
+                return Err(format!(
+                    "{} was adopted, not started by the agent: it cannot be restarted",
+                    svc.name
+                ));
             }
             g.ending_on_purpose = true;
             svc.set_state(&mut g, State::Stopping);
@@ -625,7 +679,8 @@ impl Agent {
         }
         let Some(root) = root.filter(target::is_alive) else { return Ok(()) };
         let mut e = self.engine().map_err(|e| e.to_string())?;
-        let opts = StopOptions { grace: Duration::from_secs(10), force: false, lock_timeout_ms: LOCK_TIMEOUT_MS };
+        let opts =
+            StopOptions { grace: Duration::from_secs(10), force: false, lock_timeout_ms: LOCK_TIMEOUT_MS };
         let pids = cuda_pids(self, root.pid);
         if !pids.is_empty() {
             e.stop_group(&pids, &opts, &quiet).map_err(|e| e.to_string())?;
@@ -646,7 +701,8 @@ impl Agent {
             let (state, since, alive, restart_due, may_hibernate) = {
                 let g = svc.lock();
                 let alive = g.process.as_ref().is_some_and(target::is_alive);
-                let may_hibernate = g.conns.is_empty() && g.hibernate_not_before.is_none_or(|t| Instant::now() >= t);
+                let may_hibernate =
+                    g.conns.is_empty() && g.hibernate_not_before.is_none_or(|t| Instant::now() >= t);
                 (g.state, g.since, alive, g.restart_at.is_some_and(|t| Instant::now() >= t), may_hibernate)
             };
             match state {
@@ -673,7 +729,8 @@ impl Agent {
                     if let Some(d) = svc.cfg.hibernate_after.filter(|d| since.elapsed() >= *d) {
                         let (a, s) = (Arc::clone(self), Arc::clone(&svc));
                         tokio::spawn(async move {
-                            let _ = a.hibernate(&s, &format!("suspended for {}", crate::fmt_duration(d))).await;
+                            let _ =
+                                a.hibernate(&s, &format!("suspended for {}", crate::fmt_duration(d))).await;
                         });
                         continue;
                     }
@@ -714,4 +771,3 @@ pub fn host_available() -> Option<u64> {
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }
-

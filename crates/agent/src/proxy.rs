@@ -96,8 +96,16 @@ async fn wait_for(agent: &Arc<Agent>, svc: &Arc<Service>) -> Result<(), String> 
     let t0 = Instant::now();
     let r = agent.ensure_running(svc, t0 + svc.cfg.wake_timeout).await;
     if let Ok(true) = r {
-        agent.metrics.wait.get_or_create(&ServiceLabels { service: svc.name.clone() }).observe(t0.elapsed().as_secs_f64());
-        tracing::info!(service = svc.name, waited_ms = t0.elapsed().as_millis() as u64, "connection waited for its service");
+        agent
+            .metrics
+            .wait
+            .get_or_create(&ServiceLabels { service: svc.name.clone() })
+            .observe(t0.elapsed().as_secs_f64());
+        tracing::info!(
+            service = svc.name,
+            waited_ms = t0.elapsed().as_millis() as u64,
+            "connection waited for its service"
+        );
     }
     r.map(|_| ()).map_err(|e| e.0)
 }
@@ -112,7 +120,8 @@ async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
     }
     agent.metrics.in_flight.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
     let _reg = Registered { svc: Arc::clone(&svc), agent: Arc::clone(&agent), id };
-    let closed = || agent.metrics.connections_closed.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+    let closed =
+        || agent.metrics.connections_closed.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
 
     if let Err(e) = wait_for(&agent, &svc).await {
         tracing::warn!(service = svc.name, "closing a connection: {e}");
@@ -154,7 +163,11 @@ async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
                 while !svc.begin_request(id) {
                     if let Err(e) = wait_for(&agent, &svc).await {
                         tracing::warn!(service = svc.name, "closing a connection: {e}");
-                        agent.metrics.connections_closed.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+                        agent
+                            .metrics
+                            .connections_closed
+                            .get_or_create(&ServiceLabels { service: svc.name.clone() })
+                            .inc();
                         return false;
                     }
                 }

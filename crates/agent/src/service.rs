@@ -152,7 +152,9 @@ impl Service {
 
     /// No bytes for `after`, no request awaiting its answer, nobody waiting.
     pub fn idle_for(inner: &Inner, after: Duration) -> bool {
-        inner.waiting == 0 && !inner.conns.values().any(|c| c.awaiting) && inner.last_activity.elapsed() >= after
+        inner.waiting == 0
+            && !inner.conns.values().any(|c| c.awaiting)
+            && inner.last_activity.elapsed() >= after
     }
 
     /// Busy enough that it must not be taken off the GPU for another service.

@@ -157,7 +157,10 @@ impl Out {
             self.emit(list.clone());
             return;
         }
-        println!("{:<20} {:<12} {:<22} {:>8} {:>6} {:>10}", "SERVICE", "STATE", "LISTEN", "PID", "CONNS", "IDLE");
+        println!(
+            "{:<20} {:<12} {:<22} {:>8} {:>6} {:>10}",
+            "SERVICE", "STATE", "LISTEN", "PID", "CONNS", "IDLE"
+        );
         for s in list.as_array().into_iter().flatten() {
             let pid = s["pid"].as_i64().map_or("-".to_string(), |p| p.to_string());
             let idle = format!("{:.1}s", s["idle_ms"].as_u64().unwrap_or(0) as f64 / 1000.0);

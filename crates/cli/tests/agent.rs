@@ -112,7 +112,11 @@ impl AgentWorld {
             if last["state"] == state {
                 break;
             }
-            assert!(Instant::now() < end, "{name} not {state} within {LONG:?}: {last}\nagent log: {}", self.log());
+            assert!(
+                Instant::now() < end,
+                "{name} not {state} within {LONG:?}: {last}\nagent log: {}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         for k in ["runner", "pid"] {
@@ -157,7 +161,8 @@ impl Drop for AgentWorld {
             self.w.children[n].kill();
         }
         let path = self.w.state_dir().join("agent").join("services.json");
-        let v: Value = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        let v: Value =
+            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
         for rec in v.as_object().into_iter().flat_map(|o| o.values()) {
             for k in ["runner", "pid"] {
                 if let Some(p) = rec[k].as_i64() {
@@ -173,7 +178,8 @@ impl Drop for AgentWorld {
 fn api_call(socket: &Path, method: &str, path: &str) -> (u16, String) {
     let mut s = UnixStream::connect(socket).unwrap();
     s.set_read_timeout(Some(LONG)).unwrap();
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n").unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+        .unwrap();
     let mut text = String::new();
     s.read_to_string(&mut text).unwrap();
     split_response(&text)
@@ -253,14 +259,20 @@ fn idle_service_is_suspended_and_a_request_wakes_it() {
     assert_eq!(body.trim_end(), format!("ok {pid} 2 1"));
     assert_eq!(a.state("m"), "running");
     let notes = a.notes(pid);
-    assert!(notes.iter().any(|n| n["detail"].as_str().unwrap().contains("resume: a connection arrived")), "{notes:?}");
+    assert!(
+        notes.iter().any(|n| n["detail"].as_str().unwrap().contains("resume: a connection arrived")),
+        "{notes:?}"
+    );
     let m = a.metrics();
     let waited = m
         .lines()
         .find(|l| l.starts_with("gpusnap_agent_request_wait_seconds_count{service=\"m\"}"))
         .unwrap_or_else(|| panic!("no wait recorded:\n{m}"));
     assert!(waited.ends_with(" 1"), "{waited}");
-    assert!(m.contains("gpusnap_agent_transitions_total{service=\"m\",kind=\"resume\",result=\"ok\"} 1"), "{m}");
+    assert!(
+        m.contains("gpusnap_agent_transitions_total{service=\"m\",kind=\"resume\",result=\"ok\"} 1"),
+        "{m}"
+    );
 
     // The journal through the API: the decisions with their reasons.
     let (code, events) = a.api("GET", "/v1/events?after=0&follow=false");
@@ -270,8 +282,14 @@ fn idle_service_is_suspended_and_a_request_wakes_it() {
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|e| e["op"] == "agent" && e["pid"] == pid)
         .collect();
-    assert!(decisions.iter().any(|e| e["detail"].as_str().unwrap().contains("suspend: idle for")), "{events}");
-    assert!(decisions.iter().any(|e| e["detail"].as_str().unwrap().contains("resume: a connection arrived")), "{events}");
+    assert!(
+        decisions.iter().any(|e| e["detail"].as_str().unwrap().contains("suspend: idle for")),
+        "{events}"
+    );
+    assert!(
+        decisions.iter().any(|e| e["detail"].as_str().unwrap().contains("resume: a connection arrived")),
+        "{events}"
+    );
 
     // The CLI client talks to the same API.
     let r = a.w.gpusnap(&["services", "--socket", &a.socket.display().to_string()]);
@@ -290,7 +308,11 @@ fn a_stream_longer_than_suspend_after_is_not_cut() {
     // Chunks 100 ms apart, suspend_after 1.5 s: a pause in a stream longer
     // than suspend_after would count as idle (the proxy cannot tell it from
     // the end of a response), so the gap is kept well under it.
-    let mut a = AgentWorld::new(1000, "", &[Svc { name: "s", mib: 200, gpu: 0, extra: "suspend_after = \"1500ms\"" }]);
+    let mut a = AgentWorld::new(
+        1000,
+        "",
+        &[Svc { name: "s", mib: 200, gpu: 0, extra: "suspend_after = \"1500ms\"" }],
+    );
     let pid = a.wait_state("s", "running")["pid"].as_i64().unwrap();
     get(a.port(0), "/");
     a.wait_state("s", "suspended");
@@ -327,8 +349,18 @@ fn two_services_on_a_gpu_that_fits_one_swap_on_demand() {
         1000,
         "",
         &[
-            Svc { name: "a", mib: 600, gpu: 0, extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"" },
-            Svc { name: "b", mib: 600, gpu: 0, extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"" },
+            Svc {
+                name: "a",
+                mib: 600,
+                gpu: 0,
+                extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"",
+            },
+            Svc {
+                name: "b",
+                mib: 600,
+                gpu: 0,
+                extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"",
+            },
         ],
     );
     // Settled: one suspended (idle) and the other running with its memory
@@ -413,7 +445,10 @@ fn host_memory_pressure_hibernates_and_a_request_wakes() {
     assert!(a.w.state_dir().join("images").join(&image).join("manifest.json").exists());
     assert!(!pid_exists(pid as i32), "the hibernated server still runs");
     let notes = a.notes(pid);
-    assert!(notes.iter().any(|n| n["detail"].as_str().unwrap().contains("< min_host_available")), "{notes:?}");
+    assert!(
+        notes.iter().any(|n| n["detail"].as_str().unwrap().contains("< min_host_available")),
+        "{notes:?}"
+    );
     // The request wakes it (CRIU restores the same pid) and its memory is intact.
     let body = get(a.port(0), "/");
     let f: Vec<&str> = body.split_whitespace().collect();
@@ -442,7 +477,8 @@ fn a_killed_agent_is_restarted_and_adopts_every_service_as_it_was() {
     );
     let idle = a.wait_state("idle", "suspended")["pid"].as_i64().unwrap();
     let busy = a.wait_state("busy", "running")["pid"].as_i64().unwrap();
-    let restores = |a: &AgentWorld| a.w.calls_on(idle as i32).iter().filter(|c| c.starts_with("restore=")).count();
+    let restores =
+        |a: &AgentWorld| a.w.calls_on(idle as i32).iter().filter(|c| c.starts_with("restore=")).count();
     let restores_before = restores(&a);
     a.kill9();
     // The services do not notice.
@@ -463,9 +499,11 @@ fn a_killed_agent_is_restarted_and_adopts_every_service_as_it_was() {
 
 #[test]
 fn a_service_that_dies_is_restarted() {
-    let mut a = AgentWorld::new(1000, "", &[Svc { name: "d", mib: 100, gpu: 0, extra: "suspend_after = \"1h\"" }]);
+    let mut a =
+        AgentWorld::new(1000, "", &[Svc { name: "d", mib: 100, gpu: 0, extra: "suspend_after = \"1h\"" }]);
     let pid = a.wait_state("d", "running")["pid"].as_i64().unwrap();
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL)
+        .unwrap();
     let end = Instant::now() + LONG;
     let new = loop {
         let s = a.service("d");
@@ -548,7 +586,10 @@ fn api_as_nobody(socket: &Path) -> i32 {
         let pid = libc::fork();
         assert!(pid >= 0);
         if pid == 0 {
-            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setgid(65534) != 0
+                || libc::setuid(65534) != 0
+            {
                 libc::_exit(90);
             }
             let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
@@ -594,7 +635,8 @@ fn the_api_refuses_a_peer_that_is_neither_root_nor_in_the_group() {
 
 #[test]
 fn metrics_pass_promtool() {
-    let mut a = AgentWorld::new(1000, "", &[Svc { name: "x", mib: 100, gpu: 0, extra: "suspend_after = \"500ms\"" }]);
+    let mut a =
+        AgentWorld::new(1000, "", &[Svc { name: "x", mib: 100, gpu: 0, extra: "suspend_after = \"500ms\"" }]);
     a.wait_state("x", "suspended");
     get(a.port(0), "/");
     let text = a.metrics();
@@ -618,7 +660,10 @@ fn metrics_pass_promtool() {
     let mut child = match promtool {
         Ok(c) => c,
         Err(e) => {
-            assert!(std::env::var("CI").is_err(), "promtool is needed in CI (Debian's prometheus package): {e}");
+            assert!(
+                std::env::var("CI").is_err(),
+                "promtool is needed in CI (Debian's prometheus package): {e}"
+            );
             eprintln!("promtool not found ({e}): skipping the check (install Debian's prometheus package)");
             return;
         }

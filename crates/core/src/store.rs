@@ -620,9 +620,7 @@ impl Store {
             .conn
             .prepare("SELECT ts_ms, op, phase, state, detail FROM events WHERE pid = ?1 ORDER BY id")
             .map_err(|e| self.err(e))?;
-        let rows = stmt
-            .query_map(params![pid], |r| event_at(r, 0))
-            .map_err(|e| self.err(e))?;
+        let rows = stmt.query_map(params![pid], |r| event_at(r, 0)).map_err(|e| self.err(e))?;
         rows.collect::<Result<_, _>>().map_err(|e| self.err(e))
     }
 

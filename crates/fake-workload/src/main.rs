@@ -317,7 +317,8 @@ impl Gpu {
 }
 
 fn serve_http(gpu: std::sync::Arc<Gpu>, port: u16, print_ready: bool) -> Result<(), String> {
-    let listener = std::net::TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind {port}: {e}"))?;
+    let listener =
+        std::net::TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind {port}: {e}"))?;
     if print_ready {
         println!("ready {}", std::process::id());
     }
@@ -367,7 +368,10 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
         input.read_exact(&mut body).map_err(|e| e.to_string())?;
         let (path, query) = target.split_once('?').unwrap_or((&target, ""));
         let param = |k: &str| {
-            query.split('&').find_map(|kv| kv.strip_prefix(k).and_then(|v| v.strip_prefix('='))).and_then(|v| v.parse::<u64>().ok())
+            query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix(k).and_then(|v| v.strip_prefix('=')))
+                .and_then(|v| v.parse::<u64>().ok())
         };
         let n = gpu.served.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
         let pid = std::process::id();
@@ -389,13 +393,19 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
             let text = if path == "/generate" {
                 // Deterministic "tokens" for the agent benchmark's dry run:
                 // the same prompt always gets the same answer.
-                let h = query.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+                let h = query
+                    .bytes()
+                    .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
                 format!("{h:016x} {}\n", u8::from(intact))
             } else {
                 format!("ok {pid} {n} {}\n", u8::from(intact))
             };
-            write!(out, "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{text}", text.len())
-                .map_err(|e| e.to_string())?;
+            write!(
+                out,
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{text}",
+                text.len()
+            )
+            .map_err(|e| e.to_string())?;
         }
         out.flush().map_err(|e| e.to_string())?;
         if close {

@@ -18,10 +18,12 @@
 
 mod image;
 mod serve;
+mod source;
 pub mod sys;
 
 pub use image::{lazy_bytes, lazy_iovs, Iov};
 pub use serve::{Options, Report, Server};
+pub use source::{DirSource, PageSource, PagesFile};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PagesError {

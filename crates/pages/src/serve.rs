@@ -10,12 +10,12 @@
 //! them. A fault in a piece in flight needs nothing: the fill's WAKE wakes it.
 
 use crate::image::{lazy_iovs, Iov};
+use crate::source::{DirSource, PageSource, PagesFile};
 use crate::sys::{self, PAGE};
 use crate::PagesError;
 use nix::errno::Errno;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::FileExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
@@ -161,12 +161,13 @@ impl MmState {
 struct Mm {
     pid: i32,
     uffd: OwnedFd,
-    pages: Arc<File>,
+    pages: Arc<dyn PagesFile>,
     st: Mutex<MmState>,
 }
 
 struct Shared {
     images: PathBuf,
+    source: Arc<dyn PageSource>,
     opts: Options,
     mms: Mutex<Vec<Arc<Mm>>>,
     bell: (Mutex<()>, Condvar),
@@ -233,6 +234,17 @@ impl Server {
     /// Listens on `work/lazy-pages.socket` for the `criu restore
     /// --lazy-pages` about to run with that work dir, serving from `images`.
     pub fn start(images: &Path, work: &Path, opts: Options) -> Result<Self, PagesError> {
+        Self::start_with(images, Arc::new(DirSource::new(images)), work, opts)
+    }
+
+    /// As [`Server::start`], with the pages files read through `source`
+    /// (the pagemap and mm images still come from `images`).
+    pub fn start_with(
+        images: &Path,
+        source: Arc<dyn PageSource>,
+        work: &Path,
+        opts: Options,
+    ) -> Result<Self, PagesError> {
         let socket = work.join(SOCKET);
         let _ = std::fs::remove_file(&socket);
         let sock_err =
@@ -248,6 +260,7 @@ impl Server {
         listener.set_nonblocking(true).map_err(sock_err)?;
         let shared = Arc::new(Shared {
             images: images.to_path_buf(),
+            source,
             opts,
             mms: Mutex::new(Vec::new()),
             bell: (Mutex::new(()), Condvar::new()),
@@ -405,14 +418,12 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
             err: format!("no userfaultfd came for {pid}"),
         })?;
         let (pages_id, iovs) = lazy_iovs(&sh.images, pid)?;
-        let p = sh.images.join(format!("pages-{pages_id}.img"));
-        let pages = File::open(&p)
-            .map_err(|e| PagesError::Image { path: p.display().to_string(), why: e.to_string() })?;
+        let pages = sh.source.open(&format!("pages-{pages_id}.img"))?;
         tracing::debug!(pid, pieces = iovs.len(), "page server: a process to serve");
         let mm = Arc::new(Mm {
             pid,
             uffd,
-            pages: Arc::new(pages),
+            pages,
             st: Mutex::new(MmState {
                 pieces: iovs.into_iter().map(|iov| Piece { iov, owner: 0 }).collect(),
                 gone: false,
@@ -627,7 +638,7 @@ fn filler(sh: Arc<Shared>) {
 fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8]) -> Result<(), PagesError> {
     let len = iov.len() as usize;
     let data = &mut buf[..len];
-    mm.pages.read_exact_at(data, iov.off).map_err(|e| PagesError::Read {
+    mm.pages.read_at(iov.off, data).map_err(|e| PagesError::Read {
         pid: mm.pid,
         off: iov.off,
         err: e.to_string(),
