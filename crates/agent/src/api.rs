@@ -57,7 +57,7 @@ fn allowed(agent: &Agent, p: &Peer) -> bool {
     if uid == 0 {
         return true;
     }
-    let Some(gid) = agent.cfg.group.as_deref().and_then(group_id) else { return false };
+    let Some(gid) = agent.cfg.group.as_ref().and_then(|g| group_id(g.get_ref())) else { return false };
     p.gid == Some(gid) || p.pid.is_some_and(|pid| supplementary_groups(pid).contains(&gid))
 }
 

@@ -30,8 +30,8 @@ pub struct Config {
 pub struct AgentConfig {
     #[serde(default = "default_socket")]
     pub socket: PathBuf,
-    /// Peers allowed on the socket besides root.
-    pub group: Option<String>,
+    /// Peers allowed on the socket besides root (a name or a numeric gid).
+    pub group: Option<Spanned<String>>,
     pub metrics_listen: Option<SocketAddr>,
     /// Below this much available host memory, suspended services are hibernated.
     #[serde(default, deserialize_with = "size_opt")]
@@ -39,6 +39,18 @@ pub struct AgentConfig {
     /// How often the policy looks at idleness and host memory.
     #[serde(default = "default_tick", deserialize_with = "duration")]
     pub tick: Duration,
+    /// Transparent huge pages `always` for the length of each suspend (as
+    /// `gpusnap suspend --thp`): the driver's checkpoint, bound by host page
+    /// faults, runs about 2x faster; every process of the host gets huge
+    /// pages meanwhile. A service may say otherwise.
+    #[serde(default)]
+    pub thp: bool,
+    /// Wake hibernated services lazily (the page server fills their memory
+    /// while the driver already restores). Off by default: a lazy wake does
+    /// not survive the death of its gpusnap, and the agent must survive
+    /// `kill -9` at any moment. A service may say otherwise.
+    #[serde(default)]
+    pub lazy_wake: bool,
 }
 
 impl Default for AgentConfig {
@@ -49,6 +61,8 @@ impl Default for AgentConfig {
             metrics_listen: None,
             min_host_available: None,
             tick: default_tick(),
+            thp: false,
+            lazy_wake: false,
         }
     }
 }
@@ -91,6 +105,17 @@ pub struct ServiceConfig {
     /// as is (a server that finds the GPU full fails and is restarted).
     #[serde(default, deserialize_with = "size_opt")]
     pub gpu_memory: Option<u64>,
+    /// Overrides `[agent] thp` for this service's suspends.
+    pub thp: Option<bool>,
+    /// Overrides `[agent] lazy_wake` for this service's wakes.
+    pub lazy_wake: Option<bool>,
+}
+
+impl ServiceConfig {
+    /// Whether the agent started it (and may end it) or adopted it.
+    pub fn adopted(&self) -> bool {
+        self.command.is_none()
+    }
 }
 
 fn default_suspend_after() -> Option<Duration> {
@@ -206,6 +231,14 @@ impl Config {
             let offset = e.span().map_or(0, |s| s.start);
             invalid(offset, e.message().trim().to_string())
         })?;
+        if let Some(g) = &cfg.agent.group {
+            if crate::api::group_id(g.get_ref()).is_none() {
+                return Err(invalid(
+                    g.span().start,
+                    format!("group {:?}: no such group on this host", g.get_ref()),
+                ));
+            }
+        }
         let mut names = std::collections::HashMap::new();
         let mut ports = std::collections::HashMap::new();
         for s in &cfg.service {

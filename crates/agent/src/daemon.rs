@@ -159,6 +159,11 @@ impl Agent {
             }
             Err(err) => tracing::warn!("could not reconcile interrupted hibernates: {err}"),
         }
+        // Temporary images of dead gpusnaps (a hibernate killed before its
+        // commit, undone just above) go: nothing refers to them.
+        for stale in self.images.gc() {
+            tracing::warn!(path = %stale.path.display(), "removed the temporary image of an interrupted hibernate");
+        }
         let old = service::load_persisted(&self.state_dir);
         for svc in &self.services {
             let rec = old.get(&svc.name).cloned().unwrap_or_default();
@@ -170,11 +175,28 @@ impl Agent {
                     let pids = cuda_pids(self, t.pid);
                     g.process = Some(t.clone());
                     drop(g);
+                    let woken = rec.image.as_ref().filter(|_| {
+                        rec.doing.as_deref() == Some("wake") && rec.start_time.is_some_and(|st| st != t.start_time)
+                    });
                     let state = self.adopted_state(&pids);
                     let mut g = svc.lock();
                     svc.set_state(&mut g, state);
                     drop(g);
                     self.journal(svc, Some(&t), &format!("adopted as {} (pid {})", state.as_str(), t.pid));
+                    if let Some(image) = woken {
+                        // The previous agent died mid-wake, after CRIU had
+                        // restored the tree: the live process replaces the
+                        // image (a second wake would find its pids taken).
+                        self.start_guard(&pids);
+                        match self.images.remove(image) {
+                            Ok(()) => self.journal(
+                                svc,
+                                Some(&t),
+                                &format!("woken from {image} by the previous agent: image removed"),
+                            ),
+                            Err(err) => tracing::warn!(service = svc.name, image, "could not remove the woken image: {err}"),
+                        }
+                    }
                 }
                 None => match rec.image.filter(|i| self.images.manifest(i).is_ok()) {
                     Some(image) => {
@@ -196,7 +218,7 @@ impl Agent {
                     }
                     None => {
                         g.last_error = Some("no process found (pid_file/cgroup)".into());
-                        svc.set_state(&mut g, State::Dead);
+                        svc.set_state(&mut g, State::Exited);
                     }
                 },
             }
@@ -217,8 +239,27 @@ impl Agent {
                 }
             }
         }
+        self.find_adopted(svc, None, None)
+    }
+
+    /// The server of an adopted service: the live process its `pid_file`
+    /// names, or the root of its `cgroup`'s tree. After `old` ended (at
+    /// `exited_at`), a pid file that still names `old`'s pid counts only
+    /// if it was written since (a reused pid is not the server).
+    fn find_adopted(
+        &self,
+        svc: &Service,
+        old: Option<&Target>,
+        exited_at: Option<std::time::SystemTime>,
+    ) -> Option<Target> {
         if let Some(pf) = &svc.cfg.pid_file {
             let pid = std::fs::read_to_string(pf).ok()?.trim().parse::<i32>().ok()?;
+            if let (Some(old), Some(at)) = (old, exited_at) {
+                let written = std::fs::metadata(pf).and_then(|m| m.modified()).ok()?;
+                if old.pid == pid && written < at {
+                    return None;
+                }
+            }
             return target::resolve(pid).ok();
         }
         if let Some(cg) = &svc.cfg.cgroup {
@@ -227,6 +268,32 @@ impl Agent {
             return roots.first().and_then(|p| target::resolve(*p).ok());
         }
         None
+    }
+
+    /// An exited adopted service: adopts the process its owner started anew.
+    pub fn readopt(self: &Arc<Self>, svc: &Arc<Service>) {
+        let (old, at) = {
+            let g = svc.lock();
+            (g.process.clone(), g.exited_at)
+        };
+        let Some(t) = self.find_adopted(svc, old.as_ref(), at) else { return };
+        if old.as_ref().is_some_and(|o| o.pid == t.pid && o.start_time == t.start_time) {
+            return;
+        }
+        let pids = cuda_pids(self, t.pid);
+        let state = self.adopted_state(&pids);
+        {
+            let mut g = svc.lock();
+            if g.state != State::Exited {
+                return;
+            }
+            g.process = Some(t.clone());
+            g.exited_at = None;
+            g.last_activity = Instant::now();
+            svc.set_state(&mut g, state);
+        }
+        self.persist();
+        self.journal(svc, Some(&t), &format!("adopted a new process as {} (pid {})", state.as_str(), t.pid));
     }
 
     fn adopted_state(&self, pids: &[i32]) -> State {
@@ -287,7 +354,7 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         .map_err(|e| AgentError::Setup(format!("tokio: {e}")))?;
     rt.block_on(async move {
         let agent = Arc::new(Agent::new(setup)?);
-        let api_listener = bind_socket(&agent.cfg.socket, agent.cfg.group.as_deref())?;
+        let api_listener = bind_socket(&agent.cfg.socket, agent.cfg.group.as_ref().map(|g| g.get_ref().as_str()))?;
         // Bind every listen address before anything else: a taken port is a
         // setup error now, not a silent hole later.
         let mut proxies = Vec::new();

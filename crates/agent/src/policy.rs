@@ -75,9 +75,9 @@ impl Agent {
                         drop(g);
                         self.spawn_bring_back(svc, "a connection arrived");
                     }
-                    State::Dead if svc.cfg.command.is_none() => {
+                    State::Exited | State::Dead if svc.cfg.adopted() => {
                         return Err(Unavailable(format!(
-                            "{}: its process is gone and the agent cannot start it",
+                            "{}: its process ended, and the agent does not start a server it adopted",
                             svc.name
                         )));
                     }
@@ -248,10 +248,11 @@ impl Agent {
                 force_resume: Vec::new(),
                 device_map: Vec::new(),
                 force: false,
-                // Lazy where the host allows it (wake falls back to eager
-                // with a notice): the request waiting on it gets its first
-                // byte sooner.
-                eager: false,
+                // Lazy only when asked: its page server lives in this
+                // process, and an agent killed mid-fill would let the woken
+                // processes fault in zero pages (docs/pages.md). Eager, the
+                // agent can die at any moment (docs/agent.md).
+                eager: !svc.cfg.lazy_wake.unwrap_or(self.cfg.lazy_wake),
             };
             let r = e.wake(&self.criu().map_err(err)?, &self.images, &image, &opts).map_err(err)?;
             let t = target::resolve(r.root_pid).map_err(err)?;
@@ -401,8 +402,19 @@ impl Agent {
             return Err(format!("no CUDA process in the tree of {}", root.pid));
         }
         let mut e = self.engine().map_err(|e| e.to_string())?;
+        let _thp = self.thp_for(svc)?;
         e.suspend_group(&pids, LOCK_TIMEOUT_MS, &quiet).map_err(|e| e.to_string())?;
         Ok(())
+    }
+
+    /// THP `always` for the length of a checkpoint, when the service wants
+    /// it (core's `--thp`: the previous mode is journaled in the state
+    /// directory and put back after, or by the next gpusnap after a crash).
+    fn thp_for(&self, svc: &Service) -> Result<Option<gpusnap_core::thp::Always>, String> {
+        if !svc.cfg.thp.unwrap_or(self.cfg.thp) {
+            return Ok(None);
+        }
+        gpusnap_core::thp::Always::on(&self.state_dir).map(Some).map_err(|e| e.to_string())
     }
 
     /// Hibernates a suspended service with no open connection.
@@ -411,6 +423,15 @@ impl Agent {
             let mut g = svc.lock();
             if !matches!(g.state, State::Suspended | State::Running) {
                 return Err(format!("{} is {}", svc.name, g.state.as_str()));
+            }
+            // Hibernating ends the process and CRIU brings it back as a
+            // child of the agent: a server adopted from its owner (systemd,
+            // a container runtime) would be taken from it. It stays suspended.
+            if svc.cfg.adopted() {
+                return Err(format!(
+                    "{} was adopted (pid_file/cgroup), not started by the agent: it is never hibernated",
+                    svc.name
+                ));
             }
             // CRIU cannot take the backend's half of an open connection along.
             if !g.conns.is_empty() || g.waiting > 0 {
@@ -472,6 +493,10 @@ impl Agent {
             lock_timeout_ms: LOCK_TIMEOUT_MS,
             durable: true,
         };
+        // A running service is suspended first by the hibernate: that
+        // checkpoint is sped up as a suspend's is.
+        let pids = cuda_pids(self, root.pid);
+        let _thp = if self.all_checkpointed(&pids) { None } else { self.thp_for(svc)? };
         // CRIU must be the tree's only tracer: a traced guard (attached after
         // an earlier wake) lets go first, and comes back if the tree stays.
         let tree: Vec<i32> = process_tree(root.pid).into_iter().map(|(p, _)| p).collect();
@@ -515,7 +540,7 @@ impl Agent {
     }
 
     /// `gpusnap guard --daemon PIDS`, as `gpusnap wake` starts it.
-    fn start_guard(&self, pids: &[i32]) {
+    pub(crate) fn start_guard(&self, pids: &[i32]) {
         if pids.is_empty() {
             return;
         }
@@ -618,6 +643,19 @@ impl Agent {
 
     /// The service's process is gone without the agent ending it.
     pub fn died(&self, svc: &Service, why: &str) {
+        if svc.cfg.adopted() {
+            // Not ours to start: its owner (systemd, a container runtime)
+            // may start it again, and the tick adopts the new process.
+            let mut g = svc.lock();
+            g.last_error = Some(why.to_string());
+            g.exited_at = Some(std::time::SystemTime::now());
+            let t = g.process.clone();
+            svc.set_state(&mut g, State::Exited);
+            drop(g);
+            self.persist();
+            self.journal(svc, t.as_ref(), &format!("{why}; adopted, not started by the agent: not restarted"));
+            return;
+        }
         let mut g = svc.lock();
         let backoff = Duration::from_secs(1 << g.restarts.min(6)).min(MAX_BACKOFF);
         g.last_error = Some(why.to_string());
@@ -725,7 +763,12 @@ impl Agent {
                         });
                     }
                 }
-                State::Suspended if may_hibernate => {
+                State::Exited => {
+                    let a = Arc::clone(self);
+                    let s = Arc::clone(&svc);
+                    let _ = tokio::task::spawn_blocking(move || a.readopt(&s)).await;
+                }
+                State::Suspended if may_hibernate && !svc.cfg.adopted() => {
                     if let Some(d) = svc.cfg.hibernate_after.filter(|d| since.elapsed() >= *d) {
                         let (a, s) = (Arc::clone(self), Arc::clone(&svc));
                         tokio::spawn(async move {

@@ -23,10 +23,14 @@ pub enum State {
     Stopping,
     /// The process is gone (died, or could not be started); restarted when allowed.
     Dead,
+    /// An adopted server (`pid_file`, `cgroup`) whose process ended: the
+    /// agent never starts what it did not start. A new process that its
+    /// owner starts (a newer pid file, a process in the cgroup) is adopted.
+    Exited,
 }
 
 impl State {
-    pub const ALL: [State; 10] = [
+    pub const ALL: [State; 11] = [
         State::Starting,
         State::Running,
         State::Suspending,
@@ -37,6 +41,7 @@ impl State {
         State::Waking,
         State::Stopping,
         State::Dead,
+        State::Exited,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -51,6 +56,7 @@ impl State {
             State::Waking => "waking",
             State::Stopping => "stopping",
             State::Dead => "dead",
+            State::Exited => "exited",
         }
     }
 
@@ -100,6 +106,9 @@ pub struct Inner {
     /// A state change the agent makes itself (hibernate, stop): the process
     /// ending is expected, not a crash.
     pub ending_on_purpose: bool,
+    /// When an adopted server's process was seen gone: a pid file written
+    /// after this names its successor.
+    pub exited_at: Option<std::time::SystemTime>,
 }
 
 pub struct Service {
@@ -131,6 +140,7 @@ impl Service {
                 last_error: None,
                 hibernate_not_before: None,
                 ending_on_purpose: false,
+                exited_at: None,
             }),
             changed: tokio::sync::watch::channel(0).0,
         }

@@ -31,6 +31,8 @@ struct AgentWorld {
     config: PathBuf,
     ports: Vec<(u16, u16)>,
     agent: Option<usize>,
+    /// More environment for the agent (tests' hooks: a THP file, a CRIU).
+    agent_env: Vec<(String, String)>,
     _sockdir: tempfile::TempDir,
 }
 
@@ -40,7 +42,14 @@ impl AgentWorld {
     }
 
     fn on_gpus(gpus: &[u64], agent_extra: &str, svcs: &[Svc]) -> Self {
-        let w = World::new(gpus);
+        let mut a = Self::unstarted(World::new(gpus), agent_extra, svcs, &[]);
+        a.start();
+        a
+    }
+
+    /// The world and its config, the agent not started yet. `raw`: services
+    /// given as (name, TOML lines without name/listen/backend): adopted ones.
+    fn unstarted(w: World, agent_extra: &str, svcs: &[Svc], raw: &[(&str, String)]) -> Self {
         // A directory others may enter: the 403 test connects as nobody.
         let sockdir = tempfile::Builder::new().prefix("gpusnap-agent-test").tempdir_in("/tmp").unwrap();
         use std::os::unix::fs::PermissionsExt;
@@ -61,17 +70,23 @@ impl AgentWorld {
                 s.extra
             );
         }
+        for (name, lines) in raw {
+            let (listen, backend) = (free_port(), free_port());
+            ports.push((listen, backend));
+            text += &format!(
+                "\n[[service]]\nname = \"{name}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\n{lines}\n"
+            );
+        }
         let config = w.tmp.path().join("agent.toml");
         std::fs::write(&config, text).unwrap();
-        let mut a = Self { w, socket, config, ports, agent: None, _sockdir: sockdir };
-        a.start();
-        a
+        Self { w, socket, config, ports, agent: None, agent_env: Vec::new(), _sockdir: sockdir }
     }
 
     fn start(&mut self) {
         let _ = std::fs::remove_file(&self.socket);
         let cfg = self.config.display().to_string();
-        let n = self.w.spawn_gpusnap(&["agent", "--config", &cfg]);
+        let env: Vec<(&str, &str)> = self.agent_env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let n = self.w.spawn_gpusnap_env(&["agent", "--config", &cfg], &env);
         self.agent = Some(n);
         let sock = self.socket.clone();
         wait_for(LONG, || UnixStream::connect(&sock).is_ok());
@@ -574,20 +589,28 @@ fn only_services_on_the_full_gpu_are_evicted_and_a_late_one_is_closed() {
     assert!(m.contains("gpusnap_agent_admission_refusals_total{service=\"y\"}"), "{m}");
 }
 
-/// Asks the API as `nobody` (tests run as root): a forked child drops its
-/// privileges and makes one raw request; its exit code is the HTTP status / 100.
+/// Asks the API as `nobody` (tests run as root).
 fn api_as_nobody(socket: &Path) -> i32 {
+    api_as(socket, 65534, &[])
+}
+
+/// Asks the API as uid 65534 with primary group `gid` and supplementary
+/// `groups`: a forked child drops its privileges and makes one raw request;
+/// its exit code is the HTTP status / 100 (90: could not drop, 91: could not
+/// connect, 92: no answer).
+fn api_as(socket: &Path, gid: u32, groups: &[u32]) -> i32 {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(socket.as_os_str().as_bytes()).unwrap();
     let req = b"GET /v1/services HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n";
+    let groups: Vec<libc::gid_t> = groups.to_vec();
     // SAFETY: the child only makes raw system calls on memory prepared
     // before the fork (no allocation, no locks) and ends with _exit.
     unsafe {
         let pid = libc::fork();
         assert!(pid >= 0);
         if pid == 0 {
-            if libc::setgroups(0, std::ptr::null()) != 0
-                || libc::setgid(65534) != 0
+            if libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                || libc::setgid(gid) != 0
                 || libc::setuid(65534) != 0
             {
                 libc::_exit(90);
@@ -616,6 +639,58 @@ fn api_as_nobody(socket: &Path) -> i32 {
         libc::waitpid(pid, &mut st, 0);
         libc::WEXITSTATUS(st)
     }
+}
+
+/// A group made for one test (`groupadd`), removed after it.
+struct TempGroup {
+    name: String,
+    gid: u32,
+}
+
+impl TempGroup {
+    fn new() -> Self {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let name = format!("gsnapt{}x{n}", std::process::id());
+        let st = std::process::Command::new("groupadd").arg(&name).status().expect("groupadd");
+        assert!(st.success(), "groupadd {name}");
+        let gid = nix::unistd::Group::from_name(&name).unwrap().expect("the new group").gid.as_raw();
+        Self { name, gid }
+    }
+}
+
+impl Drop for TempGroup {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("groupdel").arg(&self.name).status();
+    }
+}
+
+#[test]
+fn the_api_lets_in_the_configured_group_and_refuses_others() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root (groupadd, a peer with other ids)");
+        return;
+    }
+    let g = TempGroup::new();
+    let mut a = AgentWorld::new(
+        1000,
+        &format!("group = {:?}", g.name),
+        &[Svc { name: "g", mib: 100, gpu: 0, extra: "suspend_after = \"1h\"" }],
+    );
+    a.wait_state("g", "running");
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::metadata(&a.socket).unwrap();
+    assert_eq!((md.mode() & 0o777, md.gid()), (0o660, g.gid), "the socket's mode and group");
+    // A member, supplementary or primary, is let in.
+    assert_eq!(api_as(&a.socket, 65534, &[g.gid]), 2, "a supplementary member was not let in");
+    assert_eq!(api_as(&a.socket, g.gid, &[]), 2, "a primary member was not let in");
+    // Anyone else: the mode keeps them out, and with the mode opened, the
+    // credentials check does.
+    assert_eq!(api_as(&a.socket, 65534, &[]), 91, "the socket let a non-member connect");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&a.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    assert_eq!(api_as(&a.socket, 65534, &[]), 4, "a non-member was not refused with 403");
+    assert_eq!(api_as(&a.socket, 65534, &[g.gid]), 2);
 }
 
 #[test]
@@ -706,6 +781,14 @@ fn bad_configs_are_refused_naming_the_line() {
         assert!(r.stderr.contains(&want) && r.stderr.contains(what), "want {want} {what}, got: {}", r.stderr);
         assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
     }
+    // A group this host does not have.
+    let path = w.tmp.path().join("badgroup.toml");
+    std::fs::write(&path, good.replace("[agent]\n", "[agent]\ngroup = \"gpusnap-no-such-group\"\n")).unwrap();
+    let r = w.gpusnap(&["agent", "--config", &path.display().to_string()]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    let want = format!("{}:2: group \"gpusnap-no-such-group\": no such group", path.display());
+    assert!(r.stderr.contains(&want), "want {want}, got: {}", r.stderr);
+    assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
     let r = w.gpusnap(&["agent", "--config", "/nonexistent/agent.toml"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
 }

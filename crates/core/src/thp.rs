@@ -163,7 +163,12 @@ impl Always {
         let mine = me();
         with_record(&self.state_dir, |rec| {
             let Some(r) = rec.as_mut() else { return Ok(()) };
-            r.owners.retain(|o| *o != mine && alive(o));
+            // One entry per switch: a long-lived gpusnap (the agent) may
+            // hold several at once, and only its last one switches back.
+            if let Some(i) = r.owners.iter().position(|o| *o == mine) {
+                r.owners.remove(i);
+            }
+            r.owners.retain(alive);
             if r.owners.is_empty() {
                 set_mode(&r.previous)?;
             }
