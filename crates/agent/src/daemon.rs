@@ -185,17 +185,23 @@ impl Agent {
                     self.journal(svc, Some(&t), &format!("adopted as {} (pid {})", state.as_str(), t.pid));
                     if let Some(image) = woken {
                         // The previous agent died mid-wake, after CRIU had
-                        // restored the tree: the live process replaces the
-                        // image (a second wake would find its pids taken).
+                        // restored the tree and before the driver's restore
+                        // was recorded: the live process is the service now
+                        // (a second wake would find its pids taken). Its
+                        // image stays until it runs again: it holds the
+                        // footprint the resume needs, and nothing is deleted
+                        // before its replacement is verified.
                         self.start_guard(&pids);
-                        match self.images.remove(image) {
-                            Ok(()) => self.journal(
-                                svc,
-                                Some(&t),
-                                &format!("woken from {image} by the previous agent: image removed"),
-                            ),
-                            Err(err) => tracing::warn!(service = svc.name, image, "could not remove the woken image: {err}"),
-                        }
+                        self.journal(
+                            svc,
+                            Some(&t),
+                            &format!("woken from {image} by the previous agent; the image is kept until it runs"),
+                        );
+                    }
+                    // A woken process not yet resumed keeps its image (above,
+                    // or an agent ago).
+                    if state == State::Suspended {
+                        svc.lock().image = rec.image.clone().filter(|i| self.images.manifest(i).is_ok());
                     }
                 }
                 None => match rec.image.filter(|i| self.images.manifest(i).is_ok()) {

@@ -269,6 +269,7 @@ impl Agent {
             if let Err(err) = self.images.remove(&image) {
                 tracing::warn!(service = svc.name, image, "could not remove the woken image: {err}");
             }
+            svc.lock().image = None;
             self.journal(svc, Some(&t), &format!("woken from {image} in {} ms", r.total_ms));
             {
                 let mut g = svc.lock();
@@ -277,9 +278,18 @@ impl Agent {
             self.persist();
             self.bring_back_once(svc, false)
         } else {
-            let root = svc.lock().process.clone().ok_or((1, "no process".to_string()))?;
+            let (root, kept) = {
+                let g = svc.lock();
+                (g.process.clone().ok_or((1, "no process".to_string()))?, g.image.clone())
+            };
             let pids = cuda_pids(self, root.pid);
             let mut opts = ResumeOptions { margin_bytes: svc.cfg.margin, ..Default::default() };
+            // Woken by an agent that died before the driver's restore was
+            // recorded: the image's manifest has the footprint the store lacks.
+            if let Some((_, m)) = kept.as_ref().and_then(|i| self.images.manifest(i).ok()) {
+                opts.footprint_bytes =
+                    m.processes.iter().filter(|p| p.cuda).map(|p| p.footprint.values().sum::<u64>()).max();
+            }
             let r = match e.resume_group(&pids, &opts, &quiet) {
                 // Its GPU is full: another GPU of the same model with room
                 // takes it before anyone is evicted.
@@ -301,6 +311,12 @@ impl Agent {
             };
             let ms: u64 = r.iter().map(|r| r.total_ms).max().unwrap_or(0);
             self.journal(svc, Some(&root), &format!("resumed in {ms} ms"));
+            if let Some(image) = kept {
+                match self.images.remove(&image) {
+                    Ok(()) => self.journal(svc, Some(&root), &format!("{image} removed: its process runs again")),
+                    Err(err) => tracing::warn!(service = svc.name, image, "could not remove the woken image: {err}"),
+                }
+            }
             Ok(())
         }
     }
@@ -646,14 +662,15 @@ impl Agent {
         if svc.cfg.adopted() {
             // Not ours to start: its owner (systemd, a container runtime)
             // may start it again, and the tick adopts the new process.
+            // Journaled before the state shows: whoever sees `exited` finds why.
+            let t = svc.lock().process.clone();
+            self.journal(svc, t.as_ref(), &format!("{why}; adopted, not started by the agent: not restarted"));
             let mut g = svc.lock();
             g.last_error = Some(why.to_string());
             g.exited_at = Some(std::time::SystemTime::now());
-            let t = g.process.clone();
             svc.set_state(&mut g, State::Exited);
             drop(g);
             self.persist();
-            self.journal(svc, t.as_ref(), &format!("{why}; adopted, not started by the agent: not restarted"));
             return;
         }
         let mut g = svc.lock();

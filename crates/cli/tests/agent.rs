@@ -792,3 +792,301 @@ fn bad_configs_are_refused_naming_the_line() {
     let r = w.gpusnap(&["agent", "--config", "/nonexistent/agent.toml"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
 }
+
+/// Starts a fake model server the way its owner would (not the agent), in
+/// `cgroup` when given; waits until it listens.
+fn owner_starts_server(w: &mut World, port: u16, cgroup: Option<&Path>) -> i32 {
+    let wl = fake_workload_bin().display().to_string();
+    let p = port.to_string();
+    let n = match cgroup {
+        Some(cg) => {
+            let script = format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.display());
+            w.spawn_env("sh", &["-c", &script, "sh", &wl, "--mib", "300", "--http", &p])
+        }
+        None => w.spawn_env(&wl, &["--mib", "300", "--http", &p]),
+    };
+    wait_for(LONG, || TcpStream::connect(("127.0.0.1", port)).is_ok());
+    w.child_pid(n)
+}
+
+/// An adopted server: idle -> suspended, a request wakes it, the agent
+/// never ends it (no restart, no hibernate, it outlives the agent), and when
+/// it dies on its own it is `exited`, journaled, not restarted, until its
+/// owner starts it again.
+fn adopted_server_lifecycle(how: &str) {
+    let cg = if how == "cgroup" {
+        match Cgroup::new(1 << 40) {
+            Some(c) => Some(c),
+            None => {
+                eprintln!("skipped: no cgroup can be created here");
+                return;
+            }
+        }
+    } else {
+        None
+    };
+    let w = World::new(&[1000]);
+    let pidfile = w.tmp.path().join("server.pid");
+    let source = match &cg {
+        Some(c) => format!("cgroup = {:?}", c.0.display().to_string()),
+        None => format!("pid_file = {:?}", pidfile.display().to_string()),
+    };
+    let mut a = AgentWorld::unstarted(
+        w,
+        "",
+        &[],
+        &[("p", format!("{source}\nsuspend_after = \"700ms\"\nwake_timeout = \"20s\""))],
+    );
+    let backend = a.ports[0].1;
+    let pid = owner_starts_server(&mut a.w, backend, cg.as_ref().map(|c| c.0.as_path()));
+    std::fs::write(&pidfile, format!("{pid}\n")).unwrap();
+    a.start();
+    let s = a.wait_state("p", "suspended");
+    assert_eq!((s["pid"].as_i64(), s["runner"].as_i64()), (Some(i64::from(pid)), None), "{s}");
+    assert_eq!(driver_state(&a.w, i64::from(pid)), "checkpointed");
+    let body = get(a.port(0), "/");
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
+    a.wait_state("p", "suspended");
+
+    // Nothing the agent would end it for: restart and hibernate are refused.
+    let (code, body) = a.api("POST", "/v1/services/p/restart");
+    assert_eq!(code, 409, "{body}");
+    assert!(body.contains("adopted"), "{body}");
+    let (code, body) = a.api("POST", "/v1/services/p/hibernate");
+    assert_eq!(code, 409, "{body}");
+    assert!(body.contains("never hibernated"), "{body}");
+    // It outlives the agent, and the next agent adopts it as it was.
+    a.kill9();
+    assert!(pid_exists(pid));
+    a.start();
+    let s = a.service("p");
+    assert_eq!((s["state"].as_str(), s["pid"].as_i64()), (Some("suspended"), Some(i64::from(pid))), "{s}");
+    let body = get(a.port(0), "/");
+    assert!(body.starts_with(&format!("ok {pid} ")), "{body}");
+
+    // It dies on its own: exited, journaled, not restarted.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let s = a.wait_state("p", "exited");
+    assert_eq!(s["restarts"], 0, "{s}");
+    let notes = a.notes(i64::from(pid));
+    assert!(
+        notes.iter().any(|n| n["detail"].as_str().unwrap().contains("ended on its own; adopted, not started by the agent: not restarted")),
+        "{notes:?}"
+    );
+    // A connection meanwhile is closed, not answered.
+    let mut c = TcpStream::connect(("127.0.0.1", a.port(0))).unwrap();
+    c.set_read_timeout(Some(LONG)).unwrap();
+    write!(c, "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    let _ = c.read_to_string(&mut text);
+    assert_eq!(text, "", "a connection to an exited service was answered");
+    assert_eq!(a.state("p"), "exited");
+    assert!(a.services().iter().all(|s| s["runner"].is_null()), "the agent started something");
+
+    // Its owner starts it again: the new process is adopted.
+    let new = owner_starts_server(&mut a.w, backend, cg.as_ref().map(|c| c.0.as_path()));
+    std::fs::write(&pidfile, format!("{new}\n")).unwrap();
+    let end = Instant::now() + LONG;
+    while a.service("p")["pid"].as_i64() != Some(i64::from(new)) {
+        assert!(Instant::now() < end, "the new server was not adopted: {}\n{}", a.service("p"), a.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let body = get(a.port(0), "/");
+    assert!(body.starts_with(&format!("ok {new} ")), "{body}");
+    drop(a);
+    drop(cg);
+}
+
+#[test]
+fn a_server_adopted_by_pid_file_is_suspended_woken_and_never_ended_by_the_agent() {
+    adopted_server_lifecycle("pid_file");
+}
+
+#[test]
+fn a_server_adopted_by_cgroup_is_suspended_woken_and_never_ended_by_the_agent() {
+    adopted_server_lifecycle("cgroup");
+}
+
+fn thp_selected(p: &Path) -> String {
+    let s = std::fs::read_to_string(p).unwrap();
+    let w = s.split_whitespace().find(|w| w.starts_with('[')).or_else(|| s.split_whitespace().next());
+    w.unwrap_or("").trim_matches(['[', ']']).to_string()
+}
+
+/// POSTs an action in the background: the agent may die under it.
+fn post_in_background(socket: &Path, path: &str) -> std::thread::JoinHandle<()> {
+    let (socket, path) = (socket.to_path_buf(), path.to_string());
+    std::thread::spawn(move || {
+        if let Ok(mut s) = UnixStream::connect(&socket) {
+            let _ = s.set_read_timeout(Some(LONG));
+            let _ = write!(s, "POST {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
+            let mut text = String::new();
+            let _ = s.read_to_string(&mut text);
+        }
+    })
+}
+
+#[test]
+fn thp_is_always_for_the_agents_suspends_and_put_back_even_after_a_kill() {
+    // 512 MiB at 0.25 GB/s: a checkpoint of about 2 s, long enough to see.
+    let w = World::with_config(&[16_384], serde_json::json!({ "checkpoint_gbps": 0.25 }));
+    let sysfs = w.tmp.path().join("thp-enabled");
+    std::fs::write(&sysfs, "always [madvise] never\n").unwrap();
+    let svc = |name: &'static str, extra: &'static str| Svc { name, mib: 512, gpu: 0, extra };
+    let mut a = AgentWorld::unstarted(
+        w,
+        "thp = true",
+        &[svc("on", "suspend_after = \"1h\""), svc("off", "suspend_after = \"1h\"\nthp = false")],
+        &[],
+    );
+    a.agent_env.push(("GPUSNAP_THP_SYSFS".into(), sysfs.display().to_string()));
+    a.start();
+    a.wait_state("on", "running");
+    a.wait_state("off", "running");
+    let thp_json = a.w.state_dir().join("thp.json");
+
+    // `[agent] thp = true`: always while the checkpoint runs, then put back.
+    let t = post_in_background(&a.socket, "/v1/services/on/suspend");
+    wait_for(LONG, || thp_selected(&sysfs) == "always");
+    assert!(thp_json.exists(), "the previous mode is journaled while switched");
+    t.join().unwrap();
+    a.wait_state("on", "suspended");
+    assert_eq!(thp_selected(&sysfs), "madvise");
+    assert!(!thp_json.exists());
+
+    // `thp = false` on the service: never switched.
+    let t = post_in_background(&a.socket, "/v1/services/off/suspend");
+    let mut seen = Vec::new();
+    while a.state("off") != "suspended" {
+        seen.push(thp_selected(&sysfs));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    t.join().unwrap();
+    assert!(seen.iter().all(|m| m == "madvise"), "{seen:?}");
+
+    // The agent killed mid-checkpoint: the next one puts the mode back and
+    // finds the service running (the driver left it locked: unlocked).
+    let pid = a.service("on")["pid"].as_i64().unwrap();
+    get(a.port(0), "/");
+    let _t = post_in_background(&a.socket, "/v1/services/on/suspend");
+    wait_for(LONG, || thp_selected(&sysfs) == "always");
+    a.kill9();
+    assert_eq!(thp_selected(&sysfs), "always");
+    a.start();
+    assert_eq!(thp_selected(&sysfs), "madvise", "the restarted agent did not put THP back");
+    assert!(!thp_json.exists());
+    let s = a.wait_state("on", "running");
+    assert_eq!(s["pid"].as_i64(), Some(pid));
+    assert_eq!(driver_state(&a.w, pid), "running");
+    let body = get(a.port(0), "/");
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
+}
+
+/// A CRIU that, armed by a file, waits after its `dump` or `restore` until
+/// the agent that ran it is gone: the window in which the test kills it.
+fn pausing_criu(dir: &Path) -> PathBuf {
+    let out = std::process::Command::new("sh").args(["-c", "command -v criu"]).output().unwrap();
+    let real = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(!real.is_empty(), "criu not on PATH");
+    let path = dir.join("criu-pausing");
+    let d = dir.display();
+    std::fs::write(
+        &path,
+        format!(
+            "#!/bin/sh\n{real:?} \"$@\"\nrc=$?\n\
+             if [ $rc = 0 ] && [ -e {d}/pause-$1 ]; then\n\
+             rm -f {d}/pause-$1\n\
+             touch {d}/paused-$1\n\
+             n=0\n\
+             while kill -0 $PPID 2>/dev/null && [ $n -lt 1200 ]; do sleep 0.05; n=$((n + 1)); done\n\
+             fi\n\
+             exit $rc\n"
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+fn image_entries(w: &World) -> Vec<String> {
+    std::fs::read_dir(w.state_dir().join("images"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn an_agent_killed_mid_hibernate_or_mid_wake_leaves_one_consistent_state() {
+    criu_present();
+    let mut a = AgentWorld::unstarted(
+        World::new(&[1000]),
+        "",
+        &[Svc { name: "k", mib: 300, gpu: 0, extra: "suspend_after = \"500ms\"\nwake_timeout = \"60s\"" }],
+        &[],
+    );
+    let hooks = a.w.tmp.path().join("hooks");
+    std::fs::create_dir_all(&hooks).unwrap();
+    let criu = pausing_criu(&hooks);
+    a.agent_env.push(("GPUSNAP_CRIU".into(), criu.display().to_string()));
+    a.start();
+    let pid = a.wait_state("k", "suspended")["pid"].as_i64().unwrap();
+
+    // Killed after CRIU's dump, before the image is committed and the tree
+    // ended: the next agent continues the tree, drops the temporary image,
+    // and finds the service suspended, as it was.
+    std::fs::write(hooks.join("pause-dump"), "").unwrap();
+    let _t = post_in_background(&a.socket, "/v1/services/k/hibernate");
+    wait_for(LONG, || hooks.join("paused-dump").exists());
+    assert!(image_entries(&a.w).iter().any(|e| e.contains(".tmp-")), "{:?}", image_entries(&a.w));
+    a.kill9();
+    a.start();
+    let s = a.wait_state("k", "suspended");
+    assert_eq!((s["pid"].as_i64(), s["image"].as_str()), (Some(pid), None), "{s}");
+    assert_eq!(driver_state(&a.w, pid), "checkpointed");
+    assert_eq!(image_entries(&a.w), Vec::<String>::new(), "an image or a temporary one was left behind");
+    let body = get(a.port(0), "/");
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
+
+    // Hibernated for real, then killed mid-wake (CRIU has restored the
+    // tree, the driver has not): the next agent adopts the woken process
+    // (suspended), does not wake it a second time, and keeps the image only
+    // until the process runs again (its manifest has the footprint).
+    a.wait_state("k", "suspended");
+    let (code, body) = a.api("POST", "/v1/services/k/hibernate");
+    assert_eq!(code, 200, "{body}");
+    let image = a.wait_state("k", "hibernated")["image"].as_str().unwrap().to_string();
+    assert!(!pid_exists(pid as i32));
+    std::fs::write(hooks.join("pause-restore"), "").unwrap();
+    let _t = std::thread::spawn({
+        let port = a.port(0);
+        move || {
+            if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
+                let _ = s.set_read_timeout(Some(LONG));
+                let _ = write!(s, "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+                let mut text = String::new();
+                let _ = s.read_to_string(&mut text);
+            }
+        }
+    });
+    wait_for(LONG, || hooks.join("paused-restore").exists());
+    a.w.adopt(pid as i32);
+    a.kill9();
+    a.start();
+    let s = a.wait_state("k", "suspended");
+    assert_eq!((s["pid"].as_i64(), s["image"].as_str()), (Some(pid), Some(image.as_str())), "{s}");
+    let restores = a.w.calls_on(pid as i32).iter().filter(|c| c.starts_with("restore=")).count();
+    let body = std::panic::catch_unwind(|| get(a.port(0), "/")).unwrap_or_else(|_| {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        panic!("LOG {}\nSTAT {stat}\nSTATUS {st}\nCALLS {:?}\nNOTES {:?}\nSVC {}", a.log(), a.w.calls_on(pid as i32), a.notes(pid), a.service("k"))
+    });
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
+    assert_eq!(
+        a.w.calls_on(pid as i32).iter().filter(|c| c.starts_with("restore=")).count(),
+        restores + 1,
+        "one driver restore for the request"
+    );
+    assert_eq!(a.state("k"), "running");
+    assert_eq!(image_entries(&a.w), Vec::<String>::new(), "the woken image was left");
+    assert!(a.service("k")["image"].is_null());
+}
