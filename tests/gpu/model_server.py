@@ -3,6 +3,8 @@
 
 python3 model_server.py --port P [--seed S] [--weights-gb W] [--kv-gb K]
                         [--backend auto|transformers|torch] [--ready FILE]
+                        [--weights DIR] [--ref-n N]
+python3 model_server.py --save-weights DIR [--seed S] [--weights-gb W] [--backend B]
 
 Loads a causal LM with random weights (seeded, so the same seed gives the
 same model) and preallocates a KV cache of K GB, so that the process holds
@@ -16,6 +18,15 @@ agent and the benchmark see a cold start end there):
 With transformers (LlamaForCausalLM from a config, random init on the GPU)
 or, when it is missing or --backend torch, a plain PyTorch model (embedding,
 a stack of MLP blocks, a head), greedy either way: same prompt, same tokens.
+
+--save-weights DIR writes the seeded random weights to DIR as safetensors
+shards (~2 GB each, fsynced, `complete` written last) and exits. --weights DIR
+loads them from there instead of initialising, as a real server loads its
+checkpoint: the model is built on the meta device (no init), its storage
+allocated on the GPU, and every shard read from disk straight onto it
+(transformers: the rotary embedding's computed buffers are built anew; if the
+model has other unsaved buffers it falls back to a random init before the
+load, and says so in its ready line: init=meta or init=random).
 """
 
 import argparse
@@ -29,7 +40,7 @@ import urllib.parse
 import torch
 
 p = argparse.ArgumentParser()
-p.add_argument("--port", type=int, required=True)
+p.add_argument("--port", type=int, default=None)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--weights-gb", type=float, default=float(os.environ.get("AGENT_WEIGHTS_GB", "16")))
 p.add_argument("--kv-gb", type=float, default=float(os.environ.get("AGENT_KV_GB", "59")))
@@ -42,7 +53,11 @@ p.add_argument("--ready", default=None)
 # flip with cuBLAS's choice of algorithm, so another process is no reference).
 p.add_argument("--ref-prompt", default="the quick brown fox jumps over the lazy dog")
 p.add_argument("--ref-n", type=int, default=16)
+p.add_argument("--weights", default=None, help="load the weights from this directory (--save-weights wrote it)")
+p.add_argument("--save-weights", default=None, help="write the seeded weights to this directory and exit")
 args = p.parse_args()
+if args.port is None and not args.save_weights:
+    p.error("--port is required (unless --save-weights)")
 
 t0 = time.time()
 torch.manual_seed(args.seed)
@@ -75,9 +90,39 @@ if backend == "transformers":
         max_position_embeddings=4096,
     )
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device(dev):
-        model = LlamaForCausalLM(cfg)
+    init = "random"
+    model = None
+    if args.weights:
+        try:
+            from transformers.models.llama import modeling_llama
+
+            with torch.device("meta"):
+                model = LlamaForCausalLM(cfg)
+            model.to_empty(device=dev)
+            # Computed, not saved: built anew on the GPU.
+            model.model.rotary_emb = modeling_llama.LlamaRotaryEmbedding(config=cfg, device=dev)
+            saved = set(model.state_dict().keys())
+            other = [n for n, _ in model.named_buffers() if n not in saved and "rotary_emb" not in n]
+            if other:
+                print(f"unsaved buffers {other[:3]}: random init before the load", flush=True)
+                model = None
+            else:
+                init = "meta"
+        except Exception as e:  # an API that moved: the slower, safe path
+            print(f"meta init failed ({e!r}): random init before the load", flush=True)
+            model = None
+    if model is None:
+        with torch.device(dev):
+            model = LlamaForCausalLM(cfg)
     model.eval()
+
+    def tensors():
+        return model.state_dict()
+
+    def load(sd):
+        with torch.no_grad():
+            missing = model.load_state_dict(sd, strict=False)
+        return missing
 
     def generate(ids, n):
         with torch.no_grad():
@@ -102,6 +147,18 @@ else:
         for _ in range(blocks)
     ]
     head = torch.randn(HIDDEN, VOCAB, device=dev, dtype=torch.bfloat16) * 0.02
+    init = "random"
+
+    def tensors():
+        d = {"emb": emb, "head": head}
+        for i, (a, b) in enumerate(ws):
+            d[f"w.{i}.a"], d[f"w.{i}.b"] = a, b
+        return d
+
+    def load(sd):
+        with torch.no_grad():
+            for k, v in sd.items():
+                tensors()[k].copy_(v)
 
     def generate(ids, n):
         out = []
@@ -116,6 +173,51 @@ else:
                 out.append(tok)
                 ids.append(tok)
         return out
+
+if args.save_weights:
+    from safetensors.torch import save_file
+
+    os.makedirs(args.save_weights, exist_ok=True)
+    shard, size, n, seen = {}, 0, 0, set()
+
+    def flush():
+        global shard, size, n
+        if not shard:
+            return
+        path = os.path.join(args.save_weights, f"model-{n:05d}.safetensors")
+        save_file(shard, path)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        shard, size, n = {}, 0, n + 1
+
+    for k, v in tensors().items():
+        if v.data_ptr() in seen:  # tied: saved once
+            continue
+        seen.add(v.data_ptr())
+        shard[k] = v.detach().to("cpu").contiguous()
+        size += v.numel() * v.element_size()
+        if size >= 2e9:
+            flush()
+    flush()
+    total = sum(os.path.getsize(os.path.join(args.save_weights, f)) for f in os.listdir(args.save_weights))
+    with open(os.path.join(args.save_weights, "complete"), "w") as f:
+        f.write(f"{backend} {args.weights_gb} {args.seed} {total}\n")
+    print(f"saved {n} shards, {total / 1e9:.2f} GB, backend={backend}, in {time.time() - t0:.1f} s", flush=True)
+    sys.exit(0)
+
+load_gb = 0.0
+if args.weights:
+    from safetensors.torch import load_file
+
+    for f in sorted(os.listdir(args.weights)):
+        if f.endswith(".safetensors"):
+            path = os.path.join(args.weights, f)
+            load_gb += os.path.getsize(path) / 1e9
+            load(load_file(path, device="cuda"))
+    if backend == "transformers" and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    torch.cuda.synchronize()
 
 # The KV cache a serving engine preallocates: touched, so it is resident.
 kv = torch.empty(int(args.kv_gb * 1e9), dtype=torch.uint8, device=dev)
@@ -161,10 +263,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_error(404)
 
 
-REFERENCE = " ".join(map(str, generate(tokenize(args.ref_prompt), args.ref_n))) + "\n"
+# --ref-n 0 (a cold-start measurement): no reference, the port opens sooner.
+REFERENCE = (" ".join(map(str, generate(tokenize(args.ref_prompt), args.ref_n))) + "\n") if args.ref_n > 0 else ""
 srv = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
 held = torch.cuda.memory_allocated() / 1e9
-print(f"ready pid={os.getpid()} backend={backend} load_s={load_s:.1f} held_gb={held:.1f}", flush=True)
+print(
+    f"ready pid={os.getpid()} backend={backend} init={init} weights={args.weights or 'random'} "
+    f"read_gb={load_gb:.1f} load_s={load_s:.1f} held_gb={held:.1f}",
+    flush=True,
+)
 if args.ready:
     with open(args.ready, "w") as f:
         f.write(f"{os.getpid()} {backend} {load_s:.2f} {held:.1f}\n")
