@@ -36,6 +36,9 @@
 #                    = today (whole-batch wake), default, t8n10 (8 fill
 #                    threads at nice 10), head100 (the whole fill before the
 #                    driver starts); empty (default): none
+#   HB_ROOM          free disk a dump needs, as a multiple of the expected
+#                    image (default 1.3; 1.1 lets a ~49 GB image (15 GiB) fit
+#                    the 64 GiB disk)
 #   HB_DISK          1 (default): the scratch disk's write speed (dd of
 #                    HB_DD_GIB GiB, default 8, conv=fdatasync) and cold read
 #                    speed, once per run, for the hibernate and cold targets
@@ -156,12 +159,12 @@ sample() {
     log "SAMPLE $*"
 }
 
-# disk_room GIB REP MODE BYTES: 1.3 x BYTES free on the scratch disk, or a note.
+# disk_room GIB REP MODE BYTES: HB_ROOM x BYTES free on the scratch disk, or a note.
 disk_room() {
     local free
     free=$(disk_free_bytes "$WORK")
-    if fle "$(calc %.0f 'b * 1.3' b="$4")" "${free:-0}"; then return 0; fi
-    note "size $1 GiB rep $2: $3 skipped: $(gb "$free") GB free on $WORK, the image needs about $(gb "$4") GB (x1.3)"
+    if fle "$(calc %.0f 'b * r' b="$4" r="${HB_ROOM:-1.3}")" "${free:-0}"; then return 0; fi
+    note "size $1 GiB rep $2: $3 skipped: $(gb "$free") GB free on $WORK, the image needs about $(gb "$4") GB (x${HB_ROOM:-1.3})"
     return 1
 }
 
