@@ -12,7 +12,10 @@
 # until `gpusnap wake` returned (lazy: once every page was in place). The
 # image is in the page cache (warm) unless COLD=1 drops the caches before
 # each wake. The two ways alternate (ABBA). Prints a markdown table of
-# medians and every run. Needs root and CRIU >= 4 (scripts/install-criu.sh).
+# medians and every run, with the page server's report (faults, faults that
+# waited for a fill in flight, its fill rate). GPUSNAP_PAGES_* settings in the
+# environment (docs/pages.md) apply to the lazy wakes. Needs root and
+# CRIU >= 4 (scripts/install-criu.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
@@ -82,7 +85,9 @@ import json, sys
 v = json.load(open(sys.argv[1]))
 s = v["stages"]
 assert v["lazy"] == (sys.argv[2] == "lazy"), v
-print("\t".join([sys.argv[2], sys.argv[3], sys.argv[4], str(s["criu"] / 1e3), str(s["pages"] / 1e3), str(v["pages_bytes"])]))
+p = v.get("pages") or {}
+print("\t".join([sys.argv[2], sys.argv[3], sys.argv[4], str(s["criu"] / 1e3), str(s["pages"] / 1e3), str(v["pages_bytes"]),
+                 str(p.get("faults", 0)), str(p.get("faults_in_flight", 0)), str(p.get("fill_gbps", 0))]))
 PY
     kill -9 "$holder"
     gone "$holder"
@@ -103,10 +108,11 @@ col = lambda way, i: [float(r[i]) for r in rows if r[0] == way]
 med = lambda way, i: statistics.median(col(way, i))
 print(f"plain process of {size} GiB, {reps} runs each way (ABBA), medians; image {'cold (caches dropped)' if cold else 'in the page cache'}")
 print()
-print("| wake | wake returned s | process read all its memory s | criu s | pages s |")
-print("|---|---|---|---|---|")
+print("| wake | wake returned s | process read all its memory s | criu s | pages s | faults | in flight | fill GB/s |")
+print("|---|---|---|---|---|---|---|---|")
 for way in ("eager", "lazy"):
-    print(f"| {way} | {med(way, 1):.3f} | {med(way, 2):.3f} | {med(way, 3):.3f} | {med(way, 4):.3f} |")
+    print(f"| {way} | {med(way, 1):.3f} | {med(way, 2):.3f} | {med(way, 3):.3f} | {med(way, 4):.3f} "
+          f"| {med(way, 6):.0f} | {med(way, 7):.0f} | {med(way, 8):.2f} |")
 e, l = med("eager", 2), med("lazy", 2)
 print()
 print(f"read all: lazy / eager = {l / e:.2f}")

@@ -20,6 +20,28 @@
 #                    this gpusnap has it: a guard attached to the worker would
 #                    make the next bare `criu dump` fail, CRIU must be its
 #                    only tracer, and the bare cycle has no guard either)
+#   HB_MODES         the cycles of each repetition, in turn (default "bare
+#                    gpusnap"): bare, gpusnap (lazy wake, the default),
+#                    eager (wake --eager), thp (hibernate --thp, lazy wake)
+#   HB_DRIVER        1 (default): once per size, before the repetitions, the
+#                    bare driver alone: lock+checkpoint, then restore+unlock
+#                    in the same process (no CRIU): "driver restore alone"
+#   HB_COLD          1: `sync; echo 3 > /proc/sys/vm/drop_caches` before every
+#                    wake (bare and gpusnap; the image is read from the disk);
+#                    0 (default): warm page cache. Run a cold call apart.
+#   HB_MATRIX        page-server settings to compare, after the repetitions,
+#                    on ONE image woken once per entry (the worker is stopped
+#                    through gpusnap between wakes): "NAME:VAR=VAL,VAR=VAL;..."
+#                    with GPUSNAP_PAGES_* variables (docs/pages.md); "preset"
+#                    = today (whole-batch wake), default, t8n10 (8 fill
+#                    threads at nice 10), head100 (the whole fill before the
+#                    driver starts); empty (default): none
+#   HB_ROOM          free disk a dump needs, as a multiple of the expected
+#                    image (default 1.3; 1.1 lets a ~49 GB image (15 GiB) fit
+#                    the 64 GiB disk)
+#   HB_DISK          1 (default): the scratch disk's write speed (dd of
+#                    HB_DD_GIB GiB, default 8, conv=fdatasync) and cold read
+#                    speed, once per run, for the hibernate and cold targets
 # For each size one worker holds SIZE GiB; each repetition runs, in
 # alternating order:
 #   bare:    tests/gpu/cuckpt.py lock+checkpoint; `criu dump -t PID -D DIR
@@ -30,14 +52,22 @@
 # killed worker's parent must reap it first: init, after a restore).
 #   gpusnap: `gpusnap --json hibernate PID --image b`; `gpusnap --json wake b
 #            --wait 30` (timed as whole commands, with their own breakdown)
+#   driver:  (HB_DRIVER) cuckpt.py lock+checkpoint, then restore+unlock
+#   eager, thp: as gpusnap, with `wake --eager`, `hibernate --thp`
+#   matrix:  (HB_MATRIX) one `gpusnap hibernate`, then per entry `wake` with
+#            its GPUSNAP_PAGES_* settings and `gpusnap stop` before the next
 # The worker's checksum and progress are checked after every wake; each image
 # is removed right after use, and a dump is skipped (with a note) when the
 # disk has less than 1.3 x the expected image free. The worker is ended with
 # `gpusnap stop`.
 # Writes $OUT/bench-hibernate.md (also on stdout), $OUT/bench-hibernate.json
 # (every sample) and $OUT/bench-hibernate.log. Exit 0 when every planned
-# repetition ran and passed its checks, 1 otherwise; whether the target
-# (gpusnap <= 1.05 x bare) is met is in the table, not the exit status.
+# repetition ran and passed its checks, 1 otherwise; whether the targets
+# (gpusnap <= 1.05 x bare; P7: wake <= 1.3 x the driver's restore alone,
+# cold wake <= 1.2 x max(disk read of the image, driver restore), hibernate
+# <= 1.2 x (suspend + image at the disk's write speed)) are met is in the
+# tables, not the exit status.
+# Dry run without a GPU: tests/gpu/README.md ("Dry runs against the fakes").
 
 NAME=bench-hibernate # read by lib.sh
 # shellcheck source=tests/gpu/lib.sh
@@ -59,6 +89,38 @@ for s in "${SIZES[@]}"; do
 done
 REPS=${REPS:-2}
 case $REPS in '' | *[!0-9]* | 0) echo "REPS must be a positive integer" >&2; exit 2 ;; esac
+read -r -a MODES <<<"${HB_MODES:-bare gpusnap}"
+for m in "${MODES[@]}"; do
+    case $m in bare | gpusnap | eager | thp) ;; *) echo "HB_MODES: unknown mode '$m' (bare gpusnap eager thp)" >&2; exit 2 ;; esac
+done
+HB_DRIVER=${HB_DRIVER:-1}
+HB_COLD=${HB_COLD:-0}
+HB_DISK=${HB_DISK:-1}
+HB_DD_GIB=${HB_DD_GIB:-8}
+case $HB_DD_GIB in '' | *[!0-9]* | 0) echo "HB_DD_GIB must be a positive integer" >&2; exit 2 ;; esac
+HB_MATRIX=${HB_MATRIX:-}
+if [ "$HB_MATRIX" = preset ]; then
+    # today: the fill's WAKE once per 4 MiB batch (before the wake chunks);
+    # default: this build's defaults; t8n10: fewer fill threads, below the
+    # driver's priority (is the driver short of CPU?); head100: the whole
+    # fill before the driver starts (the fill's rate alone, and the driver
+    # on memory already in place).
+    HB_MATRIX="today:GPUSNAP_PAGES_WAKE_CHUNK=4M;default:;t8n10:GPUSNAP_PAGES_THREADS=8,GPUSNAP_PAGES_NICE=10;head100:GPUSNAP_PAGES_HEAD_START=100%"
+fi
+MATRIX=()
+if [ -n "$HB_MATRIX" ]; then
+    IFS=';' read -r -a MATRIX <<<"$HB_MATRIX"
+    for v in "${MATRIX[@]}"; do
+        case ${v%%:*} in '' | *[!A-Za-z0-9_.-]*) echo "HB_MATRIX: bad entry name in '$v' (NAME:VAR=VAL,...)" >&2; exit 2 ;; esac
+        if [ "$v" != "${v%%:*}" ] && [ -n "${v#*:}" ]; then
+            IFS=',' read -r -a kvs <<<"${v#*:}"
+            for kv in "${kvs[@]}"; do
+                case $kv in GPUSNAP_PAGES_[A-Z_]*=?*) ;; *) echo "HB_MATRIX: '$kv' in '$v' is not GPUSNAP_PAGES_*=VALUE" >&2; exit 2 ;; esac
+            done
+        fi
+    done
+fi
+DISK_W_GBPS="" DISK_R_GBPS=""
 
 SAMPLES=$WORK/samples.jsonl # one JSON object per cycle
 NOTES=$WORK/notes.txt
@@ -97,12 +159,12 @@ sample() {
     log "SAMPLE $*"
 }
 
-# disk_room GIB REP MODE BYTES: 1.3 x BYTES free on the scratch disk, or a note.
+# disk_room GIB REP MODE BYTES: HB_ROOM x BYTES free on the scratch disk, or a note.
 disk_room() {
     local free
     free=$(disk_free_bytes "$WORK")
-    if fle "$(calc %.0f 'b * 1.3' b="$4")" "${free:-0}"; then return 0; fi
-    note "size $1 GiB rep $2: $3 skipped: $(gb "$free") GB free on $WORK, the image needs about $(gb "$4") GB (x1.3)"
+    if fle "$(calc %.0f 'b * r' b="$4" r="${HB_ROOM:-1.3}")" "${free:-0}"; then return 0; fi
+    note "size $1 GiB rep $2: $3 skipped: $(gb "$free") GB free on $WORK, the image needs about $(gb "$4") GB (x${HB_ROOM:-1.3})"
     return 1
 }
 
@@ -129,6 +191,130 @@ log_tail() {
 # criu_err DIR LOG: the last telling error line of a CRIU log.
 criu_err() {
     grep -E 'Error \(|Error:' "$1/$2" 2>/dev/null | grep -v RLIMIT_NOFILE | tail -n 1 | cut -c1-300
+}
+
+# cold_cache: with HB_COLD=1, the page cache dropped (the next wake reads
+# the image from the disk); fails (with a note) when it cannot be.
+cold_cache() {
+    [ "$HB_COLD" = 1 ] || return 0
+    sync
+    if ! echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
+        note "cannot drop the page cache (root needed): HB_COLD=1 runs are warm"
+        HB_COLD=0
+    fi
+    return 0
+}
+
+# knobs_set "VAR=VAL,VAR=VAL": exported for the next gpusnap call; knobs_clear undoes it.
+KNOBS=()
+knobs_set() {
+    local kv
+    KNOBS=()
+    [ -n "$1" ] || return 0
+    IFS=',' read -r -a KNOBS <<<"$1"
+    for kv in "${KNOBS[@]}"; do export "${kv?}"; done
+}
+knobs_clear() {
+    local kv
+    for kv in ${KNOBS[@]+"${KNOBS[@]}"}; do unset "${kv%%=*}"; done
+    KNOBS=()
+}
+
+# hib_extra FILE / wake_extra FILE: KEY=VALUE words for `sample` from a
+# hibernate's / wake's --json (CRIU's dump statistics; the page server's report).
+hib_extra() {
+    python3 - "$1" <<'PY' 2>/dev/null || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+c, st = d.get("criu_stats") or {}, d.get("stages") or {}
+v = {"commit_ms": st.get("commit"), "criu_freezing_ms": c.get("freezing_ms"), "criu_frozen_ms": c.get("frozen_ms"),
+     "criu_memdump_ms": c.get("memdump_ms"), "criu_drain_ms": c.get("drain_ms"), "criu_memwrite_ms": c.get("memwrite_ms"),
+     "criu_pages_written": c.get("pages_written"), "criu_pages_scanned": c.get("pages_scanned")}
+print(" ".join(f"{k}={x}" for k, x in v.items() if isinstance(x, (int, float)) and not isinstance(x, bool)))
+PY
+}
+wake_extra() {
+    python3 - "$1" <<'PY' 2>/dev/null || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+p, st = d.get("pages") or {}, d.get("stages") or {}
+v = {"head_start_ms": st.get("head_start"), "lazy": 1 if d.get("lazy") else 0}
+for k in ("faults", "faults_in_flight", "faults_backward", "fault_bytes", "fill_bytes", "eexist_pages",
+          "restore_done_ms", "first_fault_ms", "last_fault_ms", "last_page_ms", "fill_gbps", "fault_busy_ms",
+          "read_ms", "copy_ms"):
+    v["p_" + k] = p.get(k)
+o = p.get("options") or {}
+for k in ("threads", "batch", "wake_chunk", "fault_batch", "ahead", "nice"):
+    v["o_" + k] = o.get(k)
+print(" ".join(f"{k}={x}" for k, x in v.items() if isinstance(x, (int, float)) and not isinstance(x, bool)))
+PY
+}
+
+# disk_speed: the scratch disk's write speed (dd HB_DD_GIB GiB, fdatasync)
+# and cold read speed, once; sets DISK_W_GBPS, DISK_R_GBPS.
+disk_speed() {
+    local f=$WORK/dd.bin bytes t0 w_s r_s="" free
+    bytes=$((HB_DD_GIB * 1073741824))
+    free=$(disk_free_bytes "$WORK")
+    if ! fle "$(calc %.0f 'b * 1.2' b="$bytes")" "${free:-0}"; then
+        note "disk speed not measured: $(gb "$free") GB free on $WORK, dd needs $(gb "$bytes") GB"
+        return 0
+    fi
+    log "dd: $HB_DD_GIB GiB to $f (conv=fdatasync)"
+    t0=$(now)
+    if ! dd if=/dev/zero of="$f" bs=16M count=$((HB_DD_GIB * 64)) conv=fdatasync status=none 2>>"$LOG"; then
+        note "dd write failed"
+        rm -f "$f"
+        return 0
+    fi
+    w_s=$(fsub "$t0" "$(now)")
+    sync
+    if echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
+        t0=$(now)
+        dd if="$f" of=/dev/null bs=16M status=none 2>>"$LOG" && r_s=$(fsub "$t0" "$(now)")
+    else
+        note "disk read speed not measured: cannot drop the page cache"
+    fi
+    rm -f "$f"
+    DISK_W_GBPS=$(gbps "$bytes" "$w_s")
+    [ -n "$r_s" ] && DISK_R_GBPS=$(gbps "$bytes" "$r_s")
+    log "disk: write ${DISK_W_GBPS} GB/s (${w_s}s), read ${DISK_R_GBPS:-?} GB/s (${r_s:-?}s) for $(gb "$bytes") GB"
+    sample gib=0 rep=0 mode=s:disk dd_bytes="$bytes" write_s="$w_s" read_s="$r_s" \
+        write_gbps="$DISK_W_GBPS" read_gbps="$DISK_R_GBPS"
+}
+
+# driver_cycle GIB PID NAME FP: the bare driver alone: lock+checkpoint, then
+# restore+unlock in the same process (the memory never leaves it).
+driver_cycle() {
+    local gib=$1 pid=$2 name=$3 fp=$4 fp_mib i c_wall c_drv
+    fp_mib=$(calc %d 'b / 1048576' b="$fp")
+    sleep 1
+    read_status "$WORK/$name.status"
+    i=$ST_ITER
+    raw 300 --timeout-ms 30000 "$pid" lock checkpoint
+    c_wall=$RAW_S c_drv=$(jget "$RAW_OUT" 'd["driver_ms"]')
+    if [ "$RAW_RC" != 0 ]; then
+        note "size $gib GiB: driver alone: lock+checkpoint failed ($(raw_rcs))"
+        if [ "$(jget "$RAW_OUT" 'd["calls"][0]["rc"]')" = 0 ]; then raw 60 "$pid" unlock; fi
+        return 1
+    fi
+    if ! gpu_room "$fp_mib"; then
+        note "size $gib GiB: driver alone: only $(smi_free_mib) MiB free for a $fp_mib MiB restore"
+        return 1
+    fi
+    mark_restored "$pid"
+    raw 300 "$pid" restore unlock
+    if [ "$RAW_RC" != 0 ]; then
+        note "size $gib GiB: driver alone: restore+unlock failed ($(raw_rcs))"
+        return 1
+    fi
+    sample gib="$gib" rep=0 mode=s:driver footprint_bytes="$fp" ckpt_wall_s="$c_wall" ckpt_driver_ms="$c_drv" \
+        restore_wall_s="$RAW_S" restore_driver_ms="$(jget "$RAW_OUT" 'd["driver_ms"]')"
+    if ! worker_on "$name" "$pid" "$i"; then
+        note "size $gib GiB: after the driver alone the worker did not go on intact (iteration ${ST_ITER:-?}, ok ${ST_OK:-?})"
+        return 1
+    fi
+    return 0
 }
 
 # bare_cycle GIB PID NAME REP FP: driver checkpoint, criu dump, wait, criu restore, driver restore.
@@ -180,6 +366,7 @@ bare_cycle() {
     wait_pid_free "$pid" 30 || log "pid $pid still held 30 s after the dump"
     pf_s=$(fsub "$t0" "$(now)")
     mark_restored "$pid"
+    cold_cache
     log "criu restore -D $dir -d ${CRIU_ARGS[*]}"
     t0=$(now)
     r_rc=0
@@ -205,7 +392,7 @@ bare_cycle() {
         note "size $gib GiB rep $rep: bare restore+unlock after the CRIU restore failed ($(raw_rcs)); stopping this size"
         return 1
     fi
-    sample gib="$gib" rep="$rep" mode=s:bare footprint_bytes="$fp" rss_mib_before="$rss" image_bytes="$img" \
+    sample gib="$gib" rep="$rep" mode=s:bare cold="$HB_COLD" footprint_bytes="$fp" rss_mib_before="$rss" image_bytes="$img" \
         ckpt_wall_s="$c_wall" ckpt_driver_ms="$c_drv" dump_s="$d_s" gone_s="$g_s" \
         hibernate_s="$(calc %.3f 'a + b + c' a="$c_wall" b="$d_s" c="$g_s")" \
         hibernate_driver_s="$(calc %.3f 'a / 1000 + b + c' a="$c_drv" b="$d_s" c="$g_s")" \
@@ -219,10 +406,14 @@ bare_cycle() {
     return 0
 }
 
-# gpusnap_cycle GIB PID NAME REP FP: gpusnap hibernate, then wake.
+# gpusnap_cycle GIB PID NAME REP FP [MODE]: gpusnap hibernate, then wake;
+# MODE gpusnap (lazy, default), eager (wake --eager), thp (hibernate --thp).
 gpusnap_cycle() {
-    local gib=$1 pid=$2 name=$3 rep=$4 fp=$5 rss est i h_rc h_wall img du
-    local h_tot h_sus h_dmp h_wr w_rc w_wall w_tot w_ver w_wait w_criu w_res t0 pf_s
+    local gib=$1 pid=$2 name=$3 rep=$4 fp=$5 mode=${6:-gpusnap} rss est i h_rc h_wall img du
+    local h_tot h_sus h_dmp h_wr w_rc w_wall w_tot w_ver w_wait w_criu w_res t0 pf_s w_pages
+    local hflags=() wflags=() hx=() wx=()
+    [ "$mode" = thp ] && hflags=(--thp)
+    [ "$mode" = eager ] && wflags=(--eager)
     rss=$(vmrss_mib "$pid")
     est=$(calc %.0f 'f + r * 1048576' f="$fp" r="${rss:-0}")
     disk_room "$gib" "$rep" gpusnap "$est" || return 2
@@ -231,13 +422,14 @@ gpusnap_cycle() {
     i=$ST_ITER
 
     # shellcheck disable=SC2086 # HBENCH_HIBERNATE_ARGS is a list of flags
-    gs 600 hibernate "$pid" --image b ${HBENCH_HIBERNATE_ARGS:-}
+    gs 600 hibernate "$pid" --image b ${HBENCH_HIBERNATE_ARGS:-} ${hflags[@]+"${hflags[@]}"}
     h_rc=$GS_RC h_wall=$GS_S
+    read -r -a hx <<<"$(hib_extra "$GS_OUT")"
     h_tot=$(jget "$GS_OUT" 'd["total_ms"]') h_sus=$(jget "$GS_OUT" 'd["suspend_ms"]')
     h_dmp=$(jget "$GS_OUT" 'd["dump_ms"]') h_wr=$(jget "$GS_OUT" 'd["write_ms"]')
     img=$(jget "$GS_OUT" 'd["image_bytes"]')
     if [ "$h_rc" != 0 ]; then
-        note "size $gib GiB rep $rep: gpusnap hibernate failed (exit $h_rc): $GS_MSG; stopping this size"
+        note "size $gib GiB rep $rep: gpusnap hibernate ($mode) failed (exit $h_rc): $GS_MSG; stopping this size"
         return 1
     fi
     du=$(du_bytes "$STATE_DIR/images/b")
@@ -249,42 +441,114 @@ gpusnap_cycle() {
     wait_pid_free "$pid" 30 || log "pid $pid still held 30 s after the hibernate"
     pf_s=$(fsub "$t0" "$(now)")
     mark_restored "$pid"
-    gs 600 wake b --wait 30 ${WAKE_ARGS[@]+"${WAKE_ARGS[@]}"}
+    cold_cache
+    gs 600 wake b --wait 30 ${WAKE_ARGS[@]+"${WAKE_ARGS[@]}"} ${wflags[@]+"${wflags[@]}"}
     w_rc=$GS_RC w_wall=$GS_S
+    read -r -a wx <<<"$(wake_extra "$GS_OUT")"
     w_tot=$(jget "$GS_OUT" 'd["total_ms"]') w_ver=$(jget "$GS_OUT" 'd["verify_ms"]')
     w_wait=$(jget "$GS_OUT" 'd["waited_ms"]') w_criu=$(jget "$GS_OUT" 'd["criu_ms"]')
     w_res=$(jget "$GS_OUT" 'd["restore_ms"]')
     # A lazy wake (the default since the page server): until every page is in.
     w_pages=$(jget "$GS_OUT" 'd.get("stages", {}).get("pages", 0)')
     if [ "$w_rc" != 0 ]; then
-        note "size $gib GiB rep $rep: gpusnap wake failed (exit $w_rc): $GS_MSG; stopping this size"
+        note "size $gib GiB rep $rep: gpusnap wake ($mode) failed (exit $w_rc): $GS_MSG; stopping this size"
         image_logs b
         gs 120 images rm b
         return 1
     fi
     gs 120 images rm b
-    sample gib="$gib" rep="$rep" mode=s:gpusnap footprint_bytes="$fp" rss_mib_before="$rss" \
+    sample gib="$gib" rep="$rep" mode="s:$mode" cold="$HB_COLD" footprint_bytes="$fp" rss_mib_before="$rss" \
         image_bytes="$du" manifest_bytes="$img" \
         hibernate_s="$h_wall" hibernate_total_ms="$h_tot" suspend_ms="$h_sus" dump_ms="$h_dmp" write_ms="$h_wr" \
         pidfree_s="$pf_s" wake_s="$w_wall" wake_total_ms="$w_tot" verify_ms="$w_ver" waited_ms="$w_wait" criu_ms="$w_criu" \
-        restore_ms="$w_res" pages_ms="$w_pages"
+        restore_ms="$w_res" pages_ms="$w_pages" ${hx[@]+"${hx[@]}"} ${wx[@]+"${wx[@]}"}
     if ! worker_on "$name" "$pid" "$i"; then
-        note "size $gib GiB rep $rep: after the gpusnap cycle the worker did not go on intact (alive $(alive "$pid" && echo yes || echo no), iteration ${ST_ITER:-?}, ok ${ST_OK:-?}, status pid ${ST_PID:-?})"
+        note "size $gib GiB rep $rep: after the gpusnap cycle ($mode) the worker did not go on intact (alive $(alive "$pid" && echo yes || echo no), iteration ${ST_ITER:-?}, ok ${ST_OK:-?}, status pid ${ST_PID:-?})"
         return 1
     fi
     return 0
 }
 
+# matrix_cycle GIB PID NAME FP EST_WAKE EST_STOP: one hibernate, then a wake
+# per HB_MATRIX entry with its settings, the worker stopped between wakes.
+matrix_cycle() {
+    local gib=$1 pid=$2 name=$3 fp=$4 est_w=$5 est_s=$6 rss est i k v vname kvs wx=() n=${#MATRIX[@]} left
+    rss=$(vmrss_mib "$pid")
+    est=$(calc %.0f 'f + r * 1048576' f="$fp" r="${rss:-0}")
+    disk_room "$gib" m matrix "$est" || return 2
+    gs 600 hibernate "$pid" --image m
+    if [ "$GS_RC" != 0 ]; then
+        note "size $gib GiB: matrix: gpusnap hibernate failed (exit $GS_RC): $GS_MSG"
+        return 1
+    fi
+    reap "$pid"
+    wait_pid_free "$pid" 30 || log "pid $pid still held 30 s after the hibernate"
+    for ((k = 0; k < n; k++)); do
+        v=${MATRIX[$k]}
+        vname=${v%%:*} kvs=""
+        [ "$v" != "$vname" ] && kvs=${v#*:}
+        left=$((HBENCH_BUDGET_S - SECONDS))
+        if [ "$left" -lt $((est_w + est_s + 20)) ]; then
+            note "size $gib GiB: matrix: $k of $n entries (budget: ${left}s left; a wake ~${est_w}s, the stop ~${est_s}s)"
+            ERRORS=$((ERRORS + 1))
+            # The worker is gone (hibernated or stopped): wake it once more,
+            # with the defaults, so that the size ends as it began.
+            vname=restore kvs=""
+            k=$n
+        fi
+        read_status "$WORK/$name.status"
+        i=$ST_ITER
+        cold_cache
+        mark_restored "$pid"
+        knobs_set "$kvs"
+        gs 600 wake m --wait 30 ${WAKE_ARGS[@]+"${WAKE_ARGS[@]}"}
+        knobs_clear
+        if [ "$GS_RC" != 0 ]; then
+            note "size $gib GiB: matrix $vname ($kvs): gpusnap wake failed (exit $GS_RC): $GS_MSG"
+            image_logs m
+            gs 120 images rm m
+            return 1
+        fi
+        read -r -a wx <<<"$(wake_extra "$GS_OUT")"
+        [ "$vname" = restore ] || sample gib="$gib" rep=0 mode=s:matrix variant="s:$vname" settings="s:${kvs:--}" \
+            cold="$HB_COLD" footprint_bytes="$fp" wake_s="$GS_S" wake_total_ms="$(jget "$GS_OUT" 'd["total_ms"]')" \
+            verify_ms="$(jget "$GS_OUT" 'd["verify_ms"]')" criu_ms="$(jget "$GS_OUT" 'd["criu_ms"]')" \
+            restore_ms="$(jget "$GS_OUT" 'd["restore_ms"]')" pages_ms="$(jget "$GS_OUT" 'd["stages"]["pages"]')" \
+            ${wx[@]+"${wx[@]}"}
+        if ! worker_on "$name" "$pid" "$i"; then
+            note "size $gib GiB: matrix $vname: the worker did not go on intact (iteration ${ST_ITER:-?}, ok ${ST_OK:-?})"
+            gs 120 images rm m
+            return 1
+        fi
+        if [ $((k + 1)) -lt "$n" ]; then
+            gs 300 stop "$pid"
+            if ! wait_gone "$pid" 60; then
+                note "size $gib GiB: matrix: gpusnap stop (exit $GS_RC) left pid $pid alive"
+                gs 120 images rm m
+                return 1
+            fi
+            wait_pid_free "$pid" 30 || log "pid $pid still held 30 s after the stop"
+        fi
+    done
+    gs 120 images rm m
+    return 0
+}
+
 # bench_size GIB
 bench_size() {
-    local gib=$1 name="h$1" pid fp smi gbe est_rep est_stop left rep mode order t_rep failed=0 done_reps=0 rc sus rel
+    local gib=$1 name="h$1" pid fp smi gbe est_rep est_stop est_drv est_mw left rep mode order t_rep failed=0 done_reps=0 rc sus rel
+    local k
     gbe=$(calc %.2f 'g * 1.073741824 + 1.5' g="$gib")
     # Model (shared/gpu-facts.md, THP madvise): checkpoint 1.6 GB/s, CRIU dump
-    # 1.5 GB/s, checksum 1.5 GB/s, CRIU restore 3 GB/s, driver restore 4 GB/s.
-    est_rep=$(calc %d '2 * g * (1 / 1.6 + 1 / 1.5 + 1 / 3 + 1 / 4) + 2 * g / 1.5 + 20' g="$gbe")
+    # 1.5 GB/s, checksum 1.5 GB/s, CRIU restore 3 GB/s, driver restore 4 GB/s;
+    # cold: the image read at 1.6 GB/s.
+    est_rep=$(calc %d 'n * (g * (1 / 1.6 + 1 / 1.5 + 1 / 3 + 1 / 4) + g / 1.5 + 10 + c * g / 1.6)' \
+        g="$gbe" n="${#MODES[@]}" c="$HB_COLD")
     est_stop=$(calc %d 'g / 1.6 + 20' g="$gbe")
+    est_drv=$(calc %d 'g / 1.6 + g / 4 + 15' g="$gbe")
+    est_mw=$(calc %d 'g / 4 + 10 + c * g / 1.6' g="$gbe" c="$HB_COLD")
     left=$((HBENCH_BUDGET_S - SECONDS))
-    log "size $gib GiB (~$gbe GB image): $REPS reps of each mode planned; estimates: rep ${est_rep}s, stop ${est_stop}s; ${left}s left"
+    log "size $gib GiB (~$gbe GB image): $REPS reps of ${MODES[*]} planned; estimates: rep ${est_rep}s, stop ${est_stop}s, driver alone ${est_drv}s, matrix wake ${est_mw}s; ${left}s left"
     if [ "$left" -lt $((45 + est_rep + est_stop)) ]; then
         note "size $gib GiB skipped: ${left}s of budget left, one rep needs ~$((45 + est_rep + est_stop))s with start and stop"
         ERRORS=$((ERRORS + 1))
@@ -310,6 +574,13 @@ bench_size() {
     log "size $gib GiB: footprint gpusnap ${fp:-?} B, nvidia-smi ${smi:-?} MiB, host RSS $(vmrss_mib "$pid") MiB"
     fp=${fp:-$(calc %.0f 'm * 1048576' m="${smi:-0}")}
 
+    if [ "$HB_DRIVER" = 1 ]; then
+        if [ $((HBENCH_BUDGET_S - SECONDS)) -ge $((est_drv + est_rep + est_stop + 10)) ]; then
+            driver_cycle "$gib" "$pid" "$name" "$fp" || ERRORS=$((ERRORS + 1))
+        else
+            note "size $gib GiB: driver alone skipped (budget)"
+        fi
+    fi
     for ((rep = 1; rep <= REPS; rep++)); do
         left=$((HBENCH_BUDGET_S - SECONDS))
         if [ "$left" -lt $((est_rep + est_stop + 10)) ]; then
@@ -318,13 +589,17 @@ bench_size() {
             break
         fi
         t_rep=$SECONDS
-        if [ $((rep % 2)) = 1 ]; then order="bare gpusnap"; else order="gpusnap bare"; fi
+        # The modes alternate: as given in odd reps, reversed in even ones.
+        order=""
+        for ((k = 0; k < ${#MODES[@]}; k++)); do
+            if [ $((rep % 2)) = 1 ]; then order="$order ${MODES[$k]}"; else order="${MODES[$k]} $order"; fi
+        done
         for mode in $order; do
             rc=0
             if [ "$mode" = bare ]; then
                 bare_cycle "$gib" "$pid" "$name" "$rep" "$fp" || rc=$?
             else
-                gpusnap_cycle "$gib" "$pid" "$name" "$rep" "$fp" || rc=$?
+                gpusnap_cycle "$gib" "$pid" "$name" "$rep" "$fp" "$mode" || rc=$?
             fi
             if [ "$rc" != 0 ]; then failed=1; break; fi
         done
@@ -334,6 +609,15 @@ bench_size() {
         log "size $gib GiB: rep $rep took ${est_rep}s"
     done
 
+    if [ "${#MATRIX[@]}" -gt 0 ] && [ "$failed" = 0 ] && alive "$pid"; then
+        left=$((HBENCH_BUDGET_S - SECONDS))
+        if [ "$left" -lt $((est_rep / ${#MODES[@]} + est_mw + est_stop + 10)) ]; then
+            note "size $gib GiB: matrix skipped (budget: ${left}s left)"
+            ERRORS=$((ERRORS + 1))
+        elif ! matrix_cycle "$gib" "$pid" "$name" "$fp" "$est_mw" "$est_stop"; then
+            ERRORS=$((ERRORS + 1))
+        fi
+    fi
     if ! alive "$pid"; then
         note "size $gib GiB: the worker (pid $pid) is gone"
         return 0
@@ -383,7 +667,7 @@ def div(a, b):
 
 sizes = []
 for s in samples:
-    if s["gib"] not in sizes:
+    if s["mode"] != "disk" and s["gib"] not in sizes:
         sizes.append(s["gib"])
 summary, breakdown = [], []
 for g in sizes:
@@ -436,6 +720,54 @@ for g in sizes:
                   "disk_checksum_s": None if None in (hwr, wv) else hwr + wv,
                   "cycle_wall_s": None if None in (hw, ww) else hw + ww}})
 
+# P7: the targets against the driver alone and the disk, and the page server.
+disk = next((s for s in samples if s["mode"] == "disk"), {})
+dw, dr = disk.get("write_gbps"), disk.get("read_gbps")
+cold_run = E.get("B_COLD") == "1"
+targets, dumps, pagers = [], [], []
+for g in sizes:
+    at = lambda mode: [s for s in samples if s["gib"] == g and s["mode"] == mode]
+    m = lambda rows, k: med([r.get(k) for r in rows])
+    D, B = at("driver"), at("bare")
+    drv = ms(m(D, "restore_driver_ms"))
+    drv_src = "driver alone"
+    if drv is None:
+        drv, drv_src = ms(m(B, "restore_driver_ms")), "bare (after CRIU's restore)"
+    sus_alone = ms(m(D, "ckpt_driver_ms"))
+    for mode, label in (("gpusnap", "lazy (default)"), ("eager", "--eager"), ("thp", "--thp (lazy)")):
+        R = at(mode)
+        if not R:
+            continue
+        img = m(R, "image_bytes")
+        wake, hib, sus = m(R, "wake_s"), m(R, "hibernate_s"), ms(m(R, "suspend_ms"))
+        if cold_run:
+            rd = None if img is None or not dr else img / 1e9 / dr
+            lim = None if drv is None else max(drv, rd or 0)
+            targets.append((g, f"wake {label}, cold", wake, lim, 1.2,
+                            f"max(image {f(rd)} s at {f(dr)} GB/s read, driver restore {f(drv)} s ({drv_src}))"))
+        else:
+            targets.append((g, f"wake {label}, warm", wake, drv, 1.3, f"driver restore {f(drv)} s ({drv_src})"))
+        wr = None if img is None or not dw else img / 1e9 / dw
+        lim = None if None in (sus, wr) else sus + wr
+        targets.append((g, f"hibernate {label}", hib, lim, 1.2,
+                        f"suspend {f(sus)} s + image {f((img or 0) / 1e9)} GB at {f(dw)} GB/s write = {f(wr)} s"))
+        cw = m(R, "criu_memwrite_ms")
+        pw = m(R, "criu_pages_written")
+        dumps.append((g, label, sus, sus_alone, ms(m(R, "dump_ms")), ms(m(R, "criu_frozen_ms")), ms(m(R, "criu_drain_ms")),
+                      ms(cw), None if not cw or pw is None else pw * 4096 / 1e9 / (cw / 1e3), ms(m(R, "commit_ms")),
+                      (img or 0) / 1e9, wr, hib))
+    for s in samples:
+        if s["gib"] != g or not s.get("lazy"):
+            continue
+        name = s["mode"] if s["mode"] != "matrix" else f"matrix {s.get('variant')}"
+        pagers.append((g, name, s.get("settings") or "-", s.get("cold"), s.get("wake_s"), ms(s.get("restore_ms")),
+                       ms(s.get("head_start_ms")), ms(s.get("pages_ms")), s.get("p_faults"), s.get("p_faults_in_flight"),
+                       s.get("p_faults_backward"), (s.get("p_fault_bytes") or 0) / 1e9, (s.get("p_fill_bytes") or 0) / 1e9,
+                       s.get("p_eexist_pages"), s.get("p_fill_gbps"),
+                       None if s.get("p_last_page_ms") is None or s.get("p_restore_done_ms") is None
+                       else (s["p_last_page_ms"] - s["p_restore_done_ms"]) / 1e3,
+                       s.get("o_threads"), s.get("o_wake_chunk"), drv))
+
 L = ["# gpusnap benchmark: hibernate/wake against the bare driver + CRIU calls", ""]
 L.append(f"- date: {E.get('HDR_DATE')}")
 L.append(f"- host: {E.get('HDR_HOST')} (kernel {E.get('HDR_KERNEL')}, host memory {E.get('HDR_HOSTMEM')})")
@@ -445,7 +777,8 @@ L.append(f"- criu: {E.get('B_CRIU')} version {E.get('B_CRIU_VERSION')}; criu che
          f"bare flags `{E.get('B_CRIU_ARGS')}` (gpusnap: --shell-job --file-locks --ext-unix-sk --tcp-established, -v4)")
 L.append(f"- THP: enabled `{E.get('HDR_THP')}`, defrag `{E.get('HDR_THP_DEFRAG')}` (read, not changed); "
          f"images on {E.get('B_DISK')}")
-L.append(f"- sizes (GiB held by the worker): {E.get('B_SIZES')}; {E.get('B_REPS')} reps of each mode; wall {E.get('B_WALL')} s")
+L.append(f"- sizes (GiB held by the worker): {E.get('B_SIZES')}; {E.get('B_REPS')} reps of {E.get('B_MODES')}; wall {E.get('B_WALL')} s; "
+         f"page cache {'dropped before every wake (cold)' if cold_run else 'warm'}; page-server matrix `{E.get('B_MATRIX') or '-'}`")
 L.append("- bare hibernate = cuckpt.py lock+checkpoint (whole python process) + `criu dump -t PID -D DIR` "
          "+ until the pid is gone; bare wake = `criu restore -D DIR -d` + "
          "cuckpt.py restore+unlock. Both modes wait until the old pid is free before the wake (not counted). gpusnap = `gpusnap --json hibernate PID --image b` / `wake b --wait 30`, "
@@ -478,6 +811,30 @@ for b in breakdown:
         L.append(f"gpusnap cycle (hibernate + wake) {c:.2f} s: driver {pc(sp['driver_s'])}, CRIU {pc(sp['criu_s'])}, "
                  f"disk/checksum {pc(sp['disk_checksum_s'])}, rest "
                  f"{pc(None if None in sp.values() else c - sp['driver_s'] - sp['criu_s'] - sp['disk_checksum_s'])}.")
+if targets:
+    L += ["", f"## Targets (P7){' - cold: page cache dropped before every wake' if cold_run else ' - warm page cache'}", "",
+          f"Disk (scratch, dd {E.get('B_DD_GIB')} GiB): write {f(dw)} GB/s (conv=fdatasync), cold read {f(dr)} GB/s.", "",
+          "| size GiB | what | gpusnap s | limit s | ratio | target | met | limit from |", "|---|---|---|---|---|---|---|---|"]
+    for g, what, x, lim, tgt, why in targets:
+        r = div(x, lim)
+        L.append(f"| {g} | {what} | {f(x, 3)} | {f(lim, 3)} | {f(r, 3)} | <= {tgt} | {yn(None if r is None else r <= tgt)} | {why} |")
+if dumps:
+    L += ["", "## Where the dump goes (CRIU's stats-dump; medians, s)", "",
+          "| size GiB | mode | suspend | driver checkpoint alone | CRIU dump | CRIU frozen | drain (parasite) | memwrite | CRIU write GB/s | commit (checksum, chunks, flush) | image GB | image at disk write speed | hibernate |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in dumps:
+        L.append("| " + " | ".join([str(d[0]), d[1]] + [f(x, 3) for x in d[2:8]] + [f(d[8]), f(d[9], 3), f(d[10]), f(d[11], 3), f(d[12], 3)]) + " |")
+if pagers:
+    L += ["", "## The page server in each lazy wake", "",
+          "driver = the CUDA restores (the driver's restore alone: the last column); pages = CRIU's return until the "
+          "last page; fill = the restore's end until the last page; faults in flight waited for a fill's WAKE.", "",
+          "| size GiB | wake | settings | cold | wake s | driver s | head start s | pages s | faults | in flight | backward "
+          "| fault GB | fill GB | EEXIST pages | fill GB/s | fill s | threads | wake chunk | driver alone s |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in pagers:
+        L.append("| " + " | ".join([str(p[0]), p[1], p[2], str(p[3]), f(p[4], 3), f(p[5], 3), f(p[6], 3), f(p[7], 3),
+                                    str(p[8]), str(p[9]), str(p[10]), f(p[11]), f(p[12]), str(p[13]), f(p[14]), f(p[15], 3),
+                                    str(p[16]), str(p[17]), f(p[18], 3)]) + " |")
 L += ["", "## Every sample", "",
       "| size GiB | rep | mode | hibernate s | wake s | image GB | detail |", "|---|---|---|---|---|---|---|"]
 skip = {"gib", "rep", "mode", "hibernate_s", "wake_s", "image_bytes"}
@@ -491,8 +848,11 @@ md = "\n".join(L) + "\n"
 open(md_f, "w").write(md)
 hdr = {k: E.get(k) for k in ("HDR_DATE", "HDR_HOST", "HDR_KERNEL", "HDR_GPU", "HDR_GPU_MEM", "HDR_DRIVER",
                              "HDR_VERSION", "HDR_THP", "HDR_THP_DEFRAG", "HDR_HOSTMEM", "B_SIZES", "B_REPS", "B_WALL",
-                             "B_CRIU", "B_CRIU_VERSION", "B_CRIU_CHECK", "B_CRIU_ARGS", "B_WAKE_ARGS", "B_DISK")}
+                             "B_CRIU", "B_CRIU_VERSION", "B_CRIU_CHECK", "B_CRIU_ARGS", "B_WAKE_ARGS", "B_DISK",
+                             "B_COLD", "B_DD_GIB", "B_MODES", "B_MATRIX")}
 json.dump({"header": hdr, "target": TARGET, "summary": summary,
+           "p7": {"disk": disk, "targets": [dict(zip(("gib", "what", "gpusnap_s", "limit_s", "target", "limit_from"),
+                                                     (t[0], t[1], t[2], t[3], t[4], t[5]))) for t in targets]},
            "breakdown": [{"gib": b["gib"], "stages": [dict(zip(("op", "stage", "bare_s", "gpusnap_s", "note"), r))
                                                       for r in b["rows"]], "images": b["images"], "split": b["split"]}
                          for b in breakdown],
@@ -519,7 +879,8 @@ on_exit() {
         HDR_DRIVER=$HDR_DRIVER HDR_VERSION=$HDR_VERSION HDR_THP=$HDR_THP HDR_THP_DEFRAG=$HDR_THP_DEFRAG \
         HDR_HOSTMEM=$HDR_HOSTMEM GPUSNAP=$GPUSNAP B_SIZES="${SIZES[*]}" B_REPS=$REPS B_WALL=$SECONDS \
         B_CRIU=$CRIU_BIN B_CRIU_VERSION=$CRIU_VERSION B_CRIU_CHECK="exit $CRIU_CHECK_RC: $CRIU_CHECK" \
-        B_CRIU_ARGS="${CRIU_ARGS[*]}" B_WAKE_ARGS="${WAKE_ARGS[*]}" B_DISK="$(df -P -h "$WORK" 2>/dev/null | awk 'NR == 2 { print $1 " (" $2 ", " $4 " free at the end)" }')" \
+        B_CRIU_ARGS="${CRIU_ARGS[*]}" B_WAKE_ARGS="${WAKE_ARGS[*]}" B_COLD=$HB_COLD B_DD_GIB=$HB_DD_GIB \
+        B_MODES="${MODES[*]}" B_MATRIX="${HB_MATRIX:-}" B_DISK="$(df -P -h "$WORK" 2>/dev/null | awk 'NR == 2 { print $1 " (" $2 ", " $4 " free at the end)" }')" \
         write_report || log "report generation failed"
     local p
     for p in "$WORK"/*.log; do log_file "$(basename "$p")" "$p"; done
@@ -530,7 +891,7 @@ on_exit() {
 
 install_traps
 start_watchdog $((HBENCH_BUDGET_S + 45))
-log "gpusnap hibernate benchmark: sizes ${SIZES[*]} GiB, $REPS reps of each mode, budget ${HBENCH_BUDGET_S}s"
+log "gpusnap hibernate benchmark: sizes ${SIZES[*]} GiB, $REPS reps of ${MODES[*]}, driver alone $HB_DRIVER, cold $HB_COLD, matrix '${HB_MATRIX:-}', disk $HB_DISK, budget ${HBENCH_BUDGET_S}s"
 collect_header
 log "disk: $(df -P -h "$WORK" | tail -n 1)"
 if [ -n "${HB_WAKE_ARGS+x}" ]; then
@@ -545,6 +906,7 @@ elif ! criu_probe; then
     note "no usable CRIU: $CRIU_WHY"
     ERRORS=$((ERRORS + 1))
 else
+    if [ "$HB_DISK" = 1 ]; then disk_speed; fi
     for s in "${SIZES[@]}"; do
         bench_size "$s"
     done

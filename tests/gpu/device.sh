@@ -8,7 +8,8 @@
 # Stages:
 #   e2e     tests/gpu/e2e.sh (P1 and the CRIU sections; ~6 min alone)
 #   bench   tests/gpu/bench.sh $BENCH_SIZES (suspend/resume against the driver)
-#   hbench  tests/gpu/bench-hibernate.sh $HBENCH_SIZES (hibernate/wake against driver + CRIU)
+#   hbench  tests/gpu/bench-hibernate.sh $HBENCH_SIZES (hibernate/wake against driver + CRIU;
+#           P7: HB_MODES, HB_DRIVER, HB_COLD, HB_MATRIX, HB_DISK pass through)
 #   multi   tests/gpu/multi-e2e.sh (two GPUs: remap, a group across GPUs, one
 #           process on two GPUs, NCCL; ~3-4 min; needs a machine with 2 GPUs)
 #   guard   tests/gpu/guard-e2e.sh traced, then with --light, then
@@ -321,6 +322,8 @@ summary() {
         echo "hbench:"
         sed -n '/^| size GiB | footprint/,/^$/p' "$SCR/hbench/bench-hibernate.md"
         grep -E '^gpusnap cycle|^Images:' "$SCR/hbench/bench-hibernate.md"
+        # P7: the targets, where the dump goes, the page server per lazy wake.
+        sed -n '/^## Targets/,/^## Every sample/p' "$SCR/hbench/bench-hibernate.md" | grep -v '^## Every sample' | cut -c1-400
         sed -n '/^## Notes/,$p' "$SCR/hbench/bench-hibernate.md" | head -n 12
     fi
     if [ -s "$SCR/multi/multi-e2e.md" ]; then

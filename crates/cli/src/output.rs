@@ -73,7 +73,11 @@ pub fn hibernated(r: &HibernateReport) -> String {
 }
 
 pub fn woken(r: &WakeReport) -> String {
-    let pages = if r.lazy { format!(", pages {} (lazy)", secs(r.stages.pages)) } else { String::new() };
+    let pages = match (&r.pages, r.lazy) {
+        (Some(p), true) => format!(", pages {} (lazy, {} faults)", secs(r.stages.pages), p.faults),
+        (None, true) => format!(", pages {} (lazy)", secs(r.stages.pages)),
+        _ => String::new(),
+    };
     format!(
         "woke {}: root pid {}, {} process(es), {} back on the GPU, in {} (verify {}, criu {}, restore {}{pages})",
         r.image,

@@ -68,6 +68,75 @@ fn a_lazy_wake_serves_every_page_through_fork_remap_unmap_and_remove() {
 }
 
 #[test]
+fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, out) = mem_proc(&mut w, "tuned", 16);
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", "mem"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    // CRIU's own account of the dump, beside gpusnap's stages.
+    let h = r.json();
+    assert!(h["criu_stats"]["pages_written"].as_u64().unwrap() >= 4 * (16 << 20) / 4096, "{h}");
+    for stage in ["suspend", "dump", "commit", "criu_frozen", "criu_drain", "criu_memwrite"] {
+        assert!(h["stages"][stage].is_u64(), "{stage} in {h}");
+    }
+    assert!(h["stages"]["criu_frozen"].as_u64() <= h["stages"]["dump"].as_u64(), "{h}");
+
+    // Every knob away from its default, and a head start of half the
+    // memory before the (here: no) driver restore.
+    for (k, v) in [
+        ("GPUSNAP_PAGES_THREADS", "3"),
+        ("GPUSNAP_PAGES_BATCH", "1M"),
+        ("GPUSNAP_PAGES_WAKE_CHUNK", "64K"),
+        ("GPUSNAP_PAGES_FAULT_BATCH", "64K"),
+        ("GPUSNAP_PAGES_AHEAD", "1M"),
+        ("GPUSNAP_PAGES_NICE", "5"),
+        ("GPUSNAP_PAGES_HEAD_START", "50%"),
+    ] {
+        w.env_extra.push((k.into(), v.into()));
+    }
+    std::fs::write(out.with_extension("go"), "").unwrap();
+    let r = w.json(&["wake", "mem", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["lazy"], true, "{v}");
+    assert!(v["stages"]["head_start"].is_u64(), "{v}");
+    let p = &v["pages"];
+    assert_eq!(p["options"]["threads"], 3, "{v}");
+    assert_eq!(p["options"]["wake_chunk"], 64 << 10, "{v}");
+    assert_eq!(p["options"]["head_start"]["fraction"], 0.5, "{v}");
+    let (fault, fill, eexist) = (
+        p["fault_bytes"].as_u64().unwrap(),
+        p["fill_bytes"].as_u64().unwrap(),
+        p["eexist_pages"].as_u64().unwrap(),
+    );
+    assert_eq!(fault + fill + eexist * 4096, v["pages_bytes"].as_u64().unwrap(), "{v}");
+    assert!(p["faults"].as_u64().unwrap() >= p["faults_in_flight"].as_u64().unwrap(), "{v}");
+    assert!(p["restore_done_ms"].is_u64() && p["last_page_ms"].is_u64() && p["fill_gbps"].is_f64(), "{v}");
+    wait_for(Duration::from_secs(60), || out.with_extension("after").exists());
+    let before = read(&out, "before");
+    assert_eq!(read(&out, "after"), before);
+    assert_eq!(read(&out, "child"), before.split(' ').next().unwrap());
+    check_memory(&out);
+    w.kill(pid);
+
+    // A setting that is not one: said, and the wake is eager (safe as ever).
+    let (pid, out) = mem_proc(&mut w, "badknob", 4);
+    hibernate(&w, pid, "mem2");
+    w.env_extra.push(("GPUSNAP_PAGES_BATCH".into(), "lots".into()));
+    let r = w.json(&["wake", "mem2", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["lazy"], false, "{v}");
+    assert!(v["notice"].as_str().unwrap().contains("GPUSNAP_PAGES_BATCH=lots: not a size"), "{v}");
+    check_memory(&out);
+    w.kill(pid);
+}
+
+#[test]
 fn eager_keeps_criu_restoring_every_page() {
     criu_present();
     let mut w = World::new(&[8192]);

@@ -40,3 +40,38 @@ fn a_page_server_failing_mid_wake_ends_the_tree_and_keeps_the_image() {
     w.assert_progressing(pid);
     assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
 }
+
+#[test]
+fn a_page_server_failing_during_its_head_start_never_starts_the_driver() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = w.workload(512, 0, &[]);
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "h"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let restores_before = w.calls_on(pid).iter().filter(|c| c.starts_with("restore")).count();
+
+    // The driver's restore waits for all of the memory; the page server
+    // fails before that.
+    w.env_extra.push(("GPUSNAP_PAGES_HEAD_START".into(), "100%".into()));
+    w.env_extra.push(("GPUSNAP_PAGES_FAIL_AFTER".into(), "4096".into()));
+    let r = w.json(&["wake", "h", "--no-guard", "--wait", "10"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "pages", "{}", r.stdout);
+    wait_for(Duration::from_secs(20), || !pid_exists(pid));
+    let restores = w.calls_on(pid).iter().filter(|c| c.starts_with("restore")).count();
+    assert_eq!(restores, restores_before, "the driver was asked to restore: {:?}", w.calls_on(pid));
+    // The image is intact and the retry (with the head start) wakes it.
+    assert_eq!(w.json(&["images", "verify", "h"]).code, 0);
+    w.env_extra.retain(|(k, _)| k != "GPUSNAP_PAGES_FAIL_AFTER");
+    let r = w.json(&["wake", "h", "--no-guard", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["lazy"], true, "{v}");
+    assert_eq!(v["pages"]["options"]["head_start"]["fraction"], 1.0, "{v}");
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
+}

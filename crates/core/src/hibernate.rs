@@ -48,6 +48,27 @@ pub struct HibernateReport {
     pub dump_ms: u64,
     pub write_ms: u64,
     pub total_ms: u64,
+    /// CRIU's own account of its dump (its `stats-dump` file): frozen, memdump
+    /// (draining + writing), memwrite (writing), pages; None when CRIU
+    /// wrote none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_stats: Option<gpusnap_pages::DumpStats>,
+    /// Time of each stage in ms: suspend, dump (CRIU as a whole), commit
+    /// (gpusnap's checksums, chunking, manifest, flush), and inside dump
+    /// CRIU's own: frozen, drain (the parasite draining pages into pipes)
+    /// and memwrite (the pipes written to the image); 0 without CRIU's
+    /// statistics.
+    pub stages: HibernateStages,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct HibernateStages {
+    pub suspend: u64,
+    pub dump: u64,
+    pub commit: u64,
+    pub criu_frozen: u64,
+    pub criu_drain: u64,
+    pub criu_memwrite: u64,
 }
 
 /// One image of a wake, verified and checked, not yet restored.
@@ -148,10 +169,15 @@ pub struct WakeReport {
     /// Why a lazy wake fell back to an eager one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub notice: Option<String>,
-    /// Time of each stage in ms: verify, waited, criu, driver (the CUDA
-    /// restores) and pages (from CRIU's return until the last page was in
-    /// place; it overlaps driver).
+    /// Time of each stage in ms: verify, waited, criu, head_start (the
+    /// page server's lead before the driver starts; 0 unless asked for),
+    /// driver (the CUDA restores) and pages (from CRIU's return until the
+    /// last page was in place; it overlaps head_start and driver).
     pub stages: Stages,
+    /// What the page server did (lazy wakes): faults, bytes by faults and
+    /// by the background fill, timings, the settings (docs/pages.md).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pages: Option<gpusnap_pages::Report>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -159,6 +185,7 @@ pub struct Stages {
     pub verify: u64,
     pub waited: u64,
     pub criu: u64,
+    pub head_start: u64,
     pub driver: u64,
     pub pages: u64,
 }
@@ -167,11 +194,13 @@ pub struct Stages {
 struct Woken {
     root: i32,
     criu_ms: u64,
+    head_ms: u64,
     driver_ms: u64,
     pages_ms: u64,
     pages_bytes: u64,
     lazy: bool,
     notice: Option<String>,
+    report: Option<gpusnap_pages::Report>,
 }
 
 fn ms(since: Instant) -> u64 {
@@ -482,6 +511,12 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             err
         };
         let dump_ms = ms(t_dump);
+        // Where CRIU's time went (information only: a file CRIU did not
+        // write, or could not, costs nothing but the figures).
+        let criu_stats = gpusnap_pages::dump_stats(&criu_dir).unwrap_or_else(|e| {
+            tracing::warn!("criu's dump statistics: {e}");
+            None
+        });
 
         // 3. Manifest and checksums, then the rename that makes it an image.
         let t_write = Instant::now();
@@ -579,6 +614,15 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 dump_ms,
                 write_ms,
                 total_ms: 0,
+                stages: HibernateStages {
+                    suspend: suspend_ms,
+                    dump: dump_ms,
+                    commit: write_ms,
+                    criu_frozen: criu_stats.as_ref().map_or(0, |c| c.frozen_ms),
+                    criu_drain: criu_stats.as_ref().map_or(0, |c| c.drain_ms),
+                    criu_memwrite: criu_stats.as_ref().map_or(0, |c| c.memwrite_ms),
+                },
+                criu_stats,
             },
             started,
             pids,
@@ -731,9 +775,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                         verify: plan.verify_ms,
                         waited: waited_ms,
                         criu: w.criu_ms,
+                        head_start: w.head_ms,
                         driver: w.driver_ms,
                         pages: w.pages_ms,
                     },
+                    pages: w.report,
                 }),
                 Err(e) => {
                     failed = Some(member(names, &plan.name, e));
@@ -872,6 +918,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         )?;
         let criu_ms = ms(t_criu);
         let t_pages = Instant::now();
+        // The page server's head start, if one is asked for: until then
+        // the driver's restore is not started.
+        let head = restored.head_start();
         let (root, pages, notice) = (restored.root, restored.pages, restored.notice);
         // The processes CRIU made (pid and start time), for a failed lazy
         // wake to know exactly what is its own.
@@ -884,6 +933,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let t_restore = Instant::now();
         // CRIU has acted: from here every error ends what it restored
         // (the image stays for a retry).
+        let (head_ms, head_failed) = match head {
+            Ok(ms) => (ms, None),
+            Err(e) => (0, Some(Error::Pages(e))),
+        };
         let recorded = (|| {
             // Every CUDA process of the image is known again, resumed or not.
             for p in m.processes.iter().filter(|p| p.cuda && !resume.iter().any(|r| r.pid == p.pid)) {
@@ -916,7 +969,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let items: Vec<Item<'_>> =
             resume.iter().zip(footprints).map(|(p, fp)| (p.pid, (p.pid, fp))).collect();
         // One process alone runs here, with the engine's progress display.
-        let results = if items.len() == 1 {
+        let results = if head_failed.is_some() {
+            Vec::new()
+        } else if items.len() == 1 {
             let (pid, item) = items[0];
             vec![(pid, back(self, item))]
         } else {
@@ -924,7 +979,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             self.in_parallel(items, &|| proto.sibling(), back)
         };
         let driver_ms = ms(t_restore);
-        let mut failed = Self::fail_group(results, |_| {}).err();
+        let mut failed = head_failed.or_else(|| Self::fail_group(results, |_| {}).err());
         let (mut pages_ms, mut pages_bytes) = (0, 0);
         if let (None, Some(srv)) = (&failed, &pages) {
             // Only a tree with every page in place is woken: until then a
@@ -942,6 +997,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 Err(e) => failed = Some(Error::Pages(e)),
             }
         }
+        let report = pages.as_ref().map(|s| s.report());
         if let Some(err) = failed {
             // The image is untouched: end what was restored so that wake can
             // be retried. The page server keeps every userfaultfd open until
@@ -961,7 +1017,17 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             drop(pages);
             return Err(err);
         }
-        Ok(Woken { root, criu_ms, driver_ms, pages_ms, pages_bytes, lazy: pages.is_some(), notice })
+        Ok(Woken {
+            root,
+            criu_ms,
+            head_ms,
+            driver_ms,
+            pages_ms,
+            pages_bytes,
+            lazy: pages.is_some(),
+            notice,
+            report,
+        })
     }
 
     /// Ends restored processes of a wake that failed, safely: not forced, so

@@ -15,6 +15,8 @@ pub mod pb {
 }
 
 const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
+/// Service files (stats, irmap-cache) start with this instead.
+pub(crate) const IMG_SERVICE_MAGIC: u32 = 0x5510_5940;
 const PAGEMAP_MAGIC: u32 = 0x5608_4025;
 const MM_MAGIC: u32 = 0x5749_2820;
 
@@ -42,10 +44,15 @@ impl Iov {
 }
 
 fn entries(path: &Path, magic: u32) -> Result<Vec<Vec<u8>>, PagesError> {
+    entries_after(path, IMG_COMMON_MAGIC, magic)
+}
+
+/// The entries of a CRIU image file whose head is `head` then `magic`.
+pub(crate) fn entries_after(path: &Path, head: u32, magic: u32) -> Result<Vec<Vec<u8>>, PagesError> {
     let bad = |why: &str| PagesError::Image { path: path.display().to_string(), why: why.to_string() };
     let data = std::fs::read(path).map_err(|e| bad(&e.to_string()))?;
     let u32_at = |i: usize| data.get(i..i + 4).map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
-    if u32_at(0) != Some(IMG_COMMON_MAGIC) || u32_at(4) != Some(magic) {
+    if u32_at(0) != Some(head) || u32_at(4) != Some(magic) {
         return Err(bad("not the CRIU image it should be (magic)"));
     }
     let mut out = Vec::new();

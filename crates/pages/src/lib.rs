@@ -19,11 +19,16 @@
 mod image;
 mod serve;
 mod source;
+mod stats;
 pub mod sys;
 
 pub use image::{lazy_bytes, lazy_iovs, Iov};
-pub use serve::{Options, Report, Server};
+pub use serve::{
+    HeadStart, Options, Report, Server, ENV_AHEAD, ENV_BATCH, ENV_FAULT_BATCH, ENV_HEAD_START, ENV_NICE,
+    ENV_THREADS, ENV_WAKE_CHUNK,
+};
 pub use source::{DirSource, PageSource, PagesFile};
+pub use stats::{dump_stats, DumpStats};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PagesError {
@@ -41,6 +46,8 @@ pub enum PagesError {
     Injected(u64),
     #[error("stopped before every page was in place")]
     Aborted,
+    #[error("{name}={value}: {why}")]
+    Setting { name: String, value: String, why: String },
 }
 
 /// What this kernel offers for lazy restores.

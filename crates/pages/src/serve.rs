@@ -14,6 +14,7 @@ use crate::source::{DirSource, PageSource, PagesFile};
 use crate::sys::{self, PAGE};
 use crate::PagesError;
 use nix::errno::Errno;
+use serde::Serialize;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -27,17 +28,57 @@ const SOCKET: &str = "lazy-pages.socket";
 const RESTORE_FINISHED: u32 = 0x5253_5446;
 const TICK: Duration = Duration::from_millis(50);
 
-#[derive(Debug, Clone)]
+/// How the server fills memory. Every field can be set from the
+/// environment ([`Options::from_env`], docs/pages.md), so that a GPU run
+/// can compare settings without a rebuild.
+#[derive(Debug, Clone, Serialize)]
 pub struct Options {
     /// Threads filling memory in the background.
     pub threads: usize,
-    /// Bytes one background fill reads and copies at once.
+    /// Bytes one background fill takes at once (its share of the address
+    /// range: the next fill starts past it).
     pub batch: u64,
-    /// Bytes a fault brings in (from the faulting page on).
+    /// Bytes a fill reads, copies and then wakes at a time. A fault in a
+    /// piece in flight waits for the WAKE of its chunk, not for the whole
+    /// batch: a whole-batch WAKE (4 MiB read and copied first) made the
+    /// driver, which reads right behind the fill, wait for pages already
+    /// read.
+    pub wake_chunk: u64,
+    /// Bytes a fault brings in (from the faulting page on, or down to it
+    /// when the process reads downwards).
     pub fault_batch: u64,
+    /// How far past the last fault (in the direction the faults go) the
+    /// background fill goes on: 0 = just past it.
+    pub ahead: u64,
+    /// Nice value of the background fill threads (0: as gpusnap), so that
+    /// the restored processes (the driver's restore runs in their threads)
+    /// get the cores first; the threads that answer faults keep gpusnap's.
+    pub nice: i32,
+    /// What the background fill should have in place before the driver's
+    /// restore starts (applied by the caller: [`Server::wait_ahead`]).
+    pub head_start: HeadStart,
     /// Fail on purpose once this many bytes are served (tests of a page
     /// server that dies mid-wake).
+    #[serde(skip)]
     pub fail_after: Option<u64>,
+}
+
+/// Bytes the page server fills before the driver's restore is started.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HeadStart {
+    Bytes(u64),
+    /// A share (0-1) of what there is to serve.
+    Fraction(f64),
+}
+
+impl HeadStart {
+    pub fn bytes_of(&self, total: u64) -> u64 {
+        match *self {
+            HeadStart::Bytes(b) => b.min(total),
+            HeadStart::Fraction(f) => ((total as f64) * f.clamp(0.0, 1.0)) as u64,
+        }
+    }
 }
 
 impl Default for Options {
@@ -45,18 +86,161 @@ impl Default for Options {
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
         // Measured on the H200 host: UFFDIO_COPY scales to 16 threads
         // (30 GB/s); batch size 256 KiB-16 MiB made no difference.
-        Self { threads: cores.clamp(2, 16), batch: 4 << 20, fault_batch: 256 << 10, fail_after: None }
+        Self {
+            threads: cores.clamp(2, 16),
+            batch: 4 << 20,
+            wake_chunk: 1 << 20,
+            fault_batch: 256 << 10,
+            ahead: 0,
+            nice: 0,
+            head_start: HeadStart::Bytes(0),
+            fail_after: None,
+        }
     }
 }
 
-#[derive(Debug, Clone, Default)]
+/// The environment variables of [`Options::from_env`].
+pub const ENV_THREADS: &str = "GPUSNAP_PAGES_THREADS";
+pub const ENV_BATCH: &str = "GPUSNAP_PAGES_BATCH";
+pub const ENV_WAKE_CHUNK: &str = "GPUSNAP_PAGES_WAKE_CHUNK";
+pub const ENV_FAULT_BATCH: &str = "GPUSNAP_PAGES_FAULT_BATCH";
+pub const ENV_AHEAD: &str = "GPUSNAP_PAGES_AHEAD";
+pub const ENV_NICE: &str = "GPUSNAP_PAGES_NICE";
+pub const ENV_HEAD_START: &str = "GPUSNAP_PAGES_HEAD_START";
+
+/// A size: bytes, or with a K, M or G suffix (binary).
+fn parse_size(v: &str) -> Option<u64> {
+    let v = v.trim();
+    let (num, mult) = match v.chars().last()?.to_ascii_uppercase() {
+        'K' => (&v[..v.len() - 1], 1u64 << 10),
+        'M' => (&v[..v.len() - 1], 1 << 20),
+        'G' => (&v[..v.len() - 1], 1 << 30),
+        _ => (v, 1),
+    };
+    num.trim().parse::<u64>().ok()?.checked_mul(mult)
+}
+
+impl Options {
+    /// The defaults, with every `GPUSNAP_PAGES_*` variable that is set
+    /// applied; a value that is not one is an error naming it.
+    pub fn from_env() -> Result<Self, PagesError> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// As [`Options::from_env`], reading variables through `get`.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, PagesError> {
+        let mut o = Self::default();
+        let bad = |name: &str, value: &str, why: &str| PagesError::Setting {
+            name: name.to_string(),
+            value: value.to_string(),
+            why: why.to_string(),
+        };
+        let size = |name: &str, min: u64| -> Result<Option<u64>, PagesError> {
+            let Some(v) = get(name) else { return Ok(None) };
+            match parse_size(&v) {
+                // Whole pages: UFFDIO_COPY moves pages.
+                Some(n) if n >= min => Ok(Some(n.div_ceil(PAGE) * PAGE)),
+                Some(_) => Err(bad(name, &v, &format!("at least {min} bytes"))),
+                None => Err(bad(name, &v, "not a size (bytes, or with K, M or G)")),
+            }
+        };
+        if let Some(v) = get(ENV_THREADS) {
+            o.threads = match v.trim().parse::<usize>() {
+                Ok(n) if (1..=256).contains(&n) => n,
+                _ => return Err(bad(ENV_THREADS, &v, "a count of threads, 1 to 256")),
+            };
+        }
+        if let Some(n) = size(ENV_BATCH, PAGE)? {
+            o.batch = n;
+        }
+        if let Some(n) = size(ENV_WAKE_CHUNK, PAGE)? {
+            o.wake_chunk = n;
+        }
+        if let Some(n) = size(ENV_FAULT_BATCH, PAGE)? {
+            o.fault_batch = n;
+        }
+        if let Some(n) = size(ENV_AHEAD, 0)? {
+            o.ahead = n;
+        }
+        if let Some(v) = get(ENV_NICE) {
+            o.nice = match v.trim().parse::<i32>() {
+                Ok(n) if (0..=19).contains(&n) => n,
+                _ => return Err(bad(ENV_NICE, &v, "a nice value, 0 to 19")),
+            };
+        }
+        if let Some(v) = get(ENV_HEAD_START) {
+            let t = v.trim();
+            let frac = if let Some(p) = t.strip_suffix('%') {
+                p.trim().parse::<f64>().ok().map(|x| x / 100.0)
+            } else if t.contains('.') {
+                t.parse::<f64>().ok()
+            } else {
+                None
+            };
+            o.head_start = match frac {
+                Some(f) if (0.0..=1.0).contains(&f) => HeadStart::Fraction(f),
+                Some(_) => return Err(bad(ENV_HEAD_START, &v, "a share from 0 to 1 (or 0% to 100%)")),
+                None => match parse_size(t) {
+                    Some(b) => HeadStart::Bytes(b),
+                    None => {
+                        return Err(bad(
+                            ENV_HEAD_START,
+                            &v,
+                            "bytes (with K, M or G), a share such as 0.25, or a percentage",
+                        ))
+                    }
+                },
+            };
+        }
+        Ok(o)
+    }
+}
+
+/// What a lazy wake's page server did: the figures that tell where the
+/// driver's restore waited (docs/pages.md, "Reading the report").
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
     /// Processes whose memory was served (forks during the wake included).
     pub processes: usize,
     pub forks: usize,
+    /// Bytes in place (copied, or already there).
     pub bytes: u64,
     pub zero_pages: u64,
+    /// From the server's start (just before CRIU's restore) until every
+    /// page was in place and seen so by the waiter.
     pub ms: u64,
+    /// Page faults read from the userfaultfds.
+    pub faults: u64,
+    /// Of those, faults on a piece a fill had in flight: the faulting thread
+    /// waited for that fill's WAKE.
+    pub faults_in_flight: u64,
+    /// Of those, faults below the same process's previous fault (memory not
+    /// read in address order).
+    pub faults_backward: u64,
+    /// Bytes brought in by faults, and by the background fill.
+    pub fault_bytes: u64,
+    pub fill_bytes: u64,
+    /// Pages a fill found already there (EEXIST: another thread, a fault
+    /// or a fork's copy was first).
+    pub eexist_pages: u64,
+    /// From the server's start until CRIU said the restore was done (the
+    /// background fill starts then).
+    pub restore_done_ms: Option<u64>,
+    pub first_fault_ms: Option<u64>,
+    pub last_fault_ms: Option<u64>,
+    /// From the server's start until the last page went in.
+    pub last_page_ms: u64,
+    /// Bytes per second from the restore's end to the last page, in GB/s.
+    pub fill_gbps: f64,
+    /// Time the fault threads spent answering faults (read, copy, wake),
+    /// summed over processes.
+    pub fault_busy_ms: u64,
+    /// Time all threads spent reading the image, and copying into
+    /// processes, summed over threads.
+    pub read_ms: u64,
+    pub copy_ms: u64,
+    /// The settings this wake ran with.
+    pub options: Option<Options>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -104,6 +288,12 @@ struct MmState {
     /// the parent go on again (once the FORK event is read), so it gets
     /// them too (a page the child has already gives EEXIST).
     recent: Vec<Iov>,
+    /// The previous fault's page, and whether the faults go downwards
+    /// (two in a row below their predecessor): the background fill then
+    /// follows them down instead of up.
+    last_fault: Option<u64>,
+    backward_run: u32,
+    down: bool,
 }
 
 impl MmState {
@@ -126,9 +316,50 @@ impl MmState {
         }
         self.pieces.sort_by_key(|p| p.iov.start);
     }
+    /// Notes a fault at `addr`; true when it is below the previous one.
+    fn note_fault(&mut self, addr: u64) -> bool {
+        let back = self.last_fault.is_some_and(|l| addr < l);
+        self.last_fault = Some(addr);
+        if back {
+            self.backward_run = self.backward_run.saturating_add(1);
+            if self.backward_run >= 2 {
+                self.down = true;
+            }
+        } else {
+            self.backward_run = 0;
+            self.down = false;
+        }
+        back
+    }
+    /// As [`MmState::take`], downwards: up to `max` bytes ending at
+    /// `below` (or at the hint), in the highest piece still to fill under it.
+    fn take_down(&mut self, below: Option<u64>, max: u64, id: u64) -> Option<Iov> {
+        let from = below.or(self.hint)?;
+        let i = self.pieces.iter().rposition(|p| p.owner == 0 && p.iov.start < from)?;
+        let p = self.pieces[i].iov;
+        let end = p.end.min(from);
+        let start = p.start.max(end.saturating_sub(max));
+        let mut v = std::mem::take(&mut self.pieces);
+        cut(&mut v, start, end);
+        for p in &mut v {
+            if p.iov.start == start && p.iov.end == end {
+                p.owner = id;
+            }
+        }
+        self.pieces = v;
+        if below.is_none() {
+            self.hint = Some(start);
+        }
+        self.pieces.iter().find(|p| p.owner == id).map(|p| p.iov)
+    }
     /// Marks up to `max` bytes from `addr` (or from the first piece still
     /// to fill) as taken by fill `id`.
     fn take(&mut self, addr: Option<u64>, max: u64, id: u64) -> Option<Iov> {
+        if addr.is_none() && self.down {
+            if let Some(iov) = self.take_down(None, max, id) {
+                return Some(iov);
+            }
+        }
         let from = self.hint.unwrap_or(0);
         let i = match addr {
             Some(a) => self.pieces.iter().position(|p| a >= p.iov.start && a < p.iov.end && p.owner == 0)?,
@@ -182,6 +413,34 @@ struct Shared {
     total: AtomicU64,
     threads: Mutex<Vec<JoinHandle<()>>>,
     started: Instant,
+    stats: Stats,
+}
+
+/// Counters of the report; times in microseconds since `started`, 0 for
+/// "not yet" (a real time is stored + 1).
+#[derive(Default)]
+struct Stats {
+    faults: AtomicU64,
+    faults_in_flight: AtomicU64,
+    faults_backward: AtomicU64,
+    fault_bytes: AtomicU64,
+    fill_bytes: AtomicU64,
+    eexist_pages: AtomicU64,
+    restore_done_us: AtomicU64,
+    first_fault_us: AtomicU64,
+    last_fault_us: AtomicU64,
+    last_page_us: AtomicU64,
+    fault_busy_us: AtomicU64,
+    read_us: AtomicU64,
+    copy_us: AtomicU64,
+}
+
+fn us(d: Duration) -> u64 {
+    d.as_micros() as u64
+}
+
+fn at_ms(v: u64) -> Option<u64> {
+    (v > 0).then(|| (v - 1) / 1000)
 }
 
 impl Shared {
@@ -200,6 +459,45 @@ impl Shared {
     fn ring(&self) {
         let _g = self.bell.0.lock().unwrap();
         self.bell.1.notify_all();
+    }
+    fn now_us(&self) -> u64 {
+        us(self.started.elapsed()) + 1
+    }
+    fn report(&self) -> Report {
+        let st = &self.stats;
+        let g = |a: &AtomicU64| a.load(SeqCst);
+        let processes = self.mms.lock().unwrap().len();
+        let bytes = self.served.load(SeqCst);
+        let done = g(&st.restore_done_us);
+        let last = g(&st.last_page_us);
+        let span = last.saturating_sub(done.max(1));
+        Report {
+            processes,
+            forks: self.forks.load(SeqCst),
+            bytes,
+            zero_pages: self.zero_pages.load(SeqCst),
+            ms: self.started.elapsed().as_millis() as u64,
+            faults: g(&st.faults),
+            faults_in_flight: g(&st.faults_in_flight),
+            faults_backward: g(&st.faults_backward),
+            fault_bytes: g(&st.fault_bytes),
+            fill_bytes: g(&st.fill_bytes),
+            eexist_pages: g(&st.eexist_pages),
+            restore_done_ms: at_ms(done),
+            first_fault_ms: at_ms(g(&st.first_fault_us)),
+            last_fault_ms: at_ms(g(&st.last_fault_us)),
+            last_page_ms: at_ms(last).unwrap_or(0),
+            fill_gbps: if span > 0 && done > 0 {
+                // Bytes per microsecond are MB/s.
+                (g(&st.fault_bytes) + g(&st.fill_bytes)) as f64 / span as f64 / 1e3
+            } else {
+                0.0
+            },
+            fault_busy_ms: g(&st.fault_busy_us) / 1000,
+            read_ms: g(&st.read_us) / 1000,
+            copy_ms: g(&st.copy_us) / 1000,
+            options: Some(self.opts.clone()),
+        }
     }
     fn nap(&self) {
         let g = self.bell.0.lock().unwrap();
@@ -275,6 +573,7 @@ impl Server {
             total: AtomicU64::new(crate::image::lazy_bytes(images)),
             threads: Mutex::new(Vec::new()),
             started: Instant::now(),
+            stats: Stats::default(),
         });
         shared.spawn("pages-accept", move |sh| {
             if let Err(e) = accept(&sh, listener) {
@@ -310,14 +609,36 @@ impl Server {
                 return Err(PagesError::Aborted);
             }
             if self.shared.finished() {
-                let mms = self.shared.mms.lock().unwrap();
-                return Ok(Report {
-                    processes: mms.len(),
-                    forks: self.shared.forks.load(SeqCst),
-                    bytes: self.shared.served.load(SeqCst),
-                    zero_pages: self.shared.zero_pages.load(SeqCst),
-                    ms: self.shared.started.elapsed().as_millis() as u64,
-                });
+                return Ok(self.shared.report());
+            }
+            self.shared.nap();
+        }
+    }
+
+    /// The figures so far (also of a server that failed).
+    pub fn report(&self) -> Report {
+        self.shared.report()
+    }
+
+    /// Blocks until `bytes` are in place (or everything is, or a process
+    /// of the tree is gone), so that the driver's restore starts behind a
+    /// head start of the background fill. An error is the server's failure:
+    /// the caller must not start the driver on memory that will never come.
+    pub fn wait_ahead(&self, bytes: u64) -> Result<(), PagesError> {
+        let want = bytes.min(self.total_bytes());
+        loop {
+            if let Some(e) = self.shared.error.lock().unwrap().take() {
+                self.shared.stop.store(true, SeqCst);
+                return Err(e);
+            }
+            if self.shared.stop.load(SeqCst) {
+                return Err(PagesError::Aborted);
+            }
+            if self.done_bytes() >= want
+                || self.shared.finished()
+                || self.shared.mms.lock().unwrap().iter().any(|m| m.st.lock().unwrap().gone)
+            {
+                return Ok(());
             }
             self.shared.nap();
         }
@@ -403,6 +724,7 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
         let v = u32::from_ne_bytes(w);
         if v == RESTORE_FINISHED {
             tracing::debug!("page server: restore finished");
+            sh.stats.restore_done_us.store(sh.now_us(), SeqCst);
             sh.restore_done.store(true, SeqCst);
             sh.ring();
             return Ok(());
@@ -426,9 +748,7 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
             pages,
             st: Mutex::new(MmState {
                 pieces: iovs.into_iter().map(|iov| Piece { iov, owner: 0 }).collect(),
-                gone: false,
-                hint: None,
-                recent: Vec::new(),
+                ..Default::default()
             }),
         });
         add_mm(sh, mm);
@@ -492,7 +812,7 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                             pid: mm.pid,
                             uffd: child,
                             pages: mm.pages.clone(),
-                            st: Mutex::new(MmState { pieces, gone: false, hint: None, recent: Vec::new() }),
+                            st: Mutex::new(MmState { pieces, ..Default::default() }),
                         }),
                     );
                 }
@@ -543,26 +863,47 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
 }
 
 fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &mut [u8]) {
+    let t0 = Instant::now();
+    let s = &sh.stats;
+    let now = sh.now_us();
+    let _ = s.first_fault_us.compare_exchange(0, now, SeqCst, SeqCst);
+    s.last_fault_us.store(now, SeqCst);
+    s.faults.fetch_add(1, SeqCst);
     let id = sh.next_id.fetch_add(1, SeqCst);
     let taken = {
         let mut st = mm.st.lock().unwrap();
+        if st.note_fault(addr) {
+            s.faults_backward.fetch_add(1, SeqCst);
+        }
         match st.in_flight(addr) {
             // Another thread is filling it: its WAKE wakes this fault.
-            Some(true) => return,
+            Some(true) => {
+                s.faults_in_flight.fetch_add(1, SeqCst);
+                return;
+            }
             Some(false) => {
-                let got = st.take(Some(addr), sh.opts.fault_batch, id);
-                // The background fill follows the reader.
-                st.hint = got.map(|iov| iov.end);
-                got
+                // The background fill follows the reader, in its direction,
+                // `ahead` bytes on.
+                let ahead = sh.opts.ahead;
+                if st.down {
+                    let got = st.take_down(Some(addr + PAGE), sh.opts.fault_batch, id);
+                    st.hint = got.map(|iov| iov.start.saturating_sub(ahead));
+                    got
+                } else {
+                    let got = st.take(Some(addr), sh.opts.fault_batch, id);
+                    st.hint = got.map(|iov| iov.end.saturating_add(ahead));
+                    got
+                }
             }
             None => None,
         }
     };
     match taken {
         Some(iov) => {
-            if let Err(e) = fill(sh, mm, id, iov, buf) {
+            if let Err(e) = fill(sh, mm, id, iov, buf, true) {
                 sh.fail(e);
             }
+            s.fault_busy_us.fetch_add(us(t0.elapsed()), SeqCst);
         }
         None => {
             // Counted first: the zero page wakes the process, which may
@@ -589,7 +930,18 @@ fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &
 /// The background threads: the lowest piece still to fill of some process,
 /// a batch at a time, until every process is complete.
 fn filler(sh: Arc<Shared>) {
-    let mut buf = match memmap2::MmapMut::map_anon(sh.opts.batch as usize) {
+    if sh.opts.nice != 0 {
+        // SAFETY: gettid takes no arguments; setpriority on our own thread
+        // id (Linux: per thread) changes only this thread's nice value.
+        let r = unsafe {
+            let tid = libc::gettid();
+            libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, sh.opts.nice)
+        };
+        if r != 0 {
+            tracing::warn!("page server: cannot lower the fill threads' priority: {}", Errno::last());
+        }
+    }
+    let mut buf = match memmap2::MmapMut::map_anon(sh.opts.batch.max(sh.opts.wake_chunk) as usize) {
         Ok(b) => b,
         Err(e) => return sh.fail(PagesError::Fill { pid: 0, addr: 0, err: format!("buffer: {e}") }),
     };
@@ -618,7 +970,7 @@ fn filler(sh: Arc<Shared>) {
         turn = turn.wrapping_add(1);
         match work {
             Some((mm, iov)) => {
-                if let Err(e) = fill(&sh, &mm, id, iov, &mut buf) {
+                if let Err(e) = fill(&sh, &mm, id, iov, &mut buf, false) {
                     sh.fail(e);
                 }
             }
@@ -634,65 +986,84 @@ fn filler(sh: Arc<Shared>) {
 }
 
 /// Reads `iov` from the image and copies it into the process without
-/// waking it, then wakes the whole range once.
-fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8]) -> Result<(), PagesError> {
-    let len = iov.len() as usize;
-    let data = &mut buf[..len];
-    mm.pages.read_at(iov.off, data).map_err(|e| PagesError::Read {
-        pid: mm.pid,
-        off: iov.off,
-        err: e.to_string(),
-    })?;
-    if let Some(n) = sh.opts.fail_after {
-        if sh.served.load(SeqCst) >= n {
-            return Err(PagesError::Injected(n));
-        }
-    }
+/// waking it, a chunk at a time (`wake_chunk`; a fault's fill: all at
+/// once), waking each chunk's range once it is in.
+fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool) -> Result<(), PagesError> {
+    let chunk = if by_fault { iov.len() } else { sh.opts.wake_chunk.max(PAGE).min(iov.len()) };
     let fd = mm.uffd.as_fd();
-    let mut pos = 0u64;
+    let mut at = 0u64;
     let mut requeue = false;
-    while pos < iov.len() {
-        let (n, err) = sys::copy(fd, iov.start + pos, &data[pos as usize..]);
-        pos += n;
-        sh.served.fetch_add(n, SeqCst);
-        match err {
-            None => {}
-            // Part copied: go on from there.
-            Some(Errno::EAGAIN) if n > 0 => {}
-            // Already there (another thread, or a fork's copy): skip it.
-            Some(Errno::EEXIST) => {
-                pos += PAGE;
-                sh.served.fetch_add(PAGE, SeqCst);
-            }
-            // The layout is changing (an event not yet read): try again
-            // once the event has edited the pieces.
-            Some(Errno::EAGAIN) => {
-                requeue = true;
-                break;
-            }
-            // Not registered there any more: moved (mremap), unmapped or
-            // removed meanwhile. The pieces go back as the events leave
-            // them: moved to where the mapping went, or dropped. Copying
-            // on to this address, or forgetting them, would lose the
-            // pages of a moved mapping (they would fault in as zeros).
-            Some(Errno::ENOENT) => {
-                requeue = true;
-                break;
-            }
-            Some(Errno::ESRCH | Errno::ENOSPC) => {
-                mm.st.lock().unwrap().gone = true;
-                break;
-            }
-            Some(e) => {
-                return Err(PagesError::Fill {
-                    pid: mm.pid,
-                    addr: iov.start + pos,
-                    err: format!("copy: {e}"),
-                });
+    let mut copied = 0u64;
+    while at < iov.len() && !requeue {
+        let len = chunk.min(iov.len() - at);
+        let data = &mut buf[..len as usize];
+        let t = Instant::now();
+        mm.pages.read_at(iov.off + at, data).map_err(|e| PagesError::Read {
+            pid: mm.pid,
+            off: iov.off + at,
+            err: e.to_string(),
+        })?;
+        sh.stats.read_us.fetch_add(us(t.elapsed()), SeqCst);
+        if let Some(n) = sh.opts.fail_after {
+            if sh.served.load(SeqCst) >= n {
+                return Err(PagesError::Injected(n));
             }
         }
+        let t = Instant::now();
+        let start = iov.start + at;
+        let mut pos = 0u64;
+        while pos < len {
+            let (n, err) = sys::copy(fd, start + pos, &data[pos as usize..]);
+            pos += n;
+            copied += n;
+            sh.served.fetch_add(n, SeqCst);
+            match err {
+                None => {}
+                // Part copied: go on from there.
+                Some(Errno::EAGAIN) if n > 0 => {}
+                // Already there (another thread, or a fork's copy): skip it.
+                Some(Errno::EEXIST) => {
+                    pos += PAGE;
+                    sh.served.fetch_add(PAGE, SeqCst);
+                    sh.stats.eexist_pages.fetch_add(1, SeqCst);
+                }
+                // The layout is changing (an event not yet read): try again
+                // once the event has edited the pieces.
+                Some(Errno::EAGAIN) => {
+                    requeue = true;
+                    break;
+                }
+                // Not registered there any more: moved (mremap), unmapped or
+                // removed meanwhile. The pieces go back as the events leave
+                // them: moved to where the mapping went, or dropped. Copying
+                // on to this address, or forgetting them, would lose the
+                // pages of a moved mapping (they would fault in as zeros).
+                Some(Errno::ENOENT) => {
+                    requeue = true;
+                    break;
+                }
+                Some(Errno::ESRCH | Errno::ENOSPC) => {
+                    mm.st.lock().unwrap().gone = true;
+                    requeue = true;
+                    break;
+                }
+                Some(e) => {
+                    let _ = sys::wake(fd, start, len);
+                    return Err(PagesError::Fill {
+                        pid: mm.pid,
+                        addr: start + pos,
+                        err: format!("copy: {e}"),
+                    });
+                }
+            }
+        }
+        let _ = sys::wake(fd, start, len);
+        sh.stats.copy_us.fetch_add(us(t.elapsed()), SeqCst);
+        at += len;
     }
-    let _ = sys::wake(fd, iov.start, iov.len());
+    let counter = if by_fault { &sh.stats.fault_bytes } else { &sh.stats.fill_bytes };
+    counter.fetch_add(copied, SeqCst);
+    sh.stats.last_page_us.fetch_max(sh.now_us(), SeqCst);
     let mut st = mm.st.lock().unwrap();
     if requeue {
         for p in st.pieces.iter_mut().filter(|p| p.owner == id) {
@@ -716,9 +1087,78 @@ mod tests {
                 .iter()
                 .map(|&(s, e)| Piece { iov: Iov { start: s, end: e, off: s * 10 }, owner: 0 })
                 .collect(),
-            gone: false,
-            hint: None,
-            recent: Vec::new(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_background_fill_follows_faults_downwards() {
+        let mut s = st(&[(0x1000, 0x40000)]);
+        // Ascending faults: the fill goes up.
+        assert!(!s.note_fault(0x10000));
+        assert!(!s.note_fault(0x12000));
+        assert!(!s.down);
+        // Two in a row below their predecessor: the reader goes down.
+        assert!(s.note_fault(0x11000));
+        assert!(!s.down, "one step back is not a direction");
+        s.note_fault(0x30000);
+        s.note_fault(0x2f000);
+        s.note_fault(0x2e000);
+        assert!(s.down);
+        let f = s.take_down(Some(0x2e000 + 0x1000), 0x3000, 1).unwrap();
+        assert_eq!((f.start, f.end), (0x2c000, 0x2f000));
+        s.hint = Some(f.start);
+        let a = s.take(None, 0x2000, 2).unwrap();
+        assert_eq!((a.start, a.end), (0x2a000, 0x2c000));
+        let b = s.take(None, 0x2000, 3).unwrap();
+        assert_eq!((b.start, b.end), (0x28000, 0x2a000));
+        // Nothing below: up from the hint, then from the lowest.
+        s.hint = Some(0x1000);
+        let c = s.take(None, 0x2000, 4).unwrap();
+        assert_eq!((c.start, c.end), (0x1000, 0x3000));
+        // A fault going up again turns the fill back.
+        assert!(!s.note_fault(0x2f000));
+        assert!(!s.down);
+    }
+
+    #[test]
+    fn settings_from_the_environment() {
+        let vars = |kv: &'static [(&'static str, &'static str)]| {
+            move |k: &str| kv.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let d = Options::default();
+        let o = Options::from_vars(vars(&[])).unwrap();
+        assert_eq!((o.threads, o.batch, o.fault_batch, o.ahead), (d.threads, 4 << 20, 256 << 10, 0));
+        assert_eq!(o.head_start, HeadStart::Bytes(0));
+        let o = Options::from_vars(vars(&[
+            (ENV_THREADS, "8"),
+            (ENV_BATCH, "16M"),
+            (ENV_WAKE_CHUNK, "256k"),
+            (ENV_FAULT_BATCH, "1M"),
+            (ENV_AHEAD, "64M"),
+            (ENV_NICE, "10"),
+            (ENV_HEAD_START, "25%"),
+        ]))
+        .unwrap();
+        assert_eq!((o.threads, o.batch, o.wake_chunk, o.fault_batch), (8, 16 << 20, 256 << 10, 1 << 20));
+        assert_eq!((o.ahead, o.nice, o.head_start), (64 << 20, 10, HeadStart::Fraction(0.25)));
+        assert_eq!(HeadStart::Fraction(0.25).bytes_of(1000), 250);
+        assert_eq!(HeadStart::Bytes(5000).bytes_of(1000), 1000);
+        let o = Options::from_vars(vars(&[(ENV_HEAD_START, "0.5"), (ENV_BATCH, "5000")])).unwrap();
+        assert_eq!((o.head_start, o.batch), (HeadStart::Fraction(0.5), 8192));
+        let o = Options::from_vars(vars(&[(ENV_HEAD_START, "2G")])).unwrap();
+        assert_eq!(o.head_start, HeadStart::Bytes(2 << 30));
+        for bad in [
+            (ENV_THREADS, "0"),
+            (ENV_THREADS, "many"),
+            (ENV_BATCH, "12"),
+            (ENV_BATCH, "4X"),
+            (ENV_NICE, "-5"),
+            (ENV_HEAD_START, "150%"),
+            (ENV_HEAD_START, "1.5"),
+        ] {
+            let e = Options::from_vars(move |k| (k == bad.0).then(|| bad.1.to_string())).unwrap_err();
+            assert!(e.to_string().starts_with(&format!("{}={}: ", bad.0, bad.1)), "{e}");
         }
     }
 

@@ -107,7 +107,13 @@ fn serves_lazy_pages_zero_fills_the_rest_and_skips_what_is_not_lazy() {
     std::fs::write(dir.path().join("pages-7.img"), &pages).unwrap();
 
     let work = tempfile::tempdir().unwrap();
-    let opts = Options { threads: 2, batch: 8 * PAGE as u64, fault_batch: 2 * PAGE as u64, fail_after: None };
+    let opts = Options {
+        threads: 2,
+        batch: 8 * PAGE as u64,
+        wake_chunk: 2 * PAGE as u64,
+        fault_batch: 2 * PAGE as u64,
+        ..Options::default()
+    };
     let server = Server::start(dir.path(), work.path(), opts).unwrap();
     assert_eq!(server.total_bytes(), 40 * PAGE as u64);
 
@@ -154,6 +160,15 @@ fn serves_lazy_pages_zero_fills_the_rest_and_skips_what_is_not_lazy() {
     assert_eq!(r.bytes, 40 * PAGE as u64);
     assert!(r.zero_pages >= 1);
     assert_eq!(server.done_bytes(), 40 * PAGE as u64);
+    // The report says who brought the pages in: the one fault in the
+    // image (two pages from page 35 on) and the background fill.
+    assert!(r.faults >= 2, "{r:?}");
+    assert_eq!(r.fault_bytes, 2 * PAGE as u64, "{r:?}");
+    assert_eq!(r.fault_bytes + r.fill_bytes + r.eexist_pages * PAGE as u64, 40 * PAGE as u64, "{r:?}");
+    assert!(r.first_fault_ms.is_some() && r.restore_done_ms.is_some(), "{r:?}");
+    assert!(r.first_fault_ms <= r.restore_done_ms, "faults were served before the restore was done: {r:?}");
+    assert!(r.last_page_ms >= r.restore_done_ms.unwrap(), "{r:?}");
+    assert_eq!(r.options.as_ref().map(|o| o.wake_chunk), Some(2 * PAGE as u64));
     // SAFETY: pages 0..40 of our mapping, all in place now.
     let mem = unsafe { std::slice::from_raw_parts(base as *const u8, 40 * PAGE) };
     for p in 0..40 {
