@@ -176,7 +176,8 @@ impl Agent {
                     g.process = Some(t.clone());
                     drop(g);
                     let woken = rec.image.as_ref().filter(|_| {
-                        rec.doing.as_deref() == Some("wake") && rec.start_time.is_some_and(|st| st != t.start_time)
+                        rec.doing.as_deref() == Some("wake")
+                            && rec.start_time.is_some_and(|st| st != t.start_time)
                     });
                     let state = self.adopted_state(&pids);
                     let mut g = svc.lock();
@@ -195,13 +196,23 @@ impl Agent {
                         self.journal(
                             svc,
                             Some(&t),
-                            &format!("woken from {image} by the previous agent; the image is kept until it runs"),
+                            &format!(
+                                "woken from {image} by the previous agent; the image is kept until it runs"
+                            ),
                         );
                     }
                     // A woken process not yet resumed keeps its image (above,
-                    // or an agent ago).
+                    // or an agent ago); one that runs has replaced it.
                     if state == State::Suspended {
                         svc.lock().image = rec.image.clone().filter(|i| self.images.manifest(i).is_ok());
+                    } else if let Some(image) = woken {
+                        if let Err(err) = self.images.remove(image) {
+                            tracing::warn!(
+                                service = svc.name,
+                                image,
+                                "could not remove the woken image: {err}"
+                            );
+                        }
                     }
                 }
                 None => match rec.image.filter(|i| self.images.manifest(i).is_ok()) {
@@ -360,7 +371,8 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         .map_err(|e| AgentError::Setup(format!("tokio: {e}")))?;
     rt.block_on(async move {
         let agent = Arc::new(Agent::new(setup)?);
-        let api_listener = bind_socket(&agent.cfg.socket, agent.cfg.group.as_ref().map(|g| g.get_ref().as_str()))?;
+        let api_listener =
+            bind_socket(&agent.cfg.socket, agent.cfg.group.as_ref().map(|g| g.get_ref().as_str()))?;
         // Bind every listen address before anything else: a taken port is a
         // setup error now, not a silent hole later.
         let mut proxies = Vec::new();

@@ -313,8 +313,12 @@ impl Agent {
             self.journal(svc, Some(&root), &format!("resumed in {ms} ms"));
             if let Some(image) = kept {
                 match self.images.remove(&image) {
-                    Ok(()) => self.journal(svc, Some(&root), &format!("{image} removed: its process runs again")),
-                    Err(err) => tracing::warn!(service = svc.name, image, "could not remove the woken image: {err}"),
+                    Ok(()) => {
+                        self.journal(svc, Some(&root), &format!("{image} removed: its process runs again"))
+                    }
+                    Err(err) => {
+                        tracing::warn!(service = svc.name, image, "could not remove the woken image: {err}")
+                    }
                 }
             }
             Ok(())
@@ -664,7 +668,11 @@ impl Agent {
             // may start it again, and the tick adopts the new process.
             // Journaled before the state shows: whoever sees `exited` finds why.
             let t = svc.lock().process.clone();
-            self.journal(svc, t.as_ref(), &format!("{why}; adopted, not started by the agent: not restarted"));
+            self.journal(
+                svc,
+                t.as_ref(),
+                &format!("{why}; adopted, not started by the agent: not restarted"),
+            );
             let mut g = svc.lock();
             g.last_error = Some(why.to_string());
             g.exited_at = Some(std::time::SystemTime::now());

@@ -870,7 +870,10 @@ fn adopted_server_lifecycle(how: &str) {
     assert_eq!(s["restarts"], 0, "{s}");
     let notes = a.notes(i64::from(pid));
     assert!(
-        notes.iter().any(|n| n["detail"].as_str().unwrap().contains("ended on its own; adopted, not started by the agent: not restarted")),
+        notes.iter().any(|n| n["detail"]
+            .as_str()
+            .unwrap()
+            .contains("ended on its own; adopted, not started by the agent: not restarted")),
         "{notes:?}"
     );
     // A connection meanwhile is closed, not answered.
@@ -919,7 +922,10 @@ fn post_in_background(socket: &Path, path: &str) -> std::thread::JoinHandle<()> 
     std::thread::spawn(move || {
         if let Ok(mut s) = UnixStream::connect(&socket) {
             let _ = s.set_read_timeout(Some(LONG));
-            let _ = write!(s, "POST {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
+            let _ = write!(
+                s,
+                "POST {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+            );
             let mut text = String::new();
             let _ = s.read_to_string(&mut text);
         }
@@ -1078,7 +1084,13 @@ fn an_agent_killed_mid_hibernate_or_mid_wake_leaves_one_consistent_state() {
     let body = std::panic::catch_unwind(|| get(a.port(0), "/")).unwrap_or_else(|_| {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
         let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-        panic!("LOG {}\nSTAT {stat}\nSTATUS {st}\nCALLS {:?}\nNOTES {:?}\nSVC {}", a.log(), a.w.calls_on(pid as i32), a.notes(pid), a.service("k"))
+        panic!(
+            "LOG {}\nSTAT {stat}\nSTATUS {st}\nCALLS {:?}\nNOTES {:?}\nSVC {}",
+            a.log(),
+            a.w.calls_on(pid as i32),
+            a.notes(pid),
+            a.service("k")
+        )
     });
     assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
     assert_eq!(
