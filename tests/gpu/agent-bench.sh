@@ -475,8 +475,44 @@ swap_rows() { # MODE
     done
 }
 
+# Does the driver release a process's device memory while its checkpoint
+# copies, or only at the end? (Whether a resume could start before the
+# eviction returns.) NVML sampled through the thp-off swaps.
+SMI_SAMPLER=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+    (while [ -e "$WORK/.smi-watch" ]; do
+        t=$(now)
+        timeout 5 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
+            awk -v t="$t" -F', *' '{ print t, $1, $2 }'
+        sleep 0.1
+    done >"$WORK/smi-samples") &
+    SMI_SAMPLER=$!
+    touch "$WORK/.smi-watch"
+fi
 swaps off
 S_OFF=("$SWAP_TTFB" "$SUS_AVG" "$RES_AVG" "$NSWAPS")
+if [ -n "$SMI_SAMPLER" ]; then
+    rm -f "$WORK/.smi-watch"
+    wait "$SMI_SAMPLER" 2>/dev/null
+    partial=$(python3 - "$WORK/smi-samples" "$(svc_field m1 pid)" "$(svc_field m2 pid)" 2>>"$LOG" <<'PY'
+import sys
+path, pids = sys.argv[1], [p for p in sys.argv[2:] if p]
+rows = [l.split() for l in open(path) if len(l.split()) == 3]
+out = []
+for pid in pids:
+    mib = [float(r[2]) for r in rows if r[1] == pid]
+    if not mib:
+        continue
+    full = max(mib)
+    mid = [m for m in mib if 0.05 * full < m < 0.95 * full]
+    out.append(f"{pid}: full {full:.0f} MiB, {len(mib)} samples, {len(mid)} in between")
+print("; ".join(out) or "no samples")
+PY
+)
+    cp -f "$WORK/smi-samples" "$OUT/agent-smi-samples.txt" 2>/dev/null
+    row e1 "device memory of each server through the swaps (NVML every ~0.2 s; agent-smi-samples.txt)" \
+        "samples between full and 0: memory released (checkpoint) or taken (restore) gradually" "$partial" INFO
+fi
 
 # The same agent's config with `thp = true`: restarted, it adopts both
 # services as they are (one running, one suspended).

@@ -389,7 +389,8 @@ impl Agent {
             }
             svc.set_state(&mut g, State::Suspending);
         }
-        self.journal(svc, None, &format!("suspend: {reason}"));
+        let thp = if svc.cfg.thp.unwrap_or(self.cfg.thp) { " (THP always for its checkpoint)" } else { "" };
+        self.journal(svc, None, &format!("suspend: {reason}{thp}"));
         let started = Instant::now();
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
         let r = tokio::task::spawn_blocking(move || a.suspend_blocking(&s))

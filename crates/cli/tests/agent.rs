@@ -960,6 +960,11 @@ fn thp_is_always_for_the_agents_suspends_and_put_back_even_after_a_kill() {
     assert_eq!(thp_selected(&sysfs), "madvise");
     assert!(!thp_json.exists());
 
+    let notes = a.notes(a.service("on")["pid"].as_i64().unwrap());
+    assert!(
+        notes.iter().any(|n| n["detail"].as_str().unwrap().contains("(THP always for its checkpoint)")),
+        "{notes:?}"
+    );
     // `thp = false` on the service: never switched.
     let t = post_in_background(&a.socket, "/v1/services/off/suspend");
     let mut seen = Vec::new();

@@ -186,3 +186,28 @@ impl Drop for Always {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_process_holding_two_switches_puts_the_mode_back_after_the_last() {
+        // The agent suspends two services at once: one process, two owners.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("enabled");
+        std::fs::write(&file, "always [madvise] never\n").unwrap();
+        // The only test of this binary that reads the variable.
+        std::env::set_var(SYSFS_ENV, &file);
+        let state = dir.path().join("state");
+        let a = Always::on(&state).unwrap();
+        assert_eq!(mode().unwrap(), "always");
+        let b = Always::on(&state).unwrap();
+        drop(a);
+        assert_eq!(mode().unwrap(), "always", "switched back while the second checkpoint runs");
+        assert!(state.join("thp.json").exists());
+        drop(b);
+        assert_eq!(mode().unwrap(), "madvise");
+        assert!(!state.join("thp.json").exists());
+    }
+}
