@@ -84,15 +84,19 @@ impl HeadStart {
 impl Default for Options {
     fn default() -> Self {
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
-        // Measured on the H200 host: UFFDIO_COPY scales to 16 threads
-        // (30 GB/s); batch size 256 KiB-16 MiB made no difference.
+        // Measured on the H200 host (16 cores, 26.4 GB lazy wake, Run 10 of
+        // docs/gpu-e2e.md): 16 fill threads at normal priority slowed the
+        // driver's restore, which runs on the same cores, to 6.72 s; 8 at
+        // nice 10 filled faster (6.3 GB/s against 5.6) and the driver took
+        // 5.42 s. So half the cores, below the driver's priority. Batch
+        // size 256 KiB-16 MiB made no difference.
         Self {
-            threads: cores.clamp(2, 16),
+            threads: (cores / 2).clamp(2, 8),
             batch: 4 << 20,
             wake_chunk: 1 << 20,
             fault_batch: 256 << 10,
             ahead: 0,
-            nice: 0,
+            nice: 10,
             head_start: HeadStart::Bytes(0),
             fail_after: None,
         }
