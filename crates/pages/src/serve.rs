@@ -343,18 +343,41 @@ impl MmState {
         let p = self.pieces[i].iov;
         let end = p.end.min(from);
         let start = p.start.max(end.saturating_sub(max));
-        let mut v = std::mem::take(&mut self.pieces);
-        cut(&mut v, start, end);
-        for p in &mut v {
-            if p.iov.start == start && p.iov.end == end {
-                p.owner = id;
-            }
-        }
-        self.pieces = v;
+        let iov = self.claim(i, start, end, id);
         if below.is_none() {
             self.hint = Some(start);
         }
-        self.pieces.iter().find(|p| p.owner == id).map(|p| p.iov)
+        Some(iov)
+    }
+    /// Marks [start, end), which lies inside piece `i`, as taken by fill
+    /// `id`, splitting only that piece. The fill threads take a batch
+    /// under this lock thousands of times a wake: rebuilding the whole
+    /// list each time (it holds a piece per mapping, thousands for a CUDA
+    /// process) kept them waiting for the lock, not copying.
+    fn claim(&mut self, i: usize, start: u64, end: u64, id: u64) -> Iov {
+        let p = self.pieces[i];
+        let mut parts = [None, None, None];
+        let mut cur = p;
+        if start > cur.iov.start {
+            let (l, r) = split(&cur, start);
+            parts[0] = Some(l);
+            cur = r;
+        }
+        if end < cur.iov.end {
+            let (l, r) = split(&cur, end);
+            parts[2] = Some(r);
+            cur = l;
+        }
+        cur.owner = id;
+        parts[1] = Some(cur);
+        self.pieces.splice(i..=i, parts.into_iter().flatten());
+        cur.iov
+    }
+    /// The first piece still to fill whose end is past `from` (pieces are
+    /// sorted and do not overlap, so their ends are sorted too).
+    fn first_free_from(&self, from: u64) -> Option<usize> {
+        let k = self.pieces.partition_point(|p| p.iov.end <= from);
+        self.pieces[k..].iter().position(|p| p.owner == 0).map(|j| k + j)
     }
     /// Marks up to `max` bytes from `addr` (or from the first piece still
     /// to fill) as taken by fill `id`.
@@ -367,26 +390,19 @@ impl MmState {
         let from = self.hint.unwrap_or(0);
         let i = match addr {
             Some(a) => self.pieces.iter().position(|p| a >= p.iov.start && a < p.iov.end && p.owner == 0)?,
-            None => match self.pieces.iter().position(|p| p.owner == 0 && p.iov.end > from) {
+            None => match self.first_free_from(from) {
                 Some(i) => i,
-                None => self.pieces.iter().position(|p| p.owner == 0)?,
+                None => self.first_free_from(0)?,
             },
         };
         let p = self.pieces[i].iov;
         let start = addr.unwrap_or(if from > p.start && from < p.end { from } else { p.start });
         let end = self.pieces[i].iov.end.min(start + max);
-        let mut v = std::mem::take(&mut self.pieces);
-        cut(&mut v, start, end);
-        for p in &mut v {
-            if p.iov.start == start && p.iov.end == end {
-                p.owner = id;
-            }
-        }
-        self.pieces = v;
+        let iov = self.claim(i, start, end, id);
         if addr.is_none() {
             self.hint = Some(end);
         }
-        self.pieces.iter().find(|p| p.owner == id).map(|p| p.iov)
+        Some(iov)
     }
     fn in_flight(&self, addr: u64) -> Option<bool> {
         self.pieces.iter().find(|p| addr >= p.iov.start && addr < p.iov.end).map(|p| p.owner != 0)
@@ -751,7 +767,13 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
             uffd,
             pages,
             st: Mutex::new(MmState {
-                pieces: iovs.into_iter().map(|iov| Piece { iov, owner: 0 }).collect(),
+                pieces: {
+                    // Sorted by address, as every edit keeps them (the fill
+                    // finds its next piece by binary search).
+                    let mut v: Vec<Piece> = iovs.into_iter().map(|iov| Piece { iov, owner: 0 }).collect();
+                    v.sort_by_key(|p| p.iov.start);
+                    v
+                },
                 ..Default::default()
             }),
         });
@@ -1164,6 +1186,32 @@ mod tests {
             let e = Options::from_vars(move |k| (k == bad.0).then(|| bad.1.to_string())).unwrap_err();
             assert!(e.to_string().starts_with(&format!("{}={}: ", bad.0, bad.1)), "{e}");
         }
+    }
+
+    #[test]
+    fn batches_taken_one_by_one_cover_every_piece_once() {
+        // Many mappings (as a CUDA process has), taken in batches that
+        // cut pieces in the middle: every byte is handed out exactly once.
+        let ranges: Vec<(u64, u64)> =
+            (0..500u64).map(|k| (0x10_0000 * k + 0x1000, 0x10_0000 * k + 0x9_3000)).collect();
+        let total: u64 = ranges.iter().map(|(a, b)| b - a).sum();
+        let mut s = st(&ranges);
+        let mut got = Vec::new();
+        let mut id = 1;
+        while let Some(iov) = s.take(None, 0x2_5000, id) {
+            got.push(iov);
+            id += 1;
+        }
+        assert_eq!(got.iter().map(|i| i.len()).sum::<u64>(), total);
+        got.sort_by_key(|i| i.start);
+        assert!(got.windows(2).all(|w| w[0].end <= w[1].start));
+        assert!(s.pieces.windows(2).all(|w| w[0].iov.end <= w[1].iov.start));
+        assert!(s.pieces.iter().all(|p| p.owner != 0));
+        // The offsets into the pages file follow the addresses.
+        assert!(got.iter().all(|i| {
+            let r = ranges.iter().find(|r| r.0 <= i.start && i.start < r.1).unwrap();
+            i.end <= r.1 && i.off == r.0 * 10 + (i.start - r.0)
+        }));
     }
 
     #[test]
