@@ -30,6 +30,7 @@ use std::path::{Path, PathBuf};
 mod remote;
 pub use remote::{Remote, RemoteError, RemoteUrl, TransferReport};
 
+
 /// FastCDC sizes: 1 MiB chunks on average keep a 28 GB image at ~28k objects
 /// (each a request to an object store) while private state between shared
 /// pages costs at most a few MiB of lost dedup.
@@ -141,6 +142,111 @@ fn chunk_segments(
     });
     drop(slots);
     out.into_iter().flatten().collect()
+}
+
+/// A chunk written under a temporary name, its write-back started, not yet
+/// under its own name: [`LocalStore::finish`] makes it durable and names
+/// it. A chunk is never under its name before its bytes are on disk (when
+/// asked to be durable), or a crash could leave a torn chunk that later
+/// images would deduplicate against.
+#[derive(Debug)]
+pub struct Staged {
+    tmp: PathBuf,
+    dest: PathBuf,
+    /// Its encoded size.
+    pub bytes: u64,
+}
+
+/// What [`store_slice`] did: the chunk list of the data, and the chunks it
+/// added (staged, see [`LocalStore::finish`]).
+#[derive(Debug, Default)]
+pub struct Stored {
+    pub chunks: Vec<ChunkRef>,
+    pub staged: Vec<Staged>,
+}
+
+/// Cuts `data` into chunks (FastCDC by [`SEGMENT`]s, as [`chunk_slice`]),
+/// hashes, compresses and stages each chunk the store lacks, on up to
+/// `threads` cores in one pass over the data. `durable`: each chunk's
+/// write-back starts as it is written (sync_file_range), so that the
+/// fdatasync of [`LocalStore::finish`] finds little left to do.
+pub fn store_slice(
+    data: &[u8],
+    threads: usize,
+    store: &LocalStore,
+    durable: bool,
+    on_bytes: &(dyn Fn(u64) + Sync),
+) -> Result<Stored, ChunkError> {
+    let segs: Vec<&[u8]> = data.chunks(SEGMENT).collect();
+    type Slot = Result<(Vec<ChunkRef>, Vec<Staged>), ChunkError>;
+    let slots: Vec<std::sync::Mutex<Option<Slot>>> = segs.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    // One stage per distinct new chunk, even when it repeats (zero pages).
+    let taken: std::sync::Mutex<HashSet<String>> = std::sync::Mutex::new(HashSet::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, segs.len().max(1)) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(seg) = segs.get(i) else { break };
+                if failed.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let mut list = Vec::new();
+                let mut staged = Vec::new();
+                let mut res = Ok(());
+                for c in fastcdc::v2020::FastCDC::new(seg, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK) {
+                    let bytes = &seg[c.offset..c.offset + c.length];
+                    let cref =
+                        ChunkRef { blake3: blake3::hash(bytes).to_hex().to_string(), size: c.length as u64 };
+                    let new = !store.has(&cref.blake3)
+                        && taken.lock().map(|mut t| t.insert(cref.blake3.clone())).unwrap_or(true);
+                    if new {
+                        match store.stage(&cref.blake3, &encode(bytes), durable) {
+                            Ok(st) => staged.push(st),
+                            Err(e) => {
+                                res = Err(e);
+                                break;
+                            }
+                        }
+                    }
+                    list.push(cref);
+                }
+                on_bytes(seg.len() as u64);
+                if res.is_err() {
+                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                if let Ok(mut slot) = slots[i].lock() {
+                    *slot = Some(res.map(|_| (list, staged)));
+                }
+            });
+        }
+    });
+    let mut out = Stored::default();
+    let mut err = None;
+    for slot in slots {
+        match slot.into_inner().ok().flatten() {
+            Some(Ok((list, staged))) => {
+                out.chunks.extend(list);
+                out.staged.extend(staged);
+            }
+            Some(Err(e)) => {
+                err.get_or_insert(e);
+            }
+            None => {
+                err.get_or_insert(ChunkError::Io {
+                    path: store.root.display().to_string(),
+                    op: "chunk".into(),
+                    err: std::io::Error::other("a chunking thread stopped"),
+                });
+            }
+        }
+    }
+    if let Some(e) = err {
+        store.abandon(out.staged);
+        return Err(e);
+    }
+    Ok(out)
 }
 
 /// Encodes a chunk for storage: zstd, or raw when zstd does not pay.
@@ -269,6 +375,81 @@ impl LocalStore {
             return Err(io_err(&p, "write")(e));
         }
         Ok(enc.len() as u64)
+    }
+
+    /// Writes an encoded chunk under a temporary name next to its place
+    /// (see [`Staged`]); with `durable`, its write-back starts at once.
+    pub fn stage(&self, hash: &str, enc: &[u8], durable: bool) -> Result<Staged, ChunkError> {
+        let dest = self.path_of(hash);
+        let dir = dest.parent().expect("chunk path has a parent");
+        fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io_err(dir, "create"))?;
+        let tmp = dir.join(format!(".{hash}.tmp-{}-{:x}", std::process::id(), rand_u64()));
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)
+            .map_err(io_err(&tmp, "create"))?;
+        if let Err(e) = f.write_all(enc) {
+            let _ = fs::remove_file(&tmp);
+            return Err(io_err(&tmp, "write")(e));
+        }
+        if durable {
+            // SAFETY: a valid descriptor this function owns; offset 0 and
+            // length 0 mean the whole file; no memory is passed.
+            unsafe { libc::sync_file_range(f.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+        }
+        Ok(Staged { tmp, dest, bytes: enc.len() as u64 })
+    }
+
+    /// Puts staged chunks under their names: with `durable`, each is first
+    /// fdatasynced (on several threads: the write-back started when it was
+    /// written, so most waits are short), and the directories that gained
+    /// a name are synced after the renames.
+    pub fn finish(&self, staged: Vec<Staged>, durable: bool) -> Result<(), ChunkError> {
+        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(2, 16);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let err: std::sync::Mutex<Option<ChunkError>> = std::sync::Mutex::new(None);
+        std::thread::scope(|s| {
+            for _ in 0..threads.min(staged.len().max(1)) {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(st) = staged.get(i) else { break };
+                    let done = (|| {
+                        if durable {
+                            fs::File::open(&st.tmp)?.sync_data()?;
+                        }
+                        fs::rename(&st.tmp, &st.dest)
+                    })();
+                    if let Err(e) = done {
+                        if let Ok(mut g) = err.lock() {
+                            g.get_or_insert(io_err(&st.dest, "store")(e));
+                        }
+                    }
+                });
+            }
+        });
+        if let Some(e) = err.into_inner().ok().flatten() {
+            self.abandon(staged);
+            return Err(e);
+        }
+        if durable {
+            let mut dirs: Vec<&Path> = staged.iter().filter_map(|s| s.dest.parent()).collect();
+            dirs.sort();
+            dirs.dedup();
+            for d in dirs {
+                fs::File::open(d).and_then(|f| f.sync_all()).map_err(io_err(d, "sync"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes staged chunks that will not be named (a failed commit).
+    pub fn abandon(&self, staged: Vec<Staged>) {
+        for st in staged {
+            let _ = fs::remove_file(&st.tmp);
+        }
     }
 
     /// Stores a chunk's bytes unless it is there; returns the bytes added.

@@ -177,16 +177,8 @@ fn corrupt_missing_and_foreign_images_are_refused() {
     let (pid, _) = w.cpu_tree();
     assert_eq!(w.json(&["hibernate", &pid.to_string(), "--image", "c"]).code, 0);
     w.reap(pid);
-    let dir = w.state_dir().join("images/c");
-    let page = std::fs::read_dir(dir.join("criu"))
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("pages-"))
-        .unwrap();
-    let mut b = std::fs::read(&page).unwrap();
-    b[0] ^= 0xff;
-    std::fs::write(&page, &b).unwrap();
+    // The pages are chunks in the store: one of them damaged.
+    corrupt_pages_chunk(&w.state_dir(), "c", &[]);
     let r = w.json(&["wake", "c"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
@@ -521,15 +513,8 @@ fn group_hibernate_and_wake_refuse_bad_input() {
     let (p2, _) = w.cpu_tree();
     assert_eq!(w.json(&["hibernate", &p2.to_string(), "--image", "bad"]).code, 0);
     w.reap(p2);
-    let page = std::fs::read_dir(w.state_dir().join("images/bad/criu"))
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("pages-"))
-        .unwrap();
-    let mut b = std::fs::read(&page).unwrap();
-    b[0] ^= 0xff;
-    std::fs::write(&page, &b).unwrap();
+    // A chunk of bad's own (not one good shares) damaged.
+    corrupt_pages_chunk(&w.state_dir(), "bad", &["good"]);
     let r = w.json(&["wake", "good", "bad"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);

@@ -22,6 +22,7 @@ mod source;
 pub mod sys;
 
 pub use image::{lazy_bytes, lazy_iovs, Iov};
+pub use image::eager_ranges;
 pub use serve::{Options, Report, Server};
 pub use source::{DirSource, PageSource, PagesFile};
 
