@@ -30,7 +30,6 @@ use std::path::{Path, PathBuf};
 mod remote;
 pub use remote::{Remote, RemoteError, RemoteUrl, TransferReport};
 
-
 /// FastCDC sizes: 1 MiB chunks on average keep a 28 GB image at ~28k objects
 /// (each a request to an object store) while private state between shared
 /// pages costs at most a few MiB of lost dedup.
@@ -179,7 +178,8 @@ pub fn store_slice(
 ) -> Result<Stored, ChunkError> {
     let segs: Vec<&[u8]> = data.chunks(SEGMENT).collect();
     type Slot = Result<(Vec<ChunkRef>, Vec<Staged>), ChunkError>;
-    let slots: Vec<std::sync::Mutex<Option<Slot>>> = segs.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    let slots: Vec<std::sync::Mutex<Option<Slot>>> =
+        segs.iter().map(|_| std::sync::Mutex::new(None)).collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let failed = std::sync::atomic::AtomicBool::new(false);
     // One stage per distinct new chunk, even when it repeats (zero pages).

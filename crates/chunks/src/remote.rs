@@ -351,7 +351,10 @@ impl Remote {
     /// page lies in). Returns the encoded bytes received.
     pub fn fetch_one(&self, local: &LocalStore, hash: &str) -> Result<u64, ChunkError> {
         if !crate::valid_hash(hash) {
-            return Err(ChunkError::Corrupt { hash: hash.chars().take(80).collect(), why: "not a blake3 name".into() });
+            return Err(ChunkError::Corrupt {
+                hash: hash.chars().take(80).collect(),
+                why: "not a blake3 name".into(),
+            });
         }
         let enc = self.rt.block_on(self.get_bounded(
             &self.chunk_key(hash),

@@ -77,7 +77,9 @@ impl Shared {
         if let Ok(mut b) = self.bad.lock() {
             if b.is_none() {
                 *b = Some(match e {
-                    ImageError::Corrupt { name, why } => ImageError::Corrupt { name: name.clone(), why: why.clone() },
+                    ImageError::Corrupt { name, why } => {
+                        ImageError::Corrupt { name: name.clone(), why: why.clone() }
+                    }
                     other => ImageError::Io {
                         name: self.image.clone(),
                         op: "read chunks".into(),
@@ -89,12 +91,15 @@ impl Shared {
     }
 }
 
+/// Verified chunks of one shard, by index in the file's list.
+type Shard = Vec<(usize, Arc<Vec<u8>>)>;
+
 struct ChunkedFile {
     path: String,
     chunks: Vec<ChunkRef>,
     /// End offset of each chunk (prefix sums of the sizes).
     ends: Vec<u64>,
-    cache: Vec<Mutex<Vec<(usize, Arc<Vec<u8>>)>>>,
+    cache: Vec<Mutex<Shard>>,
     shared: Arc<Shared>,
 }
 
@@ -123,7 +128,9 @@ impl ChunkedFile {
 
     fn chunk(&self, i: usize) -> Result<Arc<Vec<u8>>, ImageError> {
         let shard = &self.cache[i % SHARDS];
-        if let Some(d) = shard.lock().ok().and_then(|s| s.iter().find(|(k, _)| *k == i).map(|(_, d)| d.clone())) {
+        if let Some(d) =
+            shard.lock().ok().and_then(|s| s.iter().find(|(k, _)| *k == i).map(|(_, d)| d.clone()))
+        {
             return Ok(d);
         }
         // Read and checked outside the lock: two threads may load one chunk
@@ -223,7 +230,8 @@ impl Workdir {
         let mut files = Vec::new();
         let mut by_name = HashMap::new();
         for f in &m.files {
-            let base = Path::new(&f.path).file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+            let base =
+                Path::new(&f.path).file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
             // Paths are checked (plain, under criu/); CRIU's files are flat.
             let to = images.join(Path::new(&f.path).strip_prefix("criu").unwrap_or(Path::new(&base)));
             if let Some(p) = to.parent() {
@@ -236,12 +244,20 @@ impl Workdir {
                 continue;
             }
             // Verified whole already, in the root-only store.
-            let mut from = open_regular(&dir.join(&f.path), f.size).map_err(ioe(format!("read {}", f.path)))?;
+            let mut from =
+                open_regular(&dir.join(&f.path), f.size).map_err(ioe(format!("read {}", f.path)))?;
             let mut out = create_private(&to).map_err(ioe(format!("copy {}", f.path)))?;
             io::copy(&mut from, &mut out).map_err(ioe(format!("copy {}", f.path)))?;
         }
         let source = Arc::new(StoreSource { files: by_name, dir: DirSource::new(&images) });
-        Ok(Some(Self { images, source, bad, files, stop: Arc::new(AtomicBool::new(false)), prefetch: Vec::new() }))
+        Ok(Some(Self {
+            images,
+            source,
+            bad,
+            files,
+            stop: Arc::new(AtomicBool::new(false)),
+            prefetch: Vec::new(),
+        }))
     }
 
     /// Writes the pages files CRIU reads: `whole`, every byte of each (an
@@ -254,14 +270,15 @@ impl Workdir {
             let rd = fs::read_dir(&self.images).map_err(|e| self.io("list", e))?;
             for e in rd.filter_map(|e| e.ok()) {
                 let n = e.file_name().to_string_lossy().into_owned();
-                let Some(pid) = n.strip_prefix("pagemap-").and_then(|s| s.strip_suffix(".img")).and_then(|s| s.parse::<i32>().ok())
+                let Some(pid) = n
+                    .strip_prefix("pagemap-")
+                    .and_then(|s| s.strip_suffix(".img"))
+                    .and_then(|s| s.parse::<i32>().ok())
                 else {
                     continue;
                 };
-                let (id, r) = gpusnap_pages::eager_ranges(&self.images, pid).map_err(|e| ImageError::Corrupt {
-                    name: self.name().into(),
-                    why: e.to_string(),
-                })?;
+                let (id, r) = gpusnap_pages::eager_ranges(&self.images, pid)
+                    .map_err(|e| ImageError::Corrupt { name: self.name().into(), why: e.to_string() })?;
                 ranges.entry(format!("pages-{id}.img")).or_default().extend(r);
             }
         }
@@ -308,9 +325,9 @@ impl Workdir {
                             break;
                         }
                         buf.resize(*n as usize, 0);
-                        let r = f
-                            .read(*off, &mut buf)
-                            .and_then(|_| out.write_all_at(&buf, *off).map_err(|e| self.io("write pages", e)));
+                        let r = f.read(*off, &mut buf).and_then(|_| {
+                            out.write_all_at(&buf, *off).map_err(|e| self.io("write pages", e))
+                        });
                         if let Err(e) = r {
                             if let Ok(mut g) = first.lock() {
                                 g.get_or_insert(e);

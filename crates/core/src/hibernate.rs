@@ -667,7 +667,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     ) -> Result<Vec<WakeReport>, Error> {
         let mut plans = Vec::new();
         for name in names {
-            let plan = self.plan_wake(images, name, opts, names.len() > 1).map_err(|e| member(names, name, e))?;
+            let plan =
+                self.plan_wake(images, name, opts, names.len() > 1).map_err(|e| member(names, name, e))?;
             // An image from another host may come from a newer CRIU, whose
             // image files an older one may misread.
             if crate::criu::newer_version(&plan.m.criu_version, &criu.version) {
@@ -914,7 +915,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 // looked free (a reaper racing us): CRIU then says "File exists".
                 let mut tries = 0;
                 loop {
-                    match crate::lazy::restore_from(criu, &criu_images, &work, eager, source.clone(), &before_eager) {
+                    match crate::lazy::restore_from(
+                        criu,
+                        &criu_images,
+                        &work,
+                        eager,
+                        source.clone(),
+                        &before_eager,
+                    ) {
                         Err(crate::criu::CriuError::Failed { line, .. })
                             if line.contains("File exists") && tries < 5 =>
                         {

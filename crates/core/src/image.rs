@@ -133,14 +133,19 @@ impl FileDesc {
     pub fn in_store(&self, dir: &Path) -> bool {
         chunked_name(&self.path)
             && !self.chunks.is_empty()
-            && fs::symlink_metadata(dir.join(&self.path)).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+            && fs::symlink_metadata(dir.join(&self.path))
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
     }
 
     /// The chunk list covers exactly the file's bytes.
     pub fn check_chunk_list(&self, name: &str) -> Result<(), ImageError> {
         let sum = self.chunks.iter().fold(0u64, |a, c| a.saturating_add(c.size));
         if sum != self.size
-            || self.chunks.iter().any(|c| !gpusnap_chunks::valid_hash(&c.blake3) || c.size == 0 || c.size > gpusnap_chunks::MAX_CHUNK as u64)
+            || self.chunks.iter().any(|c| {
+                !gpusnap_chunks::valid_hash(&c.blake3)
+                    || c.size == 0
+                    || c.size > gpusnap_chunks::MAX_CHUNK as u64
+            })
         {
             return Err(ImageError::Corrupt {
                 name: name.into(),
@@ -398,7 +403,8 @@ impl PendingImage {
         // bound, the other CPU bound); both end before the rename.
         let dir = self.dir.clone();
         // The pages files become chunks and are removed: never flushed.
-        let flush = std::thread::spawn(move || if durable { sync_tree_but(&dir, chunked_name) } else { Ok(()) });
+        let flush =
+            std::thread::spawn(move || if durable { sync_tree_but(&dir, chunked_name) } else { Ok(()) });
         let mut rel = Vec::new();
         files_under(&self.dir, &self.dir.join("criu"), &mut rel).map_err(io(&name, "list files"))?;
         rel.sort();
@@ -760,7 +766,11 @@ impl ImageStore {
                 name: name.into(),
                 why: format!("{}: chunk {hash} is missing from the store (pull the image again)", f.path),
             },
-            e => ImageError::Io { name: name.into(), op: "read chunks".into(), err: std::io::Error::other(e.to_string()) },
+            e => ImageError::Io {
+                name: name.into(),
+                op: "read chunks".into(),
+                err: std::io::Error::other(e.to_string()),
+            },
         };
         let store = crate::remote::local_store(self).map_err(chunk_err)?;
         match check {
@@ -776,7 +786,8 @@ impl ImageStore {
                 let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(1, 16);
                 let next = std::sync::atomic::AtomicUsize::new(0);
                 let done = std::sync::atomic::AtomicU64::new(0);
-                let first: std::sync::Mutex<Option<(usize, gpusnap_chunks::ChunkError)>> = std::sync::Mutex::new(None);
+                let first: std::sync::Mutex<Option<(usize, gpusnap_chunks::ChunkError)>> =
+                    std::sync::Mutex::new(None);
                 std::thread::scope(|s| {
                     for _ in 0..threads.min(f.chunks.len().max(1)) {
                         s.spawn(|| loop {
@@ -787,11 +798,18 @@ impl ImageStore {
                                     done.fetch_add(c.size, std::sync::atomic::Ordering::Relaxed);
                                 }
                                 Ok(_) => {
-                                    let e = gpusnap_chunks::ChunkError::Corrupt { hash: c.blake3.clone(), why: "its size is not the listed one".into() };
-                                    if let Ok(mut g) = first.lock() { g.get_or_insert((i, e)); }
+                                    let e = gpusnap_chunks::ChunkError::Corrupt {
+                                        hash: c.blake3.clone(),
+                                        why: "its size is not the listed one".into(),
+                                    };
+                                    if let Ok(mut g) = first.lock() {
+                                        g.get_or_insert((i, e));
+                                    }
                                 }
                                 Err(e) => {
-                                    if let Ok(mut g) = first.lock() { g.get_or_insert((i, e)); }
+                                    if let Ok(mut g) = first.lock() {
+                                        g.get_or_insert((i, e));
+                                    }
                                 }
                             }
                         });
@@ -845,7 +863,9 @@ impl ImageStore {
             // Each pages file: its chunks stored (checked against the signed
             // list, durable), then the file removed; a crash in between
             // leaves the file, which is still the image.
-            for f in m.files.iter().filter(|f| chunked_name(&f.path) && !f.chunks.is_empty() && !f.in_store(&src)) {
+            for f in
+                m.files.iter().filter(|f| chunked_name(&f.path) && !f.chunks.is_empty() && !f.in_store(&src))
+            {
                 f.check_chunk_list(path)?;
                 let file = open_listed(path, &src, f)?;
                 put_chunks_of(path, file, f, &store, &mut on_bytes)?;
@@ -1046,7 +1066,10 @@ fn put_chunks_of(
         file.read_exact(&mut buf).map_err(io(name, format!("read {}", f.path)))?;
         whole.update(&buf);
         if blake3::hash(&buf).to_hex().as_str() != c.blake3 {
-            return Err(ImageError::Corrupt { name: name.into(), why: format!("{} fails its checksum", f.path) });
+            return Err(ImageError::Corrupt {
+                name: name.into(),
+                why: format!("{} fails its checksum", f.path),
+            });
         }
         store.put(c, &buf).map_err(|e| ImageError::Io {
             name: name.into(),

@@ -1,7 +1,7 @@
 //! gpusnap's lifecycle logic, written against the driver and NVML traits.
 
-pub mod compat;
 pub mod chunksrc;
+pub mod compat;
 pub mod criu;
 pub mod doctor;
 pub mod engine;

@@ -21,8 +21,8 @@ mod serve;
 mod source;
 pub mod sys;
 
-pub use image::{lazy_bytes, lazy_iovs, Iov};
 pub use image::eager_ranges;
+pub use image::{lazy_bytes, lazy_iovs, Iov};
 pub use serve::{Options, Report, Server};
 pub use source::{DirSource, PageSource, PagesFile};
 

@@ -595,9 +595,10 @@ pub fn criu_present() {
 /// from its manifest.
 #[allow(dead_code)]
 pub fn pages_chunks(state_dir: &Path, image: &str) -> Vec<String> {
-    let m: Value =
-        serde_json::from_str(&std::fs::read_to_string(state_dir.join("images").join(image).join("manifest.json")).unwrap())
-            .unwrap();
+    let m: Value = serde_json::from_str(
+        &std::fs::read_to_string(state_dir.join("images").join(image).join("manifest.json")).unwrap(),
+    )
+    .unwrap();
     let mut files: Vec<&Value> = m["files"]
         .as_array()
         .unwrap()
@@ -607,7 +608,9 @@ pub fn pages_chunks(state_dir: &Path, image: &str) -> Vec<String> {
     files.sort_by_key(|f| std::cmp::Reverse(f["size"].as_u64().unwrap()));
     files
         .iter()
-        .flat_map(|f| f["chunks"].as_array().unwrap().iter().map(|c| c["blake3"].as_str().unwrap().to_string()))
+        .flat_map(|f| {
+            f["chunks"].as_array().unwrap().iter().map(|c| c["blake3"].as_str().unwrap().to_string())
+        })
         .collect()
 }
 
@@ -616,9 +619,15 @@ pub fn pages_chunks(state_dir: &Path, image: &str) -> Vec<String> {
 /// bytes (to put back).
 #[allow(dead_code)]
 pub fn corrupt_pages_chunk(state_dir: &Path, image: &str, spare: &[&str]) -> (PathBuf, Vec<u8>) {
-    let keep: std::collections::HashSet<String> = spare.iter().flat_map(|s| pages_chunks(state_dir, s)).collect();
+    let keep: std::collections::HashSet<String> =
+        spare.iter().flat_map(|s| pages_chunks(state_dir, s)).collect();
     let mine = pages_chunks(state_dir, image);
-    let h = mine.iter().skip(mine.len() / 2).chain(mine.iter()).find(|h| !keep.contains(*h)).expect("a chunk of its own");
+    let h = mine
+        .iter()
+        .skip(mine.len() / 2)
+        .chain(mine.iter())
+        .find(|h| !keep.contains(*h))
+        .expect("a chunk of its own");
     let p = state_dir.join("store/chunks").join(&h[..2]).join(h);
     let good = std::fs::read(&p).unwrap();
     let mut bad = good.clone();
