@@ -403,44 +403,35 @@ impl LocalStore {
         Ok(Staged { tmp, dest, bytes: enc.len() as u64 })
     }
 
-    /// Puts staged chunks under their names: with `durable`, each is first
-    /// fdatasynced (on several threads: the write-back started when it was
-    /// written, so most waits are short), and the directories that gained
-    /// a name are synced after the renames.
+    /// Puts staged chunks under their names: with `durable`, their bytes
+    /// are on disk first, and the names after the renames. Measured
+    /// (scripts/bench-chunks-hibernate.sh, docs/benchmarks.md): an
+    /// fdatasync per chunk made a 3 GiB hibernate three times slower on
+    /// ext4 (a journal commit per chunk), so the store's filesystem is
+    /// synced whole (syncfs), once for the data and once for the names;
+    /// that also flushes other dirty data of that filesystem.
     pub fn finish(&self, staged: Vec<Staged>, durable: bool) -> Result<(), ChunkError> {
-        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(2, 16);
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let err: std::sync::Mutex<Option<ChunkError>> = std::sync::Mutex::new(None);
-        std::thread::scope(|s| {
-            for _ in 0..threads.min(staged.len().max(1)) {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(st) = staged.get(i) else { break };
-                    let done = (|| {
-                        if durable {
-                            fs::File::open(&st.tmp)?.sync_data()?;
-                        }
-                        fs::rename(&st.tmp, &st.dest)
-                    })();
-                    if let Err(e) = done {
-                        if let Ok(mut g) = err.lock() {
-                            g.get_or_insert(io_err(&st.dest, "store")(e));
-                        }
-                    }
-                });
-            }
-        });
-        if let Some(e) = err.into_inner().ok().flatten() {
-            self.abandon(staged);
-            return Err(e);
+        if durable && !staged.is_empty() {
+            self.syncfs()?;
         }
-        if durable {
-            let mut dirs: Vec<&Path> = staged.iter().filter_map(|s| s.dest.parent()).collect();
-            dirs.sort();
-            dirs.dedup();
-            for d in dirs {
-                fs::File::open(d).and_then(|f| f.sync_all()).map_err(io_err(d, "sync"))?;
+        for st in &staged {
+            if let Err(e) = fs::rename(&st.tmp, &st.dest) {
+                let err = io_err(&st.dest, "store")(e);
+                self.abandon(staged);
+                return Err(err);
             }
+        }
+        if durable && !staged.is_empty() {
+            self.syncfs()?;
+        }
+        Ok(())
+    }
+
+    fn syncfs(&self) -> Result<(), ChunkError> {
+        let f = fs::File::open(&self.root).map_err(io_err(&self.root, "open"))?;
+        // SAFETY: syncfs on a descriptor this function owns; no memory is passed.
+        if unsafe { libc::syncfs(f.as_raw_fd()) } != 0 {
+            return Err(io_err(&self.root, "sync")(std::io::Error::last_os_error()));
         }
         Ok(())
     }
