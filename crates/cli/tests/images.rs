@@ -524,3 +524,51 @@ fn group_hibernate_and_wake_refuse_bad_input() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.adopt(pid);
 }
+
+#[test]
+fn an_image_whose_pages_are_files_verifies_and_import_makes_them_chunks() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, out) = w.cpu_tree();
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", "old"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let at = count(&out);
+    // An image as gpusnap wrote them before: its pages files are files (and
+    // the store has none of their chunks).
+    let state = w.state_dir();
+    let dir = state.join("images/old");
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    let store = gpusnap_chunks::LocalStore::open(state.join("store")).unwrap();
+    let mut pages = Vec::new();
+    for f in m["files"].as_array().unwrap() {
+        let path = f["path"].as_str().unwrap();
+        if !path.contains("/pages-") || f["chunks"].as_array().map(|c| c.is_empty()).unwrap_or(true) {
+            continue;
+        }
+        let mut data = Vec::new();
+        for c in f["chunks"].as_array().unwrap() {
+            data.extend(store.get(c["blake3"].as_str().unwrap()).unwrap());
+        }
+        std::fs::write(dir.join(path), &data).unwrap();
+        std::fs::set_permissions(dir.join(path), std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        pages.push(dir.join(path));
+    }
+    assert!(!pages.is_empty());
+    std::fs::remove_dir_all(state.join("store/chunks")).unwrap();
+    let r = w.json(&["images", "verify", "old"]);
+    assert_eq!(r.code, 0, "an image with its pages as files: {}", r.stderr);
+    // Imported: its pages become chunks (checked), the files go.
+    let r = w.json(&["images", "import", "old"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(pages.iter().all(|p| !p.exists()), "the pages files are removed");
+    let r = w.json(&["images", "verify", "old"]);
+    assert_eq!(r.code, 0, "every chunk there and whole: {}", r.stderr);
+    let r = w.json(&["wake", "old", "--wait", "10", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    wait_for(Duration::from_secs(20), || count(&out) > at + 5);
+}
