@@ -18,6 +18,16 @@
 #   REMOTE_URL      where to push (default file://$WORK/remote; an s3://BUCKET/PREFIX
 #                   takes AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION,
 #                   AWS_ENDPOINT_URL, AWS_ALLOW_HTTP=true for a local http server)
+#   RBENCH_S3=1     push to an S3 server started on this machine (loopback):
+#                   moto from RBENCH_WHEELS (a directory of cp312 wheels, extracted
+#                   with python's zipfile: no pip, no internet; make it with
+#                   `pip download --only-binary=:all: --python-version 3.12
+#                   --platform manylinux2014_x86_64 'moto[server]' -d DIR`, the
+#                   S3 part: moto boto3 botocore s3transfer jmespath python_dateutil
+#                   six urllib3 werkzeug flask flask_cors jinja2 markupsafe
+#                   itsdangerous click blinker xmltodict responses requests certifi
+#                   idna charset_normalizer cryptography cffi pycparser pyyaml, ~31 MB),
+#                   else moto_server on PATH; REMOTE_URL is then s3://gpusnap-bench/replicas
 #   RBENCH_BUDGET_S soft budget in seconds (default 480); a watchdog ends the
 #                   run, through the cleanup, 45 s after it
 # Writes $OUT/bench-remote.md (also on stdout) and $OUT/bench-remote.log.
@@ -101,6 +111,36 @@ replica_on() {
     [ -n "$got" ] && [ "$got" = "${REF[$1]}" ]
 }
 
+# start_s3: an S3 server on loopback for the remote (see RBENCH_S3).
+S3_PID=""
+start_s3() {
+    local port=18599 end
+    if [ -n "${RBENCH_WHEELS:-}" ]; then
+        mkdir -p "$WORK/s3lib"
+        for w in "$RBENCH_WHEELS"/*.whl; do
+            python3 -m zipfile -e "$w" "$WORK/s3lib" >>"$LOG" 2>&1 || return 1
+        done
+        PYTHONPATH=$WORK/s3lib python3 -m moto.server -H 127.0.0.1 -p "$port" </dev/null >>"$WORK/s3.log" 2>&1 &
+    else
+        command -v moto_server >/dev/null || return 1
+        moto_server -H 127.0.0.1 -p "$port" </dev/null >>"$WORK/s3.log" 2>&1 &
+    fi
+    S3_PID=$!
+    end=$((SECONDS + 60))
+    until curl -s -m 2 -o /dev/null "http://127.0.0.1:$port/"; do
+        if [ "$SECONDS" -ge "$end" ] || ! alive "$S3_PID"; then
+            log_file "s3 log" "$WORK/s3.log"
+            return 1
+        fi
+        sleep 0.3
+    done
+    curl -s -m 10 -X PUT "http://127.0.0.1:$port/gpusnap-bench" >>"$LOG" 2>&1 || return 1
+    export AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing AWS_REGION=us-east-1
+    export AWS_ENDPOINT_URL=http://127.0.0.1:$port AWS_ALLOW_HTTP=true
+    REMOTE=s3://gpusnap-bench/replicas
+    log "S3 server (moto) pid $S3_PID on 127.0.0.1:$port"
+}
+
 # image_bytes NAME: the bytes of an image's files (its pages in the store).
 image_bytes() { "$GPUSNAP" --json --state-dir "$STATE_DIR" images verify "$1" 2>>"$LOG" | python3 -c 'import json,sys; print(sum(f["size"] for f in json.load(sys.stdin)["files"]))' 2>/dev/null; }
 
@@ -130,6 +170,7 @@ report() {
 on_exit() {
     local rc=$?
     cleanup_all
+    if [ -n "$S3_PID" ]; then kill "$S3_PID" 2>/dev/null || true; fi
     report
     if [ "$NFAIL" -gt 0 ] || [ "$rc" -ne 0 ]; then exit 1; fi
     exit 0
@@ -138,6 +179,9 @@ on_exit() {
 install_traps
 start_watchdog $((RBENCH_BUDGET_S + 45))
 collect_header
+if [ "${RBENCH_S3:-0}" = 1 ]; then
+    start_s3 || { row R0 "an S3 server starts on loopback" running "not running" FAIL; exit 1; }
+fi
 
 # Both replicas hold the same data (the same seed, or worker.py's fill).
 pids=()
