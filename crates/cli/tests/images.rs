@@ -572,3 +572,29 @@ fn an_image_whose_pages_are_files_verifies_and_import_makes_them_chunks() {
     w.adopt(pid);
     wait_for(Duration::from_secs(20), || count(&out) > at + 5);
 }
+
+#[test]
+fn a_corrupted_chunk_of_a_cuda_image_is_refused_before_anything_is_restored() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = w.workload(2048, 0, &[]);
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", "gpu"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    // Every chunk of a CUDA image is checked before CRIU runs: a driver
+    // restore must never wait on a page whose chunk will not come.
+    let (chunk, good) = corrupt_pages_chunk(&w.state_dir(), "gpu", &[]);
+    let r = w.json(&["wake", "gpu", "--wait", "10"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
+    assert!(!pid_exists(pid), "nothing was restored");
+    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0"], "the driver was never asked to restore");
+    std::fs::write(&chunk, &good).unwrap();
+    let r = w.json(&["wake", "gpu", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    w.assert_progressing(pid);
+    let r = w.json(&["stop", &pid.to_string(), "--grace", "2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}

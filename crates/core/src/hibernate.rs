@@ -779,10 +779,15 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // as it is read).
         // A group is all or nothing: every chunk of every member is checked
         // before any tree runs (a member woken, then ended because another
-        // member's chunk failed, would have run on for a moment).
+        // member's chunk failed, would have run on for a moment). So is an
+        // image of CUDA processes: a driver restore that faults on a page
+        // whose chunk failed would wait for it until the call's deadline
+        // (minutes) before the wake could end the tree. A streamed image's
+        // chunks are checked as they arrive (docs/images.md: not yet cut short).
+        let cuda = m.processes.iter().any(|p| p.cuda);
         let check = if crate::remote::origin(images.state_dir(), name).is_some() {
             crate::image::ChunkCheck::Listed
-        } else if group {
+        } else if group || cuda {
             crate::image::ChunkCheck::Full
         } else {
             crate::image::ChunkCheck::Present
