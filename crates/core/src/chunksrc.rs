@@ -349,7 +349,10 @@ impl Workdir {
     pub fn start_prefetch(&mut self) {
         let Some(first) = self.files.first() else { return };
         let shared = first.shared.clone();
-        let Some(remote) = shared.remote.clone() else { return };
+        let Some(remote) = shared.remote.clone() else {
+            self.start_readahead();
+            return;
+        };
         let mut todo: Vec<String> = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for f in &self.files {
@@ -375,6 +378,36 @@ impl Workdir {
                     // when a page in it is read.
                     if let Err(e) = remote.fetch_one(&shared.store, h) {
                         tracing::debug!("prefetch of chunk {h}: {e}");
+                    }
+                }
+            }));
+        }
+    }
+
+    /// For a local image: asks the kernel to read the chunk files ahead,
+    /// in address order (the order the page server fills memory in), so
+    /// that the disk works on many at once. Measured on the CPU machine: a
+    /// cold lazy wake read thousands of 1 MiB files one at a time, 2.5x
+    /// slower than one pages file with the kernel's readahead.
+    fn start_readahead(&mut self) {
+        let paths: Vec<PathBuf> = self
+            .files
+            .iter()
+            .flat_map(|f| f.chunks.iter().map(|c| f.shared.store.path_of(&c.blake3)))
+            .collect();
+        let paths = Arc::new(paths);
+        let next = Arc::new(AtomicUsize::new(0));
+        for _ in 0..PREFETCH_THREADS / 2 {
+            let (paths, next, stop) = (paths.clone(), next.clone(), self.stop.clone());
+            self.prefetch.push(std::thread::spawn(move || {
+                use std::os::fd::AsRawFd;
+                while !stop.load(Ordering::Relaxed) {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(p) = paths.get(i) else { break };
+                    if let Ok(f) = fs::File::open(p) {
+                        // SAFETY: a hint on a descriptor this thread owns;
+                        // offset 0 and length 0 mean the whole file.
+                        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
                     }
                 }
             }));
