@@ -346,6 +346,29 @@ impl Remote {
         Ok(r)
     }
 
+    /// Fetches one chunk into `local`, checked against its hash before it
+    /// is stored (a wake streaming from the remote asks for the chunk a
+    /// page lies in). Returns the encoded bytes received.
+    pub fn fetch_one(&self, local: &LocalStore, hash: &str) -> Result<u64, ChunkError> {
+        if !crate::valid_hash(hash) {
+            return Err(ChunkError::Corrupt {
+                hash: hash.chars().take(80).collect(),
+                why: "not a blake3 name".into(),
+            });
+        }
+        let enc = self.rt.block_on(self.get_bounded(
+            &self.chunk_key(hash),
+            crate::MAX_ENCODED as usize,
+            &format!("chunk {hash}"),
+        ))?;
+        let enc = enc.ok_or_else(|| RemoteError::Unreachable {
+            url: self.url.base.clone(),
+            op: format!("get chunk {hash}"),
+            why: "missing on the remote".into(),
+        })?;
+        local.put_encoded(hash, &enc)
+    }
+
     /// Fetches into `local` the chunks of `chunks` it lacks, in parallel,
     /// each checked against its hash before it is stored (a chunk already
     /// fetched by an interrupted pull is not fetched again).

@@ -592,11 +592,18 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Wake { images: names, wait, margin, no_guard, device_map, eager } => {
             let c = criu(cli)?;
             let store = images(cli)?;
-            // A remote image (URL/NAME) is pulled first, then woken as any other.
+            // A remote image (URL/NAME) is put in place with its small files;
+            // its pages stream from the remote as the wake reads them.
             let mut local_names = Vec::with_capacity(names.len());
             for n in names {
                 if gpusnap_core::remote::Url::is_remote(n) {
-                    local_names.push(pull(out, &store, n, None)?.0);
+                    let p = out.progress();
+                    let done = std::sync::atomic::AtomicU64::new(0);
+                    let r = gpusnap_core::remote::pull_for_wake(&store, n, &|t| p.begin("pull", t), &|k| {
+                        p.update(done.fetch_add(k, std::sync::atomic::Ordering::Relaxed) + k)
+                    });
+                    p.end();
+                    local_names.push(r?.0);
                 } else {
                     local_names.push(n.clone());
                 }

@@ -177,16 +177,8 @@ fn corrupt_missing_and_foreign_images_are_refused() {
     let (pid, _) = w.cpu_tree();
     assert_eq!(w.json(&["hibernate", &pid.to_string(), "--image", "c"]).code, 0);
     w.reap(pid);
-    let dir = w.state_dir().join("images/c");
-    let page = std::fs::read_dir(dir.join("criu"))
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("pages-"))
-        .unwrap();
-    let mut b = std::fs::read(&page).unwrap();
-    b[0] ^= 0xff;
-    std::fs::write(&page, &b).unwrap();
+    // The pages are chunks in the store: one of them damaged.
+    corrupt_pages_chunk(&w.state_dir(), "c", &[]);
     let r = w.json(&["wake", "c"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
@@ -521,15 +513,8 @@ fn group_hibernate_and_wake_refuse_bad_input() {
     let (p2, _) = w.cpu_tree();
     assert_eq!(w.json(&["hibernate", &p2.to_string(), "--image", "bad"]).code, 0);
     w.reap(p2);
-    let page = std::fs::read_dir(w.state_dir().join("images/bad/criu"))
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("pages-"))
-        .unwrap();
-    let mut b = std::fs::read(&page).unwrap();
-    b[0] ^= 0xff;
-    std::fs::write(&page, &b).unwrap();
+    // A chunk of bad's own (not one good shares) damaged.
+    corrupt_pages_chunk(&w.state_dir(), "bad", &["good"]);
     let r = w.json(&["wake", "good", "bad"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
@@ -538,4 +523,78 @@ fn group_hibernate_and_wake_refuse_bad_input() {
     let r = w.json(&["wake", "good", "--wait", "10", "--no-guard"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.adopt(pid);
+}
+
+#[test]
+fn an_image_whose_pages_are_files_verifies_and_import_makes_them_chunks() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, out) = w.cpu_tree();
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", "old"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let at = count(&out);
+    // An image as gpusnap wrote them before: its pages files are files (and
+    // the store has none of their chunks).
+    let state = w.state_dir();
+    let dir = state.join("images/old");
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    let store = gpusnap_chunks::LocalStore::open(state.join("store")).unwrap();
+    let mut pages = Vec::new();
+    for f in m["files"].as_array().unwrap() {
+        let path = f["path"].as_str().unwrap();
+        if !path.contains("/pages-") || f["chunks"].as_array().map(|c| c.is_empty()).unwrap_or(true) {
+            continue;
+        }
+        let mut data = Vec::new();
+        for c in f["chunks"].as_array().unwrap() {
+            data.extend(store.get(c["blake3"].as_str().unwrap()).unwrap());
+        }
+        std::fs::write(dir.join(path), &data).unwrap();
+        std::fs::set_permissions(dir.join(path), std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        pages.push(dir.join(path));
+    }
+    assert!(!pages.is_empty());
+    std::fs::remove_dir_all(state.join("store/chunks")).unwrap();
+    let r = w.json(&["images", "verify", "old"]);
+    assert_eq!(r.code, 0, "an image with its pages as files: {}", r.stderr);
+    // Imported: its pages become chunks (checked), the files go.
+    let r = w.json(&["images", "import", "old"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(pages.iter().all(|p| !p.exists()), "the pages files are removed");
+    let r = w.json(&["images", "verify", "old"]);
+    assert_eq!(r.code, 0, "every chunk there and whole: {}", r.stderr);
+    let r = w.json(&["wake", "old", "--wait", "10", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    wait_for(Duration::from_secs(20), || count(&out) > at + 5);
+}
+
+#[test]
+fn a_corrupted_chunk_of_a_cuda_image_is_refused_before_anything_is_restored() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = w.workload(2048, 0, &[]);
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", "gpu"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    // Every chunk of a CUDA image is checked before CRIU runs: a driver
+    // restore must never wait on a page whose chunk will not come.
+    let (chunk, good) = corrupt_pages_chunk(&w.state_dir(), "gpu", &[]);
+    let r = w.json(&["wake", "gpu", "--wait", "10"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
+    assert!(!pid_exists(pid), "nothing was restored");
+    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0"], "the driver was never asked to restore");
+    std::fs::write(&chunk, &good).unwrap();
+    let r = w.json(&["wake", "gpu", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    w.assert_progressing(pid);
+    let r = w.json(&["stop", &pid.to_string(), "--grace", "2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
 }

@@ -184,23 +184,16 @@ fn a_corrupted_page_is_refused_before_any_process_runs_on_it() {
     let mut w = World::new(&[8192]);
     let (pid, out) = mem_proc(&mut w, "corrupt", 8);
     hibernate(&w, pid, "mem");
-    let criu_dir = w.state_dir().join("images/mem/criu");
-    let pages = std::fs::read_dir(&criu_dir)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("pages-"))
-        .max_by_key(|p| p.metadata().unwrap().len())
-        .unwrap();
-    let good = std::fs::read(&pages).unwrap();
-    let mut bad = good.clone();
-    let at = bad.len() / 2;
-    bad[at] ^= 0x5a;
-    std::fs::write(&pages, &bad).unwrap();
+    // A chunk in the middle of its memory damaged in the store: the wake
+    // refuses it when the chunk is read (before CRIU for the pages CRIU
+    // restores, in the page server for the lazy ones).
+    let (pages, good) = corrupt_pages_chunk(&w.state_dir(), "mem", &[]);
     let r = w.json(&["wake", "mem", "--no-guard"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
-    assert!(!pid_exists(pid), "nothing was restored");
-    // The page put back, the same image wakes.
+    assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
+    wait_for(Duration::from_secs(30), || !pid_exists(pid));
+    assert!(!pid_exists(pid), "nothing was left running");
+    // The chunk put back, the same image wakes.
     std::fs::write(&pages, &good).unwrap();
     let r = w.json(&["wake", "mem", "--no-guard"]);
     assert_eq!(r.code, 0, "{}", r.stderr);

@@ -92,6 +92,11 @@ private = bytearray(os.urandom(8 << 20))
 i = 0
 while True:
     i += 1
+    if os.path.exists(out + ".go"):
+        os.remove(out + ".go")
+        h = hashlib.sha256(shared); h.update(private)
+        with open(out + ".sum.tmp", "w") as f: f.write(h.hexdigest())
+        os.replace(out + ".sum.tmp", out + ".sum")
     tmp = out + ".tmp"
     with open(tmp, "w") as f: f.write(f"{i} {len(shared) + len(private)}\n")
     os.replace(tmp, out)
@@ -101,6 +106,15 @@ while True:
     let pid = w.child_pid(idx);
     wait_for(Duration::from_secs(600), || std::fs::read_to_string(&out).is_ok_and(|s| !s.is_empty()));
     (pid, out)
+}
+
+/// The checksum of a memory holder's memory, as it computes it now.
+fn memory_sum(out: &Path) -> String {
+    let sum = out.with_extension("sum");
+    let _ = std::fs::remove_file(&sum);
+    std::fs::write(out.with_extension("go"), "").unwrap();
+    wait_for(Duration::from_secs(300), || sum.exists());
+    std::fs::read_to_string(&sum).unwrap()
 }
 
 fn dir_bytes(p: &Path) -> u64 {
@@ -166,13 +180,19 @@ fn a_plain_process_is_pushed_pulled_and_woken_through_s3() {
     assert_eq!(r.json()["result"]["bytes_total"].as_u64().unwrap(), total);
     assert_eq!(other.json(&["--trust", &key, "images", "verify", "theirs"]).code, 0);
 
-    // Here: the local image goes, and wake brings it back from the remote.
+    // Here: the local image goes (and its chunks, the store is empty), and
+    // wake brings it back from the remote, its pages streamed.
     assert_eq!(w.json(&["images", "rm", "cpu"]).code, 0);
+    assert_eq!(w.json(&["images", "gc"]).code, 0);
+    assert_eq!(dir_bytes(&w.state_dir().join("store/chunks")), 0, "an empty store");
     let r = w.json(&["wake", "s3://snaps/fleet/cpu", "--wait", "10"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.adopt(pid);
     assert_eq!(r.json()["root_pid"], pid);
     wait_for(Duration::from_secs(20), || count(&out) > at + 5);
+    // Every chunk came with the wake: the image is whole here now.
+    let r = w.json(&["images", "verify", "cpu"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
     // A name that is not on the remote: a clear error.
     let r = w.json(&["images", "pull", "s3://snaps/fleet/nope"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
@@ -269,11 +289,40 @@ fn replicas_share_chunks_an_interrupted_push_resumes_gc_keeps_the_other_and_dama
     let r = w.json(&["images", "push", "b", &url_of(&w.tmp.path().join("remote2"))]);
     assert_eq!(r.code, 0, "{}", r.stderr);
 
-    // A damaged chunk on the remote is refused by a host pulling it, and
-    // nothing is installed there.
+    // A pull killed with -9 mid-way: nothing installed, nothing of the
+    // other host's own lost; pulled again, it resumes and the image is whole.
     let key = w.json(&["images", "key"]).json()["key"].as_str().unwrap().to_string();
     let mut other = World::new(&[8192]);
     other.run_limit = Duration::from_secs(600);
+    let (mine, _) = other.cpu_tree();
+    let r = other.json(&["hibernate", &mine.to_string(), "--image", "mine"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    other.reap(mine);
+    let their_chunks = other.state_dir().join("store/chunks");
+    let had = files_in(&their_chunks).len();
+    let pull = other.spawn_gpusnap(&["--json", "--trust", &key, "images", "pull", &format!("{url}/b")]);
+    wait_for(Duration::from_secs(600), || files_in(&their_chunks).len() >= had + 3);
+    let _ = Command::new("kill").args(["-9", &other.child_pid(pull).to_string()]).status();
+    other.wait_child(pull);
+    let names: Vec<String> = other.json(&["images"]).json()["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, vec!["mine".to_string()], "no half-pulled image");
+    assert_eq!(other.json(&["images", "verify", "mine"]).code, 0, "nothing local lost");
+    let r = other.json(&["--trust", &key, "images", "pull", &format!("{url}/b")]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v = r.json();
+    assert!(v["result"]["bytes_deduplicated"].as_u64().unwrap() > 0, "resumed: {v}");
+    assert_eq!(other.json(&["--trust", &key, "images", "verify", "b"]).code, 0, "whole");
+    assert_eq!(other.json(&["images", "verify", "mine"]).code, 0);
+    assert_eq!(other.json(&["images", "rm", "b"]).code, 0);
+    assert_eq!(other.json(&["images", "gc"]).code, 0);
+
+    // A damaged chunk on the remote is refused by a host pulling it, and
+    // nothing is installed there.
     let victim =
         files_in(&chunks_dir).into_iter().max_by_key(|p| std::fs::metadata(p).unwrap().len()).unwrap();
     let mut bytes = std::fs::read(&victim).unwrap();
@@ -283,7 +332,65 @@ fn replicas_share_chunks_an_interrupted_push_resumes_gc_keeps_the_other_and_dama
     let r = other.json(&["--trust", &key, "images", "pull", &format!("{url}/b")]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("corrupt"), "{}", r.stderr);
-    assert!(other.json(&["images"]).json()["images"].as_array().unwrap().is_empty());
+    let names: Vec<String> = other.json(&["images"]).json()["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, vec!["mine".to_string()], "nothing installed");
+    // A wake streaming from it refuses the chunk too (its bytes never reach
+    // the process), and leaves nothing running.
+    let r = other.json(&["--trust", &key, "wake", &format!("{url}/b"), "--wait", "10", "--no-guard"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
+    wait_for(Duration::from_secs(30), || !pid_exists(b));
+}
+
+#[test]
+fn replicas_cost_one_image_in_the_local_store_and_wake_from_it_whole() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    w.run_limit = Duration::from_secs(600);
+    let (a, out_a) = memory_holder(&mut w, 1024, "weights");
+    let (b, out_b) = memory_holder(&mut w, 1024, "weights");
+    let sums = [memory_sum(&out_a), memory_sum(&out_b)];
+    // Durable (the default): every chunk on disk before the manifest.
+    for (pid, name) in [(a, "a"), (b, "b")] {
+        let r = w.json(&["hibernate", &pid.to_string(), "--image", name]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        w.reap(pid);
+        wait_for(Duration::from_secs(30), || !pid_exists(pid));
+    }
+    let one = w.json(&["images", "verify", "a"]).json();
+    let image_bytes: u64 = one["files"].as_array().unwrap().iter().map(|f| f["size"].as_u64().unwrap()).sum();
+    assert!(image_bytes > 1 << 30, "{image_bytes}");
+    // No push: the store alone holds the pages, once.
+    let store = dir_bytes(&w.state_dir().join("store/chunks"));
+    assert!((store as f64) < 1.3 * image_bytes as f64, "store {store} vs one image {image_bytes}");
+    for n in ["a", "b"] {
+        let dir = w.state_dir().join("images").join(n);
+        assert!(dir_bytes(&dir) < 64 << 20, "image {n} keeps only small files: {}", dir_bytes(&dir));
+        assert!(!files_in(&dir).iter().any(|p| p.to_string_lossy().contains("/pages-")));
+    }
+    // Each wakes from the chunks (lazily, then eagerly) with its memory whole.
+    let r = w.json(&["wake", "a", "--wait", "10", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(a);
+    let r = w.json(&["wake", "b", "--wait", "10", "--no-guard", "--eager"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(b);
+    assert_eq!(memory_sum(&out_a), sums[0]);
+    assert_eq!(memory_sum(&out_b), sums[1]);
+    // The copies CRIU read are gone from its work directory.
+    let logs = w.state_dir().join("logs");
+    assert!(
+        !files_in(&logs).iter().any(|p| p.to_string_lossy().contains("/pages-")),
+        "{:?}",
+        files_in(&logs)
+    );
+    w.kill(a);
+    w.kill(b);
 }
 
 #[test]

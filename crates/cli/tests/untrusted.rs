@@ -75,7 +75,8 @@ fn page_file(dir: &Path) -> PathBuf {
         .unwrap()
         .filter_map(|e| e.ok())
         .map(|e| e.path())
-        .find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("pages-"))
+        // The pages files are chunks in the store: a file CRIU reads whole.
+        .find(|p| p.file_name().unwrap().to_str().unwrap().starts_with("core-"))
         .unwrap()
 }
 
@@ -198,6 +199,9 @@ fn tampered_linked_unlisted_oversized_and_unsigned_images_are_refused() {
     std::fs::create_dir_all(&theirs).unwrap();
     std::fs::set_permissions(other.state_dir(), std::fs::Permissions::from_mode(0o700)).unwrap();
     copy_image(&good, &theirs.join("good"));
+    // The image's pages are chunks in the store: that host has them too
+    // (as after a pull).
+    copy_image(&w.state_dir().join("store"), &other.state_dir().join("store"));
     let r = other.json(&["images", "verify", "good"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("not this host's"), "{}", r.stderr);

@@ -711,7 +711,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     ) -> Result<Vec<WakeReport>, Error> {
         let mut plans = Vec::new();
         for name in names {
-            let plan = self.plan_wake(images, name, opts).map_err(|e| member(names, name, e))?;
+            let plan =
+                self.plan_wake(images, name, opts, names.len() > 1).map_err(|e| member(names, name, e))?;
             // An image from another host may come from a newer CRIU, whose
             // image files an older one may misread.
             if crate::criu::newer_version(&plan.m.criu_version, &criu.version) {
@@ -805,7 +806,13 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// is restored: the image verified (manifest, every checksum), this host
     /// checked (driver, GPUs), the CUDA processes to put back and the memory
     /// each needs where it goes.
-    fn plan_wake(&mut self, images: &ImageStore, name: &str, opts: &WakeOptions) -> Result<WakePlan, Error> {
+    fn plan_wake(
+        &mut self,
+        images: &ImageStore,
+        name: &str,
+        opts: &WakeOptions,
+        group: bool,
+    ) -> Result<WakePlan, Error> {
         let started = Instant::now();
         // Verify everything before anything is restored; an image given by
         // path is copied into the store as it is verified.
@@ -813,7 +820,25 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let progress: &dyn Progress = self.progress();
         progress.begin(&format!("verify {name}"), m.total_bytes());
         let mut seen = 0u64;
-        let verified = images.verified_in_store(name, |n| {
+        // An image being streamed from its remote lacks chunks until its
+        // pages are read; any other must hold every chunk (each is checked
+        // as it is read).
+        // A group is all or nothing: every chunk of every member is checked
+        // before any tree runs (a member woken, then ended because another
+        // member's chunk failed, would have run on for a moment). So is an
+        // image of CUDA processes: a driver restore that faults on a page
+        // whose chunk failed would wait for it until the call's deadline
+        // (minutes) before the wake could end the tree. A streamed image's
+        // chunks are checked as they arrive (docs/images.md: not yet cut short).
+        let cuda = m.processes.iter().any(|p| p.cuda);
+        let check = if crate::remote::origin(images.state_dir(), name).is_some() {
+            crate::image::ChunkCheck::Listed
+        } else if group || cuda {
+            crate::image::ChunkCheck::Full
+        } else {
+            crate::image::ChunkCheck::Present
+        };
+        let verified = images.verified_in_store(name, check, |n| {
             seen = seen.saturating_add(n);
             progress.update(seen);
         });
@@ -892,6 +917,43 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 err: e,
             })
         })?;
+        // An image whose pages are chunks: CRIU gets its files in the work
+        // directory, the page server reads the chunks (see chunksrc).
+        let chunked = {
+            let store = gpusnap_chunks::LocalStore::open(state_dir.join("store")).map_err(|e| {
+                Error::Image(crate::image::ImageError::Io {
+                    name: name.clone(),
+                    op: "open the chunk store".into(),
+                    err: std::io::Error::other(e.to_string()),
+                })
+            })?;
+            let remote = match crate::remote::origin(state_dir, name) {
+                Some(url) => Some(crate::remote::open_origin(&url)?),
+                None => None,
+            };
+            crate::chunksrc::Workdir::prepare(name, dir, m, store, remote, &work)?
+        };
+        let mut chunked = chunked;
+        let lazy_possible = !eager && gpusnap_pages::support().why_not.is_none();
+        if let Some(wd) = chunked.as_mut() {
+            wd.start_prefetch();
+            wd.materialise(!lazy_possible)?;
+        }
+        let whole = std::sync::atomic::AtomicBool::new(!lazy_possible);
+        let before_eager = || -> Result<(), crate::criu::CriuError> {
+            let Some(wd) = chunked.as_ref() else { return Ok(()) };
+            if whole.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                return Ok(());
+            }
+            wd.materialise(true).map_err(|e| crate::criu::CriuError::Failed {
+                op: "restore",
+                line: format!("the image's pages could not be put in place: {e}"),
+                log: work.join("restore.log").display().to_string(),
+            })
+        };
+        let criu_images = chunked.as_ref().map(|wd| wd.images.clone()).unwrap_or_else(|| dir.join("criu"));
+        let source: Option<std::sync::Arc<dyn gpusnap_pages::PageSource>> =
+            chunked.as_ref().map(|wd| wd.source.clone() as std::sync::Arc<dyn gpusnap_pages::PageSource>);
         let progress: &dyn Progress = self.progress();
         let expect: u64 = m.total_bytes();
         let restored = observe(
@@ -904,7 +966,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 // looked free (a reaper racing us): CRIU then says "File exists".
                 let mut tries = 0;
                 loop {
-                    match crate::lazy::restore(criu, &dir.join("criu"), &work, eager) {
+                    match crate::lazy::restore_from(
+                        criu,
+                        &criu_images,
+                        &work,
+                        eager,
+                        source.clone(),
+                        &before_eager,
+                    ) {
                         Err(crate::criu::CriuError::Failed { line, .. })
                             if line.contains("File exists") && tries < 5 =>
                         {
@@ -915,7 +984,13 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     }
                 }
             },
-        )?;
+        );
+        // A chunk that failed its check is the error (an image refused),
+        // whatever CRIU made of the missing pages.
+        let restored = match (restored, chunked.as_ref().and_then(|wd| wd.bad())) {
+            (Err(_), Some(bad)) => return Err(bad.into()),
+            (r, _) => r?,
+        };
         let criu_ms = ms(t_criu);
         let t_pages = Instant::now();
         // The page server's head start, if one is asked for: until then
@@ -994,7 +1069,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             pages_ms = ms(t_pages);
             match served {
                 Ok(r) => pages_bytes = r.bytes,
-                Err(e) => failed = Some(Error::Pages(e)),
+                // A chunk that failed its check stopped the page server:
+                // the image is refused (its bytes never reached a process).
+                Err(e) => {
+                    failed = Some(match chunked.as_ref().and_then(|wd| wd.bad()) {
+                        Some(bad) => bad.into(),
+                        None => Error::Pages(e),
+                    })
+                }
             }
         }
         let report = pages.as_ref().map(|s| s.report());
@@ -1016,6 +1098,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
             drop(pages);
             return Err(err);
+        }
+        // A streamed image whose chunks are all here now is a local image.
+        if chunked.as_ref().is_some_and(|wd| wd.complete()) {
+            crate::remote::clear_origin(state_dir, name);
         }
         Ok(Woken {
             root,

@@ -115,6 +115,59 @@ pub struct Manifest {
     pub files: Vec<FileDesc>,
 }
 
+/// Files kept as chunks in `STATE/store`, not in the image directory: the
+/// pages files (a process's memory, nearly all of an image's bytes, and
+/// what replicas share). CRIU's other files are small and stay files.
+pub fn chunked_name(path: &str) -> bool {
+    Path::new(path)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("pages-") && n.ends_with(".img"))
+}
+
+impl FileDesc {
+    /// Is this file held by the store in the image at `dir` (a pages file
+    /// with a chunk list and no file of its own there)? A pages file still
+    /// in the directory (an image from before, not yet imported) is read
+    /// and verified whole, as it always was.
+    pub fn in_store(&self, dir: &Path) -> bool {
+        chunked_name(&self.path)
+            && !self.chunks.is_empty()
+            && fs::symlink_metadata(dir.join(&self.path))
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+    }
+
+    /// The chunk list covers exactly the file's bytes.
+    pub fn check_chunk_list(&self, name: &str) -> Result<(), ImageError> {
+        let sum = self.chunks.iter().fold(0u64, |a, c| a.saturating_add(c.size));
+        if sum != self.size
+            || self.chunks.iter().any(|c| {
+                !gpusnap_chunks::valid_hash(&c.blake3)
+                    || c.size == 0
+                    || c.size > gpusnap_chunks::MAX_CHUNK as u64
+            })
+        {
+            return Err(ImageError::Corrupt {
+                name: name.into(),
+                why: format!("{}: its chunk list does not cover the file", self.path),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// How much of a store-held file [`ImageStore::verify_with`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkCheck {
+    /// Every chunk read, decoded and checked against its hash.
+    Full,
+    /// Every chunk present in the local store (a wake: each chunk is
+    /// checked as it is read).
+    Present,
+    /// The chunk lists only (a wake streaming from a remote).
+    Listed,
+}
+
 impl Manifest {
     pub fn footprint_by_gpu(&self) -> BTreeMap<String, u64> {
         let mut out = BTreeMap::new();
@@ -167,8 +220,8 @@ pub fn hash_file(p: &Path, on_bytes: impl FnMut(u64)) -> std::io::Result<(u64, S
     hash_open(open_regular(p, u64::MAX)?, on_bytes)
 }
 
-/// A file's size, blake3 and chunk list (the chunks themselves are stored
-/// only when the image is pushed). Large files are mapped: the checksum
+/// A file's size, blake3 and chunk list (the chunks of a file kept as a
+/// file: a small CRIU file). Large files are mapped: the checksum
 /// runs on every core (BLAKE3's tree hashing), and so does the chunking
 /// (by segments), over one read of the pages.
 fn hash_and_chunk(
@@ -204,6 +257,44 @@ fn hash_and_chunk(
     let chunks = chunks.map_err(|_| std::io::Error::other("chunking thread panicked"))?;
     on_bytes(done.load(std::sync::atomic::Ordering::Relaxed));
     Ok((map.len() as u64, hash, chunks))
+}
+
+/// A pages file's size and blake3, its chunks stored (staged) in `store`:
+/// the file is mapped and chunked, hashed and compressed on every core,
+/// while its whole checksum runs beside (BLAKE3's tree hashing), over one
+/// read of the pages.
+fn store_file(
+    p: &Path,
+    store: &gpusnap_chunks::LocalStore,
+    durable: bool,
+    on_bytes: &mut dyn FnMut(u64),
+) -> std::io::Result<(u64, String, gpusnap_chunks::Stored)> {
+    let f = open_regular(p, u64::MAX)?;
+    let len = f.metadata()?.len();
+    if len == 0 {
+        return Ok((0, blake3::hash(&[]).to_hex().to_string(), gpusnap_chunks::Stored::default()));
+    }
+    // SAFETY: as in hash_and_chunk: a regular file of this hibernate's
+    // image, written by its CRIU which has exited.
+    let map = unsafe { memmap2::Mmap::map(&f)? };
+    let _ = map.advise(memmap2::Advice::Sequential);
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let (hash, stored) = std::thread::scope(|s| {
+        let chunker = s.spawn(|| {
+            gpusnap_chunks::store_slice(&map, threads, store, durable, &|n| {
+                done.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+            })
+        });
+        let mut h = blake3::Hasher::new();
+        h.update_rayon(&map);
+        (h.finalize().to_hex().to_string(), chunker.join())
+    });
+    let stored = stored
+        .map_err(|_| std::io::Error::other("chunking thread panicked"))?
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    on_bytes(done.load(std::sync::atomic::Ordering::Relaxed));
+    Ok((map.len() as u64, hash, stored))
 }
 
 /// Opens `p` for reading only if it is a regular file of its own (not a
@@ -311,17 +402,50 @@ impl PendingImage {
         // The flush to disk runs while the files are hashed (one is disk
         // bound, the other CPU bound); both end before the rename.
         let dir = self.dir.clone();
-        let flush = std::thread::spawn(move || if durable { sync_tree(&dir) } else { Ok(()) });
+        // The pages files become chunks and are removed: never flushed.
+        let flush =
+            std::thread::spawn(move || if durable { sync_tree_but(&dir, chunked_name) } else { Ok(()) });
         let mut rel = Vec::new();
         files_under(&self.dir, &self.dir.join("criu"), &mut rel).map_err(io(&name, "list files"))?;
         rel.sort();
         m.files.clear();
+        let chunk_err = |e: gpusnap_chunks::ChunkError| ImageError::Io {
+            name: name.clone(),
+            op: "store chunks".into(),
+            err: std::io::Error::other(e.to_string()),
+        };
+        let store = gpusnap_chunks::LocalStore::open(self.state_dir.join("store")).map_err(chunk_err)?;
+        // Held until the manifest that refers to the new chunks is in
+        // place: `images gc` (exclusive) never removes them in between.
+        let _lock = store.shared_lock().map_err(chunk_err)?;
+        let mut staged = Vec::new();
+        let mut to_remove = Vec::new();
         for r in rel {
             let p = self.dir.join(&r);
+            let rs = r.to_string_lossy().into_owned();
             fs::set_permissions(&p, fs::Permissions::from_mode(0o600)).map_err(io(&name, "chmod"))?;
-            let (size, hash, chunks) =
-                hash_and_chunk(&p, &mut on_bytes).map_err(io(&name, format!("hash {}", r.display())))?;
-            m.files.push(FileDesc { path: r.to_string_lossy().into_owned(), size, blake3: hash, chunks });
+            let stored = if chunked_name(&rs) {
+                store_file(&p, &store, durable, &mut on_bytes).map_err(|e| {
+                    store.abandon(std::mem::take(&mut staged));
+                    io(&name, format!("store {}", r.display()))(e)
+                })?
+            } else {
+                let (size, hash, chunks) =
+                    hash_and_chunk(&p, &mut on_bytes).map_err(io(&name, format!("hash {}", r.display())))?;
+                (size, hash, gpusnap_chunks::Stored { chunks, staged: Vec::new() })
+            };
+            let (size, hash, st) = stored;
+            if chunked_name(&rs) && !st.chunks.is_empty() {
+                to_remove.push(p);
+            }
+            staged.extend(st.staged);
+            m.files.push(FileDesc { path: rs, size, blake3: hash, chunks: st.chunks });
+        }
+        // The chunks under their names (on disk first when durable), then
+        // the files they replace removed: the image is whole at every step.
+        store.finish(staged, durable).map_err(chunk_err)?;
+        for p in &to_remove {
+            fs::remove_file(p).map_err(io(&name, "remove a stored pages file"))?;
         }
         let key = crate::sign::HostKey::load_or_create(&self.state_dir).map_err(|e| ImageError::Io {
             name: name.clone(),
@@ -407,7 +531,9 @@ pub fn start_writeback(dir: &Path) {
     if files_under(dir, dir, &mut rel).is_err() {
         return;
     }
-    for r in rel {
+    // Pages files become chunks: writing them back would put the memory
+    // on the disk twice (the file, then its chunks).
+    for r in rel.into_iter().filter(|r| !chunked_name(&r.to_string_lossy())) {
         if let Ok(f) = fs::File::open(dir.join(r)) {
             // SAFETY: a valid fd; offset 0 and length 0 mean the whole file.
             unsafe { libc::sync_file_range(f.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
@@ -418,9 +544,14 @@ pub fn start_writeback(dir: &Path) {
 /// Puts every file under `dir`, and the directories themselves, on disk
 /// (fdatasync each: one page file holds nearly all of an image's bytes).
 pub fn sync_tree(dir: &Path) -> std::io::Result<()> {
+    sync_tree_but(dir, |_| false)
+}
+
+/// [`sync_tree`], leaving out the files `skip` names (by their path).
+fn sync_tree_but(dir: &Path, skip: fn(&str) -> bool) -> std::io::Result<()> {
     let mut rel = Vec::new();
     files_under(dir, dir, &mut rel)?;
-    for r in &rel {
+    for r in rel.iter().filter(|r| !skip(&r.to_string_lossy())) {
         fs::File::open(dir.join(r))?.sync_data()?;
     }
     let mut dirs: Vec<PathBuf> = rel.iter().filter_map(|r| r.parent().map(|p| dir.join(p))).collect();
@@ -583,14 +714,28 @@ impl ImageStore {
     /// Checks the whole image: the manifest (signed), then that the
     /// directory holds exactly the listed files, each a regular file of its
     /// size and checksum.
-    pub fn verify(
+    /// A pages file held by the store counts as its chunks: with
+    /// [`ImageStore::verify`], every one is read and checked.
+    pub fn verify(&self, name: &str, on_bytes: impl FnMut(u64)) -> Result<(PathBuf, Manifest), ImageError> {
+        self.verify_with(name, ChunkCheck::Full, on_bytes)
+    }
+
+    /// [`ImageStore::verify`], reading the store's chunks as `check` says
+    /// (the small files are always checked whole).
+    pub fn verify_with(
         &self,
         name: &str,
+        check: ChunkCheck,
         mut on_bytes: impl FnMut(u64),
     ) -> Result<(PathBuf, Manifest), ImageError> {
         let (dir, m) = self.manifest(name)?;
         check_contents(name, &dir, &m)?;
         for f in &m.files {
+            if f.in_store(&dir) {
+                f.check_chunk_list(name)?;
+                self.check_chunks(name, f, check, &mut on_bytes)?;
+                continue;
+            }
             let file = open_listed(name, &dir, f)?;
             let (_, h) = hash_open(file, &mut on_bytes).map_err(io(name, format!("read {}", f.path)))?;
             if h != f.blake3 {
@@ -603,6 +748,82 @@ impl ImageStore {
         Ok((dir, m))
     }
 
+    /// The chunks of a store-held file, checked as `check` says (on every
+    /// core for [`ChunkCheck::Full`]).
+    fn check_chunks(
+        &self,
+        name: &str,
+        f: &FileDesc,
+        check: ChunkCheck,
+        on_bytes: &mut dyn FnMut(u64),
+    ) -> Result<(), ImageError> {
+        let chunk_err = |e: gpusnap_chunks::ChunkError| match e {
+            gpusnap_chunks::ChunkError::Corrupt { hash, why } => ImageError::Corrupt {
+                name: name.into(),
+                why: format!("{}: chunk {hash} fails its checksum ({why})", f.path),
+            },
+            gpusnap_chunks::ChunkError::Missing(hash) => ImageError::Corrupt {
+                name: name.into(),
+                why: format!("{}: chunk {hash} is missing from the store (pull the image again)", f.path),
+            },
+            e => ImageError::Io {
+                name: name.into(),
+                op: "read chunks".into(),
+                err: std::io::Error::other(e.to_string()),
+            },
+        };
+        let store = crate::remote::local_store(self).map_err(chunk_err)?;
+        match check {
+            ChunkCheck::Listed => Ok(()),
+            ChunkCheck::Present => {
+                if let Some(c) = f.chunks.iter().find(|c| !store.has(&c.blake3)) {
+                    return Err(chunk_err(gpusnap_chunks::ChunkError::Missing(c.blake3.clone())));
+                }
+                on_bytes(f.size);
+                Ok(())
+            }
+            ChunkCheck::Full => {
+                let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(1, 16);
+                let next = std::sync::atomic::AtomicUsize::new(0);
+                let done = std::sync::atomic::AtomicU64::new(0);
+                let first: std::sync::Mutex<Option<(usize, gpusnap_chunks::ChunkError)>> =
+                    std::sync::Mutex::new(None);
+                std::thread::scope(|s| {
+                    for _ in 0..threads.min(f.chunks.len().max(1)) {
+                        s.spawn(|| loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(c) = f.chunks.get(i) else { break };
+                            match store.get(&c.blake3) {
+                                Ok(d) if d.len() as u64 == c.size => {
+                                    done.fetch_add(c.size, std::sync::atomic::Ordering::Relaxed);
+                                }
+                                Ok(_) => {
+                                    let e = gpusnap_chunks::ChunkError::Corrupt {
+                                        hash: c.blake3.clone(),
+                                        why: "its size is not the listed one".into(),
+                                    };
+                                    if let Ok(mut g) = first.lock() {
+                                        g.get_or_insert((i, e));
+                                    }
+                                }
+                                Err(e) => {
+                                    if let Ok(mut g) = first.lock() {
+                                        g.get_or_insert((i, e));
+                                    }
+                                }
+                            }
+                        });
+                    }
+                });
+                on_bytes(done.load(std::sync::atomic::Ordering::Relaxed));
+                match first.into_inner().ok().flatten() {
+                    Some((_, e)) => Err(chunk_err(e)),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
     /// An image ready for CRIU: verified, and inside the store. An image
     /// given by path is first copied into the store (as its directory's
     /// name), verified as it is copied, so that CRIU reads only bytes that
@@ -610,17 +831,20 @@ impl ImageStore {
     pub fn verified_in_store(
         &self,
         name: &str,
+        check: ChunkCheck,
         on_bytes: impl FnMut(u64),
     ) -> Result<(String, PathBuf, Manifest), ImageError> {
         let dir = self.locate(name)?;
         if self.in_store(&dir) {
-            let (dir, m) = self.verify(name, on_bytes)?;
+            let (dir, m) = self.verify_with(name, check, on_bytes)?;
             return Ok((name.to_string(), dir, m));
         }
         self.import(name, on_bytes)
     }
 
-    /// Copies the image at `path` into the store under its directory's name.
+    /// Copies the image at `path` into the store under its directory's name
+    /// (its pages files as chunks); an image of the store whose pages files
+    /// are still files (taken before images were chunks) is migrated in place.
     pub fn import(
         &self,
         path: &str,
@@ -628,6 +852,29 @@ impl ImageStore {
     ) -> Result<(String, PathBuf, Manifest), ImageError> {
         let (src, m) = self.manifest(path)?;
         check_contents(path, &src, &m)?;
+        let chunk_err = |e: gpusnap_chunks::ChunkError| ImageError::Io {
+            name: path.into(),
+            op: "store chunks".into(),
+            err: std::io::Error::other(e.to_string()),
+        };
+        let store = crate::remote::local_store(self).map_err(chunk_err)?;
+        let _lock = store.shared_lock().map_err(chunk_err)?;
+        if self.in_store(&src) {
+            // Each pages file: its chunks stored (checked against the signed
+            // list, durable), then the file removed; a crash in between
+            // leaves the file, which is still the image.
+            for f in
+                m.files.iter().filter(|f| chunked_name(&f.path) && !f.chunks.is_empty() && !f.in_store(&src))
+            {
+                f.check_chunk_list(path)?;
+                let file = open_listed(path, &src, f)?;
+                put_chunks_of(path, file, f, &store, &mut on_bytes)?;
+                fs::remove_file(src.join(&f.path)).map_err(io(path, format!("remove {}", f.path)))?;
+            }
+            sync_dir(&src.join("criu")).map_err(io(path, "sync"))?;
+            let (dir, m) = self.verify(path, |_| {})?;
+            return Ok((path.to_string(), dir, m));
+        }
         let base = src
             .file_name()
             .and_then(|n| n.to_str())
@@ -639,6 +886,17 @@ impl ImageStore {
             .to_string();
         let pending = self.begin(&base)?;
         for f in &m.files {
+            if f.in_store(&src) {
+                // Chunks already (of this host's store, or none at all: the
+                // check below finds them missing).
+                f.check_chunk_list(path)?;
+                continue;
+            }
+            if chunked_name(&f.path) && !f.chunks.is_empty() {
+                f.check_chunk_list(path)?;
+                put_chunks_of(path, open_listed(path, &src, f)?, f, &store, &mut on_bytes)?;
+                continue;
+            }
             let mut from = open_listed(path, &src, f)?;
             let to_path = pending.dir.join(&f.path);
             if let Some(parent) = to_path.parent() {
@@ -731,6 +989,9 @@ impl ImageStore {
         let base = dir.file_name().and_then(|n| n.to_str()).unwrap_or("image").replace('/', "_");
         let aside = dir.with_file_name(format!(".{base}.rm-{}", std::process::id()));
         fs::rename(&dir, &aside).map_err(io(name, "rename aside"))?;
+        if self.in_store(&dir) {
+            crate::remote::clear_origin(self.state_dir(), name);
+        }
         // remove_dir_all does not follow links inside.
         fs::remove_dir_all(&aside).map_err(io(name, "remove"))
     }
@@ -786,6 +1047,41 @@ impl ImageStore {
         }
         out
     }
+}
+
+/// Stores the chunks of a pages file read from `file`, each checked
+/// against the signed chunk list and the whole against the file's checksum
+/// (each chunk durable as it is stored).
+fn put_chunks_of(
+    name: &str,
+    mut file: fs::File,
+    f: &FileDesc,
+    store: &gpusnap_chunks::LocalStore,
+    on_bytes: &mut dyn FnMut(u64),
+) -> Result<(), ImageError> {
+    let mut whole = blake3::Hasher::new();
+    let mut buf = Vec::new();
+    for c in &f.chunks {
+        buf.resize(c.size as usize, 0);
+        file.read_exact(&mut buf).map_err(io(name, format!("read {}", f.path)))?;
+        whole.update(&buf);
+        if blake3::hash(&buf).to_hex().as_str() != c.blake3 {
+            return Err(ImageError::Corrupt {
+                name: name.into(),
+                why: format!("{} fails its checksum", f.path),
+            });
+        }
+        store.put(c, &buf).map_err(|e| ImageError::Io {
+            name: name.into(),
+            op: "store chunks".into(),
+            err: std::io::Error::other(e.to_string()),
+        })?;
+        on_bytes(c.size);
+    }
+    if whole.finalize().to_hex().as_str() != f.blake3 {
+        return Err(ImageError::Corrupt { name: name.into(), why: format!("{} fails its checksum", f.path) });
+    }
+    Ok(())
 }
 
 /// The pid in a temporary directory's name (`.NAME.tmp-PID`, `.NAME.rm-PID`).
@@ -984,7 +1280,16 @@ mod tests {
         let (_, m) = s.verify("a", |_| {}).unwrap();
         assert_eq!(m.files.len(), 2);
         assert_eq!(fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
-        assert_eq!(fs::metadata(dir.join("criu/pages-1.img")).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(fs::metadata(dir.join("criu/core-1.img")).unwrap().permissions().mode() & 0o777, 0o600);
+        // The pages file is chunks in the store, private too.
+        assert!(!dir.join("criu/pages-1.img").exists());
+        let store = gpusnap_chunks::LocalStore::open(d.path().join("store")).unwrap();
+        let pages = m.files.iter().find(|f| f.path == "criu/pages-1.img").unwrap();
+        assert!(!pages.chunks.is_empty());
+        for c in &pages.chunks {
+            let p = store.path_of(&c.blake3);
+            assert_eq!(fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        }
         assert!(matches!(s.begin("a"), Err(ImageError::Exists(_))));
         assert_eq!(s.list().len(), 1);
     }
@@ -995,16 +1300,34 @@ mod tests {
         let s = store_in(d.path());
         let dir = make(&s, "t");
         // truncated
-        let f = fs::OpenOptions::new().write(true).open(dir.join("criu/pages-1.img")).unwrap();
-        f.set_len(10).unwrap();
+        let f = fs::OpenOptions::new().write(true).open(dir.join("criu/core-1.img")).unwrap();
+        f.set_len(1).unwrap();
         let e = s.verify("t", |_| {}).unwrap_err();
         assert!(e.to_string().contains("truncated"), "{e}");
         // flipped byte, same size
         let dir = make(&s, "c");
-        let mut b = fs::read(dir.join("criu/pages-1.img")).unwrap();
-        b[5] ^= 1;
-        fs::write(dir.join("criu/pages-1.img"), b).unwrap();
+        let mut b = fs::read(dir.join("criu/core-1.img")).unwrap();
+        b[2] ^= 1;
+        fs::write(dir.join("criu/core-1.img"), b).unwrap();
         assert!(s.verify("c", |_| {}).unwrap_err().to_string().contains("checksum"));
+        // a flipped byte in a chunk of the pages file (the store's)
+        make(&s, "k");
+        let (_, m) = s.manifest("k").unwrap();
+        let pages = m.files.iter().find(|f| f.path == "criu/pages-1.img").unwrap();
+        let store = gpusnap_chunks::LocalStore::open(d.path().join("store")).unwrap();
+        let p = store.path_of(&pages.chunks[0].blake3);
+        let good = fs::read(&p).unwrap();
+        let mut bad = good.clone();
+        let at = bad.len() - 1;
+        bad[at] ^= 1;
+        fs::write(&p, &bad).unwrap();
+        let e = s.verify("k", |_| {}).unwrap_err().to_string();
+        assert!(e.contains("chunk") && e.contains("fails its checksum"), "{e}");
+        // a missing chunk
+        fs::remove_file(&p).unwrap();
+        let e = s.verify_with("k", ChunkCheck::Present, |_| {}).unwrap_err().to_string();
+        assert!(e.contains("missing from the store"), "{e}");
+        fs::write(&p, &good).unwrap();
         // edited manifest
         let dir = make(&s, "m");
         let body = fs::read_to_string(dir.join("manifest.json")).unwrap().replace("\"h\"", "\"x\"");

@@ -45,17 +45,28 @@ impl Restored {
 /// Restores `images` (CRIU's files) lazily where this kernel and CRIU allow
 /// it, else eagerly with a notice; `eager` asks for today's path.
 pub fn restore(criu: &Criu, images: &Path, work: &Path, eager: bool) -> Result<Restored, CriuError> {
+    restore_from(criu, images, work, eager, None, &|| Ok(()))
+}
+
+/// [`restore`], the page server reading through `source` (default: the
+/// images directory); `before_eager` runs before any eager restore (an
+/// image of chunks puts its whole pages files in place for CRIU then).
+pub fn restore_from(
+    criu: &Criu,
+    images: &Path,
+    work: &Path,
+    eager: bool,
+    source: Option<std::sync::Arc<dyn gpusnap_pages::PageSource>>,
+    before_eager: &dyn Fn() -> Result<(), CriuError>,
+) -> Result<Restored, CriuError> {
     let none = HeadStart::Bytes(0);
     if eager {
-        return Ok(Restored {
-            root: criu.restore(images, work)?,
-            pages: None,
-            notice: None,
-            head_start: none,
-        });
+        before_eager()?;
+        return Ok(Restored { root: criu.restore(images, work)?, pages: None, notice: None, head_start: none });
     }
     let fallback = |why: String| -> Result<Restored, CriuError> {
         tracing::warn!("lazy wake not possible ({why}): waking eagerly");
+        before_eager()?;
         let root = criu.restore(images, work)?;
         Ok(Restored {
             root,
@@ -75,7 +86,11 @@ pub fn restore(criu: &Criu, images: &Path, work: &Path, eager: bool) -> Result<R
         Err(e) => return fallback(format!("page server: {e}")),
     };
     let head_start = opts.head_start;
-    let server = match Server::start(images, work, opts) {
+    let started = match source {
+        Some(src) => Server::start_with(images, src, work, opts),
+        None => Server::start(images, work, opts),
+    };
+    let server = match started {
         Ok(s) => s,
         Err(e) => return fallback(format!("page server: {e}")),
     };

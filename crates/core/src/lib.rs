@@ -1,5 +1,6 @@
 //! gpusnap's lifecycle logic, written against the driver and NVML traits.
 
+pub mod chunksrc;
 pub mod compat;
 pub mod criu;
 pub mod doctor;

@@ -1,12 +1,15 @@
 //! Images in the chunk store and on remotes: the seam between image.rs
-//! (signed manifests, directory images CRIU reads) and `gpusnap-chunks`.
+//! (signed manifests, directory images) and `gpusnap-chunks`.
 //!
-//! Hibernate keeps writing a directory image (CRIU restores from it, and
-//! the page server of lazy wakes reads its pages in place); its manifest
-//! carries every file's chunk list, signed. `push` stores the chunks in
-//! `STATE/store` and sends the ones the remote lacks; `pull` fetches the
-//! ones the store lacks and reassembles the directory image, each chunk
-//! checked against its hash and each file against the signed manifest.
+//! Hibernate stores an image's pages files as chunks in `STATE/store`
+//! (the image directory keeps CRIU's small files and the signed manifest
+//! with every file's chunk list). `push` sends the store's chunks the
+//! remote lacks, the manifest last; `pull` fetches the chunks the store
+//! lacks (each checked against its hash), writes the small files, and puts
+//! the manifest in place. A wake from a remote installs the image with its
+//! small files only and records its origin (`STATE/store/origins/NAME`):
+//! its pages' chunks are fetched as the wake reads them (and by a
+//! prefetcher, in address order), until the image is whole here.
 
 use crate::image::{self, ImageError, ImageStore, Manifest};
 use gpusnap_chunks::{ChunkError, ChunkRef, GcReport, LocalStore, Remote, RemoteUrl, TransferReport};
@@ -14,6 +17,7 @@ use std::collections::HashSet;
 use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
 
 pub use gpusnap_chunks::RemoteUrl as Url;
 
@@ -64,6 +68,20 @@ pub fn push(
     let local = local_store(images)?;
     let _lock = local.shared_lock()?;
     for f in &m.files {
+        if f.in_store(&dir) {
+            // Already chunks: each is read and checked as it is sent.
+            if let Some(c) = f.chunks.iter().find(|c| !local.has(&c.blake3)) {
+                return Err(ImageError::Corrupt {
+                    name: name.into(),
+                    why: format!(
+                        "{}: chunk {} is missing from the store (pull the image whole first)",
+                        f.path, c.blake3
+                    ),
+                }
+                .into());
+            }
+            continue;
+        }
         let mut file = image::open_listed(name, &dir, f)?;
         for c in &f.chunks {
             let mut buf = vec![0u8; c.size as usize];
@@ -88,12 +106,37 @@ pub fn push(
 
 /// Fetches `URL/NAME` into the store as `as_name` (default NAME). The
 /// manifest must be signed by a trusted key (this host's, or one named by
-/// --trust) before a single chunk is fetched. An image of that name already
-/// here with the very same manifest is kept as it is.
+/// --trust) before a single chunk is fetched. Only the chunks the store
+/// lacks are fetched (an interrupted pull resumes); the manifest is put in
+/// place last. An image of that name already here with the very same
+/// manifest is completed (its missing chunks fetched) and kept.
 pub fn pull(
     images: &ImageStore,
     url_name: &str,
     as_name: Option<&str>,
+    on_total: &dyn Fn(u64),
+    on_bytes: &(dyn Fn(u64) + Sync),
+) -> Result<(String, TransferReport), crate::Error> {
+    pull_with(images, url_name, as_name, false, on_total, on_bytes)
+}
+
+/// For a wake from a remote: the image put in place with its small files
+/// only, its origin recorded; the wake fetches its pages' chunks as it
+/// reads them (see crate::chunksrc).
+pub fn pull_for_wake(
+    images: &ImageStore,
+    url_name: &str,
+    on_total: &dyn Fn(u64),
+    on_bytes: &(dyn Fn(u64) + Sync),
+) -> Result<(String, TransferReport), crate::Error> {
+    pull_with(images, url_name, None, true, on_total, on_bytes)
+}
+
+fn pull_with(
+    images: &ImageStore,
+    url_name: &str,
+    as_name: Option<&str>,
+    stream: bool,
     on_total: &dyn Fn(u64),
     on_bytes: &(dyn Fn(u64) + Sync),
 ) -> Result<(String, TransferReport), crate::Error> {
@@ -112,30 +155,34 @@ pub fn pull(
     images.check_signature(&rname, &body, &sig, &m)?;
     image::check_paths(&rname, &m)?;
     check_chunk_lists(&rname, &m)?;
-    on_total(m.total_bytes());
-    if let Ok((dir, _)) = images.manifest(&name) {
-        if image::manifest_bytes(&name, &dir).is_ok_and(|(b, _)| b == body) {
-            let total = m.total_bytes();
-            on_bytes(total);
-            return Ok((
-                name,
-                TransferReport {
-                    image: rname,
-                    remote: remote.url.base.clone(),
-                    bytes_total: total,
-                    bytes_deduplicated: total,
-                    chunks_total: all_chunks(&m).len() as u64,
-                    ..Default::default()
-                },
-            ));
-        }
-    }
+    let state = images.state_dir().to_path_buf();
+    // What is fetched now: everything, or for a streaming wake the chunks
+    // of the small files (CRIU reads them whole).
+    let wanted: Vec<ChunkRef> = m
+        .files
+        .iter()
+        .filter(|f| !stream || !image::chunked_name(&f.path))
+        .flat_map(|f| f.chunks.iter().cloned())
+        .collect();
+    on_total(wanted.iter().map(|c| c.size).sum());
     let local = local_store(images)?;
     // Held until the image is in place: gc sees its chunks referenced.
     let _lock = local.shared_lock()?;
-    let report = remote.fetch(&local, &rname, &all_chunks(&m), on_bytes)?;
+    if let Ok((dir, _)) = images.manifest(&name) {
+        if image::manifest_bytes(&name, &dir).is_ok_and(|(b, _)| b == body) {
+            let report = remote.fetch(&local, &rname, &wanted, on_bytes)?;
+            if !stream {
+                clear_origin(&state, &name);
+            }
+            return Ok((name, report));
+        }
+    }
+    let report = remote.fetch(&local, &rname, &wanted, on_bytes)?;
     let pending = images.begin(&name)?;
     for f in &m.files {
+        if image::chunked_name(&f.path) && !f.chunks.is_empty() {
+            continue; // kept as chunks
+        }
         let to_path = pending.dir.join(&f.path);
         if let Some(parent) = to_path.parent() {
             image::mkdir_private(parent).map_err(|e| ImageError::Io {
@@ -181,19 +228,64 @@ pub fn pull(
         op: "write manifest.sig".into(),
         err: e,
     })?;
+    // The origin before the image: an image that lacks chunks is never
+    // without the remote that has them.
+    if stream {
+        set_origin(&state, &name, &remote.url.base).map_err(|e| ImageError::Io {
+            name: name.clone(),
+            op: "record the origin".into(),
+            err: e,
+        })?;
+    } else {
+        clear_origin(&state, &name);
+    }
     pending.install().map_err(|e| ImageError::Io {
         name: name.clone(),
         op: "rename into place".into(),
         err: e,
     })?;
-    images.verify(&name, |_| {})?;
+    let check = if stream { image::ChunkCheck::Listed } else { image::ChunkCheck::Present };
+    images.verify_with(&name, check, |_| {})?;
     Ok((name, report))
 }
 
+fn origin_path(state_dir: &Path, name: &str) -> PathBuf {
+    state_dir.join("store").join("origins").join(name)
+}
+
+/// The remote an image streamed from (its chunks not all here yet).
+pub fn origin(state_dir: &Path, name: &str) -> Option<String> {
+    if !image::valid_name(name) {
+        return None;
+    }
+    let f = image::open_regular(&origin_path(state_dir, name), 4096).ok()?;
+    let s = String::from_utf8(image::read_bounded(f, 4096).ok()?).ok()?;
+    Some(s.trim().to_string()).filter(|s| RemoteUrl::is_remote(s))
+}
+
+fn set_origin(state_dir: &Path, name: &str, url: &str) -> std::io::Result<()> {
+    let p = origin_path(state_dir, name);
+    if let Some(d) = p.parent() {
+        image::mkdir_private(d)?;
+    }
+    image::write_private(&p, url.as_bytes())
+}
+
+/// The image is whole here (or gone): its origin is forgotten.
+pub fn clear_origin(state_dir: &Path, name: &str) {
+    if image::valid_name(name) {
+        let _ = fs::remove_file(origin_path(state_dir, name));
+    }
+}
+
+/// Opens the remote an image streams from.
+pub fn open_origin(url: &str) -> Result<Remote, crate::Error> {
+    Ok(Remote::open(RemoteUrl::parse(url).map_err(ChunkError::from)?).map_err(ChunkError::from)?)
+}
+
 /// Removes the chunks no image of this store refers to. Safe against a
-/// concurrent push or pull (they hold the store's lock shared from their
-/// first chunk to their manifest, gc holds it exclusive); hibernate writes
-/// no chunks (its image's chunks enter the store on push).
+/// concurrent hibernate, import, push or pull (they hold the store's lock
+/// shared from their first chunk to their manifest, gc holds it exclusive).
 pub fn gc(images: &ImageStore, on_chunk: &dyn Fn(u64)) -> Result<GcReport, crate::Error> {
     let local = local_store(images)?;
     let _lock = local.exclusive_lock()?;

@@ -136,3 +136,37 @@ pub fn lazy_bytes(images: &Path) -> u64 {
         .map(|(_, iovs)| iovs.iter().map(Iov::len).sum::<u64>())
         .sum()
 }
+
+/// The byte ranges `(offset, length)` of process `pid`'s pages file that
+/// CRIU itself reads during a lazy restore (present and not lazy), and the
+/// id of that pages file: what a wake from chunks must put in place before
+/// `criu restore --lazy-pages`; the rest is the page server's.
+pub fn eager_ranges(images: &Path, pid: i32) -> Result<(u32, Vec<(u64, u64)>), PagesError> {
+    let pm_path = images.join(format!("pagemap-{pid}.img"));
+    let bad = |why: String| PagesError::Image { path: pm_path.display().to_string(), why };
+    let ents = entries(&pm_path, PAGEMAP_MAGIC)?;
+    let (head, rest) = ents.split_first().ok_or_else(|| bad("no pagemap head".into()))?;
+    let head = pb::PagemapHead::decode(head.as_slice()).map_err(|e| bad(e.to_string()))?;
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let mut off = 0u64;
+    for raw in rest {
+        let pe = pb::PagemapEntry::decode(raw.as_slice()).map_err(|e| bad(e.to_string()))?;
+        let flags = match pe.flags {
+            _ if pe.in_parent == Some(true) => PE_PARENT,
+            Some(f) => f,
+            None => PE_PRESENT,
+        };
+        let nr = pe.nr_pages.unwrap_or(pe.compat_nr_pages as u64);
+        let len = nr.checked_mul(crate::sys::PAGE).ok_or_else(|| bad("page count overflows".into()))?;
+        if flags & PE_PRESENT != 0 {
+            if flags & PE_LAZY == 0 {
+                match out.last_mut() {
+                    Some(last) if last.0 + last.1 == off => last.1 += len,
+                    _ => out.push((off, len)),
+                }
+            }
+            off = off.checked_add(len).ok_or_else(|| bad("offset overflows".into()))?;
+        }
+    }
+    Ok((head.pages_id, out))
+}

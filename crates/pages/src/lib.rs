@@ -22,6 +22,7 @@ mod source;
 mod stats;
 pub mod sys;
 
+pub use image::eager_ranges;
 pub use image::{lazy_bytes, lazy_iovs, Iov};
 pub use serve::{
     HeadStart, Options, Report, Server, ENV_AHEAD, ENV_BATCH, ENV_FAULT_BATCH, ENV_HEAD_START, ENV_NICE,

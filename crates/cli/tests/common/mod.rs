@@ -590,3 +590,49 @@ pub fn criu_present() {
     let ok = Command::new("criu").arg("--version").output().is_ok_and(|o| o.status.success());
     assert!(ok, "these tests need CRIU >= 4 on PATH (scripts/install-criu.sh)");
 }
+
+/// The chunks (blake3 names) of an image's pages files, largest file first,
+/// from its manifest.
+#[allow(dead_code)]
+pub fn pages_chunks(state_dir: &Path, image: &str) -> Vec<String> {
+    let m: Value = serde_json::from_str(
+        &std::fs::read_to_string(state_dir.join("images").join(image).join("manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let mut files: Vec<&Value> = m["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["path"].as_str().unwrap().contains("/pages-"))
+        .collect();
+    files.sort_by_key(|f| std::cmp::Reverse(f["size"].as_u64().unwrap()));
+    files
+        .iter()
+        .flat_map(|f| {
+            f["chunks"].as_array().unwrap().iter().map(|c| c["blake3"].as_str().unwrap().to_string())
+        })
+        .collect()
+}
+
+/// Flips a byte in the middle of a stored chunk of `image`'s largest pages
+/// file that no image in `spare` refers to; returns its path and its good
+/// bytes (to put back).
+#[allow(dead_code)]
+pub fn corrupt_pages_chunk(state_dir: &Path, image: &str, spare: &[&str]) -> (PathBuf, Vec<u8>) {
+    let keep: std::collections::HashSet<String> =
+        spare.iter().flat_map(|s| pages_chunks(state_dir, s)).collect();
+    let mine = pages_chunks(state_dir, image);
+    let h = mine
+        .iter()
+        .skip(mine.len() / 2)
+        .chain(mine.iter())
+        .find(|h| !keep.contains(*h))
+        .expect("a chunk of its own");
+    let p = state_dir.join("store/chunks").join(&h[..2]).join(h);
+    let good = std::fs::read(&p).unwrap();
+    let mut bad = good.clone();
+    let at = bad.len() / 2;
+    bad[at] ^= 0x5a;
+    std::fs::write(&p, &bad).unwrap();
+    (p, good)
+}
