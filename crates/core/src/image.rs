@@ -441,12 +441,21 @@ impl PendingImage {
             staged.extend(st.staged);
             m.files.push(FileDesc { path: rs, size, blake3: hash, chunks: st.chunks });
         }
-        // The chunks under their names (on disk first when durable), then
-        // the files they replace removed: the image is whole at every step.
-        store.finish(staged, durable).map_err(chunk_err)?;
+        // The pages files CRIU wrote go before the chunks are flushed: a
+        // syncfs with them still there would write the memory to the disk
+        // twice (their dirty pages, then the chunks). Nothing depends on
+        // them any more: this image is not committed yet, its process is
+        // still alive (stopped) until the commit returns, and a commit that
+        // fails removes the whole pending image and lets the process run on.
         for p in &to_remove {
-            fs::remove_file(p).map_err(io(&name, "remove a stored pages file"))?;
+            fs::remove_file(p).map_err(|e| {
+                store.abandon(std::mem::take(&mut staged));
+                io(&name, "remove a stored pages file")(e)
+            })?;
         }
+        // The chunks under their names (on disk first when durable): the
+        // image is whole once its manifest is renamed into place.
+        store.finish(staged, durable).map_err(chunk_err)?;
         let key = crate::sign::HostKey::load_or_create(&self.state_dir).map_err(|e| ImageError::Io {
             name: name.clone(),
             op: "sign".into(),
