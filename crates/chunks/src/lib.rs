@@ -458,6 +458,15 @@ impl LocalStore {
                 why: "not a blake3 name".into(),
             });
         }
+        let (mut f, len, p) = self.open_chunk(hash)?;
+        let mut out = Vec::with_capacity(len as usize);
+        (&mut f).take(MAX_ENCODED + 1).read_to_end(&mut out).map_err(io_err(&p, "read"))?;
+        Ok(out)
+    }
+
+    /// A chunk file opened for reading (never through a link), its size
+    /// (bounded) and path.
+    fn open_chunk(&self, hash: &str) -> Result<(fs::File, u64, PathBuf), ChunkError> {
         let p = self.path_of(hash);
         let f = match fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&p) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -465,14 +474,38 @@ impl LocalStore {
             }
             r => r.map_err(io_err(&p, "open"))?,
         };
-        let mut out = Vec::new();
-        f.take(MAX_ENCODED + 1).read_to_end(&mut out).map_err(io_err(&p, "read"))?;
-        Ok(out)
+        let len = f.metadata().map_err(io_err(&p, "stat"))?.len().min(MAX_ENCODED + 1);
+        Ok((f, len, p))
     }
 
-    /// A chunk's bytes, checked against its hash.
+    /// A chunk's bytes, checked against its hash. A raw chunk is read
+    /// straight into the buffer it is returned in: the page server reads
+    /// every page of a wake through here, and each extra copy into fresh
+    /// memory cost it more than the read itself (measured on the H200: the
+    /// fill ran at 2.2 GB/s from chunks against 5.5-6.3 GB/s from a file).
     pub fn get(&self, hash: &str) -> Result<Vec<u8>, ChunkError> {
-        decode(hash, &self.get_encoded(hash)?)
+        if !valid_hash(hash) {
+            return self.get_encoded(hash).and_then(|e| decode(hash, &e));
+        }
+        let (mut f, len, p) = self.open_chunk(hash)?;
+        let mut tag = [0u8; 1];
+        if len == 0 || f.read_exact(&mut tag).is_err() || tag[0] != b'R' || len > MAX_CHUNK as u64 + 1 {
+            // Compressed (or damaged): the general path.
+            return decode(hash, &self.get_encoded(hash)?);
+        }
+        let mut data = vec![0u8; (len - 1) as usize];
+        f.read_exact(&mut data).map_err(io_err(&p, "read"))?;
+        let mut extra = [0u8; 1];
+        if f.read(&mut extra).map_err(io_err(&p, "read"))? != 0 {
+            return Err(ChunkError::Corrupt { hash: hash.into(), why: "it grew while being read".into() });
+        }
+        if blake3::hash(&data).to_hex().as_str() != hash {
+            return Err(ChunkError::Corrupt {
+                hash: hash.into(),
+                why: "its content does not match its hash".into(),
+            });
+        }
+        Ok(data)
     }
 
     /// Every chunk in the store with its stored size.

@@ -315,6 +315,22 @@ enum ImagesCmd {
 }
 
 fn main() -> ExitCode {
+    // The page server reads a wake's pages a chunk (1-4 MiB) at a time on
+    // several threads; with glibc's defaults each such buffer is a fresh
+    // mmap (or trimmed back after use), so every page of it faults in
+    // again: keep buffers under 64 MiB on the heap and freed memory up to
+    // 512 MiB there for the next one. The environment's MALLOC_* tunables
+    // still win (glibc reads them before main).
+    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none()
+        && std::env::var_os("MALLOC_TRIM_THRESHOLD_").is_none()
+    {
+        // SAFETY: mallopt only changes the allocator's thresholds; called
+        // first thing in main, before any other thread exists.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
+        }
+    }
     // Called as cuda-checkpoint (a link): NVIDIA's command line.
     let argv: Vec<OsString> = std::env::args_os().collect();
     if argv.first().and_then(|a| std::path::Path::new(a).file_name()).is_some_and(|n| n == "cuda-checkpoint")

@@ -62,7 +62,12 @@ pub fn restore_from(
     let none = HeadStart::Bytes(0);
     if eager {
         before_eager()?;
-        return Ok(Restored { root: criu.restore(images, work)?, pages: None, notice: None, head_start: none });
+        return Ok(Restored {
+            root: criu.restore(images, work)?,
+            pages: None,
+            notice: None,
+            head_start: none,
+        });
     }
     let fallback = |why: String| -> Result<Restored, CriuError> {
         tracing::warn!("lazy wake not possible ({why}): waking eagerly");
