@@ -91,8 +91,10 @@ impl Shared {
     }
 }
 
-/// Verified chunks of one shard, by index in the file's list.
-type Shard = Vec<(usize, Arc<Vec<u8>>)>;
+/// Verified chunks of one shard, by their hash: one chunk that recurs
+/// (the zero pages of a preallocated KV cache, a repeated pattern) is read,
+/// decoded and checked once, not once per place it appears in the file.
+type Shard = Vec<(String, Arc<Vec<u8>>)>;
 
 struct ChunkedFile {
     path: String,
@@ -127,9 +129,11 @@ impl ChunkedFile {
     }
 
     fn chunk(&self, i: usize) -> Result<Arc<Vec<u8>>, ImageError> {
-        let shard = &self.cache[i % SHARDS];
+        let hash = &self.chunks[i].blake3;
+        let slot = hash.get(..8).and_then(|h| usize::from_str_radix(h, 16).ok()).unwrap_or(i);
+        let shard = &self.cache[slot % SHARDS];
         if let Some(d) =
-            shard.lock().ok().and_then(|s| s.iter().find(|(k, _)| *k == i).map(|(_, d)| d.clone()))
+            shard.lock().ok().and_then(|s| s.iter().find(|(k, _)| k == hash).map(|(_, d)| d.clone()))
         {
             return Ok(d);
         }
@@ -140,7 +144,7 @@ impl ChunkedFile {
             if s.len() >= PER_SHARD {
                 s.remove(0);
             }
-            s.push((i, d.clone()));
+            s.push((hash.clone(), d.clone()));
         }
         Ok(d)
     }
