@@ -66,15 +66,53 @@ pub(crate) fn entries_after(path: &Path, head: u32, magic: u32) -> Result<Vec<Ve
     Ok(out)
 }
 
-/// The pages of process `pid` that CRIU leaves to the page server, split at
-/// VMA boundaries (one UFFDIO_COPY cannot cross a VMA), in address order;
-/// and the id of its pages file.
-pub fn lazy_iovs(images: &Path, pid: i32) -> Result<(u32, Vec<Iov>), PagesError> {
+/// One entry of a process's pagemap: `len` bytes at `vaddr`, and where they
+/// start in its pages file (`off`, meaningful when `PE_PRESENT`).
+struct PagemapRun {
+    vaddr: u64,
+    flags: u32,
+    len: u64,
+    off: u64,
+}
+
+/// The id of process `pid`'s pages file and its pagemap entries, each with
+/// its offset in that file (the running sum of the present entries before
+/// it), as both the page server and the sparse pages files of a wake from
+/// chunks read them.
+fn pagemap(images: &Path, pid: i32) -> Result<(u32, Vec<PagemapRun>), PagesError> {
     let pm_path = images.join(format!("pagemap-{pid}.img"));
     let bad = |why: String| PagesError::Image { path: pm_path.display().to_string(), why };
     let ents = entries(&pm_path, PAGEMAP_MAGIC)?;
     let (head, rest) = ents.split_first().ok_or_else(|| bad("no pagemap head".into()))?;
     let head = pb::PagemapHead::decode(head.as_slice()).map_err(|e| bad(e.to_string()))?;
+    let mut out = Vec::with_capacity(rest.len());
+    let mut off = 0u64;
+    for raw in rest {
+        let pe = pb::PagemapEntry::decode(raw.as_slice()).map_err(|e| bad(e.to_string()))?;
+        // As CRIU's init_compat_pagemap_entry: old images carry in_parent or
+        // no flags at all.
+        let flags = match pe.flags {
+            _ if pe.in_parent == Some(true) => PE_PARENT,
+            Some(f) => f,
+            None => PE_PRESENT,
+        };
+        let nr = pe.nr_pages.unwrap_or(pe.compat_nr_pages as u64);
+        let len = nr.checked_mul(crate::sys::PAGE).ok_or_else(|| bad("page count overflows".into()))?;
+        pe.vaddr.checked_add(len).ok_or_else(|| bad("address overflows".into()))?;
+        out.push(PagemapRun { vaddr: pe.vaddr, flags, len, off });
+        if flags & PE_PRESENT != 0 {
+            off = off.checked_add(len).ok_or_else(|| bad("offset overflows".into()))?;
+        }
+    }
+    Ok((head.pages_id, out))
+}
+
+/// The pages of process `pid` that CRIU leaves to the page server, split at
+/// VMA boundaries (one UFFDIO_COPY cannot cross a VMA), in address order;
+/// and the id of its pages file.
+pub fn lazy_iovs(images: &Path, pid: i32) -> Result<(u32, Vec<Iov>), PagesError> {
+    let (pages_id, runs) = pagemap(images, pid)?;
+    let pm_path = images.join(format!("pagemap-{pid}.img"));
     let mm_path = images.join(format!("mm-{pid}.img"));
     let mm = entries(&mm_path, MM_MAGIC)?;
     let mm = mm.first().ok_or_else(|| PagesError::Image {
@@ -87,41 +125,24 @@ pub fn lazy_iovs(images: &Path, pid: i32) -> Result<(u32, Vec<Iov>), PagesError>
     vmas.sort();
 
     let mut out = Vec::new();
-    let mut off = 0u64;
-    for raw in rest {
-        let pe = pb::PagemapEntry::decode(raw.as_slice()).map_err(|e| bad(e.to_string()))?;
-        // As CRIU's init_compat_pagemap_entry: old images carry in_parent or
-        // no flags at all.
-        let flags = match pe.flags {
-            _ if pe.in_parent == Some(true) => PE_PARENT,
-            Some(f) => f,
-            None => PE_PRESENT,
-        };
-        let nr = pe.nr_pages.unwrap_or(pe.compat_nr_pages as u64);
-        let len = nr * crate::sys::PAGE;
-        let present = flags & PE_PRESENT != 0;
-        if flags & PE_LAZY != 0 {
-            if !present {
-                // In a parent image or on a remote page server: not ours to serve.
-                return Err(bad(format!(
-                    "lazy pages at {:#x} are not in this image (flags {flags:#x})",
-                    pe.vaddr
-                )));
-            }
-            // Split at VMA ends, as criu/uffd.c collect_iovs does.
-            let (mut s, e) = (pe.vaddr, pe.vaddr + len);
-            while s < e {
-                let vma_end = vmas.iter().find(|v| s >= v.0 && s < v.1).map(|v| v.1).unwrap_or(e);
-                let end = e.min(vma_end);
-                out.push(Iov { start: s, end, off: off + (s - pe.vaddr) });
-                s = end;
-            }
+    for r in runs.iter().filter(|r| r.flags & PE_LAZY != 0) {
+        if r.flags & PE_PRESENT == 0 {
+            // In a parent image or on a remote page server: not ours to serve.
+            return Err(PagesError::Image {
+                path: pm_path.display().to_string(),
+                why: format!("lazy pages at {:#x} are not in this image (flags {:#x})", r.vaddr, r.flags),
+            });
         }
-        if present {
-            off += len;
+        // Split at VMA ends, as criu/uffd.c collect_iovs does.
+        let (mut s, e) = (r.vaddr, r.vaddr + r.len);
+        while s < e {
+            let vma_end = vmas.iter().find(|v| s >= v.0 && s < v.1).map(|v| v.1).unwrap_or(e);
+            let end = e.min(vma_end);
+            out.push(Iov { start: s, end, off: r.off + (s - r.vaddr) });
+            s = end;
         }
     }
-    Ok((head.pages_id, out))
+    Ok((pages_id, out))
 }
 
 /// Bytes of every process of an image that the page server would serve.
@@ -142,31 +163,13 @@ pub fn lazy_bytes(images: &Path) -> u64 {
 /// id of that pages file: what a wake from chunks must put in place before
 /// `criu restore --lazy-pages`; the rest is the page server's.
 pub fn eager_ranges(images: &Path, pid: i32) -> Result<(u32, Vec<(u64, u64)>), PagesError> {
-    let pm_path = images.join(format!("pagemap-{pid}.img"));
-    let bad = |why: String| PagesError::Image { path: pm_path.display().to_string(), why };
-    let ents = entries(&pm_path, PAGEMAP_MAGIC)?;
-    let (head, rest) = ents.split_first().ok_or_else(|| bad("no pagemap head".into()))?;
-    let head = pb::PagemapHead::decode(head.as_slice()).map_err(|e| bad(e.to_string()))?;
+    let (pages_id, runs) = pagemap(images, pid)?;
     let mut out: Vec<(u64, u64)> = Vec::new();
-    let mut off = 0u64;
-    for raw in rest {
-        let pe = pb::PagemapEntry::decode(raw.as_slice()).map_err(|e| bad(e.to_string()))?;
-        let flags = match pe.flags {
-            _ if pe.in_parent == Some(true) => PE_PARENT,
-            Some(f) => f,
-            None => PE_PRESENT,
-        };
-        let nr = pe.nr_pages.unwrap_or(pe.compat_nr_pages as u64);
-        let len = nr.checked_mul(crate::sys::PAGE).ok_or_else(|| bad("page count overflows".into()))?;
-        if flags & PE_PRESENT != 0 {
-            if flags & PE_LAZY == 0 {
-                match out.last_mut() {
-                    Some(last) if last.0 + last.1 == off => last.1 += len,
-                    _ => out.push((off, len)),
-                }
-            }
-            off = off.checked_add(len).ok_or_else(|| bad("offset overflows".into()))?;
+    for r in runs.iter().filter(|r| r.flags & PE_PRESENT != 0 && r.flags & PE_LAZY == 0) {
+        match out.last_mut() {
+            Some(last) if last.0 + last.1 == r.off => last.1 += r.len,
+            _ => out.push((r.off, r.len)),
         }
     }
-    Ok((head.pages_id, out))
+    Ok((pages_id, out))
 }
