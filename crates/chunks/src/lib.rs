@@ -358,17 +358,7 @@ impl LocalStore {
             });
         }
         decode(hash, enc)?;
-        let p = self.path_of(hash);
-        let dir = p.parent().expect("chunk path has a parent");
-        fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io_err(dir, "create"))?;
-        let tmp = dir.join(format!(".{hash}.tmp-{}-{:x}", std::process::id(), rand_u64()));
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)
-            .map_err(io_err(&tmp, "create"))?;
+        let (mut f, tmp, p) = self.create_temp(hash)?;
         let done = f.write_all(enc).and_then(|_| f.sync_data()).and_then(|_| fs::rename(&tmp, &p));
         if let Err(e) = done {
             let _ = fs::remove_file(&tmp);
@@ -377,20 +367,27 @@ impl LocalStore {
         Ok(enc.len() as u64)
     }
 
-    /// Writes an encoded chunk under a temporary name next to its place
-    /// (see [`Staged`]); with `durable`, its write-back starts at once.
-    pub fn stage(&self, hash: &str, enc: &[u8], durable: bool) -> Result<Staged, ChunkError> {
+    /// A new private file under a temporary name beside chunk `hash`'s
+    /// place (its directory made if needed), that place, and the file.
+    fn create_temp(&self, hash: &str) -> Result<(fs::File, PathBuf, PathBuf), ChunkError> {
         let dest = self.path_of(hash);
         let dir = dest.parent().expect("chunk path has a parent");
         fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io_err(dir, "create"))?;
         let tmp = dir.join(format!(".{hash}.tmp-{}-{:x}", std::process::id(), rand_u64()));
-        let mut f = fs::OpenOptions::new()
+        let f = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW)
             .open(&tmp)
             .map_err(io_err(&tmp, "create"))?;
+        Ok((f, tmp, dest))
+    }
+
+    /// Writes an encoded chunk under a temporary name next to its place
+    /// (see [`Staged`]); with `durable`, its write-back starts at once.
+    pub fn stage(&self, hash: &str, enc: &[u8], durable: bool) -> Result<Staged, ChunkError> {
+        let (mut f, tmp, dest) = self.create_temp(hash)?;
         if let Err(e) = f.write_all(enc) {
             let _ = fs::remove_file(&tmp);
             return Err(io_err(&tmp, "write")(e));
