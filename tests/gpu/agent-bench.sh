@@ -23,7 +23,11 @@
 #     `thp = true`, and the same swaps again.
 # (c) the table: ttfb to the running model; ttfb of a swap (thp off, on);
 #     suspend(other) and resume(this) from the agent's metrics; swap -
-#     (suspend + resume); the cold starts; each target met or not met.
+#     (suspend + resume); the cold starts; each target met or not met; the
+#     agent's trace of the swaps (gpusnap_agent_swap_phase_seconds): where
+#     the time goes, phase by phase (c6), what the agent itself adds (c7),
+#     the first answer after a resume against a running one's (c8), and
+#     what each swap had to do (c9).
 # (d) the proxy's cost: p50 of /health to the running service through the
 #     agent against straight to the server (target: <= 1 ms added).
 # Environment:
@@ -99,6 +103,49 @@ metric_sum() { # KIND -> "SUM COUNT" of the transition histogram
         index($0, "gpusnap_agent_transition_duration_seconds_sum{") == 1 && index($0, k) { s = $2 }
         index($0, "gpusnap_agent_transition_duration_seconds_count{") == 1 && index($0, k) { c = $2 }
         END { printf "%s %s\n", (s == "" ? 0 : s), (c == "" ? 0 : c) }'
+}
+
+# phase_sums -> "PHASE SUM COUNT" per line: the agent's trace of the wakes
+# requests caused (gpusnap_agent_swap_phase_seconds), plus "total SUM COUNT"
+# (gpusnap_agent_swap_seconds) and "event:NAME N 0" (swap_events_total).
+phase_sums() {
+    curl -s --unix-socket "$SOCK" http://agent/metrics 2>/dev/null | awk '
+        function lab(l, k,   i, r) { i = index(l, k "=\""); if (!i) return ""; r = substr(l, i + length(k) + 2); return substr(r, 1, index(r, "\"") - 1) }
+        index($0, "gpusnap_agent_swap_phase_seconds_sum{") == 1 { s[lab($0, "phase")] += $2 }
+        index($0, "gpusnap_agent_swap_phase_seconds_count{") == 1 { c[lab($0, "phase")] += $2 }
+        index($0, "gpusnap_agent_swap_seconds_sum{") == 1 { s["total"] += $2 }
+        index($0, "gpusnap_agent_swap_seconds_count{") == 1 { c["total"] += $2 }
+        index($0, "gpusnap_agent_swap_events_total{") == 1 { s["event:" lab($0, "event")] += $2; c["event:" lab($0, "event")] += 0 }
+        END { for (k in s) print k, s[k], c[k] + 0 }'
+}
+
+# breakdown BEFORE AFTER -> the mean per traced swap of each phase between two
+# phase_sums outputs, in the agent's order, as "phase ms, ..." on line 1;
+# "SWAPS TOTAL_S SUSPEND_S RESUME_S RELEASE_S FIRST_BYTE_S" on line 2;
+# the counts per swap on line 3.
+breakdown() {
+    python3 - "$1" "$2" <<'PY'
+import sys
+def load(p):
+    d = {}
+    for l in open(p):
+        f = l.split()
+        if len(f) == 3:
+            d[f[0]] = (float(f[1]), float(f[2]))
+    return d
+a, b = load(sys.argv[1]), load(sys.argv[2])
+delta = lambda k, i: b.get(k, (0, 0))[i] - a.get(k, (0, 0))[i]
+n = delta("total", 1)
+order = ["decide", "admission", "pick", "evict_prep", "suspend", "release_wait", "memory_wait",
+         "resume_prep", "wake", "resume", "ready", "connect", "first_byte"]
+if n <= 0:
+    print("no traced swap"); print("0 0 0 0 0 0"); print("-"); sys.exit()
+mean = lambda k: delta(k, 0) / n
+print(", ".join(f"{k} {mean(k) * 1e3:.1f} ms" for k in order if delta(k, 1) > 0))
+print(f"{n:.0f} {mean('total'):.4f} {mean('suspend'):.4f} {mean('resume') + mean('wake'):.4f} {mean('release_wait'):.4f} {mean('first_byte'):.4f}")
+ev = sorted(k for k in b if k.startswith("event:"))
+print(", ".join(f"{k[6:]} {delta(k, 0) / n:.1f}" for k in ev) or "-")
+PY
 }
 
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR == 0) print "?"; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
@@ -414,6 +461,7 @@ swaps() {
     local mode=$1 i n port ref res t body ttfb sus0 susn0 res0 resn0 sus1 susn1 res1 resn1
     read -r sus0 susn0 <<<"$(metric_sum suspend)"
     read -r res0 resn0 <<<"$(metric_sum resume)"
+    phase_sums >"$WORK/phases-$mode.0"
     : >"$WORK/swap-$mode.ttfb"
     for i in $(seq 1 "$SWAPS"); do
         if [ "$(svc_field m1 state)" = running ]; then n=m2 port=$LP2; else n=m1 port=$LP1; fi
@@ -442,6 +490,10 @@ swaps() {
     done
     read -r sus1 susn1 <<<"$(metric_sum suspend)"
     read -r res1 resn1 <<<"$(metric_sum resume)"
+    # The last swap's trace is observed just after its first byte.
+    sleep 0.5
+    phase_sums >"$WORK/phases-$mode.1"
+    mapfile -t BREAKDOWN < <(breakdown "$WORK/phases-$mode.0" "$WORK/phases-$mode.1")
     NSWAPS=$(calc %d 'b - a' a="$resn0" b="$resn1")
     SWAP_TTFB=$(median <"$WORK/swap-$mode.ttfb")
     if [ "$NSWAPS" -gt 0 ] && [ "$(calc %d 'b - a' a="$susn0" b="$susn1")" -gt 0 ]; then
@@ -466,6 +518,23 @@ swap_rows() { # MODE
             "$(met fle "$over" 0.1)" "${over}s"
     else
         row "c3.$mode" "suspend(other) + resume(this), agent metrics, thp $mode" "-" "no swap measured" FAIL
+    fi
+    # The agent's trace of the same swaps: accept -> first byte, in phases.
+    local tn tt ts tr trel tfb
+    read -r tn tt ts tr trel tfb <<<"${BREAKDOWN[1]:-0 0 0 0 0 0}"
+    if [ "${tn:-0}" != 0 ]; then
+        row "c6.$mode" "where a swap's time goes (agent trace, mean of $tn; docs/agent.md)" "-" "${BREAKDOWN[0]}" INFO \
+            "${tt}s accept->first byte"
+        row "c7.$mode" "what the agent adds: trace total - suspend - resume - first_byte (release_wait included), thp $mode" \
+            "<= 0.100 s" "$(calc %.3f 't - s - r - f' t="$tt" s="$ts" r="$tr" f="$tfb")s (release_wait ${trel}s)" \
+            "$(met fle "$(calc %.3f 't - s - r - f' t="$tt" s="$ts" r="$tr" f="$tfb")" 0.1)" \
+            "$(calc %.3f 't - s - r - f' t="$tt" s="$ts" r="$tr" f="$tfb")s"
+        row "c8.$mode" "first byte after the resume (first_byte phase) against the running model's ttfb (c1), thp $mode" "-" \
+            "${tfb}s vs ${run_ttfb}s: +$(calc %.3f 'f - r' f="$tfb" r="$run_ttfb")s" INFO
+        row "c9.$mode" "what each swap did (per swap: admissions, refusals, evictions, NVML reads, connect retries)" "-" \
+            "${BREAKDOWN[2]}" INFO
+    else
+        row "c6.$mode" "where a swap's time goes (agent trace)" "traced swaps" "none (an agent without the trace?)" INFO
     fi
     for k in warm cold; do
         c=$([ "$k" = warm ] && echo "$COLD_WARM" || echo "$COLD_COLD")
@@ -512,6 +581,44 @@ PY
     cp -f "$WORK/smi-samples" "$OUT/agent-smi-samples.txt" 2>/dev/null
     row e1 "device memory of each server through the swaps (NVML every ~0.2 s; agent-smi-samples.txt)" \
         "samples between full and 0: memory released (checkpoint) or taken (restore) gradually" "$partial" INFO
+    # When NVML showed an evicted server's memory free, against its
+    # checkpoint's return (the journal's checkpoint end): the samples bound
+    # the lag (last sample still holding, first free); the agent's trace
+    # measures it at 5 ms (release_wait in c6).
+    curl -s --unix-socket "$SOCK" "http://agent/v1/events?after=0&follow=false" >"$WORK/events.jsonl" 2>>"$LOG"
+    lag=$(python3 - "$WORK/smi-samples" "$WORK/events.jsonl" "$(svc_field m1 pid)" "$(svc_field m2 pid)" 2>>"$LOG" <<'PY'
+import json, sys
+samples, evf, pids = sys.argv[1], sys.argv[2], {int(p) for p in sys.argv[3:] if p}
+by_t = {}
+for l in open(samples):
+    f = l.split()
+    if len(f) == 3:
+        try:
+            by_t.setdefault(float(f[0]), {})[int(f[1])] = float(f[2])
+        except ValueError:
+            pass
+times = sorted(by_t)
+out = []
+for l in open(evf):
+    try:
+        e = json.loads(l)
+    except ValueError:
+        continue
+    if e.get("op") != "checkpoint" or e.get("phase") != "ok" or e.get("pid") not in pids:
+        continue
+    te, pid = e["ts_ms"] / 1000, e["pid"]
+    after = [t for t in times if te <= t <= te + 30]
+    if not after:
+        continue
+    held = [t - te for t in after if by_t[t].get(pid, 0) > 0]
+    free = [t - te for t in after if by_t[t].get(pid, 0) == 0]
+    out.append(f"{pid}: held in NVML until +{max(held):.2f} s" if held else f"{pid}: no sample held it after the return")
+    out[-1] += f", free from +{min(free):.2f} s" if free else ", never free within 30 s"
+print("; ".join(out) or "no checkpoint with samples after it")
+PY
+)
+    row e2 "NVML after each eviction's checkpoint returned (journal's checkpoint end against the samples)" \
+        "free at the first sample: nothing to wait for" "${lag:-not measured}" INFO
 fi
 
 # The same agent's config with `thp = true`: restarted, it adopts both

@@ -153,7 +153,7 @@ async fn action(
         "hibernate" => agent.hibernate(&svc, why).await,
         "resume" | "wake" => {
             let deadline = std::time::Instant::now() + svc.cfg.wake_timeout;
-            agent.ensure_running(&svc, deadline).await.map(|_| ()).map_err(|e| e.0)
+            agent.ensure_running(&svc, deadline, None).await.map(|_| ()).map_err(|e| e.0)
         }
         "restart" => agent.restart(&svc).await,
         other => {

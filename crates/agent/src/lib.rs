@@ -7,7 +7,8 @@
 //! - [`policy`] suspends the idle, evicts, hibernates and restarts, all
 //!   through the core `Engine`;
 //! - [`api`] serves HTTP/JSON on a unix socket, [`client`] is the CLI's side;
-//! - [`metrics`] holds the Prometheus metrics.
+//! - [`metrics`] holds the Prometheus metrics;
+//! - [`trace`] breaks a wake caused by a request (a swap) into phases.
 
 pub mod api;
 pub mod client;
@@ -17,6 +18,7 @@ pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod service;
+pub mod trace;
 
 pub use config::Config;
 pub use daemon::{run, AgentError, Setup};

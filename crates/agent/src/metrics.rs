@@ -30,6 +30,21 @@ pub struct ServiceLabels {
     pub service: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    pub phase: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EventLabels {
+    pub event: String,
+}
+
+fn phase_buckets() -> Histogram {
+    // 100 us .. ~14 min: a state-file write to a checkpoint of 75 GB.
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.0, 24))
+}
+
 fn seconds_buckets() -> Histogram {
     // 1 ms .. ~9 min: a proxy hop to a resume of tens of GB to a cold wake.
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 20))
@@ -46,6 +61,9 @@ pub struct Metrics {
     pub image_bytes: Gauge<u64, AtomicU64>,
     pub refusals: Family<ServiceLabels, Counter>,
     pub connections_closed: Family<ServiceLabels, Counter>,
+    pub swap_phase: Family<PhaseLabels, Histogram, fn() -> Histogram>,
+    pub swap: Family<KindLabels, Histogram, fn() -> Histogram>,
+    pub swap_events: Family<EventLabels, Counter>,
 }
 
 impl Metrics {
@@ -61,6 +79,9 @@ impl Metrics {
             image_bytes: Gauge::default(),
             refusals: Family::default(),
             connections_closed: Family::default(),
+            swap_phase: Family::new_with_constructor(phase_buckets),
+            swap: Family::new_with_constructor(phase_buckets),
+            swap_events: Family::default(),
             registry: Registry::default(),
         };
         registry.register("services", "Services by state", m.services.clone());
@@ -96,7 +117,44 @@ impl Metrics {
             "Connections closed because their service could not come back in time",
             m.connections_closed.clone(),
         );
+        registry.register_with_unit(
+            "swap_phase",
+            "Phases of a wake caused by a request (a swap when it evicts), from accept to the first byte; \
+             they add up to gpusnap_agent_swap_seconds",
+            prometheus_client::registry::Unit::Seconds,
+            m.swap_phase.clone(),
+        );
+        registry.register_with_unit(
+            "swap",
+            "Wakes caused by a request, from the proxy's accept to the answer's first byte",
+            prometheus_client::registry::Unit::Seconds,
+            m.swap.clone(),
+        );
+        registry.register(
+            "swap_events",
+            "What wakes caused by a request had to do: admissions, refusals, evictions, NVML reads, connect retries",
+            m.swap_events.clone(),
+        );
         Self { registry, ..m }
+    }
+
+    /// A finished wake trace: its phases, its total and its counts.
+    pub fn swap_trace(&self, t: &crate::trace::WakeTrace) {
+        for (phase, d) in t.phases() {
+            self.swap_phase.get_or_create(&PhaseLabels { phase: phase.into() }).observe(d.as_secs_f64());
+        }
+        self.swap.get_or_create(&KindLabels { kind: t.kind.into() }).observe(t.total().as_secs_f64());
+        let c = &t.counts;
+        for (event, n) in [
+            ("admission", c.admissions),
+            ("refusal", c.refusals),
+            ("eviction", c.evictions),
+            ("release_poll", c.release_polls),
+            ("memory_poll", c.memory_polls),
+            ("connect_retry", c.connect_retries),
+        ] {
+            self.swap_events.get_or_create(&EventLabels { event: event.into() }).inc_by(u64::from(n));
+        }
     }
 
     /// OpenMetrics text, as prometheus-client writes it.

@@ -7,7 +7,7 @@
 
 use crate::daemon::Agent;
 use crate::service::{Service, State};
-use gpusnap_core::engine::{ResumeOptions, StopOptions};
+use gpusnap_core::engine::{ResumeOptions, StopOptions, SuspendReport};
 use gpusnap_core::hibernate::{process_tree, HibernateOptions, WakeOptions};
 use gpusnap_core::target::{self, Target};
 use gpusnap_core::Quiet;
@@ -18,6 +18,10 @@ const LOCK_TIMEOUT_MS: u32 = 30_000;
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
 /// After a failed hibernation, the policy waits this long before another.
 const HIBERNATE_RETRY: Duration = Duration::from_secs(60);
+/// Waiting for GPU memory with nothing to evict: NVML is read this often,
+/// and admission asked again after at most MEMORY_WAIT_MAX.
+const MEMORY_POLL: Duration = Duration::from_millis(5);
+const MEMORY_WAIT_MAX: Duration = Duration::from_millis(200);
 
 fn quiet() -> Box<dyn gpusnap_core::Progress> {
     Box::new(Quiet)
@@ -31,6 +35,14 @@ pub fn cuda_pids(agent: &Agent, root: i32) -> Vec<i32> {
     tree.into_iter()
         .filter(|p| target::pid_maps_libcuda(*p) || e.as_mut().is_some_and(|e| e.state(*p).is_ok()))
         .collect()
+}
+
+/// What a successful attempt to bring a service back spent in the driver
+/// (and, for a wake, in CRIU's restore before it), for the wake trace.
+#[derive(Debug, Clone, Copy)]
+struct Done {
+    wake: Duration,
+    driver: Duration,
 }
 
 /// Why a connection could not be given its service.
@@ -52,14 +64,17 @@ impl Agent {
     }
 
     /// Waits until `svc` is running, starting whatever transition brings it
-    /// back. Returns whether it had to wait.
+    /// back. Returns whether it had to wait. `accepted`: when the connection
+    /// that asks came (a resume or wake it starts is then traced, from there).
     pub async fn ensure_running(
         self: &Arc<Self>,
         svc: &Arc<Service>,
         deadline: Instant,
+        accepted: Option<Instant>,
     ) -> Result<bool, Unavailable> {
         let mut waited = false;
         let mut rx = svc.changed.subscribe();
+        let trace = |kind| accepted.map(|t| crate::trace::WakeTrace::new(kind, t));
         loop {
             {
                 let mut g = svc.lock();
@@ -67,11 +82,13 @@ impl Agent {
                     State::Running => return Ok(waited),
                     State::Suspended => {
                         svc.set_state(&mut g, State::Resuming);
+                        g.trace = trace("resume");
                         drop(g);
                         self.spawn_bring_back(svc, "a connection arrived");
                     }
                     State::Hibernated => {
                         svc.set_state(&mut g, State::Waking);
+                        g.trace = trace("wake");
                         drop(g);
                         self.spawn_bring_back(svc, "a connection arrived");
                     }
@@ -155,14 +172,17 @@ impl Agent {
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                 }
-                None => tokio::time::sleep(Duration::from_millis(200)).await,
+                None => {
+                    self.wait_for_memory(deadline).await;
+                }
             }
         }
     }
 
     /// Resume (state Resuming) or wake (state Waking) `svc`, making room on
     /// the GPU first when admission refuses: idle services are suspended,
-    /// lowest priority first, then least recently used.
+    /// lowest priority first, then least recently used. Each step is added
+    /// to the service's wake trace (when a connection caused the wake).
     pub async fn bring_back(self: &Arc<Self>, svc: &Arc<Service>, why: &str) {
         let kind = if svc.lock().state == State::Waking { "wake" } else { "resume" };
         let deadline = Instant::now() + svc.cfg.wake_timeout;
@@ -170,6 +190,7 @@ impl Agent {
         // must not evict each other.
         let _gpu = self.gpu_lock.lock().await;
         self.journal(svc, None, &format!("{kind}: {why}"));
+        svc.trace(|t| t.mark_now("decide"));
         let started = Instant::now();
         loop {
             // A woken image whose processes were suspended when it was taken
@@ -180,9 +201,14 @@ impl Agent {
             let attempt = Instant::now();
             let r = tokio::task::spawn_blocking(move || a.bring_back_once(&s, waking)).await;
             let r = r.unwrap_or_else(|e| Err((1, e.to_string())));
+            let end = Instant::now();
+            svc.trace(|t| t.counts.admissions += 1);
             match r {
-                Ok(()) => {
-                    self.metrics.transition(&svc.name, kind, true, attempt.elapsed().as_secs_f64());
+                Ok(done) => {
+                    self.metrics.transition(&svc.name, kind, true, (end - attempt).as_secs_f64());
+                    svc.trace(|t| {
+                        t.span(end, "resume_prep", &[("wake", done.wake), ("resume", done.driver)])
+                    });
                     tracing::info!(
                         service = svc.name,
                         kind,
@@ -200,20 +226,52 @@ impl Agent {
                     return;
                 }
                 Err((3, msg)) if Instant::now() < deadline => {
+                    svc.trace(|t| {
+                        t.counts.refusals += 1;
+                        t.mark("admission", end);
+                    });
                     self.metrics
                         .refusals
                         .get_or_create(&crate::metrics::ServiceLabels { service: svc.name.clone() })
                         .inc();
-                    match self.pick_victim(svc) {
+                    let victim = self.pick_victim(svc);
+                    svc.trace(|t| t.mark_now("pick"));
+                    match victim {
                         Some(v) => {
                             let reason = format!("evicted to make room for {} ({msg})", svc.name);
-                            if let Err(e) = self.suspend(&v, &reason).await {
-                                tracing::warn!(service = v.name, "eviction failed: {e}");
-                                tokio::time::sleep(Duration::from_millis(200)).await;
+                            match self.suspend_reports(&v, &reason).await {
+                                Ok(reports) => {
+                                    let max = |f: fn(&SuspendReport) -> u64| {
+                                        Duration::from_millis(reports.iter().map(f).max().unwrap_or(0))
+                                    };
+                                    let driver = max(|r| r.lock_ms + r.checkpoint_ms);
+                                    let release = max(|r| r.release_ms);
+                                    let polls: u32 = reports.iter().map(|r| r.release_polls).sum();
+                                    svc.trace(|t| {
+                                        t.counts.evictions += 1;
+                                        t.counts.release_polls += polls;
+                                        t.span(
+                                            Instant::now(),
+                                            "evict_prep",
+                                            &[("suspend", driver), ("release_wait", release)],
+                                        );
+                                    });
+                                }
+                                Err(e) => {
+                                    tracing::warn!(service = v.name, "eviction failed: {e}");
+                                    tokio::time::sleep(Duration::from_millis(200)).await;
+                                    svc.trace(|t| t.mark_now("evict_prep"));
+                                }
                             }
                         }
                         // Everything else is busy: wait for memory to come free.
-                        None => tokio::time::sleep(Duration::from_millis(200)).await,
+                        None => {
+                            let reads = self.wait_for_memory(deadline).await;
+                            svc.trace(|t| {
+                                t.counts.memory_polls += reads;
+                                t.mark_now("memory_wait");
+                            });
+                        }
                     }
                 }
                 Err((_, msg)) => {
@@ -222,6 +280,7 @@ impl Agent {
                     {
                         let mut g = svc.lock();
                         g.last_error = Some(msg);
+                        g.trace = None;
                         let back =
                             if g.state == State::Waking { State::Hibernated } else { State::Suspended };
                         svc.set_state(&mut g, back);
@@ -235,11 +294,46 @@ impl Agent {
         }
     }
 
+    /// After admission refused and nothing can be evicted: returns as soon
+    /// as NVML shows more free memory on some GPU than at the start (memory
+    /// released by a checkpoint NVML reported late, a process that ended),
+    /// or after MEMORY_WAIT_MAX, or at `deadline`; the caller then asks
+    /// admission again, which decides. Polls fast (MEMORY_POLL): it used to
+    /// sleep 200 ms whatever happened. Returns the NVML reads it took.
+    async fn wait_for_memory(self: &Arc<Self>, deadline: Instant) -> u32 {
+        let read = || {
+            let a = Arc::clone(self);
+            tokio::task::spawn_blocking(move || {
+                a.engine()
+                    .ok()
+                    .and_then(|e| e.gpus().gpus().ok())
+                    .map(|g| g.into_iter().map(|g| (g.uuid, g.free_bytes)).collect::<Vec<_>>())
+            })
+        };
+        let until = (Instant::now() + MEMORY_WAIT_MAX).min(deadline);
+        let mut reads = 1;
+        let Ok(Some(first)) = read().await else {
+            tokio::time::sleep_until(until.into()).await;
+            return reads;
+        };
+        while Instant::now() < until {
+            tokio::time::sleep(MEMORY_POLL).await;
+            reads += 1;
+            let Ok(Some(now)) = read().await else { continue };
+            let more = now.iter().any(|(u, f)| first.iter().any(|(v, g)| u == v && f > g));
+            if more {
+                break;
+            }
+        }
+        reads
+    }
+
     /// One attempt, no waiting for memory: `Err((exit code, message))`.
-    fn bring_back_once(&self, svc: &Service, waking: bool) -> Result<(), (i32, String)> {
+    fn bring_back_once(&self, svc: &Service, waking: bool) -> Result<Done, (i32, String)> {
         let err = |e: gpusnap_core::Error| (e.exit_code(), e.to_string());
         let mut e = self.engine().map_err(|e| (1, e.to_string()))?;
         if waking {
+            let t_wake = Instant::now();
             let image = svc.lock().image.clone().ok_or((1, "no image to wake".to_string()))?;
             self.persist_doing(svc, "wake");
             let opts = WakeOptions {
@@ -276,7 +370,8 @@ impl Agent {
                 svc.set_state(&mut g, State::Resuming);
             }
             self.persist();
-            self.bring_back_once(svc, false)
+            let woke = t_wake.elapsed();
+            self.bring_back_once(svc, false).map(|d| Done { wake: woke, ..d })
         } else {
             let (root, kept) = {
                 let g = svc.lock();
@@ -310,6 +405,7 @@ impl Agent {
                 r => r.map_err(err)?,
             };
             let ms: u64 = r.iter().map(|r| r.total_ms).max().unwrap_or(0);
+            let driver = r.iter().map(|r| r.restore_ms + r.unlock_ms).max().unwrap_or(0);
             self.journal(svc, Some(&root), &format!("resumed in {ms} ms"));
             if let Some(image) = kept {
                 match self.images.remove(&image) {
@@ -321,7 +417,7 @@ impl Agent {
                     }
                 }
             }
-            Ok(())
+            Ok(Done { wake: Duration::ZERO, driver: Duration::from_millis(driver) })
         }
     }
 
@@ -379,6 +475,16 @@ impl Agent {
 
     /// Suspends a running service unless traffic arrived meanwhile.
     pub async fn suspend(self: &Arc<Self>, svc: &Arc<Service>, reason: &str) -> Result<(), String> {
+        self.suspend_reports(svc, reason).await.map(|_| ())
+    }
+
+    /// [`Self::suspend`], with the engine's reports (lock, checkpoint and
+    /// release times per process).
+    pub async fn suspend_reports(
+        self: &Arc<Self>,
+        svc: &Arc<Service>,
+        reason: &str,
+    ) -> Result<Vec<SuspendReport>, String> {
         {
             let mut g = svc.lock();
             if g.state != State::Running {
@@ -400,7 +506,7 @@ impl Agent {
         self.metrics.transition(&svc.name, "suspend", ok, started.elapsed().as_secs_f64());
         let mut g = svc.lock();
         match &r {
-            Ok(()) => svc.set_state(&mut g, State::Suspended),
+            Ok(_) => svc.set_state(&mut g, State::Suspended),
             Err(e) => {
                 g.last_error = Some(e.clone());
                 // Not again before another suspend_after.
@@ -416,7 +522,7 @@ impl Agent {
         r
     }
 
-    fn suspend_blocking(&self, svc: &Service) -> Result<(), String> {
+    fn suspend_blocking(&self, svc: &Service) -> Result<Vec<SuspendReport>, String> {
         let root = svc.lock().process.clone().ok_or("no process")?;
         let pids = cuda_pids(self, root.pid);
         if pids.is_empty() {
@@ -424,8 +530,7 @@ impl Agent {
         }
         let mut e = self.engine().map_err(|e| e.to_string())?;
         let _thp = self.thp_for(svc)?;
-        e.suspend_group(&pids, LOCK_TIMEOUT_MS, &quiet).map_err(|e| e.to_string())?;
-        Ok(())
+        e.suspend_group(&pids, LOCK_TIMEOUT_MS, &quiet).map_err(|e| e.to_string())
     }
 
     /// THP `always` for the length of a checkpoint, when the service wants

@@ -7,14 +7,18 @@
 use crate::daemon::Agent;
 use crate::metrics::ServiceLabels;
 use crate::service::{Conn, Service, State};
+use crate::trace::WakeTrace;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 const BUF: usize = 64 * 1024;
+/// Between connects to a backend that does not listen yet (a server still
+/// loading); was 50 ms, a latency a request paid for nothing.
+const CONNECT_RETRY: Duration = Duration::from_millis(10);
 
 pub async fn serve(agent: Arc<Agent>, svc: Arc<Service>, listener: TcpListener) {
     loop {
@@ -84,7 +88,9 @@ impl Service {
 }
 
 /// Waits for the service, bounded in count and time; records the wait.
-async fn wait_for(agent: &Arc<Agent>, svc: &Arc<Service>) -> Result<(), String> {
+/// Returns the trace of the wake this connection waited for, if it is the
+/// first to see it done (the trace then goes on to its first byte).
+async fn wait_for(agent: &Arc<Agent>, svc: &Arc<Service>) -> Result<Option<WakeTrace>, String> {
     {
         let mut g = svc.lock();
         if g.waiting >= svc.cfg.max_waiting {
@@ -94,7 +100,7 @@ async fn wait_for(agent: &Arc<Agent>, svc: &Arc<Service>) -> Result<(), String> 
     }
     let _w = Waiting(svc);
     let t0 = Instant::now();
-    let r = agent.ensure_running(svc, t0 + svc.cfg.wake_timeout).await;
+    let r = agent.ensure_running(svc, t0 + svc.cfg.wake_timeout, Some(t0)).await;
     if let Ok(true) = r {
         agent
             .metrics
@@ -106,8 +112,23 @@ async fn wait_for(agent: &Arc<Agent>, svc: &Arc<Service>) -> Result<(), String> 
             waited_ms = t0.elapsed().as_millis() as u64,
             "connection waited for its service"
         );
+        let mut t = svc.lock().trace.take();
+        if let Some(t) = t.as_mut() {
+            t.mark_now("ready");
+        }
+        return Ok(t);
     }
-    r.map(|_| ()).map_err(|e| e.0)
+    r.map(|_| None).map_err(|e| e.0)
+}
+
+/// A trace that reached its first byte: journaled (in the background: the
+/// answer streams on) and observed.
+fn finish(agent: &Arc<Agent>, svc: &Arc<Service>, pending: &Mutex<Option<WakeTrace>>) {
+    let Some(mut t) = pending.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
+    t.mark_now("first_byte");
+    agent.metrics.swap_trace(&t);
+    let (agent, svc) = (Arc::clone(agent), Arc::clone(svc));
+    tokio::task::spawn_blocking(move || agent.journal(&svc, None, &t.summary()));
 }
 
 async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
@@ -123,20 +144,27 @@ async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
     let closed =
         || agent.metrics.connections_closed.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
 
-    if let Err(e) = wait_for(&agent, &svc).await {
-        tracing::warn!(service = svc.name, "closing a connection: {e}");
-        closed();
-        let _ = client.shutdown().await;
-        return;
+    let pending: Arc<Mutex<Option<WakeTrace>>> = Arc::new(Mutex::new(None));
+    match wait_for(&agent, &svc).await {
+        Ok(t) => *pending.lock().unwrap_or_else(|e| e.into_inner()) = t,
+        Err(e) => {
+            tracing::warn!(service = svc.name, "closing a connection: {e}");
+            closed();
+            let _ = client.shutdown().await;
+            return;
+        }
     }
-    // A server just started may not listen yet: retry until wake_timeout.
+    // A server just started may not listen yet: retry until wake_timeout
+    // (a resumed one listens already: its socket stayed open).
     let deadline = Instant::now() + svc.cfg.wake_timeout;
+    let mut retries = 0;
     let backend = loop {
         match TcpStream::connect(svc.cfg.backend).await {
             Ok(b) => break b,
             Err(e) if Instant::now() < deadline => {
                 tracing::debug!(service = svc.name, "backend not there yet: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                retries += 1;
+                tokio::time::sleep(CONNECT_RETRY).await;
             }
             Err(e) => {
                 tracing::warn!(service = svc.name, "backend {}: {e}", svc.cfg.backend);
@@ -145,12 +173,17 @@ async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
             }
         }
     };
+    if let Some(t) = pending.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        t.counts.connect_retries = retries;
+        t.mark_now("connect");
+    }
     let _ = backend.set_nodelay(true);
     let (mut cr, mut cw) = client.into_split();
     let (mut br, mut bw) = backend.into_split();
 
     let up = {
         let (agent, svc) = (Arc::clone(&agent), Arc::clone(&svc));
+        let pending_up = Arc::clone(&pending);
         async move {
             let mut buf = vec![0u8; BUF];
             loop {
@@ -161,14 +194,18 @@ async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
                 // A keep-alive connection may outlive a suspension: bytes on
                 // it bring the service back as a new connection would.
                 while !svc.begin_request(id) {
-                    if let Err(e) = wait_for(&agent, &svc).await {
-                        tracing::warn!(service = svc.name, "closing a connection: {e}");
-                        agent
-                            .metrics
-                            .connections_closed
-                            .get_or_create(&ServiceLabels { service: svc.name.clone() })
-                            .inc();
-                        return false;
+                    match wait_for(&agent, &svc).await {
+                        Ok(Some(t)) => *pending_up.lock().unwrap_or_else(|e| e.into_inner()) = Some(t),
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::warn!(service = svc.name, "closing a connection: {e}");
+                            agent
+                                .metrics
+                                .connections_closed
+                                .get_or_create(&ServiceLabels { service: svc.name.clone() })
+                                .inc();
+                            return false;
+                        }
                     }
                 }
                 if bw.write_all(&buf[..n]).await.is_err() {
@@ -180,7 +217,7 @@ async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
         }
     };
     let down = {
-        let svc = Arc::clone(&svc);
+        let (agent, svc) = (Arc::clone(&agent), Arc::clone(&svc));
         async move {
             let mut buf = vec![0u8; BUF];
             loop {
@@ -192,6 +229,7 @@ async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
                 if cw.write_all(&buf[..n]).await.is_err() {
                     break;
                 }
+                finish(&agent, &svc, &pending);
             }
             let _ = cw.shutdown().await;
         }

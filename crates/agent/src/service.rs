@@ -109,6 +109,9 @@ pub struct Inner {
     /// When an adopted server's process was seen gone: a pid file written
     /// after this names its successor.
     pub exited_at: Option<std::time::SystemTime>,
+    /// The phases of the wake a connection caused, until a waiting
+    /// connection takes it to add its connect and first byte.
+    pub trace: Option<crate::trace::WakeTrace>,
 }
 
 pub struct Service {
@@ -141,6 +144,7 @@ impl Service {
                 hibernate_not_before: None,
                 ending_on_purpose: false,
                 exited_at: None,
+                trace: None,
             }),
             changed: tokio::sync::watch::channel(0).0,
         }
@@ -158,6 +162,13 @@ impl Service {
             inner.since = Instant::now();
         }
         self.changed.send_modify(|v| *v += 1);
+    }
+
+    /// Adds to the trace of the wake under way, if a connection caused it.
+    pub fn trace(&self, f: impl FnOnce(&mut crate::trace::WakeTrace)) {
+        if let Some(t) = self.lock().trace.as_mut() {
+            f(t);
+        }
     }
 
     /// No bytes for `after`, no request awaiting its answer, nobody waiting.

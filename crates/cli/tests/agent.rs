@@ -443,6 +443,52 @@ fn two_services_on_a_gpu_that_fits_one_swap_on_demand() {
         notes.iter().any(|n| n["detail"].as_str().unwrap().contains("evicted to make room for b")),
         "{notes:?}"
     );
+
+    // Every swap was traced: its phases add up to its time from accept to
+    // first byte, the eviction's suspend and the resume among them, and
+    // each is journaled on the woken service.
+    // (The last answer's trace is observed just after its first byte.)
+    let end = Instant::now() + LONG;
+    let mut text = a.metrics();
+    while metric_sum(&text, "gpusnap_agent_swap_seconds_count") < 5.0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+        text = a.metrics();
+    }
+    let swaps = metric_sum(&text, "gpusnap_agent_swap_seconds_count");
+    assert!(swaps >= 5.0, "{swaps} swaps traced:\n{text}");
+    let total = metric_sum(&text, "gpusnap_agent_swap_seconds_sum");
+    let phases = metric_sum(&text, "gpusnap_agent_swap_phase_seconds_sum");
+    assert!(
+        total > 0.0 && (phases - total).abs() < 1e-6 * swaps,
+        "phases {phases} s, swaps {total} s:\n{text}"
+    );
+    for phase in
+        ["decide", "admission", "pick", "suspend", "release_wait", "resume", "ready", "connect", "first_byte"]
+    {
+        let n = metric_sum(&text, &format!("gpusnap_agent_swap_phase_seconds_count{{phase=\"{phase}\"}}"));
+        assert!(n >= swaps - 1.0, "phase {phase}: {n} of {swaps} swaps:\n{text}");
+    }
+    assert!(
+        metric_sum(&text, "gpusnap_agent_swap_events_total{event=\"eviction\"}") >= swaps - 1.0,
+        "{text}"
+    );
+    let notes = a.notes(pb);
+    assert!(
+        notes.iter().any(|n| {
+            let d = n["detail"].as_str().unwrap();
+            d.contains("resume by request: ") && d.contains(" suspend ") && d.contains(" first_byte ")
+        }),
+        "{notes:?}"
+    );
+}
+
+/// The sum of the samples whose line starts with `prefix` (a name, or a
+/// name and the start of its labels).
+fn metric_sum(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 #[test]
@@ -714,7 +760,13 @@ fn metrics_pass_promtool() {
         AgentWorld::new(1000, "", &[Svc { name: "x", mib: 100, gpu: 0, extra: "suspend_after = \"500ms\"" }]);
     a.wait_state("x", "suspended");
     get(a.port(0), "/");
-    let text = a.metrics();
+    // The wake's trace is observed just after the answer's first byte.
+    let end = Instant::now() + LONG;
+    let mut text = a.metrics();
+    while !text.contains("gpusnap_agent_swap_seconds_count") && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+        text = a.metrics();
+    }
     for name in [
         "gpusnap_agent_services{state=\"running\"}",
         "gpusnap_agent_transitions_total",
@@ -723,6 +775,9 @@ fn metrics_pass_promtool() {
         "gpusnap_agent_connections_in_flight",
         "gpusnap_agent_host_memory_bytes",
         "gpusnap_agent_image_bytes",
+        "gpusnap_agent_swap_phase_seconds_count{phase=\"resume\"}",
+        "gpusnap_agent_swap_seconds_count{kind=\"resume\"}",
+        "gpusnap_agent_swap_events_total{event=\"admission\"}",
     ] {
         assert!(text.contains(name), "{name} missing:\n{text}");
     }

@@ -21,6 +21,11 @@ const MIB: u64 = 1 << 20;
 
 /// How long NVML may take to show a checkpointed process's memory as freed.
 const RELEASE_WAIT: Duration = Duration::from_secs(10);
+/// NVML reads while waiting for a release: every RELEASE_FAST_TICK for
+/// RELEASE_FAST_FOR, then every RELEASE_SLOW_TICK.
+const RELEASE_FAST_TICK: Duration = Duration::from_millis(5);
+const RELEASE_FAST_FOR: Duration = Duration::from_secs(1);
+const RELEASE_SLOW_TICK: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone, Serialize)]
 pub struct GpuBytes {
@@ -55,6 +60,11 @@ pub struct SuspendReport {
     pub gpus: Vec<GpuBytes>,
     pub lock_ms: u64,
     pub checkpoint_ms: u64,
+    /// From the checkpoint's return until NVML showed the process's device
+    /// memory released (what admission of the next resume waits for).
+    pub release_ms: u64,
+    /// NVML reads that took.
+    pub release_polls: u32,
     pub total_ms: u64,
 }
 
@@ -226,16 +236,24 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(out)
     }
 
-    fn wait_released(&self, pid: i32) -> Result<bool, Error> {
-        let deadline = Instant::now() + RELEASE_WAIT;
+    /// Polls NVML until `pid` holds no device memory: `(released, reads)`.
+    /// Fast at first (a swap waits on this, and NVML may report the memory
+    /// freed a little after the checkpoint returns: a fixed 100 ms tick cost
+    /// up to 100 ms for a lag of 1), slower after RELEASE_FAST_FOR.
+    fn wait_released(&self, pid: i32) -> Result<(bool, u32), Error> {
+        let t0 = Instant::now();
+        let deadline = t0 + RELEASE_WAIT;
+        let mut reads = 0u32;
         loop {
+            reads += 1;
             if self.live_usage(pid)?.values().all(|b| *b == 0) {
-                return Ok(true);
+                return Ok((true, reads));
             }
             if Instant::now() >= deadline {
-                return Ok(false);
+                return Ok((false, reads));
             }
-            std::thread::sleep(Duration::from_millis(100));
+            let tick = if t0.elapsed() < RELEASE_FAST_FOR { RELEASE_FAST_TICK } else { RELEASE_SLOW_TICK };
+            std::thread::sleep(tick);
         }
     }
 
@@ -326,6 +344,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     gpus: to_list(&fp),
                     lock_ms: 0,
                     checkpoint_ms: 0,
+                    release_ms: 0,
+                    release_polls: 0,
                     total_ms: ms(started),
                 });
             }
@@ -375,7 +395,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         let checkpoint_ms = ms(t_ckpt);
 
-        if !self.wait_released(pid)? {
+        let t_release = Instant::now();
+        let (released, release_polls) = self.wait_released(pid)?;
+        let release_ms = ms(t_release);
+        if !released {
             let left: u64 = self.live_usage(pid)?.values().sum();
             self.store.note(&t, "verify", None, &format!("NVML still shows {} MiB", left / MIB))?;
             return Err(Error::NotReleased { pid, mib: left / MIB, secs: RELEASE_WAIT.as_secs() });
@@ -389,6 +412,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             gpus: to_list(&fp),
             lock_ms,
             checkpoint_ms,
+            release_ms,
+            release_polls,
             total_ms: ms(started),
         })
     }
@@ -752,7 +777,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 Err(e) => return Err(refuse(e.to_string())),
             }
         }
-        let released = if cuda { self.wait_released(pid)? } else { true };
+        let released = if cuda { self.wait_released(pid)?.0 } else { true };
         if !released && !opts.force {
             return Err(refuse("NVML still shows device memory for it after suspend".into()));
         }

@@ -19,6 +19,13 @@ pub struct Config {
     /// take a time proportional to the footprint as on a real GPU.
     pub checkpoint_gbps: f64,
     pub restore_gbps: f64,
+    /// NVML reporting a checkpoint's release late, as a real NVML may: for
+    /// this many ms after a checkpoint returned, the process is still listed
+    /// with its memory (`nvml_process_lag_ms`) and the GPU's used memory
+    /// still counts it (`nvml_memory_lag_ms`). The driver's own view (a
+    /// restore's memory check) has no lag. 0: none.
+    pub nvml_process_lag_ms: u64,
+    pub nvml_memory_lag_ms: u64,
     pub inject: Vec<Injection>,
 }
 
@@ -31,6 +38,8 @@ impl Default for Config {
             context_mib: 0,
             checkpoint_gbps: 100.0,
             restore_gbps: 100.0,
+            nvml_process_lag_ms: 0,
+            nvml_memory_lag_ms: 0,
             inject: Vec::new(),
         }
     }

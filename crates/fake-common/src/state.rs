@@ -77,6 +77,10 @@ pub struct Proc {
     /// Queued GPU work runs until then (unix ms); a lock waits for it.
     #[serde(default)]
     pub busy_until_ms: u64,
+    /// When its last checkpoint freed its device memory (unix ms): NVML's
+    /// configured lag runs from there.
+    #[serde(default)]
+    pub released_ms: u64,
 }
 
 /// How a lock on a RUNNING process goes.
@@ -100,6 +104,7 @@ impl Proc {
             allocs: BTreeMap::new(),
             next_ptr: FIRST_PTR,
             busy_until_ms: 0,
+            released_ms: 0,
         }
     }
 
@@ -221,6 +226,37 @@ impl State {
 
     pub fn free_bytes(&self, cfg: &Config, gpu: u32) -> u64 {
         Self::total_bytes(cfg, gpu).saturating_sub(self.used_bytes(cfg, gpu))
+    }
+
+    /// Whether NVML still shows `p` holding its memory at `now_ms`, `lag_ms`
+    /// after a checkpoint released it.
+    fn nvml_holds(p: &Proc, lag_ms: u64, now_ms: u64) -> bool {
+        p.resident || (lag_ms > 0 && p.released_ms > 0 && now_ms < p.released_ms.saturating_add(lag_ms))
+    }
+
+    /// [`Self::used_bytes`] as NVML reports it at `now_ms` (with
+    /// `nvml_memory_lag_ms`).
+    pub fn nvml_used_bytes(&self, cfg: &Config, gpu: u32, now_ms: u64) -> u64 {
+        let ctx = cfg.context_mib * MIB;
+        self.procs
+            .values()
+            .filter(|p| Self::nvml_holds(p, cfg.nvml_memory_lag_ms, now_ms))
+            .map(|p| p.bytes_on(gpu, ctx))
+            .sum()
+    }
+
+    /// [`Self::gpu_processes`] as NVML reports them at `now_ms` (with
+    /// `nvml_process_lag_ms`).
+    pub fn nvml_gpu_processes(&self, cfg: &Config, gpu: u32, now_ms: u64) -> Vec<(i32, u64)> {
+        let ctx = cfg.context_mib * MIB;
+        self.procs
+            .iter()
+            .filter(|(_, p)| {
+                Self::nvml_holds(p, cfg.nvml_process_lag_ms, now_ms)
+                    && (p.contexts.contains(&gpu) || p.allocs.values().any(|a| a.gpu == gpu))
+            })
+            .map(|(&pid, p)| (pid, p.bytes_on(gpu, ctx)))
+            .collect()
     }
 
     /// The processes holding memory on `gpu`, as (pid, bytes), for NVML.
@@ -383,6 +419,25 @@ mod tests {
     /// The gpu pair moving config GPU `old` to `new`.
     fn pair(cfg: &Config, old: usize, new: usize) -> Option<GpuPair> {
         Some((parse_uuid(&cfg.gpus.get(old)?.uuid)?, parse_uuid(&cfg.gpus.get(new)?.uuid)?))
+    }
+
+    #[test]
+    fn nvml_may_report_a_release_late() {
+        let mut cfg = config(&[1000]);
+        cfg.nvml_process_lag_ms = 50;
+        cfg.nvml_memory_lag_ms = 80;
+        let mut st = State::default();
+        with_proc(&mut st, &cfg, 1, 0, 100);
+        let p = st.procs.get_mut(&1).unwrap();
+        p.state = ProcState::Checkpointed;
+        p.resident = false;
+        p.released_ms = 10_000;
+        // The driver's view has no lag.
+        assert_eq!(st.used_bytes(&cfg, 0), 0);
+        assert_eq!(st.nvml_gpu_processes(&cfg, 0, 10_049), vec![(1, 110 * MIB)]);
+        assert!(st.nvml_gpu_processes(&cfg, 0, 10_050).is_empty());
+        assert_eq!(st.nvml_used_bytes(&cfg, 0, 10_079), 110 * MIB);
+        assert_eq!(st.nvml_used_bytes(&cfg, 0, 10_080), 0);
     }
 
     fn config(gpus: &[u64]) -> Config {

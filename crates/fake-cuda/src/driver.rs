@@ -191,7 +191,9 @@ pub fn checkpoint(store: &Store, pid: i32) -> Result<(), CuResult> {
     })?;
     sleep(copy_time(bytes, gbps));
     on_process(store, pid, |t| {
-        entry(t, pid)?.finish_checkpoint()?;
+        let p = entry(t, pid)?;
+        p.finish_checkpoint()?;
+        p.released_ms = now_ms();
         store.move_data(pid, true).map_err(io_fail)
     })
 }

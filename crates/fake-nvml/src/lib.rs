@@ -334,7 +334,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
         }
         let info = with_gpu(device, |cfg, st, gpu| {
             let total = State::total_bytes(cfg, gpu);
-            let used = st.used_bytes(cfg, gpu).min(total);
+            let used = st.nvml_used_bytes(cfg, gpu, gpusnap_fake_common::now_ms()).min(total);
             nvmlMemory_v2_t { version, total, reserved: 0, free: total - used, used }
         })?;
         // SAFETY: checked non-NULL above; the caller promises it is writable.
@@ -358,7 +358,8 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
         if count.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        let procs = with_gpu(device, |cfg, st, gpu| st.gpu_processes(cfg, gpu))?;
+        let procs =
+            with_gpu(device, |cfg, st, gpu| st.nvml_gpu_processes(cfg, gpu, gpusnap_fake_common::now_ms()))?;
         // SAFETY: non-NULL and read-writable, as the caller promises.
         let room = unsafe { count.read_unaligned() } as usize;
         // SAFETY: as above.
