@@ -180,7 +180,7 @@ def run(label, binary):
         n = delta(f'gpusnap_agent_transition_duration_seconds_count{{kind="{kind}"}}')
         return delta(f'gpusnap_agent_transition_duration_seconds_sum{{kind="{kind}"}}') / n if n else float("nan")
 
-    r = {"run": run_ttfb, "swap": statistics.median(times), "suspend": tr("suspend"), "resume": tr("resume"),
+    r = {"run": run_ttfb, "swap": statistics.median(times), "t_suspend": tr("suspend"), "t_resume": tr("resume"),
          "n": len(times)}
     traced = delta("gpusnap_agent_swap_seconds_count")
     if traced:
@@ -208,9 +208,9 @@ row = lambda name, f: print(f"| {name} | " + " | ".join(f(r) for _, r in res) + 
 row("ttfb, request to the running service (median of 5)", lambda r: ms(r["run"]))
 row("ttfb of a swap (median)", lambda r: ms(r["swap"]))
 row("suspend(other) + resume(this), transition metrics (means)",
-    lambda r: f'{ms(r["suspend"])} + {ms(r["resume"])}')
+    lambda r: f'{ms(r["t_suspend"])} + {ms(r["t_resume"])}')
 row("**swap - (suspend + resume) - ttfb running** (agent-bench's c4)",
-    lambda r: "**" + ms(r["swap"] - r["suspend"] - r["resume"] - r["run"]) + "**")
+    lambda r: "**" + ms(r["swap"] - r["t_suspend"] - r["t_resume"] - r["run"]) + "**")
 row("traced swaps: accept -> first byte (mean)", lambda r: ms(r.get("total")))
 for p in PHASES:
     if any(p in r for _, r in res):

@@ -30,8 +30,12 @@ fn quiet() -> Box<dyn gpusnap_core::Progress> {
 /// The CUDA processes of a service: those of its tree that map libcuda or
 /// that the driver knows (a driver library installed under another name).
 pub fn cuda_pids(agent: &Agent, root: i32) -> Vec<i32> {
+    cuda_pids_in(&mut agent.engine().ok(), root)
+}
+
+/// [`cuda_pids`] with an engine the caller already has.
+fn cuda_pids_in(e: &mut Option<crate::daemon::DynEngine>, root: i32) -> Vec<i32> {
     let tree: Vec<i32> = process_tree(root).into_iter().map(|(p, _)| p).collect();
-    let mut e = agent.engine().ok();
     tree.into_iter()
         .filter(|p| target::pid_maps_libcuda(*p) || e.as_mut().is_some_and(|e| e.state(*p).is_ok()))
         .collect()
@@ -207,7 +211,11 @@ impl Agent {
                 Ok(done) => {
                     self.metrics.transition(&svc.name, kind, true, (end - attempt).as_secs_f64());
                     svc.trace(|t| {
-                        t.span(end, "resume_prep", &[("wake", done.wake), ("resume", done.driver)])
+                        if kind == "wake" {
+                            t.span(end, "resume_prep", &[("wake", done.wake), ("resume", done.driver)]);
+                        } else {
+                            t.span(end, "resume_prep", &[("resume", done.driver)]);
+                        }
                     });
                     tracing::info!(
                         service = svc.name,
@@ -222,7 +230,10 @@ impl Agent {
                         g.last_activity = Instant::now();
                         svc.set_state(&mut g, State::Running);
                     }
-                    self.persist();
+                    // Off this worker: the connection just woken may be
+                    // queued behind this task, and the write syncs to disk.
+                    let a = Arc::clone(self);
+                    let _ = tokio::task::spawn_blocking(move || a.persist()).await;
                     return;
                 }
                 Err((3, msg)) if Instant::now() < deadline => {
@@ -422,11 +433,15 @@ impl Agent {
     }
 
     /// The idle running service to suspend for `for_svc`: never one with
-    /// traffic in flight; lowest priority, then least recently used.
+    /// traffic in flight; lowest priority, then least recently used. One
+    /// engine and one NVML process list for all the candidates (a swap
+    /// waits on this).
     fn pick_victim(&self, for_svc: &Service) -> Option<Arc<Service>> {
+        let mut e = self.engine().ok();
         // Only services on the GPUs the resume needs (its footprint's);
         // unknown (a cold start): any.
-        let needed = self.footprint_gpus(for_svc);
+        let needed = self.footprint_gpus(&mut e, for_svc);
+        let mut nvml: Option<Vec<gpusnap_gpu::ProcessUsage>> = None;
         let mut best: Option<(i64, i64, Arc<Service>)> = None;
         for s in &self.services {
             if s.name == for_svc.name {
@@ -439,38 +454,38 @@ impl Agent {
                 }
                 ((s.cfg.priority, g.last_used_ms), g.process.as_ref().map(|t| t.pid))
             };
+            if best.as_ref().is_some_and(|(p, u, _)| key >= (*p, *u)) {
+                continue;
+            }
             if let (false, Some(root)) = (needed.is_empty(), root) {
-                let on = self.running_gpus(root);
+                let procs = nvml.get_or_insert_with(|| {
+                    e.as_ref().and_then(|e| e.gpus().processes().ok()).unwrap_or_default()
+                });
+                let pids = cuda_pids_in(&mut e, root);
+                let on: std::collections::BTreeSet<String> =
+                    procs.iter().filter(|p| pids.contains(&(p.pid as i32))).map(|p| p.uuid.clone()).collect();
                 if !on.is_empty() && on.is_disjoint(&needed) {
                     continue;
                 }
             }
-            if best.as_ref().is_none_or(|(p, u, _)| key < (*p, *u)) {
-                best = Some((key.0, key.1, Arc::clone(s)));
-            }
+            best = Some((key.0, key.1, Arc::clone(s)));
         }
         best.map(|(_, _, s)| s)
     }
 
     /// The GPUs a suspended service's recorded footprint is on.
-    fn footprint_gpus(&self, svc: &Service) -> std::collections::BTreeSet<String> {
+    fn footprint_gpus(
+        &self,
+        e: &mut Option<crate::daemon::DynEngine>,
+        svc: &Service,
+    ) -> std::collections::BTreeSet<String> {
         let Some(root) = svc.lock().process.as_ref().map(|t| t.pid) else { return Default::default() };
-        let Ok(e) = self.engine() else { return Default::default() };
-        cuda_pids(self, root)
-            .into_iter()
+        let pids = cuda_pids_in(e, root);
+        let Some(e) = e.as_ref() else { return Default::default() };
+        pids.into_iter()
             .filter_map(|p| e.store().latest_for_pid(p).ok().flatten())
             .flat_map(|r| r.footprint.into_keys())
             .collect()
-    }
-
-    /// The GPUs a running service's CUDA processes hold memory on (NVML).
-    fn running_gpus(&self, root: i32) -> std::collections::BTreeSet<String> {
-        let pids = cuda_pids(self, root);
-        let Ok(e) = self.engine() else { return Default::default() };
-        e.gpus()
-            .processes()
-            .map(|ps| ps.into_iter().filter(|p| pids.contains(&(p.pid as i32))).map(|p| p.uuid).collect())
-            .unwrap_or_default()
     }
 
     /// Suspends a running service unless traffic arrived meanwhile.
