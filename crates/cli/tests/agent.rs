@@ -482,6 +482,69 @@ fn two_services_on_a_gpu_that_fits_one_swap_on_demand() {
     );
 }
 
+#[test]
+fn a_swap_waits_out_a_late_nvml_and_traces_the_wait() {
+    // NVML reports a checkpoint's release late (its process list by 40 ms,
+    // the GPU's used memory by 400 ms): the eviction's suspend waits until
+    // NVML shows the process released, and admission, refused meanwhile
+    // with nothing left to evict, is asked again once NVML shows the memory
+    // free. Every request answered; the waits are in the trace.
+    let extra = "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"";
+    let w = World::new(&[1000]);
+    w.set_config("nvml_process_lag_ms", serde_json::json!(40));
+    w.set_config("nvml_memory_lag_ms", serde_json::json!(400));
+    let mut a = AgentWorld::unstarted(
+        w,
+        "",
+        &[Svc { name: "a", mib: 600, gpu: 0, extra }, Svc { name: "b", mib: 600, gpu: 0, extra }],
+        &[],
+    );
+    a.start();
+    let end = Instant::now() + LONG;
+    loop {
+        let mut st: Vec<String> =
+            a.services().iter().map(|s| s["state"].as_str().unwrap().to_string()).collect();
+        st.sort();
+        if st == ["running", "suspended"] {
+            break;
+        }
+        assert!(Instant::now() < end, "the services never settled: {:?}\n{}", a.services(), a.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (pa, pb) = (a.wait_state("a", &a.state("a"))["pid"].as_i64().unwrap(), a.state("b"));
+    let pb = a.wait_state("b", &pb)["pid"].as_i64().unwrap();
+    for i in 0..4 {
+        let (name, port, pid) =
+            if a.state("a") == "running" { ("b", a.port(1), pb) } else { ("a", a.port(0), pa) };
+        let body = get(port, "/");
+        let f: Vec<&str> = body.split_whitespace().collect();
+        assert_eq!(
+            (f[0], f[1], f[3]),
+            ("ok", pid.to_string().as_str(), "1"),
+            "request {i} to {name}: {body}"
+        );
+    }
+    let end = Instant::now() + LONG;
+    let mut text = a.metrics();
+    while metric_sum(&text, "gpusnap_agent_swap_seconds_count") < 4.0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+        text = a.metrics();
+    }
+    let swaps = metric_sum(&text, "gpusnap_agent_swap_seconds_count");
+    assert_eq!(swaps, 4.0, "{text}");
+    let ev = |e: &str| metric_sum(&text, &format!("gpusnap_agent_swap_events_total{{event=\"{e}\"}}"));
+    assert_eq!(ev("eviction"), 4.0, "{text}");
+    // More than one NVML read until the release showed, and admission
+    // refused again after the eviction (memory not yet shown free).
+    assert!(ev("release_poll") > swaps, "{text}");
+    assert!(ev("refusal") >= 2.0 * swaps, "{text}");
+    assert!(ev("memory_poll") >= swaps, "{text}");
+    let phase =
+        |p: &str| metric_sum(&text, &format!("gpusnap_agent_swap_phase_seconds_sum{{phase=\"{p}\"}}"));
+    assert!(phase("release_wait") >= 0.03 * swaps, "{text}");
+    assert!(phase("memory_wait") > 0.0, "{text}");
+}
+
 /// The sum of the samples whose line starts with `prefix` (a name, or a
 /// name and the start of its labels).
 fn metric_sum(text: &str, prefix: &str) -> f64 {
