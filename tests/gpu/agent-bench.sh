@@ -530,7 +530,7 @@ swap_rows() { # MODE
             "$(met fle "$(calc %.3f 't - s - r - f' t="$tt" s="$ts" r="$tr" f="$tfb")" 0.1)" \
             "$(calc %.3f 't - s - r - f' t="$tt" s="$ts" r="$tr" f="$tfb")s"
         row "c8.$mode" "first byte after the resume (first_byte phase) against the running model's ttfb (c1), thp $mode" "-" \
-            "${tfb}s vs ${run_ttfb}s: +$(calc %.3f 'f - r' f="$tfb" r="$run_ttfb")s" INFO
+            "${tfb}s vs ${run_ttfb}s: $(calc %+.3f 'f - r' f="$tfb" r="$run_ttfb")s" INFO
         row "c9.$mode" "what each swap did (per swap: admissions, refusals, evictions, NVML reads, connect retries)" "-" \
             "${BREAKDOWN[2]}" INFO
     else
@@ -549,6 +549,8 @@ swap_rows() { # MODE
 # eviction returns.) NVML sampled through the thp-off swaps.
 SMI_SAMPLER=""
 if command -v nvidia-smi >/dev/null 2>&1; then
+    # (Made before the sampler starts: it stops when the file is gone.)
+    touch "$WORK/.smi-watch"
     (while [ -e "$WORK/.smi-watch" ]; do
         t=$(now)
         timeout 5 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
@@ -556,10 +558,10 @@ if command -v nvidia-smi >/dev/null 2>&1; then
         sleep 0.1
     done >"$WORK/smi-samples") &
     SMI_SAMPLER=$!
-    touch "$WORK/.smi-watch"
 fi
 swaps off
 S_OFF=("$SWAP_TTFB" "$SUS_AVG" "$RES_AVG" "$NSWAPS")
+BD_OFF=("${BREAKDOWN[@]}")
 if [ -n "$SMI_SAMPLER" ]; then
     rm -f "$WORK/.smi-watch"
     wait "$SMI_SAMPLER" 2>/dev/null
@@ -610,10 +612,13 @@ for l in open(evf):
     after = [t for t in times if te <= t <= te + 30]
     if not after:
         continue
-    held = [t - te for t in after if by_t[t].get(pid, 0) > 0]
+    # Up to the first sample that shows it free (a later resume takes the
+    # memory again).
     free = [t - te for t in after if by_t[t].get(pid, 0) == 0]
+    first_free = min(free) if free else 30
+    held = [t - te for t in after if t - te < first_free and by_t[t].get(pid, 0) > 0]
     out.append(f"{pid}: held in NVML until +{max(held):.2f} s" if held else f"{pid}: no sample held it after the return")
-    out[-1] += f", free from +{min(free):.2f} s" if free else ", never free within 30 s"
+    out[-1] += f", free from +{first_free:.2f} s" if free else ", never free within 30 s"
 print("; ".join(out) or "no checkpoint with samples after it")
 PY
 )
@@ -623,7 +628,7 @@ fi
 
 # The same agent's config with `thp = true`: restarted, it adopts both
 # services as they are (one running, one suspended).
-S_ON=()
+S_ON=() BD_ON=()
 if budget_left; then
     agent_down
     agent_up true
@@ -642,6 +647,7 @@ if budget_left; then
     rm -f "$WORK/.thp-watch"
     wait "$watcher" 2>/dev/null
     S_ON=("$SWAP_TTFB" "$SUS_AVG" "$RES_AVG" "$NSWAPS")
+    BD_ON=("${BREAKDOWN[@]}")
     seen=$(awk '{ printf "%s%s x%s", (NR > 1 ? ", " : ""), $2, $1 }' "$WORK/thp-seen" 2>/dev/null)
     if [ "$THP_BEFORE" = always ]; then
         row b4 "THP with thp = true" "switched to always during suspends" "the host's mode is always already: nothing to switch" INFO
@@ -657,9 +663,11 @@ fi
 # ---------------------------------------------------------------- (c) the table
 row c1 "ttfb, request to the running model (median of 5)" "-" "${run_ttfb}s" INFO "${run_ttfb}s"
 SWAP_TTFB=${S_OFF[0]} SUS_AVG=${S_OFF[1]} RES_AVG=${S_OFF[2]} NSWAPS=${S_OFF[3]}
+BREAKDOWN=("${BD_OFF[@]}")
 swap_rows off
 if [ "${#S_ON[@]}" = 4 ]; then
     SWAP_TTFB=${S_ON[0]} SUS_AVG=${S_ON[1]} RES_AVG=${S_ON[2]} NSWAPS=${S_ON[3]}
+    BREAKDOWN=("${BD_ON[@]}")
     swap_rows on
 fi
 
