@@ -177,7 +177,7 @@ impl Agent {
                     }
                 }
                 None => {
-                    self.wait_for_memory(deadline).await;
+                    self.wait_for_memory(None, deadline).await;
                 }
             }
         }
@@ -277,7 +277,7 @@ impl Agent {
                         }
                         // Everything else is busy: wait for memory to come free.
                         None => {
-                            let reads = self.wait_for_memory(deadline).await;
+                            let reads = self.wait_for_memory(Some(svc), deadline).await;
                             svc.trace(|t| {
                                 t.counts.memory_polls += reads;
                                 t.mark_now("memory_wait");
@@ -306,37 +306,68 @@ impl Agent {
     }
 
     /// After admission refused and nothing can be evicted: returns as soon
-    /// as NVML shows more free memory on some GPU than at the start (memory
-    /// released by a checkpoint NVML reported late, a process that ended),
-    /// or after MEMORY_WAIT_MAX, or at `deadline`; the caller then asks
-    /// admission again, which decides. Polls fast (MEMORY_POLL): it used to
-    /// sleep 200 ms whatever happened. Returns the NVML reads it took.
-    async fn wait_for_memory(self: &Arc<Self>, deadline: Instant) -> u32 {
-        let read = || {
-            let a = Arc::clone(self);
-            tokio::task::spawn_blocking(move || {
-                a.engine()
-                    .ok()
-                    .and_then(|e| e.gpus().gpus().ok())
-                    .map(|g| g.into_iter().map(|g| (g.uuid, g.free_bytes)).collect::<Vec<_>>())
-            })
-        };
+    /// as NVML shows what the resume of `svc` needs free on each of its GPUs
+    /// (its recorded footprint and margin; without one, `svc` None or not
+    /// known: as soon as free memory grows on some GPU), or after
+    /// MEMORY_WAIT_MAX, or at `deadline`. The caller then asks admission
+    /// again, which decides: this only chooses when to ask. NVML is read
+    /// every MEMORY_POLL (a checkpoint's release it reports late, a process
+    /// that ended); it used to be a fixed 200 ms sleep. Returns the reads.
+    async fn wait_for_memory(self: &Arc<Self>, svc: Option<&Arc<Service>>, deadline: Instant) -> u32 {
         let until = (Instant::now() + MEMORY_WAIT_MAX).min(deadline);
-        let mut reads = 1;
-        let Ok(Some(first)) = read().await else {
-            tokio::time::sleep_until(until.into()).await;
-            return reads;
-        };
-        while Instant::now() < until {
-            tokio::time::sleep(MEMORY_POLL).await;
-            reads += 1;
-            let Ok(Some(now)) = read().await else { continue };
-            let more = now.iter().any(|(u, f)| first.iter().any(|(v, g)| u == v && f > g));
-            if more {
-                break;
+        let (a, s) = (Arc::clone(self), svc.cloned());
+        tokio::task::spawn_blocking(move || {
+            let need = s.map(|s| a.resume_need(&s)).unwrap_or_default();
+            let Ok(e) = a.engine() else {
+                std::thread::sleep(until.saturating_duration_since(Instant::now()));
+                return 0;
+            };
+            let read = || -> Option<std::collections::BTreeMap<String, u64>> {
+                e.gpus().gpus().ok().map(|g| g.into_iter().map(|g| (g.uuid, g.free_bytes)).collect())
+            };
+            let first = read();
+            let mut reads = 1;
+            loop {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return reads;
+                }
+                std::thread::sleep(MEMORY_POLL.min(left));
+                reads += 1;
+                let Some(now) = read() else { continue };
+                let enough = if need.is_empty() {
+                    first.as_ref().is_some_and(|f| now.iter().any(|(u, b)| f.get(u).is_some_and(|g| b > g)))
+                } else {
+                    need.iter().all(|(u, b)| now.get(u).is_some_and(|f| f >= b))
+                };
+                if enough {
+                    return reads;
+                }
+            }
+        })
+        .await
+        .unwrap_or(0)
+    }
+
+    /// Per GPU, what admission asks for a resume of `svc`: the footprint
+    /// recorded for its CUDA processes plus its margin (empty if unknown).
+    fn resume_need(&self, svc: &Service) -> std::collections::BTreeMap<String, u64> {
+        let mut need = std::collections::BTreeMap::new();
+        let Some(root) = svc.lock().process.as_ref().map(|t| t.pid) else { return need };
+        let mut e = self.engine().ok();
+        let pids = cuda_pids_in(&mut e, root);
+        let Some(e) = e else { return need };
+        for pid in pids {
+            if let Ok(Some(r)) = e.store().latest_for_pid(pid) {
+                for (u, b) in r.footprint {
+                    *need.entry(u).or_insert(0u64) += b;
+                }
             }
         }
-        reads
+        for b in need.values_mut() {
+            *b = b.saturating_add(svc.cfg.margin);
+        }
+        need
     }
 
     /// One attempt, no waiting for memory: `Err((exit code, message))`.
