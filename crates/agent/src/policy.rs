@@ -30,11 +30,11 @@ fn quiet() -> Box<dyn gpusnap_core::Progress> {
 /// The CUDA processes of a service: those of its tree that map libcuda or
 /// that the driver knows (a driver library installed under another name).
 pub fn cuda_pids(agent: &Agent, root: i32) -> Vec<i32> {
-    cuda_pids_in(&mut agent.engine().ok(), root)
+    cuda_pids_in(agent.engine().ok().as_mut(), root)
 }
 
 /// [`cuda_pids`] with an engine the caller already has.
-fn cuda_pids_in(e: &mut Option<crate::daemon::DynEngine>, root: i32) -> Vec<i32> {
+fn cuda_pids_in(mut e: Option<&mut crate::daemon::DynEngine>, root: i32) -> Vec<i32> {
     let tree: Vec<i32> = process_tree(root).into_iter().map(|(p, _)| p).collect();
     tree.into_iter()
         .filter(|p| target::pid_maps_libcuda(*p) || e.as_mut().is_some_and(|e| e.state(*p).is_ok()))
@@ -355,7 +355,7 @@ impl Agent {
         let mut need = std::collections::BTreeMap::new();
         let Some(root) = svc.lock().process.as_ref().map(|t| t.pid) else { return need };
         let mut e = self.engine().ok();
-        let pids = cuda_pids_in(&mut e, root);
+        let pids = cuda_pids_in(e.as_mut(), root);
         let Some(e) = e else { return need };
         for pid in pids {
             if let Ok(Some(r)) = e.store().latest_for_pid(pid) {
@@ -419,7 +419,7 @@ impl Agent {
                 let g = svc.lock();
                 (g.process.clone().ok_or((1, "no process".to_string()))?, g.image.clone())
             };
-            let pids = cuda_pids(self, root.pid);
+            let pids = cuda_pids_in(Some(&mut e), root.pid);
             let mut opts = ResumeOptions { margin_bytes: svc.cfg.margin, ..Default::default() };
             // Woken by an agent that died before the driver's restore was
             // recorded: the image's manifest has the footprint the store lacks.
@@ -492,7 +492,7 @@ impl Agent {
                 let procs = nvml.get_or_insert_with(|| {
                     e.as_ref().and_then(|e| e.gpus().processes().ok()).unwrap_or_default()
                 });
-                let pids = cuda_pids_in(&mut e, root);
+                let pids = cuda_pids_in(e.as_mut(), root);
                 let on: std::collections::BTreeSet<String> =
                     procs.iter().filter(|p| pids.contains(&(p.pid as i32))).map(|p| p.uuid.clone()).collect();
                 if !on.is_empty() && on.is_disjoint(&needed) {
@@ -511,7 +511,7 @@ impl Agent {
         svc: &Service,
     ) -> std::collections::BTreeSet<String> {
         let Some(root) = svc.lock().process.as_ref().map(|t| t.pid) else { return Default::default() };
-        let pids = cuda_pids_in(e, root);
+        let pids = cuda_pids_in(e.as_mut(), root);
         let Some(e) = e.as_ref() else { return Default::default() };
         pids.into_iter()
             .filter_map(|p| e.store().latest_for_pid(p).ok().flatten())
@@ -570,11 +570,11 @@ impl Agent {
 
     fn suspend_blocking(&self, svc: &Service) -> Result<Vec<SuspendReport>, String> {
         let root = svc.lock().process.clone().ok_or("no process")?;
-        let pids = cuda_pids(self, root.pid);
+        let mut e = self.engine().map_err(|e| e.to_string())?;
+        let pids = cuda_pids_in(Some(&mut e), root.pid);
         if pids.is_empty() {
             return Err(format!("no CUDA process in the tree of {}", root.pid));
         }
-        let mut e = self.engine().map_err(|e| e.to_string())?;
         let _thp = self.thp_for(svc)?;
         e.suspend_group(&pids, LOCK_TIMEOUT_MS, &quiet).map_err(|e| e.to_string())
     }
