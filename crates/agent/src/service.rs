@@ -160,6 +160,11 @@ impl Service {
             tracing::info!(service = self.name, from = inner.state.as_str(), to = state.as_str(), "state");
             inner.state = state;
             inner.since = Instant::now();
+            // A wake's trace lives through Waking, Resuming and Running
+            // until a connection takes it; any other state ends it untaken.
+            if !matches!(state, State::Waking | State::Resuming | State::Running) {
+                inner.trace = None;
+            }
         }
         self.changed.send_modify(|v| *v += 1);
     }
