@@ -288,6 +288,9 @@ pub fn decode(hash: &str, enc: &[u8]) -> Result<Vec<u8>, ChunkError> {
 pub struct Scratch {
     enc: Vec<u8>,
     dec: Option<zstd::bulk::Decompressor<'static>>,
+    /// The chunk last read by [`LocalStore::read_checked_raw_at`]: its
+    /// hash, its file, and its path when it is stored raw.
+    open: Option<(String, fs::File, Option<PathBuf>)>,
 }
 
 /// The local store, `STATE/store`.
@@ -632,27 +635,35 @@ impl LocalStore {
     /// For a chunk checked in full earlier in this operation (see
     /// [`Self::read_into`]) and stored raw: reads `buf.len()` bytes of its
     /// content at `from` straight into `buf`, with no copy and no check.
-    /// `Ok(false)`: it is not stored raw (decode it with `read_into`).
+    /// `Ok(false)`: it is not stored raw (decode it with `read_into`). The
+    /// chunk's file stays open in `scratch` for the next read of it (a
+    /// chunk's file is never rewritten in place: it is only ever added
+    /// whole, under its name, or removed).
     pub fn read_checked_raw_at(
         &self,
         hash: &str,
         size: u64,
         from: u64,
         buf: &mut [u8],
+        scratch: &mut Scratch,
     ) -> Result<bool, ChunkError> {
         use std::os::unix::fs::FileExt;
-        if !valid_hash(hash) {
-            return Err(ChunkError::Corrupt { hash: hash.into(), why: "not a blake3 name".into() });
-        }
-        let (f, len, p) = self.open_chunk(hash)?;
-        let mut tag = [0u8; 1];
-        if len != size + 1 || f.read_exact_at(&mut tag, 0).is_err() || tag[0] != b'R' {
-            return Ok(false);
-        }
         if from.saturating_add(buf.len() as u64) > size {
             return Err(ChunkError::Corrupt { hash: hash.into(), why: "a read past its end".into() });
         }
-        f.read_exact_at(buf, 1 + from).map_err(io_err(&p, "read"))?;
+        let open = matches!(&scratch.open, Some((h, _, _)) if h == hash);
+        if !open {
+            if !valid_hash(hash) {
+                return Err(ChunkError::Corrupt { hash: hash.into(), why: "not a blake3 name".into() });
+            }
+            scratch.open = None;
+            let (f, len, p) = self.open_chunk(hash)?;
+            let mut tag = [0u8; 1];
+            let raw = len == size + 1 && f.read_exact_at(&mut tag, 0).is_ok() && tag[0] == b'R';
+            scratch.open = Some((hash.to_string(), f, raw.then_some(p)));
+        }
+        let Some((_, f, Some(p))) = &scratch.open else { return Ok(false) };
+        f.read_exact_at(buf, 1 + from).map_err(io_err(p, "read"))?;
         Ok(true)
     }
 

@@ -64,7 +64,8 @@ struct Shared {
 }
 
 thread_local! {
-    /// A reading thread's zstd context and encoded-chunk buffer.
+    /// A reading thread's zstd context, encoded-chunk buffer and the raw
+    /// chunk file it read last.
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
@@ -74,22 +75,10 @@ impl Shared {
     /// wake); fetched from the remote first when the store lacks it.
     /// Returns whether it is stored raw.
     fn load(&self, path: &str, c: &ChunkRef, out: &mut Vec<u8>, checked: bool) -> Result<bool, ImageError> {
-        self.load_with(path, c, checked, &mut |s, checked| {
-            self.store.read_into(&c.blake3, c.size, out, s, checked)
-        })
-    }
-
-    fn load_with(
-        &self,
-        path: &str,
-        c: &ChunkRef,
-        checked: bool,
-        read_one: &mut dyn FnMut(&mut Scratch, bool) -> Result<bool, ChunkError>,
-    ) -> Result<bool, ImageError> {
         let mut read = |checked: bool| {
             SCRATCH.with(|s| match s.try_borrow_mut() {
-                Ok(mut s) => read_one(&mut s, checked),
-                Err(_) => read_one(&mut Scratch::default(), checked),
+                Ok(mut s) => self.store.read_into(&c.blake3, c.size, out, &mut s, checked),
+                Err(_) => self.store.read_into(&c.blake3, c.size, out, &mut Scratch::default(), checked),
             })
         };
         let got = match read(checked) {
@@ -238,7 +227,14 @@ impl ChunkedFile {
         let checked = self.checked[k].load(Ordering::Relaxed);
         if checked {
             // Any error here is reported by the whole read below.
-            if let Ok(true) = self.shared.store.read_checked_raw_at(&c.blake3, c.size, from as u64, dst) {
+            let store = &self.shared.store;
+            let direct = SCRATCH.with(|s| match s.try_borrow_mut() {
+                Ok(mut s) => store.read_checked_raw_at(&c.blake3, c.size, from as u64, dst, &mut s),
+                Err(_) => {
+                    store.read_checked_raw_at(&c.blake3, c.size, from as u64, dst, &mut Scratch::default())
+                }
+            });
+            if let Ok(true) = direct {
                 return Ok(());
             }
         }
