@@ -38,10 +38,11 @@ const SHARDS: usize = 32;
 const PER_SHARD: usize = 2;
 /// Decoded bytes a wake keeps of compressed chunks that recur in a file
 /// (zero pages of a preallocated KV cache, a repeated pattern: the GPU
-/// tests' worker holds 26 GB of one pattern, ~250 distinct 4 MiB chunks
-/// read over and over in address order, which a small cache misses every
-/// time): each is decoded once and kept until the wake ends, up to this.
-const RECURRING_BYTES: u64 = 1 << 30;
+/// tests' worker holds 26-49 GB of two patterns, float32 and float64, cut
+/// into ~375 distinct 4 MiB chunks, ~1.5 GiB, read over and over in address
+/// order, which a small cache misses every time): each is decoded once and
+/// kept until the wake ends, up to this.
+const RECURRING_BYTES: u64 = 2 << 30;
 /// Chunk buffers kept for reuse per wake (a fresh multi-MiB buffer per
 /// chunk would be faulted in page by page).
 const POOL: usize = 32;
