@@ -39,6 +39,12 @@
 #   HB_ROOM          free disk a dump needs, as a multiple of the expected
 #                    image (default 1.3; 1.1 lets a ~49 GB image (15 GiB) fit
 #                    the 64 GiB disk)
+#   WORKER_FILL      the worker's memory (tests/gpu/worker.py --fill):
+#                    pattern (default: one short pattern repeated, which
+#                    the chunk store compresses and deduplicates to almost
+#                    nothing: SIZE 8 holds ~26.4 GB) or random
+#                    (incompressible, the fair test of a cold wake and of
+#                    writing the image: SIZE 23 holds ~25 GB, 46 ~50 GB)
 #   HB_DISK          1 (default): the scratch disk's write speed (dd of
 #                    HB_DD_GIB GiB, default 8, conv=fdatasync) and cold read
 #                    speed, once per run, for the hibernate and cold targets
@@ -57,8 +63,15 @@
 #   matrix:  (HB_MATRIX) one `gpusnap hibernate`, then per entry `wake` with
 #            its GPUSNAP_PAGES_* settings and `gpusnap stop` before the next
 # The worker's checksum and progress are checked after every wake; each image
-# is removed right after use, and a dump is skipped (with a note) when the
-# disk has less than 1.3 x the expected image free. The worker is ended with
+# is removed right after use (gpusnap's: `images rm`, then `images gc` to
+# drop its chunks from STATE/store, so that the next hibernate writes every
+# chunk again and the disk holds one image at a time), and a dump is skipped
+# (with a note) when the disk has less than HB_ROOM x the expected image
+# free. A gpusnap image's size ("image_bytes") is what its hibernate wrote:
+# the image directory (manifest, CRIU's small files) plus the growth of
+# STATE/store across the hibernate (its chunks, as stored: compressed or
+# raw; the store is empty before, see above); "manifest_bytes" is the
+# logical size (every byte of the pages files). The worker is ended with
 # `gpusnap stop`.
 # Writes $OUT/bench-hibernate.md (also on stdout), $OUT/bench-hibernate.json
 # (every sample) and $OUT/bench-hibernate.log. Exit 0 when every planned
@@ -160,6 +173,9 @@ sample() {
 }
 
 # disk_room GIB REP MODE BYTES: HB_ROOM x BYTES free on the scratch disk, or a note.
+# A gpusnap hibernate of incompressible memory (WORKER_FILL=random) needs
+# twice its image: CRIU's pages file and its chunks coexist until the commit
+# removes the file (a pattern's chunks take almost nothing).
 disk_room() {
     local free
     free=$(disk_free_bytes "$WORK")
@@ -406,21 +422,30 @@ bare_cycle() {
     return 0
 }
 
+# drop_image NAME: removes a gpusnap image and the chunks no image refers
+# to any more (the next hibernate writes all of its chunks again).
+drop_image() {
+    gs 120 images rm "$1"
+    gs 300 images gc
+}
+
 # gpusnap_cycle GIB PID NAME REP FP [MODE]: gpusnap hibernate, then wake;
 # MODE gpusnap (lazy, default), eager (wake --eager), thp (hibernate --thp).
 gpusnap_cycle() {
     local gib=$1 pid=$2 name=$3 rep=$4 fp=$5 mode=${6:-gpusnap} rss est i h_rc h_wall img du
-    local h_tot h_sus h_dmp h_wr w_rc w_wall w_tot w_ver w_wait w_criu w_res t0 pf_s w_pages
+    local h_tot h_sus h_dmp h_wr w_rc w_wall w_tot w_ver w_wait w_criu w_res t0 pf_s w_pages st0 st_new
     local hflags=() wflags=() hx=() wx=()
     [ "$mode" = thp ] && hflags=(--thp)
     [ "$mode" = eager ] && wflags=(--eager)
     rss=$(vmrss_mib "$pid")
     est=$(calc %.0f 'f + r * 1048576' f="$fp" r="${rss:-0}")
+    [ "${WORKER_FILL:-pattern}" = random ] && est=$((est * 2))
     disk_room "$gib" "$rep" gpusnap "$est" || return 2
     sleep 1
     read_status "$WORK/$name.status"
     i=$ST_ITER
 
+    st0=$(du_bytes "$STATE_DIR/store")
     # shellcheck disable=SC2086 # HBENCH_HIBERNATE_ARGS is a list of flags
     gs 600 hibernate "$pid" --image b ${HBENCH_HIBERNATE_ARGS:-} ${hflags[@]+"${hflags[@]}"}
     h_rc=$GS_RC h_wall=$GS_S
@@ -432,7 +457,9 @@ gpusnap_cycle() {
         note "size $gib GiB rep $rep: gpusnap hibernate ($mode) failed (exit $h_rc): $GS_MSG; stopping this size"
         return 1
     fi
-    du=$(du_bytes "$STATE_DIR/images/b")
+    # What the hibernate wrote: the image directory and its new chunks.
+    st_new=$(calc %.0f 'a - b' a="$(du_bytes "$STATE_DIR/store")" b="$st0")
+    du=$(calc %.0f 'a + b' a="$(du_bytes "$STATE_DIR/images/b")" b="$st_new")
     # As in the bare cycle, the wait until the killed worker's pid is free
     # (its parent reaps it: this shell the first time, init after a restore,
     # which can take a second or two) is kept out of the wake's time.
@@ -453,12 +480,12 @@ gpusnap_cycle() {
     if [ "$w_rc" != 0 ]; then
         note "size $gib GiB rep $rep: gpusnap wake ($mode) failed (exit $w_rc): $GS_MSG; stopping this size"
         image_logs b
-        gs 120 images rm b
+        drop_image b
         return 1
     fi
-    gs 120 images rm b
+    drop_image b
     sample gib="$gib" rep="$rep" mode="s:$mode" cold="$HB_COLD" footprint_bytes="$fp" rss_mib_before="$rss" \
-        image_bytes="$du" manifest_bytes="$img" \
+        image_bytes="$du" manifest_bytes="$img" store_new_bytes="$st_new" fill="${WORKER_FILL:-pattern}" \
         hibernate_s="$h_wall" hibernate_total_ms="$h_tot" suspend_ms="$h_sus" dump_ms="$h_dmp" write_ms="$h_wr" \
         pidfree_s="$pf_s" wake_s="$w_wall" wake_total_ms="$w_tot" verify_ms="$w_ver" waited_ms="$w_wait" criu_ms="$w_criu" \
         restore_ms="$w_res" pages_ms="$w_pages" ${hx[@]+"${hx[@]}"} ${wx[@]+"${wx[@]}"}
@@ -475,6 +502,7 @@ matrix_cycle() {
     local gib=$1 pid=$2 name=$3 fp=$4 est_w=$5 est_s=$6 rss est i k v vname kvs wx=() n=${#MATRIX[@]} left
     rss=$(vmrss_mib "$pid")
     est=$(calc %.0f 'f + r * 1048576' f="$fp" r="${rss:-0}")
+    [ "${WORKER_FILL:-pattern}" = random ] && est=$((est * 2))
     disk_room "$gib" m matrix "$est" || return 2
     gs 600 hibernate "$pid" --image m
     if [ "$GS_RC" != 0 ]; then
@@ -506,7 +534,7 @@ matrix_cycle() {
         if [ "$GS_RC" != 0 ]; then
             note "size $gib GiB: matrix $vname ($kvs): gpusnap wake failed (exit $GS_RC): $GS_MSG"
             image_logs m
-            gs 120 images rm m
+            drop_image m
             return 1
         fi
         read -r -a wx <<<"$(wake_extra "$GS_OUT")"
@@ -517,20 +545,20 @@ matrix_cycle() {
             ${wx[@]+"${wx[@]}"}
         if ! worker_on "$name" "$pid" "$i"; then
             note "size $gib GiB: matrix $vname: the worker did not go on intact (iteration ${ST_ITER:-?}, ok ${ST_OK:-?})"
-            gs 120 images rm m
+            drop_image m
             return 1
         fi
         if [ $((k + 1)) -lt "$n" ]; then
             gs 300 stop "$pid"
             if ! wait_gone "$pid" 60; then
                 note "size $gib GiB: matrix: gpusnap stop (exit $GS_RC) left pid $pid alive"
-                gs 120 images rm m
+                drop_image m
                 return 1
             fi
             wait_pid_free "$pid" 30 || log "pid $pid still held 30 s after the stop"
         fi
     done
-    gs 120 images rm m
+    drop_image m
     return 0
 }
 
@@ -538,7 +566,13 @@ matrix_cycle() {
 bench_size() {
     local gib=$1 name="h$1" pid fp smi gbe est_rep est_stop est_drv est_mw left rep mode order t_rep failed=0 done_reps=0 rc sus rel
     local k
-    gbe=$(calc %.2f 'g * 1.073741824 + 1.5' g="$gib")
+    # The worker's footprint (worker.py --fill): a pattern's float64 sum
+    # leaves a copy twice the tensor in PyTorch's cache (8 GiB: 26.4 GB).
+    if [ "${WORKER_FILL:-pattern}" = random ]; then
+        gbe=$(calc %.2f 'g * 1.073741824 + 1.5' g="$gib")
+    else
+        gbe=$(calc %.2f 'g * 3.221225472 + 0.6' g="$gib")
+    fi
     # Model (shared/gpu-facts.md, THP madvise): checkpoint 1.6 GB/s, CRIU dump
     # 1.5 GB/s, checksum 1.5 GB/s, CRIU restore 3 GB/s, driver restore 4 GB/s;
     # cold: the image read at 1.6 GB/s.
@@ -803,7 +837,9 @@ for b in breakdown:
     L.append("")
     gb = lambda x: "?" if x is None else f"{x / 1e9:.2f}"
     L.append(f"Images: bare {gb(im['bare_du_bytes'])} GB (du -sb), gpusnap {gb(im['gpusnap_du_bytes'])} GB "
-             f"(du -sb; manifest {gb(im['gpusnap_manifest_bytes'])} GB); worker host RSS before "
+             f"written (du -sb of the image directory + the growth of STATE/store: its chunks as stored; "
+             f"logical, the manifest's: {gb(im['gpusnap_manifest_bytes'])} GB); worker memory {E.get('B_FILL', 'pattern')}; "
+             f"worker host RSS before "
              f"{f((im['rss_mib_before'] or 0) * 1048576 / 1e9)} GB.")
     c = sp["cycle_wall_s"]
     if c:
@@ -880,7 +916,7 @@ on_exit() {
         HDR_HOSTMEM=$HDR_HOSTMEM GPUSNAP=$GPUSNAP B_SIZES="${SIZES[*]}" B_REPS=$REPS B_WALL=$SECONDS \
         B_CRIU=$CRIU_BIN B_CRIU_VERSION=$CRIU_VERSION B_CRIU_CHECK="exit $CRIU_CHECK_RC: $CRIU_CHECK" \
         B_CRIU_ARGS="${CRIU_ARGS[*]}" B_WAKE_ARGS="${WAKE_ARGS[*]}" B_COLD=$HB_COLD B_DD_GIB=$HB_DD_GIB \
-        B_MODES="${MODES[*]}" B_MATRIX="${HB_MATRIX:-}" B_DISK="$(df -P -h "$WORK" 2>/dev/null | awk 'NR == 2 { print $1 " (" $2 ", " $4 " free at the end)" }')" \
+        B_MODES="${MODES[*]}" B_MATRIX="${HB_MATRIX:-}" B_FILL="${WORKER_FILL:-pattern}" B_DISK="$(df -P -h "$WORK" 2>/dev/null | awk 'NR == 2 { print $1 " (" $2 ", " $4 " free at the end)" }')" \
         write_report || log "report generation failed"
     local p
     for p in "$WORK"/*.log; do log_file "$(basename "$p")" "$p"; done
@@ -891,7 +927,7 @@ on_exit() {
 
 install_traps
 start_watchdog $((HBENCH_BUDGET_S + 45))
-log "gpusnap hibernate benchmark: sizes ${SIZES[*]} GiB, $REPS reps of ${MODES[*]}, driver alone $HB_DRIVER, cold $HB_COLD, matrix '${HB_MATRIX:-}', disk $HB_DISK, budget ${HBENCH_BUDGET_S}s"
+log "gpusnap hibernate benchmark: sizes ${SIZES[*]} GiB (worker memory ${WORKER_FILL:-pattern}), $REPS reps of ${MODES[*]}, driver alone $HB_DRIVER, cold $HB_COLD, matrix '${HB_MATRIX:-}', disk $HB_DISK, budget ${HBENCH_BUDGET_S}s"
 collect_header
 log "disk: $(df -P -h "$WORK" | tail -n 1)"
 if [ -n "${HB_WAKE_ARGS+x}" ]; then

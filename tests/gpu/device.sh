@@ -9,7 +9,7 @@
 #   e2e     tests/gpu/e2e.sh (P1 and the CRIU sections; ~6 min alone)
 #   bench   tests/gpu/bench.sh $BENCH_SIZES (suspend/resume against the driver)
 #   hbench  tests/gpu/bench-hibernate.sh $HBENCH_SIZES (hibernate/wake against driver + CRIU;
-#           P7: HB_MODES, HB_DRIVER, HB_COLD, HB_MATRIX, HB_DISK pass through)
+#           P7: HB_MODES, HB_DRIVER, HB_COLD, HB_MATRIX, HB_DISK, WORKER_FILL pass through)
 #   multi   tests/gpu/multi-e2e.sh (two GPUs: remap, a group across GPUs, one
 #           process on two GPUs, NCCL; ~3-4 min; needs a machine with 2 GPUs)
 #   guard   tests/gpu/guard-e2e.sh traced, then with --light, then

@@ -7,9 +7,17 @@ computing on it. After every pass it writes, atomically, one line to STATUS:
 While the process is suspended its CUDA calls block, so the iteration stops;
 after a resume it goes on, and ok stays 1 only if the data came back intact.
 
-Usage: worker.py GIB STATUS [--threads N] [--interval S] [--no-setsid]
+Usage: worker.py GIB STATUS [--threads N] [--interval S] [--no-setsid] [--fill F]
   --threads N   start N extra idle threads (their ids go to STATUS.tids), so
                 the tests have thread ids that are not the process id
+  --fill F      pattern (default, or $WORKER_FILL): float32 arange % 1000,
+                one short pattern repeated (compresses and deduplicates to
+                almost nothing; the float64 sum leaves a copy twice the
+                tensor's size in PyTorch's cache: GIB 8 holds ~26.4 GB);
+                random: random int32, incompressible (a fair test of writing
+                and reading an image), checked by their exact integer sum,
+                taken 256 MiB at a time (GIB 8 holds ~9.5 GB: ask ~23 for
+                25 GB, ~46 for 50 GB)
   --no-setsid   stay in the caller's session (by default the worker starts
                 its own, so a signal to the test script's process group, such
                 as Ctrl-C or a wall-clock kill, never reaches a live CUDA
@@ -44,6 +52,8 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--interval", type=float, default=0.2)
     ap.add_argument("--no-setsid", action="store_true")
+    ap.add_argument("--fill", choices=("pattern", "random"),
+                    default=os.environ.get("WORKER_FILL") or "pattern")
     a = ap.parse_args()
     if not a.no_setsid:
         try:
@@ -54,13 +64,27 @@ def main():
     import torch  # after setsid: importing takes seconds
 
     n = int(a.gib * (1 << 30) // 4)
-    x = torch.arange(n, device="cuda", dtype=torch.float32).remainder_(1000.0)
-    # Every element is an integer below 1000, so the float64 sum is exact and
-    # does not depend on the order of the reduction.
-    expect = x.sum(dtype=torch.float64).item()
+    if a.fill == "random":
+        x = torch.empty(n, device="cuda", dtype=torch.int32).random_(-(1 << 31), (1 << 31) - 1)
+        step = 1 << 26
+
+        def checksum():
+            # Integer sums are exact, so independent of the reduction's
+            # order; summed a piece at a time, so that the int64 copy the
+            # sum makes is 512 MiB, not twice the tensor (a large copy stays
+            # in PyTorch's cache and in the image, and would be half zeros).
+            return sum(x[i:i + step].sum(dtype=torch.int64).item() for i in range(0, n, step))
+    else:
+        x = torch.arange(n, device="cuda", dtype=torch.float32).remainder_(1000.0)
+
+        def checksum():
+            # Every element is an integer below 1000, so the float64 sum is
+            # exact and does not depend on the order of the reduction.
+            return x.sum(dtype=torch.float64).item()
+    expect = checksum()
     free, total = torch.cuda.mem_get_info()
     print(f"worker pid={pid} torch={torch.__version__} gpu={torch.cuda.get_device_name(0)} "
-          f"tensor={n * 4} bytes expect={expect:.0f} free={free >> 20}/{total >> 20} MiB",
+          f"tensor={n * 4} bytes fill={a.fill} expect={expect:.0f} free={free >> 20}/{total >> 20} MiB",
           flush=True)
 
     tids = []
@@ -75,7 +99,7 @@ def main():
     i = 0
     while True:
         try:
-            s = x.sum(dtype=torch.float64).item()
+            s = checksum()
             ok = int(s == expect)
             if not ok:
                 print(f"worker checksum mismatch at {i + 1}: {s!r} != {expect!r}", flush=True)

@@ -281,6 +281,18 @@ pub fn decode(hash: &str, enc: &[u8]) -> Result<Vec<u8>, ChunkError> {
     Ok(data)
 }
 
+/// A thread's reusable buffers for [`LocalStore::read_into`]: the encoded
+/// bytes and a zstd context, so that reading chunk after chunk allocates
+/// nothing once the buffers have grown to a chunk's size.
+#[derive(Default)]
+pub struct Scratch {
+    enc: Vec<u8>,
+    dec: Option<zstd::bulk::Decompressor<'static>>,
+    /// The chunk last read by [`LocalStore::read_checked_raw_at`]: its
+    /// hash, its file, and its path when it is stored raw.
+    open: Option<(String, fs::File, Option<PathBuf>)>,
+}
+
 /// The local store, `STATE/store`.
 pub struct LocalStore {
     root: PathBuf,
@@ -503,6 +515,156 @@ impl LocalStore {
             });
         }
         Ok(data)
+    }
+
+    /// Checks every chunk of `chunks` (read, decoded, hashed, its size
+    /// the listed one) on up to `threads` cores; the first failure found.
+    pub fn verify_chunks(&self, chunks: &[ChunkRef], threads: usize) -> Result<(), ChunkError> {
+        // A chunk that recurs (zero pages, a repeated pattern) is checked once.
+        let mut seen = HashSet::new();
+        let todo: Vec<(usize, &ChunkRef)> =
+            chunks.iter().enumerate().filter(|(_, c)| seen.insert(c.blake3.as_str())).collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let first: std::sync::Mutex<Option<(usize, ChunkError)>> = std::sync::Mutex::new(None);
+        std::thread::scope(|s| {
+            for _ in 0..threads.clamp(1, todo.len().max(1)) {
+                s.spawn(|| {
+                    let (mut out, mut scratch) = (Vec::new(), Scratch::default());
+                    loop {
+                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(i, c)) = todo.get(k) else { break };
+                        if let Err(e) = self.read_into(&c.blake3, c.size, &mut out, &mut scratch, false) {
+                            if let Ok(mut g) = first.lock() {
+                                if g.as_ref().is_none_or(|(j, _)| i < *j) {
+                                    *g = Some((i, e));
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        match first.into_inner().ok().flatten() {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Reads chunk `hash` into `out` (replacing its content), decoded,
+    /// without allocating when `out` and `scratch` have room from an
+    /// earlier chunk. Its size must be `size`; its blake3 is checked unless
+    /// `checked` (the chunk was checked in full earlier in this operation:
+    /// the store is root's only, so its bytes are those that were checked,
+    /// as an image directory's files are after their verify). Returns
+    /// whether it is stored raw.
+    pub fn read_into(
+        &self,
+        hash: &str,
+        size: u64,
+        out: &mut Vec<u8>,
+        scratch: &mut Scratch,
+        checked: bool,
+    ) -> Result<bool, ChunkError> {
+        self.read_chunk(hash, size, out, scratch, checked)
+    }
+
+    fn read_chunk(
+        &self,
+        hash: &str,
+        size: u64,
+        out: &mut Vec<u8>,
+        scratch: &mut Scratch,
+        checked: bool,
+    ) -> Result<bool, ChunkError> {
+        use std::os::unix::fs::FileExt;
+        let corrupt = |why: &str| ChunkError::Corrupt { hash: hash.into(), why: why.into() };
+        if !valid_hash(hash) {
+            return Err(corrupt("not a blake3 name"));
+        }
+        if size > MAX_CHUNK as u64 {
+            return Err(corrupt("its listed size is larger than a chunk can be"));
+        }
+        let (f, len, p) = self.open_chunk(hash)?;
+        let mut tag = [0u8; 1];
+        if len == 0 || f.read_exact_at(&mut tag, 0).is_err() {
+            return Err(corrupt("it is empty"));
+        }
+        let (raw, got) = match tag[0] {
+            b'R' => {
+                if len != size + 1 {
+                    return Err(corrupt("its size is not the listed one"));
+                }
+                // read_to_end fills spare capacity without zeroing it.
+                out.clear();
+                out.reserve(size as usize);
+                let mut r = std::io::Read::take(&f, size + 1);
+                r.read_exact(&mut tag).map_err(io_err(&p, "read"))?;
+                r.read_to_end(out).map_err(io_err(&p, "read"))?;
+                (true, out.len())
+            }
+            b'Z' => {
+                scratch.enc.clear();
+                std::io::Read::take(&f, MAX_ENCODED + 1)
+                    .read_to_end(&mut scratch.enc)
+                    .map_err(io_err(&p, "read"))?;
+                if scratch.dec.is_none() {
+                    scratch.dec =
+                        Some(zstd::bulk::Decompressor::new().map_err(|e| corrupt(&format!("zstd: {e}")))?);
+                }
+                let dec = scratch.dec.as_mut().expect("set above");
+                // Room for the listed size only: a frame that decodes to
+                // more fails here.
+                out.clear();
+                out.reserve(size as usize);
+                let n = dec
+                    .decompress_to_buffer(&scratch.enc[1..], out)
+                    .map_err(|e| corrupt(&format!("zstd: {e}")))?;
+                (false, n)
+            }
+            _ => return Err(corrupt("unknown encoding")),
+        };
+        if got as u64 != size {
+            return Err(corrupt("its size is not the listed one"));
+        }
+        if !checked && blake3::hash(out).to_hex().as_str() != hash {
+            return Err(corrupt("its content does not match its hash"));
+        }
+        Ok(raw)
+    }
+
+    /// For a chunk checked in full earlier in this operation (see
+    /// [`Self::read_into`]) and stored raw: reads `buf.len()` bytes of its
+    /// content at `from` straight into `buf`, with no copy and no check.
+    /// `Ok(false)`: it is not stored raw (decode it with `read_into`). The
+    /// chunk's file stays open in `scratch` for the next read of it (a
+    /// chunk's file is never rewritten in place: it is only ever added
+    /// whole, under its name, or removed).
+    pub fn read_checked_raw_at(
+        &self,
+        hash: &str,
+        size: u64,
+        from: u64,
+        buf: &mut [u8],
+        scratch: &mut Scratch,
+    ) -> Result<bool, ChunkError> {
+        use std::os::unix::fs::FileExt;
+        if from.saturating_add(buf.len() as u64) > size {
+            return Err(ChunkError::Corrupt { hash: hash.into(), why: "a read past its end".into() });
+        }
+        let open = matches!(&scratch.open, Some((h, _, _)) if h == hash);
+        if !open {
+            if !valid_hash(hash) {
+                return Err(ChunkError::Corrupt { hash: hash.into(), why: "not a blake3 name".into() });
+            }
+            scratch.open = None;
+            let (f, len, p) = self.open_chunk(hash)?;
+            let mut tag = [0u8; 1];
+            let raw = len == size + 1 && f.read_exact_at(&mut tag, 0).is_ok() && tag[0] == b'R';
+            scratch.open = Some((hash.to_string(), f, raw.then_some(p)));
+        }
+        let Some((_, f, Some(p))) = &scratch.open else { return Ok(false) };
+        f.read_exact_at(buf, 1 + from).map_err(io_err(p, "read"))?;
+        Ok(true)
     }
 
     /// Every chunk in the store with its stored size.

@@ -16,21 +16,36 @@
 //! wake ends.
 
 use crate::image::{mkdir_private, open_regular, ImageError, Manifest};
-use gpusnap_chunks::{ChunkError, ChunkRef, LocalStore, Remote};
+use gpusnap_chunks::{ChunkError, ChunkRef, LocalStore, Remote, Scratch};
 use gpusnap_pages::{DirSource, PageSource, PagesError, PagesFile};
 use std::collections::HashMap;
 use std::fs;
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::sync::{Arc, Mutex};
 
-/// Verified chunks kept per file: SHARDS x PER_SHARD (about 64 MiB at the
-/// 1 MiB average): the page server's threads read in address order, each
-/// a few MiB at a time, so a chunk is wanted again only by a neighbour.
+/// Decoded chunks kept per file, by hash: SHARDS x PER_SHARD, chunks
+/// stored compressed only (a raw chunk, once checked, is read straight
+/// from its file into the page server's buffer, as a pages file is). The
+/// page server's threads read in address order, each a few MiB at a time,
+/// so a chunk is wanted again by the next reads of the same thread or a
+/// neighbour's, or, for a chunk that recurs (zero pages, a repeated
+/// pattern), anywhere in the file.
 const SHARDS: usize = 32;
 const PER_SHARD: usize = 2;
+/// Decoded bytes a wake keeps of compressed chunks that recur in a file
+/// (zero pages of a preallocated KV cache, a repeated pattern: the GPU
+/// tests' worker holds 26-49 GB of two patterns, float32 and float64, cut
+/// into ~375 distinct 4 MiB chunks, ~1.5 GiB, read over and over in address
+/// order, which a small cache misses every time): each is decoded once and
+/// kept until the wake ends, up to this.
+const RECURRING_BYTES: u64 = 2 << 30;
+/// Chunk buffers kept for reuse per wake (a fresh multi-MiB buffer per
+/// chunk would be faulted in page by page).
+const POOL: usize = 32;
 /// Chunks a streaming wake's prefetcher fetches at once.
 const PREFETCH_THREADS: usize = 8;
 
@@ -43,22 +58,40 @@ struct Shared {
     store: Arc<LocalStore>,
     remote: Option<Arc<Remote>>,
     bad: Bad,
+    /// Chunk buffers to reuse.
+    pool: Mutex<Vec<Vec<u8>>>,
+    /// Bytes kept of recurring chunks (at most [`RECURRING_BYTES`]).
+    recurring: AtomicU64,
+}
+
+thread_local! {
+    /// A reading thread's zstd context, encoded-chunk buffer and the raw
+    /// chunk file it read last.
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 impl Shared {
-    /// The verified bytes of chunk `c` of file `path`.
-    fn load(&self, path: &str, c: &ChunkRef) -> Result<Vec<u8>, ImageError> {
-        let got = match self.store.get(&c.blake3) {
+    /// Reads chunk `c` of file `path` into `out`, decoded, and checked
+    /// against its blake3 unless `checked` (checked in full already in this
+    /// wake); fetched from the remote first when the store lacks it.
+    /// Returns whether it is stored raw.
+    fn load(&self, path: &str, c: &ChunkRef, out: &mut Vec<u8>, checked: bool) -> Result<bool, ImageError> {
+        let mut read = |checked: bool| {
+            SCRATCH.with(|s| match s.try_borrow_mut() {
+                Ok(mut s) => self.store.read_into(&c.blake3, c.size, out, &mut s, checked),
+                Err(_) => self.store.read_into(&c.blake3, c.size, out, &mut Scratch::default(), checked),
+            })
+        };
+        let got = match read(checked) {
             Err(ChunkError::Missing(_)) if self.remote.is_some() => {
                 let r = self.remote.as_ref().expect("checked");
-                r.fetch_one(&self.store, &c.blake3).and_then(|_| self.store.get(&c.blake3))
+                r.fetch_one(&self.store, &c.blake3).and_then(|_| read(false))
             }
             other => other,
         };
         let fail = |why: String| ImageError::Corrupt { name: self.image.clone(), why };
         match got {
-            Ok(d) if d.len() as u64 == c.size => Ok(d),
-            Ok(_) => Err(fail(format!("{path}: chunk {} fails its checksum (its size)", c.blake3))),
+            Ok(raw) => Ok(raw),
             Err(ChunkError::Corrupt { hash, why }) => {
                 Err(fail(format!("{path}: chunk {hash} fails its checksum ({why})")))
             }
@@ -70,6 +103,18 @@ impl Shared {
                 op: format!("read {path}"),
                 err: io::Error::other(e.to_string()),
             }),
+        }
+    }
+
+    fn buffer(&self) -> Vec<u8> {
+        self.pool.lock().ok().and_then(|mut p| p.pop()).unwrap_or_default()
+    }
+
+    fn give_back(&self, b: Vec<u8>) {
+        if let Ok(mut p) = self.pool.lock() {
+            if p.len() < POOL {
+                p.push(b);
+            }
         }
     }
 
@@ -91,9 +136,7 @@ impl Shared {
     }
 }
 
-/// Verified chunks of one shard, by their hash: one chunk that recurs
-/// (the zero pages of a preallocated KV cache, a repeated pattern) is read,
-/// decoded and checked once, not once per place it appears in the file.
+/// Decoded chunks of one shard, by their hash, the most recently used last.
 type Shard = Vec<(String, Arc<Vec<u8>>)>;
 
 struct ChunkedFile {
@@ -101,12 +144,26 @@ struct ChunkedFile {
     chunks: Vec<ChunkRef>,
     /// End offset of each chunk (prefix sums of the sizes).
     ends: Vec<u64>,
+    /// The first index of chunk i's hash in the file: a chunk that recurs
+    /// is checked, and kept, by that index.
+    canon: Vec<u32>,
+    /// Chunk i's hash occurs more than once in the file.
+    recurs: Vec<bool>,
+    /// By canonical index: checked in full in this wake (by the verify
+    /// before it, or by a read): its bytes are read from then on without
+    /// hashing them again. The store is root's only: a chunk's file holds
+    /// the bytes that were checked, as an image directory's pages file does
+    /// after the verify that precedes every wake.
+    checked: Vec<AtomicBool>,
+    /// By canonical index: the decoded bytes of a compressed chunk that
+    /// recurs (see [`RECURRING_BYTES`]).
+    kept: Vec<OnceLock<Arc<Vec<u8>>>>,
     cache: Vec<Mutex<Shard>>,
     shared: Arc<Shared>,
 }
 
 impl ChunkedFile {
-    fn new(path: &str, chunks: &[ChunkRef], shared: Arc<Shared>) -> Self {
+    fn new(path: &str, chunks: &[ChunkRef], shared: Arc<Shared>, checked: bool) -> Self {
         let mut end = 0u64;
         let ends = chunks
             .iter()
@@ -115,10 +172,25 @@ impl ChunkedFile {
                 end
             })
             .collect();
+        let mut first: HashMap<&str, u32> = HashMap::new();
+        let canon: Vec<u32> = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| *first.entry(c.blake3.as_str()).or_insert(i as u32))
+            .collect();
+        let mut count = vec![0u32; chunks.len()];
+        for &k in &canon {
+            count[k as usize] += 1;
+        }
+        let recurs = canon.iter().map(|&k| count[k as usize] > 1).collect();
         Self {
             path: path.into(),
             chunks: chunks.to_vec(),
             ends,
+            canon,
+            recurs,
+            checked: chunks.iter().map(|_| AtomicBool::new(checked)).collect(),
+            kept: chunks.iter().map(|_| OnceLock::new()).collect(),
             cache: (0..SHARDS).map(|_| Mutex::new(Vec::with_capacity(PER_SHARD))).collect(),
             shared,
         }
@@ -128,25 +200,93 @@ impl ChunkedFile {
         self.ends.last().copied().unwrap_or(0)
     }
 
-    fn chunk(&self, i: usize) -> Result<Arc<Vec<u8>>, ImageError> {
+    fn shard(&self, i: usize) -> &Mutex<Shard> {
         let hash = &self.chunks[i].blake3;
         let slot = hash.get(..8).and_then(|h| usize::from_str_radix(h, 16).ok()).unwrap_or(i);
-        let shard = &self.cache[slot % SHARDS];
-        if let Some(d) =
-            shard.lock().ok().and_then(|s| s.iter().find(|(k, _)| k == hash).map(|(_, d)| d.clone()))
-        {
-            return Ok(d);
+        &self.cache[slot % SHARDS]
+    }
+
+    /// Copies bytes `from..from + dst.len()` of chunk `i` into `dst`,
+    /// checked: from the cache, straight from a raw chunk's file once the
+    /// chunk was checked, else the whole chunk read, decoded and checked.
+    fn piece(&self, i: usize, from: usize, dst: &mut [u8]) -> Result<(), ImageError> {
+        let c = &self.chunks[i];
+        let k = self.canon[i] as usize;
+        if let Some(d) = self.kept[k].get() {
+            dst.copy_from_slice(&d[from..from + dst.len()]);
+            return Ok(());
         }
-        // Read and checked outside the lock: two threads may load one chunk
-        // at once, which costs a read, never a wait on another's I/O.
-        let d = Arc::new(self.shared.load(&self.path, &self.chunks[i]).inspect_err(|e| self.shared.note(e))?);
+        let shard = self.shard(i);
         if let Ok(mut s) = shard.lock() {
-            if s.len() >= PER_SHARD {
-                s.remove(0);
+            if let Some(pos) = s.iter().position(|(h, _)| *h == c.blake3) {
+                let e = s.remove(pos);
+                dst.copy_from_slice(&e.1[from..from + dst.len()]);
+                s.push(e);
+                return Ok(());
             }
-            s.push((hash.clone(), d.clone()));
         }
-        Ok(d)
+        let checked = self.checked[k].load(Ordering::Relaxed);
+        if checked {
+            // Any error here is reported by the whole read below.
+            let store = &self.shared.store;
+            let direct = SCRATCH.with(|s| match s.try_borrow_mut() {
+                Ok(mut s) => store.read_checked_raw_at(&c.blake3, c.size, from as u64, dst, &mut s),
+                Err(_) => {
+                    store.read_checked_raw_at(&c.blake3, c.size, from as u64, dst, &mut Scratch::default())
+                }
+            });
+            if let Ok(true) = direct {
+                return Ok(());
+            }
+        }
+        // Read, decoded and checked outside the lock: two threads may load
+        // one chunk at once, which costs a read, never a wait on another's.
+        let mut b = self.shared.buffer();
+        let raw = match self.shared.load(&self.path, c, &mut b, checked) {
+            Ok(raw) => raw,
+            Err(e) => {
+                self.shared.note(&e);
+                self.shared.give_back(b);
+                return Err(e);
+            }
+        };
+        self.checked[k].store(true, Ordering::Relaxed);
+        dst.copy_from_slice(&b[from..from + dst.len()]);
+        if raw {
+            self.shared.give_back(b);
+            return Ok(());
+        }
+        let held = b.capacity() as u64;
+        if self.recurs[i] && self.room(held) {
+            if let Err(b) = self.kept[k].set(Arc::new(b)) {
+                // Another thread kept it first.
+                self.shared.recurring.fetch_sub(held, Ordering::Relaxed);
+                self.shared.give_back(Arc::try_unwrap(b).unwrap_or_default());
+            }
+            return Ok(());
+        }
+        let old = match shard.lock() {
+            Ok(mut s) if !s.iter().any(|(h, _)| *h == c.blake3) => {
+                s.push((c.blake3.clone(), Arc::new(b)));
+                (s.len() > PER_SHARD).then(|| s.remove(0).1)
+            }
+            _ => Some(Arc::new(b)),
+        };
+        if let Some(v) = old.and_then(|a| Arc::try_unwrap(a).ok()) {
+            self.shared.give_back(v);
+        }
+        Ok(())
+    }
+
+    /// Room in the wake's budget ([`RECURRING_BYTES`]) to keep `bytes`
+    /// more (taken when there is).
+    fn room(&self, bytes: u64) -> bool {
+        let used = self.shared.recurring.fetch_add(bytes, Ordering::Relaxed);
+        if used + bytes > RECURRING_BYTES {
+            self.shared.recurring.fetch_sub(bytes, Ordering::Relaxed);
+            return false;
+        }
+        true
     }
 
     /// Copies verified bytes at `offset` into `buf`.
@@ -161,10 +301,9 @@ impl ChunkedFile {
                     why: format!("{}: a read at {pos:#x} is past its end", self.path),
                 });
             };
-            let data = self.chunk(i)?;
             let from = (pos - (self.ends[i] - c.size)) as usize;
-            let n = (data.len() - from).min(buf.len() - out);
-            buf[out..out + n].copy_from_slice(&data[from..from + n]);
+            let n = (c.size as usize - from).min(buf.len() - out);
+            self.piece(i, from, &mut buf[out..out + n])?;
             out += n;
             pos += n as u64;
         }
@@ -195,6 +334,28 @@ impl PageSource for StoreSource {
     }
 }
 
+/// One store-held pages file as the page server reads it, for
+/// benchmarks (`examples/bench_pagesrc.rs`): `verified`, every chunk of it
+/// was checked in full in this wake already (the up-front verify).
+#[doc(hidden)]
+pub fn bench_file(
+    image: &str,
+    path: &str,
+    chunks: &[ChunkRef],
+    store: LocalStore,
+    verified: bool,
+) -> Arc<dyn PagesFile> {
+    let shared = Arc::new(Shared {
+        image: image.into(),
+        store: Arc::new(store),
+        remote: None,
+        bad: Arc::new(Mutex::new(None)),
+        pool: Mutex::new(Vec::new()),
+        recurring: AtomicU64::new(0),
+    });
+    Arc::new(ChunkedFile::new(path, chunks, shared, verified))
+}
+
 /// A wake's view of an image held (in part) by the chunk store.
 pub struct Workdir {
     /// CRIU's images directory for the wake: small files and pages files.
@@ -210,6 +371,9 @@ impl Workdir {
     /// Prepares `work/img` for an image whose pages files are (some of them)
     /// in the store: the image's other files copied there. `None`: no file
     /// of the image is in the store (CRIU reads the image as it is).
+    /// `checked`: every chunk of the image was read and checked in full by
+    /// this wake's verify, just before (`ChunkCheck::Full`): the page server
+    /// then reads them without hashing them a second time.
     pub fn prepare(
         name: &str,
         dir: &Path,
@@ -217,6 +381,7 @@ impl Workdir {
         store: LocalStore,
         remote: Option<Remote>,
         work: &Path,
+        checked: bool,
     ) -> Result<Option<Self>, ImageError> {
         if !m.files.iter().any(|f| f.in_store(dir)) {
             return Ok(None);
@@ -230,6 +395,8 @@ impl Workdir {
             store: Arc::new(store),
             remote: remote.map(Arc::new),
             bad: bad.clone(),
+            pool: Mutex::new(Vec::new()),
+            recurring: AtomicU64::new(0),
         });
         let mut files = Vec::new();
         let mut by_name = HashMap::new();
@@ -242,7 +409,7 @@ impl Workdir {
                 mkdir_private(p).map_err(ioe("create the restore directory".into()))?;
             }
             if f.in_store(dir) {
-                let cf = Arc::new(ChunkedFile::new(&f.path, &f.chunks, shared.clone()));
+                let cf = Arc::new(ChunkedFile::new(&f.path, &f.chunks, shared.clone(), checked));
                 by_name.insert(base, cf.clone());
                 files.push(cf);
                 continue;
@@ -451,4 +618,71 @@ impl Drop for Workdir {
 
 fn create_private(p: &Path) -> io::Result<fs::File> {
     fs::OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::RngCore;
+
+    /// 8 MiB of random bytes (raw chunks), then 24 MiB of a pattern whose
+    /// period divides the largest chunk (compressed chunks that recur),
+    /// stored as chunks.
+    fn stored(dir: &Path) -> (Vec<u8>, Vec<ChunkRef>) {
+        let mut data = vec![0u8; 8 << 20];
+        rand::thread_rng().fill_bytes(&mut data);
+        data.extend((0..24u32 << 20).map(|i| (i % 256) as u8));
+        let store = LocalStore::open(dir.join("store")).unwrap();
+        let st = gpusnap_chunks::store_slice(&data, 2, &store, false, &|_| {}).unwrap();
+        store.finish(st.staged, false).unwrap();
+        (data, st.chunks)
+    }
+
+    fn read_all(f: &Arc<dyn PagesFile>, len: usize) -> io::Result<Vec<u8>> {
+        let mut out = vec![0u8; len];
+        // Odd pieces, so that reads start and end inside chunks.
+        for (k, piece) in out.chunks_mut(700_001).enumerate() {
+            f.read_at(k as u64 * 700_001, piece)?;
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn chunked_reads_give_the_bytes_checked_or_not_and_twice() {
+        let d = tempfile::tempdir().unwrap();
+        let (data, chunks) = stored(d.path());
+        let distinct: std::collections::HashSet<_> = chunks.iter().map(|c| &c.blake3).collect();
+        assert!(distinct.len() < chunks.len(), "the pattern's chunks recur");
+        for checked in [false, true] {
+            let store = LocalStore::open(d.path().join("store")).unwrap();
+            let f = bench_file("t", "criu/pages-1.img", &chunks, store, checked);
+            // Twice: the second pass reads checked raw chunks straight from
+            // their files and the recurring ones from memory.
+            assert!(read_all(&f, data.len()).unwrap() == data);
+            assert!(read_all(&f, data.len()).unwrap() == data);
+        }
+    }
+
+    #[test]
+    fn a_damaged_chunk_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let (data, chunks) = stored(d.path());
+        let store = LocalStore::open(d.path().join("store")).unwrap();
+        let p = store.path_of(&chunks[0].blake3);
+        let mut b = fs::read(&p).unwrap();
+        assert_eq!(b[0], b'R');
+        b[100] ^= 1;
+        fs::write(&p, &b).unwrap();
+        let f = bench_file("t", "criu/pages-1.img", &chunks, store, false);
+        let mut buf = vec![0u8; 4096];
+        let e = f.read_at(0, &mut buf).unwrap_err();
+        assert!(e.to_string().contains("fails its checksum"), "{e}");
+        // The wake's verify refuses it too (before any process exists).
+        let store = LocalStore::open(d.path().join("store")).unwrap();
+        assert!(store.verify_chunks(&chunks, 2).is_err());
+        // A chunk that was not damaged still reads.
+        let at = chunks[0].size;
+        f.read_at(at, &mut buf).unwrap();
+        assert!(buf[..] == data[at as usize..at as usize + 4096]);
+    }
 }

@@ -83,6 +83,9 @@ struct WakePlan {
     fps: Vec<BTreeMap<String, u64>>,
     pairs: Vec<gpusnap_cuda::GpuPair>,
     verify_ms: u64,
+    /// Every chunk of the image was checked in full by the verify: the
+    /// page server need not hash them again.
+    chunks_checked: bool,
 }
 
 /// An error of one image of a group wake, named by the image (alone, the
@@ -843,7 +846,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             progress.update(seen);
         });
         progress.end();
-        let (name, dir, m) = verified?;
+        let (name, dir, m, chunks_checked) = verified?;
         let name = name.as_str();
         let verify_ms = ms(started);
 
@@ -892,7 +895,17 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         };
         let fps: Vec<BTreeMap<String, u64>> = resume.iter().map(|p| moved(&p.footprint)).collect();
         let resume: Vec<ProcDesc> = resume.into_iter().cloned().collect();
-        Ok(WakePlan { name: name.to_string(), started, dir, m, resume, fps, pairs, verify_ms })
+        Ok(WakePlan {
+            name: name.to_string(),
+            started,
+            dir,
+            m,
+            resume,
+            fps,
+            pairs,
+            verify_ms,
+            chunks_checked,
+        })
     }
 
     // One image's restore: what plan_wake decided, plus the wake's choice of
@@ -906,7 +919,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         resume: &[&ProcDesc],
         eager: bool,
     ) -> Result<Woken, Error> {
-        let WakePlan { name, dir, m, fps: footprints, pairs, .. } = plan;
+        let WakePlan { name, dir, m, fps: footprints, pairs, chunks_checked, .. } = plan;
         let t_criu = Instant::now();
         // CRIU's log and pidfile go to the state directory, never into the
         // image (a link planted there made root write elsewhere).
@@ -931,7 +944,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 Some(url) => Some(crate::remote::open_origin(&url)?),
                 None => None,
             };
-            crate::chunksrc::Workdir::prepare(name, dir, m, store, remote, &work)?
+            crate::chunksrc::Workdir::prepare(name, dir, m, store, remote, &work, *chunks_checked)?
         };
         let mut chunked = chunked;
         let lazy_possible = !eager && gpusnap_pages::support().why_not.is_none();

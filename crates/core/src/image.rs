@@ -793,42 +793,9 @@ impl ImageStore {
             }
             ChunkCheck::Full => {
                 let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(1, 16);
-                let next = std::sync::atomic::AtomicUsize::new(0);
-                let done = std::sync::atomic::AtomicU64::new(0);
-                let first: std::sync::Mutex<Option<(usize, gpusnap_chunks::ChunkError)>> =
-                    std::sync::Mutex::new(None);
-                std::thread::scope(|s| {
-                    for _ in 0..threads.min(f.chunks.len().max(1)) {
-                        s.spawn(|| loop {
-                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            let Some(c) = f.chunks.get(i) else { break };
-                            match store.get(&c.blake3) {
-                                Ok(d) if d.len() as u64 == c.size => {
-                                    done.fetch_add(c.size, std::sync::atomic::Ordering::Relaxed);
-                                }
-                                Ok(_) => {
-                                    let e = gpusnap_chunks::ChunkError::Corrupt {
-                                        hash: c.blake3.clone(),
-                                        why: "its size is not the listed one".into(),
-                                    };
-                                    if let Ok(mut g) = first.lock() {
-                                        g.get_or_insert((i, e));
-                                    }
-                                }
-                                Err(e) => {
-                                    if let Ok(mut g) = first.lock() {
-                                        g.get_or_insert((i, e));
-                                    }
-                                }
-                            }
-                        });
-                    }
-                });
-                on_bytes(done.load(std::sync::atomic::Ordering::Relaxed));
-                match first.into_inner().ok().flatten() {
-                    Some((_, e)) => Err(chunk_err(e)),
-                    None => Ok(()),
-                }
+                let r = store.verify_chunks(&f.chunks, threads);
+                on_bytes(f.size);
+                r.map_err(chunk_err)
             }
         }
     }
@@ -837,18 +804,23 @@ impl ImageStore {
     /// given by path is first copied into the store (as its directory's
     /// name), verified as it is copied, so that CRIU reads only bytes that
     /// were checked and that nobody else can change.
+    /// The last field: every chunk of the image's store-held files was read
+    /// and checked in full here (`check` was [`ChunkCheck::Full`] and the
+    /// image was in the store already; an imported image's chunks may be
+    /// ones the store had).
     pub fn verified_in_store(
         &self,
         name: &str,
         check: ChunkCheck,
         on_bytes: impl FnMut(u64),
-    ) -> Result<(String, PathBuf, Manifest), ImageError> {
+    ) -> Result<(String, PathBuf, Manifest, bool), ImageError> {
         let dir = self.locate(name)?;
         if self.in_store(&dir) {
             let (dir, m) = self.verify_with(name, check, on_bytes)?;
-            return Ok((name.to_string(), dir, m));
+            return Ok((name.to_string(), dir, m, check == ChunkCheck::Full));
         }
-        self.import(name, on_bytes)
+        let (name, dir, m) = self.import(name, on_bytes)?;
+        Ok((name, dir, m, false))
     }
 
     /// Copies the image at `path` into the store under its directory's name
