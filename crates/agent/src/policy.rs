@@ -285,15 +285,11 @@ impl Agent {
                                     svc.trace(|t| {
                                         t.counts.evictions += 1;
                                         t.counts.release_polls += polls;
-                                        t.span(
-                                            Instant::now(),
-                                            "evict_prep",
-                                            &[
-                                                ("hook_suspend", hook),
-                                                ("suspend", driver),
-                                                ("release_wait", release),
-                                            ],
-                                        );
+                                        let mut parts = vec![("suspend", driver), ("release_wait", release)];
+                                        if v.cfg.hooks.before_suspend.is_some() {
+                                            parts.insert(0, ("hook_suspend", hook));
+                                        }
+                                        t.span(Instant::now(), "evict_prep", &parts);
                                     });
                                 }
                                 Err(e) => {
