@@ -40,6 +40,7 @@ import hashlib
 import http.server
 import os
 import sys
+import threading
 import time
 import urllib.parse
 
@@ -224,8 +225,6 @@ if args.weights:
     if backend == "transformers" and hasattr(model, "tie_weights"):
         model.tie_weights()
     torch.cuda.synchronize()
-
-import threading
 
 KV_LOCK = threading.Lock()
 
