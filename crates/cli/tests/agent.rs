@@ -1350,6 +1350,25 @@ fn a_swap_with_hooks_never_has_both_services_resident_and_answers_right() {
     let total = metric_sum(&text, "gpusnap_agent_swap_seconds_sum");
     let phases = metric_sum(&text, "gpusnap_agent_swap_phase_seconds_sum");
     assert!((phases - total).abs() < 1e-6 * swaps, "phases {phases} s, swaps {total} s");
+
+    // The full size survives the agent: killed and restarted, it still
+    // evicts for 600 MiB (or the next resume would run out of memory in
+    // its after_resume hook and answer 503).
+    let rec: Value =
+        serde_json::from_slice(&std::fs::read(a.w.state_dir().join("agent/services.json")).unwrap()).unwrap();
+    for n in ["a", "b"] {
+        let full = rec[n]["full_footprint"].as_u64().unwrap_or(0);
+        assert!(full >= 600 << 20, "{n}: full_footprint {full}: {rec}");
+    }
+    a.kill9();
+    a.start();
+    let suspended = if a.wait_state("a", a.state("a").as_str())["state"] == "suspended" { 0 } else { 1 };
+    for i in 0..2 {
+        let (port, pid) = if (suspended + i) % 2 == 0 { (a.port(0), pa) } else { (a.port(1), pb) };
+        let (code, body) = get_any(port, "/");
+        assert_eq!(code, 200, "after the restart, request {i}: {body}\n{}", a.log());
+        assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
+    }
 }
 
 #[test]
