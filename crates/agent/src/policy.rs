@@ -388,7 +388,7 @@ impl Agent {
                 }
             }
         }
-        let extra = svc.lock().full_footprint.map(|full| full.saturating_sub(need.values().sum()));
+        let extra = Self::full_size(svc).map(|full| full.saturating_sub(need.values().sum()));
         for b in need.values_mut() {
             *b = b.saturating_add(svc.cfg.margin).saturating_add(extra.unwrap_or(0));
         }
@@ -597,11 +597,25 @@ impl Agent {
         (used > 0).then_some(used)
     }
 
+    /// The size of a service with hooks once its after_resume hook has run:
+    /// what it held before its last before_suspend hook (NVML), or its
+    /// declared `gpu_memory` if larger (or if NVML could not tell).
+    fn full_size(svc: &Service) -> Option<u64> {
+        if !svc.cfg.hooks.any() {
+            return None;
+        }
+        let seen = svc.lock().full_footprint;
+        match (seen, svc.cfg.gpu_memory) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// What the service will take after its after_resume hook beyond what
     /// its suspend recorded (the before_suspend hook gave it back): admission
     /// asks for it on top of the margin.
     fn growth(&self, svc: &Service, e: &mut crate::daemon::DynEngine, pids: &[i32]) -> u64 {
-        let Some(full) = svc.lock().full_footprint else { return 0 };
+        let Some(full) = Self::full_size(svc) else { return 0 };
         let recorded: u64 = pids
             .iter()
             .filter_map(|p| e.store().latest_for_pid(*p).ok().flatten())
