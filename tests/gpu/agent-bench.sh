@@ -28,6 +28,12 @@
 #     the time goes, phase by phase (c6), what the agent itself adds (c7),
 #     the first answer after a resume against a running one's (c8), and
 #     what each swap had to do (c9).
+#     Mode hooks (AGENT_MODES): the services have the hooks of a cooperating
+#     server (before_suspend = POST /sleep: model_server.py frees its KV
+#     cache; after_resume = POST /wake_up: it allocates it again), thp =
+#     true: a swap moves the weights only. Rows c2-c9.hooks, with c3/c4
+#     counting hook_suspend + suspend + resume + hook_resume, and c5.hooks
+#     against the cold starts (target: <= 0.5x).
 # (d) the proxy's cost: p50 of /health to the running service through the
 #     agent against straight to the server (target: <= 1 ms added).
 # Environment:
@@ -43,7 +49,13 @@
 #                      at the end unless AGENT_KEEP_WEIGHTS=1); 2 x weights of disk
 #   AGENT_BACKEND      auto (transformers if importable, else plain PyTorch),
 #                      transformers or torch
-#   AGENT_SWAPS        alternating requests per THP mode (2); AGENT_TOKENS new
+#   AGENT_MODES        the swap modes, in order (default "off on hooks"): off
+#                      (thp = false), on (thp = true), hooks (thp = true and
+#                      the sleep/wake_up hooks); the agent is restarted between
+#                      modes and adopts both services. AGENT_MODES=hooks (the
+#                      quick run, ~5 min): weights, the two cold starts, the
+#                      hooks swaps and the proxy only (no random-init cold start)
+#   AGENT_SWAPS        alternating requests per mode (2); AGENT_TOKENS new
 #                      tokens per answer (16); PROXY_N requests for (d) (200)
 #   AGENT_BENCH_BUDGET_S  soft budget (420 s); a watchdog ends the run 60 s after
 #   AGENT_SERVER=fake  a dry run without a GPU: fake-workload --http against
@@ -68,6 +80,12 @@ WEIGHTS_DIR=${AGENT_WEIGHTS_DIR:-$WORK/weights}
 PROXY_N=${PROXY_N:-200}
 BUDGET=${AGENT_BENCH_BUDGET_S:-420}
 SERVER=${AGENT_SERVER:-torch}
+MODES=${AGENT_MODES:-off on hooks}
+read -r -a MODE_LIST <<<"$MODES"
+for m in "${MODE_LIST[@]}"; do
+    case $m in off | on | hooks) ;; *) echo "agent-bench: AGENT_MODES: unknown mode $m (off, on, hooks)" >&2 && exit 2 ;; esac
+done
+[ "${#MODE_LIST[@]}" -gt 0 ] || { echo "agent-bench: AGENT_MODES is empty" >&2 && exit 2; }
 PROMPT="the quick brown fox jumps over the lazy dog"
 QPROMPT=${PROMPT// /+}
 ROWS=$WORK/rows.tsv
@@ -121,7 +139,7 @@ phase_sums() {
 
 # breakdown BEFORE AFTER -> the mean per traced swap of each phase between two
 # phase_sums outputs, in the agent's order, as "phase ms, ..." on line 1;
-# "SWAPS TOTAL_S SUSPEND_S RESUME_S RELEASE_S FIRST_BYTE_S" on line 2;
+# "SWAPS TOTAL_S SUSPEND_S RESUME_S RELEASE_S FIRST_BYTE_S HOOKS_S" on line 2;
 # the counts per swap on line 3.
 breakdown() {
     python3 - "$1" "$2" <<'PY'
@@ -136,13 +154,13 @@ def load(p):
 a, b = load(sys.argv[1]), load(sys.argv[2])
 delta = lambda k, i: b.get(k, (0, 0))[i] - a.get(k, (0, 0))[i]
 n = delta("total", 1)
-order = ["decide", "admission", "pick", "evict_prep", "suspend", "release_wait", "memory_wait",
-         "resume_prep", "wake", "resume", "ready", "connect", "first_byte"]
+order = ["decide", "admission", "pick", "evict_prep", "hook_suspend", "suspend", "release_wait", "memory_wait",
+         "resume_prep", "wake", "resume", "hook_resume", "ready", "connect", "first_byte"]
 if n <= 0:
-    print("no traced swap"); print("0 0 0 0 0 0"); print("-"); sys.exit()
+    print("no traced swap"); print("0 0 0 0 0 0 0"); print("-"); sys.exit()
 mean = lambda k: delta(k, 0) / n
 print(", ".join(f"{k} {mean(k) * 1e3:.1f} ms" for k in order if delta(k, 1) > 0))
-print(f"{n:.0f} {mean('total'):.4f} {mean('suspend'):.4f} {mean('resume') + mean('wake'):.4f} {mean('release_wait'):.4f} {mean('first_byte'):.4f}")
+print(f"{n:.0f} {mean('total'):.4f} {mean('suspend'):.4f} {mean('resume') + mean('wake'):.4f} {mean('release_wait'):.4f} {mean('first_byte'):.4f} {mean('hook_suspend') + mean('hook_resume'):.4f}")
 ev = sorted(k for k in b if k.startswith("event:"))
 print(", ".join(f"{k[6:]} {delta(k, 0) / n:.1f}" for k in ev) or "-")
 PY
@@ -171,7 +189,7 @@ report() {
         echo "# agent benchmark"
         echo
         echo "$(date -u +%FT%TZ) $(hostname), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
-        echo "servers: $SERVER ($BACKEND), ${WEIGHTS_GB} GB weights (safetensors on disk) + ${KV_GB} GB KV cache each; $SWAPS alternating requests per THP mode, $TOKENS tokens each; host THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
+        echo "servers: $SERVER ($BACKEND), ${WEIGHTS_GB} GB weights (safetensors on disk) + ${KV_GB} GB KV cache each; $SWAPS alternating requests per mode ($MODES), $TOKENS tokens each; host THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
         echo
         echo "| id | check | expected | got | result | figure |"
         echo "|---|---|---|---|---|---|"
@@ -188,15 +206,22 @@ server_cmd() { # PORT SEED -> a TOML array (the server loads DIR/mSEED)
     local port=$1 seed=$2
     if [ "$SERVER" = fake ]; then
         # shellcheck disable=SC2016 # $0 and $@ are the inner shell's
-        printf '["sh", "-c", "cat %s/m%s/* >/dev/null && exec \\"$0\\" \\"$@\\"", "%s", "--mib", "%s", "--http", "%s"]' \
-            "$WEIGHTS_DIR" "$seed" "${FAKE_WORKLOAD:?set FAKE_WORKLOAD for AGENT_SERVER=fake}" "$(fake_mib)" "$port"
+        printf '["sh", "-c", "cat %s/m%s/* >/dev/null && exec \\"$0\\" \\"$@\\"", "%s", "--mib", "%s", "--kv-mib", "%s", "--http", "%s"]' \
+            "$WEIGHTS_DIR" "$seed" "${FAKE_WORKLOAD:?set FAKE_WORKLOAD for AGENT_SERVER=fake}" "$(fake_mib w)" "$(fake_mib k)" "$port"
     else
         printf '["python3", "%s/model_server.py", "--port", "%s", "--seed", "%s", "--weights-gb", "%s", "--kv-gb", "%s", "--backend", "%s", "--ref-n", "%s", "--weights", "%s/m%s"]' \
             "$GPU_DIR" "$port" "$seed" "$WEIGHTS_GB" "$KV_GB" "$BACKEND" "$TOKENS" "$WEIGHTS_DIR" "$seed"
     fi
 }
 
-fake_mib() { calc %d '(w + k) * 1e9 / 1048576' w="$WEIGHTS_GB" k="$KV_GB"; }
+# fake_mib [w|k]: the fake server's size (weights, KV cache, or both) in MiB.
+fake_mib() {
+    case ${1:-} in
+        w) calc %d 'w * 1e9 / 1048576' w="$WEIGHTS_GB" ;;
+        k) calc %d 'k * 1e9 / 1048576' k="$KV_GB" ;;
+        *) calc %d '(w + k) * 1e9 / 1048576' w="$WEIGHTS_GB" k="$KV_GB" ;;
+    esac
+}
 
 # cold_cmd KIND: the command line of a cold-start server of m1 on BP0 (no
 # reference answer: its port opens as soon as it has loaded).
@@ -370,12 +395,20 @@ thp_mode() {
 }
 THP_BEFORE=$(thp_mode)
 
-# agent_up THP: (re)starts the agent with `thp = THP`; it adopts what runs.
+# agent_up MODE: (re)starts the agent for a swap mode (off: thp = false;
+# on: thp = true; hooks: thp = true and the services' sleep hooks); it
+# adopts what runs.
 agent_up() {
+    local thp=true hooks=""
+    [ "$1" = off ] && thp=false
+    if [ "$1" = hooks ]; then
+        hooks='hooks.before_suspend = { method = "POST", path = "/sleep?level=1", timeout = "60s" }
+hooks.after_resume = { method = "POST", path = "/wake_up", timeout = "120s" }'
+    fi
     cat >"$WORK/agent.toml" <<EOF
 [agent]
 socket = "$SOCK"
-thp = $1
+thp = $thp
 
 [[service]]
 name = "m1"
@@ -385,6 +418,7 @@ command = $(server_cmd "$BP1" 1)
 suspend_after = "1h"
 wake_timeout = "300s"
 gpu_memory = $gb_need
+$hooks
 
 [[service]]
 name = "m2"
@@ -394,6 +428,7 @@ command = $(server_cmd "$BP2" 2)
 suspend_after = "1h"
 wake_timeout = "300s"
 gpu_memory = $gb_need
+$hooks
 EOF
     log_file "agent.toml" "$WORK/agent.toml"
     "$GPUSNAP" --state-dir "$STATE_DIR" -v agent --config "$WORK/agent.toml" >>"$WORK/agent.log" 2>&1 &
@@ -412,7 +447,7 @@ settled() {
     { [ "$s1" = suspended ] && [ "$s2" = running ]; } || { [ "$s1" = running ] && [ "$s2" = suspended ]; }
 }
 
-agent_up false
+agent_up "${MODE_LIST[0]}"
 end=$((SECONDS + 600))
 up=0
 while [ "$SECONDS" -lt "$end" ] && alive "$AGENT_PID"; do
@@ -458,9 +493,11 @@ run_ttfb=$(median <"$WORK/run.ttfb")
 # swaps MODE: SWAPS alternating requests, each to the suspended model.
 # Sets SWAP_TTFB SUS_AVG RES_AVG NSWAPS.
 swaps() {
-    local mode=$1 i n port ref res t body ttfb sus0 susn0 res0 resn0 sus1 susn1 res1 resn1
+    local mode=$1 i n port ref res t body ttfb sus0 susn0 res0 resn0 sus1 susn1 res1 resn1 hs0 hsn0 hr0 hrn0 hs1 hsn1 hr1 hrn1
     read -r sus0 susn0 <<<"$(metric_sum suspend)"
     read -r res0 resn0 <<<"$(metric_sum resume)"
+    read -r hs0 hsn0 <<<"$(metric_sum hook_suspend)"
+    read -r hr0 hrn0 <<<"$(metric_sum hook_resume)"
     phase_sums >"$WORK/phases-$mode.0"
     : >"$WORK/swap-$mode.ttfb"
     for i in $(seq 1 "$SWAPS"); do
@@ -483,13 +520,17 @@ swaps() {
             ref=$body
         fi
         if [ -n "$body" ] && [ "$body" = "$ref" ]; then
-            row "b2.$mode.$i" "request $i to $n (swap, thp $mode)" "the reference answer" "same ($(wc -w <<<"$body") tokens)" PASS "ttfb ${ttfb}s"
+            row "b2.$mode.$i" "request $i to $n (swap, $(mlabel "$mode"))" "the reference answer" "same ($(wc -w <<<"$body") tokens)" PASS "ttfb ${ttfb}s"
         else
-            row "b2.$mode.$i" "request $i to $n (swap, thp $mode)" "the reference answer" "$(head -c 60 <<<"$body") (http ${t##* })" FAIL "ttfb ${ttfb}s"
+            row "b2.$mode.$i" "request $i to $n (swap, $(mlabel "$mode"))" "the reference answer" "$(head -c 60 <<<"$body") (http ${t##* })" FAIL "ttfb ${ttfb}s"
         fi
     done
     read -r sus1 susn1 <<<"$(metric_sum suspend)"
     read -r res1 resn1 <<<"$(metric_sum resume)"
+    read -r hs1 hsn1 <<<"$(metric_sum hook_suspend)"
+    read -r hr1 hrn1 <<<"$(metric_sum hook_resume)"
+    HS_AVG=$(calc %.3f '(m > 0) ? (b - a) / m : 0' a="$hs0" b="$hs1" m="$(calc %d 'b - a' a="$hsn0" b="$hsn1")")
+    HR_AVG=$(calc %.3f '(m > 0) ? (b - a) / m : 0' a="$hr0" b="$hr1" m="$(calc %d 'b - a' a="$hrn0" b="$hrn1")")
     # The last swap's trace is observed just after its first byte.
     sleep 0.5
     phase_sums >"$WORK/phases-$mode.1"
@@ -504,13 +545,23 @@ swaps() {
     fi
 }
 
+# mlabel MODE: how a row names the mode.
+mlabel() { case $1 in hooks) echo "sleep hooks, thp on" ;; *) echo "thp $1" ;; esac; }
+
 # met CMD...: MET or NOT MET (a speed target is reported, not enforced).
 met() { if "$@"; then echo MET; else echo "NOT MET"; fi; }
 
 swap_rows() { # MODE
     local mode=$1 over k c
-    row "c2.$mode" "ttfb, request to the suspended model (a swap), thp $mode, median" "-" "${SWAP_TTFB}s over $NSWAPS swaps" INFO "${SWAP_TTFB}s"
-    if [ "$SUS_AVG" != "?" ]; then
+    row "c2.$mode" "ttfb, request to the suspended model (a swap), $(mlabel "$mode"), median" "-" "${SWAP_TTFB}s over $NSWAPS swaps" INFO "${SWAP_TTFB}s"
+    if [ "$SUS_AVG" != "?" ] && [ "$mode" = hooks ]; then
+        row "c3.$mode" "hook_suspend(other) + suspend(other) + resume(this) + hook_resume(this), agent metrics" "-" \
+            "hook_suspend ${HS_AVG}s + suspend ${SUS_AVG}s + resume ${RES_AVG}s + hook_resume ${HR_AVG}s" INFO \
+            "$(calc %.3f 'h + a + b + k' h="$HS_AVG" a="$SUS_AVG" b="$RES_AVG" k="$HR_AVG")s"
+        over=$(calc %.3f 's - h - a - b - k - r' s="$SWAP_TTFB" h="$HS_AVG" a="$SUS_AVG" b="$RES_AVG" k="$HR_AVG" r="$run_ttfb")
+        row "c4.$mode" "swap ttfb - (hook_suspend + suspend + resume + hook_resume) - ttfb of the running model" "<= 0.100 s" "${over}s" \
+            "$(met fle "$over" 0.1)" "${over}s"
+    elif [ "$SUS_AVG" != "?" ]; then
         row "c3.$mode" "suspend(other) + resume(this), agent metrics, thp $mode" "-" "suspend ${SUS_AVG}s + resume ${RES_AVG}s" INFO \
             "$(calc %.3f 'a + b' a="$SUS_AVG" b="$RES_AVG")s"
         over=$(calc %.3f 's - a - b - r' s="$SWAP_TTFB" a="$SUS_AVG" b="$RES_AVG" r="$run_ttfb")
@@ -520,16 +571,18 @@ swap_rows() { # MODE
         row "c3.$mode" "suspend(other) + resume(this), agent metrics, thp $mode" "-" "no swap measured" FAIL
     fi
     # The agent's trace of the same swaps: accept -> first byte, in phases.
-    local tn tt ts tr trel tfb
-    read -r tn tt ts tr trel tfb <<<"${BREAKDOWN[1]:-0 0 0 0 0 0}"
+    local tn tt ts tr trel tfb thk
+    read -r tn tt ts tr trel tfb thk <<<"${BREAKDOWN[1]:-0 0 0 0 0 0 0}"
+    thk=${thk:-0}
     if [ "${tn:-0}" != 0 ]; then
         row "c6.$mode" "where a swap's time goes (agent trace, mean of $tn; docs/agent.md)" "-" "${BREAKDOWN[0]}" INFO \
             "${tt}s accept->first byte"
-        row "c7.$mode" "what the agent adds: trace total - suspend - resume - first_byte (release_wait included), thp $mode" \
-            "<= 0.100 s" "$(calc %.3f 't - s - r - f' t="$tt" s="$ts" r="$tr" f="$tfb")s (release_wait ${trel}s)" \
-            "$(met fle "$(calc %.3f 't - s - r - f' t="$tt" s="$ts" r="$tr" f="$tfb")" 0.1)" \
-            "$(calc %.3f 't - s - r - f' t="$tt" s="$ts" r="$tr" f="$tfb")s"
-        row "c8.$mode" "first byte after the resume (first_byte phase) against the running model's ttfb (c1), thp $mode" "-" \
+        local added
+        added=$(calc %.3f 't - s - r - f - h' t="$tt" s="$ts" r="$tr" f="$tfb" h="$thk")
+        row "c7.$mode" "what the agent adds: trace total - suspend - resume - first_byte$([ "$mode" = hooks ] && echo " - hooks") (release_wait included), $mode" \
+            "<= 0.100 s" "${added}s (release_wait ${trel}s$([ "$mode" = hooks ] && echo ", hooks ${thk}s"))" \
+            "$(met fle "$added" 0.1)" "${added}s"
+        row "c8.$mode" "first byte after the resume (first_byte phase) against the running model's ttfb (c1), $(mlabel "$mode")" "-" \
             "${tfb}s vs ${run_ttfb}s: $(calc %+.3f 'f - r' f="$tfb" r="$run_ttfb")s" INFO
         row "c9.$mode" "what each swap did (per swap: admissions, refusals, evictions, NVML reads, connect retries)" "-" \
             "${BREAKDOWN[2]}" INFO
@@ -539,29 +592,37 @@ swap_rows() { # MODE
     for k in warm cold; do
         c=$([ "$k" = warm ] && echo "$COLD_WARM" || echo "$COLD_COLD")
         [ -n "$c" ] || continue
-        row "c5.$mode.$k" "swap (thp $mode) against the cold start, page cache $k" "swap < cold start" \
-            "${SWAP_TTFB}s vs ${c}s: $(calc %.2f '(c > 0) ? s / c : 0' s="$SWAP_TTFB" c="$c")x" "$(met fle "$SWAP_TTFB" "$c")"
+        if [ "$mode" = hooks ]; then
+            # Well under: at most half the cold start.
+            row "c5.$mode.$k" "swap with the sleep hooks against the cold start, page cache $k" "swap <= 0.5 x cold start" \
+                "${SWAP_TTFB}s vs ${c}s: $(calc %.2f '(c > 0) ? s / c : 0' s="$SWAP_TTFB" c="$c")x" \
+                "$(met fle "$SWAP_TTFB" "$(calc %.3f 'c / 2' c="$c")")"
+        else
+            row "c5.$mode.$k" "swap (thp $mode) against the cold start, page cache $k" "swap < cold start" \
+                "${SWAP_TTFB}s vs ${c}s: $(calc %.2f '(c > 0) ? s / c : 0' s="$SWAP_TTFB" c="$c")x" "$(met fle "$SWAP_TTFB" "$c")"
+        fi
     done
 }
 
 # Does the driver release a process's device memory while its checkpoint
 # copies, or only at the end? (Whether a resume could start before the
 # eviction returns.) NVML sampled through the thp-off swaps.
-SMI_SAMPLER=""
-if command -v nvidia-smi >/dev/null 2>&1; then
-    # (Made before the sampler starts: it stops when the file is gone.)
-    touch "$WORK/.smi-watch"
-    (while [ -e "$WORK/.smi-watch" ]; do
-        t=$(now)
-        timeout 5 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
-            awk -v t="$t" -F', *' '{ print t, $1, $2 }'
-        sleep 0.1
-    done >"$WORK/smi-samples") &
-    SMI_SAMPLER=$!
-fi
-swaps off
-S_OFF=("$SWAP_TTFB" "$SUS_AVG" "$RES_AVG" "$NSWAPS")
-BD_OFF=("${BREAKDOWN[@]}")
+smi_start() {
+    SMI_SAMPLER=""
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        # (Made before the sampler starts: it stops when the file is gone.)
+        touch "$WORK/.smi-watch"
+        (while [ -e "$WORK/.smi-watch" ]; do
+            t=$(now)
+            timeout 5 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
+                awk -v t="$t" -F', *' '{ print t, $1, $2 }'
+            sleep 0.1
+        done >"$WORK/smi-samples") &
+        SMI_SAMPLER=$!
+    fi
+}
+
+smi_rows() {
 if [ -n "$SMI_SAMPLER" ]; then
     rm -f "$WORK/.smi-watch"
     wait "$SMI_SAMPLER" 2>/dev/null
@@ -625,29 +686,18 @@ PY
     row e2 "NVML after each eviction's checkpoint returned (journal's checkpoint end against the samples)" \
         "free at the first sample: nothing to wait for" "${lag:-not measured}" INFO
 fi
+}
 
-# The same agent's config with `thp = true`: restarted, it adopts both
-# services as they are (one running, one suspended).
-S_ON=() BD_ON=()
-if budget_left; then
-    agent_down
-    agent_up true
-    end=$((SECONDS + 60))
-    while [ "$SECONDS" -lt "$end" ] && ! settled; do sleep 0.2; done
-    if settled; then
-        row b3 "agent restarted with thp = true: both services adopted as they were" "one running, one suspended" "m1 $s1, m2 $s2" PASS
-    else
-        row b3 "agent restarted with thp = true: both services adopted as they were" "one running, one suspended" "m1 ${s1:-?}, m2 ${s2:-?}" FAIL
-    fi
+thp_watch_start() {
     # Sampled while the swaps run: the switch is seen, and put back after.
     touch "$WORK/.thp-watch"
     (while [ -e "$WORK/.thp-watch" ]; do thp_mode; sleep 0.05; done | sort | uniq -c >"$WORK/thp-seen") &
     watcher=$!
-    swaps on
+}
+
+thp_watch_rows() {
     rm -f "$WORK/.thp-watch"
     wait "$watcher" 2>/dev/null
-    S_ON=("$SWAP_TTFB" "$SUS_AVG" "$RES_AVG" "$NSWAPS")
-    BD_ON=("${BREAKDOWN[@]}")
     seen=$(awk '{ printf "%s%s x%s", (NR > 1 ? ", " : ""), $2, $1 }' "$WORK/thp-seen" 2>/dev/null)
     if [ "$THP_BEFORE" = always ]; then
         row b4 "THP with thp = true" "switched to always during suspends" "the host's mode is always already: nothing to switch" INFO
@@ -656,20 +706,85 @@ if budget_left; then
             "samples: $seen; after: $(thp_mode)" \
             "$(grep -qw always "$WORK/thp-seen" 2>/dev/null && [ "$(thp_mode)" = "$THP_BEFORE" ] && echo PASS || echo FAIL)"
     fi
-else
-    row b3 "swaps with thp = true" "run" "budget spent" SKIP
-fi
+}
+
+# Each mode in turn: the agent restarted for it (it adopts both services as
+# they are), then SWAPS alternating requests. Results per mode in SW and BD*.
+declare -A SW=() BD0=() BD1=() BD2=()
+first=1
+for mode in "${MODE_LIST[@]}"; do
+    if [ "$first" = 1 ]; then
+        first=0
+    else
+        if ! budget_left; then
+            row "b3.$mode" "swaps, mode $mode" "run" "budget spent" SKIP
+            continue
+        fi
+        agent_down
+        agent_up "$mode"
+        end=$((SECONDS + 60))
+        while [ "$SECONDS" -lt "$end" ] && ! settled; do sleep 0.2; done
+        if settled; then
+            row "b3.$mode" "agent restarted for mode $mode: both services adopted as they were" "one running, one suspended" "m1 $s1, m2 $s2" PASS
+        else
+            row "b3.$mode" "agent restarted for mode $mode: both services adopted as they were" "one running, one suspended" "m1 ${s1:-?}, m2 ${s2:-?}" FAIL
+        fi
+        if [ "$mode" = hooks ]; then
+            # The suspended server was suspended whole (no hook then): one
+            # swap, checked but not timed, so that each has slept once.
+            if [ "$(svc_field m1 state)" = running ]; then n=m2 port=$LP2; else n=m1 port=$LP1; fi
+            res=$(fetch "http://127.0.0.1:$port/generate?prompt=$QPROMPT&n=$TOKENS")
+            body=$(tail -n +2 <<<"$res")
+            ref=REF_$n
+            ref=${!ref}
+            [ -z "$ref" ] && [ "$SERVER" = fake ] && printf -v "REF_$n" '%s' "$body" && ref=$body
+            if [ -n "$body" ] && [ "$body" = "$ref" ]; then
+                row "b5.hooks" "warm-up swap to $n (it was suspended without its hook; not timed)" "the reference answer" "same" PASS "ttfb $(head -1 <<<"$res" | awk '{ print $1 }')s"
+            else
+                row "b5.hooks" "warm-up swap to $n (it was suspended without its hook; not timed)" "the reference answer" "$(head -c 60 <<<"$body")" FAIL
+            fi
+        fi
+    fi
+    case $mode in
+        off) smi_start ;;
+        on) thp_watch_start ;;
+    esac
+    swaps "$mode"
+    SW[$mode]="$SWAP_TTFB $SUS_AVG $RES_AVG $NSWAPS $HS_AVG $HR_AVG"
+    BD0[$mode]=${BREAKDOWN[0]:-} BD1[$mode]=${BREAKDOWN[1]:-} BD2[$mode]=${BREAKDOWN[2]:-}
+    case $mode in
+        off) smi_rows ;;
+        on) thp_watch_rows ;;
+    esac
+    if [ "$mode" = hooks ]; then
+        curl -s --unix-socket "$SOCK" "http://agent/v1/events?after=0&follow=false" >"$WORK/events-hooks.jsonl" 2>>"$LOG"
+        hooks_seen=$(python3 - "$WORK/events-hooks.jsonl" 2>>"$LOG" <<'PY'
+import json, sys
+keys = ["before_suspend hook: ", "after_resume hook: ", "hook failed"]
+n = dict.fromkeys(keys, 0)
+for l in open(sys.argv[1]):
+    try:
+        d = json.loads(l).get("detail") or ""
+    except ValueError:
+        continue
+    for k in keys:
+        n[k] += k in d
+print(f"journal: before_suspend ok {n[keys[0]]}, after_resume ok {n[keys[1]]}, failed {n[keys[2]]}")
+PY
+)
+        row "b6.hooks" "the sleep hooks ran around the swaps (the agent's journal, all of this agent's run)" "none failed" \
+            "${hooks_seen:-not read}" "$(grep -q 'failed 0$' <<<"${hooks_seen:-x}" && echo PASS || echo FAIL)"
+    fi
+done
 
 # ---------------------------------------------------------------- (c) the table
 row c1 "ttfb, request to the running model (median of 5)" "-" "${run_ttfb}s" INFO "${run_ttfb}s"
-SWAP_TTFB=${S_OFF[0]} SUS_AVG=${S_OFF[1]} RES_AVG=${S_OFF[2]} NSWAPS=${S_OFF[3]}
-BREAKDOWN=("${BD_OFF[@]}")
-swap_rows off
-if [ "${#S_ON[@]}" = 4 ]; then
-    SWAP_TTFB=${S_ON[0]} SUS_AVG=${S_ON[1]} RES_AVG=${S_ON[2]} NSWAPS=${S_ON[3]}
-    BREAKDOWN=("${BD_ON[@]}")
-    swap_rows on
-fi
+for mode in "${MODE_LIST[@]}"; do
+    [ -n "${SW[$mode]:-}" ] || continue
+    read -r SWAP_TTFB SUS_AVG RES_AVG NSWAPS HS_AVG HR_AVG <<<"${SW[$mode]}"
+    BREAKDOWN=("${BD0[$mode]}" "${BD1[$mode]}" "${BD2[$mode]}")
+    swap_rows "$mode"
+done
 
 # ---------------------------------------------------------------- (d) proxy overhead
 cur=$(svc_field m1 state)
@@ -703,7 +818,10 @@ fi
 # Random weights initialised on the GPU, nothing read from disk: the number
 # earlier runs reported, kept for comparison. The running service is
 # suspended first (a filler, if any, leaves room for one server only).
-if budget_left; then
+RANDOM_COLD=${AGENT_RANDOM_COLD:-$([ "$MODES" = hooks ] && echo 0 || echo 1)}
+if [ "$RANDOM_COLD" != 1 ]; then
+    row a3 "cold start of m1, random init on the GPU" "answers" "not run (AGENT_MODES=hooks, the quick run)" SKIP
+elif budget_left; then
     if [ "$(svc_field m1 state)" = running ]; then n=m1; else n=m2; fi
     "$GPUSNAP" service "$n" suspend --socket "$SOCK" >>"$LOG" 2>&1 || log "could not suspend $n for the random-init cold start"
     if cold_start random; then

@@ -17,6 +17,7 @@
 #           libgpusnap_preload.so next to $GPUSNAP
 #   agent   tests/gpu/agent-bench.sh (the node agent: two ~75 GB model servers
 #           swapped on one GPU, answers checked, ttfb, proxy p50; ~6-8 min;
+#           AGENT_MODES=hooks: only the swaps with the sleep hooks, ~5 min;
 #           libgpusnap_preload.so next to $GPUSNAP; 128 GiB host RAM)
 # Environment:
 #   OUT              results (default: a new /tmp/gpusnap-device.* directory)

@@ -14,6 +14,12 @@ agent and the benchmark see a cold start end there):
 
   GET /health                      -> "ok"
   GET /generate?prompt=TEXT&n=N    -> "tok tok ...\n" (greedy, N new tokens)
+  POST /sleep[?level=1]            -> frees the KV cache (del + torch.cuda.empty_cache),
+                                      weights stay: vLLM's sleep level 1 without the
+                                      weights' offload (gpusnap's suspend moves them)
+  POST /wake_up                    -> allocates (and touches) the KV cache again
+  GET /is_sleeping                 -> {"is_sleeping": true|false}
+  (asleep, /health and /generate answer 503, as a sleeping engine serves nothing)
 
 With transformers (LlamaForCausalLM from a config, random init on the GPU)
 or, when it is missing or --backend torch, a plain PyTorch model (embedding,
@@ -34,6 +40,7 @@ import hashlib
 import http.server
 import os
 import sys
+import threading
 import time
 import urllib.parse
 
@@ -219,10 +226,18 @@ if args.weights:
         model.tie_weights()
     torch.cuda.synchronize()
 
-# The KV cache a serving engine preallocates: touched, so it is resident.
-kv = torch.empty(int(args.kv_gb * 1e9), dtype=torch.uint8, device=dev)
-kv.fill_(1)
-torch.cuda.synchronize()
+KV_LOCK = threading.Lock()
+
+
+def alloc_kv():
+    """The KV cache a serving engine preallocates: touched, so it is resident."""
+    t = torch.empty(int(args.kv_gb * 1e9), dtype=torch.uint8, device=dev)
+    t.fill_(1)
+    torch.cuda.synchronize()
+    return t
+
+
+kv = alloc_kv()
 load_s = time.time() - t0
 
 
@@ -236,21 +251,53 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 
-    def answer(self, text):
+    def answer(self, text, code=200):
         body = text.encode()
-        self.send_response(200)
+        self.send_response(code)
         self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
+    def do_POST(self):
+        global kv
+        u = urllib.parse.urlparse(self.path)
+        n = int(self.headers.get("Content-Length") or 0)
+        if n:
+            self.rfile.read(n)
+        t = time.time()
+        with KV_LOCK:
+            if u.path == "/sleep":
+                if kv is not None:
+                    kv = None
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                held = torch.cuda.memory_reserved() / 1e9
+                return self.answer(f'{{"slept_s": {time.time() - t:.3f}, "reserved_gb": {held:.1f}}}\n')
+            if u.path == "/wake_up":
+                if kv is None:
+                    try:
+                        kv = alloc_kv()
+                    except Exception as e:  # out of memory: the agent must know
+                        return self.answer(f"wake_up failed: {e!r}\n", 500)
+                held = torch.cuda.memory_reserved() / 1e9
+                return self.answer(f'{{"woke_s": {time.time() - t:.3f}, "reserved_gb": {held:.1f}}}\n')
+        self.send_error(404)
+
     def do_GET(self):
         u = urllib.parse.urlparse(self.path)
         q = urllib.parse.parse_qs(u.query)
+        if u.path == "/is_sleeping":
+            return self.answer('{"is_sleeping": %s}\n' % ("true" if kv is None else "false"))
+        if u.path in ("/health", "/generate") and kv is None:
+            return self.answer("asleep: POST /wake_up first\n", 503)
         if u.path == "/health":
             # Touch the GPU: a suspended server holds the request, as it would
             # a real one.
-            kv[:1].add_(0)
+            k = kv
+            if k is None:
+                return self.answer("asleep: POST /wake_up first\n", 503)
+            k[:1].add_(0)
             torch.cuda.synchronize()
             return self.answer("ok\n")
         if u.path == "/generate":

@@ -109,6 +109,59 @@ pub struct ServiceConfig {
     pub thp: Option<bool>,
     /// Overrides `[agent] lazy_wake` for this service's wakes.
     pub lazy_wake: Option<bool>,
+    /// HTTP calls to the server's own backend around its suspends and
+    /// resumes (vLLM's sleep mode, SGLang's memory release): see docs/agent.md.
+    #[serde(default)]
+    pub hooks: Hooks,
+}
+
+/// `[service.hooks]` (in a `[[service]]` array: `hooks.before_suspend = {...}`
+/// or a `[service.hooks]` table after the service's keys).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hooks {
+    /// Before each suspend (idle, eviction, API): the server gives back what
+    /// need not be saved (its KV cache). Failing or late, the suspend goes on.
+    pub before_suspend: Option<Spanned<Hook>>,
+    /// After each resume or wake, before any request is forwarded: the
+    /// server takes it again. Failing or late: the service is suspended
+    /// again and its waiting connections get a 503.
+    pub after_resume: Option<Spanned<Hook>>,
+}
+
+impl Hooks {
+    pub fn any(&self) -> bool {
+        self.before_suspend.is_some() || self.after_resume.is_some()
+    }
+}
+
+/// One HTTP request to the service's backend; any 2xx answer is success.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hook {
+    #[serde(default = "default_hook_method")]
+    pub method: String,
+    /// Path and query, e.g. `/sleep?level=1`.
+    pub path: String,
+    /// Request body (sent as `application/json` when it parses as JSON).
+    #[serde(default)]
+    pub body: Option<String>,
+    #[serde(default = "default_hook_timeout", deserialize_with = "duration")]
+    pub timeout: Duration,
+}
+
+impl Hook {
+    /// `POST /sleep?level=1`, for the journal.
+    pub fn describe(&self) -> String {
+        format!("{} {}", self.method, self.path)
+    }
+}
+
+fn default_hook_method() -> String {
+    "POST".into()
+}
+fn default_hook_timeout() -> Duration {
+    Duration::from_secs(30)
 }
 
 impl ServiceConfig {
@@ -282,6 +335,42 @@ impl Config {
             if s.command.as_ref().is_some_and(|c| c.is_empty()) {
                 return Err(invalid(at, format!("service {name:?}: command is empty")));
             }
+            for (which, h) in
+                [("before_suspend", &s.hooks.before_suspend), ("after_resume", &s.hooks.after_resume)]
+            {
+                let Some(h) = h else { continue };
+                let (hat, h) = (h.span().start, h.get_ref());
+                if !["GET", "POST", "PUT", "PATCH", "DELETE"].contains(&h.method.as_str()) {
+                    return Err(invalid(
+                        hat,
+                        format!(
+                            "service {name:?}: hook {which}: method {:?} (GET, POST, PUT, PATCH, DELETE)",
+                            h.method
+                        ),
+                    ));
+                }
+                if !h.path.starts_with('/') || h.path.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                    return Err(invalid(
+                        hat,
+                        format!(
+                            "service {name:?}: hook {which}: path {:?} must start with '/' and have no spaces",
+                            h.path
+                        ),
+                    ));
+                }
+                if h.path.parse::<hyper::Uri>().is_err() {
+                    return Err(invalid(
+                        hat,
+                        format!("service {name:?}: hook {which}: bad path {:?}", h.path),
+                    ));
+                }
+                if h.timeout.is_zero() || h.timeout > Duration::from_secs(3600) {
+                    return Err(invalid(
+                        hat,
+                        format!("service {name:?}: hook {which}: timeout must be above 0 and at most 1h"),
+                    ));
+                }
+            }
         }
         // A backend of one service that another listens on would loop.
         for s in &cfg.service {
@@ -347,6 +436,42 @@ priority = 10
 
     fn err(text: &str) -> String {
         Config::parse(text, "x.toml").unwrap_err().to_string()
+    }
+
+    #[test]
+    fn hooks() {
+        let text = format!(
+            "{GOOD}hooks.before_suspend = {{ method = \"POST\", path = \"/sleep?level=1\", timeout = \"30s\" }}\n\
+             hooks.after_resume = {{ path = \"/wake_up\", timeout = \"60s\" }}\n"
+        );
+        let c = Config::parse(&text, "x.toml").unwrap();
+        let h = &c.service[0].hooks;
+        let b = h.before_suspend.as_ref().unwrap().get_ref();
+        assert_eq!(
+            (b.method.as_str(), b.path.as_str(), b.timeout),
+            ("POST", "/sleep?level=1", Duration::from_secs(30))
+        );
+        let a = h.after_resume.as_ref().unwrap().get_ref();
+        assert_eq!((a.method.as_str(), a.timeout), ("POST", Duration::from_secs(60)));
+        // The table form, as SGLang's operators would write it.
+        let text = format!(
+            "{GOOD}\n[service.hooks]\nbefore_suspend = {{ path = \"/release_memory_occupation\", body = \"{{}}\" }}\n"
+        );
+        let c = Config::parse(&text, "x.toml").unwrap();
+        assert_eq!(c.service[0].hooks.before_suspend.as_ref().unwrap().get_ref().body.as_deref(), Some("{}"));
+        assert!(c.service[0].hooks.after_resume.is_none());
+        for (bad, what) in [
+            ("hooks.before_suspend = { method = \"FETCH\", path = \"/sleep\" }", "method \"FETCH\""),
+            ("hooks.before_suspend = { path = \"sleep\" }", "must start with '/'"),
+            ("hooks.after_resume = { path = \"/wake up\" }", "must start with '/'"),
+            ("hooks.after_resume = { path = \"/w\", timeout = \"0s\" }", "timeout must be above 0"),
+            ("hooks.after_resume = { path = \"/w\", retries = 3 }", "unknown field `retries`"),
+            ("hooks.after_suspend = { path = \"/w\" }", "unknown field `after_suspend`"),
+            ("hooks.after_resume = { timeout = \"1s\" }", "missing field `path`"),
+        ] {
+            let e = err(&format!("{GOOD}{bad}\n"));
+            assert!(e.starts_with("x.toml:15:") && e.contains(what), "{bad}: {e}");
+        }
     }
 
     #[test]

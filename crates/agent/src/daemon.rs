@@ -111,6 +111,7 @@ impl Agent {
             runner: g.runner,
             image: g.image.clone(),
             doing: None,
+            full_footprint: g.full_footprint,
         }
     }
 
@@ -170,6 +171,7 @@ impl Agent {
             let found = self.find_process(svc, &rec);
             let mut g = svc.lock();
             g.runner = rec.runner;
+            g.full_footprint = rec.full_footprint;
             match found {
                 Some(t) => {
                     let pids = cuda_pids(self, t.pid);

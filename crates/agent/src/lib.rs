@@ -14,6 +14,7 @@ pub mod api;
 pub mod client;
 pub mod config;
 pub mod daemon;
+pub mod hooks;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

@@ -79,9 +79,20 @@ impl Agent {
         let mut waited = false;
         let mut rx = svc.changed.subscribe();
         let trace = |kind| accepted.map(|t| crate::trace::WakeTrace::new(kind, t));
+        let failures = svc.lock().hook_failures;
         loop {
             {
                 let mut g = svc.lock();
+                if g.hook_failures != failures {
+                    // The resume this connection waited for ran, but the
+                    // server did not take its memory back: not another try
+                    // for the same connection (it would fail the same way).
+                    return Err(Unavailable(format!(
+                        "{}: its after_resume hook failed: {}",
+                        svc.name,
+                        g.last_error.as_deref().unwrap_or("?")
+                    )));
+                }
                 match g.state {
                     State::Running => return Ok(waited),
                     State::Suspended => {
@@ -217,6 +228,19 @@ impl Agent {
                             t.span(end, "resume_prep", &[("resume", done.driver)]);
                         }
                     });
+                    // Still Resuming: the proxy holds every request until
+                    // the server has its memory back; the GPU lock is held
+                    // too, so no other admission counts what it will take.
+                    if let Some(hook) = svc.cfg.hooks.after_resume.as_ref().map(|h| h.get_ref()) {
+                        let out = crate::hooks::call(svc.cfg.backend, hook).await;
+                        svc.trace(|t| t.mark_now("hook_resume"));
+                        self.metrics.transition(&svc.name, "hook_resume", out.ok(), out.took.as_secs_f64());
+                        if !out.ok() {
+                            self.after_resume_failed(svc, &out.describe(hook)).await;
+                            return;
+                        }
+                        self.journal(svc, None, &format!("after_resume hook: {}", out.describe(hook)));
+                    }
                     tracing::info!(
                         service = svc.name,
                         kind,
@@ -251,7 +275,7 @@ impl Agent {
                         Some(v) => {
                             let reason = format!("evicted to make room for {} ({msg})", svc.name);
                             match self.suspend_reports(&v, &reason).await {
-                                Ok(reports) => {
+                                Ok((reports, hook)) => {
                                     let max = |f: fn(&SuspendReport) -> u64| {
                                         Duration::from_millis(reports.iter().map(f).max().unwrap_or(0))
                                     };
@@ -261,11 +285,11 @@ impl Agent {
                                     svc.trace(|t| {
                                         t.counts.evictions += 1;
                                         t.counts.release_polls += polls;
-                                        t.span(
-                                            Instant::now(),
-                                            "evict_prep",
-                                            &[("suspend", driver), ("release_wait", release)],
-                                        );
+                                        let mut parts = vec![("suspend", driver), ("release_wait", release)];
+                                        if v.cfg.hooks.before_suspend.is_some() {
+                                            parts.insert(0, ("hook_suspend", hook));
+                                        }
+                                        t.span(Instant::now(), "evict_prep", &parts);
                                     });
                                 }
                                 Err(e) => {
@@ -364,8 +388,9 @@ impl Agent {
                 }
             }
         }
+        let extra = Self::full_size(svc).map(|full| full.saturating_sub(need.values().sum()));
         for b in need.values_mut() {
-            *b = b.saturating_add(svc.cfg.margin);
+            *b = b.saturating_add(svc.cfg.margin).saturating_add(extra.unwrap_or(0));
         }
         need
     }
@@ -420,7 +445,10 @@ impl Agent {
                 (g.process.clone().ok_or((1, "no process".to_string()))?, g.image.clone())
             };
             let pids = cuda_pids_in(Some(&mut e), root.pid);
-            let mut opts = ResumeOptions { margin_bytes: svc.cfg.margin, ..Default::default() };
+            // Room for what the after_resume hook will allocate too: two
+            // woken servers must never both grow into one GPU.
+            let margin = svc.cfg.margin.saturating_add(self.growth(svc, &mut e, &pids));
+            let mut opts = ResumeOptions { margin_bytes: margin, ..Default::default() };
             // Woken by an agent that died before the driver's restore was
             // recorded: the image's manifest has the footprint the store lacks.
             if let Some((_, m)) = kept.as_ref().and_then(|i| self.images.manifest(i).ok()) {
@@ -430,20 +458,18 @@ impl Agent {
             let r = match e.resume_group(&pids, &opts, &quiet) {
                 // Its GPU is full: another GPU of the same model with room
                 // takes it before anyone is evicted.
-                Err(refused) if refused.exit_code() == 3 => {
-                    match self.other_gpu(&mut e, &pids, svc.cfg.margin) {
-                        Some((old, new)) => {
-                            self.journal(
-                                svc,
-                                Some(&root),
-                                &format!("resume onto {new}: {old} is full ({refused})"),
-                            );
-                            opts.device_map = vec![(old, new)];
-                            e.resume_group(&pids, &opts, &quiet).map_err(err)?
-                        }
-                        None => return Err(err(refused)),
+                Err(refused) if refused.exit_code() == 3 => match self.other_gpu(&mut e, &pids, margin) {
+                    Some((old, new)) => {
+                        self.journal(
+                            svc,
+                            Some(&root),
+                            &format!("resume onto {new}: {old} is full ({refused})"),
+                        );
+                        opts.device_map = vec![(old, new)];
+                        e.resume_group(&pids, &opts, &quiet).map_err(err)?
                     }
-                }
+                    None => return Err(err(refused)),
+                },
                 r => r.map_err(err)?,
             };
             let ms: u64 = r.iter().map(|r| r.total_ms).max().unwrap_or(0);
@@ -524,13 +550,88 @@ impl Agent {
         self.suspend_reports(svc, reason).await.map(|_| ())
     }
 
+    /// An after_resume hook failed: the server runs but did not take its
+    /// memory back (or answers no more). It is suspended again, off the
+    /// GPU, and the connections that waited for it get a 503 (the proxy);
+    /// the next connection tries a resume (and the hook) again.
+    async fn after_resume_failed(self: &Arc<Self>, svc: &Arc<Service>, what: &str) {
+        {
+            let mut g = svc.lock();
+            g.last_error = Some(format!("after_resume hook: {what}"));
+            g.hook_failures += 1;
+            svc.set_state(&mut g, State::Suspending);
+        }
+        self.journal(
+            svc,
+            None,
+            &format!("after_resume hook failed: {what}; suspended again, waiting connections get 503"),
+        );
+        let (a, s) = (Arc::clone(self), Arc::clone(svc));
+        let r = tokio::task::spawn_blocking(move || a.suspend_blocking(&s))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+        {
+            let mut g = svc.lock();
+            match r {
+                Ok(_) => svc.set_state(&mut g, State::Suspended),
+                Err(e) => {
+                    // Left running as the engine found it: the next idle tick
+                    // or eviction suspends it (its hook runs then).
+                    g.last_error = Some(format!("after_resume hook: {what}; suspending again failed: {e}"));
+                    g.last_activity = Instant::now();
+                    svc.set_state(&mut g, State::Running);
+                }
+            }
+        }
+        let a = Arc::clone(self);
+        let _ = tokio::task::spawn_blocking(move || a.persist()).await;
+    }
+
+    /// What the service's processes hold on the GPU now (NVML), if known.
+    fn gpu_usage(&self, svc: &Service) -> Option<u64> {
+        let root = svc.lock().process.as_ref().map(|t| t.pid)?;
+        let mut e = self.engine().ok()?;
+        let pids = cuda_pids_in(Some(&mut e), root);
+        let procs = e.gpus().processes().ok()?;
+        let used: u64 = procs.iter().filter(|p| pids.contains(&(p.pid as i32))).filter_map(|p| p.bytes).sum();
+        (used > 0).then_some(used)
+    }
+
+    /// The size of a service with hooks once its after_resume hook has run:
+    /// what it held before its last before_suspend hook (NVML), or its
+    /// declared `gpu_memory` if larger (or if NVML could not tell).
+    fn full_size(svc: &Service) -> Option<u64> {
+        if !svc.cfg.hooks.any() {
+            return None;
+        }
+        let seen = svc.lock().full_footprint;
+        match (seen, svc.cfg.gpu_memory) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// What the service will take after its after_resume hook beyond what
+    /// its suspend recorded (the before_suspend hook gave it back): admission
+    /// asks for it on top of the margin.
+    fn growth(&self, svc: &Service, e: &mut crate::daemon::DynEngine, pids: &[i32]) -> u64 {
+        let Some(full) = Self::full_size(svc) else { return 0 };
+        let recorded: u64 = pids
+            .iter()
+            .filter_map(|p| e.store().latest_for_pid(*p).ok().flatten())
+            .map(|r| r.footprint.values().sum::<u64>())
+            .sum();
+        full.saturating_sub(recorded)
+    }
+
     /// [`Self::suspend`], with the engine's reports (lock, checkpoint and
     /// release times per process).
+    /// and the time its before_suspend hook took.
     pub async fn suspend_reports(
         self: &Arc<Self>,
         svc: &Arc<Service>,
         reason: &str,
-    ) -> Result<Vec<SuspendReport>, String> {
+    ) -> Result<(Vec<SuspendReport>, Duration), String> {
         {
             let mut g = svc.lock();
             if g.state != State::Running {
@@ -544,28 +645,71 @@ impl Agent {
         let thp = if svc.cfg.thp.unwrap_or(self.cfg.thp) { " (THP always for its checkpoint)" } else { "" };
         self.journal(svc, None, &format!("suspend: {reason}{thp}"));
         let started = Instant::now();
+        // Suspending: connections arriving meanwhile wait, as for the suspend.
+        let mut hook_ok = None;
+        if let Some(hook) = svc.cfg.hooks.before_suspend.as_ref().map(|h| h.get_ref()) {
+            // What it holds before it gives anything back: its size once
+            // its after_resume hook has run.
+            let (a, s) = (Arc::clone(self), Arc::clone(svc));
+            if let Ok(Some(used)) = tokio::task::spawn_blocking(move || a.gpu_usage(&s)).await {
+                svc.lock().full_footprint = Some(used);
+            }
+            let out = crate::hooks::call(svc.cfg.backend, hook).await;
+            self.metrics.transition(&svc.name, "hook_suspend", out.ok(), out.took.as_secs_f64());
+            if out.ok() {
+                self.journal(svc, None, &format!("before_suspend hook: {}", out.describe(hook)));
+            } else {
+                // An optimisation, never a reason to keep the GPU busy.
+                self.journal(
+                    svc,
+                    None,
+                    &format!("before_suspend hook failed: {}; suspending anyway", out.describe(hook)),
+                );
+            }
+            hook_ok = Some(out.ok());
+        }
+        let hook_time = started.elapsed();
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
         let r = tokio::task::spawn_blocking(move || a.suspend_blocking(&s))
             .await
             .unwrap_or_else(|e| Err(e.to_string()));
+        // The server gave its memory back but stays on the GPU: it takes it
+        // again before it serves.
+        if let (Err(_), Some(true), Some(hook)) =
+            (&r, hook_ok, svc.cfg.hooks.after_resume.as_ref().map(|h| h.get_ref()))
+        {
+            let out = crate::hooks::call(svc.cfg.backend, hook).await;
+            self.metrics.transition(&svc.name, "hook_resume", out.ok(), out.took.as_secs_f64());
+            self.journal(
+                svc,
+                None,
+                &format!("the suspend failed: after_resume hook: {}", out.describe(hook)),
+            );
+        }
         let ok = r.is_ok();
-        self.metrics.transition(&svc.name, "suspend", ok, started.elapsed().as_secs_f64());
-        let mut g = svc.lock();
-        match &r {
-            Ok(_) => svc.set_state(&mut g, State::Suspended),
-            Err(e) => {
-                g.last_error = Some(e.clone());
-                // Not again before another suspend_after.
-                g.last_activity = Instant::now();
-                // The engine leaves a process as it found it when it fails.
-                svc.set_state(&mut g, State::Running);
+        // The hook is timed on its own (hook_suspend).
+        self.metrics.transition(&svc.name, "suspend", ok, (started.elapsed() - hook_time).as_secs_f64());
+        {
+            let mut g = svc.lock();
+            match &r {
+                Ok(_) => svc.set_state(&mut g, State::Suspended),
+                Err(e) => {
+                    g.last_error = Some(e.clone());
+                    // Not again before another suspend_after.
+                    g.last_activity = Instant::now();
+                    // The engine leaves a process as it found it when it fails.
+                    svc.set_state(&mut g, State::Running);
+                }
             }
         }
-        drop(g);
         if let Err(e) = &r {
             self.journal(svc, None, &format!("suspend failed: {e}"));
         }
-        r
+        if hook_ok.is_some() {
+            let a = Arc::clone(self);
+            let _ = tokio::task::spawn_blocking(move || a.persist()).await;
+        }
+        r.map(|reports| (reports, hook_time))
     }
 
     fn suspend_blocking(&self, svc: &Service) -> Result<Vec<SuspendReport>, String> {

@@ -150,6 +150,17 @@ async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
         Err(e) => {
             tracing::warn!(service = svc.name, "closing a connection: {e}");
             closed();
+            // A service with hooks speaks HTTP (its hooks do): nothing of
+            // the request was forwarded, and a clear 503 beats a bare close.
+            if svc.cfg.hooks.any() {
+                let body = format!("gpusnap agent: {e}\n");
+                let head = format!(
+                    "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n\
+                     Retry-After: 1\r\nContent-Length: {}\r\n\r\n",
+                    body.len()
+                );
+                let _ = client.write_all(format!("{head}{body}").as_bytes()).await;
+            }
             let _ = client.shutdown().await;
             return;
         }

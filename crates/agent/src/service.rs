@@ -112,6 +112,13 @@ pub struct Inner {
     /// The phases of the wake a connection caused, until a waiting
     /// connection takes it to add its connect and first byte.
     pub trace: Option<crate::trace::WakeTrace>,
+    /// What the service held on the GPU (NVML, all its processes) just
+    /// before its last before_suspend hook: what it takes again once its
+    /// after_resume hook has run, and what admission must find room for.
+    pub full_footprint: Option<u64>,
+    /// Bumped when an after_resume hook fails: the connections that waited
+    /// for that resume are answered 503 instead of starting another.
+    pub hook_failures: u64,
 }
 
 pub struct Service {
@@ -145,6 +152,8 @@ impl Service {
                 ending_on_purpose: false,
                 exited_at: None,
                 trace: None,
+                full_footprint: None,
+                hook_failures: 0,
             }),
             changed: tokio::sync::watch::channel(0).0,
         }
@@ -199,6 +208,9 @@ pub struct Persisted {
     pub image: Option<String>,
     /// The transition under way when this was written ("hibernate", "wake").
     pub doing: Option<String>,
+    /// [`Inner::full_footprint`], kept for the next agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub full_footprint: Option<u64>,
 }
 
 pub fn state_file(state_dir: &Path) -> std::path::PathBuf {

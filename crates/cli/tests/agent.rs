@@ -60,9 +60,17 @@ impl AgentWorld {
         for s in svcs {
             let (listen, backend) = (free_port(), free_port());
             ports.push((listen, backend));
+            // A comment line `# fake-workload: ARGS` in extra: more arguments.
+            let more: String = s
+                .extra
+                .lines()
+                .filter_map(|l| l.strip_prefix("# fake-workload: "))
+                .flat_map(|a| a.split_whitespace())
+                .map(|a| format!(", {a:?}"))
+                .collect();
             text += &format!(
                 "\n[[service]]\nname = \"{}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\n\
-                 command = [{:?}, \"--mib\", \"{}\", \"--gpu\", \"{}\", \"--http\", \"{backend}\"]\n{}\n",
+                 command = [{:?}, \"--mib\", \"{}\", \"--gpu\", \"{}\", \"--http\", \"{backend}\"{more}]\n{}\n",
                 s.name,
                 fake_workload_bin().display().to_string(),
                 s.mib,
@@ -220,6 +228,16 @@ fn dechunk(mut body: &str) -> String {
         body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
     }
     out
+}
+
+/// One HTTP request through the agent's proxy: its status and body.
+fn get_any(port: u16, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(LONG)).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    split_response(&text)
 }
 
 /// One HTTP request through the agent's proxy; the body of its answer.
@@ -884,6 +902,12 @@ fn bad_configs_are_refused_naming_the_line() {
         (good.replace("command = [\"x\"]\n", ""), 5, "exactly one of command, pid_file, cgroup"),
         (good.replace("command", "suspend_after = \"soon\"\ncommand"), 8, "bad duration"),
         (format!("{good}min_host_available = 1"), 0, ""),
+        (
+            format!("{good}hooks.before_suspend = {{ method = \"FETCH\", path = \"/s\" }}\n"),
+            9,
+            "method \"FETCH\"",
+        ),
+        (format!("{good}hooks.after_resume = {{ path = \"/w\", timeout = \"soon\" }}\n"), 9, "bad duration"),
     ];
     for (i, (text, line, what)) in cases.iter().enumerate() {
         let path = w.tmp.path().join(format!("bad{i}.toml"));
@@ -1224,4 +1248,212 @@ fn an_agent_killed_mid_hibernate_or_mid_wake_leaves_one_consistent_state() {
     assert_eq!(a.state("k"), "running");
     assert_eq!(image_entries(&a.w), Vec::<String>::new(), "the woken image was left");
     assert!(a.service("k")["image"].is_null());
+}
+
+const HOOKS: &str =
+    "hooks.before_suspend = { method = \"POST\", path = \"/sleep?level=1\", timeout = \"10s\" }\n\
+                     hooks.after_resume = { method = \"POST\", path = \"/wake_up\", timeout = \"10s\" }";
+
+#[test]
+fn a_swap_with_hooks_never_has_both_services_resident_and_answers_right() {
+    // 1000 MiB; each server 200 MiB of weights + 400 of KV cache. Asleep it
+    // is suspended with 200: admission must still find room for 600 (what
+    // its after_resume hook allocates again), or the second server would be
+    // resumed beside the first (200 + 16 MiB of margin fit in the 400 left)
+    // and could not take its KV cache back.
+    let extra =
+        "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"\nmargin = \"16MiB\"\n\
+                 # fake-workload: --kv-mib 400";
+    let extra: &'static str = Box::leak(format!("{extra}\n{HOOKS}").into_boxed_str());
+    let mut a = AgentWorld::new(
+        1000,
+        "",
+        &[Svc { name: "a", mib: 200, gpu: 0, extra }, Svc { name: "b", mib: 200, gpu: 0, extra }],
+    );
+    let end = Instant::now() + LONG;
+    let (pa, pb) = loop {
+        let v = a.services();
+        let pid = |i: usize| v[i]["pid"].as_i64().filter(|p| pid_exists(*p as i32));
+        let st = |i: usize| v[i]["state"].as_str().unwrap_or("").to_string();
+        if let (Some(x), Some(y)) = (pid(0), pid(1)) {
+            let settled = match (st(0).as_str(), st(1).as_str()) {
+                ("running", "suspended") => resident(&a.w, x) == Some(true),
+                ("suspended", "running") => resident(&a.w, y) == Some(true),
+                _ => false,
+            };
+            if settled {
+                break (x, y);
+            }
+        }
+        assert!(Instant::now() < end, "the services never settled: {v:?}\n{}", a.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    a.wait_state("a", a.state("a").as_str());
+    a.wait_state("b", a.state("b").as_str());
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let stop = std::sync::Arc::clone(&stop);
+        let dir = a.w.fake_dir();
+        std::thread::spawn(move || {
+            let mut both = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let w = |pid: i64| {
+                    let text = std::fs::read_to_string(dir.join("state.json")).ok()?;
+                    let v: Value = serde_json::from_str(&text).ok()?;
+                    v.get("procs")?.get(pid.to_string())?["resident"].as_bool()
+                };
+                if w(pa) == Some(true) && w(pb) == Some(true) {
+                    both += 1;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            both
+        })
+    };
+    for i in 0..6 {
+        let (port, pid) = if i % 2 == 0 { (a.port(0), pa) } else { (a.port(1), pb) };
+        let (code, body) = get_any(port, "/");
+        assert_eq!(code, 200, "request {i}: {body}\n{}", a.log());
+        let f: Vec<&str> = body.split_whitespace().collect();
+        assert_eq!((f[0], f[1], f[3]), ("ok", pid.to_string().as_str(), "1"), "request {i}: {body}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(watcher.join().unwrap(), 0, "both servers were resident at once");
+    for s in a.services() {
+        assert_eq!(s["restarts"], 0, "{s}");
+        assert!(s["last_error"].is_null(), "{s}");
+    }
+    // Each swap ran both hooks, journaled and traced.
+    let notes = a.notes(pa);
+    let has = |n: &[Value], what: &str| n.iter().any(|n| n["detail"].as_str().unwrap().contains(what));
+    assert!(has(&notes, "before_suspend hook: POST /sleep?level=1 -> 200"), "{notes:?}");
+    assert!(has(&notes, "after_resume hook: POST /wake_up -> 200"), "{notes:?}");
+    let end = Instant::now() + LONG;
+    let mut text = a.metrics();
+    while metric_sum(&text, "gpusnap_agent_swap_seconds_count") < 5.0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+        text = a.metrics();
+    }
+    let swaps = metric_sum(&text, "gpusnap_agent_swap_seconds_count");
+    for phase in ["hook_suspend", "suspend", "resume", "hook_resume", "first_byte"] {
+        let n = metric_sum(&text, &format!("gpusnap_agent_swap_phase_seconds_count{{phase=\"{phase}\"}}"));
+        assert!(n >= swaps - 1.0 && n > 0.0, "phase {phase}: {n} of {swaps} swaps:\n{text}");
+    }
+    for kind in ["hook_suspend", "hook_resume"] {
+        let n = metric_sum(
+            &text,
+            &format!("gpusnap_agent_transitions_total{{service=\"a\",kind=\"{kind}\",result=\"ok\"}}"),
+        );
+        assert!(n >= 2.0, "{kind}: {n}\n{text}");
+    }
+    let total = metric_sum(&text, "gpusnap_agent_swap_seconds_sum");
+    let phases = metric_sum(&text, "gpusnap_agent_swap_phase_seconds_sum");
+    assert!((phases - total).abs() < 1e-6 * swaps, "phases {phases} s, swaps {total} s");
+
+    // The full size survives the agent: killed and restarted, it still
+    // evicts for 600 MiB (or the next resume would run out of memory in
+    // its after_resume hook and answer 503).
+    let rec: Value =
+        serde_json::from_slice(&std::fs::read(a.w.state_dir().join("agent/services.json")).unwrap()).unwrap();
+    for n in ["a", "b"] {
+        let full = rec[n]["full_footprint"].as_u64().unwrap_or(0);
+        assert!(full >= 600 << 20, "{n}: full_footprint {full}: {rec}");
+    }
+    a.kill9();
+    a.start();
+    let suspended = if a.wait_state("a", a.state("a").as_str())["state"] == "suspended" { 0 } else { 1 };
+    for i in 0..2 {
+        let (port, pid) = if (suspended + i) % 2 == 0 { (a.port(0), pa) } else { (a.port(1), pb) };
+        let (code, body) = get_any(port, "/");
+        assert_eq!(code, 200, "after the restart, request {i}: {body}\n{}", a.log());
+        assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
+    }
+}
+
+#[test]
+fn a_failing_or_late_before_suspend_hook_still_suspends() {
+    let mut a = AgentWorld::new(
+        1000,
+        "",
+        &[
+            Svc {
+                name: "f",
+                mib: 100,
+                gpu: 0,
+                extra: "suspend_after = \"500ms\"\n# fake-workload: --kv-mib 100\n\
+                        hooks.before_suspend = { path = \"/sleep?fail=1\" }",
+            },
+            Svc {
+                name: "l",
+                mib: 100,
+                gpu: 0,
+                extra: "suspend_after = \"500ms\"\n# fake-workload: --kv-mib 100\n\
+                        hooks.before_suspend = { path = \"/sleep?fail=1&delay_ms=5000\", timeout = \"300ms\" }",
+            },
+        ],
+    );
+    for (i, name) in ["f", "l"].into_iter().enumerate() {
+        let pid = a.wait_state(name, "suspended")["pid"].as_i64().unwrap();
+        assert_eq!(driver_state(&a.w, pid), "checkpointed");
+        let notes = a.notes(pid);
+        let why = if name == "f" { "HTTP 500" } else { "no answer within 300 ms" };
+        assert!(
+            notes.iter().any(|n| {
+                let d = n["detail"].as_str().unwrap();
+                d.contains("before_suspend hook failed") && d.contains(why) && d.contains("suspending anyway")
+            }),
+            "{notes:?}"
+        );
+        // It never slept: a request finds it whole.
+        let (code, body) = get_any(a.port(i), "/");
+        assert_eq!(code, 200, "{body}");
+        assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
+    }
+    let m = a.metrics();
+    assert!(
+        m.contains("gpusnap_agent_transitions_total{service=\"f\",kind=\"hook_suspend\",result=\"failed\"}"),
+        "{m}"
+    );
+}
+
+#[test]
+fn a_failing_after_resume_hook_answers_503_and_suspends_again() {
+    let mut a = AgentWorld::new(
+        1000,
+        "",
+        &[Svc {
+            name: "w",
+            mib: 100,
+            gpu: 0,
+            extra: "suspend_after = \"500ms\"\nwake_timeout = \"30s\"\n# fake-workload: --kv-mib 100\n\
+                    hooks.before_suspend = { path = \"/sleep\" }\n\
+                    hooks.after_resume = { path = \"/wake_up?fail=1\", timeout = \"5s\" }",
+        }],
+    );
+    let pid = a.wait_state("w", "running")["pid"].as_i64().unwrap();
+    a.wait_state("w", "suspended");
+    // The request waits for the resume, whose hook fails: a clear 503, not
+    // an answer from a server without its KV cache, nor another try.
+    let t0 = Instant::now();
+    let (code, body) = get_any(a.port(0), "/");
+    assert_eq!(code, 503, "{body}\n{}", a.log());
+    assert!(body.contains("after_resume hook failed") && body.contains("HTTP 500"), "{body}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    let s = a.wait_state("w", "suspended");
+    assert!(s["last_error"].as_str().unwrap_or("").contains("after_resume hook"), "{s}");
+    assert_eq!(driver_state(&a.w, pid), "checkpointed");
+    let notes = a.notes(pid);
+    assert!(
+        notes.iter().any(|n| {
+            let d = n["detail"].as_str().unwrap();
+            d.contains("after_resume hook failed: POST /wake_up?fail=1") && d.contains("suspended again")
+        }),
+        "{notes:?}"
+    );
+    let m = a.metrics();
+    assert!(
+        m.contains("gpusnap_agent_transitions_total{service=\"w\",kind=\"hook_resume\",result=\"failed\"} 1"),
+        "{m}"
+    );
 }

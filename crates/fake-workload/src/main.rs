@@ -70,6 +70,12 @@ struct Args {
     /// `GET /generate?...` answers a hash of its query (the same every time).
     #[arg(long, value_name = "PORT")]
     http: Option<u16>,
+    /// With --http: also hold a "KV cache" of N MiB, which `POST /sleep`
+    /// frees and `POST /wake_up` allocates again (vLLM's sleep level 1,
+    /// weights kept); asleep, `/` and `/generate` answer 503. Both take
+    /// `fail=1` (answer 500, do nothing) and `delay_ms=N` (answer late).
+    #[arg(long, default_value_t = 0)]
+    kv_mib: u64,
     /// Start a thread every N µs that ends at once (0: none): threads come
     /// and go while a tracer attaches.
     #[arg(long, default_value_t = 0)]
@@ -120,6 +126,7 @@ struct Cuda {
     device_get: unsafe extern "C" fn(*mut c_int, c_int) -> CUresult,
     ctx_create: unsafe extern "C" fn(*mut *mut c_void, c_uint, c_int) -> CUresult,
     mem_alloc: unsafe extern "C" fn(*mut u64, usize) -> CUresult,
+    mem_free: unsafe extern "C" fn(u64) -> CUresult,
     memcpy_htod: unsafe extern "C" fn(u64, *const c_void, usize) -> CUresult,
     memcpy_dtoh: unsafe extern "C" fn(*mut c_void, u64, usize) -> CUresult,
     enqueue_work: unsafe extern "C" fn(c_uint) -> CUresult,
@@ -145,6 +152,7 @@ impl Cuda {
             device_get: sym!("cuDeviceGet"),
             ctx_create: sym!("cuCtxCreate_v2"),
             mem_alloc: sym!("cuMemAlloc_v2"),
+            mem_free: sym!("cuMemFree_v2"),
             memcpy_htod: sym!("cuMemcpyHtoD_v2"),
             memcpy_dtoh: sym!("cuMemcpyDtoH_v2"),
             enqueue_work: sym!("fakeEnqueueWork"),
@@ -226,7 +234,15 @@ fn run(args: &Args) -> Result<(), String> {
     }
     let pid = std::process::id();
     if let Some(port) = args.http {
-        let gpu = Gpu { cuda, ptr, data, served: std::sync::atomic::AtomicU64::new(0) };
+        let gpu = Gpu {
+            cuda,
+            ptr,
+            data,
+            served: std::sync::atomic::AtomicU64::new(0),
+            kv_bytes: args.kv_mib * 1024 * 1024,
+            kv: std::sync::Mutex::new(None),
+        };
+        gpu.wake_up()?;
         return serve_http(std::sync::Arc::new(gpu), port, args.print_ready);
     }
     if args.print_ready {
@@ -299,9 +315,43 @@ struct Gpu {
     ptr: u64,
     data: Vec<u8>,
     served: std::sync::atomic::AtomicU64,
+    /// The "KV cache": its size, and its allocation while awake.
+    kv_bytes: u64,
+    kv: std::sync::Mutex<Option<u64>>,
 }
 
 impl Gpu {
+    fn kv(&self) -> std::sync::MutexGuard<'_, Option<u64>> {
+        self.kv.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Awake: the KV cache is allocated (nothing to do without one).
+    fn awake(&self) -> bool {
+        self.kv_bytes == 0 || self.kv().is_some()
+    }
+
+    /// Frees the KV cache (vLLM's sleep level 1 discards it).
+    fn sleep(&self) -> Result<(), String> {
+        if let Some(p) = self.kv().take() {
+            // SAFETY: `p` came from cuMemAlloc_v2 and is freed once (taken).
+            self.cuda.check("cuMemFree_v2", unsafe { (self.cuda.mem_free)(p) })?;
+        }
+        Ok(())
+    }
+
+    /// Allocates the KV cache again (a no-op while it is there).
+    fn wake_up(&self) -> Result<(), String> {
+        let mut kv = self.kv();
+        if self.kv_bytes == 0 || kv.is_some() {
+            return Ok(());
+        }
+        let mut p: u64 = 0;
+        // SAFETY: `p` is a live local out-pointer.
+        self.cuda.check("cuMemAlloc_v2", unsafe { (self.cuda.mem_alloc)(&mut p, self.kv_bytes as usize) })?;
+        *kv = Some(p);
+        Ok(())
+    }
+
     /// Reads the pattern back from the device: blocks while the process is
     /// suspended, as a real server's next kernel launch would.
     fn touch(&self) -> Result<bool, String> {
@@ -375,7 +425,30 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
         };
         let n = gpu.served.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
         let pid = std::process::id();
-        if path == "/stream" {
+        let reply = |out: &mut std::net::TcpStream, status: &str, text: &str| {
+            write!(
+                out,
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{text}",
+                text.len()
+            )
+            .map_err(|e| e.to_string())
+        };
+        if path == "/sleep" || path == "/wake_up" {
+            sleep(Duration::from_millis(param("delay_ms").unwrap_or(0)));
+            let r = if param("fail") == Some(1) {
+                Err("asked to fail".to_string())
+            } else if path == "/sleep" {
+                gpu.sleep()
+            } else {
+                gpu.wake_up()
+            };
+            match r {
+                Ok(()) => reply(&mut out, "200 OK", &format!("{} {pid}\n", &path[1..]))?,
+                Err(e) => reply(&mut out, "500 Internal Server Error", &format!("{e}\n"))?,
+            }
+        } else if !gpu.awake() {
+            reply(&mut out, "503 Service Unavailable", "asleep: its KV cache is gone\n")?;
+        } else if path == "/stream" {
             let chunks = param("chunks").unwrap_or(5);
             let every = param("ms").unwrap_or(100);
             write!(out, "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n")
