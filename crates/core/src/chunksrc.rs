@@ -426,18 +426,26 @@ fn spawn_verify(files: &[Arc<ChunkedFile>], stop: Arc<AtomicBool>) -> Verify {
             took.fetch_max(started.elapsed().as_millis() as u64, Ordering::Relaxed);
         }));
     }
-    Verify { threads, failed, took_ms }
+    let image = files.first().map(|f| f.shared.image.clone()).unwrap_or_default();
+    Verify { image, threads, failed, took_ms }
 }
 
 /// Waits for the threads of [`spawn_verify`]; the first bad chunk is the error.
 fn join_verify(v: Verify) -> Result<VerifyTimes, ImageError> {
     let t = std::time::Instant::now();
+    // A thread that panicked left chunks unchecked: never a pass.
+    let mut whole = true;
     for h in v.threads {
-        let _ = h.join();
+        whole &= h.join().is_ok();
     }
     let wait_ms = t.elapsed().as_millis() as u64;
     match v.failed.lock().ok().and_then(|mut g| g.take()) {
         Some((_, e)) => Err(e),
+        None if !whole => Err(ImageError::Io {
+            name: v.image,
+            op: "verify chunks".into(),
+            err: io::Error::other("a verify thread failed"),
+        }),
         None => Ok(VerifyTimes { verify_ms: v.took_ms.load(Ordering::Relaxed), wait_ms }),
     }
 }
@@ -491,6 +499,7 @@ pub struct Workdir {
 /// CRIU restores the tree and the page server fills its memory (see
 /// [`Workdir::start_verify`]).
 struct Verify {
+    image: String,
     threads: Vec<std::thread::JoinHandle<()>>,
     /// The first chunk that failed, by its position in address order.
     failed: Arc<Mutex<Option<(usize, ImageError)>>>,
