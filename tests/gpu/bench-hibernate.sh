@@ -477,6 +477,10 @@ gpusnap_cycle() {
     w_res=$(jget "$GS_OUT" 'd["restore_ms"]')
     # A lazy wake (the default since the page server): until every page is in.
     w_pages=$(jget "$GS_OUT" 'd.get("stages", {}).get("pages", 0)')
+    # A CUDA image's chunks checked in the background of the restore, and
+    # what the driver's restore waited for that (inside verify_ms).
+    w_vbg=$(jget "$GS_OUT" 'd.get("stages", {}).get("verify_background", 0)')
+    w_vwait=$(jget "$GS_OUT" 'd.get("stages", {}).get("verify_wait", 0)')
     if [ "$w_rc" != 0 ]; then
         note "size $gib GiB rep $rep: gpusnap wake ($mode) failed (exit $w_rc): $GS_MSG; stopping this size"
         image_logs b
@@ -488,7 +492,7 @@ gpusnap_cycle() {
         image_bytes="$du" manifest_bytes="$img" store_new_bytes="$st_new" fill="${WORKER_FILL:-pattern}" \
         hibernate_s="$h_wall" hibernate_total_ms="$h_tot" suspend_ms="$h_sus" dump_ms="$h_dmp" write_ms="$h_wr" \
         pidfree_s="$pf_s" wake_s="$w_wall" wake_total_ms="$w_tot" verify_ms="$w_ver" waited_ms="$w_wait" criu_ms="$w_criu" \
-        restore_ms="$w_res" pages_ms="$w_pages" ${hx[@]+"${hx[@]}"} ${wx[@]+"${wx[@]}"}
+        restore_ms="$w_res" pages_ms="$w_pages" verify_bg_ms="$w_vbg" verify_wait_ms="$w_vwait" ${hx[@]+"${hx[@]}"} ${wx[@]+"${wx[@]}"}
     if ! worker_on "$name" "$pid" "$i"; then
         note "size $gib GiB rep $rep: after the gpusnap cycle ($mode) the worker did not go on intact (alive $(alive "$pid" && echo yes || echo no), iteration ${ST_ITER:-?}, ok ${ST_OK:-?}, status pid ${ST_PID:-?})"
         return 1
@@ -737,7 +741,11 @@ for g in sizes:
         ("wake", "(before) until the pid is free", m(B, "pidfree_s"), m(G, "pidfree_s"),
          "its parent reaps the killed worker; outside both totals"),
         ("wake", "pid check + admission", None, wwt, "gpusnap: waited_ms"),
-        ("wake", "verify: checksum of the image (disk)", None, wv, "gpusnap only"),
+        ("wake", "verify: checksum of the image (disk)", None, wv,
+         "gpusnap only: before CRIU + the driver's wait for the background verify (next rows)"),
+        ("wake", "verify in the background (CUDA image)", None, mm(G, "verify_bg_ms"),
+         "from before CRIU's restore to its end; overlaps CRIU and the page server"),
+        ("wake", "of which the driver waited for", None, mm(G, "verify_wait_ms"), "inside verify above"),
         ("wake", "CRIU restore", m(B, "criu_restore_s"), wc, ""),
         ("wake", "driver: restore + unlock", mm(B, "restore_driver_ms"), wr, "bare: the two driver calls"),
         ("wake", "page server: CRIU's return until every page is in", None, mm(G, "pages_ms"),

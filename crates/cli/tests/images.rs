@@ -574,26 +574,55 @@ fn an_image_whose_pages_are_files_verifies_and_import_makes_them_chunks() {
 }
 
 #[test]
-fn a_corrupted_chunk_of_a_cuda_image_is_refused_before_anything_is_restored() {
+fn a_corrupted_chunk_of_a_cuda_image_is_refused_before_any_driver_restore() {
     criu_present();
     let mut w = World::new(&[16_384]);
-    let pid = w.workload(2048, 0, &[]);
+    // Its expected data in anonymous memory: most of its pages are served
+    // lazily (the damaged chunk is one of them).
+    let pid = w.workload(2048, 0, &["--data-kib", "32768"]);
     let r = w.json(&["hibernate", &pid.to_string(), "--image", "gpu"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.reap(pid);
     wait_for(Duration::from_secs(10), || !pid_exists(pid));
-    // Every chunk of a CUDA image is checked before CRIU runs: a driver
+    // Every chunk of a CUDA image is checked before any driver restore (in
+    // the background of a lazy restore, or before an eager one): a driver
     // restore must never wait on a page whose chunk will not come.
     let (chunk, good) = corrupt_pages_chunk(&w.state_dir(), "gpu", &[]);
-    let r = w.json(&["wake", "gpu", "--wait", "10"]);
-    assert_eq!(r.code, 2, "{}", r.stderr);
-    assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
-    assert!(!pid_exists(pid), "nothing was restored");
-    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0"], "the driver was never asked to restore");
+    for eager in [false, true] {
+        let mut args = vec!["wake", "gpu", "--wait", "10"];
+        if eager {
+            args.push("--eager");
+        }
+        let r = w.json(&args);
+        assert_eq!(r.code, 2, "eager {eager}: {}", r.stderr);
+        assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
+        assert_eq!(r.json()["error"]["kind"], "image_invalid", "{}", r.stdout);
+        // What CRIU restored was ended, its CUDA state never restored.
+        wait_for(Duration::from_secs(20), || !pid_exists(pid));
+        assert!(!pid_exists(pid), "nothing was left running");
+        let calls = w.calls_on(pid);
+        assert!(
+            !calls.iter().any(|c| c.starts_with("restore")),
+            "the driver was asked to restore: {calls:?}"
+        );
+        // Lazy: CRIU restored the tree while the chunks were checked.
+        let criu_ran = std::fs::read_dir(w.state_dir().join("logs"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .any(|e| e.path().join("restore.log").exists());
+        assert!(eager || criu_ran, "CRIU's restore ran");
+    }
     std::fs::write(&chunk, &good).unwrap();
     let r = w.json(&["wake", "gpu", "--wait", "10"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["lazy"], true, "{v}");
+    // The chunks were checked in the background, to the end before the
+    // driver's restore.
+    let st = &v["stages"];
+    assert!(st["verify_background"].is_u64() && st["verify_wait"].is_u64(), "{v}");
+    assert!(st["verify_wait"].as_u64() <= st["verify_background"].as_u64(), "{v}");
     w.assert_progressing(pid);
     let r = w.json(&["stop", &pid.to_string(), "--grace", "2"]);
     assert_eq!(r.code, 0, "{}", r.stderr);

@@ -165,6 +165,38 @@ fn main() {
                 let what = if verified { "chunks, verified up front" } else { "chunks, checked as read" };
                 println!("| {kind} | {what} | {n} | {c:.2} | {:.2} | {:.2} |", c / n as f64, c / d);
             }
+            // A CUDA wake before and after: the verify on every core, then
+            // the fill; or the verify in the background of the fill, both
+            // to their end (the driver's restore starts then). GB/s of the
+            // whole, until both are done.
+            let seq = median(reps, || {
+                let t = Instant::now();
+                store.verify_chunks(&chunks, cores).expect("verify");
+                fill_read(&reopen(true), size as u64, n, None);
+                size as f64 / t.elapsed().as_secs_f64() / 1e9
+            });
+            println!(
+                "| {kind} | chunks, verify then fill (until both end) | {n} | {seq:.2} | {:.2} | {:.2} |",
+                seq / n as f64,
+                seq / d
+            );
+            let bg = median(reps, || {
+                let t = Instant::now();
+                let (f, v) = gpusnap_core::chunksrc::bench_file_verifying(
+                    "bench",
+                    "criu/pages-1.img",
+                    &chunks,
+                    LocalStore::open(dir.join("store")).expect("store"),
+                );
+                fill_read(&f, size as u64, n, None);
+                v.wait().expect("verify");
+                size as f64 / t.elapsed().as_secs_f64() / 1e9
+            });
+            println!(
+                "| {kind} | chunks, verify in the background of the fill (until both end) | {n} | {bg:.2} | {:.2} | {:.2} |",
+                bg / n as f64,
+                bg / d
+            );
         }
     }
     println!();

@@ -356,6 +356,133 @@ pub fn bench_file(
     Arc::new(ChunkedFile::new(path, chunks, shared, verified))
 }
 
+/// One distinct chunk for the background verify: its file and index, and
+/// every (file, canonical index) it marks checked.
+type ToCheck = (usize, usize, Vec<(usize, usize)>);
+
+/// The threads of [`Workdir::start_verify`].
+fn spawn_verify(files: &[Arc<ChunkedFile>], stop: Arc<AtomicBool>) -> Verify {
+    // Each distinct chunk once, at its first place in address order,
+    // with every (file, canonical index) it marks.
+    let mut todo: Vec<ToCheck> = Vec::new();
+    let mut at: HashMap<&str, usize> = HashMap::new();
+    for (fi, f) in files.iter().enumerate() {
+        for (i, c) in f.chunks.iter().enumerate() {
+            let k = f.canon[i] as usize;
+            if k != i {
+                continue;
+            }
+            match at.get(c.blake3.as_str()) {
+                Some(&t) => todo[t].2.push((fi, k)),
+                None => {
+                    at.insert(c.blake3.as_str(), todo.len());
+                    todo.push((fi, i, vec![(fi, k)]));
+                }
+            }
+        }
+    }
+    let todo = Arc::new(todo);
+    let files = Arc::new(files.to_vec());
+    let next = Arc::new(AtomicUsize::new(0));
+    let failed: Arc<Mutex<Option<(usize, ImageError)>>> = Arc::new(Mutex::new(None));
+    let took_ms = Arc::new(AtomicU64::new(0));
+    let started = std::time::Instant::now();
+    let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(1, 16);
+    let mut threads = Vec::new();
+    for _ in 0..n.min(todo.len()).max(1) {
+        let (todo, files, next, failed, took, stop) =
+            (todo.clone(), files.clone(), next.clone(), failed.clone(), took_ms.clone(), stop.clone());
+        threads.push(std::thread::spawn(move || {
+            let Some(first) = files.first() else { return };
+            let shared = first.shared.clone();
+            let mut buf = shared.buffer();
+            loop {
+                if stop.load(Ordering::Relaxed) || failed.lock().map(|g| g.is_some()).unwrap_or(true) {
+                    break;
+                }
+                let j = next.fetch_add(1, Ordering::Relaxed);
+                let Some((fi, i, marks)) = todo.get(j) else { break };
+                let f = &files[*fi];
+                if marks.iter().all(|&(g, k)| files[g].checked[k].load(Ordering::Relaxed)) {
+                    continue;
+                }
+                match shared.load(&f.path, &f.chunks[*i], &mut buf, false) {
+                    Ok(_) => {
+                        for &(g, k) in marks {
+                            files[g].checked[k].store(true, Ordering::Relaxed);
+                        }
+                    }
+                    Err(e) => {
+                        shared.note(&e);
+                        if let Ok(mut g) = failed.lock() {
+                            if g.as_ref().is_none_or(|(at, _)| j < *at) {
+                                *g = Some((j, e));
+                            }
+                        }
+                    }
+                }
+            }
+            shared.give_back(buf);
+            took.fetch_max(started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        }));
+    }
+    let image = files.first().map(|f| f.shared.image.clone()).unwrap_or_default();
+    Verify { image, threads, failed, took_ms }
+}
+
+/// Waits for the threads of [`spawn_verify`]; the first bad chunk is the error.
+fn join_verify(v: Verify) -> Result<VerifyTimes, ImageError> {
+    let t = std::time::Instant::now();
+    // A thread that panicked left chunks unchecked: never a pass.
+    let mut whole = true;
+    for h in v.threads {
+        whole &= h.join().is_ok();
+    }
+    let wait_ms = t.elapsed().as_millis() as u64;
+    match v.failed.lock().ok().and_then(|mut g| g.take()) {
+        Some((_, e)) => Err(e),
+        None if !whole => Err(ImageError::Io {
+            name: v.image,
+            op: "verify chunks".into(),
+            err: io::Error::other("a verify thread failed"),
+        }),
+        None => Ok(VerifyTimes { verify_ms: v.took_ms.load(Ordering::Relaxed), wait_ms }),
+    }
+}
+
+/// One store-held pages file as the page server reads it while the
+/// background verify of a CUDA wake runs over it, for benchmarks: wait on
+/// the second (the verify's end) once the reads are done.
+#[doc(hidden)]
+pub fn bench_file_verifying(
+    image: &str,
+    path: &str,
+    chunks: &[ChunkRef],
+    store: LocalStore,
+) -> (Arc<dyn PagesFile>, BenchVerify) {
+    let shared = Arc::new(Shared {
+        image: image.into(),
+        store: Arc::new(store),
+        remote: None,
+        bad: Arc::new(Mutex::new(None)),
+        pool: Mutex::new(Vec::new()),
+        recurring: AtomicU64::new(0),
+    });
+    let f = Arc::new(ChunkedFile::new(path, chunks, shared, false));
+    let v = spawn_verify(std::slice::from_ref(&f), Arc::new(AtomicBool::new(false)));
+    (f, BenchVerify(v))
+}
+
+/// The background verify of [`bench_file_verifying`].
+#[doc(hidden)]
+pub struct BenchVerify(Verify);
+
+impl BenchVerify {
+    pub fn wait(self) -> Result<VerifyTimes, ImageError> {
+        join_verify(self.0)
+    }
+}
+
 /// A wake's view of an image held (in part) by the chunk store.
 pub struct Workdir {
     /// CRIU's images directory for the wake: small files and pages files.
@@ -365,6 +492,28 @@ pub struct Workdir {
     files: Vec<Arc<ChunkedFile>>,
     stop: Arc<AtomicBool>,
     prefetch: Vec<std::thread::JoinHandle<()>>,
+    verify: Option<Verify>,
+}
+
+/// The whole-image verify of a lazy CUDA wake, run in the background while
+/// CRIU restores the tree and the page server fills its memory (see
+/// [`Workdir::start_verify`]).
+struct Verify {
+    image: String,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    /// The first chunk that failed, by its position in address order.
+    failed: Arc<Mutex<Option<(usize, ImageError)>>>,
+    /// Ms from the start until the last thread ended.
+    took_ms: Arc<AtomicU64>,
+}
+
+/// What the background verify took ([`Workdir::wait_verify`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct VerifyTimes {
+    /// From its start until every chunk was checked.
+    pub verify_ms: u64,
+    /// How long the caller waited for it (the rest overlapped the restore).
+    pub wait_ms: u64,
 }
 
 impl Workdir {
@@ -428,6 +577,7 @@ impl Workdir {
             files,
             stop: Arc::new(AtomicBool::new(false)),
             prefetch: Vec::new(),
+            verify: None,
         }))
     }
 
@@ -585,6 +735,28 @@ impl Workdir {
         }
     }
 
+    /// Starts checking every chunk of the image in full in the background,
+    /// in address order (the order the page server fills memory and the
+    /// driver reads it), on every core; each chunk checked is marked so, and
+    /// the page server reads it from then on without hashing it again (one
+    /// it reaches first it checks itself: no byte reaches a process
+    /// unchecked either way). [`Workdir::wait_verify`] waits for the end:
+    /// a CUDA wake calls it before any driver restore, so that the driver
+    /// never starts on an image with a bad chunk, while the check of a
+    /// 20 GB image no longer sits before CRIU's restore.
+    pub fn start_verify(&mut self) {
+        if self.verify.is_none() {
+            self.verify = Some(spawn_verify(&self.files, self.stop.clone()));
+        }
+    }
+
+    /// Waits until the background verify ([`Workdir::start_verify`]) has
+    /// checked every chunk; the first bad chunk is the error (the image is
+    /// refused as corrupt). Without one started: nothing to wait for.
+    pub fn wait_verify(&mut self) -> Result<VerifyTimes, ImageError> {
+        self.verify.take().map(join_verify).unwrap_or(Ok(VerifyTimes::default()))
+    }
+
     /// Every chunk of the image's store-held files is in the local store.
     pub fn complete(&self) -> bool {
         self.files.iter().all(|f| f.chunks.iter().all(|c| f.shared.store.has(&c.blake3)))
@@ -610,6 +782,9 @@ impl Drop for Workdir {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.prefetch.drain(..) {
+            let _ = t.join();
+        }
+        for t in self.verify.take().map(|v| v.threads).unwrap_or_default() {
             let _ = t.join();
         }
         let _ = fs::remove_dir_all(&self.images);
@@ -684,5 +859,24 @@ mod tests {
         let at = chunks[0].size;
         f.read_at(at, &mut buf).unwrap();
         assert!(buf[..] == data[at as usize..at as usize + 4096]);
+        // The background verify of a CUDA wake finds it, and the reads
+        // beside it still refuse it.
+        let store = LocalStore::open(d.path().join("store")).unwrap();
+        let (f, v) = bench_file_verifying("t", "criu/pages-1.img", &chunks, store);
+        let e = v.wait().unwrap_err();
+        assert!(e.to_string().contains("fails its checksum"), "{e}");
+        assert!(f.read_at(0, &mut buf).is_err());
+    }
+
+    #[test]
+    fn the_background_verify_checks_every_chunk_while_reads_go_on() {
+        let d = tempfile::tempdir().unwrap();
+        let (data, chunks) = stored(d.path());
+        let store = LocalStore::open(d.path().join("store")).unwrap();
+        let (f, v) = bench_file_verifying("t", "criu/pages-1.img", &chunks, store);
+        assert!(read_all(&f, data.len()).unwrap() == data);
+        v.wait().unwrap();
+        // Every chunk marked checked: read again without hashing.
+        assert!(read_all(&f, data.len()).unwrap() == data);
     }
 }

@@ -86,6 +86,10 @@ struct WakePlan {
     /// Every chunk of the image was checked in full by the verify: the
     /// page server need not hash them again.
     chunks_checked: bool,
+    /// The full check of the chunks is left to the restore: in the
+    /// background of a lazy wake, finished before any driver restore (a
+    /// CUDA image; see [`crate::chunksrc::Workdir::start_verify`]).
+    verify_deferred: bool,
 }
 
 /// An error of one image of a group wake, named by the image (alone, the
@@ -175,7 +179,11 @@ pub struct WakeReport {
     /// Time of each stage in ms: verify, waited, criu, head_start (the
     /// page server's lead before the driver starts; 0 unless asked for),
     /// driver (the CUDA restores) and pages (from CRIU's return until the
-    /// last page was in place; it overlaps head_start and driver).
+    /// last page was in place; it overlaps head_start and driver). A lazy
+    /// wake of CUDA processes checks the image's chunks in the background
+    /// (verify is then the manifest and small files only): verify_background
+    /// is what that took, verify_wait what the driver's restore waited for
+    /// it (the rest overlapped CRIU and the page server).
     pub stages: Stages,
     /// What the page server did (lazy wakes): faults, bytes by faults and
     /// by the background fill, timings, the settings (docs/pages.md).
@@ -191,6 +199,8 @@ pub struct Stages {
     pub head_start: u64,
     pub driver: u64,
     pub pages: u64,
+    pub verify_background: u64,
+    pub verify_wait: u64,
 }
 
 /// What restoring one admitted image did.
@@ -202,6 +212,7 @@ struct Woken {
     pages_ms: u64,
     pages_bytes: u64,
     lazy: bool,
+    verify: crate::chunksrc::VerifyTimes,
     notice: Option<String>,
     report: Option<gpusnap_pages::Report>,
 }
@@ -767,7 +778,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     root_pid: w.root,
                     processes: plan.m.processes.iter().map(|p| p.pid).collect(),
                     resumed: plan.resume.iter().map(|p| p.pid).collect(),
-                    verify_ms: plan.verify_ms,
+                    // The verify on the wake's critical path: before the
+                    // restore, and the driver's wait for its background part.
+                    verify_ms: plan.verify_ms + w.verify.wait_ms,
                     waited_ms,
                     criu_ms: w.criu_ms,
                     restore_ms: w.driver_ms,
@@ -782,6 +795,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                         head_start: w.head_ms,
                         driver: w.driver_ms,
                         pages: w.pages_ms,
+                        verify_background: w.verify.verify_ms,
+                        verify_wait: w.verify.wait_ms,
                     },
                     pages: w.report,
                 }),
@@ -833,10 +848,16 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // whose chunk failed would wait for it until the call's deadline
         // (minutes) before the wake could end the tree. A streamed image's
         // chunks are checked as they arrive (docs/images.md: not yet cut short).
+        // A lone CUDA image's chunks are checked in the background of its
+        // restore instead, to the end before any driver restore (the wake
+        // fails there on a bad one, the tree ended safely): only the
+        // manifest, the small files and the chunks' presence here.
         let cuda = m.processes.iter().any(|p| p.cuda);
-        let check = if crate::remote::origin(images.state_dir(), name).is_some() {
+        let streamed = crate::remote::origin(images.state_dir(), name).is_some();
+        let verify_deferred = cuda && !group && !streamed;
+        let check = if streamed {
             crate::image::ChunkCheck::Listed
-        } else if group || cuda {
+        } else if group || (cuda && !verify_deferred) {
             crate::image::ChunkCheck::Full
         } else {
             crate::image::ChunkCheck::Present
@@ -905,6 +926,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             pairs,
             verify_ms,
             chunks_checked,
+            verify_deferred,
         })
     }
 
@@ -919,7 +941,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         resume: &[&ProcDesc],
         eager: bool,
     ) -> Result<Woken, Error> {
-        let WakePlan { name, dir, m, fps: footprints, pairs, chunks_checked, .. } = plan;
+        let WakePlan { name, dir, m, fps: footprints, pairs, chunks_checked, verify_deferred, .. } = plan;
         let t_criu = Instant::now();
         // CRIU's log and pidfile go to the state directory, never into the
         // image (a link planted there made root write elsewhere).
@@ -950,6 +972,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let lazy_possible = !eager && gpusnap_pages::support().why_not.is_none();
         if let Some(wd) = chunked.as_mut() {
             wd.start_prefetch();
+            // An eager restore's pages files are written whole first, every
+            // chunk checked as it is read: the verify itself.
+            if *verify_deferred && lazy_possible {
+                wd.start_verify();
+            }
             wd.materialise(!lazy_possible)?;
         }
         let whole = std::sync::atomic::AtomicBool::new(!lazy_possible);
@@ -1018,13 +1045,22 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             eprintln!("gpusnap: notice: {n}");
         }
 
-        let t_restore = Instant::now();
         // CRIU has acted: from here every error ends what it restored
         // (the image stays for a retry).
-        let (head_ms, head_failed) = match head {
+        let (head_ms, mut head_failed) = match head {
             Ok(ms) => (ms, None),
             Err(e) => (0, Some(Error::Pages(e))),
         };
+        // The image's whole verify ends before any driver restore: a bad
+        // chunk fails the wake here, the CUDA state still checkpointed.
+        let mut verify = crate::chunksrc::VerifyTimes::default();
+        if let (None, Some(wd)) = (&head_failed, chunked.as_mut()) {
+            match wd.wait_verify() {
+                Ok(v) => verify = v,
+                Err(e) => head_failed = Some(e.into()),
+            }
+        }
+        let t_restore = Instant::now();
         let recorded = (|| {
             // Every CUDA process of the image is known again, resumed or not.
             for p in m.processes.iter().filter(|p| p.cuda && !resume.iter().any(|r| r.pid == p.pid)) {
@@ -1124,6 +1160,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             pages_ms,
             pages_bytes,
             lazy: pages.is_some(),
+            verify,
             notice,
             report,
         })
