@@ -275,9 +275,35 @@ pub(crate) fn replay(images: &Path, log: Vec<(Msg, Option<OwnedFd>)>) -> Result<
     Ok(mms.into_values().collect())
 }
 
+/// Wakes every fault waiting on `uffd` in the whole address space: those
+/// the dead wake had read but not answered would wait for a WAKE that never
+/// comes. A page still missing faults again, and the keeper reads it.
+pub(crate) fn wake_all(uffd: BorrowedFd<'_>) -> bool {
+    let page = crate::sys::PAGE;
+    let lo = std::fs::read_to_string("/proc/sys/vm/mmap_min_addr")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(1 << 16)
+        .max(page)
+        .div_ceil(page)
+        * page;
+    // The top of user space depends on the machine (x86-64: 47 or 56
+    // bits, arm64: 48 or 52): the widest range the kernel takes.
+    let tops = [1u64 << 56, 1 << 52, 1 << 48, (1 << 47) - page];
+    tops.iter().any(|&hi| crate::sys::wake(uffd, lo, hi.saturating_sub(lo)).is_ok())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wake_all_covers_the_address_space() {
+        // Needs a userfaultfd (root, or vm.unprivileged_userfaultfd).
+        let Ok((fd, _)) = crate::sys::open(0) else { return };
+        use std::os::fd::AsFd;
+        assert!(wake_all(fd.as_fd()));
+    }
 
     #[test]
     fn messages_round_trip() {

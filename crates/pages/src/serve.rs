@@ -664,15 +664,8 @@ impl Server {
             // Faults the dead server had read but not answered wait for a
             // WAKE that would never come: wake the whole address space
             // once; a page still missing faults again, and is read here.
-            let lo = std::fs::read_to_string("/proc/sys/vm/mmap_min_addr")
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .unwrap_or(1 << 16)
-                .div_ceil(PAGE)
-                * PAGE;
-            let hi: u64 = 0x7fff_ffff_f000;
-            if let Err(e) = sys::wake(r.uffd.as_fd(), lo, hi.saturating_sub(lo)) {
-                tracing::warn!(pid = r.pid, "keeper: waking pending faults: {e}");
+            if !crate::keeper::wake_all(r.uffd.as_fd()) {
+                tracing::warn!(pid = r.pid, "keeper: cannot wake the faults the wake had read");
             }
             let mm = Arc::new(Mm {
                 pid: r.pid,
@@ -853,11 +846,13 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
             path: SOCKET.into(),
             err: format!("no userfaultfd came for {pid}"),
         })?;
+        // To the keeper first thing: the moment this process dies, the
+        // userfaultfd is held there.
+        let key = sh.key();
+        sh.forward(crate::keeper::uffd(key, pid), Some(uffd.as_fd()));
         let (pages_id, iovs) = lazy_iovs(&sh.images, pid)?;
         let pages = sh.source.open(&format!("pages-{pages_id}.img"))?;
         tracing::debug!(pid, pieces = iovs.len(), "page server: a process to serve");
-        let key = sh.key();
-        sh.forward(crate::keeper::uffd(key, pid), Some(uffd.as_fd()));
         let mm = Arc::new(Mm {
             pid,
             key,
