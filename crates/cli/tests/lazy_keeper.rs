@@ -181,3 +181,15 @@ fn a_lazy_wake_that_ends_leaves_no_keeper_behind() {
     assert!(keepers(&w).is_empty(), "a keeper is left: {:?}", keepers(&w));
     assert_memory_intact(&out);
 }
+
+#[test]
+fn the_keeper_is_hidden_and_refuses_to_run_by_hand() {
+    let w = World::new(&[8192]);
+    let r = w.gpusnap(&["--help"]);
+    assert!(!r.stdout.contains("__pages-keeper") && !r.stdout.contains("keeper"), "{}", r.stdout);
+    // Not started by a wake (stdin is no socket): one line, exit 2.
+    let r = w.gpusnap(&["__pages-keeper", "/nonexistent", "/nonexistent"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert_eq!(r.stderr.trim().lines().count(), 1, "{}", r.stderr);
+    assert!(r.stderr.contains("not the socket of a lazy wake"), "{}", r.stderr);
+}

@@ -83,8 +83,16 @@ pub fn keeper_main(args: &[std::ffi::OsString]) -> i32 {
         say("usage: __pages-keeper WORK IMAGES [STATE_DIR NAME DIR] (started by a lazy wake)");
         return 2;
     }
-    // SAFETY: fd 0 is the socket the wake made for us (Keeper::spawn);
-    // nothing else in this process uses stdin.
+    let is_socket = nix::sys::stat::fstat(0).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFSOCK);
+    if !is_socket {
+        say("stdin is not the socket of a lazy wake (the keeper is started by the wake itself)");
+        return 2;
+    }
+    // The OOM killer that took the wake must not take its keeper next (it
+    // holds little memory): as root, never.
+    let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
+    // SAFETY: fd 0 is the socket the wake made for us (Keeper::spawn,
+    // checked above); nothing else in this process uses stdin.
     let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(0) };
     let (work, images) = (Path::new(&args[0]), Path::new(&args[1]));
     let log = match gpusnap_pages::keeper::keep(&sock) {
