@@ -157,6 +157,47 @@ fn a_wake_killed_after_fork_remap_unmap_and_remove_leaves_the_keeper_to_replay_t
 }
 
 #[test]
+fn a_cuda_wake_killed_mid_fill_is_filled_by_the_keeper_and_the_next_command_brings_it_back() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    // 256 MiB on the fake GPU, all of it checked every iteration: after the
+    // suspend it is host memory of the process, so in the image's pages.
+    let pid = w.workload(256, 0, &["--data-kib", "262144"]);
+    let p = pid.to_string();
+    hibernate(&w, pid, "cuda");
+    w.reap(pid);
+    let i = w.spawn_gpusnap_env(
+        &["wake", "cuda", "--no-guard", "--wait", "10"],
+        &[("GPUSNAP_PAGES_SLOW_US", "50000"), ("GPUSNAP_PAGES_THREADS", "1")],
+    );
+    let wake = w.child_pid(i);
+    wait_for(Duration::from_secs(60), || pid_exists(pid) && !keepers(&w).is_empty());
+    w.adopt(pid);
+    let keeper = keepers(&w)[0];
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(w.children[i].try_wait().is_none(), "the wake ended before it could be killed mid-fill");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(wake), nix::sys::signal::Signal::SIGKILL).unwrap();
+    w.wait_child(i);
+    wait_for(Duration::from_secs(60), || !running(keeper));
+    let log = keeper_logs(&w);
+    assert!(log.contains("every page in place"), "{log}");
+
+    // The next command sees the process as the interrupted wake left it;
+    // brought back (resumed if the driver's restore did not finish), it
+    // computes on intact memory.
+    let r = w.json(&["state", &p]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    if r.json()["state"] != "running" {
+        let r = w.json(&["resume", &p]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+    }
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+    w.assert_progressing(pid);
+    assert!(w.status_of(pid).is_some_and(|s| s.2), "the workload's data after the keeper");
+    assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
+}
+
+#[test]
 fn a_lazy_wake_that_ends_leaves_no_keeper_behind() {
     criu_present();
     let mut w = World::new(&[8192]);
