@@ -338,6 +338,13 @@ fn main() -> ExitCode {
         init_logging(0);
         return ExitCode::from(compat::main(&argv[1..]) as u8);
     }
+    // The keeper of a lazy wake (hidden: started by the wake itself).
+    if argv.get(1).is_some_and(|a| a == gpusnap_core::lazy::KEEPER_ARG) {
+        return ExitCode::from(gpusnap_core::lazy::keeper_main(&argv[2..]) as u8);
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        gpusnap_core::lazy::set_keeper_exe(exe);
+    }
     let cli = Cli::parse();
     init_logging(cli.verbose);
     let out = Out::new(cli.json);

@@ -994,6 +994,12 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let criu_images = chunked.as_ref().map(|wd| wd.images.clone()).unwrap_or_else(|| dir.join("criu"));
         let source: Option<std::sync::Arc<dyn gpusnap_pages::PageSource>> =
             chunked.as_ref().map(|wd| wd.source.clone() as std::sync::Arc<dyn gpusnap_pages::PageSource>);
+        // If gpusnap dies mid-wake, the keeper reads the chunks itself.
+        let keeper_chunks = chunked.as_ref().map(|_| crate::lazy::KeeperChunks {
+            state_dir,
+            name: name.as_str(),
+            dir: dir.as_path(),
+        });
         let progress: &dyn Progress = self.progress();
         let expect: u64 = m.total_bytes();
         let restored = observe(
@@ -1013,6 +1019,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                         eager,
                         source.clone(),
                         &before_eager,
+                        keeper_chunks.as_ref().map(|c| (c, m)),
                     ) {
                         Err(crate::criu::CriuError::Failed { line, .. })
                             if line.contains("File exists") && tries < 5 =>

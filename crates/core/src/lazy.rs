@@ -6,13 +6,185 @@
 //! `Criu::restore` stood and hands back the page server to wait on.
 
 use crate::criu::{Criu, CriuError};
+use gpusnap_pages::keeper::Keeper;
 use gpusnap_pages::{HeadStart, Options, PagesError, Server};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Fails the page server on purpose after this many bytes: how the tests
 /// prove that a page server dying mid-wake leaves nothing half-done.
 pub const FAIL_AFTER_ENV: &str = "GPUSNAP_PAGES_FAIL_AFTER";
+
+/// Sleeps this many microseconds before each chunk the page server reads:
+/// how the tests make a kill of the wake land in the middle of the fill.
+pub const SLOW_ENV: &str = "GPUSNAP_PAGES_SLOW_US";
+
+/// The hidden subcommand that runs the keeper (docs/pages.md, "Safety").
+pub const KEEPER_ARG: &str = "__pages-keeper";
+
+static KEEPER_EXE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// The program that runs the keeper (`PROGRAM __pages-keeper ...`): set by
+/// gpusnap's binary at its start. Without it (a library caller) a lazy
+/// wake has no keeper and is not safe against the death of its process.
+pub fn set_keeper_exe(p: PathBuf) {
+    let _ = KEEPER_EXE.set(p);
+}
+
+/// Where the keeper reads pages from, if gpusnap dies mid-wake, for an
+/// image whose pages are chunks: the wake's manifest is written to the work
+/// dir (`keeper-manifest.json`) and the keeper reads the chunks from the
+/// store (or the image's remote), each checked as the wake checks it.
+pub struct KeeperChunks<'a> {
+    pub state_dir: &'a Path,
+    pub name: &'a str,
+    pub dir: &'a Path,
+}
+
+const KEEPER_MANIFEST: &str = "keeper-manifest.json";
+
+/// Starts the keeper of a lazy wake; `None` without a keeper program.
+fn start_keeper(
+    images: &Path,
+    work: &Path,
+    chunks: Option<&KeeperChunks<'_>>,
+    m: Option<&crate::image::Manifest>,
+) -> std::io::Result<Option<Keeper>> {
+    let Some(exe) = KEEPER_EXE.get() else { return Ok(None) };
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg(KEEPER_ARG).arg(work).arg(images);
+    if let (Some(c), Some(m)) = (chunks, m) {
+        let body = serde_json::to_vec(m).map_err(std::io::Error::other)?;
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        // In the wake's private work dir, readable by root alone.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(work.join(KEEPER_MANIFEST))?
+            .write_all(&body)?;
+        cmd.arg(c.state_dir).arg(c.name).arg(c.dir);
+    }
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(work.join("keeper.log"))?;
+    cmd.stderr(log).env_remove(SLOW_ENV).env_remove(FAIL_AFTER_ENV);
+    Keeper::spawn(cmd).map(Some)
+}
+
+/// The keeper (`gpusnap __pages-keeper WORK IMAGES [STATE_DIR NAME DIR]`,
+/// its stdin the socket from the wake): holds the wake's userfaultfds until
+/// the wake says "done"; if the wake dies first, serves every page still
+/// missing, then exits. Returns the exit status.
+pub fn keeper_main(args: &[std::ffi::OsString]) -> i32 {
+    use std::os::fd::FromRawFd;
+    let say = |line: &str| eprintln!("{} gpusnap keeper[{}]: {line}", now_secs(), std::process::id());
+    if args.len() != 2 && args.len() != 5 {
+        say("usage: __pages-keeper WORK IMAGES [STATE_DIR NAME DIR] (started by a lazy wake)");
+        return 2;
+    }
+    let is_socket = nix::sys::stat::fstat(0).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFSOCK);
+    if !is_socket {
+        say("stdin is not the socket of a lazy wake (the keeper is started by the wake itself)");
+        return 2;
+    }
+    // The OOM killer that took the wake must not take its keeper next (it
+    // holds little memory): as root, never.
+    let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
+    // SAFETY: fd 0 is the socket the wake made for us (Keeper::spawn,
+    // checked above); nothing else in this process uses stdin.
+    let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(0) };
+    let (work, images) = (Path::new(&args[0]), Path::new(&args[1]));
+    let log = match gpusnap_pages::keeper::keep(&sock) {
+        gpusnap_pages::keeper::Kept::Released => {
+            let _ = std::fs::remove_file(work.join(KEEPER_MANIFEST));
+            return 0;
+        }
+        gpusnap_pages::keeper::Kept::Orphaned(log) => log,
+    };
+    let pids: Vec<i32> = log.iter().filter(|(m, f)| f.is_some() && m.pid > 0).map(|(m, _)| m.pid).collect();
+    say(&format!(
+        "the wake died before every page was in place: serving {} userfaultfds (processes {pids:?}, {} events replayed) from {}",
+        log.iter().filter(|(_, f)| f.is_some()).count(),
+        log.iter().filter(|(m, _)| m.pid == 0).count(),
+        images.display()
+    ));
+    // The chunked image's copies (its Workdir) live until serving ends.
+    let mut held = None;
+    let source: Result<std::sync::Arc<dyn gpusnap_pages::PageSource>, String> = if args.len() == 5 {
+        keeper_chunks(work, Path::new(&args[2]), &args[3].to_string_lossy(), Path::new(&args[4])).map(|wd| {
+            let src = wd.source.clone() as std::sync::Arc<dyn gpusnap_pages::PageSource>;
+            held = Some(wd);
+            src
+        })
+    } else {
+        Ok(std::sync::Arc::new(gpusnap_pages::DirSource::new(images)))
+    };
+    let opts = Options::from_env().unwrap_or_default();
+    let served = source
+        .and_then(|src| Server::adopt(images, src, opts, log).map_err(|e| e.to_string()))
+        .and_then(|srv| srv.wait().map_err(|e| e.to_string()));
+    // The copies hold a process's memory: they go, as the wake's would
+    // have (its own copy of a chunked image's files too).
+    drop(held);
+    if args.len() == 5 && images.starts_with(work) {
+        let _ = std::fs::remove_dir_all(images);
+        let _ = std::fs::remove_file(work.join(KEEPER_MANIFEST));
+        let _ = std::fs::remove_dir_all(work.join("keeper"));
+    }
+    match served {
+        Ok(r) => {
+            say(&format!(
+                "every page in place: {} bytes ({} by faults, {} by the fill, {} pages already there) in {} ms; \
+                 the next gpusnap command reconciles the wake",
+                r.bytes,
+                r.fault_bytes,
+                r.fill_bytes,
+                r.eexist_pages,
+                r.ms
+            ));
+            0
+        }
+        Err(e) => {
+            // The pages cannot come: a process must not run on zeros where
+            // its memory is missing. The image is kept for a retry.
+            say(&format!("cannot serve the missing pages ({e}): killing {pids:?}"));
+            for p in &pids {
+                let _ =
+                    nix::sys::signal::kill(nix::unistd::Pid::from_raw(*p), nix::sys::signal::Signal::SIGKILL);
+            }
+            1
+        }
+    }
+}
+
+fn now_secs() -> String {
+    let d = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    format!("{}.{:03}", d.as_secs(), d.subsec_millis())
+}
+
+/// The page source of a chunked image for the keeper, from the manifest the
+/// wake wrote (the one it verified) and the chunk store.
+fn keeper_chunks(
+    work: &Path,
+    state_dir: &Path,
+    name: &str,
+    dir: &Path,
+) -> Result<crate::chunksrc::Workdir, String> {
+    let body = std::fs::read(work.join(KEEPER_MANIFEST)).map_err(|e| format!("{KEEPER_MANIFEST}: {e}"))?;
+    let m: crate::image::Manifest =
+        serde_json::from_slice(&body).map_err(|e| format!("{KEEPER_MANIFEST}: {e}"))?;
+    let store = gpusnap_chunks::LocalStore::open(state_dir.join("store")).map_err(|e| e.to_string())?;
+    let remote = match crate::remote::origin(state_dir, name) {
+        Some(url) => Some(crate::remote::open_origin(&url).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let kw = work.join("keeper");
+    crate::image::mkdir_private(&kw).map_err(|e| e.to_string())?;
+    crate::chunksrc::Workdir::prepare(name, dir, &m, store, remote, &kw, false)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| "no pages file of the image is in the store".to_string())
+}
 
 /// A tree CRIU restored, and the page server still filling its memory
 /// (`None`: restored eagerly, every page already in place).
@@ -45,7 +217,7 @@ impl Restored {
 /// Restores `images` (CRIU's files) lazily where this kernel and CRIU allow
 /// it, else eagerly with a notice; `eager` asks for today's path.
 pub fn restore(criu: &Criu, images: &Path, work: &Path, eager: bool) -> Result<Restored, CriuError> {
-    restore_from(criu, images, work, eager, None, &|| Ok(()))
+    restore_from(criu, images, work, eager, None, &|| Ok(()), None)
 }
 
 /// [`restore`], the page server reading through `source` (default: the
@@ -58,6 +230,7 @@ pub fn restore_from(
     eager: bool,
     source: Option<std::sync::Arc<dyn gpusnap_pages::PageSource>>,
     before_eager: &dyn Fn() -> Result<(), CriuError>,
+    chunks: Option<(&KeeperChunks<'_>, &crate::image::Manifest)>,
 ) -> Result<Restored, CriuError> {
     let none = HeadStart::Bytes(0);
     if eager {
@@ -87,7 +260,14 @@ pub fn restore_from(
     // The page server's settings (GPUSNAP_PAGES_*, docs/pages.md): a bad
     // one is said, and the wake goes on eagerly, as safe as ever.
     let opts = match Options::from_env() {
-        Ok(o) => Options { fail_after: std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.parse().ok()), ..o },
+        Ok(o) => Options {
+            fail_after: std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.parse().ok()),
+            slow: std::env::var(SLOW_ENV)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map(std::time::Duration::from_micros),
+            ..o
+        },
         Err(e) => return fallback(format!("page server: {e}")),
     };
     let head_start = opts.head_start;
@@ -99,6 +279,17 @@ pub fn restore_from(
         Ok(s) => s,
         Err(e) => return fallback(format!("page server: {e}")),
     };
+    // The keeper holds a copy of every userfaultfd, so that the death of
+    // this process never lets the tree read zeros (docs/pages.md, "Safety").
+    match start_keeper(images, work, chunks.map(|c| c.0), chunks.map(|c| c.1)) {
+        Ok(Some(k)) => server.keep_with(k),
+        Ok(None) => tracing::debug!("lazy wake without a keeper (no keeper program)"),
+        Err(e) => {
+            server.abort();
+            drop(server);
+            return fallback(format!("the page server's keeper: {e}"));
+        }
+    }
     match criu.restore_with(images, work, &["--lazy-pages"]) {
         Ok(root) => Ok(Restored { root, pages: Some(server), notice: None, head_start }),
         // A pid still held: the caller waits and tries again, as for an

@@ -17,6 +17,7 @@
 //! each process (MISSING) before that.
 
 mod image;
+pub mod keeper;
 mod serve;
 mod source;
 mod stats;

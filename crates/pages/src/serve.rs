@@ -61,6 +61,10 @@ pub struct Options {
     /// server that dies mid-wake).
     #[serde(skip)]
     pub fail_after: Option<u64>,
+    /// Sleep this long before each chunk a thread reads (tests: a kill of
+    /// the wake lands in the middle of the fill).
+    #[serde(skip)]
+    pub slow: Option<Duration>,
 }
 
 /// Bytes the page server fills before the driver's restore is started.
@@ -99,6 +103,7 @@ impl Default for Options {
             nice: 10,
             head_start: HeadStart::Bytes(0),
             fail_after: None,
+            slow: None,
         }
     }
 }
@@ -279,7 +284,7 @@ fn cut(ps: &mut Vec<Piece>, a: u64, b: u64) {
 }
 
 #[derive(Default)]
-struct MmState {
+pub(crate) struct MmState {
     pieces: Vec<Piece>,
     gone: bool,
     /// Where the background fill goes on: just past the last fault (the
@@ -301,16 +306,24 @@ struct MmState {
 }
 
 impl MmState {
+    /// Pieces still to fill, none taken.
+    pub(crate) fn of(mut iovs: Vec<Iov>) -> Self {
+        iovs.sort_by_key(|i| i.start);
+        Self { pieces: iovs.into_iter().map(|iov| Piece { iov, owner: 0 }).collect(), ..Default::default() }
+    }
+    pub(crate) fn iovs(&self) -> Vec<Iov> {
+        self.pieces.iter().map(|p| p.iov).collect()
+    }
     fn remaining(&self) -> u64 {
         self.pieces.iter().map(|p| p.iov.len()).sum()
     }
-    fn drop_range(&mut self, a: u64, b: u64) -> u64 {
+    pub(crate) fn drop_range(&mut self, a: u64, b: u64) -> u64 {
         cut(&mut self.pieces, a, b);
         let before = self.remaining();
         self.pieces.retain(|p| p.iov.end <= a || p.iov.start >= b);
         before - self.remaining()
     }
-    fn remap(&mut self, from: u64, to: u64, len: u64) {
+    pub(crate) fn remap(&mut self, from: u64, to: u64, len: u64) {
         cut(&mut self.pieces, from, from + len);
         for p in &mut self.pieces {
             if p.iov.start >= from && p.iov.end <= from + len {
@@ -411,6 +424,8 @@ impl MmState {
 
 struct Mm {
     pid: i32,
+    /// Its number for the keeper.
+    key: u32,
     uffd: OwnedFd,
     pages: Arc<dyn PagesFile>,
     st: Mutex<MmState>,
@@ -434,6 +449,9 @@ struct Shared {
     threads: Mutex<Vec<JoinHandle<()>>>,
     started: Instant,
     stats: Stats,
+    /// The keeper holding a copy of every userfaultfd (crate::keeper).
+    keeper: std::sync::OnceLock<crate::keeper::Keeper>,
+    next_key: std::sync::atomic::AtomicU32,
 }
 
 /// Counters of the report; times in microseconds since `started`, 0 for
@@ -464,6 +482,38 @@ fn at_ms(v: u64) -> Option<u64> {
 }
 
 impl Shared {
+    fn new(images: &Path, source: Arc<dyn PageSource>, opts: Options) -> Self {
+        Shared {
+            images: images.to_path_buf(),
+            source,
+            opts,
+            mms: Mutex::new(Vec::new()),
+            bell: (Mutex::new(()), Condvar::new()),
+            restore_done: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            error: Mutex::new(None),
+            next_id: AtomicU64::new(1),
+            served: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            zero_pages: AtomicU64::new(0),
+            forks: AtomicUsize::new(0),
+            total: AtomicU64::new(crate::image::lazy_bytes(images)),
+            threads: Mutex::new(Vec::new()),
+            started: Instant::now(),
+            stats: Stats::default(),
+            keeper: std::sync::OnceLock::new(),
+            next_key: std::sync::atomic::AtomicU32::new(1),
+        }
+    }
+    /// Hands `m` (and `fd`) to the keeper, if there is one.
+    fn forward(&self, m: crate::keeper::Msg, fd: Option<std::os::fd::BorrowedFd<'_>>) {
+        if let Some(k) = self.keeper.get() {
+            k.send(m, fd);
+        }
+    }
+    fn key(&self) -> u32 {
+        self.next_key.fetch_add(1, SeqCst)
+    }
     fn fail(&self, e: PagesError) {
         tracing::error!("page server: {e}");
         let mut g = self.error.lock().unwrap();
@@ -576,25 +626,7 @@ impl Server {
         }
         .map_err(sock_err)?;
         listener.set_nonblocking(true).map_err(sock_err)?;
-        let shared = Arc::new(Shared {
-            images: images.to_path_buf(),
-            source,
-            opts,
-            mms: Mutex::new(Vec::new()),
-            bell: (Mutex::new(()), Condvar::new()),
-            restore_done: AtomicBool::new(false),
-            stop: AtomicBool::new(false),
-            error: Mutex::new(None),
-            next_id: AtomicU64::new(1),
-            served: AtomicU64::new(0),
-            dropped: AtomicU64::new(0),
-            zero_pages: AtomicU64::new(0),
-            forks: AtomicUsize::new(0),
-            total: AtomicU64::new(crate::image::lazy_bytes(images)),
-            threads: Mutex::new(Vec::new()),
-            started: Instant::now(),
-            stats: Stats::default(),
-        });
+        let shared = Arc::new(Shared::new(images, source, opts));
         shared.spawn("pages-accept", move |sh| {
             if let Err(e) = accept(&sh, listener) {
                 sh.fail(e);
@@ -604,6 +636,54 @@ impl Server {
             shared.spawn(&format!("pages-fill-{i}"), filler);
         }
         Ok(Self { shared, socket })
+    }
+
+    /// Hands a copy of every userfaultfd, and every event, to `keeper`
+    /// from now on (before `criu restore` starts), and releases it once
+    /// this server is dropped (docs/pages.md, "Safety").
+    pub fn keep_with(&self, keeper: crate::keeper::Keeper) {
+        let _ = self.shared.keeper.set(keeper);
+    }
+
+    /// The keeper's side, once the wake died before every page was in
+    /// place: serves what the wake handed over (its messages, replayed onto
+    /// the image's lazy pieces) until every page is in place
+    /// ([`Server::wait`]). Pages already there give EEXIST and are skipped.
+    pub fn adopt(
+        images: &Path,
+        source: Arc<dyn PageSource>,
+        opts: Options,
+        log: Vec<(crate::keeper::Msg, Option<OwnedFd>)>,
+    ) -> Result<Self, PagesError> {
+        let mms = crate::keeper::replay(images, log)?;
+        let shared = Arc::new(Shared::new(images, source, opts));
+        let mut total = 0;
+        for r in mms {
+            let pages = shared.source.open(&format!("pages-{}.img", r.pages_id))?;
+            total += r.pieces.iter().map(|i| i.len()).sum::<u64>();
+            // Faults the dead server had read but not answered wait for a
+            // WAKE that would never come: wake the whole address space
+            // once; a page still missing faults again, and is read here.
+            if !crate::keeper::wake_all(r.uffd.as_fd()) {
+                tracing::warn!(pid = r.pid, "keeper: cannot wake the faults the wake had read");
+            }
+            let mm = Arc::new(Mm {
+                pid: r.pid,
+                key: shared.key(),
+                uffd: r.uffd,
+                pages,
+                st: Mutex::new(MmState::of(r.pieces)),
+            });
+            add_mm(&shared, mm);
+        }
+        shared.total.store(total, SeqCst);
+        shared.stats.restore_done_us.store(shared.now_us(), SeqCst);
+        shared.restore_done.store(true, SeqCst);
+        for i in 0..shared.opts.threads.max(1) {
+            shared.spawn(&format!("pages-fill-{i}"), filler);
+        }
+        shared.ring();
+        Ok(Self { shared, socket: PathBuf::new() })
     }
 
     /// Bytes in place (or no longer needed: unmapped, removed) so far.
@@ -683,7 +763,14 @@ impl Drop for Server {
         for h in hs {
             let _ = h.join();
         }
-        let _ = std::fs::remove_file(&self.socket);
+        if !self.socket.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.socket);
+        }
+        // Every page is in place or the tree was ended: the keeper closes
+        // its copies of the userfaultfds and exits.
+        if let Some(k) = self.shared.keeper.get() {
+            k.release();
+        }
     }
 }
 
@@ -759,11 +846,16 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
             path: SOCKET.into(),
             err: format!("no userfaultfd came for {pid}"),
         })?;
+        // To the keeper first thing: the moment this process dies, the
+        // userfaultfd is held there.
+        let key = sh.key();
+        sh.forward(crate::keeper::uffd(key, pid), Some(uffd.as_fd()));
         let (pages_id, iovs) = lazy_iovs(&sh.images, pid)?;
         let pages = sh.source.open(&format!("pages-{pages_id}.img"))?;
         tracing::debug!(pid, pieces = iovs.len(), "page server: a process to serve");
         let mm = Arc::new(Mm {
             pid,
+            key,
             uffd,
             pages,
             st: Mutex::new(MmState {
@@ -814,6 +906,27 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                 }
             };
             let [a0, a1, a2] = msg.arg;
+            // The keeper hears of every event before it is acted on: if
+            // gpusnap dies now, the keeper replays it (docs/pages.md).
+            let child_key = match msg.event {
+                sys::EVENT_FORK => {
+                    let k = sh.key();
+                    // SAFETY: the fd the FORK event installed; borrowed
+                    // only for this call, owned just below.
+                    let child = unsafe { std::os::fd::BorrowedFd::borrow_raw(a0 as u32 as RawFd) };
+                    sh.forward(crate::keeper::fork(k, mm.key), Some(child));
+                    k
+                }
+                sys::EVENT_REMAP => {
+                    sh.forward(crate::keeper::remap(mm.key, a0, a1, a2), None);
+                    0
+                }
+                sys::EVENT_REMOVE | sys::EVENT_UNMAP => {
+                    sh.forward(crate::keeper::unmap(mm.key, a0, a1, msg.event == sys::EVENT_REMOVE), None);
+                    0
+                }
+                _ => 0,
+            };
             match msg.event {
                 sys::EVENT_PAGEFAULT => fault(sh, mm, a1 & !(PAGE - 1), &mut retry, &mut buf),
                 sys::EVENT_FORK => {
@@ -836,6 +949,7 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                         sh,
                         Arc::new(Mm {
                             pid: mm.pid,
+                            key: child_key,
                             uffd: child,
                             pages: mm.pages.clone(),
                             st: Mutex::new(MmState { pieces, ..Default::default() }),
@@ -1022,6 +1136,9 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
     let mut copied = 0u64;
     while at < iov.len() && !requeue {
         let len = chunk.min(iov.len() - at);
+        if let Some(d) = sh.opts.slow {
+            std::thread::sleep(d);
+        }
         let data = &mut buf[..len as usize];
         let t = Instant::now();
         mm.pages.read_at(iov.off + at, data).map_err(|e| PagesError::Read {
