@@ -11,6 +11,9 @@
 # each run. Prints a markdown table of medians: hibernate and wake seconds,
 # and what the state directory holds after the hibernate. Needs root and
 # CRIU >= 4 (scripts/install-criu.sh).
+#
+# VARIANTS="punch:GPUSNAP_FOLLOW_PUNCH=1 nofollow:GPUSNAP_FOLLOW=0" adds runs
+# of this tree's binary with that environment (label:VAR=VALUE, space separated).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
@@ -18,6 +21,7 @@ if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; f
 REPS=${REPS:-3}
 SIZE_GIB=${SIZE_GIB:-4}
 BASE=${BASE:-}
+VARIANTS=${VARIANTS:-}
 cargo build --release --quiet -p gpusnap
 work=$(mktemp -d /var/tmp/gpusnap-cbench.XXXXXX)
 trap 'pkill -9 -f "$work/hold.py" 2>/dev/null || true; rm -rf -- "$work"' EXIT
@@ -41,7 +45,7 @@ secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]
 gone() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
 
 one() {
-    local way=$1 bin=$2 rep=$3 pid t0 t1 t2 state
+    local way=$1 bin=$2 rep=$3 envs=${4:-} pid t0 t1 t2 state
     state=$work/state-$way-$rep
     rm -f "$work/ready"
     setsid python3 "$work/hold.py" "$SIZE_GIB" "$work/ready" </dev/null >/dev/null 2>&1 &
@@ -50,7 +54,7 @@ one() {
     sync
     echo 3 >/proc/sys/vm/drop_caches
     t0=$(now)
-    GPUSNAP_STATE_DIR=$state "$bin" --json hibernate "$pid" --image b >/dev/null
+    env $envs GPUSNAP_STATE_DIR="$state" "$bin" --json hibernate "$pid" --image b >"$work/h.json"
     t1=$(now)
     gone "$pid"
     local bytes
@@ -63,27 +67,32 @@ one() {
     t3=$(now)
     kill -9 "$pid" 2>/dev/null || true
     gone "$pid"
-    printf '%s\t%s\t%s\t%s\n' "$way" "$(secs "$t0" "$t1")" "$(secs "$t2" "$t3")" "$bytes" >>"$tsv"
+    local st
+    st=$(python3 -c 'import json,sys; s=json.load(open(sys.argv[1])).get("stages",{}); print(s.get("dump",0), s.get("commit",0), s.get("follow_overlapped_bytes",0), s.get("follow_punched_bytes",0), sep="\t")' "$work/h.json")
+    printf '%s\t%s\t%s\t%s\t%s\n' "$way" "$(secs "$t0" "$t1")" "$(secs "$t2" "$t3")" "$bytes" "$st" >>"$tsv"
     rm -rf -- "$state"
 }
 
 for rep in $(seq 1 "$REPS"); do
     one chunks "$PWD/target/release/gpusnap" "$rep"
     if [[ -n $BASE ]]; then one base "$BASE" "$rep"; fi
+    for v in $VARIANTS; do one "${v%%:*}" "$PWD/target/release/gpusnap" "$rep" "${v#*:}"; done
 done
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(date -u +%Y-%m-%d), SIZE_GIB=$SIZE_GIB REPS=$REPS"
 python3 - "$tsv" <<'PY'
 import statistics, sys
 rows = [l.split("\t") for l in open(sys.argv[1]).read().splitlines()]
-print("| gpusnap | hibernate s | wake (lazy) s | state dir GB |")
-print("|---|---|---|---|")
-for way in ("base", "chunks"):
+print("| gpusnap | hibernate s | dump s | commit s | chunked during the dump GB | punched GB | wake (lazy) s | state dir GB |")
+print("|---|---|---|---|---|---|---|---|")
+ways = list(dict.fromkeys(["base", "chunks"] + [x[0] for x in rows]))
+for way in ways:
     r = [x for x in rows if x[0] == way]
     if not r:
         continue
     med = lambda i: statistics.median(float(x[i]) for x in r)
-    print(f"| {way} | {med(1):.3f} | {med(2):.3f} | {med(3) / 1e9:.2f} |")
+    print(f"| {way} | {med(1):.3f} | {med(4) / 1e3:.3f} | {med(5) / 1e3:.3f} | {med(6) / 1e9:.2f} | {med(7) / 1e9:.2f} "
+          f"| {med(2):.3f} | {med(3) / 1e9:.2f} |")
 print()
 print("every run:", "; ".join(f"{x[0]} {x[1]} {x[2]}" for x in rows))
 PY

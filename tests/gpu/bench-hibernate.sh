@@ -245,7 +245,9 @@ d = json.load(open(sys.argv[1]))
 c, st = d.get("criu_stats") or {}, d.get("stages") or {}
 v = {"commit_ms": st.get("commit"), "criu_freezing_ms": c.get("freezing_ms"), "criu_frozen_ms": c.get("frozen_ms"),
      "criu_memdump_ms": c.get("memdump_ms"), "criu_drain_ms": c.get("drain_ms"), "criu_memwrite_ms": c.get("memwrite_ms"),
-     "criu_pages_written": c.get("pages_written"), "criu_pages_scanned": c.get("pages_scanned")}
+     "criu_pages_written": c.get("pages_written"), "criu_pages_scanned": c.get("pages_scanned"),
+     "follow_overlapped_bytes": st.get("follow_overlapped_bytes"), "follow_after_bytes": st.get("follow_after_bytes"),
+     "follow_finish_ms": st.get("follow_finish"), "follow_punched_bytes": st.get("follow_punched_bytes")}
 print(" ".join(f"{k}={x}" for k, x in v.items() if isinstance(x, (int, float)) and not isinstance(x, bool)))
 PY
 }
@@ -797,7 +799,9 @@ for g in sizes:
         pw = m(R, "criu_pages_written")
         dumps.append((g, label, sus, sus_alone, ms(m(R, "dump_ms")), ms(m(R, "criu_frozen_ms")), ms(m(R, "criu_drain_ms")),
                       ms(cw), None if not cw or pw is None else pw * 4096 / 1e9 / (cw / 1e3), ms(m(R, "commit_ms")),
-                      (img or 0) / 1e9, wr, hib))
+                      (img or 0) / 1e9, wr, hib,
+                      None if m(R, "follow_overlapped_bytes") is None else m(R, "follow_overlapped_bytes") / 1e9,
+                      ms(m(R, "follow_finish_ms"))))
     for s in samples:
         if s["gib"] != g or not s.get("lazy"):
             continue
@@ -864,10 +868,10 @@ if targets:
         L.append(f"| {g} | {what} | {f(x, 3)} | {f(lim, 3)} | {f(r, 3)} | <= {tgt} | {yn(None if r is None else r <= tgt)} | {why} |")
 if dumps:
     L += ["", "## Where the dump goes (CRIU's stats-dump; medians, s)", "",
-          "| size GiB | mode | suspend | driver checkpoint alone | CRIU dump | CRIU frozen | drain (parasite) | memwrite | CRIU write GB/s | commit (checksum, chunks, flush) | image GB | image at disk write speed | hibernate |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| size GiB | mode | suspend | driver checkpoint alone | CRIU dump | CRIU frozen | drain (parasite) | memwrite | CRIU write GB/s | commit (checksum, chunks, flush) | image GB | image at disk write speed | hibernate | chunked during the dump GB | chunking after the dump s |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in dumps:
-        L.append("| " + " | ".join([str(d[0]), d[1]] + [f(x, 3) for x in d[2:8]] + [f(d[8]), f(d[9], 3), f(d[10]), f(d[11], 3), f(d[12], 3)]) + " |")
+        L.append("| " + " | ".join([str(d[0]), d[1]] + [f(x, 3) for x in d[2:8]] + [f(d[8]), f(d[9], 3), f(d[10]), f(d[11], 3), f(d[12], 3), f(d[13]), f(d[14], 3)]) + " |")
 if pagers:
     L += ["", "## The page server in each lazy wake", "",
           "driver = the CUDA restores (the driver's restore alone: the last column); pages = CRIU's return until the "

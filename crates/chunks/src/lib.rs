@@ -192,32 +192,13 @@ pub fn store_slice(
                 if failed.load(std::sync::atomic::Ordering::Relaxed) {
                     break;
                 }
-                let mut list = Vec::new();
-                let mut staged = Vec::new();
-                let mut res = Ok(());
-                for c in fastcdc::v2020::FastCDC::new(seg, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK) {
-                    let bytes = &seg[c.offset..c.offset + c.length];
-                    let cref =
-                        ChunkRef { blake3: blake3::hash(bytes).to_hex().to_string(), size: c.length as u64 };
-                    let new = !store.has(&cref.blake3)
-                        && taken.lock().map(|mut t| t.insert(cref.blake3.clone())).unwrap_or(true);
-                    if new {
-                        match store.stage(&cref.blake3, &encode(bytes), durable) {
-                            Ok(st) => staged.push(st),
-                            Err(e) => {
-                                res = Err(e);
-                                break;
-                            }
-                        }
-                    }
-                    list.push(cref);
-                }
+                let res = store_segment(seg, store, durable, &taken);
                 on_bytes(seg.len() as u64);
                 if res.is_err() {
                     failed.store(true, std::sync::atomic::Ordering::Relaxed);
                 }
                 if let Ok(mut slot) = slots[i].lock() {
-                    *slot = Some(res.map(|_| (list, staged)));
+                    *slot = Some(res);
                 }
             });
         }
@@ -247,6 +228,40 @@ pub fn store_slice(
         return Err(e);
     }
     Ok(out)
+}
+
+/// One [`SEGMENT`] (or a file's last, shorter one) of [`store_slice`]:
+/// cut by FastCDC, each chunk hashed, and each one the store lacks
+/// compressed and staged, once per distinct chunk among the callers that
+/// share `taken`. The chunks are those [`store_slice`] cuts from the same
+/// segment of a file, wherever they come from: a pages file followed while
+/// CRIU writes it is cut segment by segment as each one is complete. On an
+/// error, what this call staged is abandoned.
+pub fn store_segment(
+    seg: &[u8],
+    store: &LocalStore,
+    durable: bool,
+    taken: &std::sync::Mutex<HashSet<String>>,
+) -> Result<(Vec<ChunkRef>, Vec<Staged>), ChunkError> {
+    let mut list = Vec::new();
+    let mut staged = Vec::new();
+    for c in fastcdc::v2020::FastCDC::new(seg, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK) {
+        let bytes = &seg[c.offset..c.offset + c.length];
+        let cref = ChunkRef { blake3: blake3::hash(bytes).to_hex().to_string(), size: c.length as u64 };
+        let new = !store.has(&cref.blake3)
+            && taken.lock().map(|mut t| t.insert(cref.blake3.clone())).unwrap_or(true);
+        if new {
+            match store.stage(&cref.blake3, &encode(bytes), durable) {
+                Ok(st) => staged.push(st),
+                Err(e) => {
+                    store.abandon(staged);
+                    return Err(e);
+                }
+            }
+        }
+        list.push(cref);
+    }
+    Ok((list, staged))
 }
 
 /// Encodes a chunk for storage: zstd, or raw when zstd does not pay.

@@ -69,6 +69,15 @@ pub struct HibernateStages {
     pub criu_frozen: u64,
     pub criu_drain: u64,
     pub criu_memwrite: u64,
+    /// Chunking while CRIU dumps (see [`crate::follow`]): bytes of the
+    /// pages files chunked before CRIU exited, and after (their tails);
+    /// follow_finish: ms from CRIU's exit until every chunk was staged
+    /// (inside commit); follow_punched: bytes dropped from the pages files
+    /// once chunked. All 0 when following is off (`GPUSNAP_FOLLOW=0`).
+    pub follow_overlapped_bytes: u64,
+    pub follow_after_bytes: u64,
+    pub follow_finish: u64,
+    pub follow_punched_bytes: u64,
 }
 
 /// One image of a wake, verified and checked, not yet restored.
@@ -468,6 +477,15 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let expect: u64 = tree.iter().filter_map(|(p, _)| target::rss_bytes(*p)).sum();
         let criu_dir = pending.criu_dir();
         let progress: &dyn Progress = self.progress();
+        // The pages files are chunked as CRIU writes them. A follower that
+        // cannot start costs only the overlap: the commit chunks them.
+        let follower = if crate::follow::enabled() {
+            crate::follow::Follower::start(&pending.dir, &images.state_dir().join("store"), opts.durable)
+                .map_err(|e| tracing::warn!("chunking while CRIU dumps: {e}"))
+                .ok()
+        } else {
+            None
+        };
         let dumped = observe(
             progress,
             &format!("dump {root}"),
@@ -497,6 +515,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             },
         );
         if let Err(e) = dumped {
+            // Every chunk the follower staged goes with the partial image.
+            if let Some(f) = follower {
+                f.abandon();
+            }
             // CRIU leaves the tree running when a dump fails. Its log is
             // kept outside the partial image, which is removed.
             let e = e.keep_log(images.state_dir(), &format!("dump-{name}"));
@@ -534,6 +556,19 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
         // 3. Manifest and checksums, then the rename that makes it an image.
         let t_write = Instant::now();
+        let followed = match follower.map(|f| f.finish()) {
+            Some(Ok(f)) => Some(f),
+            Some(Err(e)) => {
+                let err = Error::Image(crate::image::ImageError::Io {
+                    name: name.clone(),
+                    op: "chunk the pages files".into(),
+                    err: std::io::Error::other(e),
+                });
+                return Err(undo(self, err));
+            }
+            None => None,
+        };
+        let fstats = followed.as_ref().map(|f| f.stats).unwrap_or_default();
         let mut procs = Vec::new();
         let mut gpu_uuids = std::collections::BTreeSet::new();
         for ((t, st), (_, ppid)) in members.iter().zip(tree.iter()) {
@@ -602,7 +637,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let total_img = dir_bytes(&pending.criu_dir());
         progress.begin(&format!("checksum {name}"), total_img);
         let mut hashed = 0u64;
-        let committed = pending.commit(manifest, opts.durable, |n| {
+        let committed = pending.commit_followed(manifest, opts.durable, followed, |n| {
             hashed += n;
             progress.update(hashed);
         });
@@ -635,6 +670,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     criu_frozen: criu_stats.as_ref().map_or(0, |c| c.frozen_ms),
                     criu_drain: criu_stats.as_ref().map_or(0, |c| c.drain_ms),
                     criu_memwrite: criu_stats.as_ref().map_or(0, |c| c.memwrite_ms),
+                    follow_overlapped_bytes: fstats.overlapped_bytes,
+                    follow_after_bytes: fstats.after_bytes,
+                    follow_finish: fstats.finish_ms,
+                    follow_punched_bytes: fstats.punched_bytes,
                 },
                 criu_stats,
             },

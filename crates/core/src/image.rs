@@ -393,12 +393,29 @@ impl PendingImage {
     /// into place. Returns the final manifest.
     /// With `durable`, the image's pages are on disk before this returns.
     pub fn commit(
+        self,
+        m: Manifest,
+        durable: bool,
+        on_bytes: impl FnMut(u64),
+    ) -> Result<Manifest, ImageError> {
+        self.commit_followed(m, durable, None, on_bytes)
+    }
+
+    /// [`Self::commit`], taking the pages files a [`crate::follow::Follower`]
+    /// chunked while CRIU wrote them (checked to be the files as they are
+    /// now: same size); the others are chunked here.
+    pub fn commit_followed(
         mut self,
         mut m: Manifest,
         durable: bool,
+        followed: Option<crate::follow::Followed>,
         mut on_bytes: impl FnMut(u64),
     ) -> Result<Manifest, ImageError> {
         let name = self.name.clone();
+        let (mut followed, _follow_lock) = match followed {
+            Some(f) => (f.files, f.lock),
+            None => (BTreeMap::new(), None),
+        };
         // The flush to disk runs while the files are hashed (one is disk
         // bound, the other CPU bound); both end before the rename.
         let dir = self.dir.clone();
@@ -418,15 +435,36 @@ impl PendingImage {
         // Held until the manifest that refers to the new chunks is in
         // place: `images gc` (exclusive) never removes them in between.
         let _lock = store.shared_lock().map_err(chunk_err)?;
-        let mut staged = Vec::new();
+        // Whatever fails below, no staged chunk stays behind (the
+        // follower's included).
+        let mut guard = StagedGuard { store: &store, staged: Vec::new() };
+        for f in followed.values_mut() {
+            guard.staged.append(&mut f.stored.staged);
+        }
+        let staged = &mut guard.staged;
         let mut to_remove = Vec::new();
         for r in rel {
             let p = self.dir.join(&r);
             let rs = r.to_string_lossy().into_owned();
             fs::set_permissions(&p, fs::Permissions::from_mode(0o600)).map_err(io(&name, "chmod"))?;
-            let stored = if chunked_name(&rs) {
+            let now = fs::symlink_metadata(&p).map(|md| md.len());
+            let stored = if let Some(f) = followed.remove(&rs) {
+                if now.as_ref().ok() != Some(&f.size) {
+                    store.abandon(std::mem::take(staged));
+                    return Err(ImageError::Io {
+                        name: name.clone(),
+                        op: format!("store {}", r.display()),
+                        err: std::io::Error::other(format!(
+                            "it changed after it was chunked ({} bytes then, {:?} now)",
+                            f.size, now
+                        )),
+                    });
+                }
+                on_bytes(f.size);
+                (f.size, f.blake3, f.stored)
+            } else if chunked_name(&rs) {
                 store_file(&p, &store, durable, &mut on_bytes).map_err(|e| {
-                    store.abandon(std::mem::take(&mut staged));
+                    store.abandon(std::mem::take(staged));
                     io(&name, format!("store {}", r.display()))(e)
                 })?
             } else {
@@ -441,6 +479,15 @@ impl PendingImage {
             staged.extend(st.staged);
             m.files.push(FileDesc { path: rs, size, blake3: hash, chunks: st.chunks });
         }
+        if let Some(rs) = followed.keys().next() {
+            // A pages file followed and then gone: not CRIU's doing.
+            store.abandon(std::mem::take(staged));
+            return Err(ImageError::Io {
+                name: name.clone(),
+                op: format!("store {rs}"),
+                err: std::io::Error::other("it was chunked, then removed"),
+            });
+        }
         // The pages files CRIU wrote go before the chunks are flushed: a
         // syncfs with them still there would write the memory to the disk
         // twice (their dirty pages, then the chunks). Nothing depends on
@@ -449,13 +496,13 @@ impl PendingImage {
         // fails removes the whole pending image and lets the process run on.
         for p in &to_remove {
             fs::remove_file(p).map_err(|e| {
-                store.abandon(std::mem::take(&mut staged));
+                store.abandon(std::mem::take(staged));
                 io(&name, "remove a stored pages file")(e)
             })?;
         }
         // The chunks under their names (on disk first when durable): the
         // image is whole once its manifest is renamed into place.
-        store.finish(staged, durable).map_err(chunk_err)?;
+        store.finish(std::mem::take(staged), durable).map_err(chunk_err)?;
         let key = crate::sign::HostKey::load_or_create(&self.state_dir).map_err(|e| ImageError::Io {
             name: name.clone(),
             op: "sign".into(),
@@ -495,6 +542,18 @@ impl PendingImage {
         }
         self.committed = true;
         Ok(m)
+    }
+}
+
+/// Staged chunks abandoned when dropped (a commit that fails part-way).
+struct StagedGuard<'a> {
+    store: &'a gpusnap_chunks::LocalStore,
+    staged: Vec<gpusnap_chunks::Staged>,
+}
+
+impl Drop for StagedGuard<'_> {
+    fn drop(&mut self) {
+        self.store.abandon(std::mem::take(&mut self.staged));
     }
 }
 

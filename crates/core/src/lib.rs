@@ -6,6 +6,7 @@ pub mod criu;
 pub mod doctor;
 pub mod engine;
 pub mod error;
+pub mod follow;
 pub mod group;
 pub mod guard;
 pub mod hibernate;

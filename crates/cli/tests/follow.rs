@@ -1,0 +1,174 @@
+//! hibernate chunks the pages files while CRIU writes them (crates/core/src/follow.rs):
+//! the real CRIU and the fakes.
+
+mod common;
+
+use common::*;
+use std::path::Path;
+use std::time::Duration;
+
+/// Every file under the store's chunks directory (named or temporary).
+fn store_files(state: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for d in std::fs::read_dir(state.join("store").join("chunks")).into_iter().flatten().flatten() {
+        for f in std::fs::read_dir(d.path()).into_iter().flatten().flatten() {
+            out.push(f.file_name().to_string_lossy().into_owned());
+        }
+    }
+    out
+}
+
+fn store_bytes(state: &Path) -> u64 {
+    let mut n = 0;
+    for d in std::fs::read_dir(state.join("store").join("chunks")).into_iter().flatten().flatten() {
+        for f in std::fs::read_dir(d.path()).into_iter().flatten().flatten() {
+            n += f.metadata().map(|m| m.len()).unwrap_or(0);
+        }
+    }
+    n
+}
+
+/// A python process holding `mib` MiB of random bytes, checking them
+/// (sha256) over and over: each check appends "N ok" or "N bad" to OUT.
+fn holder(w: &mut World, mib: u64) -> (i32, std::path::PathBuf) {
+    let out = w.tmp.path().join(format!("hold-{}", w.children.len()));
+    let script = r#"
+import hashlib, os, sys, time
+buf = bytearray(os.urandom(int(sys.argv[1]) << 20))
+want = hashlib.sha256(buf).digest()
+out = sys.argv[2]
+i = 0
+while True:
+    i += 1
+    ok = hashlib.sha256(buf).digest() == want
+    with open(out, "a") as f: f.write(f"{i} {'ok' if ok else 'bad'}\n")
+    time.sleep(0.05)
+"#;
+    let n = w.spawn_env("python3", &["-c", script, &mib.to_string(), out.to_str().unwrap()]);
+    let pid = w.child_pid(n);
+    wait_for(Duration::from_secs(30), || std::fs::read_to_string(&out).is_ok_and(|s| s.contains(" ok")));
+    (pid, out)
+}
+
+fn checks(out: &Path) -> (usize, usize) {
+    let s = std::fs::read_to_string(out).unwrap_or_default();
+    (s.lines().filter(|l| l.ends_with(" ok")).count(), s.lines().filter(|l| l.ends_with(" bad")).count())
+}
+
+#[test]
+fn memory_larger_than_a_segment_is_followed_deduplicated_and_wakes_intact() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    w.run_limit = Duration::from_secs(300);
+    // More than one 256 MiB segment: some of it is chunked while CRIU dumps.
+    let (pid, out) = holder(&mut w, 300);
+    let p = pid.to_string();
+    let state = w.state_dir();
+    let r = w.json(&["snapshot", &p, "--image", "one"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let s = &r.json()["stages"];
+    let followed = s["follow_overlapped_bytes"].as_u64().unwrap() + s["follow_after_bytes"].as_u64().unwrap();
+    assert!(followed > 300 << 20, "{s}");
+    let once = store_bytes(&state);
+    assert!(once > 300 << 20, "{once}");
+    // The same memory again: its chunks are in the store already.
+    let r = w.json(&["snapshot", &p, "--image", "two"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let twice = store_bytes(&state);
+    assert!(twice - once < 32 << 20, "stored again: {once} then {twice}");
+    assert!(store_files(&state).iter().all(|f| !f.contains(".tmp-")));
+    // Both images are whole; the pages files are gone from them.
+    for name in ["one", "two"] {
+        let r = w.json(&["images", "verify", name]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        let pages = std::fs::read_dir(state.join("images").join(name).join("criu"))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("pages-"))
+            .count();
+        assert_eq!(pages, 0, "{name}");
+    }
+
+    let r = w.json(&["hibernate", &p, "--image", "three"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let (good, bad) = checks(&out);
+    assert_eq!(bad, 0);
+    let r = w.json(&["wake", "three", "--wait", "30"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    wait_for(Duration::from_secs(60), || checks(&out).0 > good + 2);
+    assert_eq!(checks(&out).1, 0, "the memory came back intact");
+}
+
+#[test]
+fn a_criu_failure_mid_dump_with_the_follower_running_leaves_nothing() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    w.run_limit = Duration::from_secs(300);
+    let pid = w.workload(256, 0, &[]);
+    let p = pid.to_string();
+    let state = w.state_dir();
+    let seen = w.tmp.path().join("seen");
+    // A criu that writes more than a segment of pages, waits until the
+    // follower has staged chunks of it, and fails.
+    let fake = w.tmp.path().join("criu-fails");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version: 4.2.1'; exit 0; fi\n\
+             for a; do case $prev in --images-dir) d=$a;; esac; prev=$a; done\n\
+             head -c 300M /dev/urandom > \"$d/pages-1.img\"\n\
+             i=0; while [ $i -lt 1200 ]; do\n\
+               if find '{store}' -name '*.tmp-*' | grep -q .; then echo yes > '{seen}'; break; fi\n\
+               sleep 0.1; i=$((i+1)); done\n\
+             head -c 1M /dev/urandom >> \"$d/pages-1.img\"\n\
+             echo '(00.1) Error (criu/cr-dump.c:1): disk on fire' > \"$d/dump.log\"\nexit 1\n",
+            store = state.join("store").display(),
+            seen = seen.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let r = w.json(&["--criu", fake.to_str().unwrap(), "hibernate", &p, "--image", "x"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(r.stderr.contains("disk on fire"), "{}", r.stderr);
+    assert!(seen.exists(), "the follower staged chunks while the dump ran");
+    // Back as it was, no image, and not one chunk (named or temporary).
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+    w.assert_progressing(pid);
+    assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
+    assert_eq!(store_files(&state), Vec::<String>::new());
+    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
+}
+
+#[test]
+fn a_follower_that_fails_after_the_dump_undoes_the_hibernate() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(512, 0, &[]);
+    let p = pid.to_string();
+    let state = w.state_dir();
+    w.env_extra.push(("GPUSNAP_TEST_FOLLOW_FAIL_AFTER".into(), "0".into()));
+    let r = w.json(&["hibernate", &p, "--image", "x"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(r.stderr.contains("test hook"), "{}", r.stderr);
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+    w.assert_progressing(pid);
+    assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
+    assert_eq!(store_files(&state), Vec::<String>::new());
+    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
+    // Following off: the same hibernate, chunked after the dump as before.
+    w.env_extra.retain(|(k, _)| k != "GPUSNAP_TEST_FOLLOW_FAIL_AFTER");
+    w.env_extra.push(("GPUSNAP_FOLLOW".into(), "0".into()));
+    let r = w.json(&["hibernate", &p, "--image", "x"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["stages"]["follow_after_bytes"], 0);
+    w.reap(pid);
+    w.env_extra.clear();
+    let r = w.json(&["wake", "x", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    w.assert_progressing(pid);
+}
