@@ -12,7 +12,8 @@
 //! The tmpfs is used when `MemAvailable` minus the memory to dump (the
 //! tree's RSS, the CUDA checkpoint's host copy included) stays above a
 //! margin of max(25% of `MemTotal`, 8 GiB): at worst (a follower that
-//! cannot keep up) the whole dump sits in memory. `GPUSNAP_DUMP_TMPFS=0`
+//! cannot keep up) the whole dump sits in memory; and only when the tmpfs
+//! has room for the whole dump. `GPUSNAP_DUMP_TMPFS=0`
 //! forces the disk, `=1` the tmpfs; `GPUSNAP_DUMP_TMPFS_DIR` names the
 //! tmpfs (default `/dev/shm`). Each directory is
 //! `gpusnap-<pid>-<start time>-<random>` (mode 0700) and is removed in
@@ -112,6 +113,12 @@ pub fn choose(dump_bytes: u64) -> Option<TmpfsDump> {
             Some((total, avail)) if fits(total, avail, dump_bytes) => {}
             _ => return None,
         }
+        // A tmpfs with room for the whole dump (the worst case): a small
+        // one (a container's 64 MiB /dev/shm) would fail CRIU midway.
+        match tmpfs_room(&base) {
+            Some(room) if room >= dump_bytes => {}
+            _ => return None,
+        }
     }
     match create(&base) {
         Ok(d) => Some(d),
@@ -120,6 +127,16 @@ pub fn choose(dump_bytes: u64) -> Option<TmpfsDump> {
             None
         }
     }
+}
+
+/// The bytes free on `base` when it is a tmpfs; None when it is not (or
+/// cannot be looked at).
+fn tmpfs_room(base: &Path) -> Option<u64> {
+    let st = nix::sys::statfs::statfs(base).ok()?;
+    if st.filesystem_type() != nix::sys::statfs::TMPFS_MAGIC {
+        return None;
+    }
+    Some(st.blocks_available().saturating_mul(st.block_size() as u64))
 }
 
 fn self_start_time() -> u64 {
@@ -182,6 +199,14 @@ mod tests {
         assert!(fits(128 * g, 100 * g, 20 * g));
         assert!(!fits(128 * g, 50 * g, 20 * g));
         assert!(!fits(16 * g, 4 * g, 0));
+    }
+
+    #[test]
+    fn dev_shm_is_a_tmpfs_and_tmp_dirs_may_not_be() {
+        if Path::new(DEFAULT_BASE).exists() {
+            assert!(tmpfs_room(Path::new(DEFAULT_BASE)).is_some());
+        }
+        assert_eq!(tmpfs_room(Path::new("/proc")), None);
     }
 
     #[test]

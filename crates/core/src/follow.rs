@@ -26,7 +26,8 @@
 //! `fallocate(PUNCH_HOLE)` writes them out before it punches (0.96 s for
 //! 512 MiB), so either would spend the disk on bytes thrown away; doing
 //! nothing wrote none. `GPUSNAP_FOLLOW_PUNCH=1` punches each chunked
-//! segment out anyway (for measurements on other filesystems);
+//! segment out anyway (for measurements on other filesystems); a dump on a
+//! tmpfs ([`crate::dumpdir`]) always punches, which frees memory there;
 //! `GPUSNAP_FOLLOW=0` turns following off (the commit chunks the files
 //! after the dump, as before).
 
