@@ -45,7 +45,8 @@ use gpusnap_chunks::{ChunkRef, LocalStore, Staged, Stored, SEGMENT};
 /// Turns following off when "0".
 pub const FOLLOW_ENV: &str = "GPUSNAP_FOLLOW";
 /// Punches the chunked segments out of the pages files when "1" (off by
-/// default: see the module).
+/// default on a disk: see the module; on by default on a tmpfs, where "0"
+/// turns it off).
 pub const PUNCH_ENV: &str = "GPUSNAP_FOLLOW_PUNCH";
 /// Test hook: the follower fails once it has chunked this many segments.
 pub const FAIL_AFTER_ENV: &str = "GPUSNAP_TEST_FOLLOW_FAIL_AFTER";
@@ -165,7 +166,11 @@ impl Follower {
         let (end_tx, end_rx) = mpsc::channel::<bool>();
         let dir = image_dir.to_path_buf();
         let stop2 = stop.clone();
-        let punch = punch || std::env::var(PUNCH_ENV).is_ok_and(|v| v == "1");
+        let punch = match std::env::var(PUNCH_ENV).as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => punch,
+        };
         let fail_after: Option<u64> = std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.parse().ok());
         let handle = std::thread::Builder::new().name("gpusnap-follow".into()).spawn(move || {
             let mut r = follow(&dir, store, Settings { durable, segment, punch, fail_after }, stop2, &end_rx);

@@ -588,8 +588,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         };
         // From the tmpfs: CRIU's small files into the image, the pages
         // files the follower chunked left out (then the tmpfs is freed).
-        let dump_dir = if let Some(t) = tmpfs.take() {
-            let f = followed.as_mut().expect("a tmpfs dump always has a follower");
+        // (A tmpfs dump always has a follower: tmpfs is None without one.)
+        let dump_dir = if let (Some(t), Some(f)) = (tmpfs.take(), followed.as_mut()) {
             f.elsewhere = true;
             let chunked = |rel: &str| f.files.get(rel).is_some_and(|x| !x.stored.chunks.is_empty());
             if let Err(e) = t.copy_into(&pending.criu_dir(), &chunked) {
