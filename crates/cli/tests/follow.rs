@@ -215,6 +215,7 @@ fn a_dump_on_tmpfs_is_punched_as_chunked_wakes_intact_and_leaves_no_directory() 
     std::fs::create_dir_all(base.0.join(&live)).unwrap();
     w.env_extra.push(("GPUSNAP_DUMP_TMPFS".into(), "1".into()));
     w.env_extra.push(("GPUSNAP_DUMP_TMPFS_DIR".into(), base.0.display().to_string()));
+    w.env_extra.push(("GPUSNAP_FOLLOW_PUNCH".into(), "1".into()));
     let (pid, out) = holder(&mut w, 300);
     let p = pid.to_string();
     let state = w.state_dir();
@@ -249,6 +250,15 @@ fn a_dump_on_tmpfs_is_punched_as_chunked_wakes_intact_and_leaves_no_directory() 
     let r = w.json(&["snapshot", &p, "--image", "d"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.json()["stages"]["dump_dir"], "disk");
+    // The tmpfs without punching (the default): the same, nothing punched.
+    w.env_extra.retain(|(k, _)| k != "GPUSNAP_DUMP_TMPFS" && k != "GPUSNAP_FOLLOW_PUNCH");
+    w.env_extra.push(("GPUSNAP_DUMP_TMPFS".into(), "1".into()));
+    let r = w.json(&["snapshot", &p, "--image", "n"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["stages"]["dump_dir"], "tmpfs");
+    assert_eq!(r.json()["stages"]["follow_punched_bytes"], 0);
+    let r = w.json(&["images", "verify", "n"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(base.entries(), vec![live]);
 }
 

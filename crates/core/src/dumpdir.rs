@@ -4,10 +4,14 @@
 //! On a disk, CRIU's pages files are written back (dirty page cache) while
 //! the follower ([`crate::follow`]) turns them into chunks, which are
 //! written too: the disk carries the process's memory twice (measured on
-//! the H200 host, docs/benchmarks.md P7). On a tmpfs the follower punches
-//! each segment out once it is chunked, which frees its memory at once and
-//! writes nothing, so the tmpfs holds only the follower's lag behind CRIU;
-//! the small CRIU files are copied into the image directory after the dump.
+//! the H200 host, docs/benchmarks.md P7). On a tmpfs nothing of them is
+//! written; the small CRIU files are copied into the image directory after
+//! the dump and the tmpfs directory is removed once the follower is done.
+//! With `GPUSNAP_FOLLOW_PUNCH=1` the follower punches each segment out once
+//! it is chunked, which frees its memory at once (the tmpfs then holds only
+//! the follower's lag), but it made CRIU's dump twice as slow on a 2-core
+//! host (scripts/bench-dumpdir-cpu.sh), so it is off: the checks below
+//! leave room for the whole dump anyway.
 //!
 //! The tmpfs is used when `MemAvailable` minus the memory to dump (the
 //! tree's RSS, the CUDA checkpoint's host copy included) stays above a

@@ -26,8 +26,9 @@
 //! `fallocate(PUNCH_HOLE)` writes them out before it punches (0.96 s for
 //! 512 MiB), so either would spend the disk on bytes thrown away; doing
 //! nothing wrote none. `GPUSNAP_FOLLOW_PUNCH=1` punches each chunked
-//! segment out anyway (for measurements on other filesystems); a dump on a
-//! tmpfs ([`crate::dumpdir`]) always punches, which frees memory there;
+//! segment out anyway (for measurements on other filesystems; on a tmpfs,
+//! [`crate::dumpdir`], it frees the memory at once, but slowed CRIU's dump
+//! down twofold where measured);
 //! `GPUSNAP_FOLLOW=0` turns following off (the commit chunks the files
 //! after the dump, as before).
 
@@ -45,8 +46,7 @@ use gpusnap_chunks::{ChunkRef, LocalStore, Staged, Stored, SEGMENT};
 /// Turns following off when "0".
 pub const FOLLOW_ENV: &str = "GPUSNAP_FOLLOW";
 /// Punches the chunked segments out of the pages files when "1" (off by
-/// default on a disk: see the module; on by default on a tmpfs, where "0"
-/// turns it off).
+/// default: see the module and [`crate::dumpdir`]).
 pub const PUNCH_ENV: &str = "GPUSNAP_FOLLOW_PUNCH";
 /// Test hook: the follower fails once it has chunked this many segments.
 pub const FAIL_AFTER_ENV: &str = "GPUSNAP_TEST_FOLLOW_FAIL_AFTER";
@@ -142,12 +142,6 @@ impl Follower {
     /// staging their chunks in `store_root` (a [`LocalStore`]).
     pub fn start(image_dir: &Path, store_root: &Path, durable: bool) -> std::io::Result<Self> {
         Self::start_with(image_dir, store_root, durable, SEGMENT, false)
-    }
-
-    /// [`Self::start`] punching each chunked segment out of its pages file
-    /// (on a tmpfs, [`crate::dumpdir`]: that frees its memory at once).
-    pub fn start_punching(image_dir: &Path, store_root: &Path, durable: bool) -> std::io::Result<Self> {
-        Self::start_with(image_dir, store_root, durable, SEGMENT, true)
     }
 
     /// [`Self::start`] cutting by `segment` bytes (tests: [`SEGMENT`] is

@@ -481,12 +481,12 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let progress: &dyn Progress = self.progress();
         let store_root = images.state_dir().join("store");
         // CRIU writes to a tmpfs when the host has the memory (see
-        // crate::dumpdir); only with a follower, which punches out what it
-        // has chunked (without one the pages files would all be copied).
+        // crate::dumpdir); only with a follower (without one the pages
+        // files would all be copied).
         let mut tmpfs = if crate::follow::enabled() { crate::dumpdir::choose(expect) } else { None };
         let mut follower = None;
         if let Some(t) = &tmpfs {
-            match crate::follow::Follower::start_punching(t.dir(), &store_root, opts.durable) {
+            match crate::follow::Follower::start(t.dir(), &store_root, opts.durable) {
                 Ok(f) => follower = Some(f),
                 Err(e) => tracing::warn!("chunking while CRIU dumps: {e}"),
             }
