@@ -247,7 +247,8 @@ v = {"commit_ms": st.get("commit"), "criu_freezing_ms": c.get("freezing_ms"), "c
      "criu_memdump_ms": c.get("memdump_ms"), "criu_drain_ms": c.get("drain_ms"), "criu_memwrite_ms": c.get("memwrite_ms"),
      "criu_pages_written": c.get("pages_written"), "criu_pages_scanned": c.get("pages_scanned"),
      "follow_overlapped_bytes": st.get("follow_overlapped_bytes"), "follow_after_bytes": st.get("follow_after_bytes"),
-     "follow_finish_ms": st.get("follow_finish"), "follow_punched_bytes": st.get("follow_punched_bytes")}
+     "follow_finish_ms": st.get("follow_finish"), "follow_punched_bytes": st.get("follow_punched_bytes"),
+     "dump_tmpfs": {"tmpfs": 1, "disk": 0}.get(st.get("dump_dir"))}
 print(" ".join(f"{k}={x}" for k, x in v.items() if isinstance(x, (int, float)) and not isinstance(x, bool)))
 PY
 }

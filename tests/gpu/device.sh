@@ -151,6 +151,7 @@ host_info() {
     HOST_DRIVER=$(timeout 30 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>&1 | head -n 1)
     say "nvidia-smi -L: $HOST_GPUS"
     say "driver: $HOST_DRIVER; kernel $(uname -r); $(awk '/^MemTotal:/ { printf "host memory %.0f GiB", $2 / 1048576 }' /proc/meminfo)"
+    say "dump tmpfs (GPUSNAP_DUMP_TMPFS_DIR, default /dev/shm): $(df -h --output=fstype,size,avail "${GPUSNAP_DUMP_TMPFS_DIR:-/dev/shm}" 2>&1 | tail -n 1)"
     say "compute apps now: $(timeout 30 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1 | tr '\n' ';')"
     say "disk: $(df -P -h /tmp | awk 'NR == 2 { print $1 " " $2 " size, " $4 " free on /tmp" }')"
     say "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"

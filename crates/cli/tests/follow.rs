@@ -172,3 +172,127 @@ fn a_follower_that_fails_after_the_dump_undoes_the_hibernate() {
     w.adopt(pid);
     w.assert_progressing(pid);
 }
+
+/// A tmpfs base of this test's own under /dev/shm (removed at the end).
+struct ShmBase(std::path::PathBuf);
+
+impl ShmBase {
+    fn new(tag: &str) -> Self {
+        let p = Path::new("/dev/shm").join(format!("gpusnap-test-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+
+    fn entries(&self) -> Vec<String> {
+        std::fs::read_dir(&self.0)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+}
+
+impl Drop for ShmBase {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn a_dump_on_tmpfs_is_punched_as_chunked_wakes_intact_and_leaves_no_directory() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    w.run_limit = Duration::from_secs(300);
+    let base = ShmBase::new("ok");
+    // A directory left by a gpusnap that is gone (a pid above pid_max),
+    // and one of a live gpusnap (this test's own pid and start time).
+    let dead = base.0.join(format!("gpusnap-{}-1-0123", i32::MAX));
+    std::fs::create_dir_all(dead.join("criu")).unwrap();
+    let me = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let start = me.rsplit(')').next().unwrap().split_whitespace().nth(19).unwrap().to_string();
+    let live = format!("gpusnap-{}-{start}-4567", std::process::id());
+    std::fs::create_dir_all(base.0.join(&live)).unwrap();
+    w.env_extra.push(("GPUSNAP_DUMP_TMPFS".into(), "1".into()));
+    w.env_extra.push(("GPUSNAP_DUMP_TMPFS_DIR".into(), base.0.display().to_string()));
+    w.env_extra.push(("GPUSNAP_FOLLOW_PUNCH".into(), "1".into()));
+    let (pid, out) = holder(&mut w, 300);
+    let p = pid.to_string();
+    let state = w.state_dir();
+    let r = w.json(&["hibernate", &p, "--image", "t"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let s = &r.json()["stages"];
+    assert_eq!(s["dump_dir"], "tmpfs", "{s}");
+    assert!(s["follow_punched_bytes"].as_u64().unwrap() >= 256 << 20, "{s}");
+    assert_eq!(base.entries(), vec![live.clone()], "the dead one removed, the live one kept, ours gone");
+    // CRIU's small files are in the image, its pages files are not.
+    let names: Vec<String> = std::fs::read_dir(state.join("images").join("t").join("criu"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().any(|n| n.starts_with("core-")), "{names:?}");
+    assert!(!names.iter().any(|n| n.starts_with("pages-")), "{names:?}");
+    let r = w.json(&["images", "verify", "t"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let (good, bad) = checks(&out);
+    assert_eq!(bad, 0);
+    let r = w.json(&["wake", "t", "--wait", "30"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    wait_for(Duration::from_secs(60), || checks(&out).0 > good + 2);
+    assert_eq!(checks(&out).1, 0, "the memory came back intact");
+    // Forced off: the disk, as before.
+    w.env_extra.retain(|(k, _)| k != "GPUSNAP_DUMP_TMPFS");
+    w.env_extra.push(("GPUSNAP_DUMP_TMPFS".into(), "0".into()));
+    let r = w.json(&["snapshot", &p, "--image", "d"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["stages"]["dump_dir"], "disk");
+    // The tmpfs without punching (the default): the same, nothing punched.
+    w.env_extra.retain(|(k, _)| k != "GPUSNAP_DUMP_TMPFS" && k != "GPUSNAP_FOLLOW_PUNCH");
+    w.env_extra.push(("GPUSNAP_DUMP_TMPFS".into(), "1".into()));
+    let r = w.json(&["snapshot", &p, "--image", "n"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["stages"]["dump_dir"], "tmpfs");
+    assert_eq!(r.json()["stages"]["follow_punched_bytes"], 0);
+    let r = w.json(&["images", "verify", "n"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(base.entries(), vec![live]);
+}
+
+#[test]
+fn a_criu_failure_on_tmpfs_leaves_no_directory() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let base = ShmBase::new("fail");
+    w.env_extra.push(("GPUSNAP_DUMP_TMPFS".into(), "1".into()));
+    w.env_extra.push(("GPUSNAP_DUMP_TMPFS_DIR".into(), base.0.display().to_string()));
+    let pid = w.workload(256, 0, &[]);
+    let p = pid.to_string();
+    let state = w.state_dir();
+    let seen = w.tmp.path().join("seen");
+    let fake = w.tmp.path().join("criu-fails");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version: 4.2.1'; exit 0; fi\n\
+         for a; do case $prev in --images-dir) d=$a;; esac; prev=$a; done\n\
+         echo \"$d\" > {seen}\n\
+         head -c 3M /dev/urandom > \"$d/pages-1.img\"\n\
+         echo '(00.1) Error (criu/cr-dump.c:1): tmpfs on fire' > \"$d/dump.log\"\nexit 1\n"
+            .replace("{seen}", &seen.display().to_string()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let r = w.json(&["--criu", fake.to_str().unwrap(), "hibernate", &p, "--image", "x"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(r.stderr.contains("tmpfs on fire"), "{}", r.stderr);
+    let used = std::fs::read_to_string(&seen).unwrap();
+    assert!(used.starts_with(&format!("{}/gpusnap-", base.0.display())), "{used}");
+    assert_eq!(base.entries(), Vec::<String>::new());
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+    w.assert_progressing(pid);
+    assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
+    assert_eq!(store_files(&state), Vec::<String>::new());
+}

@@ -26,7 +26,9 @@
 //! `fallocate(PUNCH_HOLE)` writes them out before it punches (0.96 s for
 //! 512 MiB), so either would spend the disk on bytes thrown away; doing
 //! nothing wrote none. `GPUSNAP_FOLLOW_PUNCH=1` punches each chunked
-//! segment out anyway (for measurements on other filesystems);
+//! segment out anyway (for measurements on other filesystems; on a tmpfs,
+//! [`crate::dumpdir`], it frees the memory at once, but slowed CRIU's dump
+//! down twofold where measured);
 //! `GPUSNAP_FOLLOW=0` turns following off (the commit chunks the files
 //! after the dump, as before).
 
@@ -44,7 +46,7 @@ use gpusnap_chunks::{ChunkRef, LocalStore, Staged, Stored, SEGMENT};
 /// Turns following off when "0".
 pub const FOLLOW_ENV: &str = "GPUSNAP_FOLLOW";
 /// Punches the chunked segments out of the pages files when "1" (off by
-/// default: see the module).
+/// default: see the module and [`crate::dumpdir`]).
 pub const PUNCH_ENV: &str = "GPUSNAP_FOLLOW_PUNCH";
 /// Test hook: the follower fails once it has chunked this many segments.
 pub const FAIL_AFTER_ENV: &str = "GPUSNAP_TEST_FOLLOW_FAIL_AFTER";
@@ -88,6 +90,10 @@ pub struct Followed {
     /// The store's shared lock, held from the first chunk staged until the
     /// manifest that refers to them is in place (`images gc` waits).
     pub lock: Option<gpusnap_chunks::StoreLock>,
+    /// The pages files were followed outside the image directory (a tmpfs,
+    /// [`crate::dumpdir`]) and are not copied into it: the commit takes
+    /// them from here alone.
+    pub elsewhere: bool,
 }
 
 impl Followed {
@@ -135,7 +141,7 @@ impl Follower {
     /// Starts following the pages files that appear in `image_dir/criu`,
     /// staging their chunks in `store_root` (a [`LocalStore`]).
     pub fn start(image_dir: &Path, store_root: &Path, durable: bool) -> std::io::Result<Self> {
-        Self::start_with(image_dir, store_root, durable, SEGMENT)
+        Self::start_with(image_dir, store_root, durable, SEGMENT, false)
     }
 
     /// [`Self::start`] cutting by `segment` bytes (tests: [`SEGMENT`] is
@@ -145,6 +151,7 @@ impl Follower {
         store_root: &Path,
         durable: bool,
         segment: usize,
+        punch: bool,
     ) -> std::io::Result<Self> {
         let store =
             LocalStore::open(store_root.to_path_buf()).map_err(|e| std::io::Error::other(e.to_string()))?;
@@ -153,7 +160,11 @@ impl Follower {
         let (end_tx, end_rx) = mpsc::channel::<bool>();
         let dir = image_dir.to_path_buf();
         let stop2 = stop.clone();
-        let punch = std::env::var(PUNCH_ENV).is_ok_and(|v| v == "1");
+        let punch = match std::env::var(PUNCH_ENV).as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => punch,
+        };
         let fail_after: Option<u64> = std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.parse().ok());
         let handle = std::thread::Builder::new().name("gpusnap-follow".into()).spawn(move || {
             let mut r = follow(&dir, store, Settings { durable, segment, punch, fail_after }, stop2, &end_rx);
@@ -500,7 +511,7 @@ mod tests {
         let segment = 2 << 20;
         let a = noise((9 << 20) + 12345, 7);
         let b = noise(3 << 20, 9);
-        let f = Follower::start_with(&img, &store_root, false, segment).unwrap();
+        let f = Follower::start_with(&img, &store_root, false, segment, false).unwrap();
         // "CRIU": two pages files written in odd-sized appends.
         for (name, data) in [("pages-1.img", &a), ("pages-2.img", &b)] {
             let mut w = std::fs::File::create(img.join("criu").join(name)).unwrap();
@@ -545,7 +556,7 @@ mod tests {
         std::fs::create_dir_all(img.join("criu")).unwrap();
         let store_root = tmp.path().join("store");
         let segment = 1 << 20;
-        let f = Follower::start_with(&img, &store_root, false, segment).unwrap();
+        let f = Follower::start_with(&img, &store_root, false, segment, false).unwrap();
         std::fs::write(img.join("criu").join("pages-1.img"), noise(5 << 20, 3)).unwrap();
         // Until some of it is staged.
         let chunks = store_root.join("chunks");

@@ -78,6 +78,9 @@ pub struct HibernateStages {
     pub follow_after_bytes: u64,
     pub follow_finish: u64,
     pub follow_punched_bytes: u64,
+    /// Where CRIU wrote its images: "tmpfs" (the pages files never reach
+    /// the disk, [`crate::dumpdir`]) or "disk".
+    pub dump_dir: &'static str,
 }
 
 /// One image of a wake, verified and checked, not yet restored.
@@ -475,17 +478,30 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // running) until the image is safe.
         let t_dump = Instant::now();
         let expect: u64 = tree.iter().filter_map(|(p, _)| target::rss_bytes(*p)).sum();
-        let criu_dir = pending.criu_dir();
         let progress: &dyn Progress = self.progress();
+        let store_root = images.state_dir().join("store");
+        // CRIU writes to a tmpfs when the host has the memory (see
+        // crate::dumpdir); only with a follower (without one the pages
+        // files would all be copied).
+        let mut tmpfs = if crate::follow::enabled() { crate::dumpdir::choose(expect) } else { None };
+        let mut follower = None;
+        if let Some(t) = &tmpfs {
+            match crate::follow::Follower::start(t.dir(), &store_root, opts.durable) {
+                Ok(f) => follower = Some(f),
+                Err(e) => tracing::warn!("chunking while CRIU dumps: {e}"),
+            }
+        }
+        if follower.is_none() {
+            tmpfs = None;
+        }
+        let criu_dir = tmpfs.as_ref().map_or_else(|| pending.criu_dir(), |t| t.criu_dir());
         // The pages files are chunked as CRIU writes them. A follower that
         // cannot start costs only the overlap: the commit chunks them.
-        let follower = if crate::follow::enabled() {
-            crate::follow::Follower::start(&pending.dir, &images.state_dir().join("store"), opts.durable)
+        if tmpfs.is_none() && crate::follow::enabled() {
+            follower = crate::follow::Follower::start(&pending.dir, &store_root, opts.durable)
                 .map_err(|e| tracing::warn!("chunking while CRIU dumps: {e}"))
-                .ok()
-        } else {
-            None
-        };
+                .ok();
+        }
         let dumped = observe(
             progress,
             &format!("dump {root}"),
@@ -498,7 +514,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 // is left to flush at the end.
                 let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
                 std::thread::scope(|s| {
-                    if opts.durable {
+                    if opts.durable && tmpfs.is_none() {
                         let dir = criu_dir.clone();
                         s.spawn(move || {
                             while done_rx.recv_timeout(Duration::from_millis(250))
@@ -522,6 +538,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             // CRIU leaves the tree running when a dump fails. Its log is
             // kept outside the partial image, which is removed.
             let e = e.keep_log(images.state_dir(), &format!("dump-{name}"));
+            drop(tmpfs);
             return Err(undo(self, e.into()));
         }
         // The tree as CRIU dumped it: it is stopped now (or, left running,
@@ -556,7 +573,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
         // 3. Manifest and checksums, then the rename that makes it an image.
         let t_write = Instant::now();
-        let followed = match follower.map(|f| f.finish()) {
+        let mut followed = match follower.map(|f| f.finish()) {
             Some(Ok(f)) => Some(f),
             Some(Err(e)) => {
                 let err = Error::Image(crate::image::ImageError::Io {
@@ -564,9 +581,33 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     op: "chunk the pages files".into(),
                     err: std::io::Error::other(e),
                 });
+                drop(tmpfs);
                 return Err(undo(self, err));
             }
             None => None,
+        };
+        // From the tmpfs: CRIU's small files into the image, the pages
+        // files the follower chunked left out (then the tmpfs is freed).
+        // (A tmpfs dump always has a follower: tmpfs is None without one.)
+        let dump_dir = if let (Some(t), Some(f)) = (tmpfs.take(), followed.as_mut()) {
+            f.elsewhere = true;
+            let chunked = |rel: &str| f.files.get(rel).is_some_and(|x| !x.stored.chunks.is_empty());
+            if let Err(e) = t.copy_into(&pending.criu_dir(), &chunked) {
+                if let Some(f) = followed {
+                    if let Ok(store) = gpusnap_chunks::LocalStore::open(store_root.clone()) {
+                        f.abandon(&store);
+                    }
+                }
+                let err = Error::Image(crate::image::ImageError::Io {
+                    name: name.clone(),
+                    op: "copy CRIU's files from the tmpfs".into(),
+                    err: e,
+                });
+                return Err(undo(self, err));
+            }
+            "tmpfs"
+        } else {
+            "disk"
         };
         let fstats = followed.as_ref().map(|f| f.stats).unwrap_or_default();
         let mut procs = Vec::new();
@@ -674,6 +715,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     follow_after_bytes: fstats.after_bytes,
                     follow_finish: fstats.finish_ms,
                     follow_punched_bytes: fstats.punched_bytes,
+                    dump_dir,
                 },
                 criu_stats,
             },

@@ -412,9 +412,9 @@ impl PendingImage {
         mut on_bytes: impl FnMut(u64),
     ) -> Result<Manifest, ImageError> {
         let name = self.name.clone();
-        let (mut followed, _follow_lock) = match followed {
-            Some(f) => (f.files, f.lock),
-            None => (BTreeMap::new(), None),
+        let (mut followed, _follow_lock, elsewhere) = match followed {
+            Some(f) => (f.files, f.lock, f.elsewhere),
+            None => (BTreeMap::new(), None, false),
         };
         // The flush to disk runs while the files are hashed (one is disk
         // bound, the other CPU bound); both end before the rename.
@@ -478,6 +478,16 @@ impl PendingImage {
             }
             staged.extend(st.staged);
             m.files.push(FileDesc { path: rs, size, blake3: hash, chunks: st.chunks });
+        }
+        if elsewhere {
+            // Followed on a tmpfs and never copied here (crate::dumpdir):
+            // the manifest lists them in the order of the files here.
+            for (rs, f) in std::mem::take(&mut followed) {
+                on_bytes(f.size);
+                staged.extend(f.stored.staged);
+                m.files.push(FileDesc { path: rs, size: f.size, blake3: f.blake3, chunks: f.stored.chunks });
+            }
+            m.files.sort_by(|a, b| Path::new(&a.path).cmp(Path::new(&b.path)));
         }
         if let Some(rs) = followed.keys().next() {
             // A pages file followed and then gone: not CRIU's doing.

@@ -4,6 +4,7 @@ pub mod chunksrc;
 pub mod compat;
 pub mod criu;
 pub mod doctor;
+pub mod dumpdir;
 pub mod engine;
 pub mod error;
 pub mod follow;
