@@ -1,6 +1,8 @@
-//! A page server that fails in the middle of a wake (its own binary: the
-//! failure is injected through the environment, which the tests of one
-//! binary share).
+//! A page server that fails in the middle of a wake. The failure is
+//! injected through the environment of each gpusnap the test runs
+//! (`World::env_extra`), never the test binary's own: its tests run in
+//! parallel threads that share one environment, so a process-wide
+//! variable made the other test's retry fail too (seen in CI).
 
 mod common;
 
@@ -19,9 +21,9 @@ fn a_page_server_failing_mid_wake_ends_the_tree_and_keeps_the_image() {
     wait_for(Duration::from_secs(10), || !pid_exists(pid));
 
     // Once its first pages are in, the page server fails.
-    std::env::set_var("GPUSNAP_PAGES_FAIL_AFTER", "4096");
+    w.env_extra.push(("GPUSNAP_PAGES_FAIL_AFTER".into(), "4096".into()));
     let r = w.json(&["wake", "x", "--no-guard", "--wait", "10"]);
-    std::env::remove_var("GPUSNAP_PAGES_FAIL_AFTER");
+    w.env_extra.retain(|(k, _)| k != "GPUSNAP_PAGES_FAIL_AFTER");
     assert_eq!(r.code, 1, "{}", r.stderr);
     assert_eq!(r.json()["error"]["kind"], "pages", "{}", r.stdout);
     // The woken tree was ended (suspended first when it was back on the GPU).
