@@ -580,17 +580,6 @@ impl LocalStore {
         scratch: &mut Scratch,
         checked: bool,
     ) -> Result<bool, ChunkError> {
-        self.read_chunk(hash, size, out, scratch, checked)
-    }
-
-    fn read_chunk(
-        &self,
-        hash: &str,
-        size: u64,
-        out: &mut Vec<u8>,
-        scratch: &mut Scratch,
-        checked: bool,
-    ) -> Result<bool, ChunkError> {
         use std::os::unix::fs::FileExt;
         let corrupt = |why: &str| ChunkError::Corrupt { hash: hash.into(), why: why.into() };
         if !valid_hash(hash) {

@@ -55,6 +55,20 @@ fn checks(out: &Path) -> (usize, usize) {
     (s.lines().filter(|l| l.ends_with(" ok")).count(), s.lines().filter(|l| l.ends_with(" bad")).count())
 }
 
+/// The holder `pid`, hibernated as `image`, ended, then woken: it goes on
+/// checking its memory and every check after the wake passes.
+fn wake_intact(w: &mut World, pid: i32, image: &str, out: &Path) {
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let (good, bad) = checks(out);
+    assert_eq!(bad, 0);
+    let r = w.json(&["wake", image, "--wait", "30"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    wait_for(Duration::from_secs(60), || checks(out).0 > good + 2);
+    assert_eq!(checks(out).1, 0, "the memory came back intact");
+}
+
 #[test]
 fn memory_larger_than_a_segment_is_followed_deduplicated_and_wakes_intact() {
     criu_present();
@@ -91,15 +105,7 @@ fn memory_larger_than_a_segment_is_followed_deduplicated_and_wakes_intact() {
 
     let r = w.json(&["hibernate", &p, "--image", "three"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
-    w.reap(pid);
-    wait_for(Duration::from_secs(10), || !pid_exists(pid));
-    let (good, bad) = checks(&out);
-    assert_eq!(bad, 0);
-    let r = w.json(&["wake", "three", "--wait", "30"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
-    wait_for(Duration::from_secs(60), || checks(&out).0 > good + 2);
-    assert_eq!(checks(&out).1, 0, "the memory came back intact");
+    wake_intact(&mut w, pid, "three", &out);
 }
 
 #[test]
@@ -235,15 +241,7 @@ fn a_dump_on_tmpfs_is_punched_as_chunked_wakes_intact_and_leaves_no_directory() 
     assert!(!names.iter().any(|n| n.starts_with("pages-")), "{names:?}");
     let r = w.json(&["images", "verify", "t"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
-    w.reap(pid);
-    wait_for(Duration::from_secs(10), || !pid_exists(pid));
-    let (good, bad) = checks(&out);
-    assert_eq!(bad, 0);
-    let r = w.json(&["wake", "t", "--wait", "30"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
-    wait_for(Duration::from_secs(60), || checks(&out).0 > good + 2);
-    assert_eq!(checks(&out).1, 0, "the memory came back intact");
+    wake_intact(&mut w, pid, "t", &out);
     // Forced off: the disk, as before.
     w.env_extra.retain(|(k, _)| k != "GPUSNAP_DUMP_TMPFS");
     w.env_extra.push(("GPUSNAP_DUMP_TMPFS".into(), "0".into()));
