@@ -4,24 +4,8 @@
 mod common;
 
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
-
-const MEM: &str = include_str!("lazy_mem.py");
-
-/// A python process with `mib` MiB in each of four regions; returns its
-/// pid and the path its files start with.
-fn mem_proc(w: &mut World, tag: &str, mib: u64) -> (i32, PathBuf) {
-    let out = w.state_dir().with_file_name(format!("mem-{tag}"));
-    let i = w.spawn_env("python3", &["-c", MEM, out.to_str().unwrap(), &mib.to_string()]);
-    let pid = w.child_pid(i);
-    wait_for(Duration::from_secs(60), || out.with_extension("before").exists() && out.exists());
-    (pid, out)
-}
-
-fn read(p: &Path, ext: &str) -> String {
-    std::fs::read_to_string(p.with_extension(ext)).unwrap_or_default().trim().to_string()
-}
 
 /// Asks the woken process to fork, remap, unmap and remove, then checks
 /// that it read every byte as it was.
@@ -29,9 +13,9 @@ fn check_memory(out: &Path) {
     let _ = std::fs::remove_file(out.with_extension("after"));
     std::fs::write(out.with_extension("go"), "").unwrap();
     wait_for(Duration::from_secs(60), || out.with_extension("after").exists());
-    let before = read(out, "before");
-    assert_eq!(read(out, "after"), before, "memory after the wake (A, moved B, C, D half removed)");
-    assert_eq!(read(out, "child"), before.split(' ').next().unwrap(), "a child forked during the wake");
+    let before = read_ext(out, "before");
+    assert_eq!(read_ext(out, "after"), before, "memory after the wake (A, moved B, C, D half removed)");
+    assert_eq!(read_ext(out, "child"), before.split(' ').next().unwrap(), "a child forked during the wake");
 }
 
 fn hibernate(w: &World, pid: i32, image: &str) {
@@ -59,9 +43,9 @@ fn a_lazy_wake_serves_every_page_through_fork_remap_unmap_and_remove() {
         assert!(v["stages"][stage].is_u64(), "{stage} in {v}");
     }
     wait_for(Duration::from_secs(60), || out.with_extension("after").exists());
-    let before = read(&out, "before");
-    assert_eq!(read(&out, "after"), before);
-    assert_eq!(read(&out, "child"), before.split(' ').next().unwrap());
+    let before = read_ext(&out, "before");
+    assert_eq!(read_ext(&out, "after"), before);
+    assert_eq!(read_ext(&out, "child"), before.split(' ').next().unwrap());
     // And once more, now that every page is in place.
     check_memory(&out);
     w.kill(pid);
@@ -116,9 +100,9 @@ fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
     assert!(p["faults"].as_u64().unwrap() >= p["faults_in_flight"].as_u64().unwrap(), "{v}");
     assert!(p["restore_done_ms"].is_u64() && p["last_page_ms"].is_u64() && p["fill_gbps"].is_f64(), "{v}");
     wait_for(Duration::from_secs(60), || out.with_extension("after").exists());
-    let before = read(&out, "before");
-    assert_eq!(read(&out, "after"), before);
-    assert_eq!(read(&out, "child"), before.split(' ').next().unwrap());
+    let before = read_ext(&out, "before");
+    assert_eq!(read_ext(&out, "after"), before);
+    assert_eq!(read_ext(&out, "child"), before.split(' ').next().unwrap());
     check_memory(&out);
     w.kill(pid);
 

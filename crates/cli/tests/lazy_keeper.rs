@@ -5,31 +5,16 @@
 mod common;
 
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
-
-const MEM: &str = include_str!("lazy_mem.py");
-
-/// A python process with `mib` MiB in each of four regions (lazy_mem.py).
-fn mem_proc(w: &mut World, tag: &str, mib: u64) -> (i32, PathBuf) {
-    let out = w.state_dir().with_file_name(format!("mem-{tag}"));
-    let i = w.spawn_env("python3", &["-c", MEM, out.to_str().unwrap(), &mib.to_string()]);
-    let pid = w.child_pid(i);
-    wait_for(Duration::from_secs(60), || out.with_extension("before").exists() && out.exists());
-    (pid, out)
-}
-
-fn read(p: &Path, ext: &str) -> String {
-    std::fs::read_to_string(p.with_extension(ext)).unwrap_or_default().trim().to_string()
-}
 
 /// Waits for what the process read after OUT.go, and compares it with what
 /// it held before the hibernate (the child forked during the wake too).
 fn assert_memory_intact(out: &Path) {
     wait_for(Duration::from_secs(90), || out.with_extension("after").exists());
-    let before = read(out, "before");
-    assert_eq!(read(out, "after"), before, "memory after the wake (A, moved B, C, D half removed)");
-    assert_eq!(read(out, "child"), before.split(' ').next().unwrap(), "a child forked during the wake");
+    let before = read_ext(out, "before");
+    assert_eq!(read_ext(out, "after"), before, "memory after the wake (A, moved B, C, D half removed)");
+    assert_eq!(read_ext(out, "child"), before.split(' ').next().unwrap(), "a child forked during the wake");
 }
 
 /// The keepers of this world's wakes that are running (their command

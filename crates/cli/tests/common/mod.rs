@@ -636,3 +636,21 @@ pub fn corrupt_pages_chunk(state_dir: &Path, image: &str, spare: &[&str]) -> (Pa
     std::fs::write(&p, &bad).unwrap();
     (p, good)
 }
+
+/// The memory workload of the lazy-wake tests (`lazy_mem.py`).
+pub const LAZY_MEM: &str = include_str!("../lazy_mem.py");
+
+/// A python process with `mib` MiB in each of four regions (lazy_mem.py);
+/// returns its pid and the path its files start with.
+pub fn mem_proc(w: &mut World, tag: &str, mib: u64) -> (i32, PathBuf) {
+    let out = w.state_dir().with_file_name(format!("mem-{tag}"));
+    let i = w.spawn_env("python3", &["-c", LAZY_MEM, out.to_str().unwrap(), &mib.to_string()]);
+    let pid = w.child_pid(i);
+    wait_for(Duration::from_secs(60), || out.with_extension("before").exists() && out.exists());
+    (pid, out)
+}
+
+/// What a lazy_mem.py process wrote to `p` with extension `ext`, trimmed.
+pub fn read_ext(p: &Path, ext: &str) -> String {
+    std::fs::read_to_string(p.with_extension(ext)).unwrap_or_default().trim().to_string()
+}
