@@ -69,7 +69,8 @@ fn a_cuda_process_hibernates_and_wakes_with_its_data() {
     assert_eq!(r.json()["resumed"][0], pid);
     w.assert_progressing(pid);
     assert_eq!(w.json(&["state", &p]).json()["state"], "running");
-    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
+    // A lazy wake asks for the restore thread first (crate::rescue).
+    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "get_restore_tid=0", "restore=0", "unlock=0"]);
     let r = w.json(&["stop", &p, "--grace", "2"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.json()["results"][0]["suspended"], true);
@@ -101,7 +102,11 @@ fn a_tree_of_two_cuda_processes_hibernates_and_wakes_together() {
     let n = read_status(&kid_status).unwrap().1;
     wait_for(Duration::from_secs(20), || read_status(&kid_status).is_some_and(|s| s.1 > n + 2 && s.2));
     for p in [pid, kid] {
-        assert_eq!(w.calls_on(p), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"], "{p}");
+        assert_eq!(
+            w.calls_on(p),
+            ["lock=0", "checkpoint=0", "get_restore_tid=0", "restore=0", "unlock=0"],
+            "{p}"
+        );
     }
     let r = w.json(&["stop", "--tree", &pid.to_string(), "--grace", "2"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
@@ -574,7 +579,7 @@ fn an_image_whose_pages_are_files_verifies_and_import_makes_them_chunks() {
 }
 
 #[test]
-fn a_corrupted_chunk_of_a_cuda_image_is_refused_before_any_driver_restore() {
+fn a_corrupted_chunk_of_a_cuda_image_is_refused_before_any_process_runs() {
     criu_present();
     let mut w = World::new(&[16_384]);
     // Its expected data in anonymous memory: most of its pages are served
@@ -584,9 +589,12 @@ fn a_corrupted_chunk_of_a_cuda_image_is_refused_before_any_driver_restore() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.reap(pid);
     wait_for(Duration::from_secs(10), || !pid_exists(pid));
-    // Every chunk of a CUDA image is checked before any driver restore (in
-    // the background of a lazy restore, or before an eager one): a driver
-    // restore must never wait on a page whose chunk will not come.
+    // Every chunk of a CUDA image is checked before its process runs: in
+    // the background of a lazy restore, the driver's restore reading only
+    // chunks the page server checked and the unlock waiting for the whole
+    // image; before an eager restore. A driver restore that met the bad
+    // chunk is let run to its end on zero pages with the process's other
+    // threads stopped, then checkpointed again (crate::rescue).
     let (chunk, good) = corrupt_pages_chunk(&w.state_dir(), "gpu", &[]);
     for eager in [false, true] {
         let mut args = vec!["wake", "gpu", "--wait", "10"];
@@ -597,14 +605,17 @@ fn a_corrupted_chunk_of_a_cuda_image_is_refused_before_any_driver_restore() {
         assert_eq!(r.code, 2, "eager {eager}: {}", r.stderr);
         assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
         assert_eq!(r.json()["error"]["kind"], "image_invalid", "{}", r.stdout);
-        // What CRIU restored was ended, its CUDA state never restored.
+        // What CRIU restored was ended, its CUDA state never unlocked: a
+        // restore that ran was followed by a checkpoint.
         wait_for(Duration::from_secs(20), || !pid_exists(pid));
         assert!(!pid_exists(pid), "nothing was left running");
         let calls = w.calls_on(pid);
-        assert!(
-            !calls.iter().any(|c| c.starts_with("restore")),
-            "the driver was asked to restore: {calls:?}"
-        );
+        let after = calls.iter().skip(2).cloned().collect::<Vec<_>>();
+        assert!(!after.iter().any(|c| c.starts_with("unlock")), "the process was unlocked: {calls:?}");
+        if let Some(i) = after.iter().position(|c| c == "restore=0") {
+            assert_eq!(after.get(i + 1).map(String::as_str), Some("checkpoint=0"), "{calls:?}");
+        }
+        assert!(!eager || !after.iter().any(|c| c.starts_with("restore")), "eager: {calls:?}");
         // Lazy: CRIU restored the tree while the chunks were checked.
         let criu_ran = std::fs::read_dir(w.state_dir().join("logs"))
             .unwrap()
@@ -619,7 +630,7 @@ fn a_corrupted_chunk_of_a_cuda_image_is_refused_before_any_driver_restore() {
     let v = r.json();
     assert_eq!(v["lazy"], true, "{v}");
     // The chunks were checked in the background, to the end before the
-    // driver's restore.
+    // unlock.
     let st = &v["stages"];
     assert!(st["verify_background"].is_u64() && st["verify_wait"].is_u64(), "{v}");
     assert!(st["verify_wait"].as_u64() <= st["verify_background"].as_u64(), "{v}");

@@ -121,18 +121,22 @@ impl Shared {
     fn note(&self, e: &ImageError) {
         if let Ok(mut b) = self.bad.lock() {
             if b.is_none() {
-                *b = Some(match e {
-                    ImageError::Corrupt { name, why } => {
-                        ImageError::Corrupt { name: name.clone(), why: why.clone() }
-                    }
-                    other => ImageError::Io {
-                        name: self.image.clone(),
-                        op: "read chunks".into(),
-                        err: io::Error::other(other.to_string()),
-                    },
-                });
+                *b = Some(copy_of(&self.image, e));
             }
         }
+    }
+}
+
+/// `e` as the wake's error ([`Bad`]): a corrupt chunk as it is, anything
+/// else as a failed read of the image's chunks.
+fn copy_of(image: &str, e: &ImageError) -> ImageError {
+    match e {
+        ImageError::Corrupt { name, why } => ImageError::Corrupt { name: name.clone(), why: why.clone() },
+        other => ImageError::Io {
+            name: image.to_string(),
+            op: "read chunks".into(),
+            err: io::Error::other(other.to_string()),
+        },
     }
 }
 
@@ -459,7 +463,7 @@ pub fn bench_file_verifying(
     path: &str,
     chunks: &[ChunkRef],
     store: LocalStore,
-) -> (Arc<dyn PagesFile>, BenchVerify) {
+) -> (Arc<dyn PagesFile>, PendingVerify) {
     let shared = Arc::new(Shared {
         image: image.into(),
         store: Arc::new(store),
@@ -470,14 +474,15 @@ pub fn bench_file_verifying(
     });
     let f = Arc::new(ChunkedFile::new(path, chunks, shared, false));
     let v = spawn_verify(std::slice::from_ref(&f), Arc::new(AtomicBool::new(false)));
-    (f, BenchVerify(v))
+    (f, PendingVerify(v))
 }
 
-/// The background verify of [`bench_file_verifying`].
-#[doc(hidden)]
-pub struct BenchVerify(Verify);
+/// A background verify still running ([`Workdir::take_verify`],
+/// [`bench_file_verifying`]).
+pub struct PendingVerify(Verify);
 
-impl BenchVerify {
+impl PendingVerify {
+    /// Waits until every chunk was checked; the first bad one is the error.
     pub fn wait(self) -> Result<VerifyTimes, ImageError> {
         join_verify(self.0)
     }
@@ -757,14 +762,23 @@ impl Workdir {
         self.verify.take().map(join_verify).unwrap_or(Ok(VerifyTimes::default()))
     }
 
+    /// The background verify, to wait for elsewhere (a CUDA wake whose
+    /// driver restores start before it ends waits for it before any
+    /// unlock).
+    pub fn take_verify(&mut self) -> Option<PendingVerify> {
+        self.verify.take().map(PendingVerify)
+    }
+
     /// Every chunk of the image's store-held files is in the local store.
     pub fn complete(&self) -> bool {
         self.files.iter().all(|f| f.chunks.iter().all(|c| f.shared.store.has(&c.blake3)))
     }
 
-    /// The first chunk that failed its check, if one did.
+    /// The first chunk that failed its check, if one did (it stays noted:
+    /// every later look sees it too).
     pub fn bad(&self) -> Option<ImageError> {
-        self.bad.lock().ok().and_then(|mut b| b.take())
+        let name = self.name().to_string();
+        self.bad.lock().ok().and_then(|b| b.as_ref().map(|e| copy_of(&name, e)))
     }
 
     fn name(&self) -> &str {

@@ -665,12 +665,34 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         need: &BTreeMap<String, u64>,
         pairs: &[GpuPair],
     ) -> Result<(u64, u64), Error> {
+        self.restore_gated(t, need, pairs, &|_| Ok(()))
+    }
+
+    /// Restore, then `gate` (told whether the restore succeeded; it may
+    /// wait, and its error keeps the process locked), then unlock, under
+    /// the target's lock. `gate` is called exactly once, whatever fails.
+    pub(crate) fn restore_gated(
+        &mut self,
+        t: &Target,
+        need: &BTreeMap<String, u64>,
+        pairs: &[GpuPair],
+        gate: &dyn Fn(bool) -> Result<(), Error>,
+    ) -> Result<(u64, u64), Error> {
         let pid = t.pid;
-        target::resolve_callable(pid)?;
-        let _serial = self.store.lock_target(pid)?;
+        let serial = target::resolve_callable(pid).and_then(|_| self.store.lock_target(pid));
+        let _serial = match serial {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = gate(false);
+                return Err(e);
+            }
+        };
         let t_restore = Instant::now();
-        self.restore_only(t, need, pairs)?;
+        let restored = self.restore_only(t, need, pairs);
         let restore_ms = ms(t_restore);
+        let pass = gate(restored.is_ok());
+        restored?;
+        pass?;
         let t_unlock = Instant::now();
         self.journaled(t, "unlock", "running", |api| api.unlock(pid))?;
         Ok((restore_ms, ms(t_unlock)))

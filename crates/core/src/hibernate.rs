@@ -229,6 +229,14 @@ struct Woken {
     report: Option<gpusnap_pages::Report>,
 }
 
+/// `GPUSNAP_VERIFY_FIRST=1`: a lazy CUDA wake's driver restores wait for
+/// the whole image's verify (the order before the rescue existed).
+pub const VERIFY_FIRST_ENV: &str = "GPUSNAP_VERIFY_FIRST";
+
+fn verify_first() -> bool {
+    std::env::var(VERIFY_FIRST_ENV).is_ok_and(|v| v == "1")
+}
+
 fn ms(since: Instant) -> u64 {
     since.elapsed().as_millis() as u64
 }
@@ -1139,13 +1147,33 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             Ok(ms) => (ms, None),
             Err(e) => (0, Some(Error::Pages(e))),
         };
-        // The image's whole verify ends before any driver restore: a bad
-        // chunk fails the wake here, the CUDA state still checkpointed.
+        // The image's whole verify: by default the driver's restores start
+        // without waiting for its end (every byte they read is a chunk the
+        // page server checked first) and their unlocks wait for it, so no
+        // process runs unless the whole image is good; with
+        // GPUSNAP_VERIFY_FIRST=1 it ends before any driver restore.
         let mut verify = crate::chunksrc::VerifyTimes::default();
+        let stream = pages.is_some() && !verify_first();
+        let mut pending = None;
         if let (None, Some(wd)) = (&head_failed, chunked.as_mut()) {
-            match wd.wait_verify() {
-                Ok(v) => verify = v,
-                Err(e) => head_failed = Some(e.into()),
+            if stream {
+                pending = wd.take_verify();
+            } else {
+                match wd.wait_verify() {
+                    Ok(v) => verify = v,
+                    Err(e) => head_failed = Some(e.into()),
+                }
+            }
+        }
+        // A failure known already ends the wake before any driver restore.
+        if head_failed.is_none() {
+            if let Some(bad) = chunked.as_ref().and_then(|wd| wd.bad()) {
+                head_failed = Some(bad.into());
+            } else if let Some(srv) = pages.as_ref().filter(|s| s.rescuer().failed()) {
+                head_failed = Some(match srv.wait() {
+                    Err(e) => Error::Pages(e),
+                    Ok(_) => Error::Pages(gpusnap_pages::PagesError::Aborted),
+                });
             }
         }
         let t_restore = Instant::now();
@@ -1168,18 +1196,67 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             self.end_woken(m.processes.iter().rev().map(|p| p.pid));
             return Err(err);
         }
-        // The CUDA processes back on their GPUs, in parallel: the driver's
-        // calls on different processes are independent.
-        let back = |e: &mut Self, (pid, fp): (i32, &BTreeMap<String, u64>)| {
-            let t = target::resolve(pid)?;
-            e.store_mut().record(&t, "checkpointed", Some(fp))?;
-            e.store_mut().note(&t, "wake", None, &format!("restored by CRIU from image {name}"))?;
-            e.restore_and_unlock(&t, fp, pairs)?;
-            Ok::<_, Error>(t)
-        };
         type Item<'f> = (i32, (i32, &'f BTreeMap<String, u64>));
         let items: Vec<Item<'_>> =
             resume.iter().zip(footprints).map(|(p, fp)| (p.pid, (p.pid, fp))).collect();
+        // While the driver restores memory the page server brings, a watch
+        // ends the tree safely if the server fails (crate::rescue).
+        let watch = match (&head_failed, &pages) {
+            (None, Some(srv)) if !items.is_empty() => {
+                let members = m
+                    .processes
+                    .iter()
+                    .filter(|p| target::resolve(p.pid).is_ok())
+                    .map(|p| {
+                        let cuda = resume.iter().any(|r| r.pid == p.pid);
+                        let restore_tid =
+                            if cuda { self.api_ref().restore_thread_id(p.pid).ok() } else { None };
+                        crate::rescue::Member { pid: p.pid, restore_tid, cuda }
+                    })
+                    .collect();
+                Some(crate::rescue::Watch::start(
+                    srv.rescuer(),
+                    chunked.as_ref().map(|wd| wd.bad.clone()),
+                    members,
+                ))
+            }
+            _ => None,
+        };
+        let waited_verify = std::sync::Mutex::new(crate::chunksrc::VerifyTimes::default());
+        let pending = std::sync::Mutex::new(pending);
+        let gate = crate::rescue::Gate::new(items.len(), || {
+            let times = match pending.lock().ok().and_then(|mut p| p.take()) {
+                Some(v) => v.wait().map_err(|e| e.to_string())?,
+                None => crate::chunksrc::VerifyTimes::default(),
+            };
+            if let Ok(mut w) = waited_verify.lock() {
+                *w = times;
+            }
+            if watch.as_ref().is_some_and(|w| w.driver_done()) {
+                return Err("the page server failed during the driver's restore".into());
+            }
+            Ok(())
+        });
+        let pass =
+            |ok: bool| gate.arrive(ok).map_err(|why| Error::Pages(gpusnap_pages::PagesError::Stopped(why)));
+        // The CUDA processes back on their GPUs, in parallel: the driver's
+        // calls on different processes are independent.
+        let back = |e: &mut Self, (pid, fp): (i32, &BTreeMap<String, u64>)| {
+            let known = target::resolve(pid).and_then(|t| {
+                e.store_mut().record(&t, "checkpointed", Some(fp))?;
+                e.store_mut().note(&t, "wake", None, &format!("restored by CRIU from image {name}"))?;
+                Ok(t)
+            });
+            let t = match known {
+                Ok(t) => t,
+                Err(err) => {
+                    let _ = pass(false);
+                    return Err(err);
+                }
+            };
+            e.restore_gated(&t, fp, pairs, &pass)?;
+            Ok::<_, Error>(t)
+        };
         // One process alone runs here, with the engine's progress display.
         let results = if head_failed.is_some() {
             Vec::new()
@@ -1191,7 +1268,40 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             self.in_parallel(items, &|| proto.sibling(), back)
         };
         let driver_ms = ms(t_restore);
+        drop(gate);
+        if stream {
+            verify = waited_verify.into_inner().unwrap_or_default();
+        }
+        let rescued = watch.as_ref().is_some_and(|w| w.driver_done());
+        if rescued {
+            // Its threads stopped, the driver's restores back on zero pages:
+            // checkpointed again and killed before the threads are let go.
+            let tree = self.end_rescued(m, resume);
+            if let Some(w) = watch {
+                w.release();
+            }
+            if let Err(e) = kill_tree(&tree) {
+                tracing::error!("rescue: the tree did not end: {e}");
+            }
+            let err = match (chunked.as_ref().and_then(|wd| wd.bad()), &pages) {
+                (Some(bad), _) => bad.into(),
+                (None, Some(srv)) => {
+                    Error::Pages(srv.wait().err().unwrap_or(gpusnap_pages::PagesError::Aborted))
+                }
+                (None, None) => Error::Pages(gpusnap_pages::PagesError::Aborted),
+            };
+            drop(pages);
+            return Err(err);
+        }
+        drop(watch);
         let mut failed = head_failed.or_else(|| Self::fail_group(results, |_| {}).err());
+        // A chunk that failed its check (found by the verify the unlocks
+        // waited for) is the error: the image is refused.
+        if failed.is_some() {
+            if let Some(bad) = chunked.as_ref().and_then(|wd| wd.bad()) {
+                failed = Some(bad.into());
+            }
+        }
         let (mut pages_ms, mut pages_bytes) = (0, 0);
         if let (None, Some(srv)) = (&failed, &pages) {
             // Only a tree with every page in place is woken: until then a
@@ -1252,6 +1362,35 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             notice,
             report,
         })
+    }
+
+    /// The CUDA processes of a rescued wake (crate::rescue): those the
+    /// driver's restore left locked are checkpointed again, then the whole
+    /// tree is killed while its threads are still stopped.
+    fn end_rescued(&mut self, m: &Manifest, resume: &[&ProcDesc]) -> Vec<Target> {
+        for p in resume {
+            let Ok(t) = target::resolve(p.pid) else { continue };
+            match self.api_ref().get_state(p.pid) {
+                Ok(ProcessState::Locked) => {
+                    if let Err(e) =
+                        self.journaled(&t, "checkpoint", "checkpointed", |api| api.checkpoint(t.pid))
+                    {
+                        tracing::error!(pid = t.pid, "rescue: checkpoint after the restore failed: {e}");
+                    }
+                }
+                Ok(s) => tracing::warn!(pid = t.pid, state = %s, "rescue: not locked after the restore"),
+                Err(e) => tracing::warn!(pid = t.pid, "rescue: driver state: {e}"),
+            }
+            let _ =
+                self.store_mut().note(&t, "wake", None, "the page server failed during the restore: ended");
+        }
+        let tree: Vec<Target> =
+            m.processes.iter().rev().filter_map(|p| target::resolve(p.pid).ok()).collect();
+        for t in &tree {
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(t.pid), nix::sys::signal::Signal::SIGKILL);
+        }
+        tree
     }
 
     /// Ends restored processes of a wake that failed, safely: not forced, so

@@ -16,6 +16,7 @@ pub mod lazy;
 pub mod progress;
 pub mod remap;
 pub mod remote;
+pub mod rescue;
 pub mod sign;
 pub mod store;
 pub mod target;

@@ -26,8 +26,8 @@ pub mod sys;
 pub use image::eager_ranges;
 pub use image::{lazy_bytes, lazy_iovs, Iov};
 pub use serve::{
-    HeadStart, Options, Report, Server, ENV_AHEAD, ENV_BATCH, ENV_FAULT_BATCH, ENV_HEAD_START, ENV_NICE,
-    ENV_THREADS, ENV_WAKE_CHUNK,
+    HeadStart, Options, Report, Rescuer, Server, ENV_AHEAD, ENV_BATCH, ENV_FAULT_BATCH, ENV_HEAD_START,
+    ENV_NICE, ENV_THREADS, ENV_WAKE_CHUNK,
 };
 pub use source::{DirSource, PageSource, PagesFile};
 pub use stats::{dump_stats, DumpStats};
@@ -48,6 +48,8 @@ pub enum PagesError {
     Injected(u64),
     #[error("stopped before every page was in place")]
     Aborted,
+    #[error("{0}")]
+    Stopped(String),
     #[error("{name}={value}: {why}")]
     Setting { name: String, value: String, why: String },
 }

@@ -439,6 +439,11 @@ struct Shared {
     bell: (Mutex<()>, Condvar),
     restore_done: AtomicBool,
     stop: AtomicBool,
+    /// Set only when the server is dropped: ends the rescue's threads
+    /// ([`Rescuer::zero_missing`]), which run on after a failure.
+    halt: AtomicBool,
+    /// The rescue's zero pages are being served.
+    zeroing: AtomicBool,
     error: Mutex<Option<PagesError>>,
     next_id: AtomicU64,
     served: AtomicU64,
@@ -491,6 +496,8 @@ impl Shared {
             bell: (Mutex::new(()), Condvar::new()),
             restore_done: AtomicBool::new(false),
             stop: AtomicBool::new(false),
+            halt: AtomicBool::new(false),
+            zeroing: AtomicBool::new(false),
             error: Mutex::new(None),
             next_id: AtomicU64::new(1),
             served: AtomicU64::new(0),
@@ -749,10 +756,149 @@ impl Server {
         self.shared.stop.store(true, SeqCst);
         self.shared.ring();
     }
+
+    /// A handle for the thread that watches this server while a CUDA
+    /// driver restore reads the memory it serves (see [`Rescuer`]).
+    pub fn rescuer(&self) -> Rescuer {
+        Rescuer(self.shared.clone())
+    }
+}
+
+/// What a failed lazy wake needs while a CUDA driver restore is blocked on
+/// memory the server will never bring: the driver's call cannot be
+/// cancelled, and the process must not be killed in the middle of it (a
+/// killed or crashed process whose CUDA state is half on the GPU is what
+/// hangs hosts). So the caller stops every other thread of the process
+/// (ptrace, as CRIU's CUDA plugin keeps a tree during its restore), then
+/// lets the restore run to its end on zero pages, checkpoints the process
+/// again and kills it. Nothing of the process runs on the zero pages: its
+/// threads are stopped, and its CUDA state is never unlocked.
+#[derive(Clone)]
+pub struct Rescuer(Arc<Shared>);
+
+impl Rescuer {
+    /// The server failed (a read, a chunk that failed its check, a copy).
+    pub fn failed(&self) -> bool {
+        self.0.failed() || self.0.zeroing.load(SeqCst)
+    }
+
+    /// Stops serving the image, as a failure of the server: `why` becomes
+    /// the error of [`Server::wait`] unless it failed already.
+    pub fn stop_serving(&self, why: &str) {
+        self.0.fail(PagesError::Stopped(why.to_string()));
+    }
+
+    /// From now on every fault of every process is answered with zero
+    /// pages (the rest of its piece, up to [`ZERO_SPAN`], at once), and
+    /// the faults read but never answered are woken to fault again.
+    /// Serving the image stops. Only for a tree whose threads other than
+    /// the driver's restore threads are stopped and that will be killed.
+    pub fn zero_missing(&self) {
+        let sh = &self.0;
+        if sh.zeroing.swap(true, SeqCst) {
+            return;
+        }
+        if !sh.failed() {
+            sh.fail(PagesError::Stopped("the wake is being ended".into()));
+        }
+        let mms: Vec<Arc<Mm>> = sh.mms.lock().unwrap().clone();
+        tracing::warn!(
+            processes = mms.len(),
+            "page server: answering every missing page with zeros (rescue)"
+        );
+        for mm in mms {
+            sh.spawn(&format!("pages-zero-{}", mm.pid), move |sh| zero_faults(&sh, &mm));
+        }
+    }
+}
+
+/// Bytes of zero pages a rescue maps at a fault at most.
+pub const ZERO_SPAN: u64 = 64 << 20;
+
+/// The rescue's side of one process: zero pages for every fault, until the
+/// server is dropped (after the tree was killed).
+fn zero_faults(sh: &Arc<Shared>, mm: &Arc<Mm>) {
+    let fd = mm.uffd.as_fd();
+    let mut last_wake: Option<Instant> = None;
+    while !sh.halt.load(SeqCst) {
+        // Faults read by the server's threads before they stopped wait for
+        // a WAKE that will not come: wake the whole address space now and
+        // then (a thread of the old server may still read one late); a page
+        // still missing faults again and is answered here.
+        if last_wake.is_none_or(|t| t.elapsed() >= TICK) {
+            if !crate::keeper::wake_all(fd) {
+                tracing::warn!(pid = mm.pid, "rescue: cannot wake the waiting faults");
+            }
+            last_wake = Some(Instant::now());
+        }
+        let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd for the call.
+        unsafe { libc::poll(&mut p, 1, TICK.as_millis() as i32) };
+        loop {
+            let msg = match sys::read_msg(fd) {
+                Ok(Some(m)) => m,
+                Ok(None) => break,
+                Err(_) => return,
+            };
+            match msg.event {
+                sys::EVENT_PAGEFAULT => zero_at(sh, mm, msg.arg[1] & !(PAGE - 1)),
+                sys::EVENT_FORK => {
+                    // SAFETY: reading the FORK event installed this fd in our
+                    // table; owned here only to be closed (the child of a
+                    // tree being ended).
+                    drop(unsafe { OwnedFd::from_raw_fd(msg.arg[0] as u32 as RawFd) });
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Zero pages from `addr` to the end of its piece (at most [`ZERO_SPAN`]),
+/// skipping pages already there.
+fn zero_at(sh: &Shared, mm: &Mm, addr: u64) {
+    let end = {
+        let st = mm.st.lock().unwrap();
+        st.pieces
+            .iter()
+            .find(|p| addr >= p.iov.start && addr < p.iov.end)
+            .map(|p| p.iov.end.min(addr + ZERO_SPAN))
+            .unwrap_or(addr + PAGE)
+    };
+    let fd = mm.uffd.as_fd();
+    let mut at = addr;
+    let mut busy = 0;
+    while at < end {
+        let (n, err) = sys::zeropage_part(fd, at, end - at);
+        at += n;
+        sh.zero_pages.fetch_add(n / PAGE, SeqCst);
+        match err {
+            None => break,
+            Some(Errno::EAGAIN) if n > 0 => {}
+            Some(Errno::EEXIST) => {
+                let _ = sys::wake(fd, at, PAGE);
+                at += PAGE;
+            }
+            // The layout is changing (an event not read yet): a few tries,
+            // then the fault comes again after the next wake.
+            Some(Errno::EAGAIN) if busy < 100 => {
+                busy += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Some(e) => {
+                if !matches!(e, Errno::ENOENT | Errno::ESRCH | Errno::ENOSPC) {
+                    tracing::warn!(pid = mm.pid, addr = at, "rescue: zeropage: {e}");
+                }
+                let _ = sys::wake(fd, addr, PAGE);
+                break;
+            }
+        }
+    }
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
+        self.shared.halt.store(true, SeqCst);
         self.abort();
         let hs: Vec<_> = std::mem::take(&mut *self.shared.threads.lock().unwrap());
         for h in hs {

@@ -141,6 +141,18 @@ pub fn zeropage(fd: BorrowedFd<'_>, start: u64, len: u64) -> nix::Result<()> {
     unsafe { ioctl_zeropage(fd.as_raw_fd(), &mut z) }.map(|_| ())
 }
 
+/// Maps zero pages at `[start, start+len)` and wakes the faulting threads
+/// there; returns the bytes mapped and the error that stopped it part-way,
+/// if any (EEXIST at a page already there, EAGAIN after a partial range).
+pub fn zeropage_part(fd: BorrowedFd<'_>, start: u64, len: u64) -> (u64, Option<nix::errno::Errno>) {
+    let mut z = UffdioZeropage { range: UffdioRange { start, len }, mode: 0, zeropage: 0 };
+    // SAFETY: z is a valid uffdio_zeropage for the whole call.
+    match unsafe { ioctl_zeropage(fd.as_raw_fd(), &mut z) } {
+        Ok(_) => (z.zeropage.max(0) as u64, None),
+        Err(e) => (z.zeropage.max(0) as u64, Some(e)),
+    }
+}
+
 pub fn wake(fd: BorrowedFd<'_>, start: u64, len: u64) -> nix::Result<()> {
     let mut r = UffdioRange { start, len };
     // SAFETY: r is a valid uffdio_range for the whole call.

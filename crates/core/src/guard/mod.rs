@@ -146,7 +146,7 @@ pub fn detach_for(state_dir: &Path, pids: &[i32]) -> Result<Vec<i32>, Error> {
 }
 
 /// The process's threads (task ids).
-fn threads_of(pid: i32) -> Vec<i32> {
+pub(crate) fn threads_of(pid: i32) -> Vec<i32> {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .map(|rd| rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
         .unwrap_or_default()
@@ -353,7 +353,7 @@ fn decode(pid: i32, status: i32) -> Option<Event> {
     })
 }
 
-fn ptrace_raw(req: libc::c_uint, tid: i32, data: usize) -> std::io::Result<()> {
+pub(crate) fn ptrace_raw(req: libc::c_uint, tid: i32, data: usize) -> std::io::Result<()> {
     // SAFETY: PTRACE_CONT/LISTEN/SEIZE/DETACH/INTERRUPT take integers only.
     let r =
         unsafe { libc::ptrace(req, tid, std::ptr::null_mut::<libc::c_void>(), data as *mut libc::c_void) };
