@@ -365,7 +365,30 @@ pub fn bench_file(
 type ToCheck = (usize, usize, Vec<(usize, usize)>);
 
 /// The threads of [`Workdir::start_verify`].
-fn spawn_verify(files: &[Arc<ChunkedFile>], stop: Arc<AtomicBool>) -> Verify {
+/// How the background verify runs: beside the driver's restores it takes
+/// half the cores below their priority (the page server's fill checks any
+/// chunk it reaches first, so the verify only has to end before the
+/// unlocks); before them, every core.
+#[derive(Clone, Copy, Debug)]
+pub struct VerifyPace {
+    pub threads: usize,
+    pub nice: i32,
+}
+
+impl VerifyPace {
+    pub fn all_cores() -> Self {
+        Self { threads: cores().clamp(1, 16), nice: 0 }
+    }
+    pub fn beside_the_driver() -> Self {
+        Self { threads: (cores() / 2).clamp(2, 8), nice: 10 }
+    }
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4)
+}
+
+fn spawn_verify(files: &[Arc<ChunkedFile>], stop: Arc<AtomicBool>, pace: VerifyPace) -> Verify {
     // Each distinct chunk once, at its first place in address order,
     // with every (file, canonical index) it marks.
     let mut todo: Vec<ToCheck> = Vec::new();
@@ -391,12 +414,16 @@ fn spawn_verify(files: &[Arc<ChunkedFile>], stop: Arc<AtomicBool>) -> Verify {
     let failed: Arc<Mutex<Option<(usize, ImageError)>>> = Arc::new(Mutex::new(None));
     let took_ms = Arc::new(AtomicU64::new(0));
     let started = std::time::Instant::now();
-    let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(1, 16);
     let mut threads = Vec::new();
-    for _ in 0..n.min(todo.len()).max(1) {
+    for _ in 0..pace.threads.min(todo.len()).max(1) {
         let (todo, files, next, failed, took, stop) =
             (todo.clone(), files.clone(), next.clone(), failed.clone(), took_ms.clone(), stop.clone());
         threads.push(std::thread::spawn(move || {
+            if pace.nice != 0 {
+                // SAFETY: gettid takes no arguments; setpriority on our own
+                // thread id (Linux: per thread) changes only this thread.
+                unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, pace.nice) };
+            }
             let Some(first) = files.first() else { return };
             let shared = first.shared.clone();
             let mut buf = shared.buffer();
@@ -473,7 +500,7 @@ pub fn bench_file_verifying(
         recurring: AtomicU64::new(0),
     });
     let f = Arc::new(ChunkedFile::new(path, chunks, shared, false));
-    let v = spawn_verify(std::slice::from_ref(&f), Arc::new(AtomicBool::new(false)));
+    let v = spawn_verify(std::slice::from_ref(&f), Arc::new(AtomicBool::new(false)), VerifyPace::all_cores());
     (f, PendingVerify(v))
 }
 
@@ -749,9 +776,9 @@ impl Workdir {
     /// a CUDA wake calls it before any driver restore, so that the driver
     /// never starts on an image with a bad chunk, while the check of a
     /// 20 GB image no longer sits before CRIU's restore.
-    pub fn start_verify(&mut self) {
+    pub fn start_verify(&mut self, pace: VerifyPace) {
         if self.verify.is_none() {
-            self.verify = Some(spawn_verify(&self.files, self.stop.clone()));
+            self.verify = Some(spawn_verify(&self.files, self.stop.clone(), pace));
         }
     }
 

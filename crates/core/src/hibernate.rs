@@ -1064,7 +1064,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             // An eager restore's pages files are written whole first, every
             // chunk checked as it is read: the verify itself.
             if *verify_deferred && lazy_possible {
-                wd.start_verify();
+                wd.start_verify(if verify_first() {
+                    crate::chunksrc::VerifyPace::all_cores()
+                } else {
+                    crate::chunksrc::VerifyPace::beside_the_driver()
+                });
             }
             wd.materialise(!lazy_possible)?;
         }

@@ -854,8 +854,23 @@ impl ImageStore {
         match check {
             ChunkCheck::Listed => Ok(()),
             ChunkCheck::Present => {
-                if let Some(c) = f.chunks.iter().find(|c| !store.has(&c.blake3)) {
-                    return Err(chunk_err(gpusnap_chunks::ChunkError::Missing(c.blake3.clone())));
+                // A stat per chunk: thousands for a 20 GB image, on the
+                // wake's critical path, so on several threads.
+                let per = f.chunks.len().div_ceil(8).max(512);
+                let missing = std::thread::scope(|s| {
+                    let parts: Vec<_> = f
+                        .chunks
+                        .chunks(per)
+                        .map(|part| {
+                            s.spawn(|| part.iter().find(|c| !store.has(&c.blake3)).map(|c| c.blake3.clone()))
+                        })
+                        .collect();
+                    parts
+                        .into_iter()
+                        .find_map(|h| h.join().unwrap_or_else(|_| Some("(a check thread panicked)".into())))
+                });
+                if let Some(hash) = missing {
+                    return Err(chunk_err(gpusnap_chunks::ChunkError::Missing(hash)));
                 }
                 on_bytes(f.size);
                 Ok(())
