@@ -23,7 +23,10 @@
 # The checks of a failed wake: the worker's pid gone within RESCUE_GONE_S s,
 # nvidia-smi lists no process of it, the GPU's used memory back to its level
 # before the wake (+ RESCUE_SLACK_MIB), `gpusnap images` still lists the
-# image, and no new Xid in dmesg (INFO when dmesg is not readable).
+# image, and no new Xid in dmesg (INFO when dmesg is not readable). Two INFO
+# rows say where a wake failed: whether nvidia-smi listed the worker during
+# the wake (the driver's restore had begun), and what the wake's stderr and
+# logs say of a rescue.
 #
 # Run from the repository root, on a machine with a GPU and CRIU, as root:
 #   OUT=/some/dir tests/gpu/rescue-e2e.sh        (stage `rescue` of device.sh)
@@ -226,6 +229,35 @@ failed_wake_checks() {
     fi
 }
 
+# gpu_watch PID FILE: in the background (HELPERS; sets WATCH_PID), every
+# ~0.25 s a line "SECONDS_SINCE_START MIB" while nvidia-smi lists PID on the
+# GPU: whether the driver's restore had begun when a wake failed.
+gpu_watch() {
+    local pid=$1 f=$2 t0
+    : >"$f"
+    t0=$(now)
+    (
+        while [ ! -e "$WORK/.done" ]; do
+            m=$(smi_pid_mib "$pid")
+            [ -n "$m" ] && printf '%s %s\n' "$(fsub "$t0" "$(now)")" "$m" >>"$f"
+            sleep 0.25
+        done
+    ) </dev/null >/dev/null 2>&1 &
+    WATCH_PID=$!
+    HELPERS+=("$WATCH_PID")
+}
+
+# gpu_watch_end FILE: stops the watch; prints what it saw.
+gpu_watch_end() {
+    kill "$WATCH_PID" 2>/dev/null
+    wait "$WATCH_PID" 2>/dev/null
+    if [ -s "$1" ]; then
+        awk 'NR == 1 { a = $1 } { b = $1; if ($2 > m) m = $2 } END { printf "listed with up to %d MiB, from +%s s to +%s s of the wake", m, a, b }' "$1"
+    else
+        printf 'never listed (the failure came before the driver restored its memory, or between two looks)'
+    fi
+}
+
 # rescue_said IMG: the last lines of the last wake's stderr and of its logs
 # (STATE_DIR/logs/MILLIS-restore-IMG/, the newest) that speak of a rescue
 # (the images are named rs-W, so that their name and paths never match).
@@ -241,14 +273,16 @@ rescue_said() {
 # with those variables that must fail: exit RC_OK ("nz": any non-zero), its
 # stderr or JSON naming GREP (when not empty); then failed_wake_checks.
 failing_wake() {
-    local id=$1 what=$2 exp=$3 pid=$4 img=$5 rc_ok=$6 grepfor=$7 mem0 xid0 v kind named="" kv
+    local id=$1 what=$2 exp=$3 pid=$4 img=$5 rc_ok=$6 grepfor=$7 mem0 xid0 v kind named="" kv seen
     shift 7
     mem0=$(smi_used_mib)
     xid0=$(xid_count)
     log "before the wake $id: GPU memory.used ${mem0:-?} MiB, Xid lines ${xid0:-unreadable}"
     mark_restored "$pid"
     for kv in "$@"; do export "${kv?}"; done
+    gpu_watch "$pid" "$WORK/$id.gpu"
     gs 120 wake "$img" --wait 30 ${WAKE_ARGS[@]+"${WAKE_ARGS[@]}"}
+    seen=$(gpu_watch_end "$WORK/$id.gpu")
     for kv in "$@"; do unset "${kv%%=*}"; done
     kind=$(jget "$GS_OUT" 'd["error"]["kind"]')
     v=FAIL
@@ -265,6 +299,8 @@ failing_wake() {
     row "$id.1" "$what" "$exp" "exit $GS_RC (kind ${kind:-?})$named: ${GS_MSG:-no message}" "$v" "$GS_S"
     log_file "wake $id stderr" "$GS_ERR"
     image_logs "$img"
+    row "$id.1g" "where it failed: pid $pid on the GPU during the wake (nvidia-smi every ~0.25 s)" \
+        "(information: listed, the driver's restore had begun)" "$seen" INFO
     row "$id.1r" "where it failed: what the wake and its logs say of a rescue" \
         "(information: the driver's restore was running, so a rescue)" "$(rescue_said "$img")" INFO
     if [ "$GS_RC" = 0 ]; then
