@@ -356,7 +356,8 @@ summary() {
     if [ -s "$SCR/rescue/rescue-e2e.md" ]; then
         echo
         grep -E '^- (result|workloads)' "$SCR/rescue/rescue-e2e.md"
-        grep -E '^\| ' "$SCR/rescue/rescue-e2e.md" | grep -vE '^\| (#|---) ' | cut -c1-400
+        echo "rescue rows not PASS, and each wake's:"
+        grep -E '^\| ' "$SCR/rescue/rescue-e2e.md" | grep -E '\| (FAIL|SKIP|INFO) \||^\| [a-z]+\.[a-d]\.1 \|' | cut -c1-300
     fi
     echo "files in $OUT: $(find "$OUT" -mindepth 1 -maxdepth 1 -printf '%f (%s bytes) ')"
 }
