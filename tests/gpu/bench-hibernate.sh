@@ -29,13 +29,18 @@
 #   HB_COLD          1: `sync; echo 3 > /proc/sys/vm/drop_caches` before every
 #                    wake (bare and gpusnap; the image is read from the disk);
 #                    0 (default): warm page cache. Run a cold call apart.
-#   HB_MATRIX        page-server settings to compare, after the repetitions,
+#   HB_MATRIX        wake settings to compare, after the repetitions,
 #                    on ONE image woken once per entry (the worker is stopped
 #                    through gpusnap between wakes): "NAME:VAR=VAL,VAR=VAL;..."
-#                    with GPUSNAP_PAGES_* variables (docs/pages.md); "preset"
-#                    = today (whole-batch wake), default, t8n10 (8 fill
-#                    threads at nice 10), head100 (the whole fill before the
-#                    driver starts); empty (default): none
+#                    with any GPUSNAP_* variables (GPUSNAP_[A-Z0-9_]+, e.g.
+#                    the page server's GPUSNAP_PAGES_*, docs/pages.md, or
+#                    GPUSNAP_VERIFY_FIRST=1, the driver waiting for the
+#                    whole verify: "first:GPUSNAP_VERIFY_FIRST=1;stream:"),
+#                    set for that wake alone (a value the caller had is
+#                    put back after it); "preset" = today (whole-batch
+#                    wake), default, t8n10 (8 fill threads at nice 10),
+#                    head100 (the whole fill before the driver starts);
+#                    empty (default): none
 #   HB_ROOM          free disk a dump needs, as a multiple of the expected
 #                    image (default 1.3; 1.1 lets a ~49 GB image (15 GiB) fit
 #                    the 64 GiB disk)
@@ -61,7 +66,7 @@
 #   driver:  (HB_DRIVER) cuckpt.py lock+checkpoint, then restore+unlock
 #   eager, thp: as gpusnap, with `wake --eager`, `hibernate --thp`
 #   matrix:  (HB_MATRIX) one `gpusnap hibernate`, then per entry `wake` with
-#            its GPUSNAP_PAGES_* settings and `gpusnap stop` before the next
+#            its GPUSNAP_* settings and `gpusnap stop` before the next
 # The worker's checksum and progress are checked after every wake; each image
 # is removed right after use (gpusnap's: `images rm`, then `images gc` to
 # drop its chunks from STATE/store, so that the next hibernate writes every
@@ -128,7 +133,10 @@ if [ -n "$HB_MATRIX" ]; then
         if [ "$v" != "${v%%:*}" ] && [ -n "${v#*:}" ]; then
             IFS=',' read -r -a kvs <<<"${v#*:}"
             for kv in "${kvs[@]}"; do
-                case $kv in GPUSNAP_PAGES_[A-Z_]*=?*) ;; *) echo "HB_MATRIX: '$kv' in '$v' is not GPUSNAP_PAGES_*=VALUE" >&2; exit 2 ;; esac
+                if ! [[ $kv =~ ^GPUSNAP_[A-Z0-9_]+=.+$ ]]; then
+                    echo "HB_MATRIX: '$kv' in '$v' is not GPUSNAP_[A-Z0-9_]+=VALUE" >&2
+                    exit 2
+                fi
             done
         fi
     done
@@ -221,19 +229,30 @@ cold_cache() {
     return 0
 }
 
-# knobs_set "VAR=VAL,VAR=VAL": exported for the next gpusnap call; knobs_clear undoes it.
+# knobs_set "VAR=VAL,VAR=VAL": exported for the next gpusnap call; knobs_clear
+# undoes it: a variable the caller had set (GPUSNAP_CRIU, say) gets its value
+# back, any other is unset.
 KNOBS=()
+KNOBS_SAVED=() # "VAR=VALUE" of those set before, "VAR" of those unset
 knobs_set() {
-    local kv
-    KNOBS=()
+    local kv k
+    KNOBS=() KNOBS_SAVED=()
     [ -n "$1" ] || return 0
     IFS=',' read -r -a KNOBS <<<"$1"
-    for kv in "${KNOBS[@]}"; do export "${kv?}"; done
+    for kv in "${KNOBS[@]}"; do
+        k=${kv%%=*}
+        if [ -n "${!k+x}" ]; then KNOBS_SAVED+=("$k=${!k}"); else KNOBS_SAVED+=("$k"); fi
+        export "${kv?}"
+    done
 }
 knobs_clear() {
-    local kv
-    for kv in ${KNOBS[@]+"${KNOBS[@]}"}; do unset "${kv%%=*}"; done
-    KNOBS=()
+    local kv i
+    # Backwards, so that a variable named twice ends with its first saved value.
+    for ((i = ${#KNOBS_SAVED[@]} - 1; i >= 0; i--)); do
+        kv=${KNOBS_SAVED[$i]}
+        if [ "$kv" = "${kv%%=*}" ]; then unset "$kv"; else export "${kv?}"; fi
+    done
+    KNOBS=() KNOBS_SAVED=()
 }
 
 # hib_extra FILE / wake_extra FILE: KEY=VALUE words for `sample` from a
@@ -825,7 +844,7 @@ L.append(f"- criu: {E.get('B_CRIU')} version {E.get('B_CRIU_VERSION')}; criu che
 L.append(f"- THP: enabled `{E.get('HDR_THP')}`, defrag `{E.get('HDR_THP_DEFRAG')}` (read, not changed); "
          f"images on {E.get('B_DISK')}")
 L.append(f"- sizes (GiB held by the worker): {E.get('B_SIZES')}; {E.get('B_REPS')} reps of {E.get('B_MODES')}; wall {E.get('B_WALL')} s; "
-         f"page cache {'dropped before every wake (cold)' if cold_run else 'warm'}; page-server matrix `{E.get('B_MATRIX') or '-'}`")
+         f"page cache {'dropped before every wake (cold)' if cold_run else 'warm'}; wake-settings matrix `{E.get('B_MATRIX') or '-'}`")
 L.append("- bare hibernate = cuckpt.py lock+checkpoint (whole python process) + `criu dump -t PID -D DIR` "
          "+ until the pid is gone; bare wake = `criu restore -D DIR -d` + "
          "cuckpt.py restore+unlock. Both modes wait until the old pid is free before the wake (not counted). gpusnap = `gpusnap --json hibernate PID --image b` / `wake b --wait 30`, "

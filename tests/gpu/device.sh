@@ -18,6 +18,11 @@
 #   keeper  tests/gpu/keeper-e2e.sh (a lazy wake whose gpusnap is killed with
 #           SIGKILL mid-fill: its keeper fills every page, the worker's data
 #           intact; ~2 min; KEEPER_GIB, KEEPER_SLOW_US, KEEPER_KILL_S pass through)
+#   rescue  tests/gpu/rescue-e2e.sh (a streaming lazy wake whose page server
+#           fails while the driver's restore runs, injected and by a bad
+#           chunk, for a PyTorch and a CuPy worker: the wake fails, nothing
+#           is left on the GPU, the image wakes intact next; ~2 min;
+#           RESCUE_* pass through; DEVICE_BUDGET_S=200 alone)
 #   agent   tests/gpu/agent-bench.sh (the node agent: two ~75 GB model servers
 #           swapped on one GPU, answers checked, ttfb, proxy p50; ~6-8 min;
 #           AGENT_MODES=hooks: only the swaps with the sleep hooks, ~5 min;
@@ -37,9 +42,9 @@
 #                    /opt/gpusnap/criu (its bin/criu has absolute paths there)
 # Anything else (E2E_SECTIONS, REPS, ...) passes through to the stages.
 # Files in $OUT (those of the stages run): device.log (this script's log,
-# then the logs of bench, hbench, multi, guard and keeper), gpu-e2e.md,
+# then the logs of bench, hbench, multi, guard, keeper and rescue), gpu-e2e.md,
 # e2e.log, bench.md, bench-hibernate.md, multi-e2e.md, guard-e2e.md,
-# guard-e2e-light.md, guard-bench.md, agent-bench.md, keeper-e2e.md, results.json (host, CRIU, every stage's
+# guard-e2e-light.md, guard-bench.md, agent-bench.md, keeper-e2e.md, rescue-e2e.md, results.json (host, CRIU, every stage's
 # exit status and time, and the JSON of each stage). Exit 0 when every stage
 # ran and exited 0.
 
@@ -69,14 +74,14 @@ say() {
 }
 
 usage() {
-    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|agent|keeper]..." >&2
+    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|agent|keeper|rescue]..." >&2
     exit 2
 }
 
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(e2e)
 for s in "${STAGES[@]}"; do
-    case $s in e2e | bench | hbench | multi | guard | agent | keeper) ;; *) usage ;; esac
+    case $s in e2e | bench | hbench | multi | guard | agent | keeper | rescue) ;; *) usage ;; esac
 done
 if [ ! -f tests/gpu/e2e.sh ]; then
     echo "run tests/gpu/device.sh from the repository root" >&2
@@ -163,16 +168,16 @@ host_info() {
 
 # weight STAGE: the wall it wants; shares of the time left go by these.
 weight() {
-    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; agent) echo 480 ;; keeper) echo 200 ;; esac
+    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; agent) echo 480 ;; keeper) echo 200 ;; rescue) echo 180 ;; esac
 }
 # slack STAGE: its watchdog fires this long after its soft budget, and its
 # cleanup runs after that.
 slack() {
-    case $1 in e2e | multi) echo 90 ;; *) echo 75 ;; esac
+    case $1 in e2e | multi) echo 90 ;; rescue) echo 45 ;; *) echo 75 ;; esac
 }
 # floor STAGE: below this soft budget the stage cannot do anything useful.
 floor_s() {
-    case $1 in e2e | multi | guard) echo 150 ;; bench) echo 100 ;; hbench | keeper) echo 120 ;; agent) echo 240 ;; esac
+    case $1 in e2e | multi | guard) echo 150 ;; bench) echo 100 ;; hbench | keeper) echo 120 ;; rescue) echo 90 ;; agent) echo 240 ;; esac
 }
 
 stage_row() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGES_TSV"; }
@@ -245,6 +250,7 @@ run_stage() {
         multi) cmd=(env OUT="$dir" MULTI_BUDGET_S="$soft" tests/gpu/multi-e2e.sh) ;;
         agent) cmd=(env OUT="$dir" AGENT_BENCH_BUDGET_S="$soft" tests/gpu/agent-bench.sh) ;;
         keeper) cmd=(env OUT="$dir" KEEPER_BUDGET_S="$soft" tests/gpu/keeper-e2e.sh) ;;
+        rescue) cmd=(env OUT="$dir" RESCUE_BUDGET_S="$soft" tests/gpu/rescue-e2e.sh) ;;
         guard)
             # Three runs in one stage, a third of the budget each.
             local third=$((soft / 3))
@@ -294,9 +300,9 @@ run_stage() {
             cp -f "$dir/agent-bench.md" "$OUT/" 2>/dev/null || say "agent wrote no agent-bench.md"
             if [ -s "$dir/agent-bench.log" ]; then append_log agent-bench.log "$dir/agent-bench.log"; else append_log "agent stderr" "$dir/stderr.txt"; fi
             ;;
-        keeper)
-            cp -f "$dir/keeper-e2e.md" "$OUT/" 2>/dev/null || say "keeper wrote no keeper-e2e.md"
-            if [ -s "$dir/keeper-e2e.log" ]; then append_log keeper-e2e.log "$dir/keeper-e2e.log"; else append_log "keeper stderr" "$dir/stderr.txt"; fi
+        keeper | rescue)
+            cp -f "$dir/$name-e2e.md" "$OUT/" 2>/dev/null || say "$name wrote no $name-e2e.md"
+            if [ -s "$dir/$name-e2e.log" ]; then append_log "$name-e2e.log" "$dir/$name-e2e.log"; else append_log "$name stderr" "$dir/stderr.txt"; fi
             ;;
         multi)
             cp -f "$dir/multi-e2e.md" "$OUT/" 2>/dev/null || say "multi wrote no multi-e2e.md"
@@ -346,6 +352,12 @@ summary() {
         echo
         grep -E '^- result' "$SCR/keeper/keeper-e2e.md"
         grep -E '^\| [kz][0-9]* \|' "$SCR/keeper/keeper-e2e.md" | cut -c1-400
+    fi
+    if [ -s "$SCR/rescue/rescue-e2e.md" ]; then
+        echo
+        grep -E '^- (result|workloads)' "$SCR/rescue/rescue-e2e.md"
+        echo "rescue rows not PASS, and each wake's:"
+        grep -E '^\| ' "$SCR/rescue/rescue-e2e.md" | grep -E '\| (FAIL|SKIP|INFO) \||^\| [a-z]+\.[a-d]\.1 \|' | cut -c1-300
     fi
     echo "files in $OUT: $(find "$OUT" -mindepth 1 -maxdepth 1 -printf '%f (%s bytes) ')"
 }

@@ -43,7 +43,7 @@ keeper_pids() {
 
 # shellcheck disable=SC2317 # runs from the EXIT trap
 write_table() {
-    local md=$OUT/keeper-e2e.md id c e g r f
+    local md=$OUT/keeper-e2e.md
     {
         echo "# gpusnap: the keeper of a lazy wake, gpusnap killed mid-wake"
         echo
@@ -53,11 +53,7 @@ write_table() {
         echo "- worker $KEEPER_GIB GiB; wake slowed by GPUSNAP_PAGES_SLOW_US=$KEEPER_SLOW_US, 2 fill threads; killed ${KEEPER_KILL_S} s after its keeper appeared"
         echo "- result: $NPASS passed, $NFAIL failed, $NSKIP skipped, $NINFO info; wall ${SECONDS} s"
         echo
-        echo "| # | check | expected | got | result | figure |"
-        echo "|---|---|---|---|---|---|"
-        while IFS=$'\t' read -r id c e g r f; do
-            printf '| %s | %s | %s | %s | %s | %s |\n' "$id" "$c" "$e" "$g" "$r" "$f"
-        done <"$ROWS"
+        rows_md "#" check expected got result figure
     } >"$md"
     cat "$md"
 }
@@ -66,15 +62,9 @@ write_table() {
 on_exit() {
     local rc=$?
     trap - ERR
-    if [ "$FINISHED" != 1 ]; then
-        row z0 "run completes" "all steps ran" "interrupted (exit $rc) at +${SECONDS}s" FAIL
-    fi
-    cleanup_all
-    row z1 "cleanup: every worker ended safely" "none left" "${LEFT_ALIVE:-none left}" \
-        "$([ -z "$LEFT_ALIVE" ] && echo PASS || echo FAIL)"
+    rows_end "$rc"
     write_table
-    [ "$NFAIL" = 0 ] && [ "$NSKIP" = 0 ] && exit 0
-    exit 1
+    rows_exit
 }
 
 main() {

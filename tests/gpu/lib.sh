@@ -158,6 +158,22 @@ smi_free_mib() {
     timeout 30 nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i 0 2>/dev/null | head -n 1 | tr -d ' '
 }
 
+smi_used_mib() {
+    timeout 30 nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | head -n 1 | tr -d ' '
+}
+
+# wait_smi_used_le MIB TIMEOUT_S: until nvidia-smi reports at most MIB used
+# (SMI_USED: the last reading).
+wait_smi_used_le() {
+    local end=$((SECONDS + $2))
+    while :; do
+        SMI_USED=$(smi_used_mib)
+        if [ -n "$SMI_USED" ] && [ "$SMI_USED" -le "$1" ] 2>/dev/null; then return 0; fi
+        [ "$SECONDS" -lt "$end" ] || return 1
+        sleep 0.5
+    done
+}
+
 # wait_smi_free MIB TIMEOUT_S: until nvidia-smi reports at least MIB free.
 wait_smi_free() {
     local end=$((SECONDS + $2)) f
@@ -269,6 +285,8 @@ read_status() {
 }
 
 # start_worker NAME GIB [worker.py options]: sets LAST_PID; status in $WORK/NAME.status.
+# WORKER_SCRIPT (default worker.py) picks another workload of the same
+# command line and status line (worker_cupy.py: the memory held by CuPy).
 start_worker() {
     local name=$1 gib=$2
     shift 2
@@ -278,11 +296,11 @@ start_worker() {
     # bad size"), so a line the worker writes after a snapshot would make
     # the snapshot unrestorable.
     : >"$WORK/$name.log"
-    python3 "$GPU_DIR/worker.py" "$gib" "$WORK/$name.status" "$@" \
+    python3 "$GPU_DIR/${WORKER_SCRIPT:-worker.py}" "$gib" "$WORK/$name.status" "$@" \
         </dev/null >>"$WORK/$name.log" 2>&1 &
     LAST_PID=$!
     WORKERS+=("$LAST_PID")
-    log "worker $name: pid $LAST_PID, $gib GiB $*"
+    log "worker $name: pid $LAST_PID, $gib GiB $* (${WORKER_SCRIPT:-worker.py})"
 }
 
 # wait_ready NAME PID TIMEOUT_S: until the worker did 2 passes with ok=1.
@@ -642,4 +660,33 @@ row() {
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$(cell "$1")" "$(cell "$2")" "$(cell "$3")" \
         "$(cell "$4")" "$(cell "$5")" "$(cell "${6:-}")" >>"$ROWS"
     log "ROW $1 [$5] $2 | expected: $3 | got: $4 | ${6:-}"
+}
+
+# rows_md HEADER...: the rows as a markdown table under those six headers.
+rows_md() {
+    local id c e g r f
+    printf '| %s ' "$@"
+    echo '|'
+    printf '|---%.0s' "$@"
+    echo '|'
+    while IFS=$'\t' read -r id c e g r f; do
+        printf '| %s | %s | %s | %s | %s | %s |\n' "$id" "$c" "$e" "$g" "$r" "$f"
+    done <"$ROWS"
+}
+
+# rows_end RC: from a script's EXIT trap (RC: its exit status): a FAIL row if
+# the script did not get to FINISHED=1, then the cleanup and its row.
+rows_end() {
+    if [ "${FINISHED:-0}" != 1 ]; then
+        row z0 "run completes" "all steps ran" "interrupted (exit $1) at +${SECONDS}s" FAIL
+    fi
+    cleanup_all
+    row z1 "cleanup: every worker ended safely" "none left" "${LEFT_ALIVE:-none left}" \
+        "$([ -z "$LEFT_ALIVE" ] && echo PASS || echo FAIL)"
+}
+
+# rows_exit: exit 0 when no row failed or was skipped, else 1.
+rows_exit() {
+    [ "$NFAIL" = 0 ] && [ "$NSKIP" = 0 ] && exit 0
+    exit 1
 }

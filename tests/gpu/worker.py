@@ -45,7 +45,8 @@ def idle():
         time.sleep(1.0)
 
 
-def main():
+def parser():
+    """The command line of worker.py (worker_cupy.py takes the same)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("gib", type=float)
     ap.add_argument("status")
@@ -54,12 +55,20 @@ def main():
     ap.add_argument("--no-setsid", action="store_true")
     ap.add_argument("--fill", choices=("pattern", "random"),
                     default=os.environ.get("WORKER_FILL") or "pattern")
-    a = ap.parse_args()
+    return ap
+
+
+def own_session(a):
     if not a.no_setsid:
         try:
             os.setsid()
         except OSError:
             pass  # already a session/group leader
+
+
+def main():
+    a = parser().parse_args()
+    own_session(a)
     pid = os.getpid()
     import torch  # after setsid: importing takes seconds
 
@@ -87,6 +96,13 @@ def main():
           f"tensor={n * 4} bytes fill={a.fill} expect={expect:.0f} free={free >> 20}/{total >> 20} MiB",
           flush=True)
 
+    serve(a, pid, checksum, expect)
+
+
+def serve(a, pid, checksum, expect):
+    """The worker's life after its memory is in place, whatever holds it
+    (PyTorch here, CuPy in worker_cupy.py): the extra threads, then a
+    checksum pass and a status line every --interval until STATUS.exit."""
     tids = []
     for k in range(a.threads):
         t = threading.Thread(target=idle, name=f"extra-{k}", daemon=True)
