@@ -306,6 +306,8 @@ pub struct Scratch {
     /// The chunk last read by [`LocalStore::read_checked_raw_at`]: its
     /// hash, its file, and its path when it is stored raw.
     open: Option<(String, fs::File, Option<PathBuf>)>,
+    /// The chunk last mapped by [`LocalStore::map_checked_raw`].
+    mapped: Option<(String, std::sync::Arc<memmap2::Mmap>)>,
 }
 
 /// The local store, `STATE/store`.
@@ -669,6 +671,45 @@ impl LocalStore {
         let Some((_, f, Some(p))) = &scratch.open else { return Ok(false) };
         f.read_exact_at(buf, 1 + from).map_err(io_err(p, "read"))?;
         Ok(true)
+    }
+
+    /// A chunk stored raw, already checked in full, mapped from its file
+    /// (the page cache) rather than read: the page server copies straight
+    /// from the mapping into the woken process, one copy of each byte
+    /// instead of two (read into a buffer, then the copy). The chunk's
+    /// bytes are `map[1..1 + size]`. `None`: the chunk is not stored raw.
+    pub fn map_checked_raw(
+        &self,
+        hash: &str,
+        size: u64,
+        scratch: &mut Scratch,
+    ) -> Result<Option<std::sync::Arc<memmap2::Mmap>>, ChunkError> {
+        if let Some((h, m)) = &scratch.mapped {
+            if h == hash {
+                return Ok(Some(m.clone()));
+            }
+        }
+        if !valid_hash(hash) {
+            return Err(ChunkError::Corrupt { hash: hash.into(), why: "not a blake3 name".into() });
+        }
+        let (f, len, p) = self.open_chunk(hash)?;
+        let mut tag = [0u8; 1];
+        use std::os::unix::fs::FileExt;
+        if len != size + 1 || f.read_exact_at(&mut tag, 0).is_err() || tag[0] != b'R' {
+            return Ok(None);
+        }
+        // SAFETY: the store is root's alone and gpusnap never writes a
+        // chunk's file after its rename into place (a chunk is replaced by
+        // a new file under the same name, which leaves this mapping on the
+        // old one), so the mapped bytes do not change under us; they are
+        // only read. The same trust as the checked reads above: root
+        // truncating a chunk file in place during a wake would fault here
+        // (SIGBUS) where a read would fail.
+        let m = unsafe { memmap2::MmapOptions::new().len(len as usize).populate().map(&f) }
+            .map_err(io_err(&p, "map"))?;
+        let m = std::sync::Arc::new(m);
+        scratch.mapped = Some((hash.to_string(), m.clone()));
+        Ok(Some(m))
     }
 
     /// Every chunk in the store with its stored size.

@@ -319,6 +319,25 @@ impl PagesFile for ChunkedFile {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.read(offset, buf).map_err(|e| io::Error::other(e.to_string()))
     }
+
+    /// A piece of one chunk stored raw and checked already in this wake,
+    /// from its file's mapping; anything else is read (and checked).
+    fn map_at(&self, offset: u64, len: usize) -> Option<gpusnap_pages::Mapped> {
+        let i = self.ends.partition_point(|&e| e <= offset);
+        let c = self.chunks.get(i)?;
+        let from = offset - (self.ends[i] - c.size);
+        if from + len as u64 > c.size || !self.checked[self.canon[i] as usize].load(Ordering::Relaxed) {
+            return None;
+        }
+        let store = &self.shared.store;
+        let m = SCRATCH.with(|s| match s.try_borrow_mut() {
+            Ok(mut s) => store.map_checked_raw(&c.blake3, c.size, &mut s),
+            Err(_) => store.map_checked_raw(&c.blake3, c.size, &mut Scratch::default()),
+        });
+        let m = m.ok().flatten()?;
+        // The file is a tag byte, then the chunk.
+        Some(gpusnap_pages::Mapped { hold: m, start: 1 + from as usize, len })
+    }
 }
 
 /// The pages files of an image: those held by the store read chunk by

@@ -29,7 +29,7 @@ pub use serve::{
     HeadStart, Options, Report, Rescuer, Server, ENV_AHEAD, ENV_BATCH, ENV_FAULT_BATCH, ENV_HEAD_START,
     ENV_NICE, ENV_THREADS, ENV_WAKE_CHUNK,
 };
-pub use source::{DirSource, PageSource, PagesFile};
+pub use source::{DirSource, Mapped, PageSource, PagesFile};
 pub use stats::{dump_stats, DumpStats};
 
 #[derive(Debug, thiserror::Error)]

@@ -1285,13 +1285,22 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
         if let Some(d) = sh.opts.slow {
             std::thread::sleep(d);
         }
-        let data = &mut buf[..len as usize];
         let t = Instant::now();
-        mm.pages.read_at(iov.off + at, data).map_err(|e| PagesError::Read {
-            pid: mm.pid,
-            off: iov.off + at,
-            err: e.to_string(),
-        })?;
+        // Checked bytes in place (the page cache) are copied from there;
+        // anything else is read into the buffer first.
+        let mapped = mm.pages.map_at(iov.off + at, len as usize);
+        let data: &[u8] = match &mapped {
+            Some(m) => m.bytes(),
+            None => {
+                let data = &mut buf[..len as usize];
+                mm.pages.read_at(iov.off + at, data).map_err(|e| PagesError::Read {
+                    pid: mm.pid,
+                    off: iov.off + at,
+                    err: e.to_string(),
+                })?;
+                data
+            }
+        };
         sh.stats.read_us.fetch_add(us(t.elapsed()), SeqCst);
         if let Some(n) = sh.opts.fail_after {
             if sh.served.load(SeqCst) >= n {

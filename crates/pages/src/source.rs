@@ -19,6 +19,30 @@ pub trait PagesFile: Send + Sync {
     /// returns only bytes it has checked (an error otherwise), so a page
     /// that fails its check never reaches a process.
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+
+    /// The file's checked bytes at `offset..offset + len` in place, if the
+    /// source can give them without a copy (a mapping of the page cache):
+    /// the page server then copies them straight into the process. `None`:
+    /// read them with [`PagesFile::read_at`].
+    fn map_at(&self, _offset: u64, _len: usize) -> Option<Mapped> {
+        None
+    }
+}
+
+/// Bytes of a [`PagesFile`] in place, held while they are used.
+pub struct Mapped {
+    /// What keeps the bytes mapped.
+    pub hold: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    /// Where they are in it.
+    pub start: usize,
+    pub len: usize,
+}
+
+impl Mapped {
+    pub fn bytes(&self) -> &[u8] {
+        let all: &[u8] = (*self.hold).as_ref();
+        &all[self.start..self.start + self.len]
+    }
 }
 
 /// Opens the pages files of one image.
