@@ -354,6 +354,21 @@ impl World {
             .collect()
     }
 
+    /// What the fake driver's restores of `pid` read in its host copy
+    /// (`fake-workload --host-copy-mib`), oldest first: the journal's
+    /// `restore_data` notes (`ok`, `zeros:PAGES`, `bad:PAGES`, `short:BYTES`).
+    pub fn restore_data(&self, pid: i32) -> Vec<String> {
+        std::fs::read_to_string(self.fake_dir().join("journal.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                let mine = f.get(2) == Some(&"restore_data") && f.get(3)?.parse() == Ok(pid);
+                mine.then(|| f.get(4).map(|s| s.to_string())).flatten()
+            })
+            .collect()
+    }
+
     pub fn alive(&mut self, pid: i32) -> bool {
         let c = self.children.iter().find(|c| c.pid == pid).expect("child");
         c.try_wait().is_none()
