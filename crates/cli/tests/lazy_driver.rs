@@ -26,8 +26,8 @@ fn a_lazy_wake_gives_the_driver_restore_the_host_copy_intact() {
     let mut w = World::new(&[16_384]);
     let pid = hibernated(&mut w, 64, "hc");
     // Slow pages, so that the driver's restore catches up with the fill and
-    // waits for pages in its host copy (its reads fault).
-    w.env_extra.push(("GPUSNAP_PAGES_SLOW_US".into(), "2000".into()));
+    // waits for pages of its host copy (its reads fault, or wait for a fill).
+    w.env_extra.push(("GPUSNAP_PAGES_SLOW_US".into(), "10000".into()));
     w.env_extra.push(("GPUSNAP_PAGES_THREADS".into(), "1".into()));
     let r = w.json(&["wake", "hc", "--no-guard", "--wait", "10"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
@@ -38,9 +38,20 @@ fn a_lazy_wake_gives_the_driver_restore_the_host_copy_intact() {
     // The restore read every page of the host copy as the checkpoint wrote
     // it, faults and all.
     assert_eq!(w.restore_data(pid), ["ok"], "{v}");
+    // And it did wait for the page server: the fake's own copy of 64 MiB at
+    // 100 GB/s sleeps under a millisecond, the fill takes at least half a
+    // second (10 ms per MiB, faults 10 ms per 256 KiB), and nothing but the
+    // fill holds the restore up (seen: 1.8 s of 1.9 s of filling).
+    assert!(v["stages"]["driver"].as_u64().unwrap() >= 250, "{v}");
     assert_eq!(w.calls_on(pid).last().map(String::as_str), Some("unlock=0"));
     w.assert_progressing(pid);
     assert_eq!(w.status_of(pid).map(|s| s.2), Some(true));
+    // The driver's restore thread came back with its process (CRIU restores
+    // thread ids): the one a rescue must leave running.
+    let tid = w.fake_restore_tid(pid).expect("a restore thread");
+    assert_ne!(tid, pid);
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).unwrap();
+    assert_eq!(comm.trim(), "cuda-restore");
     assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "2"]).code, 0);
 }
 
@@ -59,14 +70,16 @@ fn a_page_server_failing_under_the_driver_restore_is_rescued_and_the_image_kept(
     let p = pid.to_string();
     let before = w.calls_on(pid).len();
 
-    // 2 ms per fill chunk and per fault from one fill thread: the driver's
-    // restore starts at once (no head start) and reads its 128 MiB behind a
-    // fill that fails after 32 MiB.
-    w.env_extra.push(("GPUSNAP_PAGES_SLOW_US".into(), "2000".into()));
+    // 10 ms per MiB of fill and per fault, one fill thread: the driver's
+    // restore starts long before the fill has served 48 MiB (no head start;
+    // it waits only for the background verify) and reads its 128 MiB behind
+    // it, and the page server fails there. (Without the rescue the wake
+    // hangs with its driver thread in handle_userfault: seen.)
+    w.env_extra.push(("GPUSNAP_PAGES_SLOW_US".into(), "10000".into()));
     w.env_extra.push(("GPUSNAP_PAGES_THREADS".into(), "1".into()));
-    w.env_extra.push(("GPUSNAP_PAGES_FAIL_AFTER".into(), (32 << 20).to_string()));
+    w.env_extra.push(("GPUSNAP_PAGES_FAIL_AFTER".into(), (48 << 20).to_string()));
     let r = w.json(&["wake", "r", "--no-guard", "--wait", "10"]);
-    w.env_extra.retain(|(k, _)| k != "GPUSNAP_PAGES_FAIL_AFTER");
+    w.env_extra.clear();
     assert_eq!(r.code, 1, "{}", r.stderr);
     assert_eq!(r.json()["error"]["kind"], "pages", "{}", r.stdout);
 

@@ -106,12 +106,14 @@ pub fn write(pid: i32, hc: HostCopy) -> io::Result<()> {
 }
 
 /// Reads the host copy of `pid` back a piece at a time (the restore's copy
-/// to the device) and says what it held.
-pub fn read(pid: i32, hc: HostCopy) -> Verdict {
+/// to the device) and says what it held. `before_piece` runs before each
+/// piece (the driver waits there while its restore thread cannot run).
+pub fn read(pid: i32, hc: HostCopy, mut before_piece: impl FnMut()) -> Verdict {
     let mut buf = vec![0u8; PIECE];
     let (mut zeros, mut bad) = (0, 0);
     let mut at = 0u64;
     while at < hc.len {
+        before_piece();
         let len = (hc.len - at).min(PIECE as u64) as usize;
         let piece = &mut buf[..len];
         let mut done = 0;
@@ -198,21 +200,23 @@ mod tests {
         let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
         let pid = child.id() as i32;
         // The child has no such range: nothing is read.
-        assert!(matches!(read(pid, hc), Verdict::Short(_)));
+        assert!(matches!(read(pid, hc, || ()), Verdict::Short(_)));
         child.kill().unwrap();
         child.wait().unwrap();
 
         // This process itself: untouched memory reads as zeros, written as
         // the pattern it reads right, and a damaged page is found.
         let me = std::process::id() as i32;
-        assert_eq!(read(me, hc), Verdict::Zeros(len / PAGE as u64));
+        let mut pieces = 0;
+        assert_eq!(read(me, hc, || pieces += 1), Verdict::Zeros(len / PAGE as u64));
+        assert_eq!(pieces, 4);
         write(me, hc).unwrap();
-        assert_eq!(read(me, hc), Verdict::Ok);
+        assert_eq!(read(me, hc, || ()), Verdict::Ok);
         // SAFETY: inside the mapping made above.
         unsafe { *(addr as *mut u8).add(PIECE + 5) ^= 0xff };
-        assert_eq!(read(me, hc), Verdict::Bad(1));
+        assert_eq!(read(me, hc, || ()), Verdict::Bad(1));
         // SAFETY: the mapping made above, no longer used.
         unsafe { libc::munmap(addr, len as usize) };
-        assert_eq!(read(me, hc), Verdict::Short(0));
+        assert_eq!(read(me, hc, || ()), Verdict::Short(0));
     }
 }

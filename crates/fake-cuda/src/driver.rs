@@ -209,16 +209,20 @@ pub fn checkpoint(store: &Store, pid: i32) -> Result<(), CuResult> {
 }
 
 pub fn restore(store: &Store, pid: i32, pairs: Option<Vec<GpuPair>>) -> Result<(), CuResult> {
-    let (bytes, gbps, host) = on_process(store, pid, |t| {
+    let (bytes, gbps, host, tid) = on_process(store, pid, |t| {
         let bytes = t.state.begin_restore(&t.config, pid, pairs.as_deref())?;
-        Ok((bytes, t.config.restore_gbps, entry(t, pid)?.host_copy))
+        let gbps = t.config.restore_gbps;
+        let p = entry(t, pid)?;
+        Ok((bytes, gbps, p.host_copy, p.restore_tid))
     })?;
     let started = Instant::now();
     if let Some(hc) = host {
         // The copy back from host memory: blocks on pages a lazy wake has not
         // filled yet. The real driver cannot tell zero pages from data, so
         // whatever it read, the restore goes on; the journal says what it was.
-        let verdict = hostcopy::read(pid, hc);
+        // The copy is the restore thread's work inside the process: it does
+        // not go on while that thread is stopped (assumed, not measured).
+        let verdict = hostcopy::read(pid, hc, || wait_while_stopped(pid, tid));
         if let Err(e) = store.journal_note("restore_data", pid, &verdict.to_string()) {
             eprintln!("gpusnap-fake-cuda: journal: {e}");
         }
@@ -228,6 +232,15 @@ pub fn restore(store: &Store, pid: i32, pairs: Option<Vec<GpuPair>>) -> Result<(
         entry(t, pid)?.finish_restore()?;
         store.move_data(pid, false).map_err(io_fail)
     })
+}
+
+/// Waits while the restore thread `tid` of `pid` is stopped (by a signal or
+/// a tracer); no wait when there is none or it is gone.
+fn wait_while_stopped(pid: i32, tid: Option<i32>) {
+    let Some(tid) = tid else { return };
+    while procfs::tgid(tid) == Some(pid) && procfs::stat(tid).is_some_and(|s| matches!(s.state, 'T' | 't')) {
+        sleep(POLL);
+    }
 }
 
 pub fn unlock(store: &Store, pid: i32) -> Result<(), CuResult> {

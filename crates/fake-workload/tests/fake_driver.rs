@@ -420,6 +420,42 @@ fn the_host_copy_is_written_by_checkpoint_and_read_back_by_restore() {
     assert_eq!(calls.iter().filter(|c| *c == "restore").count(), 3, "{calls:?}");
 }
 
+/// The restore's copy is its restore thread's work: while a tracer holds
+/// that thread stopped, the restore does not go on.
+#[test]
+fn a_restore_waits_while_its_restore_thread_is_stopped() {
+    use nix::sys::ptrace;
+    use nix::sys::wait::{waitpid, WaitPidFlag};
+    let env = Env::new(ONE_GPU);
+    let cuda = env.cuda;
+    let w = env.workload(&["--mib", "16", "--host-copy-mib", "4"]);
+    let pid = w.pid();
+    let (_, tid) = cuda.restore_tid(pid);
+    assert_ne!(tid, pid);
+    assert_eq!(cuda.lock(pid, 0), SUCCESS);
+    assert_eq!(cuda.checkpoint(pid), SUCCESS);
+    let (stopped_tx, stopped_rx) = mpsc::channel();
+    // ptrace requests come from the thread that attached.
+    let tracer = std::thread::spawn(move || {
+        let t = Pid::from_raw(tid);
+        ptrace::seize(t, ptrace::Options::empty()).unwrap();
+        ptrace::interrupt(t).unwrap();
+        waitpid(t, Some(WaitPidFlag::__WALL)).unwrap();
+        stopped_tx.send(()).unwrap();
+        sleep(Duration::from_millis(500));
+        ptrace::detach(t, None).unwrap();
+    });
+    stopped_rx.recv().unwrap();
+    assert_eq!(task_state(tid), 't');
+    let t = Instant::now();
+    assert_eq!(cuda.restore(pid), SUCCESS);
+    assert!(t.elapsed() >= Duration::from_millis(300), "{:?}", t.elapsed());
+    tracer.join().unwrap();
+    assert_eq!(env.restore_data(), [(pid, "ok".to_string())]);
+    assert_eq!(cuda.unlock(pid), SUCCESS);
+    w.wait_iterations(2);
+}
+
 #[test]
 fn a_restore_without_memory_strands_the_process() {
     let env = Env::new(ONE_GPU);

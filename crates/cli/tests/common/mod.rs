@@ -369,6 +369,15 @@ impl World {
             .collect()
     }
 
+    /// The thread the fake driver names as `pid`'s restore thread
+    /// (`fake-workload --host-copy-mib` starts it, named `cuda-restore`), from
+    /// the fake's state; None when it registered none (the pid is named).
+    pub fn fake_restore_tid(&self, pid: i32) -> Option<i32> {
+        let s: Value =
+            serde_json::from_str(&std::fs::read_to_string(self.fake_dir().join("state.json")).ok()?).ok()?;
+        s["procs"][pid.to_string()]["restore_tid"].as_i64().map(|t| t as i32)
+    }
+
     pub fn alive(&mut self, pid: i32) -> bool {
         let c = self.children.iter().find(|c| c.pid == pid).expect("child");
         c.try_wait().is_none()
