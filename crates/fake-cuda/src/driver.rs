@@ -391,7 +391,7 @@ pub fn ctx_synchronize() -> Result<(), CuResult> {
 /// checkpoints write there and its restores read from there.
 pub fn register_host_copy(addr: u64, len: u64) -> Result<(), CuResult> {
     let page = hostcopy::PAGE as u64;
-    if addr == 0 || len == 0 || addr % page != 0 || len % page != 0 {
+    if addr == 0 || len == 0 || !addr.is_multiple_of(page) || !len.is_multiple_of(page) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     as_workload(None, |_, t, me| {
