@@ -13,12 +13,13 @@
 
 pub mod codes;
 pub mod config;
+pub mod hostcopy;
 pub mod procfs;
 pub mod state;
 pub mod store;
 
 pub use config::{Config, GpuConfig, Injection};
-pub use state::{Alloc, Proc, ProcState, State};
+pub use state::{Alloc, HostCopy, Proc, ProcState, State};
 pub use store::{Store, Txn};
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

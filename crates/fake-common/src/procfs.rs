@@ -72,6 +72,15 @@ pub fn self_pid() -> i32 {
         .unwrap_or(std::process::id() as i32)
 }
 
+/// The calling thread's id as /proc sees it (see [`self_pid`]), from
+/// `/proc/thread-self` (`PID/task/TID`).
+pub fn self_tid() -> i32 {
+    std::fs::read_link("/proc/thread-self")
+        .ok()
+        .and_then(|p| p.file_name()?.to_str()?.parse().ok())
+        .unwrap_or_else(|| nix::unistd::gettid().as_raw())
+}
+
 /// Whether this process shares the initial time namespace. A CRIU-restored
 /// process gets a time namespace whose clocks are offset to continue from the
 /// dump: its /proc/self/timens_offsets is not all zeros. (Comparing with
@@ -135,5 +144,8 @@ mod tests {
         .unwrap();
         assert_ne!(tid.0, me);
         assert_eq!(tid.1, Some(me));
+        let other = std::thread::spawn(|| (self_tid(), nix::unistd::gettid().as_raw())).join().unwrap();
+        assert_eq!(other.0, other.1);
+        assert_ne!(other.0, me);
     }
 }

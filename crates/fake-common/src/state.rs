@@ -81,6 +81,23 @@ pub struct Proc {
     /// configured lag runs from there.
     #[serde(default)]
     pub released_ms: u64,
+    /// Where the process keeps the host copy a checkpoint writes and a
+    /// restore reads (`fakeRegisterHostCopy`; see `hostcopy`). None: the
+    /// fake only moves its data files, as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_copy: Option<HostCopy>,
+    /// The thread `cuCheckpointProcessGetRestoreThreadId` names (registered
+    /// with the host copy); None: the pid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_tid: Option<i32>,
+}
+
+/// A range of the process's own anonymous memory that holds its "device
+/// memory" while it is checkpointed, as the real driver's host copy does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostCopy {
+    pub addr: u64,
+    pub len: u64,
 }
 
 /// How a lock on a RUNNING process goes.
@@ -105,6 +122,8 @@ impl Proc {
             next_ptr: FIRST_PTR,
             busy_until_ms: 0,
             released_ms: 0,
+            host_copy: None,
+            restore_tid: None,
         }
     }
 

@@ -150,8 +150,21 @@ impl Store {
     /// journal. One `write` on an `O_APPEND` file, so lines from concurrent
     /// processes do not interleave.
     pub fn journal(&self, call: &str, target: i32, rc: CuResult) -> io::Result<()> {
+        self.journal_line(call, target, &rc.to_string())
+    }
+
+    /// Appends a note in the journal's shape, `<unix_ms> <caller_pid> <what>
+    /// <target_pid> <word>`, with a word where a call has its rc: what a
+    /// restore read in the host copy (`restore_data ... ok`, see
+    /// `hostcopy::Verdict`). Readers that parse the last field as a number
+    /// skip it.
+    pub fn journal_note(&self, what: &str, target: i32, word: &str) -> io::Result<()> {
+        self.journal_line(what, target, word)
+    }
+
+    fn journal_line(&self, call: &str, target: i32, last: &str) -> io::Result<()> {
         fs::create_dir_all(&self.dir)?;
-        let line = format!("{} {} {call} {target} {rc}\n", now_ms(), std::process::id());
+        let line = format!("{} {} {call} {target} {last}\n", now_ms(), std::process::id());
         OpenOptions::new()
             .create(true)
             .append(true)
@@ -328,9 +341,11 @@ mod tests {
         let store = Store::at(dir.path().join("new"));
         store.journal("lock", 42, 0).unwrap();
         store.journal("unlock", 42, 401).unwrap();
+        store.journal_note("restore_data", 42, "zeros:3").unwrap();
         let text = fs::read_to_string(dir.path().join("new/journal.log")).unwrap();
         let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(' ').collect()).collect();
-        assert_eq!(lines.len(), 2);
+        assert_eq!(lines.len(), 3);
         assert_eq!(lines[1][1..], [std::process::id().to_string().as_str(), "unlock", "42", "401"]);
+        assert_eq!(lines[2][2..], ["restore_data", "42", "zeros:3"]);
     }
 }

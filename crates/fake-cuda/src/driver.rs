@@ -4,11 +4,11 @@
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::thread::sleep;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpusnap_fake_common::codes::*;
-use gpusnap_fake_common::state::{GpuPair, LockWait, Proc};
-use gpusnap_fake_common::{copy_time, now_ms, procfs, Store, Txn, MIB};
+use gpusnap_fake_common::state::{GpuPair, HostCopy, LockWait, Proc};
+use gpusnap_fake_common::{copy_time, hostcopy, now_ms, procfs, Store, Txn, MIB};
 
 /// `cuInit` ran in this process. Like the real driver, nothing but version
 /// and error-name queries works before it.
@@ -185,11 +185,21 @@ pub fn lock(store: &Store, pid: i32, timeout_ms: u32) -> Result<(), CuResult> {
 }
 
 pub fn checkpoint(store: &Store, pid: i32) -> Result<(), CuResult> {
-    let (bytes, gbps) = on_process(store, pid, |t| {
+    let (bytes, gbps, host) = on_process(store, pid, |t| {
         let ctx = t.config.context_mib * MIB;
-        Ok((entry(t, pid)?.begin_checkpoint(ctx)?, t.config.checkpoint_gbps))
+        let gbps = t.config.checkpoint_gbps;
+        let p = entry(t, pid)?;
+        Ok((p.begin_checkpoint(ctx)?, gbps, p.host_copy))
     })?;
-    sleep(copy_time(bytes, gbps));
+    let started = Instant::now();
+    if let Some(hc) = host {
+        // The copy to host memory inside the process. A process gone
+        // meanwhile answers 304 below.
+        if let Err(e) = hostcopy::write(pid, hc) {
+            eprintln!("gpusnap-fake-cuda: host copy of {pid}: {e}");
+        }
+    }
+    sleep(copy_time(bytes, gbps).saturating_sub(started.elapsed()));
     on_process(store, pid, |t| {
         let p = entry(t, pid)?;
         p.finish_checkpoint()?;
@@ -199,15 +209,38 @@ pub fn checkpoint(store: &Store, pid: i32) -> Result<(), CuResult> {
 }
 
 pub fn restore(store: &Store, pid: i32, pairs: Option<Vec<GpuPair>>) -> Result<(), CuResult> {
-    let (bytes, gbps) = on_process(store, pid, |t| {
+    let (bytes, gbps, host, tid) = on_process(store, pid, |t| {
         let bytes = t.state.begin_restore(&t.config, pid, pairs.as_deref())?;
-        Ok((bytes, t.config.restore_gbps))
+        let gbps = t.config.restore_gbps;
+        let p = entry(t, pid)?;
+        Ok((bytes, gbps, p.host_copy, p.restore_tid))
     })?;
-    sleep(copy_time(bytes, gbps));
+    let started = Instant::now();
+    if let Some(hc) = host {
+        // The copy back from host memory: blocks on pages a lazy wake has not
+        // filled yet. The real driver cannot tell zero pages from data, so
+        // whatever it read, the restore goes on; the journal says what it was.
+        // The copy is the restore thread's work inside the process: it does
+        // not go on while that thread is stopped (assumed, not measured).
+        let verdict = hostcopy::read(pid, hc, || wait_while_stopped(pid, tid));
+        if let Err(e) = store.journal_note("restore_data", pid, &verdict.to_string()) {
+            eprintln!("gpusnap-fake-cuda: journal: {e}");
+        }
+    }
+    sleep(copy_time(bytes, gbps).saturating_sub(started.elapsed()));
     on_process(store, pid, |t| {
         entry(t, pid)?.finish_restore()?;
         store.move_data(pid, false).map_err(io_fail)
     })
+}
+
+/// Waits while the restore thread `tid` of `pid` is stopped (by a signal or
+/// a tracer); no wait when there is none or it is gone.
+fn wait_while_stopped(pid: i32, tid: Option<i32>) {
+    let Some(tid) = tid else { return };
+    while procfs::tgid(tid) == Some(pid) && procfs::stat(tid).is_some_and(|s| matches!(s.state, 'T' | 't')) {
+        sleep(POLL);
+    }
 }
 
 pub fn unlock(store: &Store, pid: i32) -> Result<(), CuResult> {
@@ -218,8 +251,12 @@ pub fn get_state(store: &Store, pid: i32) -> Result<i32, CuResult> {
     on_process(store, pid, |t| Ok(entry(t, pid)?.reported_state() as i32))
 }
 
+/// The registered restore thread while it is a thread of `pid`, else `pid`.
 pub fn get_restore_tid(store: &Store, pid: i32) -> Result<i32, CuResult> {
-    on_process(store, pid, |t| entry(t, pid).map(|_| pid))
+    on_process(store, pid, |t| {
+        let tid = entry(t, pid)?.restore_tid;
+        Ok(tid.filter(|&tid| procfs::tgid(tid) == Some(pid)).unwrap_or(pid))
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -347,6 +384,30 @@ pub fn ctx_synchronize() -> Result<(), CuResult> {
     let busy_until = as_workload(None, |_, t, me| Ok(entry(t, me)?.busy_until_ms))?;
     sleep(Duration::from_millis(busy_until.saturating_sub(now_ms())));
     Ok(())
+}
+
+/// `fakeRegisterHostCopy`: the calling process keeps its host copy in
+/// `[addr, addr + len)` (page-aligned, anonymous, its own): from now on its
+/// checkpoints write there and its restores read from there.
+pub fn register_host_copy(addr: u64, len: u64) -> Result<(), CuResult> {
+    let page = hostcopy::PAGE as u64;
+    if addr == 0 || len == 0 || !addr.is_multiple_of(page) || !len.is_multiple_of(page) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    as_workload(None, |_, t, me| {
+        entry(t, me)?.host_copy = Some(HostCopy { addr, len });
+        Ok(())
+    })
+}
+
+/// `fakeRegisterRestoreThread`: the calling thread is the one
+/// `cuCheckpointProcessGetRestoreThreadId` names for its process.
+pub fn register_restore_thread() -> Result<(), CuResult> {
+    let tid = procfs::self_tid();
+    as_workload(None, |_, t, me| {
+        entry(t, me)?.restore_tid = Some(tid);
+        Ok(())
+    })
 }
 
 pub fn enqueue_work(ms: u32) -> Result<(), CuResult> {

@@ -376,3 +376,18 @@ pub extern "C" fn cuCtxSynchronize() -> CUresult {
 pub extern "C" fn fakeEnqueueWork(ms: c_uint) -> CUresult {
     ffi(|| driver::enqueue_work(ms))
 }
+
+/// Registers the calling process's host copy (see `docs/fakes.md`): its
+/// checkpoints write a known pattern to `[addr, addr + len)` of its memory
+/// and its restores read it back. Needs a context.
+#[no_mangle]
+pub extern "C" fn fakeRegisterHostCopy(addr: u64, len: u64) -> CUresult {
+    ffi(|| driver::register_host_copy(addr, len))
+}
+
+/// Makes the calling thread its process's restore thread, the one
+/// `cuCheckpointProcessGetRestoreThreadId` answers. Needs a context.
+#[no_mangle]
+pub extern "C" fn fakeRegisterRestoreThread() -> CUresult {
+    ffi(driver::register_restore_thread)
+}

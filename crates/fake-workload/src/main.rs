@@ -80,6 +80,12 @@ struct Args {
     /// and go while a tracer attaches.
     #[arg(long, default_value_t = 0)]
     churn_us: u64,
+    /// Keep a host copy of N MiB (anonymous memory, registered with the fake
+    /// driver: its checkpoints write a known pattern there and its restores
+    /// read it back, as the real driver's do) and an idle thread named
+    /// `cuda-restore`, registered as the driver's restore thread.
+    #[arg(long, default_value_t = 0)]
+    host_copy_mib: u64,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -220,6 +226,9 @@ fn run(args: &Args) -> Result<(), String> {
         }
     }
 
+    if args.host_copy_mib > 0 {
+        host_copy(&cuda, args.host_copy_mib)?;
+    }
     if args.churn_us > 0 {
         let every = Duration::from_micros(args.churn_us);
         std::thread::spawn(move || loop {
@@ -307,6 +316,51 @@ fn run(args: &Args) -> Result<(), String> {
         sleep(Duration::from_millis(100));
     }
     Ok(())
+}
+
+/// Maps `mib` MiB of anonymous memory (left untouched: the fake's checkpoint
+/// writes it) and registers it as the host copy, then starts the
+/// `cuda-restore` thread and waits until it is registered.
+fn host_copy(cuda: &Cuda, mib: u64) -> Result<(), String> {
+    type Register = unsafe extern "C" fn(u64, u64) -> CUresult;
+    type RegisterThread = unsafe extern "C" fn() -> CUresult;
+    // SAFETY: the fake driver's extra exports, with these C signatures.
+    let register: Register =
+        *unsafe { cuda._lib.get(b"fakeRegisterHostCopy\0") }.map_err(|e| e.to_string())?;
+    // SAFETY: as above.
+    let register_thread: RegisterThread =
+        *unsafe { cuda._lib.get(b"fakeRegisterRestoreThread\0") }.map_err(|e| e.to_string())?;
+    let len = usize::try_from(mib * 1024 * 1024).map_err(|e| e.to_string())?;
+    // SAFETY: a fresh private anonymous mapping; nothing in this program
+    // reads or writes it (it is the driver's), and it is never unmapped.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return Err(format!("mmap of the host copy: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: no pointers are dereferenced; the fake records the range.
+    cuda.check("fakeRegisterHostCopy", unsafe { register(addr as u64, len as u64) })?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("cuda-restore".into())
+        .spawn(move || {
+            // SAFETY: no arguments.
+            let _ = tx.send(unsafe { register_thread() });
+            loop {
+                sleep(Duration::from_millis(100));
+            }
+        })
+        .map_err(|e| e.to_string())?;
+    let rc = rx.recv().map_err(|e| e.to_string())?;
+    cuda.check("fakeRegisterRestoreThread", rc)
 }
 
 /// The server's device memory and the pattern it must still hold.

@@ -217,12 +217,26 @@ impl Env {
         let text = std::fs::read_to_string(self.state.path().join("journal.log")).unwrap_or_default();
         let me = std::process::id().to_string();
         text.lines()
+            .filter(|l| l.split(' ').nth(2) != Some("restore_data"))
             .map(|l| {
                 let f: Vec<&str> = l.split(' ').collect();
                 assert_eq!(f.len(), 5, "journal line {l:?}");
                 f[0].parse::<u64>().unwrap();
                 assert_eq!(f[1], me);
                 (f[2].to_string(), f[3].parse().unwrap(), f[4].parse().unwrap())
+            })
+            .collect()
+    }
+
+    /// The journal's `restore_data` notes: (target, what the restore read).
+    fn restore_data(&self) -> Vec<(i32, String)> {
+        let text = std::fs::read_to_string(self.state.path().join("journal.log")).unwrap_or_default();
+        text.lines()
+            .map(|l| l.split(' ').collect::<Vec<_>>())
+            .filter(|f| f[2] == "restore_data")
+            .map(|f| {
+                assert_eq!(f.len(), 5, "journal line {f:?}");
+                (f[3].parse().unwrap(), f[4].to_string())
             })
             .collect()
     }
@@ -345,6 +359,101 @@ fn suspend_and_resume_keep_the_data() {
     assert_eq!(cuda.unlock(pid), SUCCESS);
     assert_eq!(cuda.state(pid), (SUCCESS, RUNNING));
     w.wait_iterations(3);
+}
+
+/// `--host-copy-mib`: the checkpoint writes the pattern into the workload's
+/// own memory, the restore reads it back and journals what it found, and
+/// the restore thread is the workload's `cuda-restore` thread.
+#[test]
+fn the_host_copy_is_written_by_checkpoint_and_read_back_by_restore() {
+    use std::os::unix::fs::FileExt;
+    let env = Env::new(ONE_GPU);
+    let cuda = env.cuda;
+    let w = env.workload(&["--mib", "16", "--host-copy-mib", "8", "--threads", "1"]);
+    let pid = w.pid();
+    let hc = env.state_json()["procs"][pid.to_string()]["host_copy"].clone();
+    let (addr, len) = (hc["addr"].as_u64().unwrap(), hc["len"].as_u64().unwrap());
+    assert_eq!(len, 8 << 20);
+    let (rc, tid) = cuda.restore_tid(pid);
+    assert_eq!(rc, SUCCESS);
+    assert_ne!(tid, pid);
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).unwrap();
+    assert_eq!(comm.trim(), "cuda-restore");
+    // Asked through a thread id, the answer is the same.
+    assert_eq!(cuda.restore_tid(tid), (SUCCESS, tid));
+
+    let mem = std::fs::OpenOptions::new().read(true).write(true).open(format!("/proc/{pid}/mem")).unwrap();
+    let page = |i: u64| {
+        let mut b = vec![0u8; 4096];
+        mem.read_exact_at(&mut b, addr + i * 4096).unwrap();
+        b
+    };
+    assert!(page(0).iter().all(|&b| b == 0), "untouched before a checkpoint");
+    assert_eq!(cuda.lock(pid, 0), SUCCESS);
+    assert_eq!(cuda.checkpoint(pid), SUCCESS);
+    assert_eq!(page(0)[..8], 1u64.to_le_bytes());
+    assert_eq!(page(2047)[..8], 2048u64.to_le_bytes());
+    assert!(page(5)[8..].iter().all(|&b| b != 0));
+    assert_eq!(cuda.restore(pid), SUCCESS);
+    assert_eq!(env.restore_data(), [(pid, "ok".to_string())]);
+    assert_eq!(cuda.unlock(pid), SUCCESS);
+    w.wait_iterations(2);
+
+    // Two pages lost while checkpointed (as zero pages would be): the
+    // restore still succeeds, as the real driver's would, and says so.
+    assert_eq!(cuda.lock(pid, 0), SUCCESS);
+    assert_eq!(cuda.checkpoint(pid), SUCCESS);
+    mem.write_all_at(&[0u8; 8192], addr + 100 * 4096).unwrap();
+    assert_eq!(cuda.restore(pid), SUCCESS);
+    // Something else in a page is "bad".
+    assert_eq!(cuda.unlock(pid), SUCCESS);
+    assert_eq!(cuda.lock(pid, 0), SUCCESS);
+    assert_eq!(cuda.checkpoint(pid), SUCCESS);
+    mem.write_all_at(b"x", addr + 7 * 4096 + 9).unwrap();
+    assert_eq!(cuda.restore(pid), SUCCESS);
+    assert_eq!(cuda.unlock(pid), SUCCESS);
+    let notes: Vec<String> = env.restore_data().into_iter().map(|n| n.1).collect();
+    assert_eq!(notes, ["ok", "zeros:2", "bad:1"]);
+    w.wait_iterations(2);
+    // The other calls' journal is as without a host copy.
+    let calls: Vec<String> = env.journal().iter().map(|j| j.0.clone()).collect();
+    assert_eq!(calls.iter().filter(|c| *c == "restore").count(), 3, "{calls:?}");
+}
+
+/// The restore's copy is its restore thread's work: while a tracer holds
+/// that thread stopped, the restore does not go on.
+#[test]
+fn a_restore_waits_while_its_restore_thread_is_stopped() {
+    use nix::sys::ptrace;
+    use nix::sys::wait::{waitpid, WaitPidFlag};
+    let env = Env::new(ONE_GPU);
+    let cuda = env.cuda;
+    let w = env.workload(&["--mib", "16", "--host-copy-mib", "4"]);
+    let pid = w.pid();
+    let (_, tid) = cuda.restore_tid(pid);
+    assert_ne!(tid, pid);
+    assert_eq!(cuda.lock(pid, 0), SUCCESS);
+    assert_eq!(cuda.checkpoint(pid), SUCCESS);
+    let (stopped_tx, stopped_rx) = mpsc::channel();
+    // ptrace requests come from the thread that attached.
+    let tracer = std::thread::spawn(move || {
+        let t = Pid::from_raw(tid);
+        ptrace::seize(t, ptrace::Options::empty()).unwrap();
+        ptrace::interrupt(t).unwrap();
+        waitpid(t, Some(WaitPidFlag::__WALL)).unwrap();
+        stopped_tx.send(()).unwrap();
+        sleep(Duration::from_millis(500));
+        ptrace::detach(t, None).unwrap();
+    });
+    stopped_rx.recv().unwrap();
+    assert_eq!(task_state(tid), 't');
+    let t = Instant::now();
+    assert_eq!(cuda.restore(pid), SUCCESS);
+    assert!(t.elapsed() >= Duration::from_millis(300), "{:?}", t.elapsed());
+    tracer.join().unwrap();
+    assert_eq!(env.restore_data(), [(pid, "ok".to_string())]);
+    assert_eq!(cuda.unlock(pid), SUCCESS);
+    w.wait_iterations(2);
 }
 
 #[test]

@@ -354,6 +354,30 @@ impl World {
             .collect()
     }
 
+    /// What the fake driver's restores of `pid` read in its host copy
+    /// (`fake-workload --host-copy-mib`), oldest first: the journal's
+    /// `restore_data` notes (`ok`, `zeros:PAGES`, `bad:PAGES`, `short:BYTES`).
+    pub fn restore_data(&self, pid: i32) -> Vec<String> {
+        std::fs::read_to_string(self.fake_dir().join("journal.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                let mine = f.get(2) == Some(&"restore_data") && f.get(3)?.parse() == Ok(pid);
+                mine.then(|| f.get(4).map(|s| s.to_string())).flatten()
+            })
+            .collect()
+    }
+
+    /// The thread the fake driver names as `pid`'s restore thread
+    /// (`fake-workload --host-copy-mib` starts it, named `cuda-restore`), from
+    /// the fake's state; None when it registered none (the pid is named).
+    pub fn fake_restore_tid(&self, pid: i32) -> Option<i32> {
+        let s: Value =
+            serde_json::from_str(&std::fs::read_to_string(self.fake_dir().join("state.json")).ok()?).ok()?;
+        s["procs"][pid.to_string()]["restore_tid"].as_i64().map(|t| t as i32)
+    }
+
     pub fn alive(&mut self, pid: i32) -> bool {
         let c = self.children.iter().find(|c| c.pid == pid).expect("child");
         c.try_wait().is_none()
