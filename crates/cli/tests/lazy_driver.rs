@@ -56,13 +56,13 @@ fn a_lazy_wake_gives_the_driver_restore_the_host_copy_intact() {
 }
 
 /// The page server fails while the driver's restore waits on it: the
-/// restore would wait forever for pages no one serves. The rescue (lead):
+/// restore would wait forever for pages no one serves. The rescue
+/// (crates/core/src/rescue.rs):
 /// every other thread of the woken processes is stopped, the missing pages
 /// are answered with zero pages so that the restore returns, the process is
 /// checkpointed again (never unlocked onto zeros) and ended; the wake fails
 /// and keeps the image.
 #[test]
-#[ignore = "needs the rescue (lead)"]
 fn a_page_server_failing_under_the_driver_restore_is_rescued_and_the_image_kept() {
     criu_present();
     let mut w = World::new(&[16_384]);
@@ -72,7 +72,7 @@ fn a_page_server_failing_under_the_driver_restore_is_rescued_and_the_image_kept(
 
     // 10 ms per MiB of fill and per fault, one fill thread: the driver's
     // restore starts long before the fill has served 48 MiB (no head start;
-    // it waits only for the background verify) and reads its 128 MiB behind
+    // the verify runs beside it) and reads its 128 MiB behind
     // it, and the page server fails there. (Without the rescue the wake
     // hangs with its driver thread in handle_userfault: seen.)
     w.env_extra.push(("GPUSNAP_PAGES_SLOW_US".into(), "10000".into()));
