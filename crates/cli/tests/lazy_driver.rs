@@ -29,6 +29,8 @@ fn a_lazy_wake_gives_the_driver_restore_the_host_copy_intact() {
     // waits for pages of its host copy (its reads fault, or wait for a fill).
     w.env_extra.push(("GPUSNAP_PAGES_SLOW_US".into(), "10000".into()));
     w.env_extra.push(("GPUSNAP_PAGES_THREADS".into(), "1".into()));
+    // No head start: the driver's restore reads behind the fill.
+    w.env_extra.push(("GPUSNAP_PAGES_HEAD_START".into(), "0".into()));
     let r = w.json(&["wake", "hc", "--no-guard", "--wait", "10"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.adopt(pid);
@@ -77,6 +79,8 @@ fn a_page_server_failing_under_the_driver_restore_is_rescued_and_the_image_kept(
     // hangs with its driver thread in handle_userfault: seen.)
     w.env_extra.push(("GPUSNAP_PAGES_SLOW_US".into(), "10000".into()));
     w.env_extra.push(("GPUSNAP_PAGES_THREADS".into(), "1".into()));
+    // No head start: the driver's restore reads behind the fill.
+    w.env_extra.push(("GPUSNAP_PAGES_HEAD_START".into(), "0".into()));
     w.env_extra.push(("GPUSNAP_PAGES_FAIL_AFTER".into(), (48 << 20).to_string()));
     let r = w.json(&["wake", "r", "--no-guard", "--wait", "10"]);
     w.env_extra.clear();

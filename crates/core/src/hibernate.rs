@@ -1133,9 +1133,36 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         };
         let criu_ms = ms(t_criu);
         let t_pages = Instant::now();
+        // Every CUDA process of the image is known again, resumed or not,
+        // with the footprint it needs, before anything else can happen to
+        // it: a wake that dies from here on (during the page server's head
+        // start, say) leaves processes that `resume` can bring back.
+        let recorded = (|| {
+            for p in m.processes.iter().filter(|p| p.cuda) {
+                let Ok(t) = target::resolve(p.pid) else { continue };
+                match resume.iter().position(|r| r.pid == p.pid) {
+                    Some(i) => self.store_mut().record(&t, "checkpointed", footprints.get(i))?,
+                    None => {
+                        self.store_mut().record(&t, "checkpointed", Some(&p.footprint))?;
+                        self.store_mut().note(
+                            &t,
+                            "wake",
+                            None,
+                            &format!("restored by CRIU from image {name}, left suspended"),
+                        )?;
+                    }
+                }
+            }
+            Ok::<_, Error>(())
+        })();
+        if let Err(err) = recorded {
+            self.end_woken(m.processes.iter().rev().map(|p| p.pid));
+            return Err(err);
+        }
         // The page server's head start, if one is asked for: until then
         // the driver's restore is not started.
-        let head = restored.head_start();
+        // (Only for a driver restore: a tree without one runs at once.)
+        let head = if resume.is_empty() { Ok(0) } else { restored.head_start() };
         let (root, pages, notice) = (restored.root, restored.pages, restored.notice);
         // The processes CRIU made (pid and start time), for a failed lazy
         // wake to know exactly what is its own.
@@ -1181,25 +1208,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         }
         let t_restore = Instant::now();
-        let recorded = (|| {
-            // Every CUDA process of the image is known again, resumed or not.
-            for p in m.processes.iter().filter(|p| p.cuda && !resume.iter().any(|r| r.pid == p.pid)) {
-                if let Ok(t) = target::resolve(p.pid) {
-                    self.store_mut().record(&t, "checkpointed", Some(&p.footprint))?;
-                    self.store_mut().note(
-                        &t,
-                        "wake",
-                        None,
-                        &format!("restored by CRIU from image {name}, left suspended"),
-                    )?;
-                }
-            }
-            Ok::<_, Error>(())
-        })();
-        if let Err(err) = recorded {
-            self.end_woken(m.processes.iter().rev().map(|p| p.pid));
-            return Err(err);
-        }
         type Item<'f> = (i32, (i32, &'f BTreeMap<String, u64>));
         let items: Vec<Item<'_>> =
             resume.iter().zip(footprints).map(|(p, fp)| (p.pid, (p.pid, fp))).collect();
@@ -1247,7 +1255,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // calls on different processes are independent.
         let back = |e: &mut Self, (pid, fp): (i32, &BTreeMap<String, u64>)| {
             let known = target::resolve(pid).and_then(|t| {
-                e.store_mut().record(&t, "checkpointed", Some(fp))?;
                 e.store_mut().note(&t, "wake", None, &format!("restored by CRIU from image {name}"))?;
                 Ok(t)
             });
