@@ -129,7 +129,7 @@ done
 
 # A plain one-process image, woken REPS times (CRIU needed).
 WAKES=0
-if command -v criu >/dev/null 2>&1 && [ $((SECONDS - T0)) -lt 12 ]; then
+if command -v criu >/dev/null 2>&1 && [ $((SECONDS - T0)) -lt 10 ]; then
     for i in $(seq "$REPS"); do
         pid=$(python3 -c 'import subprocess; print(subprocess.Popen(["sleep", "300"], start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)')
         KIDS+=("$pid")

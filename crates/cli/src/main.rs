@@ -1075,7 +1075,8 @@ fn parse_map(s: &str) -> Result<DeviceMap, String> {
 fn process_findings(pid: i32) -> Vec<doctor::Finding> {
     let host_gpus = NvmlInventory::load().ok().and_then(|n| n.gpus().ok()).map(|g| g.len()).unwrap_or(0);
     let mut f = doctor::process(pid, host_gpus);
-    if let (Ok(t), Ok(d)) = (gpusnap_core::target::resolve_callable(pid), CudaDriver::load()) {
+    // Waited for at load: the 5 s limit below is for the call, not the start-up.
+    if let (Ok(t), Ok(d)) = (gpusnap_core::target::resolve_callable(pid), CudaDriver::load_ready()) {
         let api = Deadline::new(d, Timeouts { quick: Duration::from_secs(5), ..Timeouts::default() });
         let (severity, message) = match api.get_state(t.pid) {
             Ok(s) => (doctor::Severity::Ok, format!("the driver reports it {s}")),
