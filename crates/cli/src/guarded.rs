@@ -5,7 +5,7 @@ use gpusnap_core::guard::light::{self, LightGuard};
 use gpusnap_core::guard::{self, Ending, Guard};
 use gpusnap_core::{Error, Store};
 use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, OrAbsent, Timeouts};
-use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};
+use gpusnap_gpu::{Deferred, GpuInventory, NoGpus, NvmlInventory};
 use std::ffi::OsString;
 use std::path::Path;
 
@@ -19,10 +19,12 @@ fn driver_and_gpus() -> (Deadline<Box<dyn CheckpointApi>>, Box<dyn GpuInventory>
         Ok(d) => Box::new(OrAbsent::new(d)),
         Err(e) => Box::new(Absent { why: e.to_string() }),
     };
-    let gpus: Box<dyn GpuInventory> = match NvmlInventory::load() {
+    // NVML too: the guard's attach, which `gpusnap wake` waits for, needs
+    // neither (docs/benchmarks.md P7, "what the wake waits for").
+    let gpus: Box<dyn GpuInventory> = Box::new(Deferred::start(|| match NvmlInventory::load() {
         Ok(n) => Box::new(n),
         Err(_) => Box::new(NoGpus),
-    };
+    }));
     (Deadline::new(api, Timeouts::default()), gpus)
 }
 
