@@ -23,6 +23,9 @@
 #           chunk, for a PyTorch and a CuPy worker: the wake fails, nothing
 #           is left on the GPU, the image wakes intact next; ~2 min;
 #           RESCUE_* pass through; DEVICE_BUDGET_S=200 alone)
+#   timing  tests/gpu/init-timing.sh (P7: cuInit and nvmlInit bare, alone and on
+#           two threads, and the wall of gpusnap ps / doctor / state / a plain
+#           wake, 3 samples each; < 20 s; REPS passes through)
 #   agent   tests/gpu/agent-bench.sh (the node agent: two ~75 GB model servers
 #           swapped on one GPU, answers checked, ttfb, proxy p50; ~6-8 min;
 #           AGENT_MODES=hooks: only the swaps with the sleep hooks, ~5 min;
@@ -44,7 +47,7 @@
 # Files in $OUT (those of the stages run): device.log (this script's log,
 # then the logs of bench, hbench, multi, guard, keeper and rescue), gpu-e2e.md,
 # e2e.log, bench.md, bench-hibernate.md, multi-e2e.md, guard-e2e.md,
-# guard-e2e-light.md, guard-bench.md, agent-bench.md, keeper-e2e.md, rescue-e2e.md, results.json (host, CRIU, every stage's
+# guard-e2e-light.md, guard-bench.md, agent-bench.md, keeper-e2e.md, rescue-e2e.md, init-timing.md, results.json (host, CRIU, every stage's
 # exit status and time, and the JSON of each stage). Exit 0 when every stage
 # ran and exited 0.
 
@@ -74,14 +77,14 @@ say() {
 }
 
 usage() {
-    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|agent|keeper|rescue]..." >&2
+    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|agent|keeper|rescue|timing]..." >&2
     exit 2
 }
 
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(e2e)
 for s in "${STAGES[@]}"; do
-    case $s in e2e | bench | hbench | multi | guard | agent | keeper | rescue) ;; *) usage ;; esac
+    case $s in e2e | bench | hbench | multi | guard | agent | keeper | rescue | timing) ;; *) usage ;; esac
 done
 if [ ! -f tests/gpu/e2e.sh ]; then
     echo "run tests/gpu/device.sh from the repository root" >&2
@@ -168,16 +171,16 @@ host_info() {
 
 # weight STAGE: the wall it wants; shares of the time left go by these.
 weight() {
-    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; agent) echo 480 ;; keeper) echo 200 ;; rescue) echo 180 ;; esac
+    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; agent) echo 480 ;; keeper) echo 200 ;; rescue) echo 180 ;; timing) echo 40 ;; esac
 }
 # slack STAGE: its watchdog fires this long after its soft budget, and its
 # cleanup runs after that.
 slack() {
-    case $1 in e2e | multi) echo 90 ;; rescue) echo 45 ;; *) echo 75 ;; esac
+    case $1 in e2e | multi) echo 90 ;; rescue) echo 45 ;; timing) echo 10 ;; *) echo 75 ;; esac
 }
 # floor STAGE: below this soft budget the stage cannot do anything useful.
 floor_s() {
-    case $1 in e2e | multi | guard) echo 150 ;; bench) echo 100 ;; hbench | keeper) echo 120 ;; rescue) echo 90 ;; agent) echo 240 ;; esac
+    case $1 in e2e | multi | guard) echo 150 ;; bench) echo 100 ;; hbench | keeper) echo 120 ;; rescue) echo 90 ;; agent) echo 240 ;; timing) echo 15 ;; esac
 }
 
 stage_row() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGES_TSV"; }
@@ -199,7 +202,7 @@ for line in open(tsv):
     st = {"stage": f[0], "rc": int(f[1]) if f[1].lstrip("-").isdigit() else None, "wall_s": int(f[2] or 0),
           "share_s": int(f[3] or 0), "budget_s": int(f[4] or 0), "note": f[5]}
     src = {"e2e": "e2e/gpu-e2e.json", "bench": "bench/bench.json", "hbench": "hbench/bench-hibernate.json",
-           "multi": "multi/multi-e2e.json"}.get(f[0])
+           "multi": "multi/multi-e2e.json", "timing": "timing/init-timing.json"}.get(f[0])
     try:
         st["result"] = json.load(open(os.path.join(scr, src))) if src else None
     except (OSError, ValueError):
@@ -251,6 +254,7 @@ run_stage() {
         agent) cmd=(env OUT="$dir" AGENT_BENCH_BUDGET_S="$soft" tests/gpu/agent-bench.sh) ;;
         keeper) cmd=(env OUT="$dir" KEEPER_BUDGET_S="$soft" tests/gpu/keeper-e2e.sh) ;;
         rescue) cmd=(env OUT="$dir" RESCUE_BUDGET_S="$soft" tests/gpu/rescue-e2e.sh) ;;
+        timing) cmd=(env OUT="$dir" tests/gpu/init-timing.sh) ;;
         guard)
             # Three runs in one stage, a third of the budget each.
             local third=$((soft / 3))
@@ -299,6 +303,10 @@ run_stage() {
         agent)
             cp -f "$dir/agent-bench.md" "$OUT/" 2>/dev/null || say "agent wrote no agent-bench.md"
             if [ -s "$dir/agent-bench.log" ]; then append_log agent-bench.log "$dir/agent-bench.log"; else append_log "agent stderr" "$dir/stderr.txt"; fi
+            ;;
+        timing)
+            cp -f "$dir/init-timing.md" "$OUT/" 2>/dev/null || say "timing wrote no init-timing.md"
+            append_log "timing stderr" "$dir/stderr.txt"
             ;;
         keeper | rescue)
             cp -f "$dir/$name-e2e.md" "$OUT/" 2>/dev/null || say "$name wrote no $name-e2e.md"
@@ -358,6 +366,10 @@ summary() {
         grep -E '^- (result|workloads)' "$SCR/rescue/rescue-e2e.md"
         echo "rescue rows not PASS, and each wake's:"
         grep -E '^\| ' "$SCR/rescue/rescue-e2e.md" | grep -E '\| (FAIL|SKIP|INFO) \||^\| [a-z]+\.[a-d]\.1 \|' | cut -c1-300
+    fi
+    if [ -s "$SCR/timing/init-timing.md" ]; then
+        echo
+        grep -E '^(- |\| )' "$SCR/timing/init-timing.md"
     fi
     echo "files in $OUT: $(find "$OUT" -mindepth 1 -maxdepth 1 -printf '%f (%s bytes) ')"
 }

@@ -5,7 +5,7 @@ use crate::output::Out;
 use crate::Cli;
 use gpusnap_agent::client::{self, ClientError};
 use gpusnap_agent::{AgentError, Config, Setup};
-use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, Timeouts};
+use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, OrAbsent, Timeouts};
 use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};
 use std::path::Path;
 
@@ -41,8 +41,9 @@ pub fn run_agent(cli: &Cli, config: &Path) -> anyhow::Result<()> {
     let config = Config::load(config).map_err(AgentError::from)?;
     // A host without a driver still proxies (and starts) its services: the
     // agent then only cannot take them off the GPU, which each attempt says.
+    // The driver's start-up runs in the background (see OrAbsent).
     let api: Box<dyn CheckpointApi> = match CudaDriver::load() {
-        Ok(d) => Box::new(d),
+        Ok(d) => Box::new(OrAbsent::new(d)),
         Err(e) => Box::new(Absent { why: e.to_string() }),
     };
     let gpus: Box<dyn GpuInventory> = match NvmlInventory::load() {

@@ -4,8 +4,8 @@ use crate::Cli;
 use gpusnap_core::guard::light::{self, LightGuard};
 use gpusnap_core::guard::{self, Ending, Guard};
 use gpusnap_core::{Error, Store};
-use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, Timeouts};
-use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};
+use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, OrAbsent, Timeouts};
+use gpusnap_gpu::{Deferred, GpuInventory, NoGpus, NvmlInventory};
 use std::ffi::OsString;
 use std::path::Path;
 
@@ -14,14 +14,17 @@ type DynGuard = Guard<Box<dyn CheckpointApi>, Box<dyn GpuInventory>>;
 /// The driver and NVML. A host without a driver still runs programs under
 /// the guard (nothing to suspend, but exits and signals pass through).
 fn driver_and_gpus() -> (Deadline<Box<dyn CheckpointApi>>, Box<dyn GpuInventory>) {
+    // The driver's start-up runs in the background (see OrAbsent).
     let api: Box<dyn CheckpointApi> = match CudaDriver::load() {
-        Ok(d) => Box::new(d),
+        Ok(d) => Box::new(OrAbsent::new(d)),
         Err(e) => Box::new(Absent { why: e.to_string() }),
     };
-    let gpus: Box<dyn GpuInventory> = match NvmlInventory::load() {
+    // NVML too: the guard's attach, which `gpusnap wake` waits for, needs
+    // neither (docs/benchmarks.md P7, "what the wake waits for").
+    let gpus: Box<dyn GpuInventory> = Box::new(Deferred::start(|| match NvmlInventory::load() {
         Ok(n) => Box::new(n),
         Err(_) => Box::new(NoGpus),
-    };
+    }));
     (Deadline::new(api, Timeouts::default()), gpus)
 }
 

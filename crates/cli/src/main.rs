@@ -390,33 +390,71 @@ type DynEngine = Engine<Box<dyn CheckpointApi>, Box<dyn GpuInventory>>;
 /// An engine on the real driver and NVML; without them only `lenient`
 /// commands go on, treating every process as one without CUDA (and refusing
 /// those that map libcuda).
-fn engine_with(cli: &Cli, out: &Out, lenient: bool) -> anyhow::Result<DynEngine> {
-    let store = Store::open(&cli.state_dir)?;
-    let api: Box<dyn CheckpointApi> = match CudaDriver::load() {
-        Ok(d) => Box::new(d),
-        Err(e) if lenient => {
+/// How the driver and NVML are loaded for one command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Load {
+    /// A host without them is an error.
+    Strict,
+    /// A host without them (no library, or a driver that cannot start)
+    /// handles only processes without CUDA.
+    Lenient,
+    /// As `Lenient`, but the driver's start-up (`cuInit`) is left running in
+    /// the background when both libraries load: a wake's first driver call
+    /// comes after the image check, admission and CRIU's restore, and it
+    /// checks the start-up there (`Engine::driver_ready`).
+    Background,
+}
+
+type DriverAndGpus = (Box<dyn CheckpointApi>, Box<dyn GpuInventory>);
+
+/// The driver and NVML. `cuInit` runs on the driver's thread while NVML
+/// initialises here (on an H200 the two cost a wake ~0.27 s before its own
+/// clock started: docs/benchmarks.md P7); only `Background` does not wait
+/// for it.
+fn driver_and_gpus(mode: Load) -> Result<DriverAndGpus, Error> {
+    let lenient = mode != Load::Strict;
+    let absent = |e: gpusnap_cuda::DriverError| -> Result<Box<dyn CheckpointApi>, Error> {
+        if lenient {
             tracing::info!("no CUDA driver ({e}); only processes without CUDA can be handled");
-            Box::new(Absent { why: e.to_string() })
+            Ok(Box::new(Absent { why: e.to_string() }))
+        } else {
+            Err(Error::Driverless(e))
         }
-        Err(e) => return Err(Error::Driverless(e).into()),
     };
-    let gpus: Box<dyn GpuInventory> = match NvmlInventory::load() {
+    let driver = CudaDriver::load();
+    let nvml = NvmlInventory::load();
+    let api: Box<dyn CheckpointApi> = match driver {
+        // Without NVML the start-up decides between an error and a host
+        // without GPUs, so it is waited for.
+        Ok(d) if mode == Load::Background && nvml.is_ok() => Box::new(d),
+        Ok(d) => match d.ready() {
+            Ok(()) => Box::new(d),
+            Err(e) => absent(e)?,
+        },
+        Err(e) => absent(e)?,
+    };
+    let gpus: Box<dyn GpuInventory> = match nvml {
         Ok(n) => Box::new(n),
         Err(_) if lenient && api.api_version() == 0 => Box::new(NoGpus),
-        Err(e) => return Err(Error::Gpu(e).into()),
+        Err(e) => return Err(Error::Gpu(e)),
     };
+    Ok((api, gpus))
+}
+
+fn engine_with(cli: &Cli, out: &Out, load: Load) -> anyhow::Result<DynEngine> {
+    let store = Store::open(&cli.state_dir)?;
+    let (api, gpus) = driver_and_gpus(load)?;
     Ok(Engine::new(Deadline::new(api, Timeouts::default()), gpus, store).with_progress(out.progress()))
 }
 
 fn engine(cli: &Cli, out: &Out) -> anyhow::Result<DynEngine> {
-    engine_with(cli, out, false)
+    engine_with(cli, out, Load::Strict)
 }
 
 /// A quiet engine on the real driver for the state directory `dir`.
 pub(crate) fn engine_at(dir: &std::path::Path) -> anyhow::Result<DynEngine> {
     let store = Store::open(dir)?;
-    let api: Box<dyn CheckpointApi> = Box::new(CudaDriver::load().map_err(Error::Driverless)?);
-    let gpus: Box<dyn GpuInventory> = Box::new(NvmlInventory::load().map_err(Error::Gpu)?);
+    let (api, gpus) = driver_and_gpus(Load::Strict)?;
     Ok(Engine::new(Deadline::new(api, Timeouts::default()), gpus, store))
 }
 
@@ -632,7 +670,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 }
             }
             let names = &local_names;
-            let mut e = engine_with(cli, out, true)?;
+            let mut e = engine_with(cli, out, Load::Background)?;
             reconcile(cli, &mut e);
             let opts = WakeOptions {
                 wait: Duration::from_secs(*wait),
@@ -715,7 +753,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                     );
                 }
                 ImagesCmd::Gc => {
-                    let reconciled = match engine_with(cli, out, true) {
+                    let reconciled = match engine_with(cli, out, Load::Lenient) {
                         Ok(mut e) => e.reconcile_hibernates(&own_images(cli)?)?,
                         Err(err) => return Err(err),
                     };
@@ -804,7 +842,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Stop { select, grace, force, lock_timeout } => {
             // A stopped process is stop's to refuse (or --force), not bad input.
             select.validate(Check::Exists)?;
-            let mut e = engine_with(cli, out, true)?;
+            let mut e = engine_with(cli, out, Load::Lenient)?;
             reconcile(cli, &mut e);
             let pids = &select.resolve(&mut e)?;
             let opts = StopOptions {
@@ -915,7 +953,7 @@ fn hibernate(cli: &Cli, out: &Out, select: &Select, opts: &HibernateOptions) -> 
     select.validate(Check::Callable)?;
     let c = criu(cli)?;
     let store = images(cli)?;
-    let mut e = engine_with(cli, out, true)?;
+    let mut e = engine_with(cli, out, Load::Lenient)?;
     reconcile(cli, &mut e);
     let roots = select.roots(&mut e)?;
     if roots.is_empty() {
@@ -1037,7 +1075,8 @@ fn parse_map(s: &str) -> Result<DeviceMap, String> {
 fn process_findings(pid: i32) -> Vec<doctor::Finding> {
     let host_gpus = NvmlInventory::load().ok().and_then(|n| n.gpus().ok()).map(|g| g.len()).unwrap_or(0);
     let mut f = doctor::process(pid, host_gpus);
-    if let (Ok(t), Ok(d)) = (gpusnap_core::target::resolve_callable(pid), CudaDriver::load()) {
+    // Waited for at load: the 5 s limit below is for the call, not the start-up.
+    if let (Ok(t), Ok(d)) = (gpusnap_core::target::resolve_callable(pid), CudaDriver::load_ready()) {
         let api = Deadline::new(d, Timeouts { quick: Duration::from_secs(5), ..Timeouts::default() });
         let (severity, message) = match api.get_state(t.pid) {
             Ok(s) => (doctor::Severity::Ok, format!("the driver reports it {s}")),

@@ -67,7 +67,7 @@ fn leftovers(state_dir: &Path, store: &crate::store::Store) -> Vec<Finding> {
 /// privileges, the state directory.
 pub fn host(state_dir: &Path) -> Vec<Finding> {
     let mut out = Vec::new();
-    match CudaDriver::load() {
+    match CudaDriver::load_ready() {
         Ok(d) => out.push(f(
             "driver",
             Severity::Ok,

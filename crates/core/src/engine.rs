@@ -179,6 +179,12 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         self.api.api_version()
     }
 
+    /// Waits for the driver's start-up (`cuInit` runs in the background of
+    /// the first steps of a wake) and says whether it could.
+    pub(crate) fn driver_ready(&self) -> Result<(), gpusnap_cuda::DriverError> {
+        self.api.ready()
+    }
+
     /// The driver's state of a process that [`target::resolve_callable`] passed.
     pub(crate) fn driver_state(&self, t: &Target) -> Result<ProcessState, Error> {
         match self.api.get_state(t.pid) {

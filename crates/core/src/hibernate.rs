@@ -215,6 +215,14 @@ pub struct Stages {
     pub verify_wait: u64,
 }
 
+/// An image of CUDA processes on a host whose driver is missing or could not start.
+fn no_driver(m: &Manifest) -> Error {
+    Error::Incompatible {
+        image: m.name.clone(),
+        why: "it holds CUDA processes and this host has no CUDA driver".into(),
+    }
+}
+
 /// What restoring one admitted image did.
 struct Woken {
     root: i32,
@@ -1207,6 +1215,15 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 });
             }
         }
+        // The driver's start-up ran in the background of everything above;
+        // one that failed is a host without a CUDA driver, as when it is
+        // known at load (see check_host_driver), with the tree ended.
+        if head_failed.is_none() && m.processes.iter().any(|p| p.cuda) {
+            if let Err(e) = self.driver_ready() {
+                tracing::info!("the CUDA driver did not start: {e}");
+                head_failed = Some(no_driver(m));
+            }
+        }
         let t_restore = Instant::now();
         type Item<'f> = (i32, (i32, &'f BTreeMap<String, u64>));
         let items: Vec<Item<'_>> =
@@ -1434,7 +1451,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let inc = |why: String| Error::Incompatible { image: m.name.clone(), why };
         let api = self.api_version();
         if api == 0 {
-            return Err(inc("it holds CUDA processes and this host has no CUDA driver".into()));
+            return Err(no_driver(m));
         }
         if let Some(img_api) = m.driver_api {
             if api < img_api {

@@ -88,6 +88,12 @@ impl<A: CheckpointApi> CheckpointApi for Deadline<A> {
         self.inner.api_version()
     }
 
+    fn ready(&self) -> Result<(), DriverError> {
+        // A driver's start-up can take seconds on a host without
+        // persistence mode; the limit is only against a wedged one.
+        self.run(Call::Init, self.timeouts.copy, move |a| a.ready())
+    }
+
     fn get_state(&self, pid: i32) -> Result<ProcessState, DriverError> {
         self.run(Call::GetState, self.timeouts.quick, move |a| a.get_state(pid))
     }

@@ -5,12 +5,25 @@ use libloading::Library;
 use std::ffi::CStr;
 use std::os::raw::{c_char, c_int};
 use std::ptr;
+use std::sync::{Mutex, OnceLock, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Instant;
 
 /// The CUDA driver library, loaded at run time so that gpusnap builds and runs
 /// on machines without one (and so that tests can put a fake first on
 /// `LD_LIBRARY_PATH`).
+///
+/// `cuInit(0)` runs on a thread of its own, started by [`CudaDriver::load_from`]:
+/// it is the slow part of loading (on an H200 a `gpusnap wake` spent ~0.27 s
+/// before its own clock started, mostly the driver's and NVML's start-up,
+/// docs/benchmarks.md P7), and a wake's first checkpoint-API call comes only
+/// after the image check, admission and CRIU's restore. Every checkpoint-API
+/// call waits for it first ([`CudaDriver::ready`]); a failed `cuInit` is that
+/// call's error, the same one a synchronous load returned.
 pub struct CudaDriver {
-    // Keeps the function pointers below valid.
+    init: Init,
+    // Keeps the function pointers below valid; dropped after `init` is
+    // joined (see `Drop`).
     _lib: Library,
     lib_name: String,
     api_version: i32,
@@ -21,6 +34,65 @@ pub struct CudaDriver {
     unlock: ffi::FnUnlock,
     get_state: ffi::FnGetState,
     get_restore_tid: ffi::FnGetRestoreThreadId,
+}
+
+/// The background `cuInit` and, once joined, its outcome.
+struct Init {
+    thread: Mutex<Option<JoinHandle<Result<(), Code>>>>,
+    done: OnceLock<Result<(), Code>>,
+}
+
+impl Init {
+    /// Starts `cuInit(0)` on a thread. The thread uses only the two function
+    /// pointers, which stay valid while the library is loaded: `CudaDriver`
+    /// joins it before the library is closed.
+    fn start(init: ffi::FnInit, get_error_name: ffi::FnGetErrorName) -> Self {
+        let run = move || {
+            let t0 = Instant::now();
+            // SAFETY: cuInit takes a flags word that must be 0; the driver
+            // allows it from any thread, concurrently with other calls.
+            let rc = unsafe { init(0) };
+            tracing::debug!(rc, ms = t0.elapsed().as_secs_f64() * 1e3, "cuInit");
+            if rc == ffi::CUDA_SUCCESS {
+                Ok(())
+            } else {
+                Err(name_of(get_error_name, rc))
+            }
+        };
+        match std::thread::Builder::new().name("cuInit".into()).spawn(run) {
+            Ok(h) => Self { thread: Mutex::new(Some(h)), done: OnceLock::new() },
+            // No thread to be had: run it here, as before.
+            Err(_) => Self { thread: Mutex::new(None), done: OnceLock::from(run()) },
+        }
+    }
+
+    /// Waits for `cuInit` (the first caller joins the thread; the others
+    /// block on the mutex meanwhile, then read the outcome).
+    fn wait(&self) -> &Result<(), Code> {
+        if let Some(r) = self.done.get() {
+            return r;
+        }
+        let mut thread = self.thread.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(h) = thread.take() {
+            let r = h.join().unwrap_or_else(|_| {
+                Err(Code { raw: ffi::CUDA_ERROR_UNKNOWN, name: "CUDA_ERROR_UNKNOWN".into() })
+            });
+            let _ = self.done.set(r);
+        }
+        drop(thread);
+        // Set by whoever took the thread, under the mutex (or at start).
+        self.done
+            .get_or_init(|| Err(Code { raw: ffi::CUDA_ERROR_UNKNOWN, name: "CUDA_ERROR_UNKNOWN".into() }))
+    }
+}
+
+impl Drop for CudaDriver {
+    fn drop(&mut self) {
+        // The thread calls into the library: it ends before `_lib` is closed.
+        // (A cuInit that never returns hangs here, as it hung a synchronous
+        // load before.)
+        self.init.wait();
+    }
 }
 
 impl std::fmt::Debug for CudaDriver {
@@ -93,13 +165,9 @@ impl CudaDriver {
         let get_restore_tid: ffi::FnGetRestoreThreadId =
             unsafe { symbol(&lib, lib_name, "cuCheckpointProcessGetRestoreThreadId")? };
 
-        // SAFETY: cuInit takes a flags word that must be 0.
-        let rc = unsafe { init(0) };
-        tracing::debug!(rc, version, "cuInit");
-        if rc != ffi::CUDA_SUCCESS {
-            return Err(DriverError::Call { call: Call::Init, code: name_of(get_error_name, rc) });
-        }
+        tracing::debug!(version, "driver API");
         Ok(Self {
+            init: Init::start(init, get_error_name),
             _lib: lib,
             lib_name: lib_name.to_string(),
             api_version: version,
@@ -111,6 +179,19 @@ impl CudaDriver {
             get_state,
             get_restore_tid,
         })
+    }
+
+    /// Loads the driver and waits for its `cuInit`: what a caller whose first
+    /// driver call comes at once needs (its errors are those of a load).
+    pub fn load_ready() -> Result<Self, DriverError> {
+        let d = Self::load()?;
+        d.ready()?;
+        Ok(d)
+    }
+
+    /// Waits for the background `cuInit`; its failure, every time it is asked.
+    pub fn ready(&self) -> Result<(), DriverError> {
+        self.init.wait().clone().map_err(|code| DriverError::Call { call: Call::Init, code })
     }
 
     fn check(&self, call: Call, pid: i32, rc: CUresult) -> Result<(), DriverError> {
@@ -148,7 +229,12 @@ impl CheckpointApi for CudaDriver {
         self.api_version
     }
 
+    fn ready(&self) -> Result<(), DriverError> {
+        CudaDriver::ready(self)
+    }
+
     fn get_state(&self, pid: i32) -> Result<ProcessState, DriverError> {
+        self.ready()?;
         let mut state: c_int = -1;
         // SAFETY: writes one int through a valid pointer.
         let rc = unsafe { (self.get_state)(pid, &mut state) };
@@ -157,6 +243,7 @@ impl CheckpointApi for CudaDriver {
     }
 
     fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), DriverError> {
+        self.ready()?;
         let mut args = ffi::CUcheckpointLockArgs { timeout_ms, ..Default::default() };
         // SAFETY: args is a valid, zero-reserved 64-byte struct that outlives the call.
         let rc = unsafe { (self.lock)(pid, &mut args) };
@@ -164,12 +251,14 @@ impl CheckpointApi for CudaDriver {
     }
 
     fn checkpoint(&self, pid: i32) -> Result<(), DriverError> {
+        self.ready()?;
         // SAFETY: NULL args are documented as "use defaults".
         let rc = unsafe { (self.checkpoint)(pid, ptr::null_mut()) };
         self.check(Call::Checkpoint, pid, rc)
     }
 
     fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), DriverError> {
+        self.ready()?;
         if pairs.is_empty() {
             // SAFETY: NULL args restore onto the original GPUs.
             let rc = unsafe { (self.restore)(pid, ptr::null_mut()) };
@@ -198,12 +287,14 @@ impl CheckpointApi for CudaDriver {
     }
 
     fn unlock(&self, pid: i32) -> Result<(), DriverError> {
+        self.ready()?;
         // SAFETY: NULL args are documented as "use defaults".
         let rc = unsafe { (self.unlock)(pid, ptr::null_mut()) };
         self.check(Call::Unlock, pid, rc)
     }
 
     fn restore_thread_id(&self, pid: i32) -> Result<i32, DriverError> {
+        self.ready()?;
         let mut tid: c_int = -1;
         // SAFETY: writes one int through a valid pointer.
         let rc = unsafe { (self.get_restore_tid)(pid, &mut tid) };

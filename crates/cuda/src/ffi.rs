@@ -61,6 +61,7 @@ pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
 pub const CUDA_ERROR_OPERATING_SYSTEM: CUresult = 304;
 pub const CUDA_ERROR_ILLEGAL_STATE: CUresult = 401;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
+pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
 /// First driver API version with `CUcheckpointGpuPair` in the restore args.
 pub const GPU_PAIRS_MIN_API: i32 = 13000;

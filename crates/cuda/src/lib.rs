@@ -74,8 +74,16 @@ impl fmt::Display for ProcessState {
 /// `pid` must already be a process id (not a thread id) that the caller has
 /// checked is alive and not stopped: the driver does neither check.
 pub trait CheckpointApi: Send + Sync + 'static {
-    /// `cuDriverGetVersion`, e.g. 13000.
+    /// `cuDriverGetVersion`, e.g. 13000. Known at load, without waiting for
+    /// the driver's initialisation.
     fn api_version(&self) -> i32;
+    /// Waits until the driver has initialised (`cuInit`, which
+    /// [`CudaDriver`] runs in the background) and says whether it could.
+    /// Every other call waits for it too; this is for callers that must
+    /// know before they act.
+    fn ready(&self) -> Result<(), DriverError> {
+        Ok(())
+    }
     fn get_state(&self, pid: i32) -> Result<ProcessState, DriverError>;
     /// `timeout_ms == 0` waits for queued GPU work without limit.
     fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), DriverError>;
@@ -121,6 +129,9 @@ impl fmt::Display for Call {
 impl<T: CheckpointApi + ?Sized> CheckpointApi for Box<T> {
     fn api_version(&self) -> i32 {
         (**self).api_version()
+    }
+    fn ready(&self) -> Result<(), DriverError> {
+        (**self).ready()
     }
     fn get_state(&self, pid: i32) -> Result<ProcessState, DriverError> {
         (**self).get_state(pid)
@@ -180,5 +191,82 @@ impl CheckpointApi for Absent {
     }
     fn restore_thread_id(&self, _: i32) -> Result<i32, DriverError> {
         Err(self.none(Call::GetRestoreThreadId))
+    }
+}
+
+/// The driver for callers that treat a driver that cannot start like none
+/// at all ([`Absent`]), without waiting for its start-up at load: each call
+/// waits for `cuInit` and, if it failed, answers as [`Absent`] does
+/// (`api_version` 0 included). The guard uses it: `gpusnap wake` waits for
+/// its guard to attach, which needs no driver call, so the guard's own
+/// `cuInit` stays out of the wake's time.
+#[derive(Debug)]
+pub struct OrAbsent {
+    driver: CudaDriver,
+    absent: std::sync::OnceLock<Option<Absent>>,
+}
+
+impl OrAbsent {
+    pub fn new(driver: CudaDriver) -> Self {
+        Self { driver, absent: std::sync::OnceLock::new() }
+    }
+
+    /// `None` once the driver has started; `Some` if it could not.
+    fn absent(&self) -> Option<&Absent> {
+        self.absent
+            .get_or_init(|| {
+                self.driver.ready().err().map(|e| {
+                    tracing::info!(
+                        "the CUDA driver did not start ({e}); only processes without CUDA can be handled"
+                    );
+                    Absent { why: e.to_string() }
+                })
+            })
+            .as_ref()
+    }
+}
+
+impl CheckpointApi for OrAbsent {
+    fn api_version(&self) -> i32 {
+        match self.absent() {
+            Some(a) => a.api_version(),
+            None => self.driver.api_version(),
+        }
+    }
+    fn get_state(&self, pid: i32) -> Result<ProcessState, DriverError> {
+        match self.absent() {
+            Some(a) => a.get_state(pid),
+            None => self.driver.get_state(pid),
+        }
+    }
+    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), DriverError> {
+        match self.absent() {
+            Some(a) => a.lock(pid, timeout_ms),
+            None => self.driver.lock(pid, timeout_ms),
+        }
+    }
+    fn checkpoint(&self, pid: i32) -> Result<(), DriverError> {
+        match self.absent() {
+            Some(a) => a.checkpoint(pid),
+            None => self.driver.checkpoint(pid),
+        }
+    }
+    fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), DriverError> {
+        match self.absent() {
+            Some(a) => a.restore(pid, pairs),
+            None => self.driver.restore(pid, pairs),
+        }
+    }
+    fn unlock(&self, pid: i32) -> Result<(), DriverError> {
+        match self.absent() {
+            Some(a) => a.unlock(pid),
+            None => self.driver.unlock(pid),
+        }
+    }
+    fn restore_thread_id(&self, pid: i32) -> Result<i32, DriverError> {
+        match self.absent() {
+            Some(a) => a.restore_thread_id(pid),
+            None => self.driver.restore_thread_id(pid),
+        }
     }
 }

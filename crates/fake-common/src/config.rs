@@ -26,6 +26,12 @@ pub struct Config {
     /// restore's memory check) has no lag. 0: none.
     pub nvml_process_lag_ms: u64,
     pub nvml_memory_lag_ms: u64,
+    /// How long `cuInit` takes (a real one: ~0.1-0.3 s with persistence
+    /// mode, seconds without), so that a wake can be seen to overlap it.
+    pub init_ms: u64,
+    /// What `cuInit` answers when not 0 (after `init_ms`), e.g. 100
+    /// (`CUDA_ERROR_NO_DEVICE`): a driver that loads but cannot start.
+    pub init_rc: i32,
     pub inject: Vec<Injection>,
 }
 
@@ -40,6 +46,8 @@ impl Default for Config {
             restore_gbps: 100.0,
             nvml_process_lag_ms: 0,
             nvml_memory_lag_ms: 0,
+            init_ms: 0,
+            init_rc: 0,
             inject: Vec::new(),
         }
     }

@@ -36,6 +36,10 @@ pub fn init(flags: u32) -> Result<(), CuResult> {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let config = Store::from_env().load_config().map_err(io_fail)?;
+    sleep(Duration::from_millis(config.init_ms));
+    if config.init_rc != 0 {
+        return Err(config.init_rc);
+    }
     if config.gpus.is_empty() {
         return Err(CUDA_ERROR_NO_DEVICE);
     }

@@ -562,7 +562,7 @@ fn raw_call(action: &str, pid: &str) -> ExitCode {
         eprintln!("fake-workload: bad pid {pid}");
         return ExitCode::from(2);
     };
-    let d = match CudaDriver::load() {
+    let d = match CudaDriver::load_ready() {
         Ok(d) => d,
         Err(e) => {
             eprintln!("fake-workload: {e}");

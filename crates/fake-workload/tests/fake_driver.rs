@@ -576,6 +576,42 @@ fn calls_before_cu_init_answer_3() {
     assert_eq!(fresh.state(w.pid()), (SUCCESS, RUNNING));
 }
 
+/// gpusnap's binding against a driver whose start-up is slow, then fails:
+/// the load returns without waiting for `cuInit`, every call waits for it
+/// and gets its failure, every time.
+#[test]
+fn the_binding_waits_for_a_background_cu_init() {
+    use gpusnap_cuda::{Call, CheckpointApi, CudaDriver, DriverError};
+    let env = Env::new(ONE_GPU);
+    let w = env.workload(&["--mib", "16"]);
+    let with = |cfg: &str, name: &str| {
+        std::fs::write(env.state.path().join("config.json"), cfg).unwrap();
+        // A copy of its own (another inode), with cuInit not run yet.
+        let copy = env.state.path().join(name);
+        std::fs::copy(fakes().out.join("libgpusnap_fake_cuda.so"), &copy).unwrap();
+        CudaDriver::load_from(copy.to_str().unwrap()).unwrap()
+    };
+    let d = with(r#"{"init_ms": 300, "init_rc": 100}"#, "libcuda-fails.so");
+    assert_eq!(d.api_version(), 13000, "known at load");
+    for _ in 0..2 {
+        let e = d.get_state(w.pid()).unwrap_err();
+        assert!(matches!(&e, DriverError::Call { call: Call::Init, code } if code.raw == 100), "{e}");
+        assert_eq!(e.to_string(), "cuInit failed: CUDA_ERROR_NO_DEVICE (100)");
+        assert_eq!(d.lock(w.pid(), 0).unwrap_err().to_string(), e.to_string());
+        assert_eq!(d.ready().unwrap_err().to_string(), e.to_string());
+    }
+    drop(d);
+    assert!(env.journal().is_empty(), "no checkpoint call reached the driver");
+    let d = with(r#"{"init_ms": 300}"#, "libcuda-slow.so");
+    // Several callers at once: each waits, none calls before cuInit (3).
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| assert_eq!(d.get_state(w.pid()).unwrap().as_str(), "running"));
+        }
+    });
+    assert!(d.ready().is_ok());
+}
+
 #[test]
 fn a_stopped_process_hangs_lock_and_get_state() {
     let env = Env::new(ONE_GPU);

@@ -156,3 +156,109 @@ impl GpuInventory for NoGpus {
         Ok(Vec::new())
     }
 }
+
+/// An inventory loaded on a thread of its own (NVML's init costs tens of ms
+/// or more); each query waits for it. For callers whose fallback does not
+/// depend on whether NVML loads: the guard, which takes a host without NVML
+/// as one without GPUs either way, and whose attach `gpusnap wake` waits for.
+pub struct Deferred {
+    thread: std::sync::Mutex<Option<std::thread::JoinHandle<Box<dyn GpuInventory>>>>,
+    done: std::sync::OnceLock<Box<dyn GpuInventory>>,
+}
+
+impl Deferred {
+    /// Runs `load` on a thread (here, if no thread can be had).
+    pub fn start(load: impl FnOnce() -> Box<dyn GpuInventory> + Send + 'static) -> Self {
+        let (thread, done) = match std::thread::Builder::new().name("nvml-init".into()).spawn(load) {
+            Ok(h) => (Some(h), std::sync::OnceLock::new()),
+            Err(e) => {
+                tracing::debug!("no thread for NVML's init ({e}): NVML taken as absent");
+                (None, std::sync::OnceLock::from(Box::new(NoGpus) as Box<dyn GpuInventory>))
+            }
+        };
+        Self { thread: std::sync::Mutex::new(thread), done }
+    }
+
+    /// The loaded inventory; the first caller joins the thread, the others
+    /// wait on the mutex meanwhile.
+    fn get(&self) -> &dyn GpuInventory {
+        if let Some(g) = self.done.get() {
+            return &**g;
+        }
+        let mut thread = self.thread.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(h) = thread.take() {
+            let _ = self.done.set(h.join().unwrap_or_else(|_| Box::new(NoGpus)));
+        }
+        drop(thread);
+        &**self.done.get_or_init(|| Box::new(NoGpus))
+    }
+}
+
+impl Drop for Deferred {
+    fn drop(&mut self) {
+        // NVML is shut down and closed only once its init has returned.
+        self.get();
+    }
+}
+
+impl GpuInventory for Deferred {
+    fn driver_version(&self) -> Result<String, GpuError> {
+        self.get().driver_version()
+    }
+    fn gpus(&self) -> Result<Vec<GpuInfo>, GpuError> {
+        self.get().gpus()
+    }
+    fn processes(&self) -> Result<Vec<ProcessUsage>, GpuError> {
+        self.get().processes()
+    }
+    fn usage_of(&self, pid: u32) -> Result<Vec<ProcessUsage>, GpuError> {
+        self.get().usage_of(pid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct One;
+    impl GpuInventory for One {
+        fn driver_version(&self) -> Result<String, GpuError> {
+            Ok("1".into())
+        }
+        fn gpus(&self) -> Result<Vec<GpuInfo>, GpuError> {
+            Ok(vec![GpuInfo {
+                index: 0,
+                uuid: "GPU-0".into(),
+                name: "one".into(),
+                total_bytes: 1,
+                free_bytes: 1,
+                used_bytes: 0,
+            }])
+        }
+        fn processes(&self) -> Result<Vec<ProcessUsage>, GpuError> {
+            Ok(vec![ProcessUsage { pid: 7, uuid: "GPU-0".into(), bytes: Some(1) }])
+        }
+    }
+
+    #[test]
+    fn deferred_queries_wait_for_the_load() {
+        let d = Deferred::start(|| {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            Box::new(One)
+        });
+        std::thread::scope(|s| {
+            for _ in 0..3 {
+                s.spawn(|| assert_eq!(d.gpus().unwrap().len(), 1));
+            }
+        });
+        assert_eq!(d.usage_of(7).unwrap().len(), 1);
+        assert_eq!(d.driver_version().unwrap(), "1");
+    }
+
+    #[test]
+    fn a_deferred_load_that_panics_is_no_gpus() {
+        let d = Deferred::start(|| panic!("no NVML"));
+        assert!(d.gpus().unwrap().is_empty());
+        assert_eq!(d.driver_version().unwrap(), "none");
+    }
+}
