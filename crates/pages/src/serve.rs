@@ -58,13 +58,13 @@ pub struct Options {
     /// restore starts (applied by the caller: [`Server::wait_ahead`]).
     pub head_start: HeadStart,
     /// The background fill starts at the first run of contiguous lazy
-    /// memory at least this large (0: at the lowest address), and comes
-    /// back for the rest after the top. A CUDA process's checkpointed
-    /// device memory is such a run, and what the driver's restore reads;
-    /// the low addresses hold the interpreter's heap and small mappings,
-    /// which filled first (in many small pieces) held the fill back while
-    /// the driver waited (measured on the H200: the first GB of a 20.5 GB
-    /// wake went in at ~2.4 GB/s, the rest at ~11).
+    /// memory at least this large (0: at the lowest address, the default),
+    /// and comes back for the rest after the top. A CUDA process's
+    /// checkpointed device memory is such a run, and what the driver's
+    /// restore reads; the low addresses hold the interpreter's heap and
+    /// small mappings. Measured on the H200 (20.5 GB): the first GB went in
+    /// at ~2.4 GB/s, the rest at ~11 (Run 23); starting at the large run
+    /// did not make the driver's restore faster (Runs 24-25).
     pub big_first: u64,
     /// Fail on purpose once this many bytes are served (tests of a page
     /// server that dies mid-wake).
