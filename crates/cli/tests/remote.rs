@@ -119,8 +119,10 @@ fn memory_sum(out: &Path) -> String {
 
 fn dir_bytes(p: &Path) -> u64 {
     let mut n = 0;
+    // Entries may go while they are listed (a push renames its temporary
+    // files): those are not counted.
     for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
-        let m = e.metadata().unwrap();
+        let Ok(m) = e.metadata() else { continue };
         n += if m.is_dir() { dir_bytes(&e.path()) } else { m.len() };
     }
     n
@@ -129,7 +131,9 @@ fn dir_bytes(p: &Path) -> u64 {
 fn files_in(p: &Path) -> Vec<PathBuf> {
     let mut v = Vec::new();
     for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
-        if e.metadata().unwrap().is_dir() {
+        // Gone while listed (a temporary file renamed): not listed.
+        let Ok(m) = e.metadata() else { continue };
+        if m.is_dir() {
             v.extend(files_in(&e.path()));
         } else {
             v.push(e.path());

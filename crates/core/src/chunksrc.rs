@@ -788,13 +788,15 @@ impl Workdir {
 
     /// Starts checking every chunk of the image in full in the background,
     /// in address order (the order the page server fills memory and the
-    /// driver reads it), on every core; each chunk checked is marked so, and
+    /// driver reads it), at `pace`; each chunk checked is marked so, and
     /// the page server reads it from then on without hashing it again (one
     /// it reaches first it checks itself: no byte reaches a process
-    /// unchecked either way). [`Workdir::wait_verify`] waits for the end:
-    /// a CUDA wake calls it before any driver restore, so that the driver
-    /// never starts on an image with a bad chunk, while the check of a
-    /// 20 GB image no longer sits before CRIU's restore.
+    /// unchecked either way). A CUDA wake waits for the end
+    /// ([`Workdir::take_verify`]) before any unlock, so that no process
+    /// runs on an image with a bad chunk, while its driver restores read
+    /// chunks the page server checked (docs/pages.md, "Safety"); with
+    /// `GPUSNAP_VERIFY_FIRST=1` before any driver restore
+    /// ([`Workdir::wait_verify`]).
     pub fn start_verify(&mut self, pace: VerifyPace) {
         if self.verify.is_none() {
             self.verify = Some(spawn_verify(&self.files, self.stop.clone(), pace));

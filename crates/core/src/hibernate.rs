@@ -99,8 +99,8 @@ struct WakePlan {
     /// page server need not hash them again.
     chunks_checked: bool,
     /// The full check of the chunks is left to the restore: in the
-    /// background of a lazy wake, finished before any driver restore (a
-    /// CUDA image; see [`crate::chunksrc::Workdir::start_verify`]).
+    /// background of a lazy wake, finished before any unlock (a CUDA
+    /// image; see [`crate::chunksrc::Workdir::start_verify`]).
     verify_deferred: bool,
 }
 
@@ -940,15 +940,13 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // as it is read).
         // A group is all or nothing: every chunk of every member is checked
         // before any tree runs (a member woken, then ended because another
-        // member's chunk failed, would have run on for a moment). So is an
-        // image of CUDA processes: a driver restore that faults on a page
-        // whose chunk failed would wait for it until the call's deadline
-        // (minutes) before the wake could end the tree. A streamed image's
-        // chunks are checked as they arrive (docs/images.md: not yet cut short).
-        // A lone CUDA image's chunks are checked in the background of its
-        // restore instead, to the end before any driver restore (the wake
-        // fails there on a bad one, the tree ended safely): only the
-        // manifest, the small files and the chunks' presence here.
+        // member's chunk failed, would have run on for a moment). A
+        // streamed image's chunks are checked as they arrive (docs/images.md:
+        // not yet cut short). A lone CUDA image's chunks are checked in the
+        // background of its restore instead, to the end before any unlock
+        // (a bad one ends the tree safely, its driver restores rescued if
+        // they were reading: crate::rescue): only the manifest, the small
+        // files and the chunks' presence here.
         let cuda = m.processes.iter().any(|p| p.cuda);
         let streamed = crate::remote::origin(images.state_dir(), name).is_some();
         let verify_deferred = cuda && !group && !streamed;
