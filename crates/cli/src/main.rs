@@ -536,6 +536,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             let mut findings = doctor::host(&cli.state_dir);
             findings.push(doctor::criu(cli.criu.as_deref()));
             findings.push(doctor::lazy_wake());
+            findings.push(doctor::ptrace());
             if let Some(pid) = pid {
                 findings.extend(process_findings(*pid));
             }

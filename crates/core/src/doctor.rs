@@ -510,6 +510,46 @@ pub fn lazy_wake() -> Finding {
     }
 }
 
+/// Whether gpusnap may ptrace other processes here: the guard (a dying
+/// restored process suspended first) and the rescue of a lazy wake whose
+/// page server fails under a driver restore (its other threads stopped)
+/// need it. Yama's `kernel.yama.ptrace_scope` 3 forbids it to everyone.
+pub fn ptrace() -> Finding {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|v| v.trim().parse::<u8>().ok());
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    ptrace_finding(scope, root)
+}
+
+fn ptrace_finding(scope: Option<u8>, root: bool) -> Finding {
+    let why = "the guard and the rescue of a failed lazy wake stop threads with ptrace";
+    match (scope, root) {
+        (Some(3), _) => f(
+            "ptrace",
+            Severity::Warn,
+            format!("kernel.yama.ptrace_scope=3: no process may ptrace another ({why}): the guard cannot attach, and a lazy CUDA wake whose page server fails during the driver's restore waits for the restore's deadline"),
+            Some("set kernel.yama.ptrace_scope to 1 or 2 (3 lasts until reboot)"),
+        ),
+        (Some(s), false) if s >= 1 => f(
+            "ptrace",
+            Severity::Warn,
+            format!("kernel.yama.ptrace_scope={s} and not root: gpusnap can ptrace only its own children ({why})"),
+            Some("run gpusnap as root (or with CAP_SYS_PTRACE)"),
+        ),
+        (s, _) => f(
+            "ptrace",
+            Severity::Ok,
+            format!(
+                "ptrace of other processes allowed ({}; {why})",
+                s.map(|s| format!("kernel.yama.ptrace_scope={s}")).unwrap_or_else(|| "no Yama".into())
+            ),
+            None,
+        ),
+    }
+}
+
 /// CRIU's version, and whether it is new enough for this kernel.
 pub fn criu(explicit: Option<&Path>) -> Finding {
     match crate::criu::Criu::find(explicit) {
@@ -573,6 +613,16 @@ mod tests {
     }
 
     const CUDA: &str = "7f00-7f01 r-xp 0 00:00 1 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04\n";
+
+    #[test]
+    fn ptrace_scope_three_or_an_unprivileged_caller_is_a_warning() {
+        let sev = |scope, root| ptrace_finding(scope, root).severity;
+        assert_eq!(sev(Some(3), true), Severity::Warn);
+        assert_eq!(sev(Some(1), false), Severity::Warn);
+        assert_eq!(sev(Some(2), true), Severity::Ok);
+        assert_eq!(sev(Some(0), false), Severity::Ok);
+        assert_eq!(sev(None, true), Severity::Ok);
+    }
 
     #[test]
     fn a_clean_cuda_process_has_no_warnings() {

@@ -265,3 +265,56 @@ impl<'a> Gate<'a> {
         g.2.clone().unwrap_or(Ok(()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn the_gate_decides_once_when_every_restore_is_back() {
+        let calls = AtomicUsize::new(0);
+        let gate = Gate::new(3, || {
+            calls.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        });
+        let got: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3).map(|_| s.spawn(|| gate.arrive(true))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(got.iter().all(|r| r.is_ok()), "{got:?}");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_failed_restore_keeps_every_process_locked_without_deciding() {
+        let calls = AtomicUsize::new(0);
+        let gate = Gate::new(2, || {
+            calls.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        });
+        let got: Vec<_> = std::thread::scope(|s| {
+            let a = s.spawn(|| gate.arrive(true));
+            let b = s.spawn(|| gate.arrive(false));
+            vec![a.join().unwrap(), b.join().unwrap()]
+        });
+        assert!(got.iter().all(|r| r.is_err()), "{got:?}");
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "the verify is not waited for");
+    }
+
+    #[test]
+    fn the_decision_is_every_restore_s_answer() {
+        let gate = Gate::new(1, || Err("chunk abc fails its checksum".into()));
+        assert_eq!(gate.arrive(true), Err("chunk abc fails its checksum".to_string()));
+    }
+
+    #[test]
+    fn a_stopped_thread_is_seen_stopped() {
+        // This thread runs; a pid that does not exist counts as stopped
+        // (gone) so that the wait for stops never waits on it.
+        // SAFETY: gettid has no preconditions.
+        let me = unsafe { libc::gettid() };
+        assert!(!stopped(me));
+        assert!(stopped(i32::MAX));
+    }
+}
