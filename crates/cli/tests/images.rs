@@ -596,12 +596,18 @@ fn a_corrupted_chunk_of_a_cuda_image_is_refused_before_any_process_runs() {
     // chunk is let run to its end on zero pages with the process's other
     // threads stopped, then checkpointed again (crate::rescue).
     let (chunk, good) = corrupt_pages_chunk(&w.state_dir(), "gpu", &[]);
-    for eager in [false, true] {
+    // Lazy with its verify beside the driver, lazy with none there (the
+    // page server's checks, then the rest at the unlocks' gate), eager.
+    for (eager, verify_threads) in [(false, None), (false, Some("0")), (true, None)] {
         let mut args = vec!["wake", "gpu", "--wait", "10"];
         if eager {
             args.push("--eager");
         }
+        if let Some(n) = verify_threads {
+            w.env_extra.push(("GPUSNAP_VERIFY_THREADS".into(), n.into()));
+        }
         let r = w.json(&args);
+        w.env_extra.clear();
         assert_eq!(r.code, 2, "eager {eager}: {}", r.stderr);
         assert!(r.stderr.contains("fails its checksum"), "{}", r.stderr);
         assert_eq!(r.json()["error"]["kind"], "image_invalid", "{}", r.stdout);

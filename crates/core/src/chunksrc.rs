@@ -401,6 +401,52 @@ impl VerifyPace {
     pub fn beside_the_driver() -> Self {
         Self { threads: (cores() / 2).clamp(2, 8), nice: 10 }
     }
+
+    /// [`VerifyPace::beside_the_driver`] with `GPUSNAP_VERIFY_THREADS`
+    /// (0: no verify beside the driver; what the page server has not
+    /// checked by the unlocks is checked then, on every core) and
+    /// `GPUSNAP_VERIFY_NICE` applied, so that a GPU run can compare them
+    /// (docs/pages.md, settings); a value that is not one is said and left.
+    pub fn beside_the_driver_from_env() -> Self {
+        let mut p = Self::beside_the_driver();
+        let num = |name: &str, max: i64| -> Option<i64> {
+            let v = std::env::var(name).ok()?;
+            match v.trim().parse::<i64>() {
+                Ok(n) if (0..=max).contains(&n) => Some(n),
+                _ => {
+                    tracing::warn!("{name}={v}: not a number from 0 to {max}; ignored");
+                    None
+                }
+            }
+        };
+        if let Some(n) = num(VERIFY_THREADS_ENV, 64) {
+            p.threads = n as usize;
+        }
+        if let Some(n) = num(VERIFY_NICE_ENV, 19) {
+            p.nice = n as i32;
+        }
+        p
+    }
+}
+
+/// Threads of the verify beside a wake's driver restores (see
+/// [`VerifyPace::beside_the_driver_from_env`]).
+pub const VERIFY_THREADS_ENV: &str = "GPUSNAP_VERIFY_THREADS";
+/// Their nice value.
+pub const VERIFY_NICE_ENV: &str = "GPUSNAP_VERIFY_NICE";
+
+/// Starts a verify of an image's chunks later, from another thread (the
+/// unlocks' gate of a wake whose verify did not run beside the driver):
+/// chunks checked meanwhile are skipped.
+pub struct VerifyStarter {
+    files: Vec<Arc<ChunkedFile>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl VerifyStarter {
+    pub fn start(&self, pace: VerifyPace) -> PendingVerify {
+        PendingVerify(spawn_verify(&self.files, self.stop.clone(), pace))
+    }
 }
 
 fn cores() -> usize {
@@ -815,6 +861,11 @@ impl Workdir {
     /// unlock).
     pub fn take_verify(&mut self) -> Option<PendingVerify> {
         self.verify.take().map(PendingVerify)
+    }
+
+    /// What starts a verify of the chunks still unchecked, later.
+    pub fn verify_starter(&self) -> VerifyStarter {
+        VerifyStarter { files: self.files.clone(), stop: self.stop.clone() }
     }
 
     /// Every chunk of the image's store-held files is in the local store.

@@ -1141,11 +1141,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         if let (true, Some(wd)) = (restored.pages.is_some(), chunked.as_mut()) {
             wd.start_prefetch();
             if *verify_deferred {
-                wd.start_verify(if verify_first() {
+                let pace = if verify_first() {
                     crate::chunksrc::VerifyPace::all_cores()
                 } else {
-                    crate::chunksrc::VerifyPace::beside_the_driver()
-                });
+                    crate::chunksrc::VerifyPace::beside_the_driver_from_env()
+                };
+                if pace.threads > 0 {
+                    wd.start_verify(pace);
+                }
             }
         }
         let criu_ms = ms(t_criu);
@@ -1203,9 +1206,15 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let mut verify = crate::chunksrc::VerifyTimes::default();
         let stream = pages.is_some() && !verify_first();
         let mut pending = None;
+        let mut starter = None;
         if let (None, Some(wd)) = (&head_failed, chunked.as_mut()) {
             if stream {
                 pending = wd.take_verify();
+                // No verify beside the driver (GPUSNAP_VERIFY_THREADS=0):
+                // the gate checks what the page server has not.
+                if pending.is_none() && *verify_deferred {
+                    starter = Some(wd.verify_starter());
+                }
             } else {
                 match wd.wait_verify() {
                     Ok(v) => verify = v,
@@ -1263,7 +1272,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let waited_verify = std::sync::Mutex::new(crate::chunksrc::VerifyTimes::default());
         let pending = std::sync::Mutex::new(pending);
         let gate = crate::rescue::Gate::new(items.len(), || {
-            let times = match pending.lock().ok().and_then(|mut p| p.take()) {
+            let late = || starter.as_ref().map(|s| s.start(crate::chunksrc::VerifyPace::all_cores()));
+            let times = match pending.lock().ok().and_then(|mut p| p.take()).or_else(late) {
                 Some(v) => v.wait().map_err(|e| e.to_string())?,
                 None => crate::chunksrc::VerifyTimes::default(),
             };
