@@ -34,11 +34,19 @@ pub const DIR_ENV: &str = "GPUSNAP_DUMP_TMPFS_DIR";
 pub const DEFAULT_BASE: &str = "/dev/shm";
 const PREFIX: &str = "gpusnap-";
 
-/// A tmpfs directory for one dump; removed when dropped.
+/// A tmpfs directory for one dump; removed when dropped. Its lock file
+/// ([`LOCK`]) is held (flock) for its whole life: that, not the pid in its
+/// name, is what tells another gpusnap it is in use (a gpusnap in another
+/// pid namespace sharing the tmpfs sees no such pid: the pid alone made it
+/// remove live dumps, seen when two test runs shared /dev/shm).
 #[derive(Debug)]
 pub struct TmpfsDump {
     dir: PathBuf,
+    _lock: fs::File,
 }
+
+/// The lock file in every dump directory.
+const LOCK: &str = ".owner";
 
 impl TmpfsDump {
     /// The directory that plays the image directory for the follower.
@@ -148,14 +156,68 @@ fn self_start_time() -> u64 {
 }
 
 fn create(base: &Path) -> std::io::Result<TmpfsDump> {
-    use std::os::unix::fs::DirBuilderExt;
-    let name = format!("{PREFIX}{}-{}-{:016x}", std::process::id(), self_start_time(), rand::random::<u64>());
-    let dir = base.join(name);
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let rand = rand::random::<u64>();
+    let name = format!("{PREFIX}{}-{}-{rand:016x}", std::process::id(), self_start_time());
+    // Made under a name no cleaner looks at, locked, then renamed: a
+    // directory under its final name always has its lock held.
+    let new = base.join(format!(".{PREFIX}new-{rand:016x}"));
     // Not recursive: the base must exist, the directory must not.
-    fs::DirBuilder::new().mode(0o700).create(&dir)?;
-    let d = TmpfsDump { dir };
-    fs::DirBuilder::new().mode(0o700).create(d.criu_dir())?;
-    Ok(d)
+    fs::DirBuilder::new().mode(0o700).create(&new)?;
+    let made = (|| {
+        let lock = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(new.join(LOCK))?;
+        if !try_lock(&lock)? {
+            return Err(std::io::Error::other("a fresh lock file is locked"));
+        }
+        fs::DirBuilder::new().mode(0o700).create(new.join("criu"))?;
+        let dir = base.join(&name);
+        fs::rename(&new, &dir)?;
+        Ok(TmpfsDump { dir, _lock: lock })
+    })();
+    if made.is_err() {
+        let _ = fs::remove_dir_all(&new);
+    }
+    made
+}
+
+/// An exclusive flock on `f`, without waiting: `false` if another holds it.
+fn try_lock(f: &fs::File) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor this function borrows for the call.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// Is the dump directory `dir` (named for `pid` started at `start`) still
+/// used? By its lock when it has one (any gpusnap, any pid namespace), else
+/// (made by an older gpusnap) by its pid.
+fn in_use(dir: &Path, pid: i32, start: u64) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    match fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(dir.join(LOCK))
+    {
+        // Unlocked: its owner is gone (the lock goes with the process).
+        Ok(f) => !try_lock(&f).unwrap_or(false),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            procfs::process::Process::new(pid).and_then(|p| p.stat()).is_ok_and(|s| s.starttime == start)
+        }
+        // Unreadable: left alone.
+        Err(_) => true,
+    }
 }
 
 /// (pid, start time) of a directory name this module makes.
@@ -168,21 +230,20 @@ fn owner(name: &str) -> Option<(i32, u64)> {
 }
 
 /// Removes the dump directories under `base` of gpusnaps that are gone
-/// (their pid free, or taken by a process started at another time).
+/// (their lock not held; without one, their pid free or taken by a process
+/// started at another time).
 pub fn clean_stale(base: &Path) {
     let Ok(entries) = fs::read_dir(base) else { return };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let Some((pid, start)) = owner(&name) else { continue };
-        let alive =
-            procfs::process::Process::new(pid).and_then(|p| p.stat()).is_ok_and(|s| s.starttime == start);
         // Only directories of our own making: not a link, owned by us.
         let ours = fs::symlink_metadata(e.path()).is_ok_and(|m| {
             use std::os::unix::fs::MetadataExt;
             // SAFETY: geteuid takes nothing and cannot fail.
             m.is_dir() && m.uid() == unsafe { libc::geteuid() }
         });
-        if !alive && ours {
+        if ours && !in_use(&e.path(), pid, start) {
             match fs::remove_dir_all(e.path()) {
                 Ok(()) => tracing::info!("removed {} (left by a gpusnap that ended)", e.path().display()),
                 Err(err) => tracing::warn!("remove {}: {err}", e.path().display()),
@@ -225,11 +286,24 @@ mod tests {
         for d in [&dead, &reused, &other] {
             fs::create_dir_all(d.join("criu")).unwrap();
         }
+        // Another pid namespace's gpusnap: no such pid here, its lock held.
+        let elsewhere = create(tmp.path()).unwrap();
+        let foreign = tmp.path().join(format!("{PREFIX}{}-1-ef", i32::MAX - 1));
+        fs::rename(elsewhere.dir(), &foreign).unwrap();
+        // A locked directory of a gpusnap that died: its lock file, unlocked.
+        let died = tmp.path().join(format!("{PREFIX}{}-1-12", i32::MAX - 2));
+        fs::create_dir_all(died.join("criu")).unwrap();
+        fs::write(died.join(LOCK), b"").unwrap();
         clean_stale(tmp.path());
         assert!(me.dir().exists());
         assert!(!dead.exists());
         assert!(!reused.exists());
         assert!(other.exists());
+        assert!(foreign.exists(), "a live dump of another pid namespace stays");
+        assert!(!died.exists());
+        drop(elsewhere);
+        clean_stale(tmp.path());
+        assert!(!foreign.exists(), "its lock let go with its owner");
         let d = me.dir().to_path_buf();
         drop(me);
         assert!(!d.exists());
