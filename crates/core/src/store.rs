@@ -492,13 +492,19 @@ impl Store {
             )
             .map_err(|e| self.err(e))?;
         if let Some(s) = state {
-            self.conn
-                .execute(
-                    "UPDATE processes SET state = ?3, updated_ms = ?4 WHERE pid = ?1 AND start_time = ?2",
-                    params![t.pid, t.start_time as i64, s, now_ms()],
-                )
-                .map_err(|e| self.err(e))?;
+            self.set_state(t, s)?;
         }
+        Ok(())
+    }
+
+    /// The state a journal entry leaves `t` in.
+    fn set_state(&mut self, t: &Target, state: &str) -> Result<(), Error> {
+        self.conn
+            .execute(
+                "UPDATE processes SET state = ?3, updated_ms = ?4 WHERE pid = ?1 AND start_time = ?2",
+                params![t.pid, t.start_time as i64, state, now_ms()],
+            )
+            .map_err(|e| self.err(e))?;
         Ok(())
     }
 
@@ -512,12 +518,7 @@ impl Store {
             )
             .map_err(|e| self.err(e))?;
         if let Some(s) = state {
-            self.conn
-                .execute(
-                    "UPDATE processes SET state = ?3, updated_ms = ?4 WHERE pid = ?1 AND start_time = ?2",
-                    params![t.pid, t.start_time as i64, s, now_ms()],
-                )
-                .map_err(|e| self.err(e))?;
+            self.set_state(t, s)?;
         }
         Ok(())
     }
