@@ -11,7 +11,7 @@ use crate::target::{Fingerprint, Target};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -151,13 +151,7 @@ impl Store {
         let err = |reason: String| Error::Store { path: path.display().to_string(), reason };
         // Created 0600 before SQLite sees it (SQLite would use the umask;
         // its -wal and -shm files copy the database's mode).
-        match std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-        {
+        match crate::image::create_private(&path) {
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(err(format!("cannot create: {e}"))),
