@@ -457,10 +457,15 @@ impl Store {
 
     /// Journals the start of `op` on `t`; returns the entry to close.
     pub fn begin(&mut self, t: &Target, op: &str) -> Result<i64, Error> {
+        self.begin_entry(t, op, None)
+    }
+
+    /// The `begin` entry of `op` on `t`, with `detail` (NULL if none).
+    fn begin_entry(&mut self, t: &Target, op: &str, detail: Option<&str>) -> Result<i64, Error> {
         self.conn
             .execute(
-                "INSERT INTO events (ts_ms, pid, start_time, op, phase, actor) VALUES (?1, ?2, ?3, ?4, 'begin', ?5)",
-                params![now_ms(), t.pid, t.start_time as i64, op, self.me.0],
+                "INSERT INTO events (ts_ms, pid, start_time, op, phase, detail, actor) VALUES (?1, ?2, ?3, ?4, 'begin', ?5, ?6)",
+                params![now_ms(), t.pid, t.start_time as i64, op, detail, self.me.0],
             )
             .map_err(|e| self.err(e))?;
         Ok(self.conn.last_insert_rowid())
@@ -543,13 +548,7 @@ impl Store {
     /// Journals the start of an operation that is not a driver call, with
     /// what its reconciliation needs to know; returns the entry to close.
     pub fn begin_with(&mut self, t: &Target, op: &str, detail: &str) -> Result<i64, Error> {
-        self.conn
-            .execute(
-                "INSERT INTO events (ts_ms, pid, start_time, op, phase, detail, actor) VALUES (?1, ?2, ?3, ?4, 'begin', ?5, ?6)",
-                params![now_ms(), t.pid, t.start_time as i64, op, detail, self.me.0],
-            )
-            .map_err(|e| self.err(e))?;
-        Ok(self.conn.last_insert_rowid())
+        self.begin_entry(t, op, Some(detail))
     }
 
     /// Closes an entry of [`Self::begin_with`], changing no recorded state.
