@@ -5,7 +5,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry, Unit};
 use std::sync::atomic::AtomicU64;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -54,88 +54,126 @@ pub struct Metrics {
     pub registry: Registry,
     pub services: Family<StateLabels, Gauge>,
     pub transitions: Family<TransitionLabels, Counter>,
-    pub durations: Family<KindLabels, Histogram, fn() -> Histogram>,
-    pub wait: Family<ServiceLabels, Histogram, fn() -> Histogram>,
+    pub durations: Histograms<KindLabels>,
+    pub wait: Histograms<ServiceLabels>,
     pub in_flight: Family<ServiceLabels, Gauge>,
     pub host_bytes: Gauge<u64, AtomicU64>,
     pub image_bytes: Gauge<u64, AtomicU64>,
     pub refusals: Family<ServiceLabels, Counter>,
     pub connections_closed: Family<ServiceLabels, Counter>,
-    pub swap_phase: Family<PhaseLabels, Histogram, fn() -> Histogram>,
-    pub swap: Family<KindLabels, Histogram, fn() -> Histogram>,
+    pub swap_phase: Histograms<PhaseLabels>,
+    pub swap: Histograms<KindLabels>,
     pub swap_events: Family<EventLabels, Counter>,
+}
+
+/// A histogram family whose buckets come from `fn() -> Histogram`.
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Registers `metric` (in `unit` where it has one) and gives back the handle
+/// the agent updates: each metric is made and registered in one place.
+fn register<M: Metric + Clone>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    unit: Option<Unit>,
+    metric: M,
+) -> M {
+    match unit {
+        Some(unit) => registry.register_with_unit(name, help, unit, metric.clone()),
+        None => registry.register(name, help, metric.clone()),
+    }
+    metric
+}
+
+/// A histogram family in seconds, with `buckets`.
+fn seconds<L: Clone + std::hash::Hash + Eq>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    buckets: fn() -> Histogram,
+) -> Histograms<L>
+where
+    Histograms<L>: Metric + Clone,
+{
+    register(registry, name, help, Some(Unit::Seconds), Family::new_with_constructor(buckets))
 }
 
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("gpusnap_agent");
-        let m = Self {
-            services: Family::default(),
-            transitions: Family::default(),
-            durations: Family::new_with_constructor(seconds_buckets),
-            wait: Family::new_with_constructor(seconds_buckets),
-            in_flight: Family::default(),
-            host_bytes: Gauge::default(),
-            image_bytes: Gauge::default(),
-            refusals: Family::default(),
-            connections_closed: Family::default(),
-            swap_phase: Family::new_with_constructor(phase_buckets),
-            swap: Family::new_with_constructor(phase_buckets),
-            swap_events: Family::default(),
-            registry: Registry::default(),
-        };
-        registry.register("services", "Services by state", m.services.clone());
-        registry.register("transitions", "Transitions by service, kind and result", m.transitions.clone());
-        registry.register_with_unit(
-            "transition_duration",
-            "Duration of suspend, resume, hibernate and wake",
-            prometheus_client::registry::Unit::Seconds,
-            m.durations.clone(),
-        );
-        registry.register_with_unit(
-            "request_wait",
-            "Time a connection waited for its service to come back",
-            prometheus_client::registry::Unit::Seconds,
-            m.wait.clone(),
-        );
-        registry.register("connections_in_flight", "Open client connections", m.in_flight.clone());
-        registry.register_with_unit(
-            "host_memory",
-            "Device memory of suspended services, held in host RAM",
-            prometheus_client::registry::Unit::Bytes,
-            m.host_bytes.clone(),
-        );
-        registry.register_with_unit(
-            "image",
-            "Size of the images of hibernated services",
-            prometheus_client::registry::Unit::Bytes,
-            m.image_bytes.clone(),
-        );
-        registry.register("admission_refusals", "Resumes refused for lack of GPU memory", m.refusals.clone());
-        registry.register(
-            "connections_closed_unserved",
-            "Connections closed because their service could not come back in time",
-            m.connections_closed.clone(),
-        );
-        registry.register_with_unit(
-            "swap_phase",
-            "Phases of a wake caused by a request (a swap when it evicts), from accept to the first byte; \
-             they add up to gpusnap_agent_swap_seconds",
-            prometheus_client::registry::Unit::Seconds,
-            m.swap_phase.clone(),
-        );
-        registry.register_with_unit(
-            "swap",
-            "Wakes caused by a request, from the proxy's accept to the answer's first byte",
-            prometheus_client::registry::Unit::Seconds,
-            m.swap.clone(),
-        );
-        registry.register(
-            "swap_events",
-            "What wakes caused by a request had to do: admissions, refusals, evictions, NVML reads, connect retries",
-            m.swap_events.clone(),
-        );
-        Self { registry, ..m }
+        let r = &mut registry;
+        Self {
+            services: register(r, "services", "Services by state", None, Family::default()),
+            transitions: register(
+                r,
+                "transitions",
+                "Transitions by service, kind and result",
+                None,
+                Family::default(),
+            ),
+            durations: seconds(
+                r,
+                "transition_duration",
+                "Duration of suspend, resume, hibernate and wake",
+                seconds_buckets,
+            ),
+            wait: seconds(
+                r,
+                "request_wait",
+                "Time a connection waited for its service to come back",
+                seconds_buckets,
+            ),
+            in_flight: register(r, "connections_in_flight", "Open client connections", None, Family::default()),
+            host_bytes: register(
+                r,
+                "host_memory",
+                "Device memory of suspended services, held in host RAM",
+                Some(Unit::Bytes),
+                Gauge::default(),
+            ),
+            image_bytes: register(
+                r,
+                "image",
+                "Size of the images of hibernated services",
+                Some(Unit::Bytes),
+                Gauge::default(),
+            ),
+            refusals: register(
+                r,
+                "admission_refusals",
+                "Resumes refused for lack of GPU memory",
+                None,
+                Family::default(),
+            ),
+            connections_closed: register(
+                r,
+                "connections_closed_unserved",
+                "Connections closed because their service could not come back in time",
+                None,
+                Family::default(),
+            ),
+            swap_phase: seconds(
+                r,
+                "swap_phase",
+                "Phases of a wake caused by a request (a swap when it evicts), from accept to the first byte; \
+                 they add up to gpusnap_agent_swap_seconds",
+                phase_buckets,
+            ),
+            swap: seconds(
+                r,
+                "swap",
+                "Wakes caused by a request, from the proxy's accept to the answer's first byte",
+                phase_buckets,
+            ),
+            swap_events: register(
+                r,
+                "swap_events",
+                "What wakes caused by a request had to do: admissions, refusals, evictions, NVML reads, connect retries",
+                None,
+                Family::default(),
+            ),
+            registry,
+        }
     }
 
     /// A finished wake trace: its phases, its total and its counts.

@@ -136,6 +136,11 @@ pub struct Remote {
     rt: tokio::runtime::Runtime,
 }
 
+/// A chunk name that is not a blake3 hash (cut short: it came from outside).
+fn not_a_hash(hash: &str) -> ChunkError {
+    ChunkError::Corrupt { hash: hash.chars().take(80).collect(), why: "not a blake3 name".into() }
+}
+
 fn classify(url: &str, op: &str, e: object_store::Error) -> RemoteError {
     let why = e.to_string();
     let low = why.to_ascii_lowercase();
@@ -309,28 +314,21 @@ impl Remote {
         let there = self.chunks()?;
         let todo = r.pick_missing(chunks, |h| there.contains(h), on_bytes);
         let url = self.url.base.clone();
-        let sent: Vec<u64> = self.rt.block_on(async {
-            futures::stream::iter(todo.into_iter().map(|c| {
-                let url = url.clone();
-                async move {
-                    let enc = local.get_encoded(&c.blake3)?;
-                    // What leaves is what the store checked it to be.
-                    decode(&c.blake3, &enc)?;
-                    let n = enc.len() as u64;
-                    self.store
-                        .put(&self.chunk_key(&c.blake3), PutPayload::from(enc))
-                        .await
-                        .map_err(|e| ChunkError::Remote(classify(&url, "put chunk", e)))?;
-                    on_bytes(c.size);
-                    Ok::<u64, ChunkError>(n)
-                }
-            }))
-            .buffer_unordered(PARALLEL)
-            .try_collect()
-            .await
+        self.transfer(&mut r, todo, |c| {
+            let url = url.clone();
+            async move {
+                let enc = local.get_encoded(&c.blake3)?;
+                // What leaves is what the store checked it to be.
+                decode(&c.blake3, &enc)?;
+                let n = enc.len() as u64;
+                self.store
+                    .put(&self.chunk_key(&c.blake3), PutPayload::from(enc))
+                    .await
+                    .map_err(|e| ChunkError::Remote(classify(&url, "put chunk", e)))?;
+                on_bytes(c.size);
+                Ok(n)
+            }
         })?;
-        r.chunks_sent = sent.len() as u64;
-        r.bytes_sent = sent.iter().sum();
         self.rt.block_on(async {
             self.store
                 .put(&self.key(&format!("images/{name}/manifest.sig")), PutPayload::from(sig.to_vec()))
@@ -351,22 +349,37 @@ impl Remote {
     /// page lies in). Returns the encoded bytes received.
     pub fn fetch_one(&self, local: &LocalStore, hash: &str) -> Result<u64, ChunkError> {
         if !crate::valid_hash(hash) {
-            return Err(ChunkError::Corrupt {
-                hash: hash.chars().take(80).collect(),
-                why: "not a blake3 name".into(),
-            });
+            return Err(not_a_hash(hash));
         }
-        let enc = self.rt.block_on(self.get_bounded(
-            &self.chunk_key(hash),
-            crate::MAX_ENCODED as usize,
-            &format!("chunk {hash}"),
-        ))?;
-        let enc = enc.ok_or_else(|| RemoteError::Unreachable {
-            url: self.url.base.clone(),
-            op: format!("get chunk {hash}"),
-            why: "missing on the remote".into(),
-        })?;
+        let enc = self.rt.block_on(self.get_chunk(hash))?;
         local.put_encoded(hash, &enc)
+    }
+
+    /// Chunk `hash`, encoded, from the remote (bounded); a missing one is
+    /// an error.
+    async fn get_chunk(&self, hash: &str) -> Result<Vec<u8>, RemoteError> {
+        self.get_bounded(&self.chunk_key(hash), crate::MAX_ENCODED as usize, &format!("chunk {hash}"))
+            .await?
+            .ok_or_else(|| RemoteError::Unreachable {
+                url: self.url.base.clone(),
+                op: format!("get chunk {hash}"),
+                why: "missing on the remote".into(),
+            })
+    }
+
+    /// Moves each chunk of `todo` with `one` (which gives the encoded bytes
+    /// it moved), [`PARALLEL`] at a time, and counts them into `r`.
+    fn transfer<F, Fut>(&self, r: &mut TransferReport, todo: Vec<ChunkRef>, one: F) -> Result<(), ChunkError>
+    where
+        F: Fn(ChunkRef) -> Fut,
+        Fut: std::future::Future<Output = Result<u64, ChunkError>>,
+    {
+        let moved: Vec<u64> = self.rt.block_on(
+            futures::stream::iter(todo.into_iter().map(one)).buffer_unordered(PARALLEL).try_collect(),
+        )?;
+        r.chunks_sent = moved.len() as u64;
+        r.bytes_sent = moved.iter().sum();
+        Ok(())
     }
 
     /// Fetches into `local` the chunks of `chunks` it lacks, in parallel,
@@ -383,41 +396,16 @@ impl Remote {
         let mut r =
             TransferReport { image: name.into(), remote: self.url.base.clone(), ..Default::default() };
         if let Some(c) = chunks.iter().find(|c| !crate::valid_hash(&c.blake3)) {
-            return Err(ChunkError::Corrupt {
-                hash: c.blake3.chars().take(80).collect(),
-                why: "not a blake3 name".into(),
-            });
+            return Err(not_a_hash(&c.blake3));
         }
         let todo = r.pick_missing(chunks, |h| local.has(h), on_bytes);
-        let url = self.url.base.clone();
-        let got: Vec<u64> = self.rt.block_on(async {
-            futures::stream::iter(todo.into_iter().map(|c| {
-                let url = url.clone();
-                async move {
-                    let enc = self
-                        .get_bounded(
-                            &self.chunk_key(&c.blake3),
-                            crate::MAX_ENCODED as usize,
-                            &format!("chunk {}", c.blake3),
-                        )
-                        .await?
-                        .ok_or_else(|| RemoteError::Unreachable {
-                            url,
-                            op: format!("get chunk {}", c.blake3),
-                            why: "missing on the remote".into(),
-                        })?;
-                    let n = enc.len() as u64;
-                    local.put_encoded(&c.blake3, &enc)?;
-                    on_bytes(c.size);
-                    Ok::<u64, ChunkError>(n)
-                }
-            }))
-            .buffer_unordered(PARALLEL)
-            .try_collect()
-            .await
+        self.transfer(&mut r, todo, |c| async move {
+            let enc = self.get_chunk(&c.blake3).await?;
+            let n = enc.len() as u64;
+            local.put_encoded(&c.blake3, &enc)?;
+            on_bytes(c.size);
+            Ok(n)
         })?;
-        r.chunks_sent = got.len() as u64;
-        r.bytes_sent = got.iter().sum();
         r.seconds = t0.elapsed().as_secs_f64();
         Ok(r)
     }

@@ -368,80 +368,110 @@ fn a_stream_longer_than_suspend_after_is_not_cut() {
 
 /// Whether the fake driver holds device memory for `pid` now.
 fn resident(w: &World, pid: i64) -> Option<bool> {
-    let text = std::fs::read_to_string(w.fake_dir().join("state.json")).ok()?;
+    resident_in(&w.fake_dir(), pid)
+}
+
+/// Whether the fake driver (its state in `fake_dir`) has `pid` resident.
+fn resident_in(fake_dir: &Path, pid: i64) -> Option<bool> {
+    let text = std::fs::read_to_string(fake_dir.join("state.json")).ok()?;
     let v: Value = serde_json::from_str(&text).ok()?;
     let e = v.get("procs")?.get(pid.to_string())?;
     e["resident"].as_bool()
+}
+
+/// Watches the fake driver all along, every 5 ms, for two servers resident
+/// at once.
+struct BothResidentWatch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<usize>,
+}
+
+impl BothResidentWatch {
+    fn start(w: &World, pa: i64, pb: i64) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let thread = {
+            let stop = std::sync::Arc::clone(&stop);
+            let dir = w.fake_dir();
+            std::thread::spawn(move || {
+                let mut both = 0;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    if resident_in(&dir, pa) == Some(true) && resident_in(&dir, pb) == Some(true) {
+                        both += 1;
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                both
+            })
+        };
+        Self { stop, thread }
+    }
+
+    /// How many times both were seen resident.
+    fn stop(self) -> usize {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.thread.join().unwrap()
+    }
+}
+
+impl AgentWorld {
+    /// Services `a` and `b` on a GPU that fits one: waits until one is
+    /// suspended and the other running with its memory (it may have been
+    /// restarted meanwhile, having started first); both registered for
+    /// cleanup. Their pids, `a`'s first.
+    fn settle_one_resident(&mut self) -> (i64, i64) {
+        let end = Instant::now() + LONG;
+        let pids = loop {
+            let v = self.services();
+            let pid = |i: usize| v[i]["pid"].as_i64().filter(|p| pid_exists(*p as i32));
+            let st = |i: usize| v[i]["state"].as_str().unwrap_or("").to_string();
+            if let (Some(x), Some(y)) = (pid(0), pid(1)) {
+                let settled = match (st(0).as_str(), st(1).as_str()) {
+                    ("running", "suspended") => resident(&self.w, x) == Some(true),
+                    ("suspended", "running") => resident(&self.w, y) == Some(true),
+                    _ => false,
+                };
+                if settled {
+                    break (x, y);
+                }
+            }
+            assert!(Instant::now() < end, "the services never settled: {v:?}\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        self.wait_state("a", self.state("a").as_str());
+        self.wait_state("b", self.state("b").as_str());
+        pids
+    }
+
+    /// The metrics once `swaps` swaps are traced, or at the latest after
+    /// LONG (the caller's checks then say what is missing).
+    fn metrics_after_swaps(&self, swaps: f64) -> String {
+        let end = Instant::now() + LONG;
+        let mut text = self.metrics();
+        while metric_sum(&text, "gpusnap_agent_swap_seconds_count") < swaps && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(20));
+            text = self.metrics();
+        }
+        text
+    }
 }
 
 #[test]
 fn two_services_on_a_gpu_that_fits_one_swap_on_demand() {
     // 1000 MiB, two servers of 600: only one can be resident. They declare
     // their size, so the second starts only once the first is evicted.
+    let extra = "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"";
     let mut a = AgentWorld::new(
         1000,
         "",
-        &[
-            Svc {
-                name: "a",
-                mib: 600,
-                gpu: 0,
-                extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"",
-            },
-            Svc {
-                name: "b",
-                mib: 600,
-                gpu: 0,
-                extra: "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"",
-            },
-        ],
+        &[Svc { name: "a", mib: 600, gpu: 0, extra }, Svc { name: "b", mib: 600, gpu: 0, extra }],
     );
-    // Settled: one suspended (idle) and the other running with its memory
-    // (it may have been restarted meanwhile, having started first).
-    let end = Instant::now() + LONG;
-    let (pa, pb) = loop {
-        let v = a.services();
-        let pid = |i: usize| v[i]["pid"].as_i64().filter(|p| pid_exists(*p as i32));
-        let st = |i: usize| v[i]["state"].as_str().unwrap_or("").to_string();
-        if let (Some(x), Some(y)) = (pid(0), pid(1)) {
-            let settled = match (st(0).as_str(), st(1).as_str()) {
-                ("running", "suspended") => resident(&a.w, x) == Some(true),
-                ("suspended", "running") => resident(&a.w, y) == Some(true),
-                _ => false,
-            };
-            if settled {
-                break (x, y);
-            }
-        }
-        assert!(Instant::now() < end, "the services never settled: {v:?}\n{}", a.log());
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    a.wait_state("a", a.state("a").as_str());
-    a.wait_state("b", a.state("b").as_str());
+    // Settled: one suspended (idle) and the other running with its memory.
+    let (pa, pb) = a.settle_one_resident();
     let restarts = |a: &AgentWorld| a.services().iter().map(|s| s["restarts"].as_u64().unwrap()).sum::<u64>();
     let restarts_before = restarts(&a);
 
     // Watch the fake driver all along: never both resident.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watcher = {
-        let stop = std::sync::Arc::clone(&stop);
-        let dir = a.w.fake_dir();
-        std::thread::spawn(move || {
-            let mut both = 0;
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                let w = |pid: i64| {
-                    let text = std::fs::read_to_string(dir.join("state.json")).ok()?;
-                    let v: Value = serde_json::from_str(&text).ok()?;
-                    v.get("procs")?.get(pid.to_string())?["resident"].as_bool()
-                };
-                if w(pa) == Some(true) && w(pb) == Some(true) {
-                    both += 1;
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            both
-        })
-    };
+    let watcher = BothResidentWatch::start(&a.w, pa, pb);
     let mut answers = Vec::new();
     for i in 0..6 {
         let (port, pid) = if i % 2 == 0 { (a.port(0), pa) } else { (a.port(1), pb) };
@@ -450,8 +480,7 @@ fn two_services_on_a_gpu_that_fits_one_swap_on_demand() {
         assert_eq!((f[0], f[1], f[3]), ("ok", pid.to_string().as_str(), "1"), "request {i}: {body}");
         answers.push(body);
     }
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    assert_eq!(watcher.join().unwrap(), 0, "both servers were resident at once");
+    assert_eq!(watcher.stop(), 0, "both servers were resident at once");
     assert_eq!(restarts(&a), restarts_before, "a server was restarted: {:?}", a.services());
     assert_eq!(restarts_before, 0, "a server failed to start: {:?}", a.services());
     assert_eq!(answers.len(), 6);
@@ -466,12 +495,7 @@ fn two_services_on_a_gpu_that_fits_one_swap_on_demand() {
     // first byte, the eviction's suspend and the resume among them, and
     // each is journaled on the woken service.
     // (The last answer's trace is observed just after its first byte.)
-    let end = Instant::now() + LONG;
-    let mut text = a.metrics();
-    while metric_sum(&text, "gpusnap_agent_swap_seconds_count") < 5.0 && Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(20));
-        text = a.metrics();
-    }
+    let text = a.metrics_after_swaps(5.0);
     let swaps = metric_sum(&text, "gpusnap_agent_swap_seconds_count");
     assert!(swaps >= 5.0, "{swaps} swaps traced:\n{text}");
     let total = metric_sum(&text, "gpusnap_agent_swap_seconds_sum");
@@ -542,12 +566,7 @@ fn a_swap_waits_out_a_late_nvml_and_traces_the_wait() {
             "request {i} to {name}: {body}"
         );
     }
-    let end = Instant::now() + LONG;
-    let mut text = a.metrics();
-    while metric_sum(&text, "gpusnap_agent_swap_seconds_count") < 4.0 && Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(20));
-        text = a.metrics();
-    }
+    let text = a.metrics_after_swaps(4.0);
     let swaps = metric_sum(&text, "gpusnap_agent_swap_seconds_count");
     assert_eq!(swaps, 4.0, "{text}");
     let ev = |e: &str| metric_sum(&text, &format!("gpusnap_agent_swap_events_total{{event=\"{e}\"}}"));
@@ -1270,47 +1289,9 @@ fn a_swap_with_hooks_never_has_both_services_resident_and_answers_right() {
         "",
         &[Svc { name: "a", mib: 200, gpu: 0, extra }, Svc { name: "b", mib: 200, gpu: 0, extra }],
     );
-    let end = Instant::now() + LONG;
-    let (pa, pb) = loop {
-        let v = a.services();
-        let pid = |i: usize| v[i]["pid"].as_i64().filter(|p| pid_exists(*p as i32));
-        let st = |i: usize| v[i]["state"].as_str().unwrap_or("").to_string();
-        if let (Some(x), Some(y)) = (pid(0), pid(1)) {
-            let settled = match (st(0).as_str(), st(1).as_str()) {
-                ("running", "suspended") => resident(&a.w, x) == Some(true),
-                ("suspended", "running") => resident(&a.w, y) == Some(true),
-                _ => false,
-            };
-            if settled {
-                break (x, y);
-            }
-        }
-        assert!(Instant::now() < end, "the services never settled: {v:?}\n{}", a.log());
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    a.wait_state("a", a.state("a").as_str());
-    a.wait_state("b", a.state("b").as_str());
+    let (pa, pb) = a.settle_one_resident();
 
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watcher = {
-        let stop = std::sync::Arc::clone(&stop);
-        let dir = a.w.fake_dir();
-        std::thread::spawn(move || {
-            let mut both = 0;
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                let w = |pid: i64| {
-                    let text = std::fs::read_to_string(dir.join("state.json")).ok()?;
-                    let v: Value = serde_json::from_str(&text).ok()?;
-                    v.get("procs")?.get(pid.to_string())?["resident"].as_bool()
-                };
-                if w(pa) == Some(true) && w(pb) == Some(true) {
-                    both += 1;
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            both
-        })
-    };
+    let watcher = BothResidentWatch::start(&a.w, pa, pb);
     for i in 0..6 {
         let (port, pid) = if i % 2 == 0 { (a.port(0), pa) } else { (a.port(1), pb) };
         let (code, body) = get_any(port, "/");
@@ -1318,8 +1299,7 @@ fn a_swap_with_hooks_never_has_both_services_resident_and_answers_right() {
         let f: Vec<&str> = body.split_whitespace().collect();
         assert_eq!((f[0], f[1], f[3]), ("ok", pid.to_string().as_str(), "1"), "request {i}: {body}");
     }
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    assert_eq!(watcher.join().unwrap(), 0, "both servers were resident at once");
+    assert_eq!(watcher.stop(), 0, "both servers were resident at once");
     for s in a.services() {
         assert_eq!(s["restarts"], 0, "{s}");
         assert!(s["last_error"].is_null(), "{s}");
@@ -1329,12 +1309,7 @@ fn a_swap_with_hooks_never_has_both_services_resident_and_answers_right() {
     let has = |n: &[Value], what: &str| n.iter().any(|n| n["detail"].as_str().unwrap().contains(what));
     assert!(has(&notes, "before_suspend hook: POST /sleep?level=1 -> 200"), "{notes:?}");
     assert!(has(&notes, "after_resume hook: POST /wake_up -> 200"), "{notes:?}");
-    let end = Instant::now() + LONG;
-    let mut text = a.metrics();
-    while metric_sum(&text, "gpusnap_agent_swap_seconds_count") < 5.0 && Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(20));
-        text = a.metrics();
-    }
+    let text = a.metrics_after_swaps(5.0);
     let swaps = metric_sum(&text, "gpusnap_agent_swap_seconds_count");
     for phase in ["hook_suspend", "suspend", "resume", "hook_resume", "first_byte"] {
         let n = metric_sum(&text, &format!("gpusnap_agent_swap_phase_seconds_count{{phase=\"{phase}\"}}"));

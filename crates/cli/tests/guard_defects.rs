@@ -16,11 +16,6 @@ fn kill(pid: i32, sig: nix::sys::signal::Signal) {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig).unwrap();
 }
 
-fn notes(w: &World, pid: i32) -> Vec<String> {
-    let h = w.json(&["history", &pid.to_string()]).json();
-    h["events"].as_array().unwrap().iter().filter_map(|e| e["detail"].as_str().map(str::to_string)).collect()
-}
-
 /// Gone, or a zombie its (stopped) parent has not reaped yet.
 fn dead(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -115,14 +110,7 @@ fn sigterm_to_the_run_pid_is_suspended_before_it_kills() {
         let pid = pid_in(&st);
         assert_progressing_at(&st);
         kill(w.child_pid(idx), nix::sys::signal::Signal::SIGTERM);
-        let s = w.wait_child(idx);
-        assert_eq!(s.signal(), Some(libc::SIGTERM), "{mode}: {s:?}");
-        assert_suspended_before_death(&w, pid);
-        assert!(
-            notes(&w, pid).iter().any(|n| n.contains("before death (signal SIGTERM")),
-            "{mode}: {:?}",
-            notes(&w, pid)
-        );
+        assert_died_suspended(&w, idx, pid, libc::SIGTERM, "before death (signal SIGTERM", mode);
     }
 }
 
@@ -237,14 +225,7 @@ fn an_asynchronous_signal_without_a_sender_pid_is_suspended_before_it_kills() {
         let idx = w.spawn_gpusnap(&a);
         // The alarm may come before the worker reports an iteration.
         let pid = pid_in(&st);
-        let s = w.wait_child(idx);
-        assert_eq!(s.signal(), Some(libc::SIGALRM), "{mode}: {s:?}");
-        assert_suspended_before_death(&w, pid);
-        assert!(
-            notes(&w, pid).iter().any(|n| n.contains("before death (signal SIGALRM)")),
-            "{mode}: {:?}",
-            notes(&w, pid)
-        );
+        assert_died_suspended(&w, idx, pid, libc::SIGALRM, "before death (signal SIGALRM)", mode);
     }
     // A SIGTERM from another pid namespace: si_code SI_QUEUE, si_pid 0.
     let st = status_file(&w, "ns");
@@ -287,7 +268,7 @@ fn light_a_guard_that_does_not_answer_does_not_hang_a_dying_program() {
     wait_for(Duration::from_secs(30), || dead(pid));
     kill(run, nix::sys::signal::Signal::SIGCONT);
     assert_eq!(w.wait_child(idx).code(), Some(3));
-    wait_for(Duration::from_secs(20), || notes(&w, pid).iter().any(|n| n.contains("did not answer")));
+    wait_for(Duration::from_secs(20), || history_notes(&w, pid).iter().any(|n| n.contains("did not answer")));
 }
 
 /// Item 7: `run --light` serves its socket while a process of the tree

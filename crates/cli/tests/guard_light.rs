@@ -19,10 +19,6 @@ fn run_light(w: &mut World, st: &PathBuf, extra: &[&str]) -> (usize, i32) {
     let idx = w.spawn_gpusnap(&args);
     (idx, pid_in(st))
 }
-fn notes(w: &World, pid: i32) -> Vec<String> {
-    let h = w.json(&["history", &pid.to_string()]).json();
-    h["events"].as_array().unwrap().iter().filter_map(|e| e["detail"].as_str().map(str::to_string)).collect()
-}
 
 #[test]
 fn deaths_are_suspended_and_keep_their_status_without_tracing() {
@@ -46,7 +42,11 @@ fn deaths_are_suspended_and_keep_their_status_without_tracing() {
             "{name}: {s:?} vs {natural:?}"
         );
         assert_suspended_before_death(&w, pid);
-        assert!(notes(&w, pid).iter().any(|n| n.contains("(light)")), "{name}: {:?}", notes(&w, pid));
+        assert!(
+            history_notes(&w, pid).iter().any(|n| n.contains("(light)")),
+            "{name}: {:?}",
+            history_notes(&w, pid)
+        );
         assert!(!pid_exists(pid));
     }
 }
@@ -79,7 +79,7 @@ fn sigterm_with_and_without_a_handler_and_harmless_signals() {
     let s = w.wait_child(idx);
     assert_eq!(s.code(), Some(4), "{s:?}");
     assert_suspended_before_death(&w, pid);
-    assert!(notes(&w, pid).iter().any(|n| n.contains("dying: exit")), "{:?}", notes(&w, pid));
+    assert!(history_notes(&w, pid).iter().any(|n| n.contains("dying: exit")), "{:?}", history_notes(&w, pid));
 }
 
 #[test]
@@ -170,7 +170,7 @@ fn hibernate_lets_run_go_and_wake_serves_the_program_again() {
     assert_progressing_at(&st);
     // The guard wake started serves the program's socket; no tracer.
     wait_for(Duration::from_secs(10), || {
-        notes(&w, pid).iter().filter(|n| n.contains("(light)")).count() >= 2
+        history_notes(&w, pid).iter().filter(|n| n.contains("(light)")).count() >= 2
     });
     assert_eq!(tracer(pid), 0);
     std::fs::write(format!("{}.exit", st.display()), b"").unwrap();
@@ -272,14 +272,7 @@ fn sigterm_to_a_busy_program_is_suspended_before_it_kills() {
     let pid = pid_in(&st);
     std::thread::sleep(Duration::from_millis(300));
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM).unwrap();
-    let s = w.wait_child(idx);
-    assert_eq!(s.signal(), Some(libc::SIGTERM), "{s:?}");
-    assert_suspended_before_death(&w, pid);
-    assert!(
-        notes(&w, pid).iter().any(|n| n.contains("before death (signal SIGTERM)")),
-        "{:?}",
-        notes(&w, pid)
-    );
+    assert_died_suspended(&w, idx, pid, libc::SIGTERM, "before death (signal SIGTERM)", "sigterm");
 }
 
 /// A program the library cannot reach (here: a wrapper drops LD_PRELOAD)

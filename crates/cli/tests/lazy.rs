@@ -12,16 +12,33 @@ use std::time::Duration;
 fn check_memory(out: &Path) {
     let _ = std::fs::remove_file(out.with_extension("after"));
     std::fs::write(out.with_extension("go"), "").unwrap();
+    check_read(out);
+}
+
+/// Waits for the process's report (asked for with its `go` file) and
+/// checks that it read every byte as it was.
+fn check_read(out: &Path) {
     wait_for(Duration::from_secs(60), || out.with_extension("after").exists());
     let before = read_ext(out, "before");
     assert_eq!(read_ext(out, "after"), before, "memory after the wake (A, moved B, C, D half removed)");
     assert_eq!(read_ext(out, "child"), before.split(' ').next().unwrap(), "a child forked during the wake");
 }
 
-fn hibernate(w: &World, pid: i32, image: &str) {
+/// Hibernates `pid` to `image`; its JSON report.
+fn hibernate(w: &World, pid: i32, image: &str) -> serde_json::Value {
     let r = w.json(&["hibernate", &pid.to_string(), "--image", image]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    r.json()
+}
+
+/// Runs a wake (`args`: the whole command line), which must succeed, and
+/// registers `pid`, woken, for cleanup.
+fn wake(w: &mut World, pid: i32, args: &[&str]) -> Run {
+    let r = w.json(args);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    r
 }
 
 #[test]
@@ -33,19 +50,13 @@ fn a_lazy_wake_serves_every_page_through_fork_remap_unmap_and_remove() {
     // The process acts on its memory as soon as it runs again, while the
     // page server is still filling it.
     std::fs::write(out.with_extension("go"), "").unwrap();
-    let r = w.json(&["wake", "mem", "--no-guard"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
-    let v = r.json();
+    let v = wake(&mut w, pid, &["wake", "mem", "--no-guard"]).json();
     assert_eq!(v["lazy"], true, "{v}");
     assert!(v["pages_bytes"].as_u64().unwrap() >= 4 * (32 << 20) / 2, "{v}");
     for stage in ["verify", "waited", "criu", "driver", "pages"] {
         assert!(v["stages"][stage].is_u64(), "{stage} in {v}");
     }
-    wait_for(Duration::from_secs(60), || out.with_extension("after").exists());
-    let before = read_ext(&out, "before");
-    assert_eq!(read_ext(&out, "after"), before);
-    assert_eq!(read_ext(&out, "child"), before.split(' ').next().unwrap());
+    check_read(&out);
     // And once more, now that every page is in place.
     check_memory(&out);
     w.kill(pid);
@@ -56,11 +67,8 @@ fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
     criu_present();
     let mut w = World::new(&[8192]);
     let (pid, out) = mem_proc(&mut w, "tuned", 16);
-    let r = w.json(&["hibernate", &pid.to_string(), "--image", "mem"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    wait_for(Duration::from_secs(10), || !pid_exists(pid));
     // CRIU's own account of the dump, beside gpusnap's stages.
-    let h = r.json();
+    let h = hibernate(&w, pid, "mem");
     assert!(h["criu_stats"]["pages_written"].as_u64().unwrap() >= 4 * (16 << 20) / 4096, "{h}");
     for stage in ["suspend", "dump", "commit", "criu_frozen", "criu_drain", "criu_memwrite"] {
         assert!(h["stages"][stage].is_u64(), "{stage} in {h}");
@@ -81,10 +89,7 @@ fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
         w.env_extra.push((k.into(), v.into()));
     }
     std::fs::write(out.with_extension("go"), "").unwrap();
-    let r = w.json(&["wake", "mem", "--no-guard"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
-    let v = r.json();
+    let v = wake(&mut w, pid, &["wake", "mem", "--no-guard"]).json();
     assert_eq!(v["lazy"], true, "{v}");
     assert!(v["stages"]["head_start"].is_u64(), "{v}");
     let p = &v["pages"];
@@ -99,10 +104,7 @@ fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
     assert_eq!(fault + fill + eexist * 4096, v["pages_bytes"].as_u64().unwrap(), "{v}");
     assert!(p["faults"].as_u64().unwrap() >= p["faults_in_flight"].as_u64().unwrap(), "{v}");
     assert!(p["restore_done_ms"].is_u64() && p["last_page_ms"].is_u64() && p["fill_gbps"].is_f64(), "{v}");
-    wait_for(Duration::from_secs(60), || out.with_extension("after").exists());
-    let before = read_ext(&out, "before");
-    assert_eq!(read_ext(&out, "after"), before);
-    assert_eq!(read_ext(&out, "child"), before.split(' ').next().unwrap());
+    check_read(&out);
     check_memory(&out);
     w.kill(pid);
 
@@ -110,10 +112,7 @@ fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
     let (pid, out) = mem_proc(&mut w, "badknob", 4);
     hibernate(&w, pid, "mem2");
     w.env_extra.push(("GPUSNAP_PAGES_BATCH".into(), "lots".into()));
-    let r = w.json(&["wake", "mem2", "--no-guard"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
-    let v = r.json();
+    let v = wake(&mut w, pid, &["wake", "mem2", "--no-guard"]).json();
     assert_eq!(v["lazy"], false, "{v}");
     assert!(v["notice"].as_str().unwrap().contains("GPUSNAP_PAGES_BATCH=lots: not a size"), "{v}");
     check_memory(&out);
@@ -126,10 +125,7 @@ fn eager_keeps_criu_restoring_every_page() {
     let mut w = World::new(&[8192]);
     let (pid, out) = mem_proc(&mut w, "eager", 8);
     hibernate(&w, pid, "mem");
-    let r = w.json(&["wake", "mem", "--eager", "--no-guard"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
-    let v = r.json();
+    let v = wake(&mut w, pid, &["wake", "mem", "--eager", "--no-guard"]).json();
     assert_eq!(v["lazy"], false, "{v}");
     assert_eq!(v["pages_bytes"], 0, "{v}");
     assert!(v.get("notice").is_none(), "{v}");
@@ -151,9 +147,7 @@ fn a_criu_that_cannot_restore_lazily_falls_back_to_eager_with_a_notice() {
     )
     .unwrap();
     std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let r = w.json(&["--criu", wrapper.to_str().unwrap(), "wake", "mem", "--no-guard"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
+    let r = wake(&mut w, pid, &["--criu", wrapper.to_str().unwrap(), "wake", "mem", "--no-guard"]);
     let v = r.json();
     assert_eq!(v["lazy"], false, "{v}");
     assert!(v["notice"].as_str().unwrap().contains("woken eagerly"), "{v}");
@@ -179,10 +173,7 @@ fn a_corrupted_page_is_refused_before_any_process_runs_on_it() {
     assert!(!pid_exists(pid), "nothing was left running");
     // The chunk put back, the same image wakes.
     std::fs::write(&pages, &good).unwrap();
-    let r = w.json(&["wake", "mem", "--no-guard"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
-    assert_eq!(r.json()["lazy"], true);
+    assert_eq!(wake(&mut w, pid, &["wake", "mem", "--no-guard"]).json()["lazy"], true);
     check_memory(&out);
     w.kill(pid);
 }

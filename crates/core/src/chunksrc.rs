@@ -15,7 +15,7 @@
 //! lazy), or whole ones for an eager restore. They are removed when the
 //! wake ends.
 
-use crate::image::{mkdir_private, open_regular, ImageError, Manifest};
+use crate::image::{create_private, mkdir_private, open_regular, ImageError, Manifest};
 use gpusnap_chunks::{ChunkError, ChunkRef, LocalStore, Remote, Scratch};
 use gpusnap_pages::{DirSource, PageSource, PagesError, PagesFile};
 use std::collections::HashMap;
@@ -71,6 +71,17 @@ thread_local! {
 }
 
 impl Shared {
+    fn new(image: &str, store: LocalStore, remote: Option<Remote>, bad: Bad) -> Arc<Self> {
+        Arc::new(Self {
+            image: image.into(),
+            store: Arc::new(store),
+            remote: remote.map(Arc::new),
+            bad,
+            pool: Mutex::new(Vec::new()),
+            recurring: AtomicU64::new(0),
+        })
+    }
+
     /// Reads chunk `c` of file `path` into `out`, decoded, and checked
     /// against its blake3 unless `checked` (checked in full already in this
     /// wake); fetched from the remote first when the store lacks it.
@@ -368,14 +379,7 @@ pub fn bench_file(
     store: LocalStore,
     verified: bool,
 ) -> Arc<dyn PagesFile> {
-    let shared = Arc::new(Shared {
-        image: image.into(),
-        store: Arc::new(store),
-        remote: None,
-        bad: Arc::new(Mutex::new(None)),
-        pool: Mutex::new(Vec::new()),
-        recurring: AtomicU64::new(0),
-    });
+    let shared = Shared::new(image, store, None, Arc::new(Mutex::new(None)));
     Arc::new(ChunkedFile::new(path, chunks, shared, verified))
 }
 
@@ -556,14 +560,7 @@ pub fn bench_file_verifying(
     chunks: &[ChunkRef],
     store: LocalStore,
 ) -> (Arc<dyn PagesFile>, PendingVerify) {
-    let shared = Arc::new(Shared {
-        image: image.into(),
-        store: Arc::new(store),
-        remote: None,
-        bad: Arc::new(Mutex::new(None)),
-        pool: Mutex::new(Vec::new()),
-        recurring: AtomicU64::new(0),
-    });
+    let shared = Shared::new(image, store, None, Arc::new(Mutex::new(None)));
     let f = Arc::new(ChunkedFile::new(path, chunks, shared, false));
     let v = spawn_verify(std::slice::from_ref(&f), Arc::new(AtomicBool::new(false)), VerifyPace::all_cores());
     (f, PendingVerify(v))
@@ -636,14 +633,7 @@ impl Workdir {
         let images = work.join("img");
         mkdir_private(&images).map_err(ioe("create the restore directory".into()))?;
         let bad: Bad = Arc::new(Mutex::new(None));
-        let shared = Arc::new(Shared {
-            image: name.into(),
-            store: Arc::new(store),
-            remote: remote.map(Arc::new),
-            bad: bad.clone(),
-            pool: Mutex::new(Vec::new()),
-            recurring: AtomicU64::new(0),
-        });
+        let shared = Shared::new(name, store, remote, bad.clone());
         let mut files = Vec::new();
         let mut by_name = HashMap::new();
         for f in &m.files {
@@ -902,10 +892,6 @@ impl Drop for Workdir {
         }
         let _ = fs::remove_dir_all(&self.images);
     }
-}
-
-fn create_private(p: &Path) -> io::Result<fs::File> {
-    fs::OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(p)
 }
 
 #[cfg(test)]

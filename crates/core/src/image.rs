@@ -213,6 +213,11 @@ pub fn mkdir_private(p: &Path) -> std::io::Result<()> {
     fs::set_permissions(p, fs::Permissions::from_mode(0o700))
 }
 
+/// Creates a new file, private (0600), never through a link.
+pub fn create_private(p: &Path) -> std::io::Result<fs::File> {
+    fs::OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(p)
+}
+
 /// Hashes a file, reporting bytes as it goes. Large files are mapped and
 /// hashed on every core (BLAKE3's tree hashing): checksumming an image of
 /// tens of GB must not take longer than writing it.
@@ -967,13 +972,7 @@ impl ImageStore {
             if let Some(parent) = to_path.parent() {
                 mkdir_private(parent).map_err(io(path, "create"))?;
             }
-            let mut to = fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&to_path)
-                .map_err(io(path, format!("copy {}", f.path)))?;
+            let mut to = create_private(&to_path).map_err(io(path, format!("copy {}", f.path)))?;
             // Hashed as copied: what is checked is what lands in the store.
             let mut h = blake3::Hasher::new();
             let mut buf = vec![0u8; 1 << 20];

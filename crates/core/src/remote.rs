@@ -16,7 +16,6 @@ use gpusnap_chunks::{ChunkError, ChunkRef, GcReport, LocalStore, Remote, RemoteU
 use std::collections::HashSet;
 use std::fs;
 use std::io::{Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 pub use gpusnap_chunks::RemoteUrl as Url;
@@ -196,13 +195,7 @@ fn pull_with(
             op: format!("write {}", f.path),
             err: e,
         };
-        let mut to = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&to_path)
-            .map_err(ioe)?;
+        let mut to = image::create_private(&to_path).map_err(ioe)?;
         let mut h = blake3::Hasher::new();
         for c in &f.chunks {
             let data = local.get(&c.blake3)?;

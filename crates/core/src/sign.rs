@@ -58,13 +58,7 @@ impl HostKey {
         // the first wins and the other uses it.
         let tmp = dir.join(format!(".{KEY_FILE}.tmp-{}", std::process::id()));
         let _ = std::fs::remove_file(&tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)
-            .map_err(|e| err(format!("cannot create: {e}")))?;
+        let mut f = crate::image::create_private(&tmp).map_err(|e| err(format!("cannot create: {e}")))?;
         f.write_all(hex::encode(key.to_bytes()).as_bytes())
             .and_then(|()| f.sync_all())
             .map_err(|e| err(format!("cannot write: {e}")))?;

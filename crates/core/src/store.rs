@@ -11,7 +11,7 @@ use crate::target::{Fingerprint, Target};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -151,13 +151,7 @@ impl Store {
         let err = |reason: String| Error::Store { path: path.display().to_string(), reason };
         // Created 0600 before SQLite sees it (SQLite would use the umask;
         // its -wal and -shm files copy the database's mode).
-        match std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&path)
-        {
+        match crate::image::create_private(&path) {
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(err(format!("cannot create: {e}"))),
@@ -463,10 +457,15 @@ impl Store {
 
     /// Journals the start of `op` on `t`; returns the entry to close.
     pub fn begin(&mut self, t: &Target, op: &str) -> Result<i64, Error> {
+        self.begin_entry(t, op, None)
+    }
+
+    /// The `begin` entry of `op` on `t`, with `detail` (NULL if none).
+    fn begin_entry(&mut self, t: &Target, op: &str, detail: Option<&str>) -> Result<i64, Error> {
         self.conn
             .execute(
-                "INSERT INTO events (ts_ms, pid, start_time, op, phase, actor) VALUES (?1, ?2, ?3, ?4, 'begin', ?5)",
-                params![now_ms(), t.pid, t.start_time as i64, op, self.me.0],
+                "INSERT INTO events (ts_ms, pid, start_time, op, phase, detail, actor) VALUES (?1, ?2, ?3, ?4, 'begin', ?5, ?6)",
+                params![now_ms(), t.pid, t.start_time as i64, op, detail, self.me.0],
             )
             .map_err(|e| self.err(e))?;
         Ok(self.conn.last_insert_rowid())
@@ -492,13 +491,19 @@ impl Store {
             )
             .map_err(|e| self.err(e))?;
         if let Some(s) = state {
-            self.conn
-                .execute(
-                    "UPDATE processes SET state = ?3, updated_ms = ?4 WHERE pid = ?1 AND start_time = ?2",
-                    params![t.pid, t.start_time as i64, s, now_ms()],
-                )
-                .map_err(|e| self.err(e))?;
+            self.set_state(t, s)?;
         }
+        Ok(())
+    }
+
+    /// The state a journal entry leaves `t` in.
+    fn set_state(&mut self, t: &Target, state: &str) -> Result<(), Error> {
+        self.conn
+            .execute(
+                "UPDATE processes SET state = ?3, updated_ms = ?4 WHERE pid = ?1 AND start_time = ?2",
+                params![t.pid, t.start_time as i64, state, now_ms()],
+            )
+            .map_err(|e| self.err(e))?;
         Ok(())
     }
 
@@ -512,12 +517,7 @@ impl Store {
             )
             .map_err(|e| self.err(e))?;
         if let Some(s) = state {
-            self.conn
-                .execute(
-                    "UPDATE processes SET state = ?3, updated_ms = ?4 WHERE pid = ?1 AND start_time = ?2",
-                    params![t.pid, t.start_time as i64, s, now_ms()],
-                )
-                .map_err(|e| self.err(e))?;
+            self.set_state(t, s)?;
         }
         Ok(())
     }
@@ -548,13 +548,7 @@ impl Store {
     /// Journals the start of an operation that is not a driver call, with
     /// what its reconciliation needs to know; returns the entry to close.
     pub fn begin_with(&mut self, t: &Target, op: &str, detail: &str) -> Result<i64, Error> {
-        self.conn
-            .execute(
-                "INSERT INTO events (ts_ms, pid, start_time, op, phase, detail, actor) VALUES (?1, ?2, ?3, ?4, 'begin', ?5, ?6)",
-                params![now_ms(), t.pid, t.start_time as i64, op, detail, self.me.0],
-            )
-            .map_err(|e| self.err(e))?;
-        Ok(self.conn.last_insert_rowid())
+        self.begin_entry(t, op, Some(detail))
     }
 
     /// Closes an entry of [`Self::begin_with`], changing no recorded state.

@@ -564,6 +564,23 @@ pub fn assert_suspended_before_death(w: &World, pid: i32) {
     );
 }
 
+/// The details of `pid`'s journal entries (`gpusnap history`).
+pub fn history_notes(w: &World, pid: i32) -> Vec<String> {
+    let h = w.json(&["history", &pid.to_string()]).json();
+    h["events"].as_array().unwrap().iter().filter_map(|e| e["detail"].as_str().map(str::to_string)).collect()
+}
+
+/// The guarded `run` (child `idx`) ends by signal `sig`, its CUDA process
+/// `pid` suspended before it died and a journal detail saying so (`note`).
+pub fn assert_died_suspended(w: &World, idx: usize, pid: i32, sig: i32, note: &str, ctx: &str) {
+    use std::os::unix::process::ExitStatusExt;
+    let s = w.wait_child(idx);
+    assert_eq!(s.signal(), Some(sig), "{ctx}: {s:?}");
+    assert_suspended_before_death(w, pid);
+    let notes = history_notes(w, pid);
+    assert!(notes.iter().any(|n| n.contains(note)), "{ctx}: {notes:?}");
+}
+
 /// TracerPid of `pid` (-1 when it is gone).
 pub fn tracer(pid: i32) -> i32 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
