@@ -659,18 +659,26 @@ impl LocalStore {
         }
         let open = matches!(&scratch.open, Some((h, _, _)) if h == hash);
         if !open {
-            if !valid_hash(hash) {
-                return Err(ChunkError::Corrupt { hash: hash.into(), why: "not a blake3 name".into() });
-            }
             scratch.open = None;
-            let (f, len, p) = self.open_chunk(hash)?;
-            let mut tag = [0u8; 1];
-            let raw = len == size + 1 && f.read_exact_at(&mut tag, 0).is_ok() && tag[0] == b'R';
+            let (f, raw, p) = self.open_raw(hash, size)?;
             scratch.open = Some((hash.to_string(), f, raw.then_some(p)));
         }
         let Some((_, f, Some(p))) = &scratch.open else { return Ok(false) };
         f.read_exact_at(buf, 1 + from).map_err(io_err(p, "read"))?;
         Ok(true)
+    }
+
+    /// Opens chunk `hash` of `size` bytes: its file, whether it is stored
+    /// raw (a tag byte `R`, then the chunk), and its path.
+    fn open_raw(&self, hash: &str, size: u64) -> Result<(fs::File, bool, PathBuf), ChunkError> {
+        use std::os::unix::fs::FileExt;
+        if !valid_hash(hash) {
+            return Err(ChunkError::Corrupt { hash: hash.into(), why: "not a blake3 name".into() });
+        }
+        let (f, len, p) = self.open_chunk(hash)?;
+        let mut tag = [0u8; 1];
+        let raw = len == size + 1 && f.read_exact_at(&mut tag, 0).is_ok() && tag[0] == b'R';
+        Ok((f, raw, p))
     }
 
     /// A chunk stored raw, already checked in full, mapped from its file
@@ -689,13 +697,8 @@ impl LocalStore {
                 return Ok(Some(m.clone()));
             }
         }
-        if !valid_hash(hash) {
-            return Err(ChunkError::Corrupt { hash: hash.into(), why: "not a blake3 name".into() });
-        }
-        let (f, len, p) = self.open_chunk(hash)?;
-        let mut tag = [0u8; 1];
-        use std::os::unix::fs::FileExt;
-        if len != size + 1 || f.read_exact_at(&mut tag, 0).is_err() || tag[0] != b'R' {
+        let (f, raw, p) = self.open_raw(hash, size)?;
+        if !raw {
             return Ok(None);
         }
         // SAFETY: the store is root's alone and gpusnap never writes a
@@ -705,7 +708,7 @@ impl LocalStore {
         // only read. The same trust as the checked reads above: root
         // truncating a chunk file in place during a wake would fault here
         // (SIGBUS) where a read would fail.
-        let m = unsafe { memmap2::MmapOptions::new().len(len as usize).populate().map(&f) }
+        let m = unsafe { memmap2::MmapOptions::new().len(size as usize + 1).populate().map(&f) }
             .map_err(io_err(&p, "map"))?;
         let m = std::sync::Arc::new(m);
         scratch.mapped = Some((hash.to_string(), m.clone()));

@@ -835,7 +835,7 @@ impl Workdir {
     /// ([`Workdir::wait_verify`]).
     pub fn start_verify(&mut self, pace: VerifyPace) {
         if self.verify.is_none() {
-            self.verify = Some(spawn_verify(&self.files, self.stop.clone(), pace));
+            self.verify = Some(self.verify_starter().start(pace).0);
         }
     }
 
@@ -843,7 +843,7 @@ impl Workdir {
     /// checked every chunk; the first bad chunk is the error (the image is
     /// refused as corrupt). Without one started: nothing to wait for.
     pub fn wait_verify(&mut self) -> Result<VerifyTimes, ImageError> {
-        self.verify.take().map(join_verify).unwrap_or(Ok(VerifyTimes::default()))
+        self.take_verify().map(PendingVerify::wait).unwrap_or(Ok(VerifyTimes::default()))
     }
 
     /// The background verify, to wait for elsewhere (a CUDA wake whose

@@ -34,6 +34,8 @@ pub const DIR_ENV: &str = "GPUSNAP_DUMP_TMPFS_DIR";
 pub const DEFAULT_BASE: &str = "/dev/shm";
 const PREFIX: &str = "gpusnap-";
 
+use nix::fcntl::{Flock, FlockArg};
+
 /// A tmpfs directory for one dump; removed when dropped. Its lock file
 /// ([`LOCK`]) is held (flock) for its whole life: that, not the pid in its
 /// name, is what tells another gpusnap it is in use (a gpusnap in another
@@ -42,7 +44,7 @@ const PREFIX: &str = "gpusnap-";
 #[derive(Debug)]
 pub struct TmpfsDump {
     dir: PathBuf,
-    _lock: fs::File,
+    _lock: Flock<fs::File>,
 }
 
 /// The lock file in every dump directory.
@@ -156,7 +158,7 @@ fn self_start_time() -> u64 {
 }
 
 fn create(base: &Path) -> std::io::Result<TmpfsDump> {
-    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    use std::os::unix::fs::DirBuilderExt;
     let rand = rand::random::<u64>();
     let name = format!("{PREFIX}{}-{}-{rand:016x}", std::process::id(), self_start_time());
     // Made under a name no cleaner looks at, locked, then renamed: a
@@ -165,15 +167,9 @@ fn create(base: &Path) -> std::io::Result<TmpfsDump> {
     // Not recursive: the base must exist, the directory must not.
     fs::DirBuilder::new().mode(0o700).create(&new)?;
     let made = (|| {
-        let lock = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(new.join(LOCK))?;
-        if !try_lock(&lock)? {
-            return Err(std::io::Error::other("a fresh lock file is locked"));
-        }
+        let lock = crate::image::create_private(&new.join(LOCK))?;
+        let lock =
+            Flock::lock(lock, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| std::io::Error::from(e))?;
         fs::DirBuilder::new().mode(0o700).create(new.join("criu"))?;
         let dir = base.join(&name);
         fs::rename(&new, &dir)?;
@@ -183,21 +179,6 @@ fn create(base: &Path) -> std::io::Result<TmpfsDump> {
         let _ = fs::remove_dir_all(&new);
     }
     made
-}
-
-/// An exclusive flock on `f`, without waiting: `false` if another holds it.
-fn try_lock(f: &fs::File) -> std::io::Result<bool> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: flock on a descriptor this function borrows for the call.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(true);
-    }
-    let e = std::io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Ok(false)
-    } else {
-        Err(e)
-    }
 }
 
 /// Is the dump directory `dir` (named for `pid` started at `start`) still
@@ -211,7 +192,7 @@ fn in_use(dir: &Path, pid: i32, start: u64) -> bool {
         .open(dir.join(LOCK))
     {
         // Unlocked: its owner is gone (the lock goes with the process).
-        Ok(f) => !try_lock(&f).unwrap_or(false),
+        Ok(f) => Flock::lock(f, FlockArg::LockExclusiveNonblock).is_err(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             procfs::process::Process::new(pid).and_then(|p| p.stat()).is_ok_and(|s| s.starttime == start)
         }

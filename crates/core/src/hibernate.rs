@@ -223,6 +223,16 @@ fn no_driver(m: &Manifest) -> Error {
     }
 }
 
+/// Why a lazy wake's pages failed: a chunk that failed its check (the
+/// image refused), else the page server's own error.
+fn pages_failure(wd: Option<&crate::chunksrc::Workdir>, srv: Option<&gpusnap_pages::Server>) -> Error {
+    match (wd.and_then(|wd| wd.bad()), srv) {
+        (Some(bad), _) => bad.into(),
+        (None, Some(srv)) => Error::Pages(srv.wait().err().unwrap_or(gpusnap_pages::PagesError::Aborted)),
+        (None, None) => Error::Pages(gpusnap_pages::PagesError::Aborted),
+    }
+}
+
 /// What restoring one admitted image did.
 struct Woken {
     root: i32,
@@ -1223,15 +1233,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         }
         // A failure known already ends the wake before any driver restore.
-        if head_failed.is_none() {
-            if let Some(bad) = chunked.as_ref().and_then(|wd| wd.bad()) {
-                head_failed = Some(bad.into());
-            } else if let Some(srv) = pages.as_ref().filter(|s| s.rescuer().failed()) {
-                head_failed = Some(match srv.wait() {
-                    Err(e) => Error::Pages(e),
-                    Ok(_) => Error::Pages(gpusnap_pages::PagesError::Aborted),
-                });
-            }
+        let known_bad = chunked.as_ref().is_some_and(|wd| wd.bad().is_some());
+        if head_failed.is_none() && (known_bad || pages.as_ref().is_some_and(|s| s.rescuer().failed())) {
+            head_failed = Some(pages_failure(chunked.as_ref(), pages.as_ref()));
         }
         // The driver's start-up ran in the background of everything above;
         // one that failed is a host without a CUDA driver, as when it is
@@ -1330,13 +1334,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             if let Err(e) = kill_tree(&tree) {
                 tracing::error!("rescue: the tree did not end: {e}");
             }
-            let err = match (chunked.as_ref().and_then(|wd| wd.bad()), &pages) {
-                (Some(bad), _) => bad.into(),
-                (None, Some(srv)) => {
-                    Error::Pages(srv.wait().err().unwrap_or(gpusnap_pages::PagesError::Aborted))
-                }
-                (None, None) => Error::Pages(gpusnap_pages::PagesError::Aborted),
-            };
+            let err = pages_failure(chunked.as_ref(), pages.as_ref());
             drop(pages);
             return Err(err);
         }

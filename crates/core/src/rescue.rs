@@ -214,13 +214,7 @@ fn stop_threads(members: &[Member]) -> BTreeSet<i32> {
 
 /// The thread is in a stop (or gone).
 fn stopped(tid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{tid}/stat")) {
-        Ok(s) => s
-            .rsplit_once(')')
-            .and_then(|(_, r)| r.trim_start().chars().next())
-            .is_none_or(|c| matches!(c, 't' | 'T' | 'Z' | 'X')),
-        Err(_) => true,
-    }
+    crate::target::run_state(tid).map_or(true, |s| s.is_stopped() || s.is_zombie())
 }
 
 /// Restores back, whether one failed, and the decision once made.

@@ -136,9 +136,10 @@ pub fn copy(fd: BorrowedFd<'_>, dst: u64, src: &[u8]) -> (u64, Option<nix::errno
 
 /// Maps zero pages at `[start, start+len)` and wakes the faulting threads.
 pub fn zeropage(fd: BorrowedFd<'_>, start: u64, len: u64) -> nix::Result<()> {
-    let mut z = UffdioZeropage { range: UffdioRange { start, len }, mode: 0, zeropage: 0 };
-    // SAFETY: z is a valid uffdio_zeropage for the whole call.
-    unsafe { ioctl_zeropage(fd.as_raw_fd(), &mut z) }.map(|_| ())
+    match zeropage_part(fd, start, len) {
+        (_, None) => Ok(()),
+        (_, Some(e)) => Err(e),
+    }
 }
 
 /// Maps zero pages at `[start, start+len)` and wakes the faulting threads
