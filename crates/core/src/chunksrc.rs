@@ -412,9 +412,14 @@ impl VerifyPace {
     /// `GPUSNAP_VERIFY_NICE` applied, so that a GPU run can compare them
     /// (docs/pages.md, settings); a value that is not one is said and left.
     pub fn beside_the_driver_from_env() -> Self {
+        Self::beside_the_driver_from(|k| std::env::var(k).ok())
+    }
+
+    /// As [`VerifyPace::beside_the_driver_from_env`], reading variables through `get`.
+    fn beside_the_driver_from(get: impl Fn(&str) -> Option<String>) -> Self {
         let mut p = Self::beside_the_driver();
         let num = |name: &str, max: i64| -> Option<i64> {
-            let v = std::env::var(name).ok()?;
+            let v = get(name)?;
             match v.trim().parse::<i64>() {
                 Ok(n) if (0..=max).contains(&n) => Some(n),
                 _ => {
@@ -919,6 +924,23 @@ mod tests {
             f.read_at(k as u64 * 700_001, piece)?;
         }
         Ok(out)
+    }
+
+    #[test]
+    fn the_verify_pace_takes_its_settings_and_ignores_nonsense() {
+        let d = VerifyPace::beside_the_driver();
+        let with = |kv: &[(&str, &str)]| {
+            VerifyPace::beside_the_driver_from(|k| {
+                kv.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+            })
+        };
+        let p = with(&[(VERIFY_THREADS_ENV, "0"), (VERIFY_NICE_ENV, "5")]);
+        assert_eq!((p.threads, p.nice), (0, 5));
+        for bad in ["-1", "65", "lots", ""] {
+            let p = with(&[(VERIFY_THREADS_ENV, bad), (VERIFY_NICE_ENV, bad)]);
+            assert_eq!((p.threads, p.nice), (d.threads, d.nice), "{bad:?}");
+        }
+        assert_eq!(with(&[(VERIFY_NICE_ENV, "20")]).nice, d.nice);
     }
 
     #[test]
