@@ -37,7 +37,9 @@
 #                    GPUSNAP_VERIFY_FIRST=1, the driver waiting for the
 #                    whole verify: "first:GPUSNAP_VERIFY_FIRST=1;stream:"),
 #                    set for that wake alone (a value the caller had is
-#                    put back after it); "preset" = today (whole-batch
+#                    put back after it); an entry whose NAME starts with
+#                    "cold" drops the page cache before its wake (a warm
+#                    call's cold wake: "cold:"); "preset" = today (whole-batch
 #                    wake), default, t8n10 (8 fill threads at nice 10),
 #                    head100 (the whole fill before the driver starts);
 #                    empty (default): none
@@ -220,7 +222,7 @@ criu_err() {
 # cold_cache: with HB_COLD=1, the page cache dropped (the next wake reads
 # the image from the disk); fails (with a note) when it cannot be.
 cold_cache() {
-    [ "$HB_COLD" = 1 ] || return 0
+    [ "$HB_COLD" = 1 ] || [ "${1:-}" = force ] || return 0
     sync
     if ! echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
         note "cannot drop the page cache (root needed): HB_COLD=1 runs are warm"
@@ -525,7 +527,7 @@ gpusnap_cycle() {
 # matrix_cycle GIB PID NAME FP EST_WAKE EST_STOP: one hibernate, then a wake
 # per HB_MATRIX entry with its settings, the worker stopped between wakes.
 matrix_cycle() {
-    local gib=$1 pid=$2 name=$3 fp=$4 est_w=$5 est_s=$6 rss est i k v vname kvs wx=() n=${#MATRIX[@]} left
+    local gib=$1 pid=$2 name=$3 fp=$4 est_w=$5 est_s=$6 rss est i k v vname kvs wx=() n=${#MATRIX[@]} left cold
     rss=$(vmrss_mib "$pid")
     est=$(calc %.0f 'f + r * 1048576' f="$fp" r="${rss:-0}")
     [ "${WORKER_FILL:-pattern}" = random ] && est=$((est * 2))
@@ -552,7 +554,11 @@ matrix_cycle() {
         fi
         read_status "$WORK/$name.status"
         i=$ST_ITER
-        cold_cache
+        cold=$HB_COLD
+        case $vname in
+            cold*) cold_cache force; [ "$(id -u)" = 0 ] && cold=1 ;;
+            *) cold_cache ;;
+        esac
         mark_restored "$pid"
         knobs_set "$kvs"
         gs 600 wake m --wait 30 ${WAKE_ARGS[@]+"${WAKE_ARGS[@]}"}
@@ -565,7 +571,7 @@ matrix_cycle() {
         fi
         read -r -a wx <<<"$(wake_extra "$GS_OUT")"
         [ "$vname" = restore ] || sample gib="$gib" rep=0 mode=s:matrix variant="s:$vname" settings="s:${kvs:--}" \
-            cold="$HB_COLD" footprint_bytes="$fp" wake_s="$GS_S" wake_total_ms="$(jget "$GS_OUT" 'd["total_ms"]')" \
+            cold="$cold" footprint_bytes="$fp" wake_s="$GS_S" wake_total_ms="$(jget "$GS_OUT" 'd["total_ms"]')" \
             verify_ms="$(jget "$GS_OUT" 'd["verify_ms"]')" criu_ms="$(jget "$GS_OUT" 'd["criu_ms"]')" \
             restore_ms="$(jget "$GS_OUT" 'd["restore_ms"]')" pages_ms="$(jget "$GS_OUT" 'd["stages"]["pages"]')" \
             ${wx[@]+"${wx[@]}"}

@@ -396,14 +396,16 @@ type ToCheck = (usize, usize, Vec<(usize, usize)>);
 pub struct VerifyPace {
     pub threads: usize,
     pub nice: i32,
+    /// SCHED_IDLE (then `nice` does not apply; `gpusnap_pages::prio`).
+    pub idle: bool,
 }
 
 impl VerifyPace {
     pub fn all_cores() -> Self {
-        Self { threads: cores().clamp(1, 16), nice: 0 }
+        Self { threads: cores().clamp(1, 16), nice: 0, idle: false }
     }
     pub fn beside_the_driver() -> Self {
-        Self { threads: (cores() / 2).clamp(2, 8), nice: 10 }
+        Self { threads: (cores() / 2).clamp(2, 8), nice: 10, idle: false }
     }
 
     /// [`VerifyPace::beside_the_driver`] with `GPUSNAP_VERIFY_THREADS`
@@ -434,6 +436,12 @@ impl VerifyPace {
         if let Some(n) = num(VERIFY_NICE_ENV, 19) {
             p.nice = n as i32;
         }
+        if let Some(v) = get(VERIFY_IDLE_ENV) {
+            match gpusnap_pages::parse_flag(&v) {
+                Some(b) => p.idle = b,
+                None => tracing::warn!("{VERIFY_IDLE_ENV}={v}: not 1 or 0; ignored"),
+            }
+        }
         p
     }
 }
@@ -443,6 +451,8 @@ impl VerifyPace {
 pub const VERIFY_THREADS_ENV: &str = "GPUSNAP_VERIFY_THREADS";
 /// Their nice value.
 pub const VERIFY_NICE_ENV: &str = "GPUSNAP_VERIFY_NICE";
+/// Whether they run as SCHED_IDLE (1) or at their nice value (0, the default).
+pub const VERIFY_IDLE_ENV: &str = "GPUSNAP_VERIFY_IDLE";
 
 /// Starts a verify of an image's chunks later, from another thread (the
 /// unlocks' gate of a wake whose verify did not run beside the driver):
@@ -493,10 +503,8 @@ fn spawn_verify(files: &[Arc<ChunkedFile>], stop: Arc<AtomicBool>, pace: VerifyP
         let (todo, files, next, failed, took, stop) =
             (todo.clone(), files.clone(), next.clone(), failed.clone(), took_ms.clone(), stop.clone());
         threads.push(std::thread::spawn(move || {
-            if pace.nice != 0 {
-                // SAFETY: gettid takes no arguments; setpriority on our own
-                // thread id (Linux: per thread) changes only this thread.
-                unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, pace.nice) };
+            if let Err(e) = gpusnap_pages::prio::lower_this_thread(pace.nice, pace.idle) {
+                tracing::warn!("verify: cannot lower the threads' priority: {e}");
             }
             let Some(first) = files.first() else { return };
             let shared = first.shared.clone();
@@ -934,11 +942,12 @@ mod tests {
                 kv.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
             })
         };
-        let p = with(&[(VERIFY_THREADS_ENV, "0"), (VERIFY_NICE_ENV, "5")]);
-        assert_eq!((p.threads, p.nice), (0, 5));
+        let p = with(&[(VERIFY_THREADS_ENV, "0"), (VERIFY_NICE_ENV, "5"), (VERIFY_IDLE_ENV, "1")]);
+        assert_eq!((p.threads, p.nice, p.idle), (0, 5, true));
+        assert!(!d.idle);
         for bad in ["-1", "65", "lots", ""] {
-            let p = with(&[(VERIFY_THREADS_ENV, bad), (VERIFY_NICE_ENV, bad)]);
-            assert_eq!((p.threads, p.nice), (d.threads, d.nice), "{bad:?}");
+            let p = with(&[(VERIFY_THREADS_ENV, bad), (VERIFY_NICE_ENV, bad), (VERIFY_IDLE_ENV, bad)]);
+            assert_eq!((p.threads, p.nice, p.idle), (d.threads, d.nice, d.idle), "{bad:?}");
         }
         assert_eq!(with(&[(VERIFY_NICE_ENV, "20")]).nice, d.nice);
     }

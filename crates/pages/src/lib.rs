@@ -18,6 +18,7 @@
 
 mod image;
 pub mod keeper;
+pub mod prio;
 mod serve;
 mod source;
 mod stats;
@@ -26,8 +27,8 @@ pub mod sys;
 pub use image::eager_ranges;
 pub use image::{lazy_bytes, lazy_iovs, Iov};
 pub use serve::{
-    HeadStart, Options, Report, Rescuer, Server, ENV_AHEAD, ENV_BATCH, ENV_BIG_FIRST, ENV_FAULT_BATCH,
-    ENV_HEAD_START, ENV_NICE, ENV_THREADS, ENV_WAKE_CHUNK,
+    parse_flag, HeadStart, Options, Report, Rescuer, Server, ENV_AHEAD, ENV_BATCH, ENV_BIG_FIRST,
+    ENV_FAULT_BATCH, ENV_HEAD_START, ENV_IDLE, ENV_NICE, ENV_RATE, ENV_THREADS, ENV_WAKE_CHUNK,
 };
 pub use source::{DirSource, Mapped, PageSource, PagesFile};
 pub use stats::{dump_stats, DumpStats};

@@ -54,6 +54,12 @@ pub struct Options {
     /// the restored processes (the driver's restore runs in their threads)
     /// get the cores first; the threads that answer faults keep gpusnap's.
     pub nice: i32,
+    /// The background fill threads run as SCHED_IDLE (then `nice` does not
+    /// apply): any other thread that wakes takes their core at once (see
+    /// [`crate::prio`]). Off by default: no gain measured, and a fault on a
+    /// piece such a thread has in flight waits for it, which on a busy
+    /// host may be long.
+    pub idle: bool,
     /// What the background fill should have in place before the driver's
     /// restore starts (applied by the caller: [`Server::wait_ahead`]).
     pub head_start: HeadStart,
@@ -66,6 +72,12 @@ pub struct Options {
     /// at ~2.4 GB/s, the rest at ~11 (Run 23); starting at the large run
     /// did not make the driver's restore faster (Runs 24-25).
     pub big_first: u64,
+    /// Bytes per second the background fill keeps to once the head start is
+    /// in (0: as fast as it goes, the default): a fill just ahead of the
+    /// driver's restore instead of one that takes the host's cores and
+    /// memory bandwidth while the driver reads (issue 10's warm wake).
+    /// Faults are never held back.
+    pub rate: u64,
     /// Fail on purpose once this many bytes are served (tests of a page
     /// server that dies mid-wake).
     #[serde(skip)]
@@ -110,6 +122,11 @@ impl Default for Options {
             fault_batch: 256 << 10,
             ahead: 0,
             nice: 10,
+            // Off: on the H200 (Run 30, 20.5 GB, four samples each,
+            // alternating) SCHED_IDLE fill and verify threads woke in
+            // 4.38-5.71 s (median 4.53), nice 10 in 4.13-5.61 s (4.67): no
+            // difference, and a SCHED_IDLE fill gets no core on a busy host.
+            idle: false,
             // Measured on the H200 (20.5 GB, Run 23 of docs/gpu-e2e.md):
             // the driver's restore started right after CRIU's caught up
             // with the fill (driver 5.25 s against 3.29 alone); 512 MiB
@@ -120,6 +137,7 @@ impl Default for Options {
             // came with almost no fault waiting; the hosts varied more than
             // the setting); kept as a setting to measure.
             big_first: 0,
+            rate: 0,
             fail_after: None,
             slow: None,
         }
@@ -135,6 +153,17 @@ pub const ENV_AHEAD: &str = "GPUSNAP_PAGES_AHEAD";
 pub const ENV_NICE: &str = "GPUSNAP_PAGES_NICE";
 pub const ENV_HEAD_START: &str = "GPUSNAP_PAGES_HEAD_START";
 pub const ENV_BIG_FIRST: &str = "GPUSNAP_PAGES_BIG_FIRST";
+pub const ENV_RATE: &str = "GPUSNAP_PAGES_RATE";
+pub const ENV_IDLE: &str = "GPUSNAP_PAGES_IDLE";
+
+/// A yes/no setting: `1`/`0` (also `yes`/`no`, `on`/`off`, `true`/`false`).
+pub fn parse_flag(v: &str) -> Option<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "yes" | "on" | "true" => Some(true),
+        "0" | "no" | "off" | "false" => Some(false),
+        _ => None,
+    }
+}
 
 /// A size: bytes, or with a K, M or G suffix (binary).
 fn parse_size(v: &str) -> Option<u64> {
@@ -193,11 +222,17 @@ impl Options {
         if let Some(n) = size(ENV_BIG_FIRST, 0)? {
             o.big_first = n;
         }
+        if let Some(n) = size(ENV_RATE, 0)? {
+            o.rate = n;
+        }
         if let Some(v) = get(ENV_NICE) {
             o.nice = match v.trim().parse::<i32>() {
                 Ok(n) if (0..=19).contains(&n) => n,
                 _ => return Err(bad(ENV_NICE, &v, "a nice value, 0 to 19")),
             };
+        }
+        if let Some(v) = get(ENV_IDLE) {
+            o.idle = parse_flag(&v).ok_or_else(|| bad(ENV_IDLE, &v, "1 or 0"))?;
         }
         if let Some(v) = get(ENV_HEAD_START) {
             let t = v.trim();
@@ -1262,16 +1297,8 @@ fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &
 /// The background threads: the lowest piece still to fill of some process,
 /// a batch at a time, until every process is complete.
 fn filler(sh: Arc<Shared>) {
-    if sh.opts.nice != 0 {
-        // SAFETY: gettid takes no arguments; setpriority on our own thread
-        // id (Linux: per thread) changes only this thread's nice value.
-        let r = unsafe {
-            let tid = libc::gettid();
-            libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, sh.opts.nice)
-        };
-        if r != 0 {
-            tracing::warn!("page server: cannot lower the fill threads' priority: {}", Errno::last());
-        }
+    if let Err(e) = crate::prio::lower_this_thread(sh.opts.nice, sh.opts.idle) {
+        tracing::warn!("page server: cannot lower the fill threads' priority: {e}");
     }
     let mut buf = match memmap2::MmapMut::map_anon(sh.opts.batch.max(sh.opts.wake_chunk) as usize) {
         Ok(b) => b,
@@ -1317,6 +1344,30 @@ fn filler(sh: Arc<Shared>) {
     }
 }
 
+/// Holds a background fill back to `rate` bytes per second past the head
+/// start, counted from CRIU's hand-over (the fill's start).
+fn pace(sh: &Shared) {
+    let rate = sh.opts.rate;
+    if rate == 0 {
+        return;
+    }
+    let done = sh.stats.restore_done_us.load(SeqCst);
+    if done == 0 {
+        return;
+    }
+    let head = sh.opts.head_start.bytes_of(sh.total.load(SeqCst));
+    loop {
+        let served = sh.served.load(SeqCst);
+        let at = done + (served.saturating_sub(head) as f64 / rate as f64 * 1e6) as u64;
+        let now = sh.now_us();
+        if at <= now || sh.stop.load(SeqCst) || sh.failed() {
+            return;
+        }
+        // At most a tick at a time, so that a stop or a failure is seen.
+        std::thread::sleep(Duration::from_micros((at - now).min(TICK.as_micros() as u64)));
+    }
+}
+
 /// Reads `iov` from the image and copies it into the process without
 /// waking it, a chunk at a time (`wake_chunk`; a fault's fill: all at
 /// once), waking each chunk's range once it is in.
@@ -1330,6 +1381,9 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
         let len = chunk.min(iov.len() - at);
         if let Some(d) = sh.opts.slow {
             std::thread::sleep(d);
+        }
+        if !by_fault {
+            pace(sh);
         }
         let t = Instant::now();
         // Checked bytes in place (the page cache) are copied from there;
@@ -1510,6 +1564,12 @@ mod tests {
         assert_eq!((o.head_start, o.batch), (HeadStart::Fraction(0.5), 8192));
         let o = Options::from_vars(vars(&[(ENV_HEAD_START, "2G")])).unwrap();
         assert_eq!(o.head_start, HeadStart::Bytes(2 << 30));
+        assert_eq!(o.rate, 0);
+        let o = Options::from_vars(vars(&[(ENV_RATE, "6G")])).unwrap();
+        assert_eq!(o.rate, 6 << 30);
+        assert!(!o.idle);
+        let o = Options::from_vars(vars(&[(ENV_IDLE, "yes")])).unwrap();
+        assert!(o.idle);
         for bad in [
             (ENV_THREADS, "0"),
             (ENV_THREADS, "many"),
@@ -1518,6 +1578,8 @@ mod tests {
             (ENV_NICE, "-5"),
             (ENV_HEAD_START, "150%"),
             (ENV_HEAD_START, "1.5"),
+            (ENV_RATE, "fast"),
+            (ENV_IDLE, "maybe"),
         ] {
             let e = Options::from_vars(move |k| (k == bad.0).then(|| bad.1.to_string())).unwrap_err();
             assert!(e.to_string().starts_with(&format!("{}={}: ", bad.0, bad.1)), "{e}");
