@@ -681,16 +681,20 @@ impl LocalStore {
         Ok((f, raw, p))
     }
 
-    /// A chunk stored raw, already checked in full, mapped from its file
-    /// (the page cache) rather than read: the page server copies straight
-    /// from the mapping into the woken process, one copy of each byte
-    /// instead of two (read into a buffer, then the copy). The chunk's
-    /// bytes are `map[1..1 + size]`. `None`: the chunk is not stored raw.
+    /// A chunk stored raw mapped from its file (the page cache) rather
+    /// than read: the page server copies straight from the mapping into the
+    /// woken process, one copy of each byte instead of two (read into a
+    /// buffer, then the copy). Not `checked` in full yet: its bytes are
+    /// hashed from the mapping first (a bad chunk is `Corrupt`), and then
+    /// copied while they are still in the core's caches, instead of a read
+    /// into a buffer to hash and copy from. The chunk's bytes are
+    /// `map[1..1 + size]`. `None`: the chunk is not stored raw.
     pub fn map_checked_raw(
         &self,
         hash: &str,
         size: u64,
         scratch: &mut Scratch,
+        checked: bool,
     ) -> Result<Option<std::sync::Arc<memmap2::Mmap>>, ChunkError> {
         if let Some((h, m)) = &scratch.mapped {
             if h == hash {
@@ -710,6 +714,10 @@ impl LocalStore {
         // (SIGBUS) where a read would fail.
         let m = unsafe { memmap2::MmapOptions::new().len(size as usize + 1).populate().map(&f) }
             .map_err(io_err(&p, "map"))?;
+        if !checked && blake3::hash(&m[1..]).to_hex().as_str() != hash {
+            return Err(ChunkError::Corrupt { hash: hash.into(), why: "checksum mismatch".into() });
+        }
+        // Only checked mappings are kept: a kept one is returned unhashed.
         let m = std::sync::Arc::new(m);
         scratch.mapped = Some((hash.to_string(), m.clone()));
         Ok(Some(m))
@@ -811,12 +819,26 @@ mod tests {
         // The zero tail compresses; the random head is stored raw.
         let enc: Vec<u8> = list.iter().map(|c| s.get_encoded(&c.blake3).unwrap()[0]).collect();
         assert!(enc.contains(&b'R') && enc.contains(&b'Z'), "{enc:?}");
+        // A raw chunk maps (hashed from the mapping when not checked yet);
+        // a compressed one does not.
+        let (c0, last) = (&list[0], list.last().unwrap());
+        let m = s.map_checked_raw(&c0.blake3, c0.size, &mut Scratch::default(), false).unwrap().unwrap();
+        assert_eq!(&m[1..], &data[..c0.size as usize]);
+        drop(m);
+        assert!(s
+            .map_checked_raw(&last.blake3, last.size, &mut Scratch::default(), false)
+            .unwrap()
+            .is_none());
         // A flipped byte is refused.
         let p = s.path_of(&list[0].blake3);
         let mut b = fs::read(&p).unwrap();
         b[10] ^= 1;
         fs::write(&p, b).unwrap();
         assert!(matches!(s.get(&list[0].blake3), Err(ChunkError::Corrupt { .. })));
+        assert!(matches!(
+            s.map_checked_raw(&c0.blake3, c0.size, &mut Scratch::default(), false),
+            Err(ChunkError::Corrupt { .. })
+        ));
         // gc keeps what is referenced.
         let keep: HashSet<String> = list[1..].iter().map(|c| c.blake3.clone()).collect();
         let _l = s.exclusive_lock().unwrap();

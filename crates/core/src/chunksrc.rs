@@ -39,10 +39,23 @@ const PER_SHARD: usize = 2;
 /// Decoded bytes a wake keeps of compressed chunks that recur in a file
 /// (zero pages of a preallocated KV cache, a repeated pattern: the GPU
 /// tests' worker holds 26-49 GB of two patterns, float32 and float64, cut
-/// into ~375 distinct 4 MiB chunks, ~1.5 GiB, read over and over in address
-/// order, which a small cache misses every time): each is decoded once and
-/// kept until the wake ends, up to this.
-const RECURRING_BYTES: u64 = 2 << 30;
+/// into distinct 4 MiB chunks (375, 1.5 GiB, at 26 GB; more at 49 GB, each
+/// pattern meeting the chunks at more offsets), read over and over in
+/// address order, which a small cache misses every time): each is decoded
+/// once and kept until the wake ends, up to an eighth of the memory
+/// available when the wake starts, between [`RECURRING_MIN`] (or a quarter
+/// of what is available, if less) and [`RECURRING_MAX`]. With 2 GiB at most,
+/// a 49 GB worker's wake on the H200 decoded most chunks again and again:
+/// the fill read 3.9 GB/s and the driver's restore waited for it (14.0 s
+/// against 7.7 s alone, Run 31).
+const RECURRING_MIN: u64 = 2 << 30;
+const RECURRING_MAX: u64 = 16 << 30;
+
+/// The budget of kept recurring chunks for a wake that starts with
+/// `available` bytes of memory available.
+fn recurring_budget(available: u64) -> u64 {
+    (available / 8).max(RECURRING_MIN.min(available / 4)).min(RECURRING_MAX)
+}
 /// Chunk buffers kept for reuse per wake (a fresh multi-MiB buffer per
 /// chunk would be faulted in page by page).
 const POOL: usize = 32;
@@ -60,8 +73,9 @@ struct Shared {
     bad: Bad,
     /// Chunk buffers to reuse.
     pool: Mutex<Vec<Vec<u8>>>,
-    /// Bytes kept of recurring chunks (at most [`RECURRING_BYTES`]).
+    /// Bytes kept of recurring chunks (at most `recurring_budget`).
     recurring: AtomicU64,
+    recurring_budget: u64,
 }
 
 thread_local! {
@@ -79,6 +93,9 @@ impl Shared {
             bad,
             pool: Mutex::new(Vec::new()),
             recurring: AtomicU64::new(0),
+            recurring_budget: recurring_budget(
+                crate::dumpdir::meminfo().map(|(_, avail)| avail).unwrap_or(RECURRING_MIN * 4),
+            ),
         })
     }
 
@@ -171,8 +188,11 @@ struct ChunkedFile {
     /// after the verify that precedes every wake.
     checked: Vec<AtomicBool>,
     /// By canonical index: the decoded bytes of a compressed chunk that
-    /// recurs (see [`RECURRING_BYTES`]).
+    /// recurs (see [`RECURRING_MIN`]).
     kept: Vec<OnceLock<Arc<Vec<u8>>>>,
+    /// By canonical index: stored compressed (found so by a mapping that
+    /// was refused), so not mapped again.
+    unmappable: Vec<AtomicBool>,
     cache: Vec<Mutex<Shard>>,
     shared: Arc<Shared>,
 }
@@ -206,6 +226,7 @@ impl ChunkedFile {
             recurs,
             checked: chunks.iter().map(|_| AtomicBool::new(checked)).collect(),
             kept: chunks.iter().map(|_| OnceLock::new()).collect(),
+            unmappable: chunks.iter().map(|_| AtomicBool::new(false)).collect(),
             cache: (0..SHARDS).map(|_| Mutex::new(Vec::with_capacity(PER_SHARD))).collect(),
             shared,
         }
@@ -293,11 +314,11 @@ impl ChunkedFile {
         Ok(())
     }
 
-    /// Room in the wake's budget ([`RECURRING_BYTES`]) to keep `bytes`
+    /// Room in the wake's budget ([`recurring_budget`]) to keep `bytes`
     /// more (taken when there is).
     fn room(&self, bytes: u64) -> bool {
         let used = self.shared.recurring.fetch_add(bytes, Ordering::Relaxed);
-        if used + bytes > RECURRING_BYTES {
+        if used + bytes > self.shared.recurring_budget {
             self.shared.recurring.fetch_sub(bytes, Ordering::Relaxed);
             return false;
         }
@@ -331,21 +352,43 @@ impl PagesFile for ChunkedFile {
         self.read(offset, buf).map_err(|e| io::Error::other(e.to_string()))
     }
 
-    /// A piece of one chunk stored raw and checked already in this wake,
-    /// from its file's mapping; anything else is read (and checked).
+    /// A piece of one chunk in place: a recurring compressed chunk's kept
+    /// bytes, or a raw chunk's file's mapping, the whole chunk hashed from
+    /// there first if it was not checked yet in this wake; anything else
+    /// (and a chunk that fails its check: the read reports it) is read and
+    /// checked.
     fn map_at(&self, offset: u64, len: usize) -> Option<gpusnap_pages::Mapped> {
         let i = self.ends.partition_point(|&e| e <= offset);
         let c = self.chunks.get(i)?;
         let from = offset - (self.ends[i] - c.size);
-        if from + len as u64 > c.size || !self.checked[self.canon[i] as usize].load(Ordering::Relaxed) {
+        if from + len as u64 > c.size {
             return None;
         }
+        let k = self.canon[i] as usize;
+        // A recurring compressed chunk decoded (and checked) already: from
+        // its kept bytes, not copied into the fill's buffer first.
+        if let Some(d) = self.kept[k].get() {
+            let hold: Arc<dyn AsRef<[u8]> + Send + Sync> = d.clone();
+            return Some(gpusnap_pages::Mapped { hold, start: from as usize, len });
+        }
+        if self.unmappable[k].load(Ordering::Relaxed) {
+            return None;
+        }
+        let checked = self.checked[k].load(Ordering::Relaxed);
         let store = &self.shared.store;
         let m = SCRATCH.with(|s| match s.try_borrow_mut() {
-            Ok(mut s) => store.map_checked_raw(&c.blake3, c.size, &mut s),
-            Err(_) => store.map_checked_raw(&c.blake3, c.size, &mut Scratch::default()),
+            Ok(mut s) => store.map_checked_raw(&c.blake3, c.size, &mut s, checked),
+            Err(_) => store.map_checked_raw(&c.blake3, c.size, &mut Scratch::default(), checked),
         });
-        let m = m.ok().flatten()?;
+        let m = match m {
+            Ok(Some(m)) => m,
+            Ok(None) => {
+                self.unmappable[k].store(true, Ordering::Relaxed);
+                return None;
+            }
+            Err(_) => return None,
+        };
+        self.checked[k].store(true, Ordering::Relaxed);
         // The file is a tag byte, then the chunk.
         Some(gpusnap_pages::Mapped { hold: m, start: 1 + from as usize, len })
     }
@@ -932,6 +975,69 @@ mod tests {
             f.read_at(k as u64 * 700_001, piece)?;
         }
         Ok(out)
+    }
+
+    #[test]
+    fn chunks_are_given_in_place_only_once_checked() {
+        let d = tempfile::tempdir().unwrap();
+        let (data, chunks) = stored(d.path());
+        let store = || LocalStore::open(d.path().join("store")).unwrap();
+        let file = |checked: bool| {
+            let shared = Shared::new("img", store(), None, Arc::new(Mutex::new(None)));
+            ChunkedFile::new("pages-1.img", &chunks, shared, checked)
+        };
+        let f = file(false);
+        let (mut at, mut mapped, mut later) = (0u64, 0, 0);
+        for (i, c) in chunks.iter().enumerate() {
+            let want = &data[at as usize..(at + c.size) as usize];
+            match f.map_at(at, c.size as usize) {
+                // A raw chunk, hashed from its mapping: checked from now on.
+                Some(m) => {
+                    assert_eq!(m.bytes(), want);
+                    assert!(f.checked[f.canon[i] as usize].load(Ordering::Relaxed));
+                    mapped += 1;
+                }
+                // A compressed one: read (decoded, checked, kept when it
+                // recurs), then in place if it was kept.
+                None => {
+                    let mut b = vec![0u8; c.size as usize];
+                    f.read_at(at, &mut b).unwrap();
+                    assert_eq!(b, want);
+                    if let Some(m) = f.map_at(at, c.size as usize) {
+                        assert_eq!(m.bytes(), want);
+                        later += 1;
+                    }
+                }
+            }
+            // A piece across two chunks is never in place.
+            if i + 1 < chunks.len() {
+                assert!(f.map_at(at + c.size - 4096, 8192).is_none());
+            }
+            at += c.size;
+        }
+        assert!(mapped > 0 && later > 0, "raw {mapped}, kept {later}");
+        // A raw chunk with a flipped byte is not given in place, and its
+        // read fails, unless it was checked before (then it is trusted, as
+        // an image directory's pages file is after its verify).
+        let c0 = &chunks[0];
+        let p = store().path_of(&c0.blake3);
+        let mut b = std::fs::read(&p).unwrap();
+        b[100] ^= 1;
+        std::fs::write(&p, b).unwrap();
+        let f = file(false);
+        assert!(f.map_at(0, 4096).is_none());
+        assert!(f.read_at(0, &mut [0u8; 4096]).is_err());
+        assert!(file(true).map_at(0, 4096).is_some());
+    }
+
+    #[test]
+    fn the_recurring_chunks_budget_follows_the_memory_available() {
+        const G: u64 = 1 << 30;
+        assert_eq!(recurring_budget(70 * G), 70 * G / 8);
+        assert_eq!(recurring_budget(500 * G), RECURRING_MAX);
+        assert_eq!(recurring_budget(12 * G), RECURRING_MIN);
+        assert_eq!(recurring_budget(4 * G), G);
+        assert_eq!(recurring_budget(0), 0);
     }
 
     #[test]

@@ -106,7 +106,8 @@ pub fn fits(total: u64, available: u64, dump_bytes: u64) -> bool {
     available.saturating_sub(dump_bytes) > margin(total)
 }
 
-fn meminfo() -> Option<(u64, u64)> {
+/// MemTotal and MemAvailable, in bytes.
+pub(crate) fn meminfo() -> Option<(u64, u64)> {
     use procfs::Current;
     let m = procfs::Meminfo::current().ok()?;
     Some((m.mem_total, m.mem_available?))
