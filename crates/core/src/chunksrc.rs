@@ -441,14 +441,19 @@ pub struct VerifyPace {
     pub nice: i32,
     /// SCHED_IDLE (then `nice` does not apply; `gpusnap_pages::prio`).
     pub idle: bool,
+    /// From the top address down, meeting the page server's fill (which
+    /// goes up and hashes a raw chunk it reaches first from its mapping)
+    /// in the middle: each chunk read for its check once, by one of them,
+    /// instead of the verify reading all of them beside the fill.
+    pub downwards: bool,
 }
 
 impl VerifyPace {
     pub fn all_cores() -> Self {
-        Self { threads: cores().clamp(1, 16), nice: 0, idle: false }
+        Self { threads: cores().clamp(1, 16), nice: 0, idle: false, downwards: false }
     }
     pub fn beside_the_driver() -> Self {
-        Self { threads: (cores() / 2).clamp(2, 8), nice: 10, idle: false }
+        Self { threads: (cores() / 2).clamp(2, 8), nice: 10, idle: false, downwards: false }
     }
 
     /// [`VerifyPace::beside_the_driver`] with `GPUSNAP_VERIFY_THREADS`
@@ -479,10 +484,12 @@ impl VerifyPace {
         if let Some(n) = num(VERIFY_NICE_ENV, 19) {
             p.nice = n as i32;
         }
-        if let Some(v) = get(VERIFY_IDLE_ENV) {
-            match gpusnap_pages::parse_flag(&v) {
-                Some(b) => p.idle = b,
-                None => tracing::warn!("{VERIFY_IDLE_ENV}={v}: not 1 or 0; ignored"),
+        for (name, field) in [(VERIFY_IDLE_ENV, &mut p.idle), (VERIFY_DOWN_ENV, &mut p.downwards)] {
+            if let Some(v) = get(name) {
+                match gpusnap_pages::parse_flag(&v) {
+                    Some(b) => *field = b,
+                    None => tracing::warn!("{name}={v}: not 1 or 0; ignored"),
+                }
             }
         }
         p
@@ -496,6 +503,8 @@ pub const VERIFY_THREADS_ENV: &str = "GPUSNAP_VERIFY_THREADS";
 pub const VERIFY_NICE_ENV: &str = "GPUSNAP_VERIFY_NICE";
 /// Whether they run as SCHED_IDLE (1) or at their nice value (0, the default).
 pub const VERIFY_IDLE_ENV: &str = "GPUSNAP_VERIFY_IDLE";
+/// Whether they go from the top address down (1) or up (0, the default).
+pub const VERIFY_DOWN_ENV: &str = "GPUSNAP_VERIFY_DOWN";
 
 /// Starts a verify of an image's chunks later, from another thread (the
 /// unlocks' gate of a wake whose verify did not run beside the driver):
@@ -534,6 +543,9 @@ fn spawn_verify(files: &[Arc<ChunkedFile>], stop: Arc<AtomicBool>, pace: VerifyP
                 }
             }
         }
+    }
+    if pace.downwards {
+        todo.reverse();
     }
     let todo = Arc::new(todo);
     let files = Arc::new(files.to_vec());
@@ -616,9 +628,21 @@ pub fn bench_file_verifying(
     chunks: &[ChunkRef],
     store: LocalStore,
 ) -> (Arc<dyn PagesFile>, PendingVerify) {
+    bench_file_verifying_at(image, path, chunks, store, VerifyPace::all_cores())
+}
+
+/// [`bench_file_verifying`] with the verify at `pace`.
+#[doc(hidden)]
+pub fn bench_file_verifying_at(
+    image: &str,
+    path: &str,
+    chunks: &[ChunkRef],
+    store: LocalStore,
+    pace: VerifyPace,
+) -> (Arc<dyn PagesFile>, PendingVerify) {
     let shared = Shared::new(image, store, None, Arc::new(Mutex::new(None)));
     let f = Arc::new(ChunkedFile::new(path, chunks, shared, false));
-    let v = spawn_verify(std::slice::from_ref(&f), Arc::new(AtomicBool::new(false)), VerifyPace::all_cores());
+    let v = spawn_verify(std::slice::from_ref(&f), Arc::new(AtomicBool::new(false)), pace);
     (f, PendingVerify(v))
 }
 
@@ -1048,9 +1072,14 @@ mod tests {
                 kv.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
             })
         };
-        let p = with(&[(VERIFY_THREADS_ENV, "0"), (VERIFY_NICE_ENV, "5"), (VERIFY_IDLE_ENV, "1")]);
-        assert_eq!((p.threads, p.nice, p.idle), (0, 5, true));
-        assert!(!d.idle);
+        let p = with(&[
+            (VERIFY_THREADS_ENV, "0"),
+            (VERIFY_NICE_ENV, "5"),
+            (VERIFY_IDLE_ENV, "1"),
+            (VERIFY_DOWN_ENV, "1"),
+        ]);
+        assert_eq!((p.threads, p.nice, p.idle, p.downwards), (0, 5, true, true));
+        assert!(!d.idle && !d.downwards);
         for bad in ["-1", "65", "lots", ""] {
             let p = with(&[(VERIFY_THREADS_ENV, bad), (VERIFY_NICE_ENV, bad), (VERIFY_IDLE_ENV, bad)]);
             assert_eq!((p.threads, p.nice, p.idle), (d.threads, d.nice, d.idle), "{bad:?}");
@@ -1114,5 +1143,15 @@ mod tests {
         v.wait().unwrap();
         // Every chunk marked checked: read again without hashing.
         assert!(read_all(&f, data.len()).unwrap() == data);
+        // Downwards, with a bad chunk at the bottom: found, named.
+        let store = LocalStore::open(d.path().join("store")).unwrap();
+        let p = store.path_of(&chunks[0].blake3);
+        let mut b = std::fs::read(&p).unwrap();
+        b[100] ^= 1;
+        std::fs::write(&p, b).unwrap();
+        let pace = VerifyPace { downwards: true, threads: 1, ..VerifyPace::all_cores() };
+        let (_f, v) = bench_file_verifying_at("t", "criu/pages-1.img", &chunks, store, pace);
+        let e = v.wait().unwrap_err().to_string();
+        assert!(e.contains(&chunks[0].blake3), "{e}");
     }
 }
