@@ -1385,76 +1385,90 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
         if !by_fault {
             pace(sh);
         }
-        let t = Instant::now();
-        // Checked bytes in place (the page cache) are copied from there;
-        // anything else is read into the buffer first.
-        let mapped = mm.pages.map_at(iov.off + at, len as usize);
-        let data: &[u8] = match &mapped {
-            Some(m) => m.bytes(),
-            None => {
-                let data = &mut buf[..len as usize];
-                mm.pages.read_at(iov.off + at, data).map_err(|e| PagesError::Read {
-                    pid: mm.pid,
-                    off: iov.off + at,
-                    err: e.to_string(),
-                })?;
-                data
-            }
-        };
-        sh.stats.read_us.fetch_add(us(t.elapsed()), SeqCst);
-        if let Some(n) = sh.opts.fail_after {
-            if sh.served.load(SeqCst) >= n {
-                return Err(PagesError::Injected(n));
-            }
-        }
-        let t = Instant::now();
         let start = iov.start + at;
-        let mut pos = 0u64;
-        while pos < len {
-            let (n, err) = sys::copy(fd, start + pos, &data[pos as usize..]);
-            pos += n;
-            copied += n;
-            sh.served.fetch_add(n, SeqCst);
-            match err {
-                None => {}
-                // Part copied: go on from there.
-                Some(Errno::EAGAIN) if n > 0 => {}
-                // Already there (another thread, or a fork's copy): skip it.
-                Some(Errno::EEXIST) => {
-                    pos += PAGE;
-                    sh.served.fetch_add(PAGE, SeqCst);
-                    sh.stats.eexist_pages.fetch_add(1, SeqCst);
-                }
-                // The layout is changing (an event not yet read): try again
-                // once the event has edited the pieces.
-                Some(Errno::EAGAIN) => {
-                    requeue = true;
-                    break;
-                }
-                // Not registered there any more: moved (mremap), unmapped or
-                // removed meanwhile. The pieces go back as the events leave
-                // them: moved to where the mapping went, or dropped. Copying
-                // on to this address, or forgetting them, would lose the
-                // pages of a moved mapping (they would fault in as zeros).
-                Some(Errno::ENOENT) => {
-                    requeue = true;
-                    break;
-                }
-                Some(Errno::ESRCH | Errno::ENOSPC) => {
-                    mm.st.lock().unwrap().gone = true;
-                    requeue = true;
-                    break;
-                }
-                Some(e) => {
-                    let _ = sys::wake(fd, start, len);
-                    return Err(PagesError::Fill {
+        // The chunk in pieces: what the source has in place (the page cache,
+        // a kept chunk) is copied from there, up to where it ends (a chunk
+        // of the store: its end); a page across that end, or anything not
+        // in place, is read into the buffer first.
+        let mut sub = 0u64;
+        while sub < len && !requeue {
+            let t = Instant::now();
+            let off = iov.off + at + sub;
+            let want = len - sub;
+            let mapped = mm.pages.map_at(off, want as usize);
+            let whole = mapped.as_ref().map_or(0, |m| m.len as u64 / PAGE * PAGE);
+            let data: &[u8] = match &mapped {
+                Some(m) if whole > 0 => &m.bytes()[..whole as usize],
+                _ => {
+                    let n = if mapped.is_some() { PAGE.min(want) } else { want } as usize;
+                    let data = &mut buf[..n];
+                    mm.pages.read_at(off, data).map_err(|e| PagesError::Read {
                         pid: mm.pid,
-                        addr: start + pos,
-                        err: format!("copy: {e}"),
-                    });
+                        off,
+                        err: e.to_string(),
+                    })?;
+                    data
+                }
+            };
+            sh.stats.read_us.fetch_add(us(t.elapsed()), SeqCst);
+            if let Some(n) = sh.opts.fail_after {
+                if sh.served.load(SeqCst) >= n {
+                    return Err(PagesError::Injected(n));
                 }
             }
+            let t = Instant::now();
+            let dst = start + sub;
+            let n = data.len() as u64;
+            let mut pos = 0u64;
+            while pos < n {
+                let (k, err) = sys::copy(fd, dst + pos, &data[pos as usize..]);
+                pos += k;
+                copied += k;
+                sh.served.fetch_add(k, SeqCst);
+                match err {
+                    None => {}
+                    // Part copied: go on from there.
+                    Some(Errno::EAGAIN) if k > 0 => {}
+                    // Already there (another thread, or a fork's copy): skip it.
+                    Some(Errno::EEXIST) => {
+                        pos += PAGE;
+                        sh.served.fetch_add(PAGE, SeqCst);
+                        sh.stats.eexist_pages.fetch_add(1, SeqCst);
+                    }
+                    // The layout is changing (an event not yet read): try again
+                    // once the event has edited the pieces.
+                    Some(Errno::EAGAIN) => {
+                        requeue = true;
+                        break;
+                    }
+                    // Not registered there any more: moved (mremap), unmapped or
+                    // removed meanwhile. The pieces go back as the events leave
+                    // them: moved to where the mapping went, or dropped. Copying
+                    // on to this address, or forgetting them, would lose the
+                    // pages of a moved mapping (they would fault in as zeros).
+                    Some(Errno::ENOENT) => {
+                        requeue = true;
+                        break;
+                    }
+                    Some(Errno::ESRCH | Errno::ENOSPC) => {
+                        mm.st.lock().unwrap().gone = true;
+                        requeue = true;
+                        break;
+                    }
+                    Some(e) => {
+                        let _ = sys::wake(fd, start, len);
+                        return Err(PagesError::Fill {
+                            pid: mm.pid,
+                            addr: dst + pos,
+                            err: format!("copy: {e}"),
+                        });
+                    }
+                }
+            }
+            sh.stats.copy_us.fetch_add(us(t.elapsed()), SeqCst);
+            sub += n;
         }
+        let t = Instant::now();
         let _ = sys::wake(fd, start, len);
         sh.stats.copy_us.fetch_add(us(t.elapsed()), SeqCst);
         at += len;

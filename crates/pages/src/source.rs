@@ -20,10 +20,12 @@ pub trait PagesFile: Send + Sync {
     /// that fails its check never reaches a process.
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
 
-    /// The file's checked bytes at `offset..offset + len` in place, if the
-    /// source can give them without a copy (a mapping of the page cache):
-    /// the page server then copies them straight into the process. `None`:
-    /// read them with [`PagesFile::read_at`].
+    /// The file's checked bytes from `offset` in place, `len` of them or
+    /// fewer (at least one: a source in pieces, such as chunks, gives them
+    /// up to the end of the piece), if the source can give them without a
+    /// copy (a mapping of the page cache, bytes it keeps): the page server
+    /// then copies them straight into the process. `None`: read them with
+    /// [`PagesFile::read_at`].
     fn map_at(&self, _offset: u64, _len: usize) -> Option<Mapped> {
         None
     }
