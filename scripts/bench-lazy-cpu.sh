@@ -15,7 +15,9 @@
 # medians and every run, with the page server's report (faults, faults that
 # waited for a fill in flight, its fill rate). GPUSNAP_PAGES_* settings in the
 # environment (docs/pages.md) apply to the lazy wakes. Needs root and
-# CRIU >= 4 (scripts/install-criu.sh).
+# CRIU >= 4 (scripts/install-criu.sh). FILL=random writes random bytes (raw,
+# incompressible chunks) instead of one page repeated (the default, pattern:
+# compressed chunks that recur).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
@@ -23,6 +25,9 @@ if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; f
 REPS=${REPS:-5}
 SIZE_GIB=${SIZE_GIB:-4}
 COLD=${COLD:-0}
+FILL=${FILL:-pattern}
+export FILL
+case $FILL in pattern | random) ;; *) echo "FILL: pattern or random, not '$FILL'" >&2; exit 2 ;; esac
 cargo build --release --quiet -p gpusnap
 gs=$PWD/target/release/gpusnap
 work=$(mktemp -d /var/tmp/gpusnap-lazybench.XXXXXX)
@@ -41,9 +46,14 @@ import os, sys, time
 n = int(sys.argv[1]) << 30
 work = sys.argv[2]
 buf = bytearray(n)
-page = bytes(range(256)) * 16
-for i in range(0, n, 4096):
-    buf[i:i + 4096] = page
+if sys.argv[3] == "random":
+    step = 64 << 20
+    for i in range(0, n, step):
+        buf[i:i + step] = os.urandom(min(step, n - i))
+else:
+    page = bytes(range(256)) * 16
+    for i in range(0, n, 4096):
+        buf[i:i + 4096] = page
 open(work + "/ready", "w").write("ready\n")
 while True:
     if os.path.exists(work + "/go"):
@@ -63,7 +73,7 @@ gone() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
 one() {
     local way=$1 rep=$2 t0 t1 done_at flag=()
     rm -f "$work/ready" "$work/done" "$work/go"
-    setsid python3 "$work/hold.py" "$SIZE_GIB" "$work" </dev/null >/dev/null 2>&1 &
+    setsid python3 "$work/hold.py" "$SIZE_GIB" "$work" "$FILL" </dev/null >/dev/null 2>&1 &
     holder=$!
     disown "$holder"
     while [ ! -s "$work/ready" ]; do sleep 0.1; done
@@ -101,12 +111,12 @@ for rep in $(seq 1 "$REPS"); do
 done
 
 python3 - "$tsv" "$SIZE_GIB" "$REPS" "$COLD" <<'PY'
-import statistics, sys
+import os, statistics, sys
 rows = [l.split("\t") for l in open(sys.argv[1]).read().splitlines()]
 size, reps, cold = sys.argv[2], sys.argv[3], sys.argv[4] == "1"
 col = lambda way, i: [float(r[i]) for r in rows if r[0] == way]
 med = lambda way, i: statistics.median(col(way, i))
-print(f"plain process of {size} GiB, {reps} runs each way (ABBA), medians; image {'cold (caches dropped)' if cold else 'in the page cache'}")
+print(f"plain process of {size} GiB ({os.environ.get('FILL', 'pattern')}), {reps} runs each way (ABBA), medians; image {'cold (caches dropped)' if cold else 'in the page cache'}")
 print()
 print("| wake | wake returned s | process read all its memory s | criu s | pages s | faults | in flight | fill GB/s |")
 print("|---|---|---|---|---|---|---|---|")

@@ -1400,6 +1400,14 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
             let data: &[u8] = match &mapped {
                 Some(m) if whole > 0 => &m.bytes()[..whole as usize],
                 _ => {
+                    if let Some(m) = &mapped {
+                        // Fewer than a page to the end of its piece: the
+                        // next piece is looked at in place first (a chunk
+                        // of the store is checked there, from its mapping),
+                        // so that the read of the page across both does not
+                        // read the next one whole to check it.
+                        let _ = mm.pages.map_at(off + m.len as u64, (want - m.len as u64) as usize);
+                    }
                     let n = if mapped.is_some() { PAGE.min(want) } else { want } as usize;
                     let data = &mut buf[..n];
                     mm.pages.read_at(off, data).map_err(|e| PagesError::Read {
