@@ -84,6 +84,15 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
+/// Runs `f` with this thread's [`SCRATCH`] (a fresh one if it is in use
+/// further up the stack).
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut s) => f(&mut s),
+        Err(_) => f(&mut Scratch::default()),
+    })
+}
+
 impl Shared {
     fn new(image: &str, store: LocalStore, remote: Option<Remote>, bad: Bad) -> Arc<Self> {
         Arc::new(Self {
@@ -104,12 +113,8 @@ impl Shared {
     /// wake); fetched from the remote first when the store lacks it.
     /// Returns whether it is stored raw.
     fn load(&self, path: &str, c: &ChunkRef, out: &mut Vec<u8>, checked: bool) -> Result<bool, ImageError> {
-        let mut read = |checked: bool| {
-            SCRATCH.with(|s| match s.try_borrow_mut() {
-                Ok(mut s) => self.store.read_into(&c.blake3, c.size, out, &mut s, checked),
-                Err(_) => self.store.read_into(&c.blake3, c.size, out, &mut Scratch::default(), checked),
-            })
-        };
+        let mut read =
+            |checked: bool| with_scratch(|s| self.store.read_into(&c.blake3, c.size, out, s, checked));
         let got = match read(checked) {
             Err(ChunkError::Missing(_)) if self.remote.is_some() => {
                 let r = self.remote.as_ref().expect("checked");
@@ -265,15 +270,16 @@ impl ChunkedFile {
         if checked {
             // Any error here is reported by the whole read below.
             let store = &self.shared.store;
-            let direct = SCRATCH.with(|s| match s.try_borrow_mut() {
-                Ok(mut s) => store.read_checked_raw_at(&c.blake3, c.size, from as u64, dst, &mut s),
-                Err(_) => {
-                    store.read_checked_raw_at(&c.blake3, c.size, from as u64, dst, &mut Scratch::default())
-                }
-            });
+            let direct = with_scratch(|s| store.read_checked_raw_at(&c.blake3, c.size, from as u64, dst, s));
             if let Ok(true) = direct {
                 return Ok(());
             }
+        } else if let Some(m) = self.raw_mapped(i) {
+            // A raw chunk not checked yet: hashed in place, then copied from
+            // there (the page server then finds it mapped and checked),
+            // rather than read whole into a buffer to hash it.
+            dst.copy_from_slice(&m[1 + from..1 + from + dst.len()]);
+            return Ok(());
         }
         // Read, decoded and checked outside the lock: two threads may load
         // one chunk at once, which costs a read, never a wait on another's.
@@ -312,6 +318,31 @@ impl ChunkedFile {
             self.shared.give_back(v);
         }
         Ok(())
+    }
+
+    /// Chunk `i`'s file mapped (a tag byte, then the chunk), if it is
+    /// stored raw: hashed from the mapping first if it was not checked yet
+    /// in this wake, then marked checked. `None` for a compressed chunk
+    /// (remembered: not opened for that again) and for one that fails its
+    /// check (a read then reports it).
+    fn raw_mapped(&self, i: usize) -> Option<Arc<memmap2::Mmap>> {
+        let (c, k) = (&self.chunks[i], self.canon[i] as usize);
+        if self.unmappable[k].load(Ordering::Relaxed) {
+            return None;
+        }
+        let checked = self.checked[k].load(Ordering::Relaxed);
+        let store = &self.shared.store;
+        match with_scratch(|s| store.map_checked_raw(&c.blake3, c.size, s, checked)) {
+            Ok(Some(m)) => {
+                self.checked[k].store(true, Ordering::Relaxed);
+                Some(m)
+            }
+            Ok(None) => {
+                self.unmappable[k].store(true, Ordering::Relaxed);
+                None
+            }
+            Err(_) => None,
+        }
     }
 
     /// Room in the wake's budget ([`recurring_budget`]) to keep `bytes`
@@ -371,24 +402,7 @@ impl PagesFile for ChunkedFile {
             let hold: Arc<dyn AsRef<[u8]> + Send + Sync> = d.clone();
             return Some(gpusnap_pages::Mapped { hold, start: from as usize, len });
         }
-        if self.unmappable[k].load(Ordering::Relaxed) {
-            return None;
-        }
-        let checked = self.checked[k].load(Ordering::Relaxed);
-        let store = &self.shared.store;
-        let m = SCRATCH.with(|s| match s.try_borrow_mut() {
-            Ok(mut s) => store.map_checked_raw(&c.blake3, c.size, &mut s, checked),
-            Err(_) => store.map_checked_raw(&c.blake3, c.size, &mut Scratch::default(), checked),
-        });
-        let m = match m {
-            Ok(Some(m)) => m,
-            Ok(None) => {
-                self.unmappable[k].store(true, Ordering::Relaxed);
-                return None;
-            }
-            Err(_) => return None,
-        };
-        self.checked[k].store(true, Ordering::Relaxed);
+        let m = self.raw_mapped(i)?;
         // The file is a tag byte, then the chunk.
         Some(gpusnap_pages::Mapped { hold: m, start: 1 + from as usize, len })
     }

@@ -74,16 +74,18 @@ impl Init {
         }
         let mut thread = self.thread.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(h) = thread.take() {
-            let r = h.join().unwrap_or_else(|_| {
-                Err(Code { raw: ffi::CUDA_ERROR_UNKNOWN, name: "CUDA_ERROR_UNKNOWN".into() })
-            });
-            let _ = self.done.set(r);
+            // A thread that panicked: no outcome to give.
+            let _ = self.done.set(h.join().unwrap_or_else(|_| Err(unknown())));
         }
         drop(thread);
         // Set by whoever took the thread, under the mutex (or at start).
-        self.done
-            .get_or_init(|| Err(Code { raw: ffi::CUDA_ERROR_UNKNOWN, name: "CUDA_ERROR_UNKNOWN".into() }))
+        self.done.get_or_init(|| Err(unknown()))
     }
+}
+
+/// The outcome of a `cuInit` that gave none.
+fn unknown() -> Code {
+    Code { raw: ffi::CUDA_ERROR_UNKNOWN, name: "CUDA_ERROR_UNKNOWN".into() }
 }
 
 impl Drop for CudaDriver {

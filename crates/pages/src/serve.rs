@@ -363,7 +363,8 @@ pub(crate) struct MmState {
 }
 
 impl MmState {
-    /// Pieces still to fill, none taken.
+    /// Pieces still to fill, none taken, sorted by address as every edit
+    /// keeps them (the fill finds its next piece by binary search).
     pub(crate) fn of(mut iovs: Vec<Iov>) -> Self {
         iovs.sort_by_key(|i| i.start);
         Self { pieces: iovs.into_iter().map(|iov| Piece { iov, owner: 0 }).collect(), ..Default::default() }
@@ -1082,19 +1083,7 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
             key,
             uffd,
             pages,
-            st: Mutex::new(
-                MmState {
-                    pieces: {
-                        // Sorted by address, as every edit keeps them (the fill
-                        // finds its next piece by binary search).
-                        let mut v: Vec<Piece> = iovs.into_iter().map(|iov| Piece { iov, owner: 0 }).collect();
-                        v.sort_by_key(|p| p.iov.start);
-                        v
-                    },
-                    ..Default::default()
-                }
-                .big_first(sh.opts.big_first),
-            ),
+            st: Mutex::new(MmState::of(iovs).big_first(sh.opts.big_first)),
         });
         add_mm(sh, mm);
     }
@@ -1400,14 +1389,6 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
             let data: &[u8] = match &mapped {
                 Some(m) if whole > 0 => &m.bytes()[..whole as usize],
                 _ => {
-                    if let Some(m) = &mapped {
-                        // Fewer than a page to the end of its piece: the
-                        // next piece is looked at in place first (a chunk
-                        // of the store is checked there, from its mapping),
-                        // so that the read of the page across both does not
-                        // read the next one whole to check it.
-                        let _ = mm.pages.map_at(off + m.len as u64, (want - m.len as u64) as usize);
-                    }
                     let n = if mapped.is_some() { PAGE.min(want) } else { want } as usize;
                     let data = &mut buf[..n];
                     mm.pages.read_at(off, data).map_err(|e| PagesError::Read {
