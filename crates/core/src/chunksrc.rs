@@ -1097,8 +1097,17 @@ mod tests {
         assert_eq!((p.threads, p.nice, p.idle, p.downwards), (0, 5, true, true));
         assert!(!d.idle && !d.downwards);
         for bad in ["-1", "65", "lots", ""] {
-            let p = with(&[(VERIFY_THREADS_ENV, bad), (VERIFY_NICE_ENV, bad), (VERIFY_IDLE_ENV, bad)]);
-            assert_eq!((p.threads, p.nice, p.idle), (d.threads, d.nice, d.idle), "{bad:?}");
+            let p = with(&[
+                (VERIFY_THREADS_ENV, bad),
+                (VERIFY_NICE_ENV, bad),
+                (VERIFY_IDLE_ENV, bad),
+                (VERIFY_DOWN_ENV, bad),
+            ]);
+            assert_eq!(
+                (p.threads, p.nice, p.idle, p.downwards),
+                (d.threads, d.nice, d.idle, d.downwards),
+                "{bad:?}"
+            );
         }
         assert_eq!(with(&[(VERIFY_NICE_ENV, "20")]).nice, d.nice);
     }
