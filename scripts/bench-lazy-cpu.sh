@@ -17,7 +17,9 @@
 # environment (docs/pages.md) apply to the lazy wakes. Needs root and
 # CRIU >= 4 (scripts/install-criu.sh). FILL=random writes random bytes (raw,
 # incompressible chunks) instead of one page repeated (the default, pattern:
-# compressed chunks that recur).
+# compressed chunks that recur). MAPS_MIB=2 holds the memory in separate
+# private mappings of 2 MiB each (thousands of areas, as the driver's host
+# buffers of a CUDA process are) instead of one.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
@@ -26,7 +28,8 @@ REPS=${REPS:-5}
 SIZE_GIB=${SIZE_GIB:-4}
 COLD=${COLD:-0}
 FILL=${FILL:-pattern}
-export FILL
+MAPS_MIB=${MAPS_MIB:-0}
+export FILL MAPS_MIB
 case $FILL in pattern | random) ;; *) echo "FILL: pattern or random, not '$FILL'" >&2; exit 2 ;; esac
 cargo build --release --quiet -p gpusnap
 gs=$PWD/target/release/gpusnap
@@ -42,24 +45,35 @@ tsv=$work/runs.tsv
 : >"$tsv"
 
 cat >"$work/hold.py" <<'PY'
-import os, sys, time
+import mmap, os, sys, time
 n = int(sys.argv[1]) << 30
 work = sys.argv[2]
-buf = bytearray(n)
-if sys.argv[3] == "random":
-    step = 64 << 20
-    for i in range(0, n, step):
-        buf[i:i + step] = os.urandom(min(step, n - i))
+per = int(os.environ.get("MAPS_MIB", "0")) << 20
+if per:
+    # Neighbouring mappings with different flags stay separate areas.
+    bufs = []
+    for k in range(0, n, per):
+        m = mmap.mmap(-1, min(per, n - k), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m.madvise(mmap.MADV_NOHUGEPAGE if len(bufs) % 2 else mmap.MADV_NORMAL)
+        bufs.append(m)
 else:
-    page = bytes(range(256)) * 16
-    for i in range(0, n, 4096):
-        buf[i:i + 4096] = page
+    bufs = [bytearray(n)]
+page = bytes(range(256)) * 16
+for buf in bufs:
+    size = len(buf)
+    if sys.argv[3] == "random":
+        step = 64 << 20
+        for i in range(0, size, step):
+            buf[i:i + step] = os.urandom(min(step, size - i))
+    else:
+        for i in range(0, size, 4096):
+            buf[i:i + 4096] = page
 open(work + "/ready", "w").write("ready\n")
 while True:
     if os.path.exists(work + "/go"):
         os.unlink(work + "/go")
         # Reads every byte once (a search for what is not there).
-        assert buf.find(b"\xff\xfe" * 64) == -1
+        assert all(buf.find(b"\xff\xfe" * 64) == -1 for buf in bufs)
         with open(work + "/done.tmp", "w") as f:
             f.write(f"{time.time():.6f}\n")
         os.replace(work + "/done.tmp", work + "/done")
@@ -116,7 +130,8 @@ rows = [l.split("\t") for l in open(sys.argv[1]).read().splitlines()]
 size, reps, cold = sys.argv[2], sys.argv[3], sys.argv[4] == "1"
 col = lambda way, i: [float(r[i]) for r in rows if r[0] == way]
 med = lambda way, i: statistics.median(col(way, i))
-print(f"plain process of {size} GiB ({os.environ.get('FILL', 'pattern')}), {reps} runs each way (ABBA), medians; image {'cold (caches dropped)' if cold else 'in the page cache'}")
+maps = int(os.environ.get("MAPS_MIB", "0"))
+print(f"plain process of {size} GiB ({os.environ.get('FILL', 'pattern')}{f', in mappings of {maps} MiB' if maps else ''}), {reps} runs each way (ABBA), medians; image {'cold (caches dropped)' if cold else 'in the page cache'}")
 print()
 print("| wake | wake returned s | process read all its memory s | criu s | pages s | faults | in flight | fill GB/s |")
 print("|---|---|---|---|---|---|---|---|")

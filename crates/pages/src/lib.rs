@@ -18,6 +18,7 @@
 
 mod image;
 pub mod keeper;
+mod pieces;
 pub mod prio;
 mod serve;
 mod source;

@@ -10,6 +10,7 @@
 //! them. A fault in a piece in flight needs nothing: the fill's WAKE wakes it.
 
 use crate::image::{lazy_iovs, Iov};
+use crate::pieces::{Piece, Pieces};
 use crate::source::{DirSource, PageSource, PagesFile};
 use crate::sys::{self, PAGE};
 use crate::PagesError;
@@ -305,44 +306,21 @@ pub struct Report {
     /// processes, summed over threads.
     pub read_ms: u64,
     pub copy_ms: u64,
+    /// Bytes the fill copied straight from where the source holds them
+    /// ([`crate::PagesFile::map_at`]), not read into its buffer first.
+    pub in_place_bytes: u64,
+    /// Time the fill threads spent taking their next batch and giving it
+    /// back done (the processes' piece lists, under their locks), and
+    /// waiting with nothing to take, summed over threads.
+    pub book_ms: u64,
+    pub nap_ms: u64,
     /// The settings this wake ran with.
     pub options: Option<Options>,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Piece {
-    iov: Iov,
-    /// 0: still to fill; else the fill that has it.
-    owner: u64,
-}
-
-fn split(p: &Piece, at: u64) -> (Piece, Piece) {
-    let l = Piece { iov: Iov { start: p.iov.start, end: at, off: p.iov.off }, owner: p.owner };
-    let r =
-        Piece { iov: Iov { start: at, end: p.iov.end, off: p.iov.off + (at - p.iov.start) }, owner: p.owner };
-    (l, r)
-}
-
-/// Cuts the pieces at `a` and `b`, so that every piece is inside or outside [a, b).
-fn cut(ps: &mut Vec<Piece>, a: u64, b: u64) {
-    let mut out = Vec::with_capacity(ps.len() + 2);
-    for p in ps.drain(..) {
-        let mut cur = p;
-        for at in [a, b] {
-            if at > cur.iov.start && at < cur.iov.end {
-                let (l, r) = split(&cur, at);
-                out.push(l);
-                cur = r;
-            }
-        }
-        out.push(cur);
-    }
-    *ps = out;
-}
-
 #[derive(Default)]
 pub(crate) struct MmState {
-    pieces: Vec<Piece>,
+    pieces: Pieces,
     gone: bool,
     /// Where the background fill goes on: just past the last fault (the
     /// process, or the driver inside it, reads on from there) or the last
@@ -363,11 +341,12 @@ pub(crate) struct MmState {
 }
 
 impl MmState {
-    /// Pieces still to fill, none taken, sorted by address as every edit
-    /// keeps them (the fill finds its next piece by binary search).
-    pub(crate) fn of(mut iovs: Vec<Iov>) -> Self {
-        iovs.sort_by_key(|i| i.start);
-        Self { pieces: iovs.into_iter().map(|iov| Piece { iov, owner: 0 }).collect(), ..Default::default() }
+    /// Pieces still to fill, none taken.
+    pub(crate) fn of(iovs: Vec<Iov>) -> Self {
+        Self {
+            pieces: Pieces::new(iovs.into_iter().map(|iov| Piece { iov, owner: 0 })),
+            ..Default::default()
+        }
     }
     /// Starts the background fill at the first run of contiguous pieces of
     /// at least `min` bytes (see [`Options::big_first`]).
@@ -376,7 +355,7 @@ impl MmState {
             return self;
         }
         let (mut start, mut run, mut end) = (0u64, 0u64, u64::MAX);
-        for p in &self.pieces {
+        for p in self.pieces.iter() {
             if p.iov.start != end {
                 start = p.iov.start;
                 run = 0;
@@ -393,24 +372,11 @@ impl MmState {
     pub(crate) fn iovs(&self) -> Vec<Iov> {
         self.pieces.iter().map(|p| p.iov).collect()
     }
-    fn remaining(&self) -> u64 {
-        self.pieces.iter().map(|p| p.iov.len()).sum()
-    }
     pub(crate) fn drop_range(&mut self, a: u64, b: u64) -> u64 {
-        cut(&mut self.pieces, a, b);
-        let before = self.remaining();
-        self.pieces.retain(|p| p.iov.end <= a || p.iov.start >= b);
-        before - self.remaining()
+        self.pieces.drop_range(a, b)
     }
     pub(crate) fn remap(&mut self, from: u64, to: u64, len: u64) {
-        cut(&mut self.pieces, from, from + len);
-        for p in &mut self.pieces {
-            if p.iov.start >= from && p.iov.end <= from + len {
-                p.iov.start = p.iov.start - from + to;
-                p.iov.end = p.iov.end - from + to;
-            }
-        }
-        self.pieces.sort_by_key(|p| p.iov.start);
+        self.pieces.remap(from, to, len)
     }
     /// Notes a fault at `addr`; true when it is below the previous one.
     fn note_fault(&mut self, addr: u64) -> bool {
@@ -431,45 +397,14 @@ impl MmState {
     /// `below` (or at the hint), in the highest piece still to fill under it.
     fn take_down(&mut self, below: Option<u64>, max: u64, id: u64) -> Option<Iov> {
         let from = below.or(self.hint)?;
-        let i = self.pieces.iter().rposition(|p| p.owner == 0 && p.iov.start < from)?;
-        let p = self.pieces[i].iov;
+        let p = self.pieces.last_free_below(from)?.iov;
         let end = p.end.min(from);
         let start = p.start.max(end.saturating_sub(max));
-        let iov = self.claim(i, start, end, id);
+        let iov = self.pieces.claim(p.start, start, end, id);
         if below.is_none() {
             self.hint = Some(start);
         }
         Some(iov)
-    }
-    /// Marks [start, end), which lies inside piece `i`, as taken by fill
-    /// `id`, splitting only that piece. The fill threads take a batch
-    /// under this lock thousands of times a wake: rebuilding the whole
-    /// list each time (it holds a piece per mapping, thousands for a CUDA
-    /// process) kept them waiting for the lock, not copying.
-    fn claim(&mut self, i: usize, start: u64, end: u64, id: u64) -> Iov {
-        let p = self.pieces[i];
-        let mut parts = [None, None, None];
-        let mut cur = p;
-        if start > cur.iov.start {
-            let (l, r) = split(&cur, start);
-            parts[0] = Some(l);
-            cur = r;
-        }
-        if end < cur.iov.end {
-            let (l, r) = split(&cur, end);
-            parts[2] = Some(r);
-            cur = l;
-        }
-        cur.owner = id;
-        parts[1] = Some(cur);
-        self.pieces.splice(i..=i, parts.into_iter().flatten());
-        cur.iov
-    }
-    /// The first piece still to fill whose end is past `from` (pieces are
-    /// sorted and do not overlap, so their ends are sorted too).
-    fn first_free_from(&self, from: u64) -> Option<usize> {
-        let k = self.pieces.partition_point(|p| p.iov.end <= from);
-        self.pieces[k..].iter().position(|p| p.owner == 0).map(|j| k + j)
     }
     /// Marks up to `max` bytes from `addr` (or from the first piece still
     /// to fill) as taken by fill `id`.
@@ -480,24 +415,24 @@ impl MmState {
             }
         }
         let from = self.hint.unwrap_or(0);
-        let i = match addr {
-            Some(a) => self.pieces.iter().position(|p| a >= p.iov.start && a < p.iov.end && p.owner == 0)?,
-            None => match self.first_free_from(from) {
-                Some(i) => i,
-                None => self.first_free_from(0)?,
+        let p = match addr {
+            Some(a) => self.pieces.at(a).filter(|p| p.owner == 0).copied()?,
+            None => match self.pieces.first_free_from(from) {
+                Some(p) => p,
+                None => self.pieces.first_free_from(0)?,
             },
-        };
-        let p = self.pieces[i].iov;
+        }
+        .iov;
         let start = addr.unwrap_or(if from > p.start && from < p.end { from } else { p.start });
-        let end = self.pieces[i].iov.end.min(start + max);
-        let iov = self.claim(i, start, end, id);
+        let end = p.end.min(start + max);
+        let iov = self.pieces.claim(p.start, start, end, id);
         if addr.is_none() {
             self.hint = Some(end);
         }
         Some(iov)
     }
     fn in_flight(&self, addr: u64) -> Option<bool> {
-        self.pieces.iter().find(|p| addr >= p.iov.start && addr < p.iov.end).map(|p| p.owner != 0)
+        self.pieces.at(addr).map(|p| p.owner != 0)
     }
 }
 
@@ -555,6 +490,9 @@ struct Stats {
     fault_busy_us: AtomicU64,
     read_us: AtomicU64,
     copy_us: AtomicU64,
+    in_place_bytes: AtomicU64,
+    book_us: AtomicU64,
+    nap_us: AtomicU64,
 }
 
 fn us(d: Duration) -> u64 {
@@ -652,6 +590,9 @@ impl Shared {
             fault_busy_ms: g(&st.fault_busy_us) / 1000,
             read_ms: g(&st.read_us) / 1000,
             copy_ms: g(&st.copy_us) / 1000,
+            in_place_bytes: g(&st.in_place_bytes),
+            book_ms: g(&st.book_us) / 1000,
+            nap_ms: g(&st.nap_us) / 1000,
             options: Some(self.opts.clone()),
         }
     }
@@ -938,11 +879,7 @@ fn zero_faults(sh: &Arc<Shared>, mm: &Arc<Mm>) {
 fn zero_at(sh: &Shared, mm: &Mm, addr: u64) {
     let end = {
         let st = mm.st.lock().unwrap();
-        st.pieces
-            .iter()
-            .find(|p| addr >= p.iov.start && addr < p.iov.end)
-            .map(|p| p.iov.end.min(addr + ZERO_SPAN))
-            .unwrap_or(addr + PAGE)
+        st.pieces.at(addr).map(|p| p.iov.end.min(addr + ZERO_SPAN)).unwrap_or(addr + PAGE)
     };
     let fd = mm.uffd.as_fd();
     let mut at = addr;
@@ -1149,13 +1086,12 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                     // SAFETY: reading the FORK event installed this new fd in
                     // our table; nothing else owns it.
                     let child = unsafe { OwnedFd::from_raw_fd(a0 as u32 as RawFd) };
-                    let pieces: Vec<Piece> = {
+                    let pieces: Pieces = {
                         let st = mm.st.lock().unwrap();
                         let mut v: Vec<Piece> =
                             st.pieces.iter().map(|p| Piece { iov: p.iov, owner: 0 }).collect();
                         v.extend(st.recent.iter().map(|iov| Piece { iov: *iov, owner: 0 }));
-                        v.sort_by_key(|p| p.iov.start);
-                        v
+                        Pieces::new(v)
                     };
                     let bytes: u64 = pieces.iter().map(|p| p.iov.len()).sum();
                     tracing::debug!(pid = mm.pid, bytes, "page server: FORK");
@@ -1301,6 +1237,7 @@ fn filler(sh: Arc<Shared>) {
             sh.nap();
             continue;
         }
+        let t = Instant::now();
         let mms: Vec<Arc<Mm>> = sh.mms.lock().unwrap().clone();
         let id = sh.next_id.fetch_add(1, SeqCst);
         let mut work = None;
@@ -1316,6 +1253,7 @@ fn filler(sh: Arc<Shared>) {
             }
         }
         turn = turn.wrapping_add(1);
+        sh.stats.book_us.fetch_add(us(t.elapsed()), SeqCst);
         match work {
             Some((mm, iov)) => {
                 if let Err(e) = fill(&sh, &mm, id, iov, &mut buf, false) {
@@ -1327,7 +1265,9 @@ fn filler(sh: Arc<Shared>) {
                     sh.ring();
                     return;
                 }
+                let t = Instant::now();
                 sh.nap();
+                sh.stats.nap_us.fetch_add(us(t.elapsed()), SeqCst);
             }
         }
     }
@@ -1387,7 +1327,10 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
             let mapped = mm.pages.map_at(off, want as usize);
             let whole = mapped.as_ref().map_or(0, |m| m.len as u64 / PAGE * PAGE);
             let data: &[u8] = match &mapped {
-                Some(m) if whole > 0 => &m.bytes()[..whole as usize],
+                Some(m) if whole > 0 => {
+                    sh.stats.in_place_bytes.fetch_add(whole, SeqCst);
+                    &m.bytes()[..whole as usize]
+                }
                 _ => {
                     let n = if mapped.is_some() { PAGE.min(want) } else { want } as usize;
                     let data = &mut buf[..n];
@@ -1465,16 +1408,16 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
     let counter = if by_fault { &sh.stats.fault_bytes } else { &sh.stats.fill_bytes };
     counter.fetch_add(copied, SeqCst);
     sh.stats.last_page_us.fetch_max(sh.now_us(), SeqCst);
+    let t = Instant::now();
     let mut st = mm.st.lock().unwrap();
     if requeue {
-        for p in st.pieces.iter_mut().filter(|p| p.owner == id) {
-            p.owner = 0;
-        }
+        st.pieces.release(id);
     } else {
-        let done: Vec<Iov> = st.pieces.iter().filter(|p| p.owner == id).map(|p| p.iov).collect();
+        let done = st.pieces.finish(id, iov);
         st.recent.extend(done);
-        st.pieces.retain(|p| p.owner != id);
     }
+    drop(st);
+    sh.stats.book_us.fetch_add(us(t.elapsed()), SeqCst);
     Ok(())
 }
 
@@ -1484,10 +1427,12 @@ mod tests {
 
     fn st(ranges: &[(u64, u64)]) -> MmState {
         MmState {
-            pieces: ranges
-                .iter()
-                .map(|&(s, e)| Piece { iov: Iov { start: s, end: e, off: s * 10 }, owner: 0 })
-                .collect(),
+            pieces: Pieces::new(
+                ranges
+                    .iter()
+                    .map(|&(s, e)| Piece { iov: Iov { start: s, end: e, off: s * 10 }, owner: 0 })
+                    .collect::<Vec<_>>(),
+            ),
             ..Default::default()
         }
     }
@@ -1606,7 +1551,7 @@ mod tests {
         assert_eq!(got.iter().map(|i| i.len()).sum::<u64>(), total);
         got.sort_by_key(|i| i.start);
         assert!(got.windows(2).all(|w| w[0].end <= w[1].start));
-        assert!(s.pieces.windows(2).all(|w| w[0].iov.end <= w[1].iov.start));
+        assert!(s.pieces.to_vec().windows(2).all(|w| w[0].iov.end <= w[1].iov.start));
         assert!(s.pieces.iter().all(|p| p.owner != 0));
         // The offsets into the pages file follow the addresses.
         assert!(got.iter().all(|i| {
@@ -1624,7 +1569,7 @@ mod tests {
         assert_eq!(s.in_flight(0x1000), Some(false));
         let b = s.take(None, 0x10000, 8).unwrap();
         assert_eq!((b.start, b.end), (0x1000, 0x3000));
-        assert_eq!(s.remaining(), 0x8000);
+        assert_eq!(s.pieces.iter().map(|p| p.iov.len()).sum::<u64>(), 0x8000);
     }
 
     #[test]
@@ -1650,6 +1595,6 @@ mod tests {
         let v: Vec<(u64, u64, u64)> = s.pieces.iter().map(|p| (p.iov.start, p.iov.end, p.owner)).collect();
         assert_eq!(v, vec![(0x9000, 0xa000, 0), (0x101000, 0x102000, 0), (0x102000, 0x103000, 3)]);
         // The moved piece still reads from where it was in the image.
-        assert_eq!(s.pieces[2].iov.off, 0x1000 * 10 + 0x1000);
+        assert_eq!(s.pieces.to_vec()[2].iov.off, 0x1000 * 10 + 0x1000);
     }
 }
