@@ -468,9 +468,10 @@ pub struct VerifyPace {
     /// SCHED_IDLE (then `nice` does not apply; `gpusnap_pages::prio`).
     pub idle: bool,
     /// From the top address down, meeting the page server's fill (which
-    /// goes up and hashes a raw chunk it reaches first from its mapping)
-    /// in the middle: each chunk read for its check once, by one of them,
-    /// instead of the verify reading all of them beside the fill.
+    /// goes up and checks a chunk it reaches first itself) in the middle:
+    /// each chunk read for its check once, by one of them, instead of the
+    /// verify reading all of them beside the fill. No gain on the H200
+    /// (Run 35).
     pub downwards: bool,
 }
 
