@@ -47,6 +47,7 @@ fn a_lazy_wake_serves_every_page_through_fork_remap_unmap_and_remove() {
     let mut w = World::new(&[8192]);
     let (pid, out) = mem_proc(&mut w, "lazy", 32);
     hibernate(&w, pid, "mem");
+    w.env_extra.push(("GPUSNAP_FILE_PAGES".into(), "1".into()));
     // The process acts on its memory as soon as it runs again, while the
     // page server is still filling it.
     std::fs::write(out.with_extension("go"), "").unwrap();
@@ -56,6 +57,10 @@ fn a_lazy_wake_serves_every_page_through_fork_remap_unmap_and_remove() {
     for stage in ["verify", "waited", "criu", "driver", "pages"] {
         assert!(v["stages"][stage].is_u64(), "{stage} in {v}");
     }
+    // The pages of its own files (Python and its libraries) it had in
+    // memory were recorded by the hibernate and read ahead by the wake
+    // (asked for above; off by default).
+    assert!(v["file_pages_bytes"].as_u64().unwrap() > 0, "{v}");
     check_read(&out);
     // And once more, now that every page is in place.
     check_memory(&out);
@@ -104,6 +109,8 @@ fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
     assert_eq!(fault + fill + eexist * 4096, v["pages_bytes"].as_u64().unwrap(), "{v}");
     assert!(p["faults"].as_u64().unwrap() >= p["faults_in_flight"].as_u64().unwrap(), "{v}");
     assert!(p["restore_done_ms"].is_u64() && p["last_page_ms"].is_u64() && p["fill_gbps"].is_f64(), "{v}");
+    assert!(p["in_place_bytes"].as_u64().unwrap() <= fill + fault, "{v}");
+    assert!(p["book_ms"].is_u64() && p["nap_ms"].is_u64(), "{v}");
     check_read(&out);
     check_memory(&out);
     w.kill(pid);

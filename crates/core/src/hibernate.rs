@@ -197,6 +197,11 @@ pub struct WakeReport {
     /// is what that took, verify_wait what the driver's restore waited for
     /// it (the rest overlapped CRIU and the page server).
     pub stages: Stages,
+    /// Bytes of the processes' own files (libraries, ...) the wake asked
+    /// the kernel to read ahead, as they were in memory at the hibernate
+    /// (`GPUSNAP_FILE_PAGES=1`, see `crate::workingset`; read on a thread,
+    /// not waited for); 0 when off.
+    pub file_pages_bytes: u64,
     /// What the page server did (lazy wakes): faults, bytes by faults and
     /// by the background fill, timings, the settings (docs/pages.md).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -500,6 +505,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         }
 
+        // The pages of their own files the processes have in memory, read
+        // ahead by a cold wake (crate::workingset).
+        let file_pages = crate::workingset::capture(&tree.iter().map(|(p, _)| *p).collect::<Vec<_>>());
         // 2. CRIU dump, leaving the tree stopped (or, with leave_running,
         // running) until the image is safe.
         let t_dump = Instant::now();
@@ -700,6 +708,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             criu_version: criu.version.clone(),
             signer: String::new(),
             files: Vec::new(),
+            file_pages,
         };
         let total_img = dir_bytes(&pending.criu_dir());
         progress.begin(&format!("checksum {name}"), total_img);
@@ -894,6 +903,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     total_ms: ms(plan.started),
                     lazy: w.lazy,
                     pages_bytes: w.pages_bytes,
+                    file_pages_bytes: if crate::workingset::enabled() {
+                        plan.m.file_pages.iter().map(|f| f.bytes()).sum()
+                    } else {
+                        0
+                    },
                     notice: w.notice,
                     stages: Stages {
                         verify: plan.verify_ms,
@@ -1047,6 +1061,23 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         eager: bool,
     ) -> Result<Woken, Error> {
         let WakePlan { name, dir, m, fps: footprints, pairs, chunks_checked, verify_deferred, .. } = plan;
+        // The processes' own files read ahead while CRIU restores them (the
+        // kernel may hold the thread while its queue is full; nobody waits).
+        if !m.file_pages.is_empty() && crate::workingset::enabled() {
+            let sets = m.file_pages.clone();
+            let spawned = std::thread::Builder::new().name("file-pages".into()).spawn(move || {
+                let p = crate::workingset::prefetch(&sets);
+                tracing::debug!(
+                    files = p.files,
+                    bytes = p.bytes,
+                    skipped = p.skipped,
+                    "wake: files read ahead"
+                );
+            });
+            if let Err(e) = spawned {
+                tracing::debug!("wake: no thread to read the files ahead: {e}");
+            }
+        }
         let t_criu = Instant::now();
         // CRIU's log and pidfile go to the state directory, never into the
         // image (a link planted there made root write elsewhere).

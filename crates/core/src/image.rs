@@ -113,6 +113,10 @@ pub struct Manifest {
     #[serde(default)]
     pub signer: String,
     pub files: Vec<FileDesc>,
+    /// The pages of its own files (libraries, ...) the tree had in memory,
+    /// read ahead by a wake (see `crate::workingset`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub file_pages: Vec<crate::workingset::FilePages>,
 }
 
 /// Files kept as chunks in `STATE/store`, not in the image directory: the
@@ -1319,6 +1323,7 @@ mod tests {
             criu_version: "4.1.1".into(),
             signer: String::new(),
             files: vec![],
+            file_pages: vec![],
         }
     }
 

@@ -21,6 +21,7 @@ pub mod sign;
 pub mod store;
 pub mod target;
 pub mod thp;
+pub mod workingset;
 
 pub use engine::{Engine, ResumeOptions, StopOptions};
 pub use error::Error;
