@@ -110,7 +110,7 @@ fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
     assert!(p["faults"].as_u64().unwrap() >= p["faults_in_flight"].as_u64().unwrap(), "{v}");
     assert!(p["restore_done_ms"].is_u64() && p["last_page_ms"].is_u64() && p["fill_gbps"].is_f64(), "{v}");
     assert!(p["in_place_bytes"].as_u64().unwrap() <= fill + fault, "{v}");
-    assert!(p["book_ms"].is_u64() && p["nap_ms"].is_u64(), "{v}");
+    assert!(p["book_ms"].is_u64() && p["nap_ms"].is_u64() && p["pieces"].as_u64().unwrap() > 0, "{v}");
     check_read(&out);
     check_memory(&out);
     w.kill(pid);

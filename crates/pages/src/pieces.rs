@@ -61,6 +61,9 @@ impl Pieces {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
     #[cfg(test)]
     pub fn to_vec(&self) -> Vec<Piece> {
         self.iter().copied().collect()

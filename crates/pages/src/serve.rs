@@ -309,6 +309,9 @@ pub struct Report {
     /// Bytes the fill copied straight from where the source holds them
     /// ([`crate::PagesFile::map_at`]), not read into its buffer first.
     pub in_place_bytes: u64,
+    /// Pieces of memory to fill when the processes were handed over (a
+    /// lazy area each, or part of one), summed over processes.
+    pub pieces: u64,
     /// Time the fill threads spent taking their next batch and giving it
     /// back done (the processes' piece lists, under their locks), and
     /// waiting with nothing to take, summed over threads.
@@ -491,6 +494,7 @@ struct Stats {
     read_us: AtomicU64,
     copy_us: AtomicU64,
     in_place_bytes: AtomicU64,
+    pieces: AtomicU64,
     book_us: AtomicU64,
     nap_us: AtomicU64,
 }
@@ -591,6 +595,7 @@ impl Shared {
             read_ms: g(&st.read_us) / 1000,
             copy_ms: g(&st.copy_us) / 1000,
             in_place_bytes: g(&st.in_place_bytes),
+            pieces: g(&st.pieces),
             book_ms: g(&st.book_us) / 1000,
             nap_ms: g(&st.nap_us) / 1000,
             options: Some(self.opts.clone()),
@@ -1027,6 +1032,8 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
 }
 
 fn add_mm(sh: &Arc<Shared>, mm: Arc<Mm>) {
+    let pieces = mm.st.lock().unwrap().pieces.len() as u64;
+    sh.stats.pieces.fetch_add(pieces, SeqCst);
     sh.mms.lock().unwrap().push(mm.clone());
     sh.spawn(&format!("pages-uffd-{}", mm.pid), move |sh| events(&sh, &mm));
     sh.ring();
