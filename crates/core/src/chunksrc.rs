@@ -512,12 +512,7 @@ impl VerifyPace {
             p.nice = n as i32;
         }
         for (name, field) in [(VERIFY_IDLE_ENV, &mut p.idle), (VERIFY_DOWN_ENV, &mut p.downwards)] {
-            if let Some(v) = get(name) {
-                match gpusnap_pages::parse_flag(&v) {
-                    Some(b) => *field = b,
-                    None => tracing::warn!("{name}={v}: not 1 or 0; ignored"),
-                }
-            }
+            *field = gpusnap_pages::flag_setting(name, get(name), *field);
         }
         p
     }
@@ -544,11 +539,7 @@ fn map_raw_from_env() -> bool {
 }
 
 fn map_raw_from(v: Option<String>) -> bool {
-    let Some(v) = v else { return false };
-    gpusnap_pages::parse_flag(&v).unwrap_or_else(|| {
-        tracing::warn!("{PAGES_MAP_RAW_ENV}={v}: not 1 or 0; ignored");
-        false
-    })
+    gpusnap_pages::flag_setting(PAGES_MAP_RAW_ENV, v, false)
 }
 
 /// Starts a verify of an image's chunks later, from another thread (the

@@ -124,11 +124,7 @@ pub fn enabled() -> bool {
 }
 
 fn enabled_from(v: Option<String>) -> bool {
-    let Some(v) = v else { return false };
-    gpusnap_pages::parse_flag(&v).unwrap_or_else(|| {
-        tracing::warn!("{ENV}={v}: not 1 or 0; ignored");
-        false
-    })
+    gpusnap_pages::flag_setting(ENV, v, false)
 }
 
 /// What a wake asked to be read ahead.

@@ -28,8 +28,9 @@ pub mod sys;
 pub use image::eager_ranges;
 pub use image::{lazy_bytes, lazy_iovs, Iov};
 pub use serve::{
-    parse_flag, HeadStart, Options, Report, Rescuer, Server, ENV_AHEAD, ENV_BATCH, ENV_BIG_FIRST,
-    ENV_FAULT_BATCH, ENV_HEAD_START, ENV_IDLE, ENV_NICE, ENV_RATE, ENV_THREADS, ENV_WAKE_CHUNK,
+    flag_setting, parse_flag, HeadStart, Options, Report, Rescuer, Server, ENV_AHEAD, ENV_BATCH,
+    ENV_BIG_FIRST, ENV_FAULT_BATCH, ENV_HEAD_START, ENV_IDLE, ENV_NICE, ENV_RATE, ENV_THREADS,
+    ENV_WAKE_CHUNK,
 };
 pub use source::{DirSource, Mapped, PageSource, PagesFile};
 pub use stats::{dump_stats, DumpStats};

@@ -166,6 +166,16 @@ pub fn parse_flag(v: &str) -> Option<bool> {
     }
 }
 
+/// The yes/no setting `name` set to `value` ([`parse_flag`]); unset, or
+/// set to something else (said in a warning), `default`.
+pub fn flag_setting(name: &str, value: Option<String>, default: bool) -> bool {
+    let Some(v) = value else { return default };
+    parse_flag(&v).unwrap_or_else(|| {
+        tracing::warn!("{name}={v}: not 1 or 0; ignored");
+        default
+    })
+}
+
 /// A size: bytes, or with a K, M or G suffix (binary).
 fn parse_size(v: &str) -> Option<u64> {
     let v = v.trim();
