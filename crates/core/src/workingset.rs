@@ -23,6 +23,11 @@ use std::path::Path;
 /// At most this much of the files is recorded (and so read ahead): the
 /// libraries of a PyTorch process hold a few hundred MB of it.
 const MAX_BYTES: u64 = 4 << 30;
+/// Pages of file mappings looked at, at most (their pagemap entries: 8
+/// bytes each, read a window at a time): 64 GiB of mappings, ~0.1 s. A
+/// tree mapping more (a model's weights left mapped) has the rest left out.
+const MAX_SCAN_PAGES: usize = 16 << 20;
+const WINDOW: usize = 1 << 16;
 /// Ranges closer than this are recorded as one (a read of the gap costs
 /// less than another seek, and the manifest stays small).
 const GAP: u64 = 128 << 10;
@@ -49,6 +54,7 @@ impl FilePages {
 pub fn capture(pids: &[i32]) -> Vec<FilePages> {
     let page = procfs::page_size();
     let mut by_file: BTreeMap<String, (u64, Vec<(u64, u64)>)> = BTreeMap::new();
+    let mut scan = MAX_SCAN_PAGES;
     for &pid in pids {
         let Ok(p) = procfs::process::Process::new(pid) else { continue };
         let (Ok(maps), Ok(mut pagemap)) = (p.maps(), p.pagemap()) else { continue };
@@ -60,16 +66,20 @@ pub fn capture(pids: &[i32]) -> Vec<FilePages> {
             }
             let Some(size) = std::fs::metadata(path).ok().map(|md| md.len()) else { continue };
             let (lo, hi) = ((m.address.0 / page) as usize, (m.address.1 / page) as usize);
-            let Ok(info) = pagemap.get_range_info(lo..hi) else { continue };
+            let hi = hi.min(lo + scan);
+            scan -= hi - lo;
             let entry = by_file.entry(name.to_string()).or_insert((size, Vec::new()));
-            for (i, pi) in info.iter().enumerate() {
-                let procfs::process::PageInfo::MemoryPage(f) = pi else { continue };
-                if !f.contains(procfs::process::MemoryPageFlags::PRESENT) {
-                    continue;
-                }
-                let at = m.offset + i as u64 * page;
-                if at < size {
-                    entry.1.push((at, (at + page).min(size)));
+            for w in (lo..hi).step_by(WINDOW) {
+                let Ok(info) = pagemap.get_range_info(w..(w + WINDOW).min(hi)) else { break };
+                for (i, pi) in info.iter().enumerate() {
+                    let procfs::process::PageInfo::MemoryPage(f) = pi else { continue };
+                    if !f.contains(procfs::process::MemoryPageFlags::PRESENT) {
+                        continue;
+                    }
+                    let at = m.offset + (w - lo + i) as u64 * page;
+                    if at < size {
+                        entry.1.push((at, (at + page).min(size)));
+                    }
                 }
             }
         }
@@ -199,22 +209,27 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join("data.bin");
         let page = procfs::page_size() as usize;
+        // Past the first window of pagemap entries read at once (sparse).
+        let pages = WINDOW + 64;
         let mut f = std::fs::File::create(&path).unwrap();
         f.write_all(&vec![7u8; 64 * page]).unwrap();
+        f.set_len((pages * page) as u64).unwrap();
         drop(f);
         let f = std::fs::File::open(&path).unwrap();
         // SAFETY: a private read-only mapping of a file this test created
         // and no one writes while it is mapped.
         let m = unsafe { memmap2::Mmap::map(&f) }.unwrap();
-        // Touch pages 3 and 40 (the kernel may map a few neighbours too).
-        let touched = [m[3 * page], m[40 * page]];
-        assert_eq!(touched, [7, 7]);
+        // Touch pages 3, 40 and one in the second window (the kernel may
+        // map a few neighbours too).
+        let far = WINDOW + 5;
+        let touched = [m[3 * page], m[40 * page], m[far * page]];
+        assert_eq!(touched, [7, 7, 0]);
         let all = capture(&[std::process::id() as i32]);
         let mine = all.iter().find(|s| Path::new(&s.path) == path).expect("the mapped file is recorded");
-        assert_eq!(mine.size, 64 * page as u64);
-        let has = |off: u64| mine.ranges.iter().any(|&(a, b)| a <= off && off < b);
-        assert!(has(3 * page as u64) && has(40 * page as u64), "{:?}", mine.ranges);
-        assert!(mine.bytes() < 64 * page as u64, "untouched pages are not recorded: {:?}", mine.ranges);
+        assert_eq!(mine.size, (pages * page) as u64);
+        let has = |off: usize| mine.ranges.iter().any(|&(a, b)| a <= off as u64 && (off as u64) < b);
+        assert!(has(3 * page) && has(40 * page) && has(far * page), "{:?}", mine.ranges);
+        assert!(!has(1000 * page), "untouched pages are not recorded: {:?}", mine.ranges);
         assert!(mine.ranges.windows(2).all(|w| w[0].1 < w[1].0));
         drop(m);
         // Read ahead: a file another size now, and one gone, are skipped.
