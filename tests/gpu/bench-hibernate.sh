@@ -26,6 +26,10 @@
 #   HB_DRIVER        1 (default): once per size, before the repetitions, the
 #                    bare driver alone: lock+checkpoint, then restore+unlock
 #                    in the same process (no CRIU): "driver restore alone"
+#   HB_DRIVER_WOKEN  1: the same once more after the repetitions, on the
+#                    worker as the last wake left it (a process restored
+#                    once: does the driver restore it slower?), its sample
+#                    `driver_woken` (not used as the targets' reference)
 #   HB_COLD          1: `sync; echo 3 > /proc/sys/vm/drop_caches` before every
 #                    wake (bare and gpusnap; the image is read from the disk);
 #                    0 (default): warm page cache. Run a cold call apart.
@@ -114,6 +118,7 @@ for m in "${MODES[@]}"; do
     case $m in bare | gpusnap | eager | thp) ;; *) echo "HB_MODES: unknown mode '$m' (bare gpusnap eager thp)" >&2; exit 2 ;; esac
 done
 HB_DRIVER=${HB_DRIVER:-1}
+HB_DRIVER_WOKEN=${HB_DRIVER_WOKEN:-0}
 HB_COLD=${HB_COLD:-0}
 HB_DISK=${HB_DISK:-1}
 HB_DD_GIB=${HB_DD_GIB:-8}
@@ -323,10 +328,11 @@ disk_speed() {
         write_gbps="$DISK_W_GBPS" read_gbps="$DISK_R_GBPS"
 }
 
-# driver_cycle GIB PID NAME FP: the bare driver alone: lock+checkpoint, then
-# restore+unlock in the same process (the memory never leaves it).
+# driver_cycle GIB PID NAME FP [MODE]: the bare driver alone: lock+checkpoint,
+# then restore+unlock in the same process (the memory never leaves it); its
+# sample's mode MODE (default driver).
 driver_cycle() {
-    local gib=$1 pid=$2 name=$3 fp=$4 fp_mib i c_wall c_drv
+    local gib=$1 pid=$2 name=$3 fp=$4 mode=${5:-driver} fp_mib i c_wall c_drv
     fp_mib=$(calc %d 'b / 1048576' b="$fp")
     sleep 1
     read_status "$WORK/$name.status"
@@ -348,7 +354,7 @@ driver_cycle() {
         note "size $gib GiB: driver alone: restore+unlock failed ($(raw_rcs))"
         return 1
     fi
-    sample gib="$gib" rep=0 mode=s:driver footprint_bytes="$fp" ckpt_wall_s="$c_wall" ckpt_driver_ms="$c_drv" \
+    sample gib="$gib" rep=0 mode=s:"$mode" footprint_bytes="$fp" ckpt_wall_s="$c_wall" ckpt_driver_ms="$c_drv" \
         restore_wall_s="$RAW_S" restore_driver_ms="$(jget "$RAW_OUT" 'd["driver_ms"]')"
     if ! worker_on "$name" "$pid" "$i"; then
         note "size $gib GiB: after the driver alone the worker did not go on intact (iteration ${ST_ITER:-?}, ok ${ST_OK:-?})"
@@ -675,6 +681,14 @@ bench_size() {
         log "size $gib GiB: rep $rep took ${est_rep}s"
     done
 
+    if [ "$HB_DRIVER_WOKEN" = 1 ] && [ "$failed" = 0 ] && alive "$pid"; then
+        if [ $((HBENCH_BUDGET_S - SECONDS)) -ge $((est_drv + est_stop + 10)) ]; then
+            driver_cycle "$gib" "$pid" "$name" "$fp" driver_woken || ERRORS=$((ERRORS + 1))
+        else
+            note "size $gib GiB: driver alone on the woken worker skipped (budget)"
+        fi
+    fi
+
     if [ "${#MATRIX[@]}" -gt 0 ] && [ "$failed" = 0 ] && alive "$pid"; then
         left=$((HBENCH_BUDGET_S - SECONDS))
         if [ "$left" -lt $((est_rep / ${#MODES[@]} + est_mw + est_stop + 10)) ]; then
@@ -965,7 +979,7 @@ on_exit() {
 
 install_traps
 start_watchdog $((HBENCH_BUDGET_S + 45))
-log "gpusnap hibernate benchmark: sizes ${SIZES[*]} GiB (worker memory ${WORKER_FILL:-pattern}), $REPS reps of ${MODES[*]}, driver alone $HB_DRIVER, cold $HB_COLD, matrix '${HB_MATRIX:-}', disk $HB_DISK, budget ${HBENCH_BUDGET_S}s"
+log "gpusnap hibernate benchmark: sizes ${SIZES[*]} GiB (worker memory ${WORKER_FILL:-pattern}), $REPS reps of ${MODES[*]}, driver alone $HB_DRIVER (on the woken worker $HB_DRIVER_WOKEN), cold $HB_COLD, matrix '${HB_MATRIX:-}', disk $HB_DISK, budget ${HBENCH_BUDGET_S}s"
 collect_header
 log "disk: $(df -P -h "$WORK" | tail -n 1)"
 if [ -n "${HB_WAKE_ARGS+x}" ]; then
