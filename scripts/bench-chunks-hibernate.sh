@@ -40,9 +40,8 @@ while True:
     time.sleep(0.5)
 PY
 
-now() { printf '%s\n' "$EPOCHREALTIME"; }
-secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.3f}')" "$1" "$2"; }
-gone() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
 
 one() {
     local way=$1 bin=$2 rep=$3 envs=${4:-} pid t0 t1 t2 state

@@ -18,18 +18,9 @@ if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; f
 
 REPS=${REPS:-3}
 FILE_MIB=${FILE_MIB:-1024}
-cargo build --release --quiet -p gpusnap
-gs=$PWD/target/release/gpusnap
-work=$(mktemp -d /var/tmp/gpusnap-fpbench.XXXXXX)
-export GPUSNAP_STATE_DIR=$work/state
-holder=
-cleanup() {
-    if [ -n "$holder" ]; then kill -9 "$holder" 2>/dev/null || true; fi
-    rm -rf -- "$work"
-}
-trap cleanup EXIT
-tsv=$work/runs.tsv
-: >"$tsv"
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+bench_setup fpbench
 head -c "$((FILE_MIB << 20))" /dev/urandom >"$work/lib.bin"
 
 cat >"$work/hold.py" <<'PY'
@@ -59,9 +50,6 @@ while True:
     time.sleep(0.01)
 PY
 
-now() { printf '%s\n' "$EPOCHREALTIME"; }
-secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.3f}')" "$1" "$2"; }
-gone() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
 
 one() {
     local way=$1 rep=$2 t0 t1 done_at

@@ -38,8 +38,8 @@ while True:
     time.sleep(0.5)
 PY
 
-now() { printf '%s\n' "$EPOCHREALTIME"; }
-secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.3f}')" "$1" "$2"; }
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
 
 # start: a new holder; prints its pid once its memory is written.
 start() {
@@ -49,7 +49,6 @@ start() {
     while [ ! -s "$work/ready" ]; do sleep 0.1; done
     echo "$pid"
 }
-gone() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
 flags=(--shell-job --file-locks --ext-unix-sk --tcp-established)
 
 one() {

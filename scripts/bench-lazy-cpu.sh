@@ -31,18 +31,9 @@ FILL=${FILL:-pattern}
 MAPS_MIB=${MAPS_MIB:-0}
 export FILL MAPS_MIB
 case $FILL in pattern | random) ;; *) echo "FILL: pattern or random, not '$FILL'" >&2; exit 2 ;; esac
-cargo build --release --quiet -p gpusnap
-gs=$PWD/target/release/gpusnap
-work=$(mktemp -d /var/tmp/gpusnap-lazybench.XXXXXX)
-export GPUSNAP_STATE_DIR=$work/state
-holder=
-cleanup() {
-    if [ -n "$holder" ]; then kill -9 "$holder" 2>/dev/null || true; fi
-    rm -rf -- "$work"
-}
-trap cleanup EXIT
-tsv=$work/runs.tsv
-: >"$tsv"
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+bench_setup lazybench
 
 cat >"$work/hold.py" <<'PY'
 import mmap, os, sys, time
@@ -80,9 +71,6 @@ while True:
     time.sleep(0.01)
 PY
 
-now() { printf '%s\n' "$EPOCHREALTIME"; }
-secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.3f}')" "$1" "$2"; }
-gone() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
 
 one() {
     local way=$1 rep=$2 t0 t1 done_at flag=()

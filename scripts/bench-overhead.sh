@@ -39,7 +39,8 @@ fw=$work/lib/fake-workload
 tsv=$work/runs.tsv
 : >"$tsv"
 
-now() { printf '%s\n' "$EPOCHREALTIME"; }
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
 elapsed() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.6f}')" "$1" "$2"; }
 
 # bare OP PID: the raw calls, one process each; prints the wall seconds.

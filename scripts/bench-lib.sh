@@ -1,0 +1,30 @@
+# shellcheck shell=bash
+# Helpers of the CPU bench scripts (scripts/bench-*.sh), sourced by them;
+# not run on its own.
+
+# now: the time, in seconds. secs A B: B - A, to the millisecond.
+now() { printf '%s\n' "$EPOCHREALTIME"; }
+secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.3f}')" "$1" "$2"; }
+# gone PID: waits until PID has exited.
+gone() { while [ -e "/proc/$1" ]; do sleep 0.05; done; }
+
+# bench_setup TAG: builds gpusnap (release) and sets gs (its path), work (a
+# fresh directory under /var/tmp, GPUSNAP_STATE_DIR in it), tsv (an empty
+# file there for the runs) and holder (the pid of the process under test,
+# empty for none); on exit the holder is killed and work removed.
+bench_setup() {
+    cargo build --release --quiet -p gpusnap
+    # shellcheck disable=SC2034 # read by the sourcing script
+    gs=$PWD/target/release/gpusnap
+    work=$(mktemp -d "/var/tmp/gpusnap-$1.XXXXXX")
+    export GPUSNAP_STATE_DIR=$work/state
+    holder=
+    trap bench_cleanup EXIT
+    tsv=$work/runs.tsv
+    : >"$tsv"
+}
+
+bench_cleanup() {
+    if [ -n "$holder" ]; then kill -9 "$holder" 2>/dev/null || true; fi
+    rm -rf -- "$work"
+}
