@@ -1366,54 +1366,10 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
                 }
             }
             let t = Instant::now();
-            let dst = start + sub;
             let n = data.len() as u64;
-            let mut pos = 0u64;
-            while pos < n {
-                let (k, err) = sys::copy(fd, dst + pos, &data[pos as usize..]);
-                pos += k;
-                copied += k;
-                sh.served.fetch_add(k, SeqCst);
-                match err {
-                    None => {}
-                    // Part copied: go on from there.
-                    Some(Errno::EAGAIN) if k > 0 => {}
-                    // Already there (another thread, or a fork's copy): skip it.
-                    Some(Errno::EEXIST) => {
-                        pos += PAGE;
-                        sh.served.fetch_add(PAGE, SeqCst);
-                        sh.stats.eexist_pages.fetch_add(1, SeqCst);
-                    }
-                    // The layout is changing (an event not yet read): try again
-                    // once the event has edited the pieces.
-                    Some(Errno::EAGAIN) => {
-                        requeue = true;
-                        break;
-                    }
-                    // Not registered there any more: moved (mremap), unmapped or
-                    // removed meanwhile. The pieces go back as the events leave
-                    // them: moved to where the mapping went, or dropped. Copying
-                    // on to this address, or forgetting them, would lose the
-                    // pages of a moved mapping (they would fault in as zeros).
-                    Some(Errno::ENOENT) => {
-                        requeue = true;
-                        break;
-                    }
-                    Some(Errno::ESRCH | Errno::ENOSPC) => {
-                        mm.st.lock().unwrap().gone = true;
-                        requeue = true;
-                        break;
-                    }
-                    Some(e) => {
-                        let _ = sys::wake(fd, start, len);
-                        return Err(PagesError::Fill {
-                            pid: mm.pid,
-                            addr: dst + pos,
-                            err: format!("copy: {e}"),
-                        });
-                    }
-                }
-            }
+            let (k, again) = copy_in(sh, mm, start + sub, data, (start, len))?;
+            copied += k;
+            requeue = again;
             sh.stats.copy_us.fetch_add(us(t.elapsed()), SeqCst);
             sub += n;
         }
@@ -1436,6 +1392,52 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
     drop(st);
     sh.stats.book_us.fetch_add(us(t.elapsed()), SeqCst);
     Ok(())
+}
+
+/// Copies `data` into the process at `dst` without waking it, skipping any
+/// page already there (another thread's, or a fork's copy).
+/// Returns the bytes copied and whether the fill must give its pieces back
+/// (the layout is changing, or the process is gone). A copy that fails for
+/// good wakes `wake` (start, len) first, so no fault waits on it for ever.
+fn copy_in(sh: &Shared, mm: &Mm, dst: u64, data: &[u8], wake: (u64, u64)) -> Result<(u64, bool), PagesError> {
+    let fd = mm.uffd.as_fd();
+    let n = data.len() as u64;
+    let (mut pos, mut copied) = (0u64, 0u64);
+    while pos < n {
+        let (k, err) = sys::copy(fd, dst + pos, &data[pos as usize..]);
+        pos += k;
+        copied += k;
+        sh.served.fetch_add(k, SeqCst);
+        match err {
+            None => {}
+            // Part copied: go on from there.
+            Some(Errno::EAGAIN) if k > 0 => {}
+            // Already there (another thread, or a fork's copy): skip it.
+            Some(Errno::EEXIST) => {
+                pos += PAGE;
+                sh.served.fetch_add(PAGE, SeqCst);
+                sh.stats.eexist_pages.fetch_add(1, SeqCst);
+            }
+            // The layout is changing (an event not yet read): try again
+            // once the event has edited the pieces.
+            Some(Errno::EAGAIN) => return Ok((copied, true)),
+            // Not registered there any more: moved (mremap), unmapped or
+            // removed meanwhile. The pieces go back as the events leave
+            // them: moved to where the mapping went, or dropped. Copying
+            // on to this address, or forgetting them, would lose the
+            // pages of a moved mapping (they would fault in as zeros).
+            Some(Errno::ENOENT) => return Ok((copied, true)),
+            Some(Errno::ESRCH | Errno::ENOSPC) => {
+                mm.st.lock().unwrap().gone = true;
+                return Ok((copied, true));
+            }
+            Some(e) => {
+                let _ = sys::wake(fd, wake.0, wake.1);
+                return Err(PagesError::Fill { pid: mm.pid, addr: dst + pos, err: format!("copy: {e}") });
+            }
+        }
+    }
+    Ok((copied, false))
 }
 
 #[cfg(test)]
