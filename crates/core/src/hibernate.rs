@@ -246,6 +246,8 @@ struct Woken {
     driver_ms: u64,
     pages_ms: u64,
     pages_bytes: u64,
+    /// Of the processes' own files, asked to be read ahead (0: off).
+    file_pages_bytes: u64,
     lazy: bool,
     verify: crate::chunksrc::VerifyTimes,
     notice: Option<String>,
@@ -903,11 +905,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     total_ms: ms(plan.started),
                     lazy: w.lazy,
                     pages_bytes: w.pages_bytes,
-                    file_pages_bytes: if crate::workingset::enabled() {
-                        plan.m.file_pages.iter().map(|f| f.bytes()).sum()
-                    } else {
-                        0
-                    },
+                    file_pages_bytes: w.file_pages_bytes,
                     notice: w.notice,
                     stages: Stages {
                         verify: plan.verify_ms,
@@ -1063,7 +1061,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let WakePlan { name, dir, m, fps: footprints, pairs, chunks_checked, verify_deferred, .. } = plan;
         // The processes' own files read ahead while CRIU restores them (the
         // kernel may hold the thread while its queue is full; nobody waits).
+        let mut file_pages_bytes = 0;
         if !m.file_pages.is_empty() && crate::workingset::enabled() {
+            file_pages_bytes = m.file_pages.iter().map(|f| f.bytes()).sum();
             let sets = m.file_pages.clone();
             let spawned = std::thread::Builder::new().name("file-pages".into()).spawn(move || {
                 let p = crate::workingset::prefetch(&sets);
@@ -1433,6 +1433,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             driver_ms,
             pages_ms,
             pages_bytes,
+            file_pages_bytes,
             lazy: pages.is_some(),
             verify,
             notice,
