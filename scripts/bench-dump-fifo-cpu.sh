@@ -75,10 +75,9 @@ one() {
         "$way" "$t0" "$t1" "$bytes" >>"$tsv"
 }
 
-for rep in $(seq 1 "$REPS"); do
-    if [ $((rep % 2)) = 1 ]; then order="file fifo"; else order="fifo file"; fi
-    for way in $order; do one "$way"; done
-done
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+abba file fifo
 
 python3 - "$tsv" "$SIZE_GIB" "$REPS" <<'PY'
 import statistics, sys

@@ -63,10 +63,9 @@ PY
     "$GS" images gc >/dev/null 2>&1 || true
 }
 
-for rep in $(seq 1 "$REPS"); do
-    if ((rep % 2)); then order="disk tmpfs"; else order="tmpfs disk"; fi
-    for way in $order; do one "$way" "$rep"; done
-done
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+abba disk tmpfs
 
 python3 - "$tsv" "$SIZE_GIB" "$REPS" "$dev" <<'PY'
 import statistics, sys

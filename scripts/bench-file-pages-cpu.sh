@@ -77,16 +77,11 @@ import json, sys
 v = json.load(open(sys.argv[1]))
 print("\t".join([sys.argv[2], sys.argv[3], sys.argv[4], str(v.get("file_pages_bytes", 0))]))
 PY
-    kill -9 "$holder"
-    gone "$holder"
-    holder=
+    end_holder
     "$gs" --json images rm "b-$way-$rep" >/dev/null
 }
 
-for rep in $(seq 1 "$REPS"); do
-    if [ $((rep % 2)) = 1 ]; then order="off on"; else order="on off"; fi
-    for way in $order; do one "$way" "$rep"; done
-done
+abba off on
 
 python3 - "$tsv" "$FILE_MIB" "$REPS" <<'PY'
 import statistics, sys

@@ -101,16 +101,11 @@ p = v.get("pages") or {}
 print("\t".join([sys.argv[2], sys.argv[3], sys.argv[4], str(s["criu"] / 1e3), str(s["pages"] / 1e3), str(v["pages_bytes"]),
                  str(p.get("faults", 0)), str(p.get("faults_in_flight", 0)), str(p.get("fill_gbps", 0))]))
 PY
-    kill -9 "$holder"
-    gone "$holder"
-    holder=
+    end_holder
     "$gs" --json images rm "b-$way-$rep" >/dev/null
 }
 
-for rep in $(seq 1 "$REPS"); do
-    if [ $((rep % 2)) = 1 ]; then order="eager lazy"; else order="lazy eager"; fi
-    for way in $order; do one "$way" "$rep"; done
-done
+abba eager lazy
 
 python3 - "$tsv" "$SIZE_GIB" "$REPS" "$COLD" <<'PY'
 import os, statistics, sys

@@ -28,3 +28,20 @@ bench_cleanup() {
     if [ -n "$holder" ]; then kill -9 "$holder" 2>/dev/null || true; fi
     rm -rf -- "$work"
 }
+
+# abba A B: REPS runs of `one WAY REP` for each way, A then B in odd runs and
+# B then A in even ones (neither way always goes first).
+abba() {
+    local rep way order
+    for rep in $(seq 1 "$REPS"); do
+        if ((rep % 2)); then order="$1 $2"; else order="$2 $1"; fi
+        for way in $order; do one "$way" "$rep"; done
+    done
+}
+
+# end_holder: kills the process under test and waits until it is gone.
+end_holder() {
+    kill -9 "$holder"
+    gone "$holder"
+    holder=
+}
