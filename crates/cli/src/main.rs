@@ -342,6 +342,10 @@ fn main() -> ExitCode {
     if argv.get(1).is_some_and(|a| a == gpusnap_core::lazy::KEEPER_ARG) {
         return ExitCode::from(gpusnap_core::lazy::keeper_main(&argv[2..]) as u8);
     }
+    // The keeper of a dump through FIFOs (hidden: started by hibernate).
+    if argv.get(1).is_some_and(|a| a == gpusnap_core::fifo::KEEPER_ARG) {
+        return ExitCode::from(gpusnap_core::fifo::keeper_main(&argv[2..]) as u8);
+    }
     if let Ok(exe) = std::env::current_exe() {
         gpusnap_core::lazy::set_keeper_exe(exe);
     }

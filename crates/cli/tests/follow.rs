@@ -1,5 +1,7 @@
-//! hibernate chunks the pages files while CRIU writes them (crates/core/src/follow.rs):
-//! the real CRIU and the fakes.
+//! hibernate's pages: received through FIFOs as CRIU sends them (the default,
+//! crates/core/src/fifo.rs), or, with `GPUSNAP_DUMP_FIFO=0`, pages files
+//! chunked while CRIU writes them (crates/core/src/follow.rs): the real CRIU
+//! and the fakes.
 
 mod common;
 
@@ -73,6 +75,7 @@ fn wake_intact(w: &mut World, pid: i32, image: &str, out: &Path) {
 fn memory_larger_than_a_segment_is_followed_deduplicated_and_wakes_intact() {
     criu_present();
     let mut w = World::new(&[8192]);
+    w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
     w.run_limit = Duration::from_secs(300);
     // More than one 256 MiB segment: some of it is chunked while CRIU dumps.
     let (pid, out) = holder(&mut w, 300);
@@ -112,6 +115,7 @@ fn memory_larger_than_a_segment_is_followed_deduplicated_and_wakes_intact() {
 fn a_criu_failure_mid_dump_with_the_follower_running_leaves_nothing() {
     criu_present();
     let mut w = World::new(&[8192]);
+    w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
     w.run_limit = Duration::from_secs(300);
     let pid = w.workload(256, 0, &[]);
     let p = pid.to_string();
@@ -153,6 +157,7 @@ fn a_criu_failure_mid_dump_with_the_follower_running_leaves_nothing() {
 fn a_follower_that_fails_after_the_dump_undoes_the_hibernate() {
     criu_present();
     let mut w = World::new(&[8192]);
+    w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
     let pid = w.workload(512, 0, &[]);
     let p = pid.to_string();
     let state = w.state_dir();
@@ -172,7 +177,7 @@ fn a_follower_that_fails_after_the_dump_undoes_the_hibernate() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.json()["stages"]["follow_after_bytes"], 0);
     w.reap(pid);
-    w.env_extra.clear();
+    w.env_extra.retain(|(k, _)| k == "GPUSNAP_DUMP_FIFO");
     let r = w.json(&["wake", "x", "--wait", "10"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.adopt(pid);
@@ -209,6 +214,7 @@ impl Drop for ShmBase {
 fn a_dump_on_tmpfs_is_punched_as_chunked_wakes_intact_and_leaves_no_directory() {
     criu_present();
     let mut w = World::new(&[8192]);
+    w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
     w.run_limit = Duration::from_secs(300);
     let base = ShmBase::new("ok");
     // A directory left by a gpusnap that is gone (a pid above pid_max),
@@ -264,6 +270,7 @@ fn a_dump_on_tmpfs_is_punched_as_chunked_wakes_intact_and_leaves_no_directory() 
 fn a_criu_failure_on_tmpfs_leaves_no_directory() {
     criu_present();
     let mut w = World::new(&[8192]);
+    w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
     let base = ShmBase::new("fail");
     w.env_extra.push(("GPUSNAP_DUMP_TMPFS".into(), "1".into()));
     w.env_extra.push(("GPUSNAP_DUMP_TMPFS_DIR".into(), base.0.display().to_string()));
@@ -293,4 +300,171 @@ fn a_criu_failure_on_tmpfs_leaves_no_directory() {
     w.assert_progressing(pid);
     assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
     assert_eq!(store_files(&state), Vec::<String>::new());
+}
+
+/// Every file under the image directories (FIFOs left behind included).
+fn fifos_under(p: &Path) -> Vec<String> {
+    use std::os::unix::fs::FileTypeExt;
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
+        let t = e.file_type().unwrap();
+        if t.is_dir() {
+            out.extend(fifos_under(&e.path()));
+        } else if t.is_fifo() {
+            out.push(e.path().display().to_string());
+        }
+    }
+    out
+}
+
+#[test]
+fn pages_through_fifos_are_deduplicated_leave_no_pages_file_and_wake_intact() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    w.run_limit = Duration::from_secs(300);
+    let (pid, out) = holder(&mut w, 300);
+    let p = pid.to_string();
+    let state = w.state_dir();
+    let r = w.json(&["snapshot", &p, "--image", "one"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let s = &r.json()["stages"];
+    assert_eq!(s["dump_dir"], "fifo", "{s}");
+    let received = s["follow_overlapped_bytes"].as_u64().unwrap() + s["follow_after_bytes"].as_u64().unwrap();
+    assert!(received > 300 << 20, "{s}");
+    let once = store_bytes(&state);
+    assert!(once > 300 << 20, "{once}");
+    let r = w.json(&["snapshot", &p, "--image", "two"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let twice = store_bytes(&state);
+    assert!(twice - once < 32 << 20, "stored again: {once} then {twice}");
+    assert!(store_files(&state).iter().all(|f| !f.contains(".tmp-")));
+    assert_eq!(fifos_under(&state), Vec::<String>::new());
+    for name in ["one", "two"] {
+        let r = w.json(&["images", "verify", name]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        let m: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(state.join("images").join(name).join("manifest.json")).unwrap(),
+        )
+        .unwrap();
+        let pages: Vec<_> = m["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|f| f["path"].as_str().unwrap().contains("pages-"))
+            .collect();
+        assert!(pages.iter().any(|f| f["size"].as_u64().unwrap() > 300 << 20), "{name}: {pages:?}");
+        assert!(pages.iter().all(|f| !f["chunks"].as_array().unwrap().is_empty() || f["size"] == 0));
+    }
+    let r = w.json(&["hibernate", &p, "--image", "three"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["stages"]["dump_dir"], "fifo");
+    wake_intact(&mut w, pid, "three", &out);
+}
+
+#[test]
+fn a_tree_with_shared_memory_goes_through_fifos_and_wakes_intact() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    w.run_limit = Duration::from_secs(300);
+    let out = w.tmp.path().join("tree");
+    // Shared anonymous memory (its own pages file, first) and a child.
+    let script = r#"
+import hashlib, mmap, os, sys, time
+shared = mmap.mmap(-1, 8 << 20)
+shared.write(os.urandom(8 << 20))
+mine = bytearray(os.urandom(40 << 20))
+pid = os.fork()
+if pid == 0:
+    mine = bytearray(os.urandom(24 << 20))
+want = (hashlib.sha256(shared).digest(), hashlib.sha256(mine).digest())
+i = 0
+while True:
+    i += 1
+    ok = (hashlib.sha256(shared).digest(), hashlib.sha256(mine).digest()) == want
+    with open(sys.argv[1], "a") as f: f.write(f"{os.getpid()} {i} {'ok' if ok else 'bad'}\n")
+    time.sleep(0.05)
+"#;
+    let n = w.spawn_env("python3", &["-c", script, out.to_str().unwrap()]);
+    let pid = w.child_pid(n);
+    wait_for(Duration::from_secs(30), || {
+        let s = std::fs::read_to_string(&out).unwrap_or_default();
+        let pids: std::collections::HashSet<&str> = s.lines().filter_map(|l| l.split(' ').next()).collect();
+        pids.len() == 2
+    });
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "tree"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["stages"]["dump_dir"], "fifo");
+    let state = w.state_dir();
+    let m: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(state.join("images").join("tree").join("manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let pages =
+        m["files"].as_array().unwrap().iter().filter(|f| f["path"].as_str().unwrap().contains("pages-"));
+    assert!(pages.count() >= 3, "shared memory, parent and child: {m}");
+    assert_eq!(fifos_under(&state), Vec::<String>::new());
+    wake_intact(&mut w, pid, "tree", &out);
+    let s = std::fs::read_to_string(&out).unwrap();
+    let after: std::collections::HashSet<&str> =
+        s.lines().rev().take(40).filter_map(|l| l.split(' ').next()).collect();
+    assert_eq!(after.len(), 2, "parent and child both check after the wake");
+}
+
+#[test]
+fn a_fifo_receiver_that_fails_undoes_the_hibernate() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let pid = w.workload(512, 0, &[]);
+    let p = pid.to_string();
+    let state = w.state_dir();
+    w.env_extra.push(("GPUSNAP_TEST_FIFO_FAIL_AFTER".into(), "0".into()));
+    let r = w.json(&["hibernate", &p, "--image", "x"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(r.stderr.contains("test hook"), "{}", r.stderr);
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+    w.assert_progressing(pid);
+    assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
+    assert_eq!(store_files(&state), Vec::<String>::new());
+    assert_eq!(fifos_under(&state), Vec::<String>::new());
+    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
+    w.env_extra.clear();
+    let r = w.json(&["hibernate", &p, "--image", "x"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    let r = w.json(&["wake", "x", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    w.assert_progressing(pid);
+}
+
+#[test]
+fn a_gpusnap_killed_mid_dump_leaves_criu_unblocked_and_the_tree_running() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    w.run_limit = Duration::from_secs(300);
+    let (pid, out) = holder(&mut w, 1200);
+    let p = pid.to_string();
+    let state = w.state_dir();
+    let mut g = w.gpusnap_cmd(&["--json", "hibernate", &p, "--image", "k"]).spawn().unwrap();
+    // Mid-dump: the receiver has staged chunks of the first segment.
+    wait_for(Duration::from_secs(120), || store_files(&state).iter().any(|f| f.contains(".tmp-")));
+    g.kill().unwrap();
+    g.wait().unwrap();
+    // The keeper reads what CRIU still sends; CRIU ends, the FIFOs go.
+    wait_for(Duration::from_secs(120), || fifos_under(&state).is_empty());
+    let log = std::fs::read_to_string(state.join("dump-keeper.log")).unwrap_or_default();
+    assert!(log.contains("the hibernate died during its dump"), "{log}");
+    wait_for(Duration::from_secs(60), || {
+        std::fs::read_to_string(state.join("dump-keeper.log")).unwrap_or_default().contains("CRIU is gone")
+    });
+    // CRIU finished its dump into the keeper: the tree is stopped, without
+    // an image. The next gpusnap that reconciles continues it.
+    let r = w.json(&["images", "gc"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stderr.contains("reconciling a hibernate interrupted"), "{}", r.stderr);
+    let good = checks(&out).0;
+    wait_for(Duration::from_secs(60), || checks(&out).0 > good + 2);
+    assert_eq!(checks(&out).1, 0);
+    assert!(w.json(&["images", "verify", "k"]).code != 0, "no image k");
 }

@@ -516,10 +516,26 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let expect: u64 = tree.iter().filter_map(|(p, _)| target::rss_bytes(*p)).sum();
         let progress: &dyn Progress = self.progress();
         let store_root = images.state_dir().join("store");
-        // CRIU writes to a tmpfs when the host has the memory (see
+        // CRIU's pages go through FIFOs straight to the chunkers (see
+        // crate::fifo); where that cannot start, CRIU writes pages files.
+        let mut receiver = None;
+        if crate::fifo::enabled() {
+            let pids: Vec<i32> = tree.iter().map(|(p, _)| *p).collect();
+            let names = crate::fifo::names_for(&pids);
+            let log = images.state_dir().join("dump-keeper.log");
+            match crate::fifo::Receiver::start(&pending.criu_dir(), &store_root, opts.durable, names, &log) {
+                Ok(r) => receiver = Some(r),
+                Err(e) => tracing::warn!("pages through FIFOs: {e}; CRIU writes pages files"),
+            }
+        }
+        // Otherwise CRIU writes to a tmpfs when the host has the memory (see
         // crate::dumpdir); only with a follower (without one the pages
         // files would all be copied).
-        let mut tmpfs = if crate::follow::enabled() { crate::dumpdir::choose(expect) } else { None };
+        let mut tmpfs = if crate::follow::enabled() && receiver.is_none() {
+            crate::dumpdir::choose(expect)
+        } else {
+            None
+        };
         let mut follower = None;
         if let Some(t) = &tmpfs {
             match crate::follow::Follower::start(t.dir(), &store_root, opts.durable) {
@@ -533,7 +549,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let criu_dir = tmpfs.as_ref().map_or_else(|| pending.criu_dir(), |t| t.criu_dir());
         // The pages files are chunked as CRIU writes them. A follower that
         // cannot start costs only the overlap: the commit chunks them.
-        if tmpfs.is_none() && crate::follow::enabled() {
+        if tmpfs.is_none() && receiver.is_none() && crate::follow::enabled() {
             follower = crate::follow::Follower::start(&pending.dir, &store_root, opts.durable)
                 .map_err(|e| tracing::warn!("chunking while CRIU dumps: {e}"))
                 .ok();
@@ -542,7 +558,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             progress,
             &format!("dump {root}"),
             expect,
-            || Some(dir_bytes(&criu_dir)),
+            || Some(receiver.as_ref().map_or_else(|| dir_bytes(&criu_dir), |r| r.received())),
             || {
                 let o = DumpOptions { leave_running: opts.leave_running, leave_stopped: !opts.leave_running };
                 // A durable image must reach the disk before the tree ends:
@@ -550,7 +566,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 // is left to flush at the end.
                 let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
                 std::thread::scope(|s| {
-                    if opts.durable && tmpfs.is_none() {
+                    if opts.durable && tmpfs.is_none() && receiver.is_none() {
                         let dir = criu_dir.clone();
                         s.spawn(move || {
                             while done_rx.recv_timeout(Duration::from_millis(250))
@@ -570,6 +586,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             // Every chunk the follower staged goes with the partial image.
             if let Some(f) = follower {
                 f.abandon();
+            }
+            if let Some(r) = receiver {
+                r.abandon();
             }
             // CRIU leaves the tree running when a dump fails. Its log is
             // kept outside the partial image, which is removed.
@@ -609,7 +628,12 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
         // 3. Manifest and checksums, then the rename that makes it an image.
         let t_write = Instant::now();
-        let mut followed = match follower.map(|f| f.finish()) {
+        let through_fifos = receiver.is_some();
+        let finished = match receiver {
+            Some(r) => Some(r.finish()),
+            None => follower.map(|f| f.finish()),
+        };
+        let mut followed = match finished {
             Some(Ok(f)) => Some(f),
             Some(Err(e)) => {
                 let err = Error::Image(crate::image::ImageError::Io {
@@ -642,6 +666,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 return Err(undo(self, err));
             }
             "tmpfs"
+        } else if through_fifos {
+            "fifo"
         } else {
             "disk"
         };

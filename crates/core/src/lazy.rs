@@ -31,6 +31,11 @@ pub fn set_keeper_exe(p: PathBuf) {
     let _ = KEEPER_EXE.set(p);
 }
 
+/// The program that runs gpusnap's keepers, if set ([`set_keeper_exe`]).
+pub fn keeper_exe() -> Option<&'static PathBuf> {
+    KEEPER_EXE.get()
+}
+
 /// Where the keeper reads pages from, if gpusnap dies mid-wake, for an
 /// image whose pages are chunks: the wake's manifest is written to the work
 /// dir (`keeper-manifest.json`) and the keeper reads the chunks from the
@@ -158,7 +163,7 @@ pub fn keeper_main(args: &[std::ffi::OsString]) -> i32 {
     }
 }
 
-fn now_secs() -> String {
+pub(crate) fn now_secs() -> String {
     let d = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     format!("{}.{:03}", d.as_secs(), d.subsec_millis())
 }

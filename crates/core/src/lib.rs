@@ -7,6 +7,7 @@ pub mod doctor;
 pub mod dumpdir;
 pub mod engine;
 pub mod error;
+pub mod fifo;
 pub mod follow;
 pub mod group;
 pub mod guard;

@@ -1,0 +1,886 @@
+//! Receiving CRIU's pages through FIFOs instead of pages files (P7, the
+//! hibernate of tens of GB).
+//!
+//! CRIU's dump drains a process's memory into pipes (the parasite's
+//! `vmsplice`, fast) and then splices those pipes into `pages-N.img`, one
+//! thread for the whole tree. Into a file that splice copies every page
+//! into the page cache: on the H200's host 26.3 of a 29.8 s dump of 49 GB
+//! went there (`memwrite` in CRIU's stats, Run 43), and gpusnap then reads
+//! the file again to chunk it. A FIFO put where a pages file goes turns
+//! CRIU's splice into a move of page references from pipe to pipe (CRIU
+//! 4.2.1 dumps into one without complaint: docs/benchmarks.md, "CRIU
+//! dumping into a FIFO"); a [`Receiver`] reads each FIFO a
+//! [`SEGMENT`] at a time into its own buffers, hashes it into the file's
+//! checksum in order, and hands it to a pool that cuts, hashes, compresses
+//! and stages its chunks exactly as [`gpusnap_chunks::store_slice`] cuts a
+//! whole file (same chunk lists, same dedup). No pages file exists
+//! anywhere: no tmpfs holding a second copy of the memory, no disk write of
+//! pages that are then thrown away.
+//!
+//! CRIU names the pages files `pages-1.img`, `pages-2.img`, ... in the order
+//! it opens them (the tree's shared anonymous memory first, then each
+//! process in pstree order; seen with 4.2.1). A FIFO is made for each name
+//! that can be used ([`Receiver::start`] is given how many); a name CRIU
+//! goes past gets an ordinary file, which the commit chunks as before, and
+//! a FIFO CRIU did not open is removed. Every FIFO is open for reading
+//! before CRIU starts, so CRIU's open never blocks.
+//!
+//! Nothing is half-done:
+//! - a chunking error does not stop the reading (a reader that stopped
+//!   would leave CRIU blocked in its splice): the rest is read and thrown
+//!   away, and the error is returned once CRIU has exited, with every staged
+//!   chunk removed; the hibernate then puts the tree back as after a failed
+//!   dump;
+//! - a gpusnap that dies mid-dump closes the FIFOs: CRIU, which ignores
+//!   SIGPIPE, fails its splice with EPIPE, fails the dump and lets the tree
+//!   run (the journal's reconcile finishes the rest);
+//! - a dump that fails leaves staged chunks only, removed by
+//!   [`Receiver::abandon`].
+//!
+//! - and a gpusnap that dies before CRIU has opened every FIFO must not
+//!   leave CRIU blocked in `open` (a FIFO nobody reads): a keeper process
+//!   (`gpusnap __dump-keeper`, [`keeper_main`]) holds every FIFO open for
+//!   reading from before CRIU starts; when gpusnap ends without saying
+//!   "done" it reads and drops whatever CRIU sends until no CRIU works on
+//!   the image any more, then removes the FIFOs. CRIU's dump then ends (the
+//!   image is never committed) and the next gpusnap reconciles the journal
+//!   (the tree is continued and resumed). Killing CRIU instead would kill
+//!   the dumped process with it (its parasite traps once CRIU is gone).
+//!
+//! `GPUSNAP_DUMP_FIFO=0` turns it off (CRIU writes pages files, followed on
+//! a tmpfs or the disk: [`crate::follow`], [`crate::dumpdir`]).
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use gpusnap_chunks::{ChunkRef, LocalStore, Staged, Stored, SEGMENT};
+
+use crate::follow::{FollowStats, Followed, FollowedFile};
+
+/// "0" turns the FIFOs off, "1" on (the default).
+pub const DUMP_FIFO_ENV: &str = "GPUSNAP_DUMP_FIFO";
+/// Test hook: the receiver's chunking fails once it has chunked this many
+/// segments (the reading goes on to the end, as on a real error).
+pub const FAIL_AFTER_ENV: &str = "GPUSNAP_TEST_FIFO_FAIL_AFTER";
+
+/// The size asked for each FIFO's pipe: CRIU's splice moves at most what
+/// fits, then waits for the reader. Larger than `fs.pipe-max-size` (1 MiB
+/// by default) needs CAP_SYS_RESOURCE; the largest that is allowed is kept.
+const PIPE_SIZES: [i32; 5] = [64 << 20, 16 << 20, 4 << 20, 1 << 20, 256 << 10];
+/// How often a reader whose FIFO CRIU has not opened looks at the stop flag.
+const WAIT_MS: u16 = 50;
+
+/// Are the FIFOs on (`GPUSNAP_DUMP_FIFO`, default on)?
+pub fn enabled() -> bool {
+    gpusnap_pages::flag_setting(DUMP_FIFO_ENV, std::env::var(DUMP_FIFO_ENV).ok(), true)
+}
+
+/// How many pages files CRIU may write for `pids`: one per process and one
+/// per shared anonymous mapping (counted generously: every shared mapping,
+/// a file's too), plus a few. A name CRIU goes past is an
+/// ordinary file; one it does not use is removed.
+pub fn names_for(pids: &[i32]) -> usize {
+    let shared: usize = pids
+        .iter()
+        .filter_map(|p| fs::read_to_string(format!("/proc/{p}/maps")).ok())
+        .map(|maps| {
+            maps.lines()
+                .filter(|l| l.split_whitespace().nth(1).is_some_and(|perms| perms.ends_with('s')))
+                .count()
+        })
+        .sum();
+    pids.len() + shared.min(256) + 4
+}
+
+/// Buffers of [`SEGMENT`] bytes, made as needed up to a limit and reused
+/// (anonymous mappings asked for huge pages: a fresh 256 MiB buffer per
+/// segment would be faulted in 4 KiB at a time).
+struct Buffers {
+    free: Mutex<(Vec<memmap2::MmapMut>, usize)>,
+    freed: Condvar,
+    limit: usize,
+}
+
+impl Buffers {
+    fn new(limit: usize) -> Self {
+        Self { free: Mutex::new((Vec::new(), 0)), freed: Condvar::new(), limit: limit.max(2) }
+    }
+
+    fn take(&self) -> std::io::Result<memmap2::MmapMut> {
+        let mut g = self.free.lock().map_err(|_| std::io::Error::other("buffer pool poisoned"))?;
+        loop {
+            if let Some(b) = g.0.pop() {
+                return Ok(b);
+            }
+            if g.1 < self.limit {
+                g.1 += 1;
+                drop(g);
+                let b = memmap2::MmapMut::map_anon(SEGMENT)?;
+                let _ = b.advise(memmap2::Advice::HugePage);
+                return Ok(b);
+            }
+            g = self.freed.wait(g).map_err(|_| std::io::Error::other("buffer pool poisoned"))?;
+        }
+    }
+
+    fn put(&self, b: memmap2::MmapMut) {
+        if let Ok(mut g) = self.free.lock() {
+            g.0.push(b);
+        }
+        self.freed.notify_one();
+    }
+}
+
+/// How many segment buffers a receiver may hold: enough for every chunker
+/// and the readers, at most an eighth of the memory available.
+fn buffer_limit(threads: usize) -> usize {
+    let avail = procfs_avail().unwrap_or(8 << 30);
+    let by_mem = (avail / 8 / SEGMENT as u64) as usize;
+    (threads + 2).min(by_mem).max(2)
+}
+
+fn procfs_avail() -> Option<u64> {
+    let s = fs::read_to_string("/proc/meminfo").ok()?;
+    let l = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    Some(l.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+type SegResult = Result<(Vec<ChunkRef>, Vec<Staged>), String>;
+type Results = Arc<Mutex<BTreeMap<usize, SegResult>>>;
+
+struct Job {
+    buf: memmap2::MmapMut,
+    len: usize,
+    index: usize,
+    results: Results,
+}
+
+/// What one FIFO's reader saw.
+struct Drained {
+    /// Under the image directory, e.g. `criu/pages-1.img`.
+    rel: String,
+    /// CRIU opened it.
+    opened: bool,
+    size: u64,
+    segs: usize,
+    blake3: String,
+    results: Results,
+    err: Option<String>,
+}
+
+/// The argument that runs a dump's keeper (hidden; started by hibernate).
+pub const KEEPER_ARG: &str = "__dump-keeper";
+
+/// A dump's keeper, as its hibernate holds it.
+struct Keeper {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+}
+
+impl Keeper {
+    /// Starts `PROGRAM __dump-keeper CRIU_DIR COUNT` and waits until it has
+    /// every FIFO open.
+    fn start(criu_dir: &Path, count: usize, log: &Path) -> std::io::Result<Self> {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let exe = crate::lazy::keeper_exe().ok_or_else(|| std::io::Error::other("no keeper program"))?;
+        let log = fs::OpenOptions::new().create(true).append(true).open(log)?;
+        let mut child = Command::new(exe)
+            .arg(KEEPER_ARG)
+            .arg(criu_dir)
+            .arg(count.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()?;
+        let stdin = child.stdin.take();
+        let mut me = Self { child, stdin };
+        let mut line = String::new();
+        let ready =
+            me.child.stdout.take().map(|o| std::io::BufReader::new(o).read_line(&mut line)).transpose()?;
+        if ready.is_none() || line.trim() != "ready" {
+            me.done();
+            return Err(std::io::Error::other(format!("the keeper did not start ({:?})", line.trim())));
+        }
+        Ok(me)
+    }
+
+    /// The dump is over (finished or failed): the keeper exits at once.
+    fn done(&mut self) {
+        use std::io::Write;
+        if let Some(mut s) = self.stdin.take() {
+            let _ = s.write_all(b"done\n");
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// The keeper (`gpusnap __dump-keeper CRIU_DIR COUNT`, its stdin a pipe
+/// from the hibernate): opens `CRIU_DIR/pages-1.img` .. `pages-COUNT.img`
+/// for reading, says "ready", and waits. "done" from the hibernate: exits.
+/// The end of its stdin without it: the hibernate died; reads and drops
+/// everything CRIU writes into them until no CRIU has CRIU_DIR on its
+/// command line, removes them and exits. Returns the exit status.
+pub fn keeper_main(args: &[std::ffi::OsString]) -> i32 {
+    use std::io::{BufRead, Read, Write};
+    let pid = std::process::id();
+    let say = |line: &str| eprintln!("{} gpusnap dump keeper[{pid}]: {line}", crate::lazy::now_secs());
+    let (Some(dir), Some(count), 2) =
+        (args.first(), args.get(1).and_then(|c| c.to_str()?.parse::<usize>().ok()), args.len())
+    else {
+        say("usage: __dump-keeper CRIU_DIR COUNT (started by hibernate)");
+        return 2;
+    };
+    let dir = PathBuf::from(dir);
+    // The OOM killer that took the hibernate must not take its keeper.
+    let _ = fs::write("/proc/self/oom_score_adj", "-1000");
+    let mut fifos: Vec<(PathBuf, fs::File)> = Vec::new();
+    for i in 1..=count {
+        let p = dir.join(format!("pages-{i}.img"));
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&p);
+        if let Ok(f) = f {
+            if f.metadata().is_ok_and(|m| m.file_type().is_fifo()) {
+                fifos.push((p, f));
+            }
+        }
+    }
+    let mut out = std::io::stdout();
+    if writeln!(out, "ready").and_then(|_| out.flush()).is_err() {
+        return 1;
+    }
+    let mut line = String::new();
+    let stdin = std::io::stdin();
+    let mut lock = stdin.lock();
+    loop {
+        line.clear();
+        match lock.read_line(&mut line) {
+            Ok(0) | Err(_) => break,
+            Ok(_) if line.trim() == "done" => return 0,
+            Ok(_) => {}
+        }
+    }
+    say(&format!(
+        "the hibernate died during its dump: reading what CRIU sends into {} FIFOs in {} until CRIU is gone",
+        fifos.len(),
+        dir.display()
+    ));
+    let mut buf = vec![0u8; 1 << 20];
+    let mut dropped = 0u64;
+    let mut gone_checks = 0;
+    while gone_checks < 3 {
+        use nix::poll::{PollFd, PollFlags, PollTimeout};
+        let mut ended = Vec::new();
+        {
+            let mut fds: Vec<PollFd> =
+                fifos.iter().map(|(_, f)| PollFd::new(f.as_fd(), PollFlags::POLLIN)).collect();
+            let _ = nix::poll::poll(&mut fds, PollTimeout::from(200u16));
+            for (i, fd) in fds.iter().enumerate() {
+                if fd.revents().is_some_and(|r| !r.is_empty()) {
+                    ended.push(i);
+                }
+            }
+        }
+        let mut closed = Vec::new();
+        for i in ended {
+            loop {
+                match (&fifos[i].1).read(&mut buf) {
+                    Ok(0) => {
+                        // A writer came and went: CRIU is done with this one
+                        // (each pages file is opened once).
+                        closed.push(i);
+                        break;
+                    }
+                    Ok(n) => dropped += n as u64,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+        }
+        for i in closed.into_iter().rev() {
+            let (p, _) = fifos.remove(i);
+            let _ = fs::remove_file(p);
+        }
+        if criu_on(&dir) {
+            gone_checks = 0;
+        } else {
+            gone_checks += 1;
+        }
+    }
+    for (p, _) in fifos {
+        let _ = fs::remove_file(p);
+    }
+    say(&format!("CRIU is gone; {dropped} bytes of pages dropped, the FIFOs removed"));
+    0
+}
+
+/// Does a process have `dir` on its command line (a CRIU dumping into it)?
+fn criu_on(dir: &Path) -> bool {
+    let want = dir.as_os_str().as_encoded_bytes();
+    let me = std::process::id().to_string();
+    let Ok(rd) = fs::read_dir("/proc") else { return true };
+    rd.flatten().any(|e| {
+        let name = e.file_name();
+        let n = name.to_string_lossy();
+        if !n.bytes().all(|b| b.is_ascii_digit()) || n == me {
+            return false;
+        }
+        fs::read(e.path().join("cmdline")).is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == want))
+    })
+}
+
+/// The FIFOs of one dump and the threads that read and chunk them.
+pub struct Receiver {
+    criu_dir: PathBuf,
+    fifos: Vec<PathBuf>,
+    stop: Arc<AtomicBool>,
+    readers: Vec<JoinHandle<Drained>>,
+    workers: Vec<JoinHandle<()>>,
+    job_tx: Option<mpsc::Sender<Job>>,
+    received: Arc<AtomicU64>,
+    chunked_bytes: Arc<AtomicU64>,
+    failed: Arc<Mutex<Option<String>>>,
+    store: Arc<LocalStore>,
+    keeper: Option<Keeper>,
+    /// The store's shared lock, from before the first chunk is staged until
+    /// the manifest refers to them (handed on in [`Followed::lock`]).
+    lock: Option<gpusnap_chunks::StoreLock>,
+}
+
+impl Receiver {
+    /// Makes `criu_dir/pages-1.img` .. `pages-{count}.img` FIFOs, opens each
+    /// for reading and starts their readers, a chunking pool that stages
+    /// into the store at `store_root`, and their keeper (its messages
+    /// appended to `keeper_log`): without a keeper there are no FIFOs.
+    pub fn start(
+        criu_dir: &Path,
+        store_root: &Path,
+        durable: bool,
+        count: usize,
+        keeper_log: &Path,
+    ) -> std::io::Result<Self> {
+        Self::start_with(criu_dir, store_root, durable, count, Some(keeper_log))
+    }
+
+    /// [`Self::start`]; tests of the receiver alone go without a keeper.
+    fn start_with(
+        criu_dir: &Path,
+        store_root: &Path,
+        durable: bool,
+        count: usize,
+        keeper_log: Option<&Path>,
+    ) -> std::io::Result<Self> {
+        let store = Arc::new(
+            LocalStore::open(store_root.to_path_buf()).map_err(|e| std::io::Error::other(e.to_string()))?,
+        );
+        let lock = store.shared_lock().map_err(|e| std::io::Error::other(e.to_string()))?;
+        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let buffers = Arc::new(Buffers::new(buffer_limit(threads)));
+        let stop = Arc::new(AtomicBool::new(false));
+        let received = Arc::new(AtomicU64::new(0));
+        let chunked_bytes = Arc::new(AtomicU64::new(0));
+        let failed: Arc<Mutex<Option<String>>> = Arc::default();
+        let fail_after: Option<usize> = std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.parse().ok());
+        let chunked = Arc::new(AtomicUsize::new(0));
+        let taken: Arc<Mutex<HashSet<String>>> = Arc::default();
+
+        let (job_tx, job_rx) = mpsc::channel::<Job>();
+        let job_rx = Arc::new(Mutex::new(job_rx));
+        let mut workers = Vec::new();
+        for i in 0..threads {
+            let (job_rx, store, taken, failed, chunked, buffers, chunked_bytes) = (
+                job_rx.clone(),
+                store.clone(),
+                taken.clone(),
+                failed.clone(),
+                chunked.clone(),
+                buffers.clone(),
+                chunked_bytes.clone(),
+            );
+            workers.push(std::thread::Builder::new().name(format!("gpusnap-fifo-chunk-{i}")).spawn(
+                move || loop {
+                    let job = match job_rx.lock().map(|r| r.recv()) {
+                        Ok(Ok(j)) => j,
+                        _ => break,
+                    };
+                    let n = chunked.fetch_add(1, Ordering::Relaxed) + 1;
+                    let already = failed.lock().map(|f| f.is_some()).unwrap_or(true);
+                    let r = if already {
+                        Err("an earlier segment failed".to_string())
+                    } else if fail_after.is_some_and(|f| n > f) {
+                        Err("test hook: the FIFO receiver's chunking fails".to_string())
+                    } else {
+                        gpusnap_chunks::store_segment(&job.buf[..job.len], &store, durable, &taken)
+                            .map_err(|e| e.to_string())
+                    };
+                    match &r {
+                        Ok(_) => {
+                            chunked_bytes.fetch_add(job.len as u64, Ordering::Relaxed);
+                        }
+                        Err(e) => {
+                            if let Ok(mut f) = failed.lock() {
+                                f.get_or_insert_with(|| e.clone());
+                            }
+                        }
+                    }
+                    let _ = job.results.lock().map(|mut res| res.insert(job.index, r));
+                    buffers.put(job.buf);
+                },
+            )?);
+        }
+
+        let mut me = Self {
+            criu_dir: criu_dir.to_path_buf(),
+            fifos: Vec::new(),
+            stop,
+            readers: Vec::new(),
+            workers,
+            job_tx: Some(job_tx),
+            received,
+            chunked_bytes,
+            failed,
+            store,
+            keeper: None,
+            lock: Some(lock),
+        };
+        for i in 1..=count {
+            let path = criu_dir.join(format!("pages-{i}.img"));
+            let file = match make_fifo(&path) {
+                Ok(f) => f,
+                Err(e) => {
+                    me.abandon();
+                    return Err(std::io::Error::other(format!("FIFO {}: {e}", path.display())));
+                }
+            };
+            me.fifos.push(path);
+            let rel = format!("criu/pages-{i}.img");
+            let (stop, received, failed, buffers) =
+                (me.stop.clone(), me.received.clone(), me.failed.clone(), buffers.clone());
+            let jobs = me.job_tx.clone().ok_or_else(|| std::io::Error::other("receiver stopped"))?;
+            let reader = std::thread::Builder::new()
+                .name(format!("gpusnap-fifo-read-{i}"))
+                .spawn(move || read_fifo(rel, file, &stop, &received, &failed, &buffers, &jobs));
+            match reader {
+                Ok(h) => me.readers.push(h),
+                Err(e) => {
+                    me.abandon();
+                    return Err(e);
+                }
+            }
+        }
+        if let Some(log) = keeper_log {
+            match Keeper::start(criu_dir, count, log) {
+                Ok(k) => me.keeper = Some(k),
+                Err(e) => {
+                    me.abandon();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(me)
+    }
+
+    /// Bytes read from the FIFOs so far (the dump's progress).
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+
+    /// CRIU exited successfully: waits for every reader and every chunk,
+    /// removes the FIFOs and returns the pages files CRIU wrote into them
+    /// (an empty one becomes an empty file in `criu_dir`: CRIU's restore
+    /// opens it).
+    pub fn finish(mut self) -> Result<Followed, String> {
+        let ended = Instant::now();
+        let overlapped = self.chunked_bytes.load(Ordering::Relaxed);
+        let reads = self.join();
+        let mut out = Followed::default();
+        let mut err = self.failed.lock().ok().and_then(|f| f.clone());
+        for r in reads {
+            if let Some(e) = &r.err {
+                err.get_or_insert_with(|| format!("{}: {e}", r.rel));
+            }
+            let results = r.results.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default();
+            let mut stored = Stored::default();
+            let mut seen = 0;
+            for (_, res) in results {
+                seen += 1;
+                match res {
+                    Ok((list, staged)) => {
+                        stored.chunks.extend(list);
+                        stored.staged.extend(staged);
+                    }
+                    Err(e) => {
+                        err.get_or_insert(e);
+                    }
+                }
+            }
+            if seen != r.segs {
+                err.get_or_insert_with(|| format!("{}: a segment was not chunked", r.rel));
+            }
+            if !r.opened {
+                continue;
+            }
+            if r.size == 0 {
+                let p = self.criu_dir.join(r.rel.trim_start_matches("criu/"));
+                if let Err(e) = crate::image::create_private(&p) {
+                    err.get_or_insert_with(|| format!("{}: {e}", r.rel));
+                }
+                continue;
+            }
+            out.files.insert(r.rel, FollowedFile { size: r.size, blake3: r.blake3, stored });
+        }
+        out.stats = FollowStats {
+            overlapped_bytes: overlapped,
+            after_bytes: self.chunked_bytes.load(Ordering::Relaxed).saturating_sub(overlapped),
+            finish_ms: ended.elapsed().as_millis() as u64,
+            punched_bytes: 0,
+        };
+        out.elsewhere = true;
+        if let Some(e) = err {
+            out.abandon(&self.store);
+            return Err(e);
+        }
+        out.lock = self.lock.take();
+        Ok(out)
+    }
+
+    /// The dump failed (or the hibernate did): waits for the readers (CRIU
+    /// has exited, so they are at their ends), removes every staged chunk
+    /// and the FIFOs.
+    pub fn abandon(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let reads = self.join();
+        for r in reads {
+            let results = r.results.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default();
+            for (_, res) in results {
+                if let Ok((_, staged)) = res {
+                    self.store.abandon(staged);
+                }
+            }
+        }
+    }
+
+    /// Stops the readers still waiting for CRIU, joins every thread and
+    /// removes the FIFOs.
+    fn join(&mut self) -> Vec<Drained> {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(mut k) = self.keeper.take() {
+            k.done();
+        }
+        let reads: Vec<Drained> = self
+            .readers
+            .drain(..)
+            .map(|h| {
+                h.join().unwrap_or_else(|_| Drained {
+                    rel: "a FIFO".into(),
+                    opened: true,
+                    size: 0,
+                    segs: 0,
+                    blake3: String::new(),
+                    results: Arc::default(),
+                    err: Some("its reader panicked".into()),
+                })
+            })
+            .collect();
+        self.job_tx = None;
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+        for p in self.fifos.drain(..) {
+            if fs::symlink_metadata(&p).is_ok_and(|m| m.file_type().is_fifo()) {
+                let _ = fs::remove_file(&p);
+            }
+        }
+        reads
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        // Neither finished nor abandoned (a panic): no thread left behind
+        // waiting on a FIFO, no FIFO left in the image.
+        if !self.readers.is_empty() || !self.workers.is_empty() || self.keeper.is_some() {
+            let _ = self.join();
+        }
+    }
+}
+
+/// Makes a FIFO at `path` (mode 0600, refused if anything is there) and
+/// opens it for reading without waiting for a writer, its pipe as large as
+/// allowed.
+fn make_fifo(path: &Path) -> std::io::Result<fs::File> {
+    nix::unistd::mkfifo(path, nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR)
+        .map_err(std::io::Error::from)?;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)?;
+    if !f.metadata()?.file_type().is_fifo() {
+        return Err(std::io::Error::other("not the FIFO just made"));
+    }
+    for size in PIPE_SIZES {
+        if nix::fcntl::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), nix::fcntl::FcntlArg::F_SETPIPE_SZ(size))
+            .is_ok()
+        {
+            break;
+        }
+    }
+    Ok(f)
+}
+
+/// Waits until CRIU opens the FIFO (or `stop`: it never will), then reads
+/// it to its end a segment at a time: each hashed into the file's checksum
+/// and handed to the chunkers. After a chunking error the rest is read and
+/// dropped, so that CRIU is never left blocked.
+fn read_fifo(
+    rel: String,
+    file: fs::File,
+    stop: &AtomicBool,
+    received: &AtomicU64,
+    failed: &Mutex<Option<String>>,
+    buffers: &Buffers,
+    jobs: &mpsc::Sender<Job>,
+) -> Drained {
+    use nix::poll::{PollFd, PollFlags, PollTimeout};
+    let results: Results = Arc::default();
+    let mut out = Drained {
+        rel,
+        opened: false,
+        size: 0,
+        segs: 0,
+        blake3: String::new(),
+        results: results.clone(),
+        err: None,
+    };
+    // Until a writer has opened it, a FIFO polls neither readable nor hung
+    // up (the kernel hides the hang-up of a FIFO no writer has opened yet).
+    loop {
+        let mut fds = [PollFd::new(file.as_fd(), PollFlags::POLLIN)];
+        match nix::poll::poll(&mut fds, PollTimeout::from(WAIT_MS)) {
+            Ok(n) if n > 0 => break,
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {
+                if stop.load(Ordering::Relaxed) {
+                    return out;
+                }
+            }
+            Err(e) => {
+                out.err = Some(format!("poll: {e}"));
+                return out;
+            }
+        }
+    }
+    out.opened = true;
+    // Blocking reads from here: a writer is there, and its close is the end.
+    // SAFETY: fcntl on a descriptor this function owns; no memory passed.
+    unsafe {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        if fl >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, fl & !libc::O_NONBLOCK);
+        }
+    }
+    let mut file = file;
+    let mut hasher = blake3::Hasher::new();
+    let mut drop_buf: Option<Vec<u8>> = None;
+    loop {
+        use std::io::Read;
+        let giving_up = out.err.is_some() || failed.lock().map(|f| f.is_some()).unwrap_or(true);
+        if giving_up {
+            // Read to the end and drop it: CRIU must not block.
+            let b = drop_buf.get_or_insert_with(|| vec![0u8; 4 << 20]);
+            match file.read(b) {
+                Ok(0) => break,
+                Ok(n) => {
+                    received.fetch_add(n as u64, Ordering::Relaxed);
+                    out.size += n as u64;
+                    continue;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    out.err.get_or_insert_with(|| format!("read: {e}"));
+                    break;
+                }
+            }
+        }
+        let mut buf = match buffers.take() {
+            Ok(b) => b,
+            Err(e) => {
+                out.err = Some(format!("a buffer: {e}"));
+                continue;
+            }
+        };
+        let mut n = 0usize;
+        let mut eof = false;
+        while n < SEGMENT {
+            match file.read(&mut buf[n..]) {
+                Ok(0) => {
+                    eof = true;
+                    break;
+                }
+                Ok(k) => {
+                    n += k;
+                    received.fetch_add(k as u64, Ordering::Relaxed);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    out.err = Some(format!("read: {e}"));
+                    break;
+                }
+            }
+        }
+        out.size += n as u64;
+        if n == 0 || out.err.is_some() {
+            buffers.put(buf);
+            if eof {
+                break;
+            }
+            continue;
+        }
+        hasher.update_rayon(&buf[..n]);
+        let job = Job { buf, len: n, index: out.segs, results: results.clone() };
+        out.segs += 1;
+        if let Err(mpsc::SendError(job)) = jobs.send(job) {
+            buffers.put(job.buf);
+            out.segs -= 1;
+            out.err = Some("the chunking pool stopped".into());
+            continue;
+        }
+        if eof {
+            break;
+        }
+    }
+    out.blake3 = hasher.finalize().to_hex().to_string();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn noise(n: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect()
+    }
+
+    fn writer(p: PathBuf, data: Vec<u8>) -> JoinHandle<()> {
+        std::thread::spawn(move || {
+            let mut f = fs::OpenOptions::new().write(true).open(&p).expect("open the FIFO for writing");
+            for part in data.chunks(3 << 20) {
+                f.write_all(part).expect("write into the FIFO");
+            }
+        })
+    }
+
+    fn files_under(p: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for e in fs::read_dir(p).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                out.extend(files_under(&e.path()));
+            } else {
+                out.push(e.path());
+            }
+        }
+        out
+    }
+
+    fn setup() -> (tempfile::TempDir, PathBuf, PathBuf) {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let criu = tmp.path().join("criu");
+        let store = tmp.path().join("store");
+        fs::create_dir_all(&criu).expect("mkdir");
+        (tmp, criu, store)
+    }
+
+    #[test]
+    fn pages_sent_into_fifos_are_chunked_as_the_whole_file_would_be() {
+        let (_tmp, criu, store_root) = setup();
+        let rx = Receiver::start_with(&criu, &store_root, false, 4, None).expect("start");
+        // Two segments and a bit, a file of one page, one opened and left
+        // empty, one never opened.
+        let big = noise(2 * SEGMENT + 12345 * 4, 7);
+        let small = noise(4096, 9);
+        let w1 = writer(criu.join("pages-1.img"), big.clone());
+        let w2 = writer(criu.join("pages-2.img"), small.clone());
+        let w3 = writer(criu.join("pages-3.img"), Vec::new());
+        for w in [w1, w2, w3] {
+            w.join().expect("writer");
+        }
+        let got = rx.finish().expect("finish");
+        assert!(got.elsewhere);
+        assert_eq!(got.files.len(), 2, "{:?}", got.files.keys().collect::<Vec<_>>());
+        let store = LocalStore::open(store_root.clone()).expect("store");
+        for (rel, data) in [("criu/pages-1.img", &big), ("criu/pages-2.img", &small)] {
+            let f = &got.files[rel];
+            assert_eq!(f.size, data.len() as u64);
+            assert_eq!(f.blake3, blake3::hash(data).to_hex().to_string());
+            let want = gpusnap_chunks::chunk_slice(data, 1, &|_| {});
+            assert_eq!(f.stored.chunks, want, "{rel}: cut as the whole file");
+        }
+        // The empty one is an empty file now, the others are gone.
+        assert_eq!(fs::metadata(criu.join("pages-3.img")).expect("pages-3").len(), 0);
+        assert!(fs::metadata(criu.join("pages-3.img")).expect("pages-3").is_file());
+        for n in [1, 2, 4] {
+            assert!(fs::symlink_metadata(criu.join(format!("pages-{n}.img"))).is_err(), "pages-{n} left");
+        }
+        let mut got = got;
+        let staged: Vec<Staged> =
+            got.files.values_mut().flat_map(|f| std::mem::take(&mut f.stored.staged)).collect();
+        store.finish(staged, false).expect("finish the staged chunks");
+        for f in got.files.values() {
+            store.verify_chunks(&f.stored.chunks, 2).expect("every chunk stored");
+        }
+    }
+
+    #[test]
+    fn a_chunking_failure_still_reads_every_byte_and_leaves_nothing() {
+        let (_tmp, criu, store_root) = setup();
+        let rx = Receiver::start_with(&criu, &store_root, false, 2, None).expect("start");
+        // Fail from the first chunk on: the writer must still finish.
+        let _ = rx.failed.lock().map(|mut f| *f = Some("injected".into()));
+        let data = noise(SEGMENT + 8192, 3);
+        writer(criu.join("pages-1.img"), data.clone()).join().expect("the writer was never blocked");
+        assert!(rx.received() >= data.len() as u64);
+        let e = rx.finish().err().expect("a failure");
+        assert!(e.contains("injected"), "{e}");
+        assert!(files_under(&store_root.join("chunks")).is_empty(), "nothing stored, nothing staged");
+        assert!(fs::read_dir(&criu).expect("dir").next().is_none(), "no FIFO left");
+    }
+
+    #[test]
+    fn an_abandoned_receiver_removes_its_chunks_and_fifos() {
+        let (_tmp, criu, store_root) = setup();
+        let rx = Receiver::start_with(&criu, &store_root, false, 3, None).expect("start");
+        let data = noise(SEGMENT / 2, 5);
+        writer(criu.join("pages-2.img"), data).join().expect("writer");
+        rx.abandon();
+        assert!(fs::read_dir(&criu).expect("dir").next().is_none(), "no FIFO left");
+        assert!(files_under(&store_root.join("chunks")).is_empty(), "nothing stored, nothing staged");
+    }
+
+    #[test]
+    fn a_name_taken_already_is_refused() {
+        let (_tmp, criu, store_root) = setup();
+        fs::write(criu.join("pages-2.img"), b"x").expect("write");
+        let e = Receiver::start_with(&criu, &store_root, false, 3, None).err().expect("refused");
+        assert!(e.to_string().contains("pages-2.img"), "{e}");
+        assert!(fs::symlink_metadata(criu.join("pages-1.img")).is_err(), "the first FIFO removed again");
+        assert_eq!(fs::read(criu.join("pages-2.img")).expect("kept"), b"x");
+    }
+}
