@@ -8,8 +8,9 @@
 # wake brings the worker back intact.
 #
 # For each workload (RESCUE_WORKLOADS: torch = tests/gpu/worker.py, cupy =
-# tests/gpu/worker_cupy.py, each RESCUE_GIB of random memory, checksummed):
-#   W.1  hibernate
+# tests/gpu/worker_cupy.py, jax = tests/gpu/worker_jax.py, each RESCUE_GIB of
+# random memory, checksummed):
+#   W.1  hibernate (its pages through FIFOs, the default: stages.dump_dir)
 #   W.a  wake with the page server slowed (GPUSNAP_PAGES_SLOW_US, so the fill
 #        takes ~RESCUE_FILL_S s, 2 fill threads) and failing on purpose
 #        (GPUSNAP_PAGES_FAIL_AFTER = RESCUE_FAIL_AT of the image's pages):
@@ -32,7 +33,7 @@
 #   OUT=/some/dir tests/gpu/rescue-e2e.sh        (stage `rescue` of device.sh)
 # Environment:
 #   GPUSNAP            the binary (default ./target/release/gpusnap)
-#   RESCUE_WORKLOADS   default "torch cupy"
+#   RESCUE_WORKLOADS   default "torch cupy" (jax: also tests/gpu/worker_jax.py)
 #   RESCUE_GIB         each worker's memory (default 3; --fill random: ~4.7 GB
 #                      of device memory, the image ~5 GB)
 #   RESCUE_FILL_S      the slowed fill's length in W.a (default 5)
@@ -42,6 +43,8 @@
 #                      none: only the cold page cache slows it)
 #   RESCUE_GONE_S      "within a few seconds" (default 10)
 #   RESCUE_SLACK_MIB   used memory above the level before (default 256)
+#   RESCUE_DUMP_DIR    where W.1's pages must go (default fifo: stages.dump_dir
+#                      of `hibernate --json`; tmpfs or disk with GPUSNAP_DUMP_FIFO=0)
 #   RESCUE_WAKE_ARGS   extra `wake` arguments (default --no-guard, as keeper-e2e.sh)
 #   RESCUE_BUDGET_S    soft budget (default 150): a workload whose next part
 #                      would not fit is skipped (SKIP rows); a watchdog ends
@@ -66,7 +69,7 @@ RESCUE_BUDGET_S=${RESCUE_BUDGET_S:-150}
 read -r -a WAKE_ARGS <<<"$RESCUE_WAKE_ARGS"
 read -r -a LOADS <<<"$RESCUE_WORKLOADS"
 for w in "${LOADS[@]}"; do
-    case $w in torch | cupy) ;; *) echo "RESCUE_WORKLOADS: '$w' is not torch or cupy" >&2; exit 2 ;; esac
+    case $w in torch | cupy | jax) ;; *) echo "RESCUE_WORKLOADS: '$w' is not torch, cupy or jax" >&2; exit 2 ;; esac
 done
 ROWS=$WORK/rows.tsv
 : >"$ROWS"
@@ -351,8 +354,8 @@ one_workload() {
     local w=$1 name=$2 pid=$3 img=rs-$1 slow fail v dropped
     fits "$w.1" "hibernate $w" 25 || return 0
     gs 300 hibernate "$pid" --image "$img"
-    v=FAIL; [ "$GS_RC" = 0 ] && v=PASS
-    row "$w.1" "hibernate the $w worker (pid $pid)" "exit 0" "exit $GS_RC${GS_MSG:+: $GS_MSG}" "$v" "$GS_S"
+    v=FAIL; [ "$GS_RC" = 0 ] && [ "$(jget "$GS_OUT" 'd["stages"]["dump_dir"]')" = "${RESCUE_DUMP_DIR:-fifo}" ] && v=PASS
+    row "$w.1" "hibernate the $w worker (pid $pid)" "exit 0, pages via ${RESCUE_DUMP_DIR:-fifo}" "exit $GS_RC${GS_MSG:+: $GS_MSG}; pages via $(jget "$GS_OUT" 'd["stages"]["dump_dir"]'), dump_ms $(jget "$GS_OUT" 'd["dump_ms"]')" "$v" "$GS_S"
     [ "$GS_RC" = 0 ] || { image_logs "$img"; return 0; }
     reap "$pid"
     wait_gone "$pid" 15 || true
@@ -413,8 +416,8 @@ main() {
     t0=$(now)
     for w in "${LOADS[@]}"; do
         name=${w:0:1}w
-        if [ "$w" = cupy ]; then
-            WORKER_SCRIPT=worker_cupy.py start_worker "$name" "$RESCUE_GIB" --fill random
+        if [ "$w" = cupy ] || [ "$w" = jax ]; then
+            WORKER_SCRIPT=worker_$w.py start_worker "$name" "$RESCUE_GIB" --fill random
         else
             start_worker "$name" "$RESCUE_GIB" --fill random
         fi

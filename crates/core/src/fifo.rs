@@ -689,11 +689,58 @@ fn read_fifo(
         }
     }
     let mut file = file;
-    let mut hasher = blake3::Hasher::new();
+    // The file's checksum runs on a thread of its own, in order, so that
+    // reading (a copy out of the pipe, the pace CRIU waits for) never waits
+    // for hashing: on the H200's host, hashing in line held the reading
+    // to 4.1 GB/s (Run 44).
+    let pool_gone = AtomicBool::new(false);
+    let (hash_tx, hash_rx) = mpsc::sync_channel::<Job>(2);
+    std::thread::scope(|s| {
+        let hashing = s.spawn(|| {
+            let mut hasher = blake3::Hasher::new();
+            for job in hash_rx {
+                hasher.update_rayon(&job.buf[..job.len]);
+                if let Err(mpsc::SendError(job)) = jobs.send(job) {
+                    buffers.put(job.buf);
+                    pool_gone.store(true, Ordering::Relaxed);
+                }
+            }
+            hasher.finalize().to_hex().to_string()
+        });
+        read_segments(&mut file, &mut out, &results, received, failed, buffers, &hash_tx, &pool_gone);
+        drop(hash_tx);
+        match hashing.join() {
+            Ok(h) => out.blake3 = h,
+            Err(_) => {
+                out.err.get_or_insert_with(|| "the hashing thread panicked".into());
+            }
+        }
+    });
+    if pool_gone.load(Ordering::Relaxed) {
+        out.err.get_or_insert_with(|| "the chunking pool stopped".into());
+    }
+    out
+}
+
+/// [`read_fifo`]'s reading: segments into buffers, sent to `hash_tx` (the
+/// checksum, then the chunkers), until the FIFO's end.
+#[allow(clippy::too_many_arguments)]
+fn read_segments(
+    file: &mut fs::File,
+    out: &mut Drained,
+    results: &Results,
+    received: &AtomicU64,
+    failed: &Mutex<Option<String>>,
+    buffers: &Buffers,
+    hash_tx: &mpsc::SyncSender<Job>,
+    pool_gone: &AtomicBool,
+) {
     let mut drop_buf: Option<Vec<u8>> = None;
     loop {
         use std::io::Read;
-        let giving_up = out.err.is_some() || failed.lock().map(|f| f.is_some()).unwrap_or(true);
+        let giving_up = out.err.is_some()
+            || pool_gone.load(Ordering::Relaxed)
+            || failed.lock().map(|f| f.is_some()).unwrap_or(true);
         if giving_up {
             // Read to the end and drop it: CRIU must not block.
             let b = drop_buf.get_or_insert_with(|| vec![0u8; 4 << 20]);
@@ -745,21 +792,18 @@ fn read_fifo(
             }
             continue;
         }
-        hasher.update_rayon(&buf[..n]);
         let job = Job { buf, len: n, index: out.segs, results: results.clone() };
         out.segs += 1;
-        if let Err(mpsc::SendError(job)) = jobs.send(job) {
+        if let Err(mpsc::SendError(job)) = hash_tx.send(job) {
             buffers.put(job.buf);
             out.segs -= 1;
-            out.err = Some("the chunking pool stopped".into());
+            out.err = Some("the hashing thread stopped".into());
             continue;
         }
         if eof {
             break;
         }
     }
-    out.blake3 = hasher.finalize().to_hex().to_string();
-    out
 }
 
 #[cfg(test)]
