@@ -74,6 +74,12 @@ pub const FAIL_AFTER_ENV: &str = "GPUSNAP_TEST_FIFO_FAIL_AFTER";
 /// fits, then waits for the reader. Larger than `fs.pipe-max-size` (1 MiB
 /// by default) needs CAP_SYS_RESOURCE; the largest that is allowed is kept.
 const PIPE_SIZES: [i32; 5] = [64 << 20, 16 << 20, 4 << 20, 1 << 20, 256 << 10];
+/// Threads that copy a FIFO's pages out of the kernel ("1": the reader
+/// alone; default: a quarter of the cores, 2 to 8).
+pub const COPIERS_ENV: &str = "GPUSNAP_DUMP_FIFO_COPIERS";
+/// Bytes of a segment one copier takes at a time (less if the kernel
+/// grants a smaller pipe).
+const PIECE: usize = 4 << 20;
 /// How often a reader whose FIFO CRIU has not opened looks at the stop flag.
 const WAIT_MS: u16 = 50;
 
@@ -135,6 +141,22 @@ impl Buffers {
             g.0.push(b);
         }
         self.freed.notify_one();
+    }
+}
+
+/// The copiers of each FIFO ([`COPIERS_ENV`]; nonsense: the default, said
+/// in a warning).
+fn copiers_setting(value: Option<String>, threads: usize) -> usize {
+    let default = (threads / 4).clamp(2, 8);
+    match value {
+        None => default,
+        Some(v) => match v.trim().parse::<usize>() {
+            Ok(n) if (1..=64).contains(&n) => n,
+            _ => {
+                tracing::warn!("{COPIERS_ENV}={v}: not a number from 1 to 64; ignored");
+                default
+            }
+        },
     }
 }
 
@@ -368,7 +390,15 @@ impl Receiver {
         count: usize,
         keeper_log: &Path,
     ) -> std::io::Result<Self> {
-        Self::start_with(criu_dir, store_root, durable, count, Some(keeper_log))
+        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        Self::start_with(
+            criu_dir,
+            store_root,
+            durable,
+            count,
+            Some(keeper_log),
+            copiers_setting(std::env::var(COPIERS_ENV).ok(), threads),
+        )
     }
 
     /// [`Self::start`]; tests of the receiver alone go without a keeper.
@@ -378,6 +408,7 @@ impl Receiver {
         durable: bool,
         count: usize,
         keeper_log: Option<&Path>,
+        copiers: usize,
     ) -> std::io::Result<Self> {
         let store = Arc::new(
             LocalStore::open(store_root.to_path_buf()).map_err(|e| std::io::Error::other(e.to_string()))?,
@@ -468,7 +499,7 @@ impl Receiver {
             let jobs = me.job_tx.clone().ok_or_else(|| std::io::Error::other("receiver stopped"))?;
             let reader = std::thread::Builder::new()
                 .name(format!("gpusnap-fifo-read-{i}"))
-                .spawn(move || read_fifo(rel, file, &stop, &received, &failed, &buffers, &jobs));
+                .spawn(move || read_fifo(rel, file, &stop, &received, &failed, &buffers, &jobs, copiers));
             match reader {
                 Ok(h) => me.readers.push(h),
                 Err(e) => {
@@ -641,6 +672,7 @@ fn make_fifo(path: &Path) -> std::io::Result<fs::File> {
 /// it to its end a segment at a time: each hashed into the file's checksum
 /// and handed to the chunkers. After a chunking error the rest is read and
 /// dropped, so that CRIU is never left blocked.
+#[allow(clippy::too_many_arguments)]
 fn read_fifo(
     rel: String,
     file: fs::File,
@@ -649,6 +681,7 @@ fn read_fifo(
     failed: &Mutex<Option<String>>,
     buffers: &Buffers,
     jobs: &mpsc::Sender<Job>,
+    copiers: usize,
 ) -> Drained {
     use nix::poll::{PollFd, PollFlags, PollTimeout};
     let results: Results = Arc::default();
@@ -707,7 +740,8 @@ fn read_fifo(
             }
             hasher.finalize().to_hex().to_string()
         });
-        read_segments(&mut file, &mut out, &results, received, failed, buffers, &hash_tx, &pool_gone);
+        let io = Io { received, failed, buffers, hash_tx: &hash_tx, pool_gone: &pool_gone, copiers };
+        read_segments(&mut file, &mut out, &results, &io);
         drop(hash_tx);
         match hashing.join() {
             Ok(h) => out.blake3 = h,
@@ -722,19 +756,20 @@ fn read_fifo(
     out
 }
 
+/// What [`read_segments`] shares with the rest of the receiver.
+struct Io<'a> {
+    received: &'a AtomicU64,
+    failed: &'a Mutex<Option<String>>,
+    buffers: &'a Buffers,
+    hash_tx: &'a mpsc::SyncSender<Job>,
+    pool_gone: &'a AtomicBool,
+    copiers: usize,
+}
+
 /// [`read_fifo`]'s reading: segments into buffers, sent to `hash_tx` (the
 /// checksum, then the chunkers), until the FIFO's end.
-#[allow(clippy::too_many_arguments)]
-fn read_segments(
-    file: &mut fs::File,
-    out: &mut Drained,
-    results: &Results,
-    received: &AtomicU64,
-    failed: &Mutex<Option<String>>,
-    buffers: &Buffers,
-    hash_tx: &mpsc::SyncSender<Job>,
-    pool_gone: &AtomicBool,
-) {
+fn read_segments(file: &mut fs::File, out: &mut Drained, results: &Results, io: &Io<'_>) {
+    let Io { received, failed, buffers, hash_tx, pool_gone, copiers } = *io;
     let mut drop_buf: Option<Vec<u8>> = None;
     loop {
         use std::io::Read;
@@ -765,25 +800,13 @@ fn read_segments(
                 continue;
             }
         };
-        let mut n = 0usize;
-        let mut eof = false;
-        while n < SEGMENT {
-            match file.read(&mut buf[n..]) {
-                Ok(0) => {
-                    eof = true;
-                    break;
-                }
-                Ok(k) => {
-                    n += k;
-                    received.fetch_add(k as u64, Ordering::Relaxed);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    out.err = Some(format!("read: {e}"));
-                    break;
-                }
+        let (n, eof) = match fill_segment(file, &mut buf[..], copiers, received) {
+            Ok(r) => r,
+            Err((n, e)) => {
+                out.err = Some(format!("read: {e}"));
+                (n, false)
             }
-        }
+        };
         out.size += n as u64;
         if n == 0 || out.err.is_some() {
             buffers.put(buf);
@@ -804,6 +827,142 @@ fn read_segments(
             break;
         }
     }
+}
+
+/// Reads `buf` full from the FIFO (or to its end): the bytes read and
+/// whether the end came. With `copiers` > 1, the reader only moves the
+/// FIFO's pages, [`PIECE`] by piece, into one pipe per copier (a `splice`
+/// between pipes moves page references, no bytes), and the copiers copy
+/// them out into their pieces of `buf` on their own cores: one thread's
+/// copy out of a pipe is what CRIU would wait for. On an error, the bytes
+/// read before it.
+fn fill_segment(
+    fifo: &fs::File,
+    buf: &mut [u8],
+    copiers: usize,
+    received: &AtomicU64,
+) -> Result<(usize, bool), (usize, std::io::Error)> {
+    use nix::fcntl::{fcntl, splice, FcntlArg, SpliceFFlags};
+    if copiers <= 1 {
+        return read_into(fifo, buf, received);
+    }
+    let mut ends = Vec::with_capacity(copiers);
+    let mut piece = PIECE;
+    for _ in 0..copiers {
+        let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| (0, e.into()))?;
+        let _ = fcntl(std::os::fd::AsRawFd::as_raw_fd(&w), FcntlArg::F_SETPIPE_SZ(PIECE as i32));
+        let got =
+            fcntl(std::os::fd::AsRawFd::as_raw_fd(&w), FcntlArg::F_GETPIPE_SZ).unwrap_or(0).max(0) as usize;
+        piece = piece.min(got / 4096 * 4096);
+        ends.push((r, w));
+    }
+    if piece < (64 << 10) {
+        // Pipes too small to be worth it: the reader copies alone.
+        return read_into(fifo, buf, received);
+    }
+    let (readers, writers): (Vec<_>, Vec<_>) = ends.into_iter().unzip();
+    let mut mine: Vec<Vec<&mut [u8]>> = (0..copiers).map(|_| Vec::new()).collect();
+    let len = buf.len();
+    let pieces = len.div_ceil(piece);
+    for (i, p) in buf.chunks_mut(piece).enumerate() {
+        mine[i % copiers].push(p);
+    }
+    std::thread::scope(|s| {
+        let copying: Vec<_> = mine
+            .into_iter()
+            .zip(readers)
+            .map(|(mine, r)| {
+                s.spawn(move || -> std::io::Result<usize> {
+                    let f = fs::File::from(r);
+                    let mut got = 0;
+                    for p in mine {
+                        let (n, _) = read_into(&f, p, &AtomicU64::new(0)).map_err(|(_, e)| e)?;
+                        got += n;
+                        if n < p.len() {
+                            break;
+                        }
+                    }
+                    Ok(got)
+                })
+            })
+            .collect();
+        let mut moved_all = 0usize;
+        let mut eof = false;
+        let mut err = None;
+        'pieces: for i in 0..pieces {
+            let want = piece.min(len - i * piece);
+            let mut moved = 0;
+            while moved < want {
+                match splice(
+                    fifo,
+                    None,
+                    &writers[i % copiers],
+                    None,
+                    want - moved,
+                    SpliceFFlags::SPLICE_F_MOVE,
+                ) {
+                    Ok(0) => {
+                        eof = true;
+                        break 'pieces;
+                    }
+                    Ok(n) => {
+                        moved += n;
+                        moved_all += n;
+                        received.fetch_add(n as u64, Ordering::Relaxed);
+                    }
+                    Err(nix::errno::Errno::EINTR) => {}
+                    Err(e) => {
+                        err = Some(std::io::Error::from(e));
+                        break 'pieces;
+                    }
+                }
+            }
+        }
+        // The copiers see their pipes end.
+        drop(writers);
+        let mut copied = 0;
+        for c in copying {
+            match c.join() {
+                Ok(Ok(n)) => copied += n,
+                Ok(Err(e)) => {
+                    err.get_or_insert(e);
+                }
+                Err(_) => {
+                    err.get_or_insert_with(|| std::io::Error::other("a copier panicked"));
+                }
+            }
+        }
+        if err.is_none() && copied != moved_all {
+            err = Some(std::io::Error::other(format!("copied {copied} of {moved_all} bytes")));
+        }
+        match err {
+            Some(e) => Err((copied.min(moved_all), e)),
+            None => Ok((moved_all, eof)),
+        }
+    })
+}
+
+/// Reads `buf` full from `f` (or to its end): the bytes read and whether
+/// the end came; on an error, the bytes read before it.
+fn read_into(
+    mut f: &fs::File,
+    buf: &mut [u8],
+    received: &AtomicU64,
+) -> Result<(usize, bool), (usize, std::io::Error)> {
+    use std::io::Read;
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..]) {
+            Ok(0) => return Ok((n, true)),
+            Ok(k) => {
+                n += k;
+                received.fetch_add(k as u64, Ordering::Relaxed);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err((n, e)),
+        }
+    }
+    Ok((n, false))
 }
 
 #[cfg(test)]
@@ -855,7 +1014,7 @@ mod tests {
     #[test]
     fn pages_sent_into_fifos_are_chunked_as_the_whole_file_would_be() {
         let (_tmp, criu, store_root) = setup();
-        let rx = Receiver::start_with(&criu, &store_root, false, 4, None).expect("start");
+        let rx = Receiver::start_with(&criu, &store_root, false, 4, None, 3).expect("start");
         // Two segments and a bit, a file of one page, one opened and left
         // empty, one never opened.
         let big = noise(2 * SEGMENT + 12345 * 4, 7);
@@ -895,7 +1054,7 @@ mod tests {
     #[test]
     fn a_chunking_failure_still_reads_every_byte_and_leaves_nothing() {
         let (_tmp, criu, store_root) = setup();
-        let rx = Receiver::start_with(&criu, &store_root, false, 2, None).expect("start");
+        let rx = Receiver::start_with(&criu, &store_root, false, 2, None, 2).expect("start");
         // Fail from the first chunk on: the writer must still finish.
         let _ = rx.failed.lock().map(|mut f| *f = Some("injected".into()));
         let data = noise(SEGMENT + 8192, 3);
@@ -910,7 +1069,7 @@ mod tests {
     #[test]
     fn an_abandoned_receiver_removes_its_chunks_and_fifos() {
         let (_tmp, criu, store_root) = setup();
-        let rx = Receiver::start_with(&criu, &store_root, false, 3, None).expect("start");
+        let rx = Receiver::start_with(&criu, &store_root, false, 3, None, 1).expect("start");
         let data = noise(SEGMENT / 2, 5);
         writer(criu.join("pages-2.img"), data).join().expect("writer");
         rx.abandon();
@@ -919,10 +1078,38 @@ mod tests {
     }
 
     #[test]
+    fn copiers_are_a_quarter_of_the_cores_unless_set() {
+        assert_eq!(copiers_setting(None, 16), 4);
+        assert_eq!(copiers_setting(None, 2), 2);
+        assert_eq!(copiers_setting(None, 128), 8);
+        assert_eq!(copiers_setting(Some("1".into()), 16), 1);
+        assert_eq!(copiers_setting(Some(" 12 ".into()), 16), 12);
+        for bad in ["0", "65", "many", ""] {
+            assert_eq!(copiers_setting(Some(bad.into()), 16), 4, "{bad}");
+        }
+    }
+
+    #[test]
+    fn one_reader_and_many_copiers_read_the_same_bytes() {
+        for copiers in [1, 2, 5] {
+            let (_tmp, criu, store_root) = setup();
+            let rx = Receiver::start_with(&criu, &store_root, false, 1, None, copiers).expect("start");
+            let data = noise(SEGMENT + 3 * PIECE + 4096 * 7, copiers as u64);
+            writer(criu.join("pages-1.img"), data.clone()).join().expect("writer");
+            let got = rx.finish().expect("finish");
+            let f = &got.files["criu/pages-1.img"];
+            assert_eq!(f.size, data.len() as u64, "{copiers} copiers");
+            assert_eq!(f.blake3, blake3::hash(&data).to_hex().to_string(), "{copiers} copiers");
+            let store = LocalStore::open(store_root).expect("store");
+            got.abandon(&store);
+        }
+    }
+
+    #[test]
     fn a_name_taken_already_is_refused() {
         let (_tmp, criu, store_root) = setup();
         fs::write(criu.join("pages-2.img"), b"x").expect("write");
-        let e = Receiver::start_with(&criu, &store_root, false, 3, None).err().expect("refused");
+        let e = Receiver::start_with(&criu, &store_root, false, 3, None, 2).err().expect("refused");
         assert!(e.to_string().contains("pages-2.img"), "{e}");
         assert!(fs::symlink_metadata(criu.join("pages-1.img")).is_err(), "the first FIFO removed again");
         assert_eq!(fs::read(criu.join("pages-2.img")).expect("kept"), b"x");
