@@ -412,6 +412,49 @@ while True:
 }
 
 #[test]
+fn memfd_and_written_file_mappings_go_through_fifos_and_wake_intact() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    w.run_limit = Duration::from_secs(300);
+    let out = w.tmp.path().join("kinds");
+    let file = w.tmp.path().join("backing");
+    std::fs::write(&file, vec![7u8; 4 << 20]).unwrap();
+    // A memfd mapped shared, a file mapped private and written (its written
+    // pages are anonymous now), anonymous private memory: each kind of
+    // memory CRIU dumps into a pages file of its own or the process's.
+    // (SysV shared memory needs an IPC namespace of its own for CRIU.)
+    let script = r#"
+import hashlib, mmap, os, sys, time
+mfd = os.memfd_create("kinds")
+os.ftruncate(mfd, 6 << 20)
+shared = mmap.mmap(mfd, 6 << 20, mmap.MAP_SHARED)
+shared.write(os.urandom(6 << 20))
+f = open(sys.argv[2], "r+b")
+priv = mmap.mmap(f.fileno(), 4 << 20, mmap.MAP_PRIVATE)
+priv[1 << 20:(1 << 20) + (1 << 20)] = os.urandom(1 << 20)
+mine = bytearray(os.urandom(24 << 20))
+def sums():
+    return [hashlib.sha256(x).digest() for x in (shared, priv, mine)]
+want = sums()
+i = 0
+while True:
+    i += 1
+    ok = sums() == want
+    with open(sys.argv[1], "a") as o: o.write(f"{i} {'ok' if ok else 'bad'}\n")
+    time.sleep(0.05)
+"#;
+    let n = w.spawn_env("python3", &["-c", script, out.to_str().unwrap(), file.to_str().unwrap()]);
+    let pid = w.child_pid(n);
+    wait_for(Duration::from_secs(30), || std::fs::read_to_string(&out).is_ok_and(|s| s.contains(" ok")));
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "kinds"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["stages"]["dump_dir"], "fifo");
+    assert_eq!(fifos_under(&w.state_dir()), Vec::<String>::new());
+    wake_intact(&mut w, pid, "kinds", &out);
+}
+
+#[test]
 fn a_fifo_receiver_that_fails_undoes_the_hibernate() {
     criu_present();
     let mut w = World::new(&[8192]);

@@ -644,3 +644,30 @@ fn a_corrupted_chunk_of_a_cuda_image_is_refused_before_any_process_runs() {
     let r = w.json(&["stop", &pid.to_string(), "--grace", "2"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
 }
+
+#[test]
+fn a_process_that_dies_right_after_criu_restores_it_is_named_and_its_image_kept() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    // As JAX's worker with XLA_PYTHON_CLIENT_PREALLOCATE=false on the H200:
+    // a thread runs once CRIU has restored the process and faults before
+    // the driver's restore.
+    let pid = w.workload(256, 0, &["--segv-after-restore"]);
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "dies"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let r = w.json(&["wake", "dies", "--wait", "10"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    let e = &r.json()["error"];
+    assert_eq!(e["kind"], "died_after_restore", "{e}");
+    let msg = e["message"].as_str().unwrap();
+    assert!(msg.contains(&format!("process {pid}")) && msg.contains("SIGSEGV"), "{msg}");
+    assert!(msg.contains("the image is kept"), "{msg}");
+    // Nothing of it is left, the driver never restored it, and the image
+    // is whole.
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    assert!(!w.calls_on(pid).iter().any(|c| c == "unlock=0"), "{:?}", w.calls_on(pid));
+    assert_eq!(w.json(&["images", "verify", "dies"]).code, 0);
+}

@@ -56,6 +56,8 @@ pub enum Error {
     PidBusy { pid: i32, comm: String },
     #[error("process {pid} ({comm}) is in a session whose leader is outside its pid namespace, which CRIU cannot dump; start it in a session of its own (setsid, or `gpusnap run`)")]
     ForeignSession { pid: i32, comm: String },
+    #[error("process {pid} ({comm}) died after CRIU restored it, before its CUDA state was back ({how}); the image is kept. A thread of it ran on memory the driver maps back only in its restore (seen with JAX and XLA_PYTHON_CLIENT_PREALLOCATE=false: docs/images.md)")]
+    DiedAfterRestore { pid: i32, comm: String, how: String },
     #[error("process {pid} ({comm}) from this image is still running")]
     StillRunning { pid: i32, comm: String },
     #[error("process {pid} ({comm}) uses CUDA, but gpusnap cannot load the driver: {why}")]
@@ -120,6 +122,7 @@ impl Error {
             | Self::Pages(_)
             | Self::PidBusy { .. }
             | Self::StillRunning { .. }
+            | Self::DiedAfterRestore { .. }
             | Self::CudaWithoutDriver { .. } => 1,
             Self::Driver { .. } | Self::NotReleased { .. } => 4,
             Self::Unrecoverable { .. } => 5,
@@ -183,6 +186,7 @@ impl Error {
             Self::Sign(_) => "key",
             Self::PidBusy { .. } => "pid_busy",
             Self::StillRunning { .. } => "still_running",
+            Self::DiedAfterRestore { .. } => "died_after_restore",
             Self::ForeignSession { .. } => "foreign_session",
             Self::CudaWithoutDriver { .. } => "no_driver",
             Self::Incompatible { .. } => "incompatible",

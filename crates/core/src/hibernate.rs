@@ -1359,10 +1359,38 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 Ok(t) => t,
                 Err(err) => {
                     let _ = pass(false);
-                    return Err(err);
+                    // CRIU restored it a moment ago: one gone now died on
+                    // its own, before its driver restore.
+                    return Err(match err {
+                        Error::Zombie { pid, comm } => {
+                            Error::DiedAfterRestore { pid, comm, how: target::how_it_ended(pid) }
+                        }
+                        Error::NoProcess { pid } => {
+                            let comm = m.processes.iter().find(|p| p.pid == pid).map(|p| p.comm.clone());
+                            Error::DiedAfterRestore {
+                                pid,
+                                comm: comm.unwrap_or_default(),
+                                how: "gone".into(),
+                            }
+                        }
+                        other => other,
+                    });
                 }
             };
-            e.restore_gated(&t, fp, pairs, &pass)?;
+            if let Err(err) = e.restore_gated(&t, fp, pairs, &pass) {
+                // Dead under the driver's restore: that is why it failed.
+                let died = match target::resolve(pid) {
+                    Err(Error::Zombie { .. } | Error::NoProcess { .. }) => true,
+                    Ok(now) => now.start_time != t.start_time,
+                    Err(_) => false,
+                };
+                if died {
+                    let how =
+                        format!("{}; the driver's restore then failed: {err}", target::how_it_ended(pid));
+                    return Err(Error::DiedAfterRestore { pid, comm: t.comm.clone(), how });
+                }
+                return Err(err);
+            }
             Ok::<_, Error>(t)
         };
         // One process alone runs here, with the engine's progress display.

@@ -63,6 +63,22 @@ pub fn resolve(pid: i32) -> Result<Target, Error> {
     Ok(t)
 }
 
+/// How process `pid` ended, for a zombie (its wait status, which
+/// /proc/PID/stat keeps until it is reaped): "killed by SIGSEGV (core
+/// dumped)", "exited with status 3"; "gone" once it is reaped.
+pub fn how_it_ended(pid: i32) -> String {
+    let status = Process::new(pid).and_then(|p| p.stat()).ok().and_then(|s| s.exit_code);
+    match status {
+        None => "gone".into(),
+        Some(st) if st & 0x7f != 0 => {
+            let sig = nix::sys::signal::Signal::try_from(st & 0x7f)
+                .map_or_else(|_| format!("signal {}", st & 0x7f), |s| s.as_str().to_string());
+            format!("killed by {sig}{}", if st & 0x80 != 0 { " (core dumped)" } else { "" })
+        }
+        Some(st) => format!("exited with status {}", (st >> 8) & 0xff),
+    }
+}
+
 /// Like [`resolve`], and also refuses a stopped process: call this right
 /// before every driver call.
 pub fn resolve_callable(pid: i32) -> Result<Target, Error> {

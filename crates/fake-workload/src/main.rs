@@ -55,6 +55,11 @@ struct Args {
     die: Option<String>,
     #[arg(long, default_value_t = 500)]
     after_ms: u64,
+    /// Die by SIGSEGV as soon as CRIU has restored the process (its start
+    /// time changes), before any driver restore: as a CUDA thread that runs
+    /// on memory the real driver maps back only in its restore.
+    #[arg(long)]
+    segv_after_restore: bool,
     /// Handle SIGTERM: exit(N) from the main loop when it arrives.
     #[arg(long)]
     sigterm_exit: Option<i32>,
@@ -92,6 +97,14 @@ static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool:
 
 extern "C" fn on_sigterm(_: c_int) {
     SIGTERMED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// This process's start time (field 22 of /proc/self/stat): a process
+/// CRIU restored has a new one.
+fn own_start_time() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let after = &stat[stat.rfind(')')? + 2..];
+    after.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// Dies the way `how` says (see --die).
@@ -276,6 +289,15 @@ fn run(args: &Args) -> Result<(), String> {
                 .spawn()
                 .map_err(|e| e.to_string())?,
         );
+    }
+    if args.segv_after_restore {
+        let start = own_start_time();
+        std::thread::spawn(move || loop {
+            sleep(Duration::from_millis(10));
+            if own_start_time().is_some_and(|now| Some(now) != start) {
+                die("segv");
+            }
+        });
     }
     let started = std::time::Instant::now();
     let exit_file = args.status.as_ref().map(|s| {
