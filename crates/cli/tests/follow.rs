@@ -153,6 +153,25 @@ fn a_criu_failure_mid_dump_with_the_follower_running_leaves_nothing() {
     assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
 }
 
+/// A hibernate of `pid` whose chunking fails (the test hook `hook`) was
+/// undone: exit 1 naming the hook, the process running on as before, no
+/// image, not one chunk (named or temporary), no FIFO left.
+fn hibernate_fails_and_is_undone(w: &mut World, pid: i32, hook: &str) {
+    let p = pid.to_string();
+    let state = w.state_dir();
+    w.env_extra.push((hook.into(), "0".into()));
+    let r = w.json(&["hibernate", &p, "--image", "x"]);
+    w.env_extra.retain(|(k, _)| k != hook);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(r.stderr.contains("test hook"), "{}", r.stderr);
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+    w.assert_progressing(pid);
+    assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
+    assert_eq!(store_files(&state), Vec::<String>::new());
+    assert_eq!(fifos_under(&state), Vec::<String>::new());
+    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
+}
+
 #[test]
 fn a_follower_that_fails_after_the_dump_undoes_the_hibernate() {
     criu_present();
@@ -160,18 +179,8 @@ fn a_follower_that_fails_after_the_dump_undoes_the_hibernate() {
     w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
     let pid = w.workload(512, 0, &[]);
     let p = pid.to_string();
-    let state = w.state_dir();
-    w.env_extra.push(("GPUSNAP_TEST_FOLLOW_FAIL_AFTER".into(), "0".into()));
-    let r = w.json(&["hibernate", &p, "--image", "x"]);
-    assert_eq!(r.code, 1, "{}", r.stderr);
-    assert!(r.stderr.contains("test hook"), "{}", r.stderr);
-    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
-    w.assert_progressing(pid);
-    assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
-    assert_eq!(store_files(&state), Vec::<String>::new());
-    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
+    hibernate_fails_and_is_undone(&mut w, pid, "GPUSNAP_TEST_FOLLOW_FAIL_AFTER");
     // Following off: the same hibernate, chunked after the dump as before.
-    w.env_extra.retain(|(k, _)| k != "GPUSNAP_TEST_FOLLOW_FAIL_AFTER");
     w.env_extra.push(("GPUSNAP_FOLLOW".into(), "0".into()));
     let r = w.json(&["hibernate", &p, "--image", "x"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
@@ -460,18 +469,7 @@ fn a_fifo_receiver_that_fails_undoes_the_hibernate() {
     let mut w = World::new(&[8192]);
     let pid = w.workload(512, 0, &[]);
     let p = pid.to_string();
-    let state = w.state_dir();
-    w.env_extra.push(("GPUSNAP_TEST_FIFO_FAIL_AFTER".into(), "0".into()));
-    let r = w.json(&["hibernate", &p, "--image", "x"]);
-    assert_eq!(r.code, 1, "{}", r.stderr);
-    assert!(r.stderr.contains("test hook"), "{}", r.stderr);
-    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
-    w.assert_progressing(pid);
-    assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
-    assert_eq!(store_files(&state), Vec::<String>::new());
-    assert_eq!(fifos_under(&state), Vec::<String>::new());
-    assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
-    w.env_extra.clear();
+    hibernate_fails_and_is_undone(&mut w, pid, "GPUSNAP_TEST_FIFO_FAIL_AFTER");
     let r = w.json(&["hibernate", &p, "--image", "x"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.reap(pid);
