@@ -663,7 +663,10 @@ fn a_process_that_dies_right_after_criu_restores_it_is_named_and_its_image_kept(
     let e = &r.json()["error"];
     assert_eq!(e["kind"], "died_after_restore", "{e}");
     let msg = e["message"].as_str().unwrap();
-    assert!(msg.contains(&format!("process {pid}")) && msg.contains("SIGSEGV"), "{msg}");
+    // How it ended, unless its init reaped it first (a pid namespace's
+    // init that reaps orphans at once, as CI's).
+    assert!(msg.contains(&format!("process {pid}")), "{msg}");
+    assert!(msg.contains("killed by SIGSEGV") || msg.contains("reaped before gpusnap saw"), "{msg}");
     assert!(msg.contains("the image is kept"), "{msg}");
     // Nothing of it is left, the driver never restored it, and the image
     // is whole.

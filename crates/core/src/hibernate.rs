@@ -1370,7 +1370,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                             Error::DiedAfterRestore {
                                 pid,
                                 comm: comm.unwrap_or_default(),
-                                how: "gone".into(),
+                                how: target::how_it_ended(pid),
                             }
                         }
                         other => other,

@@ -65,11 +65,12 @@ pub fn resolve(pid: i32) -> Result<Target, Error> {
 
 /// How process `pid` ended, for a zombie (its wait status, which
 /// /proc/PID/stat keeps until it is reaped): "killed by SIGSEGV (core
-/// dumped)", "exited with status 3"; "gone" once it is reaped.
+/// dumped)", "exited with status 3"; once it is reaped (by its init, if
+/// CRIU's restore left it an orphan), only that.
 pub fn how_it_ended(pid: i32) -> String {
     let status = Process::new(pid).and_then(|p| p.stat()).ok().and_then(|s| s.exit_code);
     match status {
-        None => "gone".into(),
+        None => "reaped before gpusnap saw how it ended: see the kernel log for a segfault".into(),
         Some(st) if st & 0x7f != 0 => {
             let sig = nix::sys::signal::Signal::try_from(st & 0x7f)
                 .map_or_else(|_| format!("signal {}", st & 0x7f), |s| s.as_str().to_string());
