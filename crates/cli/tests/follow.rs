@@ -509,3 +509,28 @@ fn a_gpusnap_killed_mid_dump_leaves_criu_unblocked_and_the_tree_running() {
     assert_eq!(checks(&out).1, 0);
     assert!(w.json(&["images", "verify", "k"]).code != 0, "no image k");
 }
+
+#[test]
+fn raw_chunks_copied_in_place_from_their_kept_mappings_wake_intact() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    w.run_limit = Duration::from_secs(300);
+    // Random bytes: every chunk is stored raw, so with the setting the
+    // page server copies each one from its file's mapping (kept for the
+    // whole wake), never through its buffer.
+    let (pid, out) = holder(&mut w, 96);
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", "raw"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let good = checks(&out).0;
+    w.env_extra.push(("GPUSNAP_PAGES_MAP_RAW".into(), "1".into()));
+    let r = w.json(&["wake", "raw", "--wait", "30", "--no-guard"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["lazy"], true, "{v}");
+    assert!(v["pages"]["in_place_bytes"].as_u64().unwrap() > 64 << 20, "{v}");
+    wait_for(Duration::from_secs(60), || checks(&out).0 > good + 2);
+    assert_eq!(checks(&out).1, 0, "the memory came back intact");
+}

@@ -652,12 +652,16 @@ fn a_process_that_dies_right_after_criu_restores_it_is_named_and_its_image_kept(
     // As JAX's worker with XLA_PYTHON_CLIENT_PREALLOCATE=false on the H200:
     // a thread runs once CRIU has restored the process and faults before
     // the driver's restore.
-    let pid = w.workload(256, 0, &["--segv-after-restore"]);
+    // Its host copy (256 MiB the fake's checkpoint writes) is all filled
+    // before the driver's restore starts (a head start of all of it), so
+    // it is dead by then.
+    let pid = w.workload(256, 0, &["--segv-after-restore", "--host-copy-mib", "256"]);
     let p = pid.to_string();
     let r = w.json(&["hibernate", &p, "--image", "dies"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.reap(pid);
     wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    w.env_extra.push(("GPUSNAP_PAGES_HEAD_START".into(), "100%".into()));
     let r = w.json(&["wake", "dies", "--wait", "10"]);
     assert_eq!(r.code, 1, "{}", r.stderr);
     let e = &r.json()["error"];

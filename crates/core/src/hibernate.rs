@@ -1378,12 +1378,17 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 }
             };
             if let Err(err) = e.restore_gated(&t, fp, pairs, &pass) {
-                // Dead under the driver's restore: that is why it failed.
-                let died = match target::resolve(pid) {
-                    Err(Error::Zombie { .. } | Error::NoProcess { .. }) => true,
-                    Ok(now) => now.start_time != t.start_time,
-                    Err(_) => false,
-                };
+                // A driver error on a process that is dead now: it died
+                // under the driver's restore, which is why that failed.
+                // (Not for what the restore's own failure handling does
+                // next, `Unrecoverable` and its recovery, which may end
+                // and replace the process itself.)
+                let died = matches!(err, Error::Driver { .. })
+                    && match target::resolve(pid) {
+                        Err(Error::Zombie { .. } | Error::NoProcess { .. }) => true,
+                        Ok(now) => now.start_time != t.start_time,
+                        Err(_) => false,
+                    };
                 if died {
                     let how =
                         format!("{}; the driver's restore then failed: {err}", target::how_it_ended(pid));

@@ -291,9 +291,14 @@ fn run(args: &Args) -> Result<(), String> {
         );
     }
     if args.segv_after_restore {
+        // No core to write: the death is at once.
+        let none = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: setrlimit reads the struct it is given, which lives
+        // through the call.
+        unsafe { libc::setrlimit(libc::RLIMIT_CORE, &none) };
         let start = own_start_time();
         std::thread::spawn(move || loop {
-            sleep(Duration::from_millis(10));
+            sleep(Duration::from_millis(1));
             if own_start_time().is_some_and(|now| Some(now) != start) {
                 die("segv");
             }
