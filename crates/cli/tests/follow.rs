@@ -534,3 +534,23 @@ fn raw_chunks_copied_in_place_from_their_kept_mappings_wake_intact() {
     wait_for(Duration::from_secs(60), || checks(&out).0 > good + 2);
     assert_eq!(checks(&out).1, 0, "the memory came back intact");
 }
+
+#[test]
+fn the_dump_keeper_is_hidden_and_harmless_by_hand() {
+    let w = World::new(&[8192]);
+    let r = w.gpusnap(&["--help"]);
+    assert!(!r.stdout.contains("__dump-keeper"), "{}", r.stdout);
+    let r = w.gpusnap(&["__dump-keeper"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert_eq!(r.stderr.trim().lines().count(), 1, "{}", r.stderr);
+    assert!(r.stderr.contains("usage: __dump-keeper CRIU_DIR COUNT"), "{}", r.stderr);
+    // With no hibernate behind it (its stdin ends at once, no FIFO, no
+    // CRIU): it says so and exits, touching nothing.
+    let dir = w.tmp.path().join("nothing-here");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("pages-1.img"), b"a file, not a FIFO").unwrap();
+    let r = w.gpusnap(&["__dump-keeper", dir.to_str().unwrap(), "3"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stderr.contains("CRIU is gone"), "{}", r.stderr);
+    assert_eq!(std::fs::read(dir.join("pages-1.img")).unwrap(), b"a file, not a FIFO");
+}
