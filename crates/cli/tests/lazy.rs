@@ -41,6 +41,30 @@ fn wake(w: &mut World, pid: i32, args: &[&str]) -> Run {
     r
 }
 
+/// A wake of `pid`, which acts on its memory (its `go` file is made) while
+/// the page server fills it: a wake that failed because the process removed
+/// pages while a copy into them was in flight (the one race the page server
+/// cannot undo, docs/pages.md) ended the tree and kept the image, and is
+/// tried again, a few times at most.
+fn wake_acting(w: &mut World, pid: i32, out: &Path, args: &[&str]) -> Run {
+    for _ in 0..8 {
+        // What a failed try's process wrote is not this wake's, and the
+        // process it woke may have taken its `go` already.
+        let _ = std::fs::remove_file(out.with_extension("after"));
+        let _ = std::fs::remove_file(out.with_extension("child"));
+        std::fs::write(out.with_extension("go"), "").unwrap();
+        let r = w.json(args);
+        if r.code == 0 {
+            w.adopt(pid);
+            return r;
+        }
+        assert!(r.stderr.contains("while a copy into it was in flight"), "{}", r.stderr);
+        eprintln!("the wake raced a removal and failed safely; again");
+        wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    }
+    panic!("eight wakes in a row raced a removal");
+}
+
 #[test]
 fn a_lazy_wake_serves_every_page_through_fork_remap_unmap_and_remove() {
     criu_present();
@@ -51,7 +75,7 @@ fn a_lazy_wake_serves_every_page_through_fork_remap_unmap_and_remove() {
     // The process acts on its memory as soon as it runs again, while the
     // page server is still filling it.
     std::fs::write(out.with_extension("go"), "").unwrap();
-    let v = wake(&mut w, pid, &["wake", "mem", "--no-guard"]).json();
+    let v = wake_acting(&mut w, pid, &out, &["wake", "mem", "--no-guard"]).json();
     assert_eq!(v["lazy"], true, "{v}");
     assert!(v["pages_bytes"].as_u64().unwrap() >= 4 * (32 << 20) / 2, "{v}");
     for stage in ["verify", "waited", "criu", "driver", "pages"] {
@@ -94,7 +118,7 @@ fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
         w.env_extra.push((k.into(), v.into()));
     }
     std::fs::write(out.with_extension("go"), "").unwrap();
-    let v = wake(&mut w, pid, &["wake", "mem", "--no-guard"]).json();
+    let v = wake_acting(&mut w, pid, &out, &["wake", "mem", "--no-guard"]).json();
     assert_eq!(v["lazy"], true, "{v}");
     assert!(v["stages"]["head_start"].is_u64(), "{v}");
     let p = &v["pages"];
@@ -123,6 +147,30 @@ fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
     assert_eq!(v["lazy"], false, "{v}");
     assert!(v["notice"].as_str().unwrap().contains("GPUSNAP_PAGES_BATCH=lots: not a size"), "{v}");
     check_memory(&out);
+    w.kill(pid);
+}
+
+#[test]
+fn a_removal_that_meets_a_copy_in_flight_fails_the_wake_safely_and_keeps_the_image() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    let (pid, out) = mem_proc(&mut w, "raced", 16);
+    hibernate(&w, pid, "mem");
+    // The process removes half of D (madvise DONTNEED) as soon as it runs;
+    // the hook takes that removal as one a copy met (a real one: a copy
+    // that landed after the kernel zapped the range).
+    std::fs::write(out.with_extension("go"), "").unwrap();
+    w.env_extra.push(("GPUSNAP_TEST_PAGES_REMOVE_RACED".into(), "1".into()));
+    let r = w.json(&["wake", "mem", "--no-guard"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "pages", "{}", r.stderr);
+    assert!(r.stderr.contains("(MADV_DONTNEED) while a copy into it was in flight"), "{}", r.stderr);
+    // The woken tree is ended, the image kept; the next wake is whole.
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    assert_eq!(w.json(&["images", "verify", "mem"]).code, 0);
+    w.env_extra.clear();
+    wake_acting(&mut w, pid, &out, &["wake", "mem", "--no-guard"]);
+    check_read(&out);
     w.kill(pid);
 }
 

@@ -18,6 +18,8 @@ pub const FAIL_AFTER_ENV: &str = "GPUSNAP_PAGES_FAIL_AFTER";
 /// Sleeps this many microseconds before each chunk the page server reads:
 /// how the tests make a kill of the wake land in the middle of the fill.
 pub const SLOW_ENV: &str = "GPUSNAP_PAGES_SLOW_US";
+/// Test hook: "1" takes every REMOVE as one that met a copy in flight.
+pub const REMOVE_RACED_ENV: &str = "GPUSNAP_TEST_PAGES_REMOVE_RACED";
 
 /// The hidden subcommand that runs the keeper (docs/pages.md, "Safety").
 pub const KEEPER_ARG: &str = "__pages-keeper";
@@ -73,7 +75,7 @@ fn start_keeper(
         cmd.arg(c.state_dir).arg(c.name).arg(c.dir);
     }
     let log = std::fs::OpenOptions::new().create(true).append(true).open(work.join("keeper.log"))?;
-    cmd.stderr(log).env_remove(SLOW_ENV).env_remove(FAIL_AFTER_ENV);
+    cmd.stderr(log).env_remove(SLOW_ENV).env_remove(FAIL_AFTER_ENV).env_remove(REMOVE_RACED_ENV);
     Keeper::spawn(cmd).map(Some)
 }
 
@@ -271,6 +273,7 @@ pub fn restore_from(
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .map(std::time::Duration::from_micros),
+            remove_raced: std::env::var(REMOVE_RACED_ENV).is_ok_and(|v| v == "1"),
             ..o
         },
         Err(e) => return fallback(format!("page server: {e}")),

@@ -21,7 +21,7 @@ use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -87,6 +87,10 @@ pub struct Options {
     /// the wake lands in the middle of the fill).
     #[serde(skip)]
     pub slow: Option<Duration>,
+    /// Take every REMOVE as one that met a copy in flight (tests of the
+    /// wake that fails safely on that race).
+    #[serde(skip)]
+    pub remove_raced: bool,
 }
 
 /// Bytes the page server fills before the driver's restore is started.
@@ -140,6 +144,7 @@ impl Default for Options {
             big_first: 0,
             rate: 0,
             fail_after: None,
+            remove_raced: false,
             slow: None,
         }
     }
@@ -456,6 +461,20 @@ struct Mm {
     uffd: OwnedFd,
     pages: Arc<dyn PagesFile>,
     st: Mutex<MmState>,
+    /// Held (shared) by every `UFFDIO_COPY` until what it copied is in
+    /// `landed`; taken alone by a REMOVE, so that every copy that landed
+    /// before its unregister is counted.
+    copying: RwLock<()>,
+    /// Ranges copied in since the event thread last began a read: a
+    /// removed range one of them meets may hold the image's bytes where
+    /// the process must read zeros (see the REMOVE event).
+    landed: Mutex<Vec<(u64, u64)>>,
+}
+
+impl Mm {
+    fn new(pid: i32, key: u32, uffd: OwnedFd, pages: Arc<dyn PagesFile>, st: MmState) -> Self {
+        Self { pid, key, uffd, pages, st: Mutex::new(st), copying: RwLock::new(()), landed: Mutex::default() }
+    }
 }
 
 struct Shared {
@@ -709,13 +728,7 @@ impl Server {
             if !crate::keeper::wake_all(r.uffd.as_fd()) {
                 tracing::warn!(pid = r.pid, "keeper: cannot wake the faults the wake had read");
             }
-            let mm = Arc::new(Mm {
-                pid: r.pid,
-                key: shared.key(),
-                uffd: r.uffd,
-                pages,
-                st: Mutex::new(MmState::of(r.pieces)),
-            });
+            let mm = Arc::new(Mm::new(r.pid, shared.key(), r.uffd, pages, MmState::of(r.pieces)));
             add_mm(&shared, mm);
         }
         shared.total.store(total, SeqCst);
@@ -1030,13 +1043,7 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
         let (pages_id, iovs) = lazy_iovs(&sh.images, pid)?;
         let pages = sh.source.open(&format!("pages-{pages_id}.img"))?;
         tracing::debug!(pid, pieces = iovs.len(), "page server: a process to serve");
-        let mm = Arc::new(Mm {
-            pid,
-            key,
-            uffd,
-            pages,
-            st: Mutex::new(MmState::of(iovs).big_first(sh.opts.big_first)),
-        });
+        let mm = Arc::new(Mm::new(pid, key, uffd, pages, MmState::of(iovs).big_first(sh.opts.big_first)));
         add_mm(sh, mm);
     }
 }
@@ -1066,6 +1073,7 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
         }
         loop {
             mm.st.lock().unwrap().recent.clear();
+            mm.landed.lock().unwrap().clear();
             let msg = match sys::read_msg(fd) {
                 Ok(Some(m)) => m,
                 Ok(None) => break,
@@ -1116,13 +1124,13 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                     sh.forks.fetch_add(1, SeqCst);
                     add_mm(
                         sh,
-                        Arc::new(Mm {
-                            pid: mm.pid,
-                            key: child_key,
-                            uffd: child,
-                            pages: mm.pages.clone(),
-                            st: Mutex::new(MmState { pieces, ..Default::default() }),
-                        }),
+                        Arc::new(Mm::new(
+                            mm.pid,
+                            child_key,
+                            child,
+                            mm.pages.clone(),
+                            MmState { pieces, ..Default::default() },
+                        )),
                     );
                 }
                 sys::EVENT_REMAP => {
@@ -1154,8 +1162,35 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                             return;
                         }
                     }
+                    // A copy into a removed range that lands after the
+                    // kernel zapped it would leave the image's bytes where
+                    // the process must read zeros. The zap comes only once
+                    // this event is read (the madvise waits for that), and
+                    // copies after the unregister above fail; so the copies
+                    // that may have landed after it are those still in
+                    // flight at the unregister and those that landed since
+                    // this read began (`landed`). None can be undone (no
+                    // MADV_DONTNEED on another process): the wake fails
+                    // safely instead (the tree ended, the image kept).
+                    let raced = msg.event == sys::EVENT_REMOVE && {
+                        // Every copy that got in before the unregister has
+                        // said where it landed once this is taken.
+                        drop(mm.copying.write().unwrap());
+                        sh.opts.remove_raced
+                            || mm.landed.lock().unwrap().iter().any(|&(s, e)| s < a1 && e > a0)
+                    };
                     let d = mm.st.lock().unwrap().drop_range(a0, a1);
                     sh.dropped.fetch_add(d, SeqCst);
+                    if raced {
+                        sh.fail(PagesError::Fill {
+                            pid: mm.pid,
+                            addr: a0,
+                            err: format!(
+                                "the process removed {a0:#x}..{a1:#x} (MADV_DONTNEED) while a copy into it was in flight: it might read the image's bytes there instead of zeros"
+                            ),
+                        });
+                        return;
+                    }
                 }
                 other => {
                     sh.fail(PagesError::Fill {
@@ -1404,7 +1439,14 @@ fn copy_in(sh: &Shared, mm: &Mm, dst: u64, data: &[u8], wake: (u64, u64)) -> Res
     let n = data.len() as u64;
     let (mut pos, mut copied) = (0u64, 0u64);
     while pos < n {
-        let (k, err) = sys::copy(fd, dst + pos, &data[pos as usize..]);
+        let (k, err) = {
+            let _copying = mm.copying.read().unwrap();
+            let (k, err) = sys::copy(fd, dst + pos, &data[pos as usize..]);
+            if k > 0 {
+                mm.landed.lock().unwrap().push((dst + pos, dst + pos + k));
+            }
+            (k, err)
+        };
         pos += k;
         copied += k;
         sh.served.fetch_add(k, SeqCst);
