@@ -71,6 +71,30 @@ fn wake_intact(w: &mut World, pid: i32, image: &str, out: &Path) {
     assert_eq!(checks(out).1, 0, "the memory came back intact");
 }
 
+/// Snapshots `p` (holding 300 MiB of random bytes) as images `one` and
+/// `two`: more than one 256 MiB segment chunked while CRIU dumps (its pages
+/// went where `dump_dir` says, when given), stored once, the second image
+/// stored again in chunks the store had, no temporary chunk left.
+fn two_snapshots_share_their_chunks(w: &World, p: &str, dump_dir: Option<&str>) {
+    let state = w.state_dir();
+    let r = w.json(&["snapshot", p, "--image", "one"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let s = &r.json()["stages"];
+    if let Some(d) = dump_dir {
+        assert_eq!(s["dump_dir"], d, "{s}");
+    }
+    let chunked = s["follow_overlapped_bytes"].as_u64().unwrap() + s["follow_after_bytes"].as_u64().unwrap();
+    assert!(chunked > 300 << 20, "{s}");
+    let once = store_bytes(&state);
+    assert!(once > 300 << 20, "{once}");
+    // The same memory again: its chunks are in the store already.
+    let r = w.json(&["snapshot", p, "--image", "two"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let twice = store_bytes(&state);
+    assert!(twice - once < 32 << 20, "stored again: {once} then {twice}");
+    assert!(store_files(&state).iter().all(|f| !f.contains(".tmp-")));
+}
+
 #[test]
 fn memory_larger_than_a_segment_is_followed_deduplicated_and_wakes_intact() {
     criu_present();
@@ -81,19 +105,7 @@ fn memory_larger_than_a_segment_is_followed_deduplicated_and_wakes_intact() {
     let (pid, out) = holder(&mut w, 300);
     let p = pid.to_string();
     let state = w.state_dir();
-    let r = w.json(&["snapshot", &p, "--image", "one"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    let s = &r.json()["stages"];
-    let followed = s["follow_overlapped_bytes"].as_u64().unwrap() + s["follow_after_bytes"].as_u64().unwrap();
-    assert!(followed > 300 << 20, "{s}");
-    let once = store_bytes(&state);
-    assert!(once > 300 << 20, "{once}");
-    // The same memory again: its chunks are in the store already.
-    let r = w.json(&["snapshot", &p, "--image", "two"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    let twice = store_bytes(&state);
-    assert!(twice - once < 32 << 20, "stored again: {once} then {twice}");
-    assert!(store_files(&state).iter().all(|f| !f.contains(".tmp-")));
+    two_snapshots_share_their_chunks(&w, &p, None);
     // Both images are whole; the pages files are gone from them.
     for name in ["one", "two"] {
         let r = w.json(&["images", "verify", name]);
@@ -334,19 +346,7 @@ fn pages_through_fifos_are_deduplicated_leave_no_pages_file_and_wake_intact() {
     let (pid, out) = holder(&mut w, 300);
     let p = pid.to_string();
     let state = w.state_dir();
-    let r = w.json(&["snapshot", &p, "--image", "one"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    let s = &r.json()["stages"];
-    assert_eq!(s["dump_dir"], "fifo", "{s}");
-    let received = s["follow_overlapped_bytes"].as_u64().unwrap() + s["follow_after_bytes"].as_u64().unwrap();
-    assert!(received > 300 << 20, "{s}");
-    let once = store_bytes(&state);
-    assert!(once > 300 << 20, "{once}");
-    let r = w.json(&["snapshot", &p, "--image", "two"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    let twice = store_bytes(&state);
-    assert!(twice - once < 32 << 20, "stored again: {once} then {twice}");
-    assert!(store_files(&state).iter().all(|f| !f.contains(".tmp-")));
+    two_snapshots_share_their_chunks(&w, &p, Some("fifo"));
     assert_eq!(fifos_under(&state), Vec::<String>::new());
     for name in ["one", "two"] {
         let r = w.json(&["images", "verify", name]);
