@@ -163,15 +163,9 @@ fn copiers_setting(value: Option<String>, threads: usize) -> usize {
 /// How many segment buffers a receiver may hold: enough for every chunker
 /// and the readers, at most an eighth of the memory available.
 fn buffer_limit(threads: usize) -> usize {
-    let avail = procfs_avail().unwrap_or(8 << 30);
+    let avail = crate::dumpdir::meminfo().map_or(8 << 30, |(_, avail)| avail);
     let by_mem = (avail / 8 / SEGMENT as u64) as usize;
     (threads + 2).min(by_mem).max(2)
-}
-
-fn procfs_avail() -> Option<u64> {
-    let s = fs::read_to_string("/proc/meminfo").ok()?;
-    let l = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    Some(l.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
 }
 
 type SegResult = Result<(Vec<ChunkRef>, Vec<Staged>), String>;
@@ -588,7 +582,6 @@ impl Receiver {
     /// has exited, so they are at their ends), removes every staged chunk
     /// and the FIFOs.
     pub fn abandon(mut self) {
-        self.stop.store(true, Ordering::Relaxed);
         let reads = self.join();
         for r in reads {
             let results = r.results.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default();

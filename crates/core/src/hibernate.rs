@@ -509,7 +509,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
         // The pages of their own files the processes have in memory, read
         // ahead by a cold wake (crate::workingset).
-        let file_pages = crate::workingset::capture(&tree.iter().map(|(p, _)| *p).collect::<Vec<_>>());
+        let tree_pids: Vec<i32> = tree.iter().map(|(p, _)| *p).collect();
+        let file_pages = crate::workingset::capture(&tree_pids);
         // 2. CRIU dump, leaving the tree stopped (or, with leave_running,
         // running) until the image is safe.
         let t_dump = Instant::now();
@@ -520,8 +521,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // crate::fifo); where that cannot start, CRIU writes pages files.
         let mut receiver = None;
         if crate::fifo::enabled() {
-            let pids: Vec<i32> = tree.iter().map(|(p, _)| *p).collect();
-            let names = crate::fifo::names_for(&pids);
+            let names = crate::fifo::names_for(&tree_pids);
             let log = images.state_dir().join("dump-keeper.log");
             match crate::fifo::Receiver::start(&pending.criu_dir(), &store_root, opts.durable, names, &log) {
                 Ok(r) => receiver = Some(r),
