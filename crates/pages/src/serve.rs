@@ -1357,7 +1357,6 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
     let fd = mm.uffd.as_fd();
     let mut at = 0u64;
     let mut requeue = false;
-    let mut copied = 0u64;
     while at < iov.len() && !requeue {
         let len = chunk.min(iov.len() - at);
         if let Some(d) = sh.opts.slow {
@@ -1402,9 +1401,7 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
             }
             let t = Instant::now();
             let n = data.len() as u64;
-            let (k, again) = copy_in(sh, mm, start + sub, data, (start, len))?;
-            copied += k;
-            requeue = again;
+            requeue = copy_in(sh, mm, start + sub, data, (start, len), by_fault)?;
             sh.stats.copy_us.fetch_add(us(t.elapsed()), SeqCst);
             sub += n;
         }
@@ -1413,8 +1410,6 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
         sh.stats.copy_us.fetch_add(us(t.elapsed()), SeqCst);
         at += len;
     }
-    let counter = if by_fault { &sh.stats.fault_bytes } else { &sh.stats.fill_bytes };
-    counter.fetch_add(copied, SeqCst);
     sh.stats.last_page_us.fetch_max(sh.now_us(), SeqCst);
     let t = Instant::now();
     let mut st = mm.st.lock().unwrap();
@@ -1431,13 +1426,23 @@ fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool)
 
 /// Copies `data` into the process at `dst` without waking it, skipping any
 /// page already there (another thread's, or a fork's copy).
-/// Returns the bytes copied and whether the fill must give its pieces back
+/// Each copy is counted as served, and as the fault's or the fill's, as it
+/// lands (counted later, a report taken once every page is in could miss
+/// the last batch's). Returns whether the fill must give its pieces back
 /// (the layout is changing, or the process is gone). A copy that fails for
 /// good wakes `wake` (start, len) first, so no fault waits on it for ever.
-fn copy_in(sh: &Shared, mm: &Mm, dst: u64, data: &[u8], wake: (u64, u64)) -> Result<(u64, bool), PagesError> {
+fn copy_in(
+    sh: &Shared,
+    mm: &Mm,
+    dst: u64,
+    data: &[u8],
+    wake: (u64, u64),
+    by_fault: bool,
+) -> Result<bool, PagesError> {
     let fd = mm.uffd.as_fd();
     let n = data.len() as u64;
-    let (mut pos, mut copied) = (0u64, 0u64);
+    let counter = if by_fault { &sh.stats.fault_bytes } else { &sh.stats.fill_bytes };
+    let mut pos = 0u64;
     while pos < n {
         let (k, err) = {
             let _copying = mm.copying.read().unwrap();
@@ -1448,7 +1453,8 @@ fn copy_in(sh: &Shared, mm: &Mm, dst: u64, data: &[u8], wake: (u64, u64)) -> Res
             (k, err)
         };
         pos += k;
-        copied += k;
+        // Before `served`, as below.
+        counter.fetch_add(k, SeqCst);
         sh.served.fetch_add(k, SeqCst);
         match err {
             None => {}
@@ -1457,21 +1463,23 @@ fn copy_in(sh: &Shared, mm: &Mm, dst: u64, data: &[u8], wake: (u64, u64)) -> Res
             // Already there (another thread, or a fork's copy): skip it.
             Some(Errno::EEXIST) => {
                 pos += PAGE;
-                sh.served.fetch_add(PAGE, SeqCst);
+                // Counted before `served`: the report taken once every page
+                // is served holds every page's kind.
                 sh.stats.eexist_pages.fetch_add(1, SeqCst);
+                sh.served.fetch_add(PAGE, SeqCst);
             }
             // The layout is changing (an event not yet read): try again
             // once the event has edited the pieces.
-            Some(Errno::EAGAIN) => return Ok((copied, true)),
+            Some(Errno::EAGAIN) => return Ok(true),
             // Not registered there any more: moved (mremap), unmapped or
             // removed meanwhile. The pieces go back as the events leave
             // them: moved to where the mapping went, or dropped. Copying
             // on to this address, or forgetting them, would lose the
             // pages of a moved mapping (they would fault in as zeros).
-            Some(Errno::ENOENT) => return Ok((copied, true)),
+            Some(Errno::ENOENT) => return Ok(true),
             Some(Errno::ESRCH | Errno::ENOSPC) => {
                 mm.st.lock().unwrap().gone = true;
-                return Ok((copied, true));
+                return Ok(true);
             }
             Some(e) => {
                 let _ = sys::wake(fd, wake.0, wake.1);
@@ -1479,7 +1487,7 @@ fn copy_in(sh: &Shared, mm: &Mm, dst: u64, data: &[u8], wake: (u64, u64)) -> Res
             }
         }
     }
-    Ok((copied, false))
+    Ok(false)
 }
 
 #[cfg(test)]
