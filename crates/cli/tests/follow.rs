@@ -48,7 +48,11 @@ while True:
 "#;
     let n = w.spawn_env("python3", &["-c", script, &mib.to_string(), out.to_str().unwrap()]);
     let pid = w.child_pid(n);
-    wait_for(Duration::from_secs(30), || std::fs::read_to_string(&out).is_ok_and(|s| s.contains(" ok")));
+    // Making and hashing the bytes takes a while on a busy 2-core machine
+    // (1200 MiB took over 30 s in a CI run): the wait grows with the size.
+    wait_for(Duration::from_secs(30 + mib / 10), || {
+        std::fs::read_to_string(&out).is_ok_and(|s| s.contains(" ok"))
+    });
     (pid, out)
 }
 
