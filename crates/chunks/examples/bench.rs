@@ -1,4 +1,5 @@
-//! CPU cost of the chunk store, one core: chunking (FastCDC), hashing
+//! CPU cost of the chunk store, one core: chunking (page-end cuts, the
+//! store's; FastCDC, for comparison), hashing
 //! (blake3), zstd at several levels, and the dedup of two images that share
 //! most of their bytes at different offsets (fixed-size chunks against
 //! content-defined). `scripts/bench-chunks-cpu.sh` runs it.
@@ -49,6 +50,10 @@ fn cdc(d: &[u8]) -> Vec<(blake3::Hash, usize)> {
     .collect()
 }
 
+fn pagecut(d: &[u8]) -> Vec<(blake3::Hash, usize)> {
+    gpusnap_chunks::Cuts::new(d).map(|(o, n)| (blake3::hash(&d[o..o + n]), n)).collect()
+}
+
 fn stored(a: &[(blake3::Hash, usize)], b: &[(blake3::Hash, usize)]) -> usize {
     let mut seen = HashSet::new();
     a.iter().chain(b).filter(|(h, _)| seen.insert(*h)).map(|(_, n)| n).sum()
@@ -80,6 +85,12 @@ fn main() {
         gbps(a.len(), t.elapsed().as_secs_f64())
     );
     let t = Instant::now();
+    let n = gpusnap_chunks::Cuts::new(&a).count();
+    println!(
+        "page-end cuts:      {:.2} GB/s per core ({n} chunks)",
+        gbps(a.len(), t.elapsed().as_secs_f64())
+    );
+    let t = Instant::now();
     let h = blake3::hash(&a);
     println!(
         "blake3 hashing:     {:.2} GB/s per core ({})",
@@ -88,7 +99,10 @@ fn main() {
     );
     let t = Instant::now();
     let ca = cdc(&a);
-    println!("chunk + hash:       {:.2} GB/s per core", gbps(a.len(), t.elapsed().as_secs_f64()));
+    println!("fastcdc + hash:     {:.2} GB/s per core", gbps(a.len(), t.elapsed().as_secs_f64()));
+    let t = Instant::now();
+    let pa = pagecut(&a);
+    println!("page cuts + hash:   {:.2} GB/s per core", gbps(a.len(), t.elapsed().as_secs_f64()));
 
     let sample = &a[..a.len().min(256 << 20)];
     for level in [1, 3, 9] {
@@ -112,11 +126,19 @@ fn main() {
         );
     }
     let cb = cdc(&b);
+    let pb = pagecut(&b);
     let one = a.len();
     let s_cdc = stored(&ca, &cb);
+    let s_page = stored(&pa, &pb);
     let s_fixed = stored(&fixed(&a, 1 << 20), &fixed(&b, 1 << 20));
     let s_fixed4k = stored(&fixed(&a, 4096), &fixed(&b, 4096));
     println!("dedup, two images stored as a multiple of one:");
+    println!(
+        "  content-defined at page ends (chosen): {:.3} ({} + {} chunks)",
+        s_page as f64 / one as f64,
+        pa.len(),
+        pb.len()
+    );
     println!("  content-defined (FastCDC 256K/1M/4M): {:.3}", s_cdc as f64 / one as f64);
     println!("  fixed 1 MiB:                          {:.3}", s_fixed as f64 / one as f64);
     println!(

@@ -1,9 +1,10 @@
 //! gpusnap's content-addressed chunk store.
 //!
-//! An image's files are cut into content-defined chunks (FastCDC: a shift
-//! in a file, such as one process's private pages before pages both
-//! processes share, moves fixed-size boundaries and loses the dedup;
-//! see docs/benchmarks.md for the measurement), each named by its blake3
+//! An image's pages files are cut into content-defined chunks, at page ends
+//! chosen by the pages' content ([`Cuts`]: a shift in a file, such as one
+//! process's private pages before pages both processes share, moves
+//! fixed-size boundaries and loses the dedup; see docs/benchmarks.md for
+//! the measurement), each named by its blake3
 //! hash and stored once, zstd-compressed or raw when zstd does not pay.
 //!
 //! ```text
@@ -30,12 +31,15 @@ use std::path::{Path, PathBuf};
 mod remote;
 pub use remote::{Remote, RemoteError, RemoteUrl, TransferReport};
 
-/// FastCDC sizes: 1 MiB chunks on average keep a 28 GB image at ~28k objects
+/// Chunk sizes: 1 MiB chunks on average keep a 28 GB image at ~28k objects
 /// (each a request to an object store) while private state between shared
 /// pages costs at most a few MiB of lost dedup.
 pub const MIN_CHUNK: u32 = 256 << 10;
 pub const AVG_CHUNK: u32 = 1 << 20;
 pub const MAX_CHUNK: u32 = 4 << 20;
+
+mod cut;
+pub use cut::{Cuts, PAGE};
 /// zstd level 1: measured (scripts/bench-chunks-cpu.sh) within a few percent
 /// of level 3's ratio on CRIU pages at about twice the speed.
 pub const ZSTD_LEVEL: i32 = 1;
@@ -74,36 +78,50 @@ pub fn valid_hash(h: &str) -> bool {
     h.len() == 64 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
-/// Cuts `r` into chunks: returns its size, its whole blake3 and the chunk
-/// list, calling `each` with every chunk's bytes (one read of the data).
+/// Cuts `r` into chunks as [`chunk_slice`] cuts the same bytes: returns its
+/// size, its whole blake3 and the chunk list, calling `each` with every
+/// chunk's bytes (one read of the data, a [`SEGMENT`] at a time).
 pub fn chunk_reader(
-    r: impl Read,
+    mut r: impl Read,
     mut each: impl FnMut(&ChunkRef, &[u8]) -> std::io::Result<()>,
 ) -> std::io::Result<(u64, String, Vec<ChunkRef>)> {
     let mut whole = blake3::Hasher::new();
     let mut list = Vec::new();
     let mut size = 0u64;
-    for c in fastcdc::v2020::StreamCDC::new(r, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK) {
-        let c = c.map_err(|e| match e {
-            fastcdc::v2020::Error::IoError(e) => e,
-            other => std::io::Error::other(other.to_string()),
-        })?;
-        whole.update(&c.data);
-        let cref = ChunkRef { blake3: blake3::hash(&c.data).to_hex().to_string(), size: c.length as u64 };
-        size += cref.size;
-        each(&cref, &c.data)?;
-        list.push(cref);
+    let mut seg = vec![0u8; SEGMENT];
+    loop {
+        let mut n = 0;
+        while n < seg.len() {
+            match r.read(&mut seg[n..]) {
+                Ok(0) => break,
+                Ok(k) => n += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let data = &seg[..n];
+        whole.update(data);
+        for (off, len) in Cuts::new(data) {
+            let bytes = &data[off..off + len];
+            let cref = ChunkRef { blake3: blake3::hash(bytes).to_hex().to_string(), size: len as u64 };
+            size += cref.size;
+            each(&cref, bytes)?;
+            list.push(cref);
+        }
+        if n < seg.len() {
+            break;
+        }
     }
     Ok((size, whole.finalize().to_hex().to_string(), list))
 }
 
-/// Segments of a large file are chunked on separate cores: FastCDC is
-/// sequential, and one core (about 1 GB/s) would make hibernate's commit
-/// of tens of GB take as long as the dump. A cut at every segment edge
+/// Segments of a large file are chunked on separate cores: the cuts are
+/// sequential, and one core (blake3 of every chunk, 2-3 GB/s) would make
+/// hibernate's commit of tens of GB take as long as the dump. A cut at every segment edge
 /// costs dedup only there (a chunk or two per 256 MiB).
 pub const SEGMENT: usize = 256 << 20;
 
-/// The chunk list of `data`, cut by FastCDC in [`SEGMENT`]s, each hashed
+/// The chunk list of `data`, cut ([`Cuts`]) in [`SEGMENT`]s, each hashed
 /// with blake3, on up to `threads` cores. `on_bytes` is called from those
 /// threads as segments finish.
 pub fn chunk_slice(data: &[u8], threads: usize, on_bytes: &(dyn Fn(u64) + Sync)) -> Vec<ChunkRef> {
@@ -126,10 +144,10 @@ fn chunk_segments(
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let Some(seg) = segs.get(i) else { break };
-                let list: Vec<ChunkRef> = fastcdc::v2020::FastCDC::new(seg, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK)
-                    .map(|c| ChunkRef {
-                        blake3: blake3::hash(&seg[c.offset..c.offset + c.length]).to_hex().to_string(),
-                        size: c.length as u64,
+                let list: Vec<ChunkRef> = Cuts::new(seg)
+                    .map(|(off, len)| ChunkRef {
+                        blake3: blake3::hash(&seg[off..off + len]).to_hex().to_string(),
+                        size: len as u64,
                     })
                     .collect();
                 on_bytes(seg.len() as u64);
@@ -164,7 +182,7 @@ pub struct Stored {
     pub staged: Vec<Staged>,
 }
 
-/// Cuts `data` into chunks (FastCDC by [`SEGMENT`]s, as [`chunk_slice`]),
+/// Cuts `data` into chunks ([`Cuts`] by [`SEGMENT`]s, as [`chunk_slice`]),
 /// hashes, compresses and stages each chunk the store lacks, on up to
 /// `threads` cores in one pass over the data. `durable`: each chunk's
 /// write-back starts as it is written (sync_file_range), so that the
@@ -231,7 +249,7 @@ pub fn store_slice(
 }
 
 /// One [`SEGMENT`] (or a file's last, shorter one) of [`store_slice`]:
-/// cut by FastCDC, each chunk hashed, and each one the store lacks
+/// cut ([`Cuts`]), each chunk hashed, and each one the store lacks
 /// compressed and staged, once per distinct chunk among the callers that
 /// share `taken`. The chunks are those [`store_slice`] cuts from the same
 /// segment of a file, wherever they come from: a pages file followed while
@@ -245,9 +263,9 @@ pub fn store_segment(
 ) -> Result<(Vec<ChunkRef>, Vec<Staged>), ChunkError> {
     let mut list = Vec::new();
     let mut staged = Vec::new();
-    for c in fastcdc::v2020::FastCDC::new(seg, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK) {
-        let bytes = &seg[c.offset..c.offset + c.length];
-        let cref = ChunkRef { blake3: blake3::hash(bytes).to_hex().to_string(), size: c.length as u64 };
+    for (off, len) in Cuts::new(seg) {
+        let bytes = &seg[off..off + len];
+        let cref = ChunkRef { blake3: blake3::hash(bytes).to_hex().to_string(), size: len as u64 };
         let new = !store.has(&cref.blake3)
             && taken.lock().map(|mut t| t.insert(cref.blake3.clone())).unwrap_or(true);
         if new {
@@ -868,9 +886,10 @@ mod tests {
         // private prefix vary with the data (up to a maximal chunk or two).
         let mut shared = vec![0u8; 64 << 20];
         rand::rngs::StdRng::seed_from_u64(11).fill_bytes(&mut shared);
-        let mut a = vec![1u8; 12345];
+        // Pages files shift by whole pages.
+        let mut a = vec![1u8; 3 * PAGE];
         a.extend_from_slice(&shared);
-        let mut b = vec![7u8; 777_777];
+        let mut b = vec![7u8; 190 * PAGE];
         b.extend_from_slice(&shared);
         let (_, _, la) = chunk_reader(&a[..], |_, _| Ok(())).unwrap();
         let (_, _, lb) = chunk_reader(&b[..], |_, _| Ok(())).unwrap();

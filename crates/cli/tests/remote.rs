@@ -263,7 +263,10 @@ fn replicas_share_chunks_an_interrupted_push_resumes_gc_keeps_the_other_and_dama
     let r = w.json(&["images", "push", "b", &url]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     let v = r.json();
-    assert!(v["bytes_deduplicated"].as_u64().unwrap() > 1 << 30, "b shares a's weights: {v}");
+    // All of the 1 GiB of weights but the chunks across their two ends and
+    // across the 256 MiB segment edges, which fall elsewhere in the two
+    // files (about a chunk each, ~1 MiB on average, 4 MiB at most).
+    assert!(v["bytes_deduplicated"].as_u64().unwrap() > (1 << 30) - (16 << 20), "b shares a's weights: {v}");
 
     // Two images cost less than 1.3x one, remote and local.
     let remote_bytes = dir_bytes(&chunks_dir);
