@@ -199,6 +199,18 @@ disk_room() {
     return 1
 }
 
+# random_room BYTES: the disk an image of BYTES of random memory takes while
+# it is made: its chunks, plus CRIU's pages file when the pages do not go
+# through FIFOs (GPUSNAP_DUMP_FIFO=0: the file, then the chunks made from
+# it); with the FIFOs (the default) only the chunks.
+random_room() {
+    if [ "${WORKER_FILL:-pattern}" = random ] && [ "${GPUSNAP_DUMP_FIFO:-1}" = 0 ]; then
+        echo $(($1 * 2))
+    else
+        echo "$1"
+    fi
+}
+
 # gpu_room MIB: enough free GPU memory for a restore of MIB (never restore
 # without room: an out-of-memory restore strands the process).
 gpu_room() {
@@ -469,7 +481,7 @@ gpusnap_cycle() {
     [ "$mode" = eager ] && wflags=(--eager)
     rss=$(vmrss_mib "$pid")
     est=$(calc %.0f 'f + r * 1048576' f="$fp" r="${rss:-0}")
-    [ "${WORKER_FILL:-pattern}" = random ] && est=$((est * 2))
+    est=$(random_room "$est")
     disk_room "$gib" "$rep" gpusnap "$est" || return 2
     sleep 1
     read_status "$WORK/$name.status"
@@ -536,7 +548,7 @@ matrix_cycle() {
     local gib=$1 pid=$2 name=$3 fp=$4 est_w=$5 est_s=$6 rss est i k v vname kvs wx=() n=${#MATRIX[@]} left cold
     rss=$(vmrss_mib "$pid")
     est=$(calc %.0f 'f + r * 1048576' f="$fp" r="${rss:-0}")
-    [ "${WORKER_FILL:-pattern}" = random ] && est=$((est * 2))
+    est=$(random_room "$est")
     disk_room "$gib" m matrix "$est" || return 2
     gs 600 hibernate "$pid" --image m
     if [ "$GS_RC" != 0 ]; then

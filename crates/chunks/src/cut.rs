@@ -107,15 +107,9 @@ mod tests {
     use super::*;
 
     fn noise(n: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed | 1;
-        let mut v = Vec::with_capacity(n + 8);
-        while v.len() < n {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            v.extend_from_slice(&x.to_le_bytes());
-        }
-        v.truncate(n);
+        use rand::{RngCore, SeedableRng};
+        let mut v = vec![0u8; n];
+        rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
         v
     }
 
