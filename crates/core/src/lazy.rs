@@ -75,7 +75,12 @@ fn start_keeper(
         cmd.arg(c.state_dir).arg(c.name).arg(c.dir);
     }
     let log = std::fs::OpenOptions::new().create(true).append(true).open(work.join("keeper.log"))?;
-    cmd.stderr(log).env_remove(SLOW_ENV).env_remove(FAIL_AFTER_ENV).env_remove(REMOVE_RACED_ENV);
+    // The keeper's own page server writes no trace over the wake's.
+    cmd.stderr(log)
+        .env_remove(SLOW_ENV)
+        .env_remove(FAIL_AFTER_ENV)
+        .env_remove(REMOVE_RACED_ENV)
+        .env_remove(gpusnap_pages::ENV_TRACE);
     Keeper::spawn(cmd).map(Some)
 }
 

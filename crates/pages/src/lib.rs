@@ -29,7 +29,7 @@ pub use image::eager_ranges;
 pub use image::{lazy_bytes, lazy_iovs, Iov};
 pub use serve::{
     flag_setting, parse_flag, HeadStart, Options, Report, Rescuer, Server, ENV_AHEAD, ENV_BATCH,
-    ENV_BIG_FIRST, ENV_FAULT_BATCH, ENV_HEAD_START, ENV_IDLE, ENV_NICE, ENV_RATE, ENV_THREADS,
+    ENV_BIG_FIRST, ENV_FAULT_BATCH, ENV_HEAD_START, ENV_IDLE, ENV_NICE, ENV_RATE, ENV_THREADS, ENV_TRACE,
     ENV_WAKE_CHUNK,
 };
 pub use source::{DirSource, Mapped, PageSource, PagesFile};

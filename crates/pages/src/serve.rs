@@ -16,6 +16,7 @@ use crate::sys::{self, PAGE};
 use crate::PagesError;
 use nix::errno::Errno;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -91,6 +92,12 @@ pub struct Options {
     /// wake that fails safely on that race).
     #[serde(skip)]
     pub remove_raced: bool,
+    /// Write a trace of the wake to this file when the server ends: each
+    /// fault (time, address, how it was answered), each fill (start and end
+    /// time, range) and the pieces each process had to fill, as JSON (for
+    /// finding the order in which a driver's restore reads its memory;
+    /// `tests/gpu/pages-trace.py` sums it up). Diagnostics: off by default.
+    pub trace: Option<PathBuf>,
 }
 
 /// Bytes the page server fills before the driver's restore is started.
@@ -145,6 +152,7 @@ impl Default for Options {
             rate: 0,
             fail_after: None,
             remove_raced: false,
+            trace: None,
             slow: None,
         }
     }
@@ -161,6 +169,7 @@ pub const ENV_HEAD_START: &str = "GPUSNAP_PAGES_HEAD_START";
 pub const ENV_BIG_FIRST: &str = "GPUSNAP_PAGES_BIG_FIRST";
 pub const ENV_RATE: &str = "GPUSNAP_PAGES_RATE";
 pub const ENV_IDLE: &str = "GPUSNAP_PAGES_IDLE";
+pub const ENV_TRACE: &str = "GPUSNAP_PAGES_TRACE";
 
 /// A yes/no setting: `1`/`0` (also `yes`/`no`, `on`/`off`, `true`/`false`).
 pub fn parse_flag(v: &str) -> Option<bool> {
@@ -246,6 +255,13 @@ impl Options {
                 Ok(n) if (0..=19).contains(&n) => n,
                 _ => return Err(bad(ENV_NICE, &v, "a nice value, 0 to 19")),
             };
+        }
+        if let Some(v) = get(ENV_TRACE) {
+            let path = PathBuf::from(v.trim());
+            if !path.is_absolute() {
+                return Err(bad(ENV_TRACE, &v, "an absolute path"));
+            }
+            o.trace = Some(path);
         }
         if let Some(v) = get(ENV_IDLE) {
             o.idle = parse_flag(&v).ok_or_else(|| bad(ENV_IDLE, &v, "1 or 0"))?;
@@ -503,6 +519,44 @@ struct Shared {
     /// The keeper holding a copy of every userfaultfd (crate::keeper).
     keeper: std::sync::OnceLock<crate::keeper::Keeper>,
     next_key: std::sync::atomic::AtomicU32,
+    /// With [`Options::trace`]: what the trace file gets.
+    trace: Option<Mutex<Trace>>,
+}
+
+/// A wake's trace ([`Options::trace`]); times in microseconds since the
+/// server started. Bounded: past [`Trace::MAX`] entries of a kind, the rest
+/// are counted, not kept.
+#[derive(Default, Serialize)]
+struct Trace {
+    /// When the caller's head start ended (the driver's restore starts).
+    head_done_us: u64,
+    restore_done_us: u64,
+    /// Per process: its pieces to fill, `[start, length]`, in address order.
+    pieces: BTreeMap<i32, Vec<[u64; 2]>>,
+    /// `[time, pid, address, how]`: how 0 = waited for a fill in flight,
+    /// 1 = filled by this fault, 2 = a zero page.
+    faults: Vec<[u64; 4]>,
+    /// `[start time, end time, pid, address, length, by a fault]`.
+    fills: Vec<[u64; 6]>,
+    dropped: u64,
+}
+
+impl Trace {
+    const MAX: usize = 1 << 20;
+    fn fault(&mut self, e: [u64; 4]) {
+        if self.faults.len() < Self::MAX {
+            self.faults.push(e);
+        } else {
+            self.dropped += 1;
+        }
+    }
+    fn fill(&mut self, e: [u64; 6]) {
+        if self.fills.len() < Self::MAX {
+            self.fills.push(e);
+        } else {
+            self.dropped += 1;
+        }
+    }
 }
 
 /// Counters of the report; times in microseconds since `started`, 0 for
@@ -538,6 +592,7 @@ fn at_ms(v: u64) -> Option<u64> {
 
 impl Shared {
     fn new(images: &Path, source: Arc<dyn PageSource>, opts: Options) -> Self {
+        let opts_trace = opts.trace.is_some();
         Shared {
             images: images.to_path_buf(),
             source,
@@ -560,6 +615,29 @@ impl Shared {
             stats: Stats::default(),
             keeper: std::sync::OnceLock::new(),
             next_key: std::sync::atomic::AtomicU32::new(1),
+            trace: opts_trace.then(|| Mutex::new(Trace::default())),
+        }
+    }
+    fn trace(&self, f: impl FnOnce(&mut Trace)) {
+        if let Some(t) = &self.trace {
+            if let Ok(mut t) = t.lock() {
+                f(&mut t);
+            }
+        }
+    }
+    /// Writes the trace, if one was asked for (best effort: a diagnostic).
+    fn write_trace(&self) {
+        let (Some(t), Some(path)) = (&self.trace, &self.opts.trace) else { return };
+        let Ok(mut t) = t.lock() else { return };
+        t.restore_done_us = self.stats.restore_done_us.load(SeqCst);
+        let tmp = path.with_extension("tmp");
+        let r = serde_json::to_vec(&*t)
+            .map_err(std::io::Error::other)
+            .and_then(|b| std::fs::write(&tmp, b))
+            .and_then(|()| std::fs::rename(&tmp, path));
+        match r {
+            Ok(()) => tracing::info!(path = %path.display(), "page server: trace written"),
+            Err(e) => tracing::warn!(path = %path.display(), "page server: the trace was not written: {e}"),
         }
     }
     /// Hands `m` (and `fd`) to the keeper, if there is one.
@@ -793,6 +871,8 @@ impl Server {
                 || self.shared.finished()
                 || self.shared.mms.lock().unwrap().iter().any(|m| m.st.lock().unwrap().gone)
             {
+                let now = self.shared.now_us();
+                self.shared.trace(|t| t.head_done_us = now);
                 return Ok(());
             }
             self.shared.nap();
@@ -953,6 +1033,7 @@ impl Drop for Server {
         for h in hs {
             let _ = h.join();
         }
+        self.shared.write_trace();
         if !self.socket.as_os_str().is_empty() {
             let _ = std::fs::remove_file(&self.socket);
         }
@@ -1043,6 +1124,9 @@ fn accept(sh: &Arc<Shared>, listener: UnixListener) -> Result<(), PagesError> {
         let (pages_id, iovs) = lazy_iovs(&sh.images, pid)?;
         let pages = sh.source.open(&format!("pages-{pages_id}.img"))?;
         tracing::debug!(pid, pieces = iovs.len(), "page server: a process to serve");
+        sh.trace(|t| {
+            t.pieces.insert(pid, iovs.iter().map(|i| [i.start, i.len()]).collect());
+        });
         let mm = Arc::new(Mm::new(pid, key, uffd, pages, MmState::of(iovs).big_first(sh.opts.big_first)));
         add_mm(sh, mm);
     }
@@ -1223,6 +1307,7 @@ fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &
             // Another thread is filling it: its WAKE wakes this fault.
             Some(true) => {
                 s.faults_in_flight.fetch_add(1, SeqCst);
+                sh.trace(|t| t.fault([now, mm.pid as u64, addr, 0]));
                 return;
             }
             Some(false) => {
@@ -1242,6 +1327,7 @@ fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &
             None => None,
         }
     };
+    sh.trace(|t| t.fault([now, mm.pid as u64, addr, if taken.is_some() { 1 } else { 2 }]));
     match taken {
         Some(iov) => {
             if let Err(e) = fill(sh, mm, id, iov, buf, true) {
@@ -1353,6 +1439,20 @@ fn pace(sh: &Shared) {
 /// waking it, a chunk at a time (`wake_chunk`; a fault's fill: all at
 /// once), waking each chunk's range once it is in.
 fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool) -> Result<(), PagesError> {
+    let t_fill = sh.now_us();
+    let r = fill_in(sh, mm, id, iov, buf, by_fault);
+    sh.trace(|t| t.fill([t_fill, sh.now_us(), mm.pid as u64, iov.start, iov.len(), by_fault as u64]));
+    r
+}
+
+fn fill_in(
+    sh: &Shared,
+    mm: &Mm,
+    id: u64,
+    iov: Iov,
+    buf: &mut [u8],
+    by_fault: bool,
+) -> Result<(), PagesError> {
     let chunk = if by_fault { iov.len() } else { sh.opts.wake_chunk.max(PAGE).min(iov.len()) };
     let fd = mm.uffd.as_fd();
     let mut at = 0u64;
@@ -1587,7 +1687,11 @@ mod tests {
         assert!(!o.idle);
         let o = Options::from_vars(vars(&[(ENV_IDLE, "yes")])).unwrap();
         assert!(o.idle);
+        assert_eq!(o.trace, None);
+        let o = Options::from_vars(vars(&[(ENV_TRACE, "/tmp/t.json")])).unwrap();
+        assert_eq!(o.trace.as_deref(), Some(Path::new("/tmp/t.json")));
         for bad in [
+            (ENV_TRACE, "t.json"),
             (ENV_THREADS, "0"),
             (ENV_THREADS, "many"),
             (ENV_BATCH, "12"),
