@@ -20,9 +20,18 @@ def main():
           f"{len(t['faults'])} faults, {len(t['fills'])} fills, {t.get('dropped', 0)} dropped")
     for pid, pieces in t["pieces"].items():
         pid = int(pid)
+        # Contiguous pieces are one region (CRIU cuts its page map into
+        # entries of its own sizes): the analysis is by region.
+        runs = []
+        for start, length in sorted(pieces):
+            if runs and runs[-1][0] + runs[-1][1] == start:
+                runs[-1][1] += length
+            else:
+                runs.append([start, length])
+        pieces = runs
         starts = [p[0] for p in pieces]
         big = sorted(range(len(pieces)), key=lambda i: -pieces[i][1])[:12]
-        print(f"pid {pid}: {len(pieces)} pieces, {sum(p[1] for p in pieces) / 1e9:.2f} GB; largest (index: MiB): "
+        print(f"pid {pid}: {len(pieces)} regions, {sum(p[1] for p in pieces) / 1e9:.2f} GB; largest (index: MiB): "
               + ", ".join(f"{i}: {pieces[i][1] // mib}" for i in sorted(big)))
 
         def where(addr):
@@ -41,11 +50,11 @@ def main():
             a, b = span.get(i, (f[0], f[1]))
             span[i] = (min(a, f[0]), max(b, f[1]))
         order = sorted(span, key=lambda i: span[i][0])
-        print("  fill order of the largest pieces (index@start ms-end ms): "
+        print("  fill order of the largest regions (index@start ms-end ms): "
               + ", ".join(f"{i}@{span[i][0] / 1e3:.0f}-{span[i][1] / 1e3:.0f}" for i in order if i in big))
         how = {0: "in flight", 1: "filled", 2: "zero"}
         faults = [f for f in t["faults"] if f[1] == pid]
-        print(f"  faults ({len(faults)}): time ms, piece, MiB into it / its MiB, how, fill span of that piece ms")
+        print(f"  faults ({len(faults)}): time ms, region, MiB into it / its MiB, how, fill span of that region ms")
         prev = None
         for f in faults[:most]:
             i, off = where(f[2])
@@ -62,7 +71,7 @@ def main():
             if not path or path[-1][0] != i:
                 path.append([i, 0])
             path[-1][1] += 1
-        print("  the faults' path through the pieces (piece x faults): "
+        print("  the faults' path through the regions (region x faults): "
               + " ".join(f"{i}x{n}" for i, n in path[:200]))
 
 

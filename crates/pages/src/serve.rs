@@ -92,6 +92,17 @@ pub struct Options {
     /// wake that fails safely on that race).
     #[serde(skip)]
     pub remove_raced: bool,
+    /// The background fill follows a fault (goes on from it, in its
+    /// direction) only when it falls in a run of contiguous memory to fill
+    /// of at least this many bytes (0, the default: every fault). A CUDA driver's restore
+    /// touches small mappings here and there (its bookkeeping) before and
+    /// while it streams the checkpointed device memory, one large run, in
+    /// address order: following those faults took every fill thread away
+    /// from the stream's front for 0.2 s, through hundreds of small
+    /// mappings, and the driver then caught up with the front (H200, Run 52
+    /// traces). A fault elsewhere is served by its own batch. Not a gain
+    /// measured yet (Run 53), so off.
+    pub follow_min: u64,
     /// Write a trace of the wake to this file when the server ends: each
     /// fault (time, address, how it was answered), each fill (start and end
     /// time, range) and the pieces each process had to fill, as JSON (for
@@ -153,6 +164,12 @@ impl Default for Options {
             fail_after: None,
             remove_raced: false,
             trace: None,
+            // Off: on the H200 (Run 53, ~26 GB, one host) the wakes with
+            // 64 MiB took 6.85-7.13 s against 5.39 s following every fault;
+            // the fill's front was no further ahead when the driver met it
+            // (its fills slow down ~10x for ~0.5 s as the driver's restore
+            // starts, whatever the fill follows). Kept as a setting.
+            follow_min: 0,
             slow: None,
         }
     }
@@ -170,6 +187,7 @@ pub const ENV_BIG_FIRST: &str = "GPUSNAP_PAGES_BIG_FIRST";
 pub const ENV_RATE: &str = "GPUSNAP_PAGES_RATE";
 pub const ENV_IDLE: &str = "GPUSNAP_PAGES_IDLE";
 pub const ENV_TRACE: &str = "GPUSNAP_PAGES_TRACE";
+pub const ENV_FOLLOW_MIN: &str = "GPUSNAP_PAGES_FOLLOW_MIN";
 
 /// A yes/no setting: `1`/`0` (also `yes`/`no`, `on`/`off`, `true`/`false`).
 pub fn parse_flag(v: &str) -> Option<bool> {
@@ -249,6 +267,9 @@ impl Options {
         }
         if let Some(n) = size(ENV_RATE, 0)? {
             o.rate = n;
+        }
+        if let Some(n) = size(ENV_FOLLOW_MIN, 0)? {
+            o.follow_min = n;
         }
         if let Some(v) = get(ENV_NICE) {
             o.nice = match v.trim().parse::<i32>() {
@@ -372,14 +393,40 @@ pub(crate) struct MmState {
     last_fault: Option<u64>,
     backward_run: u32,
     down: bool,
+    /// The runs of contiguous memory to fill, `(start, end)` in address
+    /// order, as they were at the start (for [`Options::follow_min`]; the
+    /// events that change the layout later do not matter to a heuristic).
+    runs: Vec<(u64, u64)>,
 }
 
 impl MmState {
     /// Pieces still to fill, none taken.
     pub(crate) fn of(iovs: Vec<Iov>) -> Self {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut sorted: Vec<&Iov> = iovs.iter().collect();
+        sorted.sort_by_key(|i| i.start);
+        for i in sorted {
+            match runs.last_mut() {
+                Some(r) if r.1 == i.start => r.1 = i.end,
+                _ => runs.push((i.start, i.end)),
+            }
+        }
         Self {
             pieces: Pieces::new(iovs.into_iter().map(|iov| Piece { iov, owner: 0 })),
+            runs,
             ..Default::default()
+        }
+    }
+    /// Whether the background fill should follow a fault at `addr`: it lies
+    /// in a run of at least `min` bytes (see [`Options::follow_min`]).
+    fn follows(&self, addr: u64, min: u64) -> bool {
+        if min == 0 {
+            return true;
+        }
+        let i = self.runs.partition_point(|r| r.0 <= addr);
+        i > 0 && {
+            let (a, b) = self.runs[i - 1];
+            addr < b && b - a >= min
         }
     }
     /// Starts the background fill at the first run of contiguous pieces of
@@ -1195,12 +1242,12 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                     // SAFETY: reading the FORK event installed this new fd in
                     // our table; nothing else owns it.
                     let child = unsafe { OwnedFd::from_raw_fd(a0 as u32 as RawFd) };
-                    let pieces: Pieces = {
+                    let (pieces, runs): (Pieces, Vec<(u64, u64)>) = {
                         let st = mm.st.lock().unwrap();
                         let mut v: Vec<Piece> =
                             st.pieces.iter().map(|p| Piece { iov: p.iov, owner: 0 }).collect();
                         v.extend(st.recent.iter().map(|iov| Piece { iov: *iov, owner: 0 }));
-                        Pieces::new(v)
+                        (Pieces::new(v), st.runs.clone())
                     };
                     let bytes: u64 = pieces.iter().map(|p| p.iov.len()).sum();
                     tracing::debug!(pid = mm.pid, bytes, "page server: FORK");
@@ -1213,7 +1260,7 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
                             child_key,
                             child,
                             mm.pages.clone(),
-                            MmState { pieces, ..Default::default() },
+                            MmState { pieces, runs, ..Default::default() },
                         )),
                     );
                 }
@@ -1300,7 +1347,10 @@ fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &
     let id = sh.next_id.fetch_add(1, SeqCst);
     let taken = {
         let mut st = mm.st.lock().unwrap();
-        if st.note_fault(addr) {
+        // Faults off the large runs neither steer the fill nor count for
+        // its direction.
+        let follow = st.follows(addr, sh.opts.follow_min);
+        if follow && st.note_fault(addr) {
             s.faults_backward.fetch_add(1, SeqCst);
         }
         match st.in_flight(addr) {
@@ -1310,6 +1360,7 @@ fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &
                 sh.trace(|t| t.fault([now, mm.pid as u64, addr, 0]));
                 return;
             }
+            Some(false) if !follow => st.take(Some(addr), sh.opts.fault_batch, id),
             Some(false) => {
                 // The background fill follows the reader, in its direction,
                 // `ahead` bytes on.
@@ -1637,6 +1688,26 @@ mod tests {
     }
 
     #[test]
+    fn only_faults_in_large_runs_steer_the_fill() {
+        let iov = |start: u64, end: u64| Iov { start, end, off: 0 };
+        let mut st = MmState::of(vec![
+            iov(0x1000, 0x3000),
+            iov(0x10_0000, 0x20_0000),
+            iov(0x20_0000, 0x80_0000),
+            iov(0x90_0000, 0x1000_0000),
+        ]);
+        assert_eq!(st.runs, vec![(0x1000, 0x3000), (0x10_0000, 0x80_0000), (0x90_0000, 0x1000_0000)]);
+        assert!(st.follows(0x2000, 0) && st.follows(0x5000, 0), "0: every fault");
+        assert!(!st.follows(0x2000, 64 << 20) && !st.follows(0x40_0000, 64 << 20));
+        assert!(st.follows(0x40_0000, 4 << 20) && st.follows(0x90_0000, 64 << 20));
+        assert!(!st.follows(0x5000, 1) && !st.follows(0x1000_0000, 1), "outside every run");
+        // A fault off the large runs takes its own batch, leaving the hint.
+        st.hint = Some(0x90_0000);
+        let f = st.take(Some(0x2000), 0x1000, 1).unwrap();
+        assert_eq!((f.start, f.end, st.hint), (0x2000, 0x3000, Some(0x90_0000)));
+    }
+
+    #[test]
     fn the_fill_starts_at_the_first_large_run() {
         let iov = |start: u64, end: u64| Iov { start, end, off: 0 };
         let st = MmState::of(vec![
@@ -1690,7 +1761,10 @@ mod tests {
         assert_eq!(o.trace, None);
         let o = Options::from_vars(vars(&[(ENV_TRACE, "/tmp/t.json")])).unwrap();
         assert_eq!(o.trace.as_deref(), Some(Path::new("/tmp/t.json")));
+        assert_eq!(Options::default().follow_min, 0);
+        assert_eq!(Options::from_vars(vars(&[(ENV_FOLLOW_MIN, "64M")])).unwrap().follow_min, 64 << 20);
         for bad in [
+            (ENV_FOLLOW_MIN, "big"),
             (ENV_TRACE, "t.json"),
             (ENV_THREADS, "0"),
             (ENV_THREADS, "many"),
