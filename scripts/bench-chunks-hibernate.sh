@@ -12,6 +12,10 @@
 # and what the state directory holds after the hibernate. Needs root and
 # CRIU >= 4 (scripts/install-criu.sh).
 #
+# FILL=pattern holds one 1 MiB block of random bytes repeated instead (the
+# store's best case: a few distinct chunks, the hibernate's cost the CPU's
+# chunking of every byte, as for the GPU runs' repeated pattern).
+#
 # VARIANTS="punch:GPUSNAP_FOLLOW_PUNCH=1 nofollow:GPUSNAP_FOLLOW=0" adds runs
 # of this tree's binary with that environment (label:VAR=VALUE, space separated).
 set -euo pipefail
@@ -22,6 +26,8 @@ REPS=${REPS:-3}
 SIZE_GIB=${SIZE_GIB:-4}
 BASE=${BASE:-}
 VARIANTS=${VARIANTS:-}
+FILL=${FILL:-random}
+case $FILL in random | pattern) ;; *) echo "FILL must be random or pattern" >&2; exit 2 ;; esac
 cargo build --release --quiet -p gpusnap
 work=$(mktemp -d /var/tmp/gpusnap-cbench.XXXXXX)
 trap 'pkill -9 -f "$work/hold.py" 2>/dev/null || true; rm -rf -- "$work"' EXIT
@@ -33,8 +39,9 @@ import os, sys, time
 n = int(sys.argv[1]) << 30
 buf = bytearray(n)
 step = 64 << 20
+block = (os.urandom(1 << 20) * 64) if sys.argv[3] == "pattern" else None
 for i in range(0, n, step):
-    buf[i:i + step] = os.urandom(step)
+    buf[i:i + step] = block if block is not None else os.urandom(step)
 open(sys.argv[2], "w").write("ready\n")
 while True:
     time.sleep(0.5)
@@ -47,7 +54,7 @@ one() {
     local way=$1 bin=$2 rep=$3 envs=${4:-} pid t0 t1 t2 state
     state=$work/state-$way-$rep
     rm -f "$work/ready"
-    setsid python3 "$work/hold.py" "$SIZE_GIB" "$work/ready" </dev/null >/dev/null 2>&1 &
+    setsid python3 "$work/hold.py" "$SIZE_GIB" "$work/ready" "$FILL" </dev/null >/dev/null 2>&1 &
     pid=$!
     while [ ! -s "$work/ready" ]; do sleep 0.1; done
     sync
@@ -78,7 +85,7 @@ for rep in $(seq 1 "$REPS"); do
     for v in $VARIANTS; do one "${v%%:*}" "$PWD/target/release/gpusnap" "$rep" "${v#*:}"; done
 done
 
-echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(date -u +%Y-%m-%d), SIZE_GIB=$SIZE_GIB REPS=$REPS"
+echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(date -u +%Y-%m-%d), SIZE_GIB=$SIZE_GIB REPS=$REPS FILL=$FILL"
 python3 - "$tsv" <<'PY'
 import statistics, sys
 rows = [l.split("\t") for l in open(sys.argv[1]).read().splitlines()]
