@@ -5,6 +5,12 @@ how far into it, whether a fill had it in flight) against where the
 background fill was, to find the order in which a driver's restore reads.
 
 Usage: tests/gpu/pages-trace.py TRACE.json [MAX_FAULTS]
+
+Then, per 100 ms, the fill's pace and where its time went (traces written
+since the ninth session: read and copy times, the fill threads' time on a
+CPU and waiting for one, their context switches): a slow window whose fills
+wait for a CPU lost their cores; one whose fills neither ran nor waited slept
+in the kernel.
 """
 import bisect
 import json
@@ -75,5 +81,29 @@ def main():
               + " ".join(f"{i}x{n}" for i, n in path[:200]))
 
 
+def timeline(t, step_us=100_000, end_us=3_000_000):
+    """Per STEP of the wake: the bytes filled, and per MiB filled the wall
+    time of its fills, their read and copy times, and the fill threads' time
+    on a CPU and waiting for one (the trace's scheduler columns, when it has
+    them), and their context switches."""
+    fills = t["fills"]
+    if not fills or len(fills[0]) < 12:
+        return
+    print("  ms     GB/s  per MiB: wall   read   copy    cpu   wait (ms)  switches per fill: vol  invol")
+    for b in range(0, end_us, step_us):
+        fs = [f for f in fills if b <= f[1] < b + step_us]
+        if not fs:
+            continue
+        mib = sum(f[4] for f in fs) / (1 << 20)
+        per = lambda i: sum(f[i] for f in fs) / mib / 1000
+        if len(fs[0]) >= 12:
+            vol = sum(f[10] for f in fs) / len(fs)
+            inv = sum(f[11] for f in fs) / len(fs)
+        print(f"  {b // 1000:5d} {sum(f[4] for f in fs) / step_us / 1e3:6.2f}  "
+              f"{sum(f[1] - f[0] for f in fs) / mib / 1000:11.2f} {per(6):6.2f} {per(7):6.2f} {per(8):6.2f} {per(9):6.2f}"
+              f"  {vol:19.2f} {inv:6.2f}")
+
+
 if __name__ == "__main__":
     main()
+    timeline(json.load(open(sys.argv[1])))

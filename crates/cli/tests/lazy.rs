@@ -114,9 +114,12 @@ fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
         ("GPUSNAP_PAGES_AHEAD", "1M"),
         ("GPUSNAP_PAGES_NICE", "5"),
         ("GPUSNAP_PAGES_HEAD_START", "50%"),
+        ("GPUSNAP_PAGES_FOLLOW_MIN", "1M"),
     ] {
         w.env_extra.push((k.into(), v.into()));
     }
+    let trace = w.tmp.path().join("trace.json");
+    w.env_extra.push(("GPUSNAP_PAGES_TRACE".into(), trace.display().to_string()));
     std::fs::write(out.with_extension("go"), "").unwrap();
     let v = wake_acting(&mut w, pid, &out, &["wake", "mem", "--no-guard"]).json();
     assert_eq!(v["lazy"], true, "{v}");
@@ -135,6 +138,17 @@ fn the_page_server_is_tunable_from_the_environment_and_reports_what_it_did() {
     assert!(p["restore_done_ms"].is_u64() && p["last_page_ms"].is_u64() && p["fill_gbps"].is_f64(), "{v}");
     assert!(p["in_place_bytes"].as_u64().unwrap() <= fill + fault, "{v}");
     assert!(p["book_ms"].is_u64() && p["nap_ms"].is_u64() && p["pieces"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(p["options"]["follow_min"], 1 << 20, "{v}");
+    // The trace: the process's pieces, every fault, fills covering every
+    // page copied.
+    let t: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    assert!(!t["pieces"][pid.to_string()].as_array().unwrap().is_empty(), "{t}");
+    let fills = t["fills"].as_array().unwrap();
+    assert!(fills.iter().all(|f| f.as_array().unwrap().len() == 12), "{t}");
+    let claimed: u64 = fills.iter().map(|f| f[4].as_u64().unwrap()).sum();
+    assert!(claimed >= fault + fill, "{claimed} < {fault} + {fill}");
+    assert!(t["faults"].as_array().unwrap().len() as u64 <= p["faults"].as_u64().unwrap(), "{t}");
+    assert!(t["head_done_us"].is_u64() && t["restore_done_us"].as_u64().unwrap() > 0, "{t}");
     check_read(&out);
     check_memory(&out);
     w.kill(pid);

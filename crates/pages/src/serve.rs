@@ -583,8 +583,10 @@ struct Trace {
     /// `[time, pid, address, how]`: how 0 = waited for a fill in flight,
     /// 1 = filled by this fault, 2 = a zero page.
     faults: Vec<[u64; 4]>,
-    /// `[start time, end time, pid, address, length, by a fault]`.
-    fills: Vec<[u64; 6]>,
+    /// `[start time, end time, pid, address, length, by a fault, its read
+    /// us, its copy us, and during it the thread's us on a CPU, us waiting
+    /// for one, voluntary and involuntary context switches]`.
+    fills: Vec<[u64; 12]>,
     dropped: u64,
 }
 
@@ -597,7 +599,7 @@ impl Trace {
             self.dropped += 1;
         }
     }
-    fn fill(&mut self, e: [u64; 6]) {
+    fn fill(&mut self, e: [u64; 12]) {
         if self.fills.len() < Self::MAX {
             self.fills.push(e);
         } else {
@@ -1490,10 +1492,57 @@ fn pace(sh: &Shared) {
 /// waking it, a chunk at a time (`wake_chunk`; a fault's fill: all at
 /// once), waking each chunk's range once it is in.
 fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool) -> Result<(), PagesError> {
+    if sh.trace.is_none() {
+        return fill_in(sh, mm, id, iov, buf, by_fault, &mut FillTimes::default());
+    }
     let t_fill = sh.now_us();
-    let r = fill_in(sh, mm, id, iov, buf, by_fault);
-    sh.trace(|t| t.fill([t_fill, sh.now_us(), mm.pid as u64, iov.start, iov.len(), by_fault as u64]));
+    let before = thread_usage();
+    let mut times = FillTimes::default();
+    let r = fill_in(sh, mm, id, iov, buf, by_fault, &mut times);
+    let after = thread_usage();
+    let d = |i: usize| after[i].saturating_sub(before[i]);
+    sh.trace(|t| {
+        t.fill([
+            t_fill,
+            sh.now_us(),
+            mm.pid as u64,
+            iov.start,
+            iov.len(),
+            by_fault as u64,
+            times.read_us,
+            times.copy_us,
+            d(0),
+            d(1),
+            d(2),
+            d(3),
+        ])
+    });
     r
+}
+
+/// One fill's own read and copy times (for the trace).
+#[derive(Default)]
+struct FillTimes {
+    read_us: u64,
+    copy_us: u64,
+}
+
+/// This thread's time on a CPU and waiting for one (runnable, on a run
+/// queue), in us, and its voluntary and involuntary context switches so
+/// far: a fill that took long while waiting for a CPU lost its core to
+/// other threads; one that neither ran nor waited for a CPU slept in the
+/// kernel (a lock, the disk).
+fn thread_usage() -> [u64; 4] {
+    use nix::sys::resource::{getrusage, UsageWho};
+    let sched = procfs::process::Process::myself()
+        .and_then(|p| p.task_from_tid(nix::unistd::gettid().as_raw()))
+        .and_then(|t| t.schedstat())
+        .map(|s| [s.sum_exec_runtime / 1000, s.run_delay / 1000])
+        .unwrap_or([0; 2]);
+    let switches = getrusage(UsageWho::RUSAGE_THREAD)
+        .map(|u| [u.voluntary_context_switches() as u64, u.involuntary_context_switches() as u64])
+        .unwrap_or([0; 2]);
+    [sched[0], sched[1], switches[0], switches[1]]
 }
 
 fn fill_in(
@@ -1503,6 +1552,7 @@ fn fill_in(
     iov: Iov,
     buf: &mut [u8],
     by_fault: bool,
+    times: &mut FillTimes,
 ) -> Result<(), PagesError> {
     let chunk = if by_fault { iov.len() } else { sh.opts.wake_chunk.max(PAGE).min(iov.len()) };
     let fd = mm.uffd.as_fd();
@@ -1544,7 +1594,9 @@ fn fill_in(
                     data
                 }
             };
-            sh.stats.read_us.fetch_add(us(t.elapsed()), SeqCst);
+            let dt = us(t.elapsed());
+            sh.stats.read_us.fetch_add(dt, SeqCst);
+            times.read_us += dt;
             if let Some(n) = sh.opts.fail_after {
                 if sh.served.load(SeqCst) >= n {
                     return Err(PagesError::Injected(n));
@@ -1553,12 +1605,16 @@ fn fill_in(
             let t = Instant::now();
             let n = data.len() as u64;
             requeue = copy_in(sh, mm, start + sub, data, (start, len), by_fault)?;
-            sh.stats.copy_us.fetch_add(us(t.elapsed()), SeqCst);
+            let dt = us(t.elapsed());
+            sh.stats.copy_us.fetch_add(dt, SeqCst);
+            times.copy_us += dt;
             sub += n;
         }
         let t = Instant::now();
         let _ = sys::wake(fd, start, len);
-        sh.stats.copy_us.fetch_add(us(t.elapsed()), SeqCst);
+        let dt = us(t.elapsed());
+        sh.stats.copy_us.fetch_add(dt, SeqCst);
+        times.copy_us += dt;
         at += len;
     }
     sh.stats.last_page_us.fetch_max(sh.now_us(), SeqCst);
