@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CPU cost of the chunk store on this machine (one core): FastCDC chunking,
+# CPU cost of the chunk store on this machine (one core): the page-end cuts
+# (and FastCDC, for comparison),
 # blake3, zstd levels, and the dedup of two images sharing SHARED_MIB
 # (default 1024) at different offsets, content-defined against fixed chunks.
 # Extra arguments: real image files (CRIU pages-*.img) to measure zstd on.
