@@ -78,6 +78,15 @@ pub fn valid_hash(h: &str) -> bool {
     h.len() == 64 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
+/// The chunks of one segment (or a whole slice), each with its bytes: cut
+/// ([`Cuts`]) and hashed. Every chunking of the store goes through here.
+fn cut_chunks(seg: &[u8]) -> impl Iterator<Item = (ChunkRef, &[u8])> {
+    Cuts::new(seg).map(move |(off, len)| {
+        let bytes = &seg[off..off + len];
+        (ChunkRef { blake3: blake3::hash(bytes).to_hex().to_string(), size: len as u64 }, bytes)
+    })
+}
+
 /// Cuts `r` into chunks as [`chunk_slice`] cuts the same bytes: returns its
 /// size, its whole blake3 and the chunk list, calling `each` with every
 /// chunk's bytes (one read of the data, a [`SEGMENT`] at a time).
@@ -88,27 +97,18 @@ pub fn chunk_reader(
     let mut whole = blake3::Hasher::new();
     let mut list = Vec::new();
     let mut size = 0u64;
-    let mut seg = vec![0u8; SEGMENT];
+    let mut seg = Vec::with_capacity(SEGMENT);
     loop {
-        let mut n = 0;
-        while n < seg.len() {
-            match r.read(&mut seg[n..]) {
-                Ok(0) => break,
-                Ok(k) => n += k,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        let data = &seg[..n];
-        whole.update(data);
-        for (off, len) in Cuts::new(data) {
-            let bytes = &data[off..off + len];
-            let cref = ChunkRef { blake3: blake3::hash(bytes).to_hex().to_string(), size: len as u64 };
+        seg.clear();
+        // A whole segment, or what is left of the data.
+        (&mut r).take(SEGMENT as u64).read_to_end(&mut seg)?;
+        whole.update(&seg);
+        for (cref, bytes) in cut_chunks(&seg) {
             size += cref.size;
             each(&cref, bytes)?;
             list.push(cref);
         }
-        if n < seg.len() {
+        if seg.len() < SEGMENT {
             break;
         }
     }
@@ -144,12 +144,7 @@ fn chunk_segments(
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let Some(seg) = segs.get(i) else { break };
-                let list: Vec<ChunkRef> = Cuts::new(seg)
-                    .map(|(off, len)| ChunkRef {
-                        blake3: blake3::hash(&seg[off..off + len]).to_hex().to_string(),
-                        size: len as u64,
-                    })
-                    .collect();
+                let list: Vec<ChunkRef> = cut_chunks(seg).map(|(cref, _)| cref).collect();
                 on_bytes(seg.len() as u64);
                 if let Ok(mut slot) = slots[i].lock() {
                     **slot = list;
@@ -263,9 +258,7 @@ pub fn store_segment(
 ) -> Result<(Vec<ChunkRef>, Vec<Staged>), ChunkError> {
     let mut list = Vec::new();
     let mut staged = Vec::new();
-    for (off, len) in Cuts::new(seg) {
-        let bytes = &seg[off..off + len];
-        let cref = ChunkRef { blake3: blake3::hash(bytes).to_hex().to_string(), size: len as u64 };
+    for (cref, bytes) in cut_chunks(seg) {
         let new = !store.has(&cref.blake3)
             && taken.lock().map(|mut t| t.insert(cref.blake3.clone())).unwrap_or(true);
         if new {

@@ -292,10 +292,7 @@ fn run(args: &Args) -> Result<(), String> {
     }
     if args.segv_after_restore {
         // No core to write: the death is at once.
-        let none = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        // SAFETY: setrlimit reads the struct it is given, which lives
-        // through the call.
-        unsafe { libc::setrlimit(libc::RLIMIT_CORE, &none) };
+        let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_CORE, 0, 0);
         let start = own_start_time();
         std::thread::spawn(move || loop {
             sleep(Duration::from_millis(1));

@@ -402,20 +402,16 @@ pub(crate) struct MmState {
 impl MmState {
     /// Pieces still to fill, none taken.
     pub(crate) fn of(iovs: Vec<Iov>) -> Self {
+        let pieces = Pieces::new(iovs.into_iter().map(|iov| Piece { iov, owner: 0 }));
+        // The pieces in address order, contiguous ones joined.
         let mut runs: Vec<(u64, u64)> = Vec::new();
-        let mut sorted: Vec<&Iov> = iovs.iter().collect();
-        sorted.sort_by_key(|i| i.start);
-        for i in sorted {
+        for p in pieces.iter() {
             match runs.last_mut() {
-                Some(r) if r.1 == i.start => r.1 = i.end,
-                _ => runs.push((i.start, i.end)),
+                Some(r) if r.1 == p.iov.start => r.1 = p.iov.end,
+                _ => runs.push((p.iov.start, p.iov.end)),
             }
         }
-        Self {
-            pieces: Pieces::new(iovs.into_iter().map(|iov| Piece { iov, owner: 0 })),
-            runs,
-            ..Default::default()
-        }
+        Self { pieces, runs, ..Default::default() }
     }
     /// Whether the background fill should follow a fault at `addr`: it lies
     /// in a run of at least `min` bytes (see [`Options::follow_min`]).
@@ -432,21 +428,8 @@ impl MmState {
     /// Starts the background fill at the first run of contiguous pieces of
     /// at least `min` bytes (see [`Options::big_first`]).
     pub(crate) fn big_first(mut self, min: u64) -> Self {
-        if min == 0 {
-            return self;
-        }
-        let (mut start, mut run, mut end) = (0u64, 0u64, u64::MAX);
-        for p in self.pieces.iter() {
-            if p.iov.start != end {
-                start = p.iov.start;
-                run = 0;
-            }
-            run += p.iov.len();
-            end = p.iov.end;
-            if run >= min {
-                self.hint = Some(start);
-                break;
-            }
+        if min > 0 {
+            self.hint = self.runs.iter().find(|r| r.1 - r.0 >= min).map(|r| r.0);
         }
         self
     }
@@ -592,19 +575,18 @@ struct Trace {
 
 impl Trace {
     const MAX: usize = 1 << 20;
-    fn fault(&mut self, e: [u64; 4]) {
-        if self.faults.len() < Self::MAX {
-            self.faults.push(e);
+    fn push<T>(v: &mut Vec<T>, dropped: &mut u64, e: T) {
+        if v.len() < Self::MAX {
+            v.push(e);
         } else {
-            self.dropped += 1;
+            *dropped += 1;
         }
     }
+    fn fault(&mut self, e: [u64; 4]) {
+        Self::push(&mut self.faults, &mut self.dropped, e);
+    }
     fn fill(&mut self, e: [u64; 12]) {
-        if self.fills.len() < Self::MAX {
-            self.fills.push(e);
-        } else {
-            self.dropped += 1;
-        }
+        Self::push(&mut self.fills, &mut self.dropped, e);
     }
 }
 
@@ -641,8 +623,8 @@ fn at_ms(v: u64) -> Option<u64> {
 
 impl Shared {
     fn new(images: &Path, source: Arc<dyn PageSource>, opts: Options) -> Self {
-        let opts_trace = opts.trace.is_some();
         Shared {
+            trace: opts.trace.as_ref().map(|_| Mutex::default()),
             images: images.to_path_buf(),
             source,
             opts,
@@ -664,7 +646,6 @@ impl Shared {
             stats: Stats::default(),
             keeper: std::sync::OnceLock::new(),
             next_key: std::sync::atomic::AtomicU32::new(1),
-            trace: opts_trace.then(|| Mutex::new(Trace::default())),
         }
     }
     fn trace(&self, f: impl FnOnce(&mut Trace)) {
@@ -1492,35 +1473,35 @@ fn pace(sh: &Shared) {
 /// waking it, a chunk at a time (`wake_chunk`; a fault's fill: all at
 /// once), waking each chunk's range once it is in.
 fn fill(sh: &Shared, mm: &Mm, id: u64, iov: Iov, buf: &mut [u8], by_fault: bool) -> Result<(), PagesError> {
-    if sh.trace.is_none() {
-        return fill_in(sh, mm, id, iov, buf, by_fault, &mut FillTimes::default());
-    }
-    let t_fill = sh.now_us();
-    let before = thread_usage();
+    let traced = sh.trace.is_some().then(|| (sh.now_us(), thread_usage()));
     let mut times = FillTimes::default();
     let r = fill_in(sh, mm, id, iov, buf, by_fault, &mut times);
-    let after = thread_usage();
-    let d = |i: usize| after[i].saturating_sub(before[i]);
-    sh.trace(|t| {
-        t.fill([
-            t_fill,
-            sh.now_us(),
-            mm.pid as u64,
-            iov.start,
-            iov.len(),
-            by_fault as u64,
-            times.read_us,
-            times.copy_us,
-            d(0),
-            d(1),
-            d(2),
-            d(3),
-        ])
-    });
+    sh.stats.read_us.fetch_add(times.read_us, SeqCst);
+    sh.stats.copy_us.fetch_add(times.copy_us, SeqCst);
+    if let Some((t_fill, before)) = traced {
+        let after = thread_usage();
+        let d = |i: usize| after[i].saturating_sub(before[i]);
+        sh.trace(|t| {
+            t.fill([
+                t_fill,
+                sh.now_us(),
+                mm.pid as u64,
+                iov.start,
+                iov.len(),
+                by_fault as u64,
+                times.read_us,
+                times.copy_us,
+                d(0),
+                d(1),
+                d(2),
+                d(3),
+            ])
+        });
+    }
     r
 }
 
-/// One fill's own read and copy times (for the trace).
+/// One fill's read and copy times (the report's sums, and the trace).
 #[derive(Default)]
 struct FillTimes {
     read_us: u64,
@@ -1594,9 +1575,7 @@ fn fill_in(
                     data
                 }
             };
-            let dt = us(t.elapsed());
-            sh.stats.read_us.fetch_add(dt, SeqCst);
-            times.read_us += dt;
+            times.read_us += us(t.elapsed());
             if let Some(n) = sh.opts.fail_after {
                 if sh.served.load(SeqCst) >= n {
                     return Err(PagesError::Injected(n));
@@ -1605,16 +1584,12 @@ fn fill_in(
             let t = Instant::now();
             let n = data.len() as u64;
             requeue = copy_in(sh, mm, start + sub, data, (start, len), by_fault)?;
-            let dt = us(t.elapsed());
-            sh.stats.copy_us.fetch_add(dt, SeqCst);
-            times.copy_us += dt;
+            times.copy_us += us(t.elapsed());
             sub += n;
         }
         let t = Instant::now();
         let _ = sys::wake(fd, start, len);
-        let dt = us(t.elapsed());
-        sh.stats.copy_us.fetch_add(dt, SeqCst);
-        times.copy_us += dt;
+        times.copy_us += us(t.elapsed());
         at += len;
     }
     sh.stats.last_page_us.fetch_max(sh.now_us(), SeqCst);
