@@ -53,9 +53,11 @@
 #   WORKER_FILL      the worker's memory (tests/gpu/worker.py --fill):
 #                    pattern (default: one short pattern repeated, which
 #                    the chunk store compresses and deduplicates to almost
-#                    nothing: SIZE 8 holds ~26.4 GB) or random
+#                    nothing: SIZE 8 holds ~26.4 GB), random
 #                    (incompressible, the fair test of a cold wake and of
-#                    writing the image: SIZE 23 holds ~25 GB, 46 ~50 GB)
+#                    writing the image: SIZE 23 holds ~25 GB, 46 ~50 GB) or
+#                    weights (bf16 as a model's weights, sized as random;
+#                    GPUSNAP_CHUNK_CODEC=zstd stores them at ~1.28x)
 #   HB_DISK          1 (default): the scratch disk's write speed (dd of
 #                    HB_DD_GIB GiB, default 8, conv=fdatasync) and cold read
 #                    speed, once per run, for the hibernate and cold targets
@@ -204,7 +206,7 @@ disk_room() {
 # through FIFOs (GPUSNAP_DUMP_FIFO=0: the file, then the chunks made from
 # it); with the FIFOs (the default) only the chunks.
 random_room() {
-    if [ "${WORKER_FILL:-pattern}" = random ] && [ "${GPUSNAP_DUMP_FIFO:-1}" = 0 ]; then
+    if [ "${WORKER_FILL:-pattern}" != pattern ] && [ "${GPUSNAP_DUMP_FIFO:-1}" = 0 ]; then
         echo $(($1 * 2))
     else
         echo "$1"
@@ -618,7 +620,7 @@ bench_size() {
     local k
     # The worker's footprint (worker.py --fill): a pattern's float64 sum
     # leaves a copy twice the tensor in PyTorch's cache (8 GiB: 26.4 GB).
-    if [ "${WORKER_FILL:-pattern}" = random ]; then
+    if [ "${WORKER_FILL:-pattern}" != pattern ]; then
         gbe=$(calc %.2f 'g * 1.073741824 + 1.5' g="$gib")
     else
         gbe=$(calc %.2f 'g * 3.221225472 + 0.6' g="$gib")

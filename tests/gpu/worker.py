@@ -17,7 +17,11 @@ Usage: worker.py GIB STATUS [--threads N] [--interval S] [--no-setsid] [--fill F
                 random: random int32, incompressible (a fair test of writing
                 and reading an image), checked by their exact integer sum,
                 taken 256 MiB at a time (GIB 8 holds ~9.5 GB: ask ~23 for
-                25 GB, ~46 for 50 GB)
+                25 GB, ~46 for 50 GB);
+                weights: bf16 from a normal distribution (sd 0.02), a model's
+                weights (zstd with entropy coding stores them at ~1.28x),
+                checked by the exact integer sum of their bits, taken 256 MiB
+                at a time (sized as random)
   --no-setsid   stay in the caller's session (by default the worker starts
                 its own, so a signal to the test script's process group, such
                 as Ctrl-C or a wall-clock kill, never reaches a live CUDA
@@ -53,7 +57,7 @@ def parser():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--interval", type=float, default=0.2)
     ap.add_argument("--no-setsid", action="store_true")
-    ap.add_argument("--fill", choices=("pattern", "random"),
+    ap.add_argument("--fill", choices=("pattern", "random", "weights"),
                     default=os.environ.get("WORKER_FILL") or "pattern")
     return ap
 
@@ -83,6 +87,16 @@ def main():
             # sum makes is 512 MiB, not twice the tensor (a large copy stays
             # in PyTorch's cache and in the image, and would be half zeros).
             return sum(x[i:i + step].sum(dtype=torch.int64).item() for i in range(0, n, step))
+    elif a.fill == "weights":
+        n = int(a.gib * (1 << 30) // 2)
+        x = torch.empty(n, device="cuda", dtype=torch.bfloat16).normal_(0.0, 0.02)
+        bits = x.view(torch.int16)
+        step = 1 << 27
+
+        def checksum():
+            # The integer sum of the bf16 values' bits: exact, order-free,
+            # 256 MiB of them at a time (an int64 copy of 1 GiB at most).
+            return sum(bits[i:i + step].sum(dtype=torch.int64).item() for i in range(0, n, step))
     else:
         x = torch.arange(n, device="cuda", dtype=torch.float32).remainder_(1000.0)
 
@@ -93,7 +107,7 @@ def main():
     expect = checksum()
     free, total = torch.cuda.mem_get_info()
     print(f"worker pid={pid} torch={torch.__version__} gpu={torch.cuda.get_device_name(0)} "
-          f"tensor={n * 4} bytes fill={a.fill} expect={expect:.0f} free={free >> 20}/{total >> 20} MiB",
+          f"tensor={x.numel() * x.element_size()} bytes fill={a.fill} expect={expect:.0f} free={free >> 20}/{total >> 20} MiB",
           flush=True)
 
     serve(a, pid, checksum, expect)

@@ -43,8 +43,70 @@ pub use cut::{Cuts, PAGE};
 /// zstd level 1: measured (scripts/bench-chunks-cpu.sh) within a few percent
 /// of level 3's ratio on CRIU pages at about twice the speed.
 pub const ZSTD_LEVEL: i32 = 1;
-/// A chunk whose zstd frame is not at least this much smaller is stored raw.
-const RAW_IF_ABOVE: f64 = 0.95;
+
+/// How chunks are encoded for storage (`GPUSNAP_CHUNK_CODEC`, read once per
+/// process; a chunk stored either way is read back the same: a `Z` chunk
+/// is a zstd frame whatever its settings).
+///
+/// The default, [`Codec::Lz`], keeps what a wake can decode fast: zstd's
+/// matches (zero pages, repeated pages, runs) with its literals left as
+/// they are, and a chunk stored raw unless that saves a quarter of it.
+/// zstd's entropy coding of literals is what makes a chunk of a model's
+/// weights (bf16) 1.28x smaller, and it decodes at ~1.2 GB/s a core (a raw
+/// chunk is a copy at 5-15 GB/s): a wake's fill threads and verify decode
+/// every such chunk while the driver's restore waits on them. Measured on
+/// the H200 (docs/benchmarks.md, "What slowed the fill at the driver's
+/// front"): the 470 MiB of a worker's int64 buffer, stored at 1.5x, filled
+/// at ~1.2 GB/s where raw chunks filled at 11-14 GB/s, and the driver's
+/// restore waited on it. [`Codec::Zstd`] is the encoding before (smaller
+/// images, for stores that move between hosts over slow links).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    /// zstd level 1 without entropy-coded literals; raw below 1.33x.
+    Lz,
+    /// zstd level 1; raw below 1.05x (the encoding before the tenth session).
+    Zstd,
+    /// Every chunk raw.
+    Raw,
+}
+
+/// The variable that picks the [`Codec`]: `lz` (default), `zstd`, `raw`.
+pub const CODEC_ENV: &str = "GPUSNAP_CHUNK_CODEC";
+
+impl Codec {
+    /// `lz`, `zstd` or `raw`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "lz" => Some(Self::Lz),
+            "zstd" => Some(Self::Zstd),
+            "raw" => Some(Self::Raw),
+            _ => None,
+        }
+    }
+
+    /// The process's codec: `GPUSNAP_CHUNK_CODEC`, read once (an unknown
+    /// value is ignored with a warning, as every `GPUSNAP_*` setting).
+    pub fn configured() -> Self {
+        static CODEC: std::sync::OnceLock<Codec> = std::sync::OnceLock::new();
+        *CODEC.get_or_init(|| match std::env::var(CODEC_ENV) {
+            Err(_) => Self::Lz,
+            Ok(v) => Self::parse(&v).unwrap_or_else(|| {
+                eprintln!("gpusnap: warning: {CODEC_ENV}={v}: not lz, zstd or raw; lz used");
+                Self::Lz
+            }),
+        })
+    }
+
+    /// A zstd frame no larger than this share of the chunk is kept;
+    /// larger, the chunk is stored raw.
+    fn keep_below(self) -> f64 {
+        match self {
+            Self::Lz => 0.75,
+            Self::Zstd => 0.95,
+            Self::Raw => 0.0,
+        }
+    }
+}
 /// An encoded chunk is never larger than this (a bound on reads of untrusted
 /// remote objects).
 pub const MAX_ENCODED: u64 = MAX_CHUNK as u64 + 4096 + (MAX_CHUNK as u64 / 64);
@@ -275,10 +337,41 @@ pub fn store_segment(
     Ok((list, staged))
 }
 
-/// Encodes a chunk for storage: zstd, or raw when zstd does not pay.
+/// Encodes a chunk for storage with the process's codec
+/// ([`Codec::configured`]).
 pub fn encode(data: &[u8]) -> Vec<u8> {
-    if let Ok(z) = zstd::bulk::compress(data, ZSTD_LEVEL) {
-        if (z.len() as f64) < data.len() as f64 * RAW_IF_ABOVE {
+    encode_with(Codec::configured(), data)
+}
+
+/// Encodes a chunk for storage: a zstd frame, or raw when zstd does not pay
+/// enough for `codec`.
+pub fn encode_with(codec: Codec, data: &[u8]) -> Vec<u8> {
+    thread_local! {
+        // A context per thread and codec, set up once: the chunkers call
+        // this for every chunk.
+        static CTX: std::cell::RefCell<Option<(Codec, zstd::bulk::Compressor<'static>)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    let frame = (codec != Codec::Raw)
+        .then(|| {
+            CTX.with(|c| {
+                let mut c = c.borrow_mut();
+                if c.as_ref().is_none_or(|(k, _)| *k != codec) {
+                    let mut z = zstd::bulk::Compressor::new(ZSTD_LEVEL).ok()?;
+                    if codec == Codec::Lz {
+                        z.set_parameter(zstd::zstd_safe::CParameter::LiteralCompressionMode(
+                            zstd::zstd_safe::ParamSwitch::Disable,
+                        ))
+                        .ok()?;
+                    }
+                    *c = Some((codec, z));
+                }
+                c.as_mut().and_then(|(_, z)| z.compress(data).ok())
+            })
+        })
+        .flatten();
+    if let Some(z) = frame {
+        if (z.len() as f64) < data.len() as f64 * codec.keep_below() {
             let mut out = Vec::with_capacity(z.len() + 1);
             out.push(b'Z');
             out.extend_from_slice(&z);
@@ -801,6 +894,44 @@ fn rand_u64() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// bf16 values of a normal distribution (sd 0.02), as a model's weights.
+    fn weights(n: usize) -> Vec<u8> {
+        use rand::{Rng, SeedableRng};
+        let mut r = rand::rngs::StdRng::seed_from_u64(7);
+        let mut v = Vec::with_capacity(n);
+        while v.len() < n {
+            // The sum of 12 uniforms less 6: near enough a normal one.
+            let z: f32 = (0..12).map(|_| r.gen::<f32>()).sum::<f32>() - 6.0;
+            v.extend_from_slice(&(((z * 0.02).to_bits() >> 16) as u16).to_le_bytes());
+        }
+        v
+    }
+
+    #[test]
+    fn codecs_keep_what_decodes_fast_and_read_back_alike() {
+        let w = weights(1 << 20);
+        let zeros = vec![0u8; 1 << 20];
+        let mut heap = zeros.clone();
+        heap[..4096].copy_from_slice(&w[..4096]);
+        for (data, lz, zstd) in [(&w, b'R', b'Z'), (&zeros, b'Z', b'Z'), (&heap, b'Z', b'Z')] {
+            let hash = blake3::hash(data).to_hex().to_string();
+            for (codec, tag) in [(Codec::Lz, lz), (Codec::Zstd, zstd), (Codec::Raw, b'R')] {
+                let enc = encode_with(codec, data);
+                assert_eq!(enc[0], tag, "{codec:?}");
+                assert_eq!(&decode(&hash, &enc).unwrap(), data, "{codec:?}");
+            }
+        }
+        // The weights' entropy-coded frame saves ~20 %: under a quarter,
+        // so the default stores them raw; the zeros' frame is tiny either way.
+        let z = encode_with(Codec::Zstd, &w).len() as f64 / w.len() as f64;
+        assert!(z > 0.7 && z < 0.9, "{z}");
+        assert!(encode_with(Codec::Lz, &zeros).len() < 1024);
+        assert_eq!(Codec::parse("lz"), Some(Codec::Lz));
+        assert_eq!(Codec::parse("zstd"), Some(Codec::Zstd));
+        assert_eq!(Codec::parse("raw"), Some(Codec::Raw));
+        assert_eq!(Codec::parse("gzip"), None);
+    }
 
     #[test]
     fn chunks_roundtrip_and_damage_is_found() {

@@ -32,6 +32,22 @@ fn pattern(n: usize) -> Vec<u8> {
     v
 }
 
+/// tests/gpu/worker.py's checksum buffer: random int32 widened to int64
+/// (each high half all zeros or all ones): every chunk distinct and
+/// compressed ~1.5x, so each is decoded as well as hashed.
+fn widened(n: usize) -> Vec<u8> {
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut v = Vec::with_capacity(n);
+    while v.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&(x as i32 as i64).to_le_bytes());
+    }
+    v.truncate(n);
+    v
+}
+
 /// Incompressible bytes (xorshift).
 fn random(n: usize) -> Vec<u8> {
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
@@ -107,7 +123,8 @@ fn main() {
         let data = match kind {
             "pattern" => pattern(size),
             "random" => random(size),
-            other => panic!("BENCH_KINDS: {other}: not pattern or random"),
+            "widened" => widened(size),
+            other => panic!("BENCH_KINDS: {other}: not pattern, random or widened"),
         };
         let dir = work.path().join(kind);
         std::fs::create_dir_all(&dir).expect("mkdir");
