@@ -6,6 +6,10 @@
 # checked (decode + blake3). Results go in docs/benchmarks.md.
 #
 #   scripts/bench-codec-cpu.sh [MIB]    (default 256 MiB of each kind; REPS=3)
+#
+# SEQS=1 also prints, per kind, every chunk's lz frame (kept or not): its
+# size, its decode + blake3 pace and its bytes per sequence (what
+# LZ_BYTES_PER_SEQUENCE in crates/chunks/src/lib.rs is calibrated on).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 cargo build --release -q -p gpusnap-chunks --example codecs

@@ -64,6 +64,24 @@ fn kind(name: &str, n: usize) -> Vec<u8> {
                 i += 1;
             }
         }
+        // worker.py's float32 arange % 1000 as PyTorch makes it past 2^24
+        // elements, where float32 rounds the index: each value repeated
+        // 2^k times (here from element 2^27: 16 times, 64-byte runs).
+        "arange" => {
+            let mut i = 1u64 << 27;
+            while v.len() < n {
+                v.extend_from_slice(&((i as f32) % 1000.0).to_le_bytes());
+                i += 1;
+            }
+        }
+        // float64 arange % 1000 (the float64 sum's copy in worker.py).
+        "pattern64" => {
+            let mut i = 0u64;
+            while v.len() < n {
+                v.extend_from_slice(&((i % 1000) as f64).to_le_bytes());
+                i += 1;
+            }
+        }
         // A heap: mostly zero pages, some random ones, some small integers.
         "heap" => {
             while v.len() < n {
@@ -95,10 +113,38 @@ fn main() {
         "| data | codec | stored (x of raw) | chunks stored zstd | encode GB/s | read back checked GB/s |"
     );
     println!("|---|---|---|---|---|---|");
-    for name in ["random", "weights", "widened", "widened16", "pattern", "heap"] {
+    for name in ["random", "weights", "widened", "widened16", "pattern", "arange", "pattern64", "heap"] {
         let data = kind(name, n);
         let chunks: Vec<&[u8]> = Cuts::new(&data).map(|(o, l)| &data[o..o + l]).collect();
         let hashes: Vec<String> = chunks.iter().map(|c| blake3::hash(c).to_hex().to_string()).collect();
+        if std::env::var_os("SEQS").is_some() {
+            // Every chunk's lz frame, kept or not: its bytes per sequence
+            // and its decode + blake3 pace (calibrates LZ_BYTES_PER_SEQUENCE).
+            let mut z = zstd::bulk::Compressor::new(1).unwrap();
+            z.set_parameter(zstd::zstd_safe::CParameter::LiteralCompressionMode(
+                zstd::zstd_safe::ParamSwitch::Disable,
+            ))
+            .unwrap();
+            let frames: Vec<Vec<u8>> = chunks.iter().map(|c| z.compress(c).unwrap()).collect();
+            let t = Instant::now();
+            for (f, c) in frames.iter().zip(&chunks) {
+                blake3::hash(&zstd::bulk::decompress(f, c.len()).unwrap());
+            }
+            let pace = n as f64 / t.elapsed().as_secs_f64() / 1e9;
+            let mut per: Vec<f64> = chunks
+                .iter()
+                .zip(&frames)
+                .map(|(c, f)| c.len() as f64 / gpusnap_chunks::sequences(f).expect("parse").max(1) as f64)
+                .collect();
+            per.sort_by(|a, b| a.total_cmp(b));
+            let size = frames.iter().map(|f| f.len()).sum::<usize>() as f64 / n as f64;
+            eprintln!(
+                "{name}: lz frames {size:.3} of raw, decoded + hashed {pace:.2} GB/s; bytes per sequence: min {:.0} median {:.0} max {:.0}",
+                per[0],
+                per[per.len() / 2],
+                per[per.len() - 1]
+            );
+        }
         for (label, codec) in [("lz (default)", Codec::Lz), ("zstd (before)", Codec::Zstd)] {
             let mut enc = Vec::new();
             let e = median(reps, || {

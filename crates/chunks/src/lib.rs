@@ -40,6 +40,8 @@ pub const MAX_CHUNK: u32 = 4 << 20;
 
 mod cut;
 pub use cut::{Cuts, PAGE};
+mod zframe;
+pub use zframe::sequences;
 /// zstd level 1: measured (scripts/bench-chunks-cpu.sh) within a few percent
 /// of level 3's ratio on CRIU pages at about twice the speed.
 pub const ZSTD_LEVEL: i32 = 1;
@@ -62,13 +64,24 @@ pub const ZSTD_LEVEL: i32 = 1;
 /// images, for stores that move between hosts over slow links).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Codec {
-    /// zstd level 1 without entropy-coded literals; raw below 1.33x.
+    /// zstd level 1 without entropy-coded literals; raw below 1.33x or
+    /// with more than one sequence per [`LZ_BYTES_PER_SEQUENCE`] bytes.
     Lz,
     /// zstd level 1; raw below 1.05x (the encoding before the tenth session).
     Zstd,
     /// Every chunk raw.
     Raw,
 }
+
+/// An `lz` frame is kept only if it has at most one sequence (a match and
+/// the literals before it) per this many bytes of the chunk: its decoding
+/// costs about a sequence's work each. `SEQS=1 scripts/bench-codec-cpu.sh`
+/// (CPU machine, one core, decode + blake3 of every lz frame): random
+/// int16 widened to int64, a match every 8 bytes, 0.58 GB/s; int32 widened,
+/// every 16, 0.94; PyTorch's float32 `arange % 1000` past 2^24 elements
+/// (each value repeated), every 32-64, 2.3 (0.019x of raw); a heap, every
+/// ~128, 2.6; raw chunks 2.4-4 (a copy and the hash).
+pub const LZ_BYTES_PER_SEQUENCE: u64 = 32;
 
 /// The variable that picks the [`Codec`]: `lz` (default), `zstd`, `raw`.
 pub const CODEC_ENV: &str = "GPUSNAP_CHUNK_CODEC";
@@ -95,6 +108,13 @@ impl Codec {
                 Self::Lz
             }),
         })
+    }
+
+    /// Whether frame `z` of a chunk of `len` bytes decodes fast enough to
+    /// be kept ([`Codec::Lz`]: at least [`LZ_BYTES_PER_SEQUENCE`] bytes of
+    /// the chunk per sequence; any frame for the others).
+    fn decodes_fast(self, z: &[u8], len: usize) -> bool {
+        self != Self::Lz || zframe::sequences(z).is_some_and(|n| n * LZ_BYTES_PER_SEQUENCE <= len as u64)
     }
 
     /// A zstd frame no larger than this share of the chunk is kept;
@@ -371,7 +391,7 @@ pub fn encode_with(codec: Codec, data: &[u8]) -> Vec<u8> {
         })
         .flatten();
     if let Some(z) = frame {
-        if (z.len() as f64) < data.len() as f64 * codec.keep_below() {
+        if (z.len() as f64) < data.len() as f64 * codec.keep_below() && codec.decodes_fast(&z, data.len()) {
             let mut out = Vec::with_capacity(z.len() + 1);
             out.push(b'Z');
             out.extend_from_slice(&z);
@@ -914,7 +934,18 @@ mod tests {
         let zeros = vec![0u8; 1 << 20];
         let mut heap = zeros.clone();
         heap[..4096].copy_from_slice(&w[..4096]);
-        for (data, lz, zstd) in [(&w, b'R', b'Z'), (&zeros, b'Z', b'Z'), (&heap, b'Z', b'Z')] {
+        // Random int16 widened to int64: 0.34x with lz, but a match every
+        // 8 bytes (slow to decode): raw.
+        let mut x = 3u64;
+        let wide: Vec<u8> = (0..1 << 17)
+            .flat_map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 33) as i16 as i64).to_le_bytes()
+            })
+            .collect();
+        for (data, lz, zstd) in
+            [(&w, b'R', b'Z'), (&zeros, b'Z', b'Z'), (&heap, b'Z', b'Z'), (&wide, b'R', b'Z')]
+        {
             let hash = blake3::hash(data).to_hex().to_string();
             for (codec, tag) in [(Codec::Lz, lz), (Codec::Zstd, zstd), (Codec::Raw, b'R')] {
                 let enc = encode_with(codec, data);

@@ -8,7 +8,9 @@
 //! processes runs first. `scripts/bench-pagesrc-cpu.sh` runs it.
 //!
 //! Usage: bench_pagesrc [SIZE_MIB] [THREADS...]   (defaults: 2048, 1 and
-//! the number of cores); BENCH_KINDS="pattern random" (the default) picks
+//! the number of cores); BENCH_KINDS="pattern random" (the default; also
+//! "widened": random int32 widened to int64, compressed chunks with
+//! GPUSNAP_CHUNK_CODEC=zstd) picks
 //! the data, REPS=3 the runs of each (the median is printed).
 
 use gpusnap_chunks::LocalStore;
@@ -32,34 +34,30 @@ fn pattern(n: usize) -> Vec<u8> {
     v
 }
 
-/// tests/gpu/worker.py's checksum buffer: random int32 widened to int64
-/// (each high half all zeros or all ones): every chunk distinct and
-/// compressed ~1.5x, so each is decoded as well as hashed.
-fn widened(n: usize) -> Vec<u8> {
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let mut v = Vec::with_capacity(n);
+/// `n` bytes of xorshift words from `seed`, each turned into bytes by `f`.
+fn xorshift(n: usize, seed: u64, f: impl Fn(u64) -> [u8; 8]) -> Vec<u8> {
+    let mut x = seed;
+    let mut v = Vec::with_capacity(n + 8);
     while v.len() < n {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        v.extend_from_slice(&(x as i32 as i64).to_le_bytes());
+        v.extend_from_slice(&f(x));
     }
     v.truncate(n);
     v
 }
 
-/// Incompressible bytes (xorshift).
+/// tests/gpu/worker.py's checksum buffer: random int32 widened to int64
+/// (each high half all zeros or all ones): every chunk distinct, ~1.5x
+/// smaller with zstd's entropy coding.
+fn widened(n: usize) -> Vec<u8> {
+    xorshift(n, 0x2545_f491_4f6c_dd1d, |x| (x as i32 as i64).to_le_bytes())
+}
+
+/// Incompressible bytes.
 fn random(n: usize) -> Vec<u8> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let mut v = Vec::with_capacity(n);
-    while v.len() < n {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(n);
-    v
+    xorshift(n, 0x9e37_79b9_7f4a_7c15, u64::to_le_bytes)
 }
 
 /// GB/s of `threads` threads reading all of `f` (`size` bytes) as the

@@ -73,6 +73,9 @@ struct Shared {
     bad: Bad,
     /// Chunk buffers to reuse.
     pool: Mutex<Vec<Vec<u8>>>,
+    /// Chunks read whole (decoded, checked) so far: by the fill and the
+    /// verify, each once unless evicted from the cache.
+    loads: AtomicU64,
     /// Bytes kept of recurring chunks (at most `recurring_budget`).
     recurring: AtomicU64,
     recurring_budget: u64,
@@ -109,6 +112,7 @@ impl Shared {
             remote: remote.map(Arc::new),
             bad,
             pool: Mutex::new(Vec::new()),
+            loads: AtomicU64::new(0),
             recurring: AtomicU64::new(0),
             recurring_budget: recurring_budget(
                 crate::dumpdir::meminfo().map(|(_, avail)| avail).unwrap_or(RECURRING_MIN * 4),
@@ -122,6 +126,7 @@ impl Shared {
     /// wake); fetched from the remote first when the store lacks it.
     /// Returns whether it is stored raw.
     fn load(&self, path: &str, c: &ChunkRef, out: &mut Vec<u8>, checked: bool) -> Result<bool, ImageError> {
+        self.loads.fetch_add(1, Ordering::Relaxed);
         let mut read =
             |checked: bool| with_scratch(|s| self.store.read_into(&c.blake3, c.size, out, s, checked));
         let got = match read(checked) {
@@ -213,6 +218,17 @@ struct ChunkedFile {
     /// (session 7: mapping and unmapping a chunk per read slowed the fill
     /// from 8.1-8.4 to 6.2-6.5 GB/s on the H200).
     mapped: Vec<OnceLock<Arc<memmap2::Mmap>>>,
+    /// By canonical index: held by the one thread reading, decoding and
+    /// checking the chunk (a fill thread or the verify), so that no other
+    /// does it again at the same time: the fill threads on either side of a
+    /// batch's edge, and the verify, which starts where the fill does, met
+    /// on the same compressed chunks and each decoded them (H200, Runs
+    /// 54-55: 5-8 ms a MiB where a decode takes ~1.5). A waiting thread
+    /// then finds the chunk checked, and decoded in the cache.
+    loading: Vec<Mutex<()>>,
+    /// By canonical index: a fill thread waits for the chunk's `loading`:
+    /// the verify then leaves what it decoded in the cache.
+    wanted: Vec<AtomicBool>,
     cache: Vec<Mutex<Shard>>,
     shared: Arc<Shared>,
 }
@@ -248,6 +264,8 @@ impl ChunkedFile {
             kept: chunks.iter().map(|_| OnceLock::new()).collect(),
             unmappable: chunks.iter().map(|_| AtomicBool::new(false)).collect(),
             mapped: chunks.iter().map(|_| OnceLock::new()).collect(),
+            loading: chunks.iter().map(|_| Mutex::new(())).collect(),
+            wanted: chunks.iter().map(|_| AtomicBool::new(false)).collect(),
             cache: (0..SHARDS).map(|_| Mutex::new(Vec::with_capacity(PER_SHARD))).collect(),
             shared,
         }
@@ -265,42 +283,47 @@ impl ChunkedFile {
 
     /// Copies bytes `from..from + dst.len()` of chunk `i` into `dst`,
     /// checked: from the cache, straight from a raw chunk's file once the
-    /// chunk was checked, else the whole chunk read, decoded and checked.
+    /// chunk was checked, else the whole chunk read, decoded and checked,
+    /// by one thread at a time (`loading`).
     fn piece(&self, i: usize, from: usize, dst: &mut [u8]) -> Result<(), ImageError> {
-        let c = &self.chunks[i];
         let k = self.canon[i] as usize;
         if let Some(d) = self.kept[k].get() {
             dst.copy_from_slice(&d[from..from + dst.len()]);
             return Ok(());
         }
-        let shard = self.shard(i);
-        if let Ok(mut s) = shard.lock() {
-            if let Some(pos) = s.iter().position(|(h, _)| *h == c.blake3) {
-                let e = s.remove(pos);
-                dst.copy_from_slice(&e.1[from..from + dst.len()]);
-                s.push(e);
-                return Ok(());
-            }
-        }
-        let checked = self.checked[k].load(Ordering::Relaxed);
-        if checked {
-            // Any error here is reported by the whole read below.
-            let store = &self.shared.store;
-            let direct = with_scratch(|s| store.read_checked_raw_at(&c.blake3, c.size, from as u64, dst, s));
-            if let Ok(true) = direct {
-                return Ok(());
-            }
-        } else if let Some(m) = self.shared.map_raw.then(|| self.raw_mapped(i)).flatten() {
-            // A raw chunk not checked yet: hashed in place, then copied from
-            // there (the page server then finds it mapped and checked),
-            // rather than read whole into a buffer to hash it.
-            dst.copy_from_slice(&m[1 + from..1 + from + dst.len()]);
+        if self.cached(i, from, dst) || self.checked_raw(i, from, dst) {
             return Ok(());
         }
-        // Read, decoded and checked outside the lock: two threads may load
-        // one chunk at once, which costs a read, never a wait on another's.
+        if !self.checked[k].load(Ordering::Relaxed) {
+            if let Some(m) = self.shared.map_raw.then(|| self.raw_mapped(i)).flatten() {
+                // A raw chunk not checked yet: hashed in place, then copied
+                // from there (the page server then finds it mapped and
+                // checked), rather than read whole into a buffer to hash it.
+                dst.copy_from_slice(&m[1 + from..1 + from + dst.len()]);
+                return Ok(());
+            }
+        }
+        // One thread loads the chunk; one that comes meanwhile waits for it
+        // and then finds it as above (what the verify decodes for a waiting
+        // fill it leaves in the cache).
+        let _one = match self.loading[k].try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::WouldBlock) => {
+                self.wanted[k].store(true, Ordering::Relaxed);
+                self.loading[k].lock().unwrap_or_else(|e| e.into_inner())
+            }
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+        };
+        if let Some(d) = self.kept[k].get() {
+            dst.copy_from_slice(&d[from..from + dst.len()]);
+            return Ok(());
+        }
+        if self.cached(i, from, dst) || self.checked_raw(i, from, dst) {
+            return Ok(());
+        }
+        let checked = self.checked[k].load(Ordering::Relaxed);
         let mut b = self.shared.buffer();
-        let raw = match self.shared.load(&self.path, c, &mut b, checked) {
+        let raw = match self.shared.load(&self.path, &self.chunks[i], &mut b, checked) {
             Ok(raw) => raw,
             Err(e) => {
                 self.shared.note(&e);
@@ -323,7 +346,47 @@ impl ChunkedFile {
             }
             return Ok(());
         }
-        let old = match shard.lock() {
+        self.keep_decoded(i, b);
+        Ok(())
+    }
+
+    /// Copies from the cache of decoded chunks, if chunk `i` is there.
+    fn cached(&self, i: usize, from: usize, dst: &mut [u8]) -> bool {
+        let c = &self.chunks[i];
+        if let Ok(mut s) = self.shard(i).lock() {
+            if let Some(pos) = s.iter().position(|(h, _)| *h == c.blake3) {
+                let e = s.remove(pos);
+                dst.copy_from_slice(&e.1[from..from + dst.len()]);
+                s.push(e);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Reads straight from chunk `i`'s file if it was checked in this wake
+    /// and is stored raw. Any error here is reported by the whole read
+    /// that follows (`false`).
+    fn checked_raw(&self, i: usize, from: usize, dst: &mut [u8]) -> bool {
+        let (c, k) = (&self.chunks[i], self.canon[i] as usize);
+        self.checked[k].load(Ordering::Relaxed)
+            && matches!(
+                with_scratch(|s| self.shared.store.read_checked_raw_at(
+                    &c.blake3,
+                    c.size,
+                    from as u64,
+                    dst,
+                    s
+                )),
+                Ok(true)
+            )
+    }
+
+    /// Keeps the decoded bytes of chunk `i` in the cache, the least
+    /// recently used of its shard going back to the pool.
+    fn keep_decoded(&self, i: usize, b: Vec<u8>) {
+        let c = &self.chunks[i];
+        let old = match self.shard(i).lock() {
             Ok(mut s) if !s.iter().any(|(h, _)| *h == c.blake3) => {
                 s.push((c.blake3.clone(), Arc::new(b)));
                 (s.len() > PER_SHARD).then(|| s.remove(0).1)
@@ -333,7 +396,6 @@ impl ChunkedFile {
         if let Some(v) = old.and_then(|a| Arc::try_unwrap(a).ok()) {
             self.shared.give_back(v);
         }
-        Ok(())
     }
 
     /// Chunk `i`'s file mapped (a tag byte, then the chunk), if it is
@@ -612,20 +674,37 @@ fn spawn_verify(files: &[Arc<ChunkedFile>], stop: Arc<AtomicBool>, pace: VerifyP
             let Some(first) = files.first() else { return };
             let shared = first.shared.clone();
             let mut buf = shared.buffer();
-            loop {
-                if stop.load(Ordering::Relaxed) || failed.lock().map(|g| g.is_some()).unwrap_or(true) {
-                    break;
-                }
-                let j = next.fetch_add(1, Ordering::Relaxed);
-                let Some((fi, i, marks)) = todo.get(j) else { break };
+            // Chunks a fill thread was loading when this thread came to
+            // them: it checks them itself; any it has not by the end are
+            // checked then.
+            let mut later = Vec::new();
+            let check = |j: usize, wait: bool, buf: &mut Vec<u8>| -> bool {
+                let (fi, i, marks) = &todo[j];
                 let f = &files[*fi];
-                if marks.iter().all(|&(g, k)| files[g].checked[k].load(Ordering::Relaxed)) {
-                    continue;
+                let done = || marks.iter().all(|&(g, k)| files[g].checked[k].load(Ordering::Relaxed));
+                if done() {
+                    return true;
                 }
-                match shared.load(&f.path, &f.chunks[*i], &mut buf, false) {
-                    Ok(_) => {
+                let _one = match f.loading[*i].try_lock() {
+                    Ok(g) => g,
+                    Err(std::sync::TryLockError::WouldBlock) if !wait => return false,
+                    Err(std::sync::TryLockError::WouldBlock) => {
+                        f.loading[*i].lock().unwrap_or_else(|e| e.into_inner())
+                    }
+                    Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+                };
+                if done() {
+                    return true;
+                }
+                match shared.load(&f.path, &f.chunks[*i], buf, false) {
+                    Ok(raw) => {
                         for &(g, k) in marks {
                             files[g].checked[k].store(true, Ordering::Relaxed);
+                        }
+                        // A fill thread waits for this chunk: what it needs
+                        // is decoded already.
+                        if !raw && f.wanted[*i].load(Ordering::Relaxed) {
+                            f.keep_decoded(*i, std::mem::replace(buf, shared.buffer()));
                         }
                     }
                     Err(e) => {
@@ -637,6 +716,27 @@ fn spawn_verify(files: &[Arc<ChunkedFile>], stop: Arc<AtomicBool>, pace: VerifyP
                         }
                     }
                 }
+                true
+            };
+            let stopped =
+                || stop.load(Ordering::Relaxed) || failed.lock().map(|g| g.is_some()).unwrap_or(true);
+            loop {
+                if stopped() {
+                    break;
+                }
+                let j = next.fetch_add(1, Ordering::Relaxed);
+                if j >= todo.len() {
+                    break;
+                }
+                if !check(j, false, &mut buf) {
+                    later.push(j);
+                }
+            }
+            for j in later {
+                if stopped() {
+                    break;
+                }
+                check(j, true, &mut buf);
             }
             shared.give_back(buf);
             took.fetch_max(started.elapsed().as_millis() as u64, Ordering::Relaxed);
@@ -1228,6 +1328,59 @@ mod tests {
         let e = v.wait().unwrap_err();
         assert!(e.to_string().contains("fails its checksum"), "{e}");
         assert!(f.read_at(0, &mut buf).is_err());
+    }
+
+    #[test]
+    fn threads_that_meet_on_a_compressed_chunk_decode_it_once() {
+        let d = tempfile::tempdir().unwrap();
+        // 8 MiB of compressed chunks that do not recur: random 64-byte
+        // runs between zeros.
+        let mut data = vec![0u8; 8 << 20];
+        for run in data.chunks_mut(1024) {
+            rand::thread_rng().fill_bytes(&mut run[..64]);
+        }
+        let store = LocalStore::open(d.path().join("store")).unwrap();
+        let st = gpusnap_chunks::store_slice(&data, 2, &store, false, &|_| {}).unwrap();
+        store.finish(st.staged, false).unwrap();
+        let chunks = st.chunks;
+        assert!(chunks.iter().all(|c| store.get_encoded(&c.blake3).unwrap()[0] == b'Z'));
+        let open = |pace: Option<VerifyPace>| {
+            let store = LocalStore::open(d.path().join("store")).unwrap();
+            let shared = Shared::new("t", store, None, Arc::new(Mutex::new(None)), false);
+            let f = Arc::new(ChunkedFile::new("criu/pages-1.img", &chunks, shared, false));
+            let v = pace.map(|p| spawn_verify(std::slice::from_ref(&f), Arc::new(AtomicBool::new(false)), p));
+            (f, v)
+        };
+        // Eight threads reading the same pieces at the same time (each
+        // 256 KiB, so that four of them fall in each chunk), then the same
+        // with the verify beside them: each chunk is loaded once (a few
+        // more if the cache dropped one before the last thread came).
+        for pace in [None, Some(VerifyPace { threads: 2, ..VerifyPace::all_cores() })] {
+            let (f, v) = open(pace);
+            let start = std::sync::Barrier::new(8);
+            std::thread::scope(|s| {
+                for _ in 0..8 {
+                    s.spawn(|| {
+                        start.wait();
+                        let mut got = vec![0u8; data.len()];
+                        for (k, piece) in got.chunks_mut(256 << 10).enumerate() {
+                            f.read_at(k as u64 * (256 << 10), piece).unwrap();
+                        }
+                        assert!(got == data);
+                    });
+                }
+            });
+            if let Some(v) = v {
+                join_verify(v).unwrap();
+            }
+            assert!(f.checked.iter().all(|c| c.load(Ordering::Relaxed)));
+            let loads = f.shared.loads.load(Ordering::Relaxed);
+            assert!(
+                loads >= chunks.len() as u64 && loads <= 2 * chunks.len() as u64,
+                "{loads} loads of {} chunks",
+                chunks.len()
+            );
+        }
     }
 
     #[test]
