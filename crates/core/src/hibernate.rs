@@ -440,6 +440,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     ) -> Result<Dumped, Error> {
         let started = Instant::now();
         let root_t = target::resolve_callable(root)?;
+        // How new chunks will be encoded, read (and a bad value said) now,
+        // not at the first new chunk.
+        let codec = gpusnap_chunks::Codec::configured();
+        tracing::debug!("new chunks encoded as {codec:?}");
         let mut tree = process_tree(root);
         // Refused before anything is suspended: CRIU would fail on it only
         // after the GPU state had gone to host memory.
