@@ -83,6 +83,13 @@ pub enum Codec {
 /// ~128, 2.6; raw chunks 2.4-4 (a copy and the hash).
 pub const LZ_BYTES_PER_SEQUENCE: u64 = 32;
 
+/// The lz encoder first tries this many slices of a chunk, spread over it,
+/// of [`SLICE`] bytes each: the whole is compressed only if one of them
+/// would be kept. A chunk none of whose slices shrinks is stored raw at
+/// once (`scripts/bench-codec-cpu.sh`, encode GB/s).
+const SLICES: usize = 4;
+const SLICE: usize = 16 << 10;
+
 /// The variable that picks the [`Codec`]: `lz` (default), `zstd`, `raw`.
 pub const CODEC_ENV: &str = "GPUSNAP_CHUNK_CODEC";
 
@@ -108,6 +115,21 @@ impl Codec {
                 Self::Lz
             }),
         })
+    }
+
+    /// Whether frame `z` of `len` bytes is stored rather than the bytes:
+    /// small enough and, for lz, fast enough to decode.
+    fn keeps(self, z: &[u8], len: usize) -> bool {
+        (z.len() as f64) < len as f64 * self.keep_below() && self.decodes_fast(z, len)
+    }
+
+    /// Whether the frame `f` of a [`SLICE`] of a chunk says the whole may
+    /// be kept: it saves what the codec asks. (Not its sequences: a slice
+    /// holds the start of a pattern that the rest of a chunk only repeats,
+    /// float64 `arange % 1000` one sequence per 16 bytes in a slice and per
+    /// ~300 in its chunk.)
+    fn slice_promising(self, f: &[u8]) -> bool {
+        (f.len() as f64) < SLICE as f64 * self.keep_below()
     }
 
     /// Whether frame `z` of a chunk of `len` bytes decodes fast enough to
@@ -386,12 +408,27 @@ pub fn encode_with(codec: Codec, data: &[u8]) -> Vec<u8> {
                     }
                     *c = Some((codec, z));
                 }
-                c.as_mut().and_then(|(_, z)| z.compress(data).ok())
+                let (_, z) = c.as_mut()?;
+                // lz: a few slices first; when none of them shrinks enough,
+                // neither does the whole (a model's weights, random bytes:
+                // a 1 MiB chunk of them took ~1 ms of zstd for nothing, the
+                // slices ~1/16 of that).
+                if codec == Codec::Lz && data.len() >= SLICES * SLICE * 2 {
+                    let step = data.len() / SLICES;
+                    let any = (0..SLICES).any(|k| {
+                        let s = &data[k * step..k * step + SLICE];
+                        z.compress(s).is_ok_and(|f| codec.slice_promising(&f))
+                    });
+                    if !any {
+                        return None;
+                    }
+                }
+                z.compress(data).ok()
             })
         })
         .flatten();
     if let Some(z) = frame {
-        if (z.len() as f64) < data.len() as f64 * codec.keep_below() && codec.decodes_fast(&z, data.len()) {
+        if codec.keeps(&z, data.len()) {
             let mut out = Vec::with_capacity(z.len() + 1);
             out.push(b'Z');
             out.extend_from_slice(&z);
@@ -943,9 +980,16 @@ mod tests {
                 ((x >> 33) as i16 as i64).to_le_bytes()
             })
             .collect();
-        for (data, lz, zstd) in
-            [(&w, b'R', b'Z'), (&zeros, b'Z', b'Z'), (&heap, b'Z', b'Z'), (&wide, b'R', b'Z')]
-        {
+        // Weights then zero pages: the slices lz tries first find the zeros.
+        let mut half = w.clone();
+        half[w.len() / 2..].fill(0);
+        for (data, lz, zstd) in [
+            (&w, b'R', b'Z'),
+            (&zeros, b'Z', b'Z'),
+            (&heap, b'Z', b'Z'),
+            (&wide, b'R', b'Z'),
+            (&half, b'Z', b'Z'),
+        ] {
             let hash = blake3::hash(data).to_hex().to_string();
             for (codec, tag) in [(Codec::Lz, lz), (Codec::Zstd, zstd), (Codec::Raw, b'R')] {
                 let enc = encode_with(codec, data);
