@@ -120,7 +120,12 @@ impl Codec {
     /// Whether frame `z` of `len` bytes is stored rather than the bytes:
     /// small enough and, for lz, fast enough to decode.
     fn keeps(self, z: &[u8], len: usize) -> bool {
-        (z.len() as f64) < len as f64 * self.keep_below() && self.decodes_fast(z, len)
+        self.small(z, len) && self.decodes_fast(z, len)
+    }
+
+    /// Whether frame `z` of `len` bytes is under [`Codec::keep_below`] of them.
+    fn small(self, z: &[u8], len: usize) -> bool {
+        (z.len() as f64) < len as f64 * self.keep_below()
     }
 
     /// Whether the frame `f` of a [`SLICE`] of a chunk says the whole may
@@ -129,7 +134,7 @@ impl Codec {
     /// float64 `arange % 1000` one sequence per 16 bytes in a slice and per
     /// ~300 in its chunk.)
     fn slice_promising(self, f: &[u8]) -> bool {
-        (f.len() as f64) < SLICE as f64 * self.keep_below()
+        self.small(f, SLICE)
     }
 
     /// Whether frame `z` of a chunk of `len` bytes decodes fast enough to

@@ -26,31 +26,9 @@ fn by_tag(state: &Path) -> (u64, u64) {
 
 /// A python process holding `mib` MiB of random bytes below 16 (four bits
 /// of entropy each, no repeats: as a model's weights, only entropy coding
-/// shrinks them), checking them over and over: each check appends "N ok"
-/// or "N bad" to OUT.
+/// shrinks them), checking them.
 fn holder(w: &mut World, mib: u64) -> (i32, std::path::PathBuf) {
-    let out = w.tmp.path().join("hold");
-    let script = r#"
-import hashlib, os, sys, time
-buf = bytearray(os.urandom(int(sys.argv[1]) << 20).translate(bytes(i & 15 for i in range(256))))
-want = hashlib.sha256(buf).digest()
-out = sys.argv[2]
-i = 0
-while True:
-    i += 1
-    ok = hashlib.sha256(buf).digest() == want
-    with open(out, "a") as f: f.write(f"{i} {'ok' if ok else 'bad'}\n")
-    time.sleep(0.05)
-"#;
-    let n = w.spawn_env("python3", &["-c", script, &mib.to_string(), out.to_str().unwrap()]);
-    let pid = w.child_pid(n);
-    wait_for(Duration::from_secs(60), || std::fs::read_to_string(&out).is_ok_and(|s| s.contains(" ok")));
-    (pid, out)
-}
-
-fn checks(out: &Path) -> (usize, usize) {
-    let s = std::fs::read_to_string(out).unwrap_or_default();
-    (s.lines().filter(|l| l.ends_with(" ok")).count(), s.lines().filter(|l| l.ends_with(" bad")).count())
+    checking_holder(w, mib, "bytearray(os.urandom(n).translate(bytes(i & 15 for i in range(256))))")
 }
 
 #[test]
@@ -81,15 +59,7 @@ fn the_codec_setting_picks_how_new_chunks_are_stored_and_both_wake() {
     // wakes intact either way.
     w.env_extra.retain(|(k, _)| k != "GPUSNAP_CHUNK_CODEC");
     w.env_extra.push(("GPUSNAP_CHUNK_CODEC".into(), "gzip".into()));
-    w.reap(pid);
-    wait_for(Duration::from_secs(10), || !pid_exists(pid));
-    let (good, bad) = checks(&out);
-    assert_eq!(bad, 0);
-    let r = w.json(&["wake", "z", "--wait", "30"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
-    wait_for(Duration::from_secs(60), || checks(&out).0 > good + 2);
-    assert_eq!(checks(&out).1, 0, "the memory came back intact");
+    wake_intact(&mut w, pid, "z", &out);
     let r = w.json(&["snapshot", &p, "--image", "again"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(r.stderr.contains("GPUSNAP_CHUNK_CODEC=gzip"), "{}", r.stderr);

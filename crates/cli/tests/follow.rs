@@ -30,49 +30,9 @@ fn store_bytes(state: &Path) -> u64 {
     n
 }
 
-/// A python process holding `mib` MiB of random bytes, checking them
-/// (sha256) over and over: each check appends "N ok" or "N bad" to OUT.
+/// A python process holding `mib` MiB of random bytes, checking them.
 fn holder(w: &mut World, mib: u64) -> (i32, std::path::PathBuf) {
-    let out = w.tmp.path().join(format!("hold-{}", w.children.len()));
-    let script = r#"
-import hashlib, os, sys, time
-buf = bytearray(os.urandom(int(sys.argv[1]) << 20))
-want = hashlib.sha256(buf).digest()
-out = sys.argv[2]
-i = 0
-while True:
-    i += 1
-    ok = hashlib.sha256(buf).digest() == want
-    with open(out, "a") as f: f.write(f"{i} {'ok' if ok else 'bad'}\n")
-    time.sleep(0.05)
-"#;
-    let n = w.spawn_env("python3", &["-c", script, &mib.to_string(), out.to_str().unwrap()]);
-    let pid = w.child_pid(n);
-    // Making and hashing the bytes takes a while on a busy 2-core machine
-    // (1200 MiB took over 30 s in a CI run): the wait grows with the size.
-    wait_for(Duration::from_secs(30 + mib / 10), || {
-        std::fs::read_to_string(&out).is_ok_and(|s| s.contains(" ok"))
-    });
-    (pid, out)
-}
-
-fn checks(out: &Path) -> (usize, usize) {
-    let s = std::fs::read_to_string(out).unwrap_or_default();
-    (s.lines().filter(|l| l.ends_with(" ok")).count(), s.lines().filter(|l| l.ends_with(" bad")).count())
-}
-
-/// The holder `pid`, hibernated as `image`, ended, then woken: it goes on
-/// checking its memory and every check after the wake passes.
-fn wake_intact(w: &mut World, pid: i32, image: &str, out: &Path) {
-    w.reap(pid);
-    wait_for(Duration::from_secs(10), || !pid_exists(pid));
-    let (good, bad) = checks(out);
-    assert_eq!(bad, 0);
-    let r = w.json(&["wake", image, "--wait", "30"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
-    wait_for(Duration::from_secs(60), || checks(out).0 > good + 2);
-    assert_eq!(checks(out).1, 0, "the memory came back intact");
+    checking_holder(w, mib, "bytearray(os.urandom(n))")
 }
 
 /// Snapshots `p` (holding 300 MiB of random bytes) as images `one` and

@@ -287,11 +287,7 @@ impl ChunkedFile {
     /// by one thread at a time (`loading`).
     fn piece(&self, i: usize, from: usize, dst: &mut [u8]) -> Result<(), ImageError> {
         let k = self.canon[i] as usize;
-        if let Some(d) = self.kept[k].get() {
-            dst.copy_from_slice(&d[from..from + dst.len()]);
-            return Ok(());
-        }
-        if self.cached(i, from, dst) || self.checked_raw(i, from, dst) {
+        if self.at_hand(i, from, dst) {
             return Ok(());
         }
         if !self.checked[k].load(Ordering::Relaxed) {
@@ -306,19 +302,11 @@ impl ChunkedFile {
         // One thread loads the chunk; one that comes meanwhile waits for it
         // and then finds it as above (what the verify decodes for a waiting
         // fill it leaves in the cache).
-        let _one = match self.loading[k].try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::WouldBlock) => {
-                self.wanted[k].store(true, Ordering::Relaxed);
-                self.loading[k].lock().unwrap_or_else(|e| e.into_inner())
-            }
-            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-        };
-        if let Some(d) = self.kept[k].get() {
-            dst.copy_from_slice(&d[from..from + dst.len()]);
-            return Ok(());
-        }
-        if self.cached(i, from, dst) || self.checked_raw(i, from, dst) {
+        let _one = self.load_lock(k, || {
+            self.wanted[k].store(true, Ordering::Relaxed);
+            true
+        });
+        if self.at_hand(i, from, dst) {
             return Ok(());
         }
         let checked = self.checked[k].load(Ordering::Relaxed);
@@ -348,6 +336,28 @@ impl ChunkedFile {
         }
         self.keep_decoded(i, b);
         Ok(())
+    }
+
+    /// Copies bytes of chunk `i` from where they are at hand, if they are:
+    /// its kept bytes, the cache, or a raw chunk's file once checked.
+    fn at_hand(&self, i: usize, from: usize, dst: &mut [u8]) -> bool {
+        if let Some(d) = self.kept[self.canon[i] as usize].get() {
+            dst.copy_from_slice(&d[from..from + dst.len()]);
+            return true;
+        }
+        self.cached(i, from, dst) || self.checked_raw(i, from, dst)
+    }
+
+    /// Takes `loading[k]`, the right to load canonical chunk `k`. Held by
+    /// another thread: `busy` says whether to wait for it (`None`: not).
+    fn load_lock(&self, k: usize, busy: impl FnOnce() -> bool) -> Option<std::sync::MutexGuard<'_, ()>> {
+        match self.loading[k].try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                busy().then(|| self.loading[k].lock().unwrap_or_else(|e| e.into_inner()))
+            }
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        }
     }
 
     /// Copies from the cache of decoded chunks, if chunk `i` is there.
@@ -685,14 +695,7 @@ fn spawn_verify(files: &[Arc<ChunkedFile>], stop: Arc<AtomicBool>, pace: VerifyP
                 if done() {
                     return true;
                 }
-                let _one = match f.loading[*i].try_lock() {
-                    Ok(g) => g,
-                    Err(std::sync::TryLockError::WouldBlock) if !wait => return false,
-                    Err(std::sync::TryLockError::WouldBlock) => {
-                        f.loading[*i].lock().unwrap_or_else(|e| e.into_inner())
-                    }
-                    Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-                };
+                let Some(_one) = f.load_lock(*i, || wait) else { return false };
                 if done() {
                     return true;
                 }
