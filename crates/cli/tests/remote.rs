@@ -408,9 +408,11 @@ fn an_unreachable_endpoint_and_wrong_credentials_are_clear_errors_and_nothing_is
     let r = w.json(&["hibernate", &pid.to_string(), "--image", "cpu"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.reap(pid);
-    // Nothing listens on this port.
-    let port = free_port();
-    s3_env(&mut w, port);
+    // Nothing listens on port 1 (tcpmux). Not a free port picked here: the
+    // other tests of this file, running beside it, start their S3 servers on
+    // free ports, and one took such a port before the push (a clean-clone CI
+    // run: remote_denied, a real server refusing these credentials).
+    s3_env(&mut w, 1);
     let r = w.json(&["images", "push", "cpu", "s3://snaps/x"]);
     assert_eq!(r.code, 6, "{}", r.stderr);
     assert!(r.stderr.contains("remote s3://snaps/x"), "{}", r.stderr);
