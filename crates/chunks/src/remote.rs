@@ -141,16 +141,24 @@ fn not_a_hash(hash: &str) -> ChunkError {
     ChunkError::Corrupt { hash: hash.chars().take(80).collect(), why: "not a blake3 name".into() }
 }
 
+/// Whether an error's text carries an HTTP 401/403 or S3's refusal codes,
+/// as whole words: the text also holds the URL, whose chunk names are hex
+/// and hold "401" or "403" in about one push in thirty (a connection
+/// refused was once called denied that way).
+fn says_denied(why: &str) -> bool {
+    why.split(|c: char| !c.is_ascii_alphanumeric()).any(|w| {
+        ["403", "401", "forbidden", "accessdenied", "invalidaccesskeyid", "signaturedoesnotmatch"]
+            .iter()
+            .any(|k| w.eq_ignore_ascii_case(k))
+    })
+}
+
 fn classify(url: &str, op: &str, e: object_store::Error) -> RemoteError {
     let why = e.to_string();
-    let low = why.to_ascii_lowercase();
-    let denied =
-        matches!(
-            e,
-            object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }
-        ) || ["403", "401", "forbidden", "accessdenied", "invalidaccesskeyid", "signaturedoesnotmatch"]
-            .iter()
-            .any(|k| low.contains(k));
+    let denied = matches!(
+        e,
+        object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. }
+    ) || says_denied(&why);
     // The chain of sources holds the cause (connection refused, DNS).
     let mut why = why;
     let mut src: Option<&dyn std::error::Error> = std::error::Error::source(&e);
@@ -408,5 +416,21 @@ impl Remote {
         })?;
         r.seconds = t0.elapsed().as_secs_f64();
         Ok(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::says_denied;
+
+    #[test]
+    fn refusals_are_whole_words_not_digits_of_a_chunk_name() {
+        let refused = "Generic S3 error: Error after 3 retries in 1.2s, max_retries:10, \
+            retry_timeout:180s, source:error sending request for url \
+            (http://127.0.0.1:1/snaps/x/chunks/9f4033a1b401e2): connection refused";
+        assert!(!says_denied(refused));
+        assert!(says_denied("Client error with status 403 Forbidden: <Code>AccessDenied</Code>"));
+        assert!(says_denied("<Code>InvalidAccessKeyId</Code>"));
+        assert!(says_denied("status: 401"));
     }
 }

@@ -408,10 +408,10 @@ fn an_unreachable_endpoint_and_wrong_credentials_are_clear_errors_and_nothing_is
     let r = w.json(&["hibernate", &pid.to_string(), "--image", "cpu"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.reap(pid);
-    // Nothing listens on port 1 (tcpmux). Not a free port picked here: the
-    // other tests of this file, running beside it, start their S3 servers on
-    // free ports, and one took such a port before the push (a clean-clone CI
-    // run: remote_denied, a real server refusing these credentials).
+    // Nothing listens on port 1 (tcpmux), and no S3 server of the tests
+    // beside this one takes it. (The error's text holds the chunks' hex
+    // names: "403" in one of them once made a refused connection "denied";
+    // refusals are now matched as whole words.)
     s3_env(&mut w, 1);
     let r = w.json(&["images", "push", "cpu", "s3://snaps/x"]);
     assert_eq!(r.code, 6, "{}", r.stderr);
