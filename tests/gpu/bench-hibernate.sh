@@ -58,6 +58,13 @@
 #                    writing the image: SIZE 23 holds ~25 GB, 46 ~50 GB) or
 #                    weights (bf16 as a model's weights, sized as random;
 #                    GPUSNAP_CHUNK_CODEC=zstd stores them at ~1.28x)
+#   HB_PCIE          1: the GPU's PCIe receive rate sampled through NVML
+#                    (tests/gpu/pcie-trace.py) around the driver's restore
+#                    alone and around every wake: when 10/50/90/99 % of the
+#                    bytes the restore sent to the GPU had arrived, the
+#                    mean rate between 10 and 90 %, and the rate per 0.5 s
+#                    (in the samples as pcie_*, the series in the log and
+#                    in OUT/pcie-*.tsv); 0 (default): not sampled
 #   HB_DISK          1 (default): the scratch disk's write speed (dd of
 #                    HB_DD_GIB GiB, default 8, conv=fdatasync) and cold read
 #                    speed, once per run, for the hibernate and cold targets
@@ -122,6 +129,7 @@ done
 HB_DRIVER=${HB_DRIVER:-1}
 HB_DRIVER_WOKEN=${HB_DRIVER_WOKEN:-0}
 HB_COLD=${HB_COLD:-0}
+HB_PCIE=${HB_PCIE:-0}
 HB_DISK=${HB_DISK:-1}
 HB_DD_GIB=${HB_DD_GIB:-8}
 case $HB_DD_GIB in '' | *[!0-9]* | 0) echo "HB_DD_GIB must be a positive integer" >&2; exit 2 ;; esac
@@ -309,6 +317,35 @@ print(" ".join(f"{k}={x}" for k, x in v.items() if isinstance(x, (int, float)) a
 PY
 }
 
+# pcie_start LABEL / pcie_stop: with HB_PCIE=1, the GPU's PCIe receive
+# rate sampled (tests/gpu/pcie-trace.py) from just before the command timed
+# next until pcie_stop, which sets PCIE_WORDS (KEY=VALUE words for `sample`)
+# and logs the rate per 0.5 s.
+PCIE_PID="" PCIE_T0="" PCIE_FILE="" PCIE_N=0
+PCIE_WORDS=()
+pcie_start() {
+    PCIE_WORDS=()
+    [ "$HB_PCIE" = 1 ] || return 0
+    PCIE_N=$((PCIE_N + 1))
+    PCIE_FILE=$OUT/pcie-$PCIE_N-$1.tsv
+    rm -f "$WORK/pcie.stop"
+    python3 "$GPU_DIR/pcie-trace.py" sample "$PCIE_FILE" "$WORK/pcie.stop" --max 600 2>>"$LOG" &
+    PCIE_PID=$!
+    sleep 0.3 # its NVML start, before the command's
+    PCIE_T0=$(now)
+}
+pcie_stop() {
+    local out
+    [ -n "$PCIE_PID" ] || return 0
+    sleep 0.2
+    touch "$WORK/pcie.stop"
+    wait "$PCIE_PID" 2>/dev/null
+    PCIE_PID=""
+    out=$(python3 "$GPU_DIR/pcie-trace.py" summary "$PCIE_FILE" "$PCIE_T0" 2>&1)
+    log "pcie ${PCIE_FILE##*/}: $(printf '%s' "$out" | tr '\n' ' ' | cut -c1-1200)"
+    read -r -a PCIE_WORDS <<<"$(printf '%s\n' "$out" | head -n 1 | grep '^pcie_' || true)"
+}
+
 # disk_speed: the scratch disk's write speed (dd HB_DD_GIB GiB, fdatasync)
 # and cold read speed, once; sets DISK_W_GBPS, DISK_R_GBPS.
 disk_speed() {
@@ -363,13 +400,15 @@ driver_cycle() {
         return 1
     fi
     mark_restored "$pid"
+    pcie_start "$mode-$gib"
     raw 300 "$pid" restore unlock
+    pcie_stop
     if [ "$RAW_RC" != 0 ]; then
         note "size $gib GiB: driver alone: restore+unlock failed ($(raw_rcs))"
         return 1
     fi
     sample gib="$gib" rep=0 mode=s:"$mode" footprint_bytes="$fp" ckpt_wall_s="$c_wall" ckpt_driver_ms="$c_drv" \
-        restore_wall_s="$RAW_S" restore_driver_ms="$(jget "$RAW_OUT" 'd["driver_ms"]')"
+        restore_wall_s="$RAW_S" restore_driver_ms="$(jget "$RAW_OUT" 'd["driver_ms"]')" ${PCIE_WORDS[@]+"${PCIE_WORDS[@]}"}
     if ! worker_on "$name" "$pid" "$i"; then
         note "size $gib GiB: after the driver alone the worker did not go on intact (iteration ${ST_ITER:-?}, ok ${ST_OK:-?})"
         return 1
@@ -513,8 +552,10 @@ gpusnap_cycle() {
     pf_s=$(fsub "$t0" "$(now)")
     mark_restored "$pid"
     cold_cache
+    pcie_start "$mode-$gib-$rep"
     gs 600 wake b --wait 30 ${WAKE_ARGS[@]+"${WAKE_ARGS[@]}"} ${wflags[@]+"${wflags[@]}"}
     w_rc=$GS_RC w_wall=$GS_S
+    pcie_stop
     read -r -a wx <<<"$(wake_extra "$GS_OUT")"
     w_tot=$(jget "$GS_OUT" 'd["total_ms"]') w_ver=$(jget "$GS_OUT" 'd["verify_ms"]')
     w_wait=$(jget "$GS_OUT" 'd["waited_ms"]') w_criu=$(jget "$GS_OUT" 'd["criu_ms"]')
@@ -536,7 +577,8 @@ gpusnap_cycle() {
         image_bytes="$du" manifest_bytes="$img" store_new_bytes="$st_new" fill="${WORKER_FILL:-pattern}" \
         hibernate_s="$h_wall" hibernate_total_ms="$h_tot" suspend_ms="$h_sus" dump_ms="$h_dmp" write_ms="$h_wr" \
         pidfree_s="$pf_s" wake_s="$w_wall" wake_total_ms="$w_tot" verify_ms="$w_ver" waited_ms="$w_wait" criu_ms="$w_criu" \
-        restore_ms="$w_res" pages_ms="$w_pages" verify_bg_ms="$w_vbg" verify_wait_ms="$w_vwait" ${hx[@]+"${hx[@]}"} ${wx[@]+"${wx[@]}"}
+        restore_ms="$w_res" pages_ms="$w_pages" verify_bg_ms="$w_vbg" verify_wait_ms="$w_vwait" ${hx[@]+"${hx[@]}"} ${wx[@]+"${wx[@]}"} \
+        ${PCIE_WORDS[@]+"${PCIE_WORDS[@]}"}
     if ! worker_on "$name" "$pid" "$i"; then
         note "size $gib GiB rep $rep: after the gpusnap cycle ($mode) the worker did not go on intact (alive $(alive "$pid" && echo yes || echo no), iteration ${ST_ITER:-?}, ok ${ST_OK:-?}, status pid ${ST_PID:-?})"
         return 1
@@ -581,7 +623,9 @@ matrix_cycle() {
         esac
         mark_restored "$pid"
         knobs_set "$kvs"
+        pcie_start "matrix-$vname-$gib"
         gs 600 wake m --wait 30 ${WAKE_ARGS[@]+"${WAKE_ARGS[@]}"}
+        pcie_stop
         knobs_clear
         if [ "$GS_RC" != 0 ]; then
             note "size $gib GiB: matrix $vname ($kvs): gpusnap wake failed (exit $GS_RC): $GS_MSG"
@@ -594,7 +638,7 @@ matrix_cycle() {
             cold="$cold" footprint_bytes="$fp" wake_s="$GS_S" wake_total_ms="$(jget "$GS_OUT" 'd["total_ms"]')" \
             verify_ms="$(jget "$GS_OUT" 'd["verify_ms"]')" criu_ms="$(jget "$GS_OUT" 'd["criu_ms"]')" \
             restore_ms="$(jget "$GS_OUT" 'd["restore_ms"]')" pages_ms="$(jget "$GS_OUT" 'd["stages"]["pages"]')" \
-            ${wx[@]+"${wx[@]}"}
+            ${wx[@]+"${wx[@]}"} ${PCIE_WORDS[@]+"${PCIE_WORDS[@]}"}
         if ! worker_on "$name" "$pid" "$i"; then
             note "size $gib GiB: matrix $vname: the worker did not go on intact (iteration ${ST_ITER:-?}, ok ${ST_OK:-?})"
             drop_image m
