@@ -23,10 +23,6 @@ impl Drop for Moto {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// Starts moto_server; without it the test is skipped here and fails on CI
 /// (.ci/run installs it).
 fn moto(extra_env: &[(&str, &str)]) -> Option<Moto> {
@@ -50,8 +46,15 @@ fn moto(extra_env: &[(&str, &str)]) -> Option<Moto> {
     for (k, v) in extra_env {
         cmd.env(k, v);
     }
-    let m = Moto { child: cmd.spawn().expect("start moto_server"), port };
-    wait_for(Duration::from_secs(120), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    let mut m = Moto { child: cmd.spawn().expect("start moto_server"), port };
+    // Up when the port answers while this server still runs: one that
+    // could not bind it (taken meanwhile) exits, and what answers is not it.
+    wait_for(Duration::from_secs(120), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() || !matches!(m.child.try_wait(), Ok(None))
+    });
+    if let Ok(Some(st)) = m.child.try_wait() {
+        panic!("moto_server on port {port} exited at its start ({st}): the port was taken");
+    }
     Some(m)
 }
 

@@ -746,3 +746,19 @@ pub fn mem_proc(w: &mut World, tag: &str, mib: u64) -> (i32, PathBuf) {
 pub fn read_ext(p: &Path, ext: &str) -> String {
     std::fs::read_to_string(p.with_extension(ext)).unwrap_or_default().trim().to_string()
 }
+
+/// A loopback port free now and not handed out before in this test binary
+/// (its tests run side by side: two servers given one port would each find
+/// the other's). A port freed and taken by another program before its
+/// server binds it stays possible; the server's start-up check names that.
+pub fn free_port() -> u16 {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
+}
