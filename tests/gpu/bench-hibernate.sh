@@ -47,6 +47,12 @@
 #                    wake), default, t8n10 (8 fill threads at nice 10),
 #                    head100 (the whole fill before the driver starts);
 #                    empty (default): none
+#   HB_REP_ENV       GPUSNAP_* settings for the gpusnap cycles (hibernate
+#                    and wake) of given repetitions, "REP:VAR=VAL,...;...":
+#                    REPS=2 HB_REP_ENV='2:GPUSNAP_DUMP_FIFO_COPIERS=8'
+#                    compares a hibernate setting on one host (the sample
+#                    says "settings"; the medians mix the reps, the
+#                    samples' table does not); empty (default): none
 #   HB_ROOM          free disk a dump needs, as a multiple of the expected
 #                    image (default 1.3; 1.1 lets a ~49 GB image (15 GiB) fit
 #                    the 64 GiB disk)
@@ -156,6 +162,23 @@ if [ -n "$HB_MATRIX" ]; then
                 fi
             done
         fi
+    done
+fi
+# HB_REP_ENV: REP_ENV[rep]="VAR=VAL,..."
+declare -A REP_ENV=()
+if [ -n "${HB_REP_ENV:-}" ]; then
+    IFS=';' read -r -a _reps <<<"$HB_REP_ENV"
+    for v in "${_reps[@]}"; do
+        r=${v%%:*}
+        case $r in '' | *[!0-9]*) echo "HB_REP_ENV: '$v' is not REP:VAR=VAL,..." >&2; exit 2 ;; esac
+        IFS=',' read -r -a kvs <<<"${v#*:}"
+        for kv in "${kvs[@]}"; do
+            if [ "$v" = "$r" ] || ! [[ $kv =~ ^GPUSNAP_[A-Z0-9_]+=.+$ ]]; then
+                echo "HB_REP_ENV: '$kv' in '$v' is not GPUSNAP_[A-Z0-9_]+=VALUE" >&2
+                exit 2
+            fi
+        done
+        REP_ENV[$r]=${v#*:}
     done
 fi
 DISK_W_GBPS="" DISK_R_GBPS=""
@@ -573,7 +596,7 @@ gpusnap_cycle() {
         return 1
     fi
     drop_image b
-    sample gib="$gib" rep="$rep" mode="s:$mode" cold="$HB_COLD" footprint_bytes="$fp" rss_mib_before="$rss" \
+    sample gib="$gib" rep="$rep" mode="s:$mode" settings="s:${REP_ENV[$rep]:--}" cold="$HB_COLD" footprint_bytes="$fp" rss_mib_before="$rss" \
         image_bytes="$du" manifest_bytes="$img" store_new_bytes="$st_new" fill="${WORKER_FILL:-pattern}" \
         hibernate_s="$h_wall" hibernate_total_ms="$h_tot" suspend_ms="$h_sus" dump_ms="$h_dmp" write_ms="$h_wr" \
         pidfree_s="$pf_s" wake_s="$w_wall" wake_total_ms="$w_tot" verify_ms="$w_ver" waited_ms="$w_wait" criu_ms="$w_criu" \
@@ -729,7 +752,9 @@ bench_size() {
             if [ "$mode" = bare ]; then
                 bare_cycle "$gib" "$pid" "$name" "$rep" "$fp" || rc=$?
             else
+                knobs_set "${REP_ENV[$rep]:-}"
                 gpusnap_cycle "$gib" "$pid" "$name" "$rep" "$fp" "$mode" || rc=$?
+                knobs_clear
             fi
             if [ "$rc" != 0 ]; then failed=1; break; fi
         done
@@ -1037,7 +1062,7 @@ on_exit() {
 
 install_traps
 start_watchdog $((HBENCH_BUDGET_S + 45))
-log "gpusnap hibernate benchmark: sizes ${SIZES[*]} GiB (worker memory ${WORKER_FILL:-pattern}), $REPS reps of ${MODES[*]}, driver alone $HB_DRIVER (on the woken worker $HB_DRIVER_WOKEN), cold $HB_COLD, matrix '${HB_MATRIX:-}', disk $HB_DISK, budget ${HBENCH_BUDGET_S}s"
+log "gpusnap hibernate benchmark: sizes ${SIZES[*]} GiB (worker memory ${WORKER_FILL:-pattern}), $REPS reps of ${MODES[*]}, driver alone $HB_DRIVER (on the woken worker $HB_DRIVER_WOKEN), cold $HB_COLD, matrix '${HB_MATRIX:-}', per-rep settings '${HB_REP_ENV:-}', disk $HB_DISK, budget ${HBENCH_BUDGET_S}s"
 collect_header
 log "disk: $(df -P -h "$WORK" | tail -n 1)"
 if [ -n "${HB_WAKE_ARGS+x}" ]; then
