@@ -320,6 +320,9 @@ v = {"commit_ms": st.get("commit"), "criu_freezing_ms": c.get("freezing_ms"), "c
      "follow_overlapped_bytes": st.get("follow_overlapped_bytes"), "follow_after_bytes": st.get("follow_after_bytes"),
      "follow_finish_ms": st.get("follow_finish"), "follow_punched_bytes": st.get("follow_punched_bytes"),
      "dump_tmpfs": {"tmpfs": 1, "disk": 0}.get(st.get("dump_dir"))}
+# Where the FIFO receiver's threads spent the dump (stages.fifo).
+for k, x in (st.get("fifo") or {}).items():
+    v["fifo_" + k] = x
 print(" ".join(f"{k}={x}" for k, x in v.items() if isinstance(x, (int, float)) and not isinstance(x, bool)))
 PY
 }
@@ -858,6 +861,14 @@ for g in sizes:
          "bare: the two driver calls; gpusnap: its suspend (also records the footprint, checks NVML)"),
         ("hibernate", "checkpoint process (python + cuInit)", m(B, "ckpt_wall_s"), None, "bare only: cuckpt.py as a whole"),
         ("hibernate", "CRIU dump", m(B, "dump_s"), hd, "gpusnap: -v4 log, --leave-stopped"),
+        ("hibernate", "of it: CRIU's drain / its write", None, None,
+         "gpusnap: %s / %s s (CRIU's statistics)" % (f(mm(G, "criu_drain_ms")), f(mm(G, "criu_memwrite_ms")))),
+        ("hibernate", "of the write: the FIFOs' readers waited for CRIU / a copier / a buffer / the checksum", None, None,
+         "gpusnap: %s / %s / %s / %s s of %s s read (stages.fifo)" % tuple(
+             f(mm(G, "fifo_" + k)) for k in ("wait_criu_ms", "wait_room_ms", "wait_buffer_ms", "wait_hash_ms", "read_ms"))),
+        ("hibernate", "of the write: copiers copying / chunkers at work (summed over threads)", None, None,
+         "gpusnap: %s s on %s copiers / %s s on %s chunkers" % (
+             f(mm(G, "fifo_copy_ms")), f(m(G, "fifo_copiers"), 0), f(mm(G, "fifo_chunk_ms")), f(m(G, "fifo_chunkers"), 0))),
         ("hibernate", "until the tree is gone", m(B, "gone_s"), None, "gpusnap: inside 'other'"),
         ("hibernate", "checksum + manifest + rename (disk)", None, hwr, "gpusnap only"),
         ("hibernate", "other (inside gpusnap)", None, rest(ht, hs, hd, hwr), "tree walk, store, kill, wait"),

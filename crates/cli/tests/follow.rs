@@ -49,6 +49,19 @@ fn two_snapshots_share_their_chunks(w: &World, p: &str, dump_dir: Option<&str>) 
     }
     let chunked = s["follow_overlapped_bytes"].as_u64().unwrap() + s["follow_after_bytes"].as_u64().unwrap();
     assert!(chunked > 300 << 20, "{s}");
+    // Through FIFOs: where the receiver's threads spent the dump, two
+    // segments at least; no stages.fifo otherwise.
+    if s["dump_dir"] == "fifo" {
+        let f = &s["fifo"];
+        assert!(f["segments"].as_u64().unwrap() >= 2 && f["read_ms"].as_u64().unwrap() > 0, "{s}");
+        for k in
+            ["wait_criu_ms", "wait_room_ms", "move_ms", "wait_buffer_ms", "copy_ms", "hash_ms", "chunk_ms"]
+        {
+            assert!(f[k].is_u64(), "{k}: {s}");
+        }
+    } else {
+        assert!(s.get("fifo").is_none(), "{s}");
+    }
     let once = store_bytes(&state);
     assert!(once > 300 << 20, "{once}");
     // The same memory again: its chunks are in the store already.

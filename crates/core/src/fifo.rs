@@ -62,7 +62,66 @@ use std::time::Instant;
 
 use gpusnap_chunks::{ChunkRef, LocalStore, Staged, Stored, SEGMENT};
 
-use crate::follow::{FollowStats, Followed, FollowedFile};
+use crate::follow::{FifoStats, FollowStats, Followed, FollowedFile};
+
+/// Where the receiver's threads spend their time, in ns summed over the
+/// threads of a kind ([`FifoStats`]: what CRIU's write waited for).
+#[derive(Default)]
+struct Times {
+    /// The longest FIFO from CRIU's open to its end.
+    read: AtomicU64,
+    wait_criu: AtomicU64,
+    wait_room: AtomicU64,
+    moving: AtomicU64,
+    wait_copy: AtomicU64,
+    wait_buffer: AtomicU64,
+    wait_hash: AtomicU64,
+    wait_reader: AtomicU64,
+    copy: AtomicU64,
+    hash: AtomicU64,
+    chunk: AtomicU64,
+    segments: AtomicU64,
+}
+
+impl Times {
+    fn add(at: &AtomicU64, since: Instant) {
+        at.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Waits, timed into `at`, until `fd` polls ready for `flags` or hangs
+    /// up or fails (the call made next says which).
+    fn await_fd(fd: std::os::fd::BorrowedFd<'_>, flags: nix::poll::PollFlags, at: &AtomicU64) {
+        let t = Instant::now();
+        loop {
+            let mut fds = [nix::poll::PollFd::new(fd, flags)];
+            match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                _ => break,
+            }
+        }
+        Self::add(at, t);
+    }
+
+    fn stats(&self, copiers: usize, chunkers: usize) -> FifoStats {
+        let ms = |a: &AtomicU64| a.load(Ordering::Relaxed) / 1_000_000;
+        FifoStats {
+            read_ms: ms(&self.read),
+            wait_criu_ms: ms(&self.wait_criu),
+            wait_room_ms: ms(&self.wait_room),
+            move_ms: ms(&self.moving),
+            wait_copy_ms: ms(&self.wait_copy),
+            wait_buffer_ms: ms(&self.wait_buffer),
+            wait_hash_ms: ms(&self.wait_hash),
+            wait_reader_ms: ms(&self.wait_reader),
+            copy_ms: ms(&self.copy),
+            hash_ms: ms(&self.hash),
+            chunk_ms: ms(&self.chunk),
+            segments: self.segments.load(Ordering::Relaxed),
+            copiers: copiers as u64,
+            chunkers: chunkers as u64,
+        }
+    }
+}
 
 /// "0" turns the FIFOs off, "1" on (the default).
 pub const DUMP_FIFO_ENV: &str = "GPUSNAP_DUMP_FIFO";
@@ -367,6 +426,9 @@ pub struct Receiver {
     failed: Arc<Mutex<Option<String>>>,
     store: Arc<LocalStore>,
     keeper: Option<Keeper>,
+    times: Arc<Times>,
+    copiers: usize,
+    chunkers: usize,
     /// The store's shared lock, from before the first chunk is staged until
     /// the manifest refers to them (handed on in [`Followed::lock`]).
     lock: Option<gpusnap_chunks::StoreLock>,
@@ -417,12 +479,13 @@ impl Receiver {
         let fail_after: Option<usize> = std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.parse().ok());
         let chunked = Arc::new(AtomicUsize::new(0));
         let taken: Arc<Mutex<HashSet<String>>> = Arc::default();
+        let times: Arc<Times> = Arc::default();
 
         let (job_tx, job_rx) = mpsc::channel::<Job>();
         let job_rx = Arc::new(Mutex::new(job_rx));
         let mut workers = Vec::new();
         for i in 0..threads {
-            let (job_rx, store, taken, failed, chunked, buffers, chunked_bytes) = (
+            let (job_rx, store, taken, failed, chunked, buffers, chunked_bytes, times) = (
                 job_rx.clone(),
                 store.clone(),
                 taken.clone(),
@@ -430,6 +493,7 @@ impl Receiver {
                 chunked.clone(),
                 buffers.clone(),
                 chunked_bytes.clone(),
+                times.clone(),
             );
             workers.push(std::thread::Builder::new().name(format!("gpusnap-fifo-chunk-{i}")).spawn(
                 move || loop {
@@ -444,8 +508,11 @@ impl Receiver {
                     } else if fail_after.is_some_and(|f| n > f) {
                         Err("test hook: the FIFO receiver's chunking fails".to_string())
                     } else {
-                        gpusnap_chunks::store_segment(&job.buf[..job.len], &store, durable, &taken)
-                            .map_err(|e| e.to_string())
+                        let t = Instant::now();
+                        let r = gpusnap_chunks::store_segment(&job.buf[..job.len], &store, durable, &taken)
+                            .map_err(|e| e.to_string());
+                        Times::add(&times.chunk, t);
+                        r
                     };
                     match &r {
                         Ok(_) => {
@@ -476,6 +543,9 @@ impl Receiver {
             store,
             keeper: None,
             lock: Some(lock),
+            times,
+            copiers,
+            chunkers: threads,
         };
         for i in 1..=count {
             let path = criu_dir.join(format!("pages-{i}.img"));
@@ -488,12 +558,20 @@ impl Receiver {
             };
             me.fifos.push(path);
             let rel = format!("criu/pages-{i}.img");
-            let (stop, received, failed, buffers) =
-                (me.stop.clone(), me.received.clone(), me.failed.clone(), buffers.clone());
+            let (stop, received, failed, buffers, times) =
+                (me.stop.clone(), me.received.clone(), me.failed.clone(), buffers.clone(), me.times.clone());
             let jobs = me.job_tx.clone().ok_or_else(|| std::io::Error::other("receiver stopped"))?;
-            let reader = std::thread::Builder::new()
-                .name(format!("gpusnap-fifo-read-{i}"))
-                .spawn(move || read_fifo(rel, file, &stop, &received, &failed, &buffers, &jobs, copiers));
+            let reader =
+                std::thread::Builder::new().name(format!("gpusnap-fifo-read-{i}")).spawn(move || {
+                    let shared = Shared {
+                        received: &received,
+                        failed: &failed,
+                        buffers: &buffers,
+                        jobs: &jobs,
+                        times: &times,
+                    };
+                    read_fifo(rel, file, &stop, &shared, copiers)
+                });
             match reader {
                 Ok(h) => me.readers.push(h),
                 Err(e) => {
@@ -568,6 +646,7 @@ impl Receiver {
             after_bytes: self.chunked_bytes.load(Ordering::Relaxed).saturating_sub(overlapped),
             finish_ms: ended.elapsed().as_millis() as u64,
             punched_bytes: 0,
+            fifo: Some(self.times.stats(self.copiers, self.chunkers)),
         };
         out.elsewhere = true;
         if let Some(e) = err {
@@ -665,17 +744,8 @@ fn make_fifo(path: &Path) -> std::io::Result<fs::File> {
 /// it to its end a segment at a time: each hashed into the file's checksum
 /// and handed to the chunkers. After a chunking error the rest is read and
 /// dropped, so that CRIU is never left blocked.
-#[allow(clippy::too_many_arguments)]
-fn read_fifo(
-    rel: String,
-    file: fs::File,
-    stop: &AtomicBool,
-    received: &AtomicU64,
-    failed: &Mutex<Option<String>>,
-    buffers: &Buffers,
-    jobs: &mpsc::Sender<Job>,
-    copiers: usize,
-) -> Drained {
+fn read_fifo(rel: String, file: fs::File, stop: &AtomicBool, shared: &Shared<'_>, copiers: usize) -> Drained {
+    let Shared { received, failed, buffers, jobs, times } = *shared;
     use nix::poll::{PollFd, PollFlags, PollTimeout};
     let results: Results = Arc::default();
     let mut out = Drained {
@@ -705,6 +775,7 @@ fn read_fifo(
         }
     }
     out.opened = true;
+    let opened = Instant::now();
     // Blocking reads from here: a writer is there, and its close is the end.
     // SAFETY: fcntl on a descriptor this function owns; no memory passed.
     unsafe {
@@ -725,7 +796,9 @@ fn read_fifo(
         let hashing = s.spawn(|| {
             let mut hasher = blake3::Hasher::new();
             for job in hash_rx {
+                let t = Instant::now();
                 hasher.update_rayon(&job.buf[..job.len]);
+                Times::add(&times.hash, t);
                 if let Err(mpsc::SendError(job)) = jobs.send(job) {
                     buffers.put(job.buf);
                     pool_gone.store(true, Ordering::Relaxed);
@@ -733,8 +806,9 @@ fn read_fifo(
             }
             hasher.finalize().to_hex().to_string()
         });
-        let io = Io { received, failed, buffers, hash_tx: &hash_tx, pool_gone: &pool_gone, copiers };
+        let io = Io { received, failed, buffers, hash_tx: &hash_tx, pool_gone: &pool_gone, copiers, times };
         read_segments(&mut file, &mut out, &results, &io);
+        times.read.fetch_max(opened.elapsed().as_nanos() as u64, Ordering::Relaxed);
         drop(hash_tx);
         match hashing.join() {
             Ok(h) => out.blake3 = h,
@@ -749,6 +823,15 @@ fn read_fifo(
     out
 }
 
+/// What every FIFO's reader shares with the receiver.
+struct Shared<'a> {
+    received: &'a AtomicU64,
+    failed: &'a Mutex<Option<String>>,
+    buffers: &'a Buffers,
+    jobs: &'a mpsc::Sender<Job>,
+    times: &'a Times,
+}
+
 /// What [`read_segments`] shares with the rest of the receiver.
 struct Io<'a> {
     received: &'a AtomicU64,
@@ -757,12 +840,13 @@ struct Io<'a> {
     hash_tx: &'a mpsc::SyncSender<Job>,
     pool_gone: &'a AtomicBool,
     copiers: usize,
+    times: &'a Times,
 }
 
 /// [`read_fifo`]'s reading: segments into buffers, sent to `hash_tx` (the
 /// checksum, then the chunkers), until the FIFO's end.
 fn read_segments(file: &mut fs::File, out: &mut Drained, results: &Results, io: &Io<'_>) {
-    let Io { received, failed, buffers, hash_tx, pool_gone, copiers } = *io;
+    let Io { received, failed, buffers, hash_tx, pool_gone, copiers, times } = *io;
     let mut drop_buf: Option<Vec<u8>> = None;
     loop {
         use std::io::Read;
@@ -786,14 +870,17 @@ fn read_segments(file: &mut fs::File, out: &mut Drained, results: &Results, io: 
                 }
             }
         }
-        let mut buf = match buffers.take() {
+        let t = Instant::now();
+        let taken = buffers.take();
+        Times::add(&times.wait_buffer, t);
+        let mut buf = match taken {
             Ok(b) => b,
             Err(e) => {
                 out.err = Some(format!("a buffer: {e}"));
                 continue;
             }
         };
-        let (n, eof) = match fill_segment(file, &mut buf[..], copiers, received) {
+        let (n, eof) = match fill_segment(file, &mut buf[..], copiers, received, times) {
             Ok(r) => r,
             Err((n, e)) => {
                 out.err = Some(format!("read: {e}"));
@@ -810,7 +897,11 @@ fn read_segments(file: &mut fs::File, out: &mut Drained, results: &Results, io: 
         }
         let job = Job { buf, len: n, index: out.segs, results: results.clone() };
         out.segs += 1;
-        if let Err(mpsc::SendError(job)) = hash_tx.send(job) {
+        times.segments.fetch_add(1, Ordering::Relaxed);
+        let t = Instant::now();
+        let sent = hash_tx.send(job);
+        Times::add(&times.wait_hash, t);
+        if let Err(mpsc::SendError(job)) = sent {
             buffers.put(job.buf);
             out.segs -= 1;
             out.err = Some("the hashing thread stopped".into());
@@ -834,10 +925,12 @@ fn fill_segment(
     buf: &mut [u8],
     copiers: usize,
     received: &AtomicU64,
+    times: &Times,
 ) -> Result<(usize, bool), (usize, std::io::Error)> {
     use nix::fcntl::{fcntl, splice, FcntlArg, SpliceFFlags};
+    let alone = |buf: &mut [u8]| read_into(fifo, buf, received, (&times.wait_criu, &times.copy));
     if copiers <= 1 {
-        return read_into(fifo, buf, received);
+        return alone(buf);
     }
     let mut ends = Vec::with_capacity(copiers);
     let mut piece = PIECE;
@@ -851,7 +944,7 @@ fn fill_segment(
     }
     if piece < (64 << 10) {
         // Pipes too small to be worth it: the reader copies alone.
-        return read_into(fifo, buf, received);
+        return alone(buf);
     }
     let (readers, writers): (Vec<_>, Vec<_>) = ends.into_iter().unzip();
     let mut mine: Vec<Vec<&mut [u8]>> = (0..copiers).map(|_| Vec::new()).collect();
@@ -869,7 +962,8 @@ fn fill_segment(
                     let f = fs::File::from(r);
                     let mut got = 0;
                     for p in mine {
-                        let (n, _) = read_into(&f, p, &AtomicU64::new(0)).map_err(|(_, e)| e)?;
+                        let (n, _) = read_into(&f, p, &AtomicU64::new(0), (&times.wait_reader, &times.copy))
+                            .map_err(|(_, e)| e)?;
                         got += n;
                         if n < p.len() {
                             break;
@@ -886,14 +980,24 @@ fn fill_segment(
             let want = piece.min(len - i * piece);
             let mut moved = 0;
             while moved < want {
-                match splice(
+                // Waited for apart (for CRIU's bytes, for a copier's room),
+                // then moved without blocking: where the time goes is then
+                // known ([`FifoStats`]). A poll that says ready (or hung
+                // up) lets the splice move a page at least, or see the end.
+                use nix::poll::PollFlags;
+                Times::await_fd(fifo.as_fd(), PollFlags::POLLIN, &times.wait_criu);
+                Times::await_fd(writers[i % copiers].as_fd(), PollFlags::POLLOUT, &times.wait_room);
+                let t = Instant::now();
+                let r = splice(
                     fifo,
                     None,
                     &writers[i % copiers],
                     None,
                     want - moved,
-                    SpliceFFlags::SPLICE_F_MOVE,
-                ) {
+                    SpliceFFlags::SPLICE_F_MOVE | SpliceFFlags::SPLICE_F_NONBLOCK,
+                );
+                Times::add(&times.moving, t);
+                match r {
                     Ok(0) => {
                         eof = true;
                         break 'pieces;
@@ -903,7 +1007,7 @@ fn fill_segment(
                         moved_all += n;
                         received.fetch_add(n as u64, Ordering::Relaxed);
                     }
-                    Err(nix::errno::Errno::EINTR) => {}
+                    Err(nix::errno::Errno::EINTR | nix::errno::Errno::EAGAIN) => {}
                     Err(e) => {
                         err = Some(std::io::Error::from(e));
                         break 'pieces;
@@ -913,6 +1017,7 @@ fn fill_segment(
         }
         // The copiers see their pipes end.
         drop(writers);
+        let waiting = Instant::now();
         let mut copied = 0;
         for c in copying {
             match c.join() {
@@ -925,6 +1030,7 @@ fn fill_segment(
                 }
             }
         }
+        Times::add(&times.wait_copy, waiting);
         if err.is_none() && copied != moved_all {
             err = Some(std::io::Error::other(format!("copied {copied} of {moved_all} bytes")));
         }
@@ -936,16 +1042,23 @@ fn fill_segment(
 }
 
 /// Reads `buf` full from `f` (or to its end): the bytes read and whether
-/// the end came; on an error, the bytes read before it.
+/// the end came; on an error, the bytes read before it. The time spent
+/// waiting for bytes and reading them goes to `times` (waiting, reading).
 fn read_into(
     mut f: &fs::File,
     buf: &mut [u8],
     received: &AtomicU64,
+    times: (&AtomicU64, &AtomicU64),
 ) -> Result<(usize, bool), (usize, std::io::Error)> {
     use std::io::Read;
     let mut n = 0;
     while n < buf.len() {
-        match f.read(&mut buf[n..]) {
+        // Readable (or ended) after the wait: the read copies what is there.
+        Times::await_fd(f.as_fd(), nix::poll::PollFlags::POLLIN, times.0);
+        let t = Instant::now();
+        let r = f.read(&mut buf[n..]);
+        Times::add(times.1, t);
+        match r {
             Ok(0) => return Ok((n, true)),
             Ok(k) => {
                 n += k;
@@ -1021,6 +1134,18 @@ mod tests {
         let got = rx.finish().expect("finish");
         assert!(got.elsewhere);
         assert_eq!(got.files.len(), 2, "{:?}", got.files.keys().collect::<Vec<_>>());
+        // Where the threads spent it: 3 segments and 1, 3 copiers, the
+        // chunkers at work on each segment (a segment of noise takes them
+        // more than a millisecond); the readers' waits lie inside their
+        // reading (3 FIFOs opened, the longest read_ms).
+        let t = got.stats.fifo.expect("the receiver's times");
+        assert_eq!((t.segments, t.copiers), (4, 3), "{t:?}");
+        assert!(t.chunkers >= 1 && t.chunk_ms > 0 && t.read_ms > 0, "{t:?}");
+        for wait in
+            [t.wait_buffer_ms, t.wait_hash_ms, t.wait_copy_ms, t.wait_criu_ms, t.wait_room_ms, t.move_ms]
+        {
+            assert!(wait <= 3 * t.read_ms + 3, "{t:?}");
+        }
         let store = LocalStore::open(store_root.clone()).expect("store");
         for (rel, data) in [("criu/pages-1.img", &big), ("criu/pages-2.img", &small)] {
             let f = &got.files[rel];

@@ -79,6 +79,48 @@ pub struct FollowStats {
     pub finish_ms: u64,
     /// Bytes of the pages files punched out once chunked.
     pub punched_bytes: u64,
+    /// Where the FIFO receiver's threads spent the dump (through FIFOs
+    /// only, [`crate::fifo`]).
+    pub fifo: Option<FifoStats>,
+}
+
+/// Where a FIFO receiver's threads spent a dump, in ms (summed over the
+/// threads of a kind), for `hibernate --json` (`stages.fifo`): what CRIU's
+/// write into the FIFOs (its `memwrite`) waited for. The readers take the
+/// bytes out of the FIFOs and wait for buffers, copiers and the checksum;
+/// the copiers copy the bytes into the buffers; the checksum and the
+/// chunkers work on whole segments.
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+pub struct FifoStats {
+    /// From CRIU's open of a FIFO to its end (the longest of the FIFOs).
+    pub read_ms: u64,
+    /// The readers waiting for CRIU's next bytes in the FIFOs (CRIU's
+    /// drain, or CRIU itself, is the pace).
+    pub wait_criu_ms: u64,
+    /// The readers waiting for room in a copier's pipe (the copiers are).
+    pub wait_room_ms: u64,
+    /// The readers moving CRIU's pages into the copiers' pipes (`splice`).
+    pub move_ms: u64,
+    /// The readers waiting, after a segment's last bytes were taken, for
+    /// its copiers to finish.
+    pub wait_copy_ms: u64,
+    /// The readers waiting for a free segment buffer (every buffer with the
+    /// checksum or the chunkers).
+    pub wait_buffer_ms: u64,
+    /// The readers waiting to hand a segment to the file's checksum.
+    pub wait_hash_ms: u64,
+    /// The copiers waiting for the reader to fill their pipes, summed.
+    pub wait_reader_ms: u64,
+    /// The copiers copying out of their pipes into the buffers (a reader
+    /// alone: its copy out of the FIFO), summed.
+    pub copy_ms: u64,
+    /// The file checksums at work.
+    pub hash_ms: u64,
+    /// The chunkers at work (cut, hash, compress, stage), summed.
+    pub chunk_ms: u64,
+    pub segments: u64,
+    pub copiers: u64,
+    pub chunkers: u64,
 }
 
 /// Every pages file followed (by its path under the image directory, e.g.
@@ -327,6 +369,7 @@ fn follow(
         after_bytes: handed.saturating_sub(overlapped),
         finish_ms: ended.map_or(0, |(_, t)| t.elapsed().as_millis() as u64),
         punched_bytes: punched.load(Ordering::Relaxed),
+        fifo: None,
     };
     if let Some(e) = err {
         out.abandon(&store);

@@ -78,6 +78,10 @@ pub struct HibernateStages {
     pub follow_after_bytes: u64,
     pub follow_finish: u64,
     pub follow_punched_bytes: u64,
+    /// Through FIFOs: where the receiver's threads spent the dump
+    /// ([`crate::follow::FifoStats`]); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fifo: Option<crate::follow::FifoStats>,
     /// Where CRIU wrote its images: "tmpfs" (the pages files never reach
     /// the disk, [`crate::dumpdir`]) or "disk".
     pub dump_dir: &'static str,
@@ -782,6 +786,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     follow_after_bytes: fstats.after_bytes,
                     follow_finish: fstats.finish_ms,
                     follow_punched_bytes: fstats.punched_bytes,
+                    fifo: fstats.fifo,
                     dump_dir,
                 },
                 criu_stats,
