@@ -745,7 +745,7 @@ fn make_fifo(path: &Path) -> std::io::Result<fs::File> {
 /// and handed to the chunkers. After a chunking error the rest is read and
 /// dropped, so that CRIU is never left blocked.
 fn read_fifo(rel: String, file: fs::File, stop: &AtomicBool, shared: &Shared<'_>, copiers: usize) -> Drained {
-    let Shared { received, failed, buffers, jobs, times } = *shared;
+    let Shared { buffers, jobs, times, .. } = *shared;
     use nix::poll::{PollFd, PollFlags, PollTimeout};
     let results: Results = Arc::default();
     let mut out = Drained {
@@ -806,7 +806,7 @@ fn read_fifo(rel: String, file: fs::File, stop: &AtomicBool, shared: &Shared<'_>
             }
             hasher.finalize().to_hex().to_string()
         });
-        let io = Io { received, failed, buffers, hash_tx: &hash_tx, pool_gone: &pool_gone, copiers, times };
+        let io = Io { shared, hash_tx: &hash_tx, pool_gone: &pool_gone, copiers };
         read_segments(&mut file, &mut out, &results, &io);
         times.read.fetch_max(opened.elapsed().as_nanos() as u64, Ordering::Relaxed);
         drop(hash_tx);
@@ -832,21 +832,20 @@ struct Shared<'a> {
     times: &'a Times,
 }
 
-/// What [`read_segments`] shares with the rest of the receiver.
+/// What [`read_segments`] shares with the rest of the receiver: what every
+/// reader does, and its own checksum's thread.
 struct Io<'a> {
-    received: &'a AtomicU64,
-    failed: &'a Mutex<Option<String>>,
-    buffers: &'a Buffers,
+    shared: &'a Shared<'a>,
     hash_tx: &'a mpsc::SyncSender<Job>,
     pool_gone: &'a AtomicBool,
     copiers: usize,
-    times: &'a Times,
 }
 
 /// [`read_fifo`]'s reading: segments into buffers, sent to `hash_tx` (the
 /// checksum, then the chunkers), until the FIFO's end.
 fn read_segments(file: &mut fs::File, out: &mut Drained, results: &Results, io: &Io<'_>) {
-    let Io { received, failed, buffers, hash_tx, pool_gone, copiers, times } = *io;
+    let Io { shared, hash_tx, pool_gone, copiers } = *io;
+    let Shared { received, failed, buffers, times, .. } = *shared;
     let mut drop_buf: Option<Vec<u8>> = None;
     loop {
         use std::io::Read;
