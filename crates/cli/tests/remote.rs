@@ -53,7 +53,7 @@ fn moto(extra_env: &[(&str, &str)]) -> Option<Moto> {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() || !matches!(m.child.try_wait(), Ok(None))
     });
     if let Ok(Some(st)) = m.child.try_wait() {
-        panic!("moto_server on port {port} exited at its start ({st}): the port was taken");
+        panic!("moto_server on port {port} exited at its start ({st}): was the port taken?");
     }
     Some(m)
 }

@@ -80,7 +80,6 @@ struct Times {
     copy: AtomicU64,
     hash: AtomicU64,
     chunk: AtomicU64,
-    segments: AtomicU64,
 }
 
 impl Times {
@@ -102,7 +101,7 @@ impl Times {
         Self::add(at, t);
     }
 
-    fn stats(&self, copiers: usize, chunkers: usize) -> FifoStats {
+    fn stats(&self, segments: usize, copiers: usize, chunkers: usize) -> FifoStats {
         let ms = |a: &AtomicU64| a.load(Ordering::Relaxed) / 1_000_000;
         FifoStats {
             read_ms: ms(&self.read),
@@ -116,7 +115,7 @@ impl Times {
             copy_ms: ms(&self.copy),
             hash_ms: ms(&self.hash),
             chunk_ms: ms(&self.chunk),
-            segments: self.segments.load(Ordering::Relaxed),
+            segments: segments as u64,
             copiers: copiers as u64,
             chunkers: chunkers as u64,
         }
@@ -605,6 +604,7 @@ impl Receiver {
         let ended = Instant::now();
         let overlapped = self.chunked_bytes.load(Ordering::Relaxed);
         let reads = self.join();
+        let segments = reads.iter().map(|r| r.segs).sum();
         let mut out = Followed::default();
         let mut err = self.failed.lock().ok().and_then(|f| f.clone());
         for r in reads {
@@ -646,7 +646,7 @@ impl Receiver {
             after_bytes: self.chunked_bytes.load(Ordering::Relaxed).saturating_sub(overlapped),
             finish_ms: ended.elapsed().as_millis() as u64,
             punched_bytes: 0,
-            fifo: Some(self.times.stats(self.copiers, self.chunkers)),
+            fifo: Some(self.times.stats(segments, self.copiers, self.chunkers)),
         };
         out.elsewhere = true;
         if let Some(e) = err {
@@ -896,7 +896,6 @@ fn read_segments(file: &mut fs::File, out: &mut Drained, results: &Results, io: 
         }
         let job = Job { buf, len: n, index: out.segs, results: results.clone() };
         out.segs += 1;
-        times.segments.fetch_add(1, Ordering::Relaxed);
         let t = Instant::now();
         let sent = hash_tx.send(job);
         Times::add(&times.wait_hash, t);
