@@ -148,19 +148,25 @@ if [ "$HB_MATRIX" = preset ]; then
     # on memory already in place).
     HB_MATRIX="today:GPUSNAP_PAGES_WAKE_CHUNK=4M;default:;t8n10:GPUSNAP_PAGES_THREADS=8,GPUSNAP_PAGES_NICE=10;head100:GPUSNAP_PAGES_HEAD_START=100%"
 fi
+# check_knobs VAR ENTRY KVS: each of the comma-separated KVS (of ENTRY, an
+# entry of the setting VAR) is GPUSNAP_[A-Z0-9_]+=VALUE, else exit 2.
+check_knobs() {
+    local kvs kv
+    IFS=',' read -r -a kvs <<<"$3"
+    for kv in ${kvs[@]+"${kvs[@]}"}; do
+        if ! [[ $kv =~ ^GPUSNAP_[A-Z0-9_]+=.+$ ]]; then
+            echo "$1: '$kv' in '$2' is not GPUSNAP_[A-Z0-9_]+=VALUE" >&2
+            exit 2
+        fi
+    done
+}
 MATRIX=()
 if [ -n "$HB_MATRIX" ]; then
     IFS=';' read -r -a MATRIX <<<"$HB_MATRIX"
     for v in "${MATRIX[@]}"; do
         case ${v%%:*} in '' | *[!A-Za-z0-9_.-]*) echo "HB_MATRIX: bad entry name in '$v' (NAME:VAR=VAL,...)" >&2; exit 2 ;; esac
         if [ "$v" != "${v%%:*}" ] && [ -n "${v#*:}" ]; then
-            IFS=',' read -r -a kvs <<<"${v#*:}"
-            for kv in "${kvs[@]}"; do
-                if ! [[ $kv =~ ^GPUSNAP_[A-Z0-9_]+=.+$ ]]; then
-                    echo "HB_MATRIX: '$kv' in '$v' is not GPUSNAP_[A-Z0-9_]+=VALUE" >&2
-                    exit 2
-                fi
-            done
+            check_knobs HB_MATRIX "$v" "${v#*:}"
         fi
     done
 fi
@@ -171,13 +177,9 @@ if [ -n "${HB_REP_ENV:-}" ]; then
     for v in "${_reps[@]}"; do
         r=${v%%:*}
         case $r in '' | *[!0-9]*) echo "HB_REP_ENV: '$v' is not REP:VAR=VAL,..." >&2; exit 2 ;; esac
-        IFS=',' read -r -a kvs <<<"${v#*:}"
-        for kv in "${kvs[@]}"; do
-            if [ "$v" = "$r" ] || ! [[ $kv =~ ^GPUSNAP_[A-Z0-9_]+=.+$ ]]; then
-                echo "HB_REP_ENV: '$kv' in '$v' is not GPUSNAP_[A-Z0-9_]+=VALUE" >&2
-                exit 2
-            fi
-        done
+        # A repetition with no settings ("2") is refused as one bad setting.
+        if [ "$v" = "$r" ]; then check_knobs HB_REP_ENV "$v" "$v"; fi
+        check_knobs HB_REP_ENV "$v" "${v#*:}"
         REP_ENV[$r]=${v#*:}
     done
 fi
