@@ -163,6 +163,7 @@ host_info() {
     say "compute apps now: $(timeout 30 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1 | tr '\n' ';')"
     say "disk: $(df -P -h /tmp | awk 'NR == 2 { print $1 " " $2 " size, " $4 " free on /tmp" }')"
     say "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
+    say "pipes: fs.pipe-max-size $(cat /proc/sys/fs/pipe-max-size 2>/dev/null); CapEff $(awk '/^CapEff/ {print $2}' /proc/self/status) (CAP_SYS_RESOURCE is bit 24)"
     HOST_GPUSNAP=$(timeout 30 "$GPUSNAP" --version 2>&1 | head -n 1)
     say "gpusnap $GPUSNAP: $HOST_GPUSNAP; commands: $(timeout 30 "$GPUSNAP" --help 2>/dev/null | awk '/^Commands:/ { f = 1; next } /^$/ { f = 0 } f { printf "%s ", $1 }')"
 }

@@ -808,6 +808,7 @@ impl Agent {
             leave_running: false,
             lock_timeout_ms: LOCK_TIMEOUT_MS,
             durable: true,
+            big_pipes: false,
         };
         // A running service is suspended first by the hibernate: that
         // checkpoint is sped up as a suspend's is.

@@ -115,6 +115,12 @@ enum Cmd {
         /// faster, measured; see docs/pages.md).
         #[arg(long)]
         thp: bool,
+        /// Raise fs.pipe-max-size to 64 MiB for the dump and back after it,
+        /// where gpusnap lacks CAP_SYS_RESOURCE (host-wide while it runs: any
+        /// process may then make pipes that large; CRIU's pages move through
+        /// larger pipes, see docs/images.md). Also GPUSNAP_DUMP_BIG_PIPES=1.
+        #[arg(long)]
+        big_pipes: bool,
     },
     /// Keep an image of a process tree and leave it as it is (= hibernate --leave-running).
     Snapshot {
@@ -124,6 +130,9 @@ enum Cmd {
         image: Option<String>,
         #[arg(long, default_value_t = 30_000)]
         lock_timeout: u32,
+        /// As hibernate's --big-pipes.
+        #[arg(long)]
+        big_pipes: bool,
     },
     /// Restore a process tree from an image and put its CUDA processes back on the GPU.
     ///
@@ -530,8 +539,8 @@ fn each<T: serde::Serialize>(
 }
 
 fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
-    // A `--thp` switch whose gpusnap died is put back by the next one.
-    if let Err(e) = gpusnap_core::thp::reconcile(&cli.state_dir) {
+    // A `--thp` or `--big-pipes` switch whose gpusnap died is put back by the next one.
+    for e in gpusnap_core::hostknob::reconcile(&cli.state_dir) {
         tracing::warn!("{e}");
     }
     match &cli.cmd {
@@ -636,22 +645,24 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 output::resumed,
             )
         }
-        Cmd::Hibernate { select, image, leave_running, lock_timeout, no_sync, thp } => {
+        Cmd::Hibernate { select, image, leave_running, lock_timeout, no_sync, thp, big_pipes } => {
             let _thp = thp.then(|| gpusnap_core::thp::Always::on(&cli.state_dir)).transpose()?;
             let opts = HibernateOptions {
                 name: image.clone(),
                 leave_running: *leave_running,
                 lock_timeout_ms: *lock_timeout,
                 durable: !no_sync,
+                big_pipes: *big_pipes,
             };
             hibernate(cli, out, select, &opts)
         }
-        Cmd::Snapshot { select, image, lock_timeout } => {
+        Cmd::Snapshot { select, image, lock_timeout, big_pipes } => {
             let opts = HibernateOptions {
                 name: image.clone(),
                 leave_running: true,
                 lock_timeout_ms: *lock_timeout,
                 durable: true,
+                big_pipes: *big_pipes,
             };
             hibernate(cli, out, select, &opts)
         }
@@ -1055,8 +1066,13 @@ fn snapshot_if_suspended(e: &mut DynEngine, criu: &Criu, store: &ImageStore, pid
         .map(|(n, _)| n)
         .filter(|n| n.starts_with(&prefix))
         .collect();
-    let opts =
-        HibernateOptions { name: Some(name), leave_running: true, lock_timeout_ms: 30_000, durable: true };
+    let opts = HibernateOptions {
+        name: Some(name),
+        leave_running: true,
+        lock_timeout_ms: 30_000,
+        durable: true,
+        big_pipes: false,
+    };
     let tree: Vec<i32> = gpusnap_core::hibernate::process_tree(pid).into_iter().map(|(p, _)| p).collect();
     let detached = gpusnap_core::guard::detach_for(store_dir(store), &tree)?;
     let res = e.hibernate(criu, store, pid, &opts);

@@ -531,3 +531,64 @@ fn the_dump_keeper_is_hidden_and_harmless_by_hand() {
     assert!(r.stderr.contains("CRIU is gone"), "{}", r.stderr);
     assert_eq!(std::fs::read(dir.join("pages-1.img")).unwrap(), b"a file, not a FIFO");
 }
+
+/// Does this process hold CAP_SYS_RESOURCE (then `--big-pipes` has nothing
+/// to switch: the pipes get their size without it)?
+fn can_exceed_pipe_max() -> bool {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    let hex = s.lines().find_map(|l| l.strip_prefix("CapEff:")).unwrap().trim().to_string();
+    u64::from_str_radix(&hex, 16).unwrap() & (1 << 24) != 0
+}
+
+/// `--big-pipes`: fs.pipe-max-size (here a file named through the
+/// environment) raised for the dump where gpusnap lacks CAP_SYS_RESOURCE
+/// and put back after it; the dump's pipes as stages.fifo says; the image
+/// wakes intact; a switch left by a gpusnap that died is put back by the
+/// next command.
+#[test]
+fn big_pipes_are_switched_for_the_dump_only_and_the_image_wakes_intact() {
+    criu_present();
+    let mut w = World::new(&[8192]);
+    w.run_limit = Duration::from_secs(300);
+    let (pid, out) = holder(&mut w, 300);
+    let p = pid.to_string();
+    let sysctl = w.state_dir().with_file_name("pipe-max-size");
+    std::fs::write(&sysctl, "1048576\n").unwrap();
+    let mut c = w.gpusnap_cmd(&["--json", "hibernate", &p, "--image", "bp", "--big-pipes"]);
+    c.env("GPUSNAP_PIPE_MAX_SYSCTL", &sysctl).env("GPUSNAP_LOG", "gpusnap_core::hostknob=debug,warn");
+    let r = c.output().unwrap();
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "{stderr}");
+    let j: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+    let s = &j["stages"];
+    assert_eq!(s["dump_dir"], "fifo", "{s}");
+    assert!(s["fifo"]["pipe_bytes"].as_u64().unwrap() >= 64 << 10, "{s}");
+    assert!(s["fifo"]["piece_bytes"].as_u64().unwrap() >= 64 << 10, "{s}");
+    // Switched to 64 MiB and back, unless the capability made it needless.
+    let switched = stderr.lines().filter(|l| l.contains("fs.pipe-max-size switched")).count();
+    if can_exceed_pipe_max() {
+        assert_eq!(switched, 0, "{stderr}");
+    } else {
+        assert_eq!(switched, 2, "{stderr}");
+        assert!(stderr.contains("67108864"), "{stderr}");
+    }
+    assert_eq!(std::fs::read_to_string(&sysctl).unwrap().trim(), "1048576");
+    assert!(!w.state_dir().join("pipe-max-size.json").exists());
+    wake_intact(&mut w, pid, "bp", &out);
+
+    // A gpusnap that died with the sysctl raised: the next command puts it back.
+    std::fs::write(&sysctl, "67108864\n").unwrap();
+    let dead = w.spawn_env("true", &[]);
+    let dead_pid = w.child_pid(dead);
+    w.wait_child(dead);
+    std::fs::write(
+        w.state_dir().join("pipe-max-size.json"),
+        serde_json::json!({ "previous": "1048576", "owners": [[dead_pid, 1]] }).to_string(),
+    )
+    .unwrap();
+    let mut c = w.gpusnap_cmd(&["--json", "ps"]);
+    c.env("GPUSNAP_PIPE_MAX_SYSCTL", &sysctl);
+    assert!(c.output().unwrap().status.success());
+    assert_eq!(std::fs::read_to_string(&sysctl).unwrap().trim(), "1048576");
+    assert!(!w.state_dir().join("pipe-max-size.json").exists());
+}

@@ -140,6 +140,7 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
         }
         Err(_) => out.push(f("thp", Severity::Info, "transparent huge pages: not available", None)),
     }
+    out.push(pipes());
     if nix::unistd::geteuid().is_root() {
         out.push(f("privileges", Severity::Ok, "running as root", None));
     } else {
@@ -729,5 +730,30 @@ mod nccl_tests {
         .unwrap();
         let v = process_at(d.path(), 7, 1);
         assert!(v.iter().any(|f| f.check == "nccl" && f.severity == Severity::Info), "{v:?}");
+    }
+}
+
+/// How large the pipes of a hibernate's dump can be (CRIU's, and the FIFOs
+/// it writes its pages into): `fs.pipe-max-size` (1 MiB by default) bounds
+/// them unless gpusnap holds CAP_SYS_RESOURCE.
+fn pipes() -> Finding {
+    use crate::hostknob::{can_exceed_pipe_max, BIG_PIPE, PIPE_MAX};
+    if can_exceed_pipe_max() {
+        return f("pipes", Severity::Ok, "pipes: CAP_SYS_RESOURCE held, a dump's pipes get 64 MiB", None);
+    }
+    match PIPE_MAX.get().map(|v| v.parse::<u64>()) {
+        Ok(Ok(n)) if n >= BIG_PIPE => {
+            f("pipes", Severity::Ok, format!("pipes: fs.pipe-max-size {} MiB", n >> 20), None)
+        }
+        Ok(Ok(n)) => f(
+            "pipes",
+            Severity::Info,
+            format!(
+                "pipes: at most {} KiB each (fs.pipe-max-size, no CAP_SYS_RESOURCE): a hibernate's dump moves CRIU's pages through pipes that small",
+                n >> 10
+            ),
+            Some("hibernate --big-pipes (raised for the dump only), or sysctl -w fs.pipe-max-size=67108864"),
+        ),
+        _ => f("pipes", Severity::Info, "pipes: fs.pipe-max-size unreadable", None),
     }
 }

@@ -118,6 +118,13 @@ pub struct FifoStats {
     pub hash_ms: u64,
     /// The chunkers at work (cut, hash, compress, stage), summed.
     pub chunk_ms: u64,
+    /// The smallest pipe a FIFO got (CRIU's splice moves at most this much
+    /// ahead of the reader): 64 MiB asked for; above `fs.pipe-max-size`
+    /// only with CAP_SYS_RESOURCE.
+    pub pipe_bytes: u64,
+    /// The smallest piece a copier took at a time (its pipe's size, 4 MiB
+    /// asked for; 0 with the reader alone).
+    pub piece_bytes: u64,
     pub segments: u64,
     pub copiers: u64,
     pub chunkers: u64,

@@ -33,6 +33,10 @@ pub struct HibernateOptions {
     pub lock_timeout_ms: u32,
     /// Wait for the image to reach the disk before the tree is ended.
     pub durable: bool,
+    /// Raise `fs.pipe-max-size` for the dump where gpusnap lacks
+    /// CAP_SYS_RESOURCE (`--big-pipes`, [`crate::hostknob::BigPipes`]; also
+    /// `GPUSNAP_DUMP_BIG_PIPES=1`).
+    pub big_pipes: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -528,6 +532,12 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // CRIU's pages go through FIFOs straight to the chunkers (see
         // crate::fifo); where that cannot start, CRIU writes pages files.
         let mut receiver = None;
+        // Held until the dump is over: CRIU's pipes and the FIFOs get
+        // their size when they are made. A switch that fails costs speed
+        // only (the pipes keep the sysctl's size), so it is said and left.
+        let _pipes = (crate::fifo::enabled() && crate::hostknob::BigPipes::wanted(opts.big_pipes))
+            .then(|| crate::hostknob::BigPipes::on(images.state_dir()))
+            .and_then(|r| r.map_err(|e| tracing::warn!("--big-pipes: {e}; the pipes keep their size")).ok());
         if crate::fifo::enabled() {
             let names = crate::fifo::names_for(&tree_pids);
             let log = images.state_dir().join("dump-keeper.log");

@@ -12,6 +12,7 @@ pub mod follow;
 pub mod group;
 pub mod guard;
 pub mod hibernate;
+pub mod hostknob;
 pub mod image;
 pub mod lazy;
 pub mod progress;
