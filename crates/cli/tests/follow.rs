@@ -532,14 +532,6 @@ fn the_dump_keeper_is_hidden_and_harmless_by_hand() {
     assert_eq!(std::fs::read(dir.join("pages-1.img")).unwrap(), b"a file, not a FIFO");
 }
 
-/// Does this process hold CAP_SYS_RESOURCE (then `--big-pipes` has nothing
-/// to switch: the pipes get their size without it)?
-fn can_exceed_pipe_max() -> bool {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    let hex = s.lines().find_map(|l| l.strip_prefix("CapEff:")).unwrap().trim().to_string();
-    u64::from_str_radix(&hex, 16).unwrap() & (1 << 24) != 0
-}
-
 /// `--big-pipes`: fs.pipe-max-size (here a file named through the
 /// environment) raised for the dump where gpusnap lacks CAP_SYS_RESOURCE
 /// and put back after it; the dump's pipes as stages.fifo says; the image
@@ -566,7 +558,9 @@ fn big_pipes_are_switched_for_the_dump_only_and_the_image_wakes_intact() {
     assert!(s["fifo"]["piece_bytes"].as_u64().unwrap() >= 64 << 10, "{s}");
     // Switched to 64 MiB and back, unless the capability made it needless.
     let switched = stderr.lines().filter(|l| l.contains("fs.pipe-max-size switched")).count();
-    if can_exceed_pipe_max() {
+    // With CAP_SYS_RESOURCE there is nothing to switch (the test and the
+    // gpusnap it starts hold the same capabilities).
+    if gpusnap_core::hostknob::can_exceed_pipe_max() {
         assert_eq!(switched, 0, "{stderr}");
     } else {
         assert_eq!(switched, 2, "{stderr}");

@@ -123,10 +123,8 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
             Some("NVML ships with the driver; gpusnap needs it for footprints and admission control"),
         )),
     }
-    match std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled") {
-        Ok(s) => {
-            let sel =
-                s.split_whitespace().find(|w| w.starts_with('[')).unwrap_or("?").trim_matches(['[', ']']);
+    match crate::hostknob::THP.get() {
+        Ok(sel) => {
             if sel == "always" {
                 out.push(f("thp", Severity::Ok, "transparent huge pages: always", None));
             } else {

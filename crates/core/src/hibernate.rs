@@ -532,13 +532,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // CRIU's pages go through FIFOs straight to the chunkers (see
         // crate::fifo); where that cannot start, CRIU writes pages files.
         let mut receiver = None;
+        let fifos = crate::fifo::enabled();
         // Held until the dump is over: CRIU's pipes and the FIFOs get
         // their size when they are made. A switch that fails costs speed
         // only (the pipes keep the sysctl's size), so it is said and left.
-        let _pipes = (crate::fifo::enabled() && crate::hostknob::BigPipes::wanted(opts.big_pipes))
+        let _pipes = (fifos && crate::hostknob::BigPipes::wanted(opts.big_pipes))
             .then(|| crate::hostknob::BigPipes::on(images.state_dir()))
             .and_then(|r| r.map_err(|e| tracing::warn!("--big-pipes: {e}; the pipes keep their size")).ok());
-        if crate::fifo::enabled() {
+        if fifos {
             let names = crate::fifo::names_for(&tree_pids);
             let log = images.state_dir().join("dump-keeper.log");
             match crate::fifo::Receiver::start(&pending.criu_dir(), &store_root, opts.durable, names, &log) {

@@ -263,7 +263,7 @@ pub fn can_exceed_pipe_max() -> bool {
 /// waiting for the FIFO's reader to take all but 1 MiB of it. Nothing is
 /// switched where gpusnap holds CAP_SYS_RESOURCE (the pipes get their size
 /// anyway) or the sysctl is high enough.
-pub struct BigPipes(Option<Switched>);
+pub struct BigPipes(#[allow(dead_code)] Option<Switched>);
 
 /// The variable that asks for [`BigPipes`] without the flag.
 pub const BIG_PIPES_ENV: &str = "GPUSNAP_DUMP_BIG_PIPES";
@@ -280,11 +280,6 @@ impl BigPipes {
             return Ok(Self(None));
         }
         Switched::on(state_dir, &PIPE_MAX, &BIG_PIPE.to_string()).map(|s| Self(Some(s)))
-    }
-
-    /// Whether this switched the sysctl (or joined a switch already made).
-    pub fn switched(&self) -> bool {
-        self.0.is_some()
     }
 }
 
