@@ -336,8 +336,11 @@ p, st = d.get("pages") or {}, d.get("stages") or {}
 v = {"head_start_ms": st.get("head_start"), "lazy": 1 if d.get("lazy") else 0}
 for k in ("faults", "faults_in_flight", "faults_backward", "fault_bytes", "fill_bytes", "eexist_pages",
           "restore_done_ms", "first_fault_ms", "last_fault_ms", "last_page_ms", "fill_gbps", "fault_busy_ms",
-          "read_ms", "copy_ms", "in_place_bytes", "book_ms", "nap_ms", "pieces"):
+          "read_ms", "copy_ms", "in_place_bytes", "book_ms", "nap_ms", "pieces", "pace_wait_ms"):
     v["p_" + k] = p.get(k)
+# The pace to the reader (GPUSNAP_PAGES_PACE), when it ran.
+for k, x in (p.get("pace") or {}).items():
+    v["pace_" + k] = x
 o = p.get("options") or {}
 for k in ("threads", "batch", "wake_chunk", "fault_batch", "ahead", "nice"):
     v["o_" + k] = o.get(k)

@@ -23,6 +23,10 @@
 #           chunk, for a PyTorch and a CuPy worker: the wake fails, nothing
 #           is left on the GPU, the image wakes intact next; ~2 min;
 #           RESCUE_* pass through; DEVICE_BUDGET_S=200 alone)
+#   contend tests/gpu/contend.sh (P7: the driver's restore alone beside
+#           memory loads of another process, pinned or not, the worker's
+#           threads and CPUs during it, then lazy wakes on the same host;
+#           ~5-6 min at CONTEND_GIB=23; CONTEND_* pass through)
 #   timing  tests/gpu/init-timing.sh (P7: cuInit and nvmlInit bare, alone and on
 #           two threads, and the wall of gpusnap ps / doctor / state / a plain
 #           wake, 3 samples each; < 20 s; REPS passes through)
@@ -77,14 +81,14 @@ say() {
 }
 
 usage() {
-    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|agent|keeper|rescue|timing]..." >&2
+    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|agent|keeper|rescue|contend|timing]..." >&2
     exit 2
 }
 
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(e2e)
 for s in "${STAGES[@]}"; do
-    case $s in e2e | bench | hbench | multi | guard | agent | keeper | rescue | timing) ;; *) usage ;; esac
+    case $s in e2e | bench | hbench | multi | guard | agent | keeper | rescue | contend | timing) ;; *) usage ;; esac
 done
 if [ ! -f tests/gpu/e2e.sh ]; then
     echo "run tests/gpu/device.sh from the repository root" >&2
@@ -172,16 +176,16 @@ host_info() {
 
 # weight STAGE: the wall it wants; shares of the time left go by these.
 weight() {
-    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; agent) echo 480 ;; keeper) echo 200 ;; rescue) echo 180 ;; timing) echo 40 ;; esac
+    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; agent) echo 480 ;; keeper) echo 200 ;; rescue) echo 180 ;; contend) echo 360 ;; timing) echo 40 ;; esac
 }
 # slack STAGE: its watchdog fires this long after its soft budget, and its
 # cleanup runs after that.
 slack() {
-    case $1 in e2e | multi) echo 90 ;; rescue) echo 45 ;; timing) echo 10 ;; *) echo 75 ;; esac
+    case $1 in e2e | multi) echo 90 ;; rescue) echo 45 ;; contend) echo 60 ;; timing) echo 10 ;; *) echo 75 ;; esac
 }
 # floor STAGE: below this soft budget the stage cannot do anything useful.
 floor_s() {
-    case $1 in e2e | multi | guard) echo 150 ;; bench) echo 100 ;; hbench | keeper) echo 120 ;; rescue) echo 90 ;; agent) echo 240 ;; timing) echo 15 ;; esac
+    case $1 in e2e | multi | guard) echo 150 ;; bench) echo 100 ;; hbench | keeper) echo 120 ;; rescue) echo 90 ;; contend) echo 100 ;; agent) echo 240 ;; timing) echo 15 ;; esac
 }
 
 stage_row() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGES_TSV"; }
@@ -255,6 +259,7 @@ run_stage() {
         agent) cmd=(env OUT="$dir" AGENT_BENCH_BUDGET_S="$soft" tests/gpu/agent-bench.sh) ;;
         keeper) cmd=(env OUT="$dir" KEEPER_BUDGET_S="$soft" tests/gpu/keeper-e2e.sh) ;;
         rescue) cmd=(env OUT="$dir" RESCUE_BUDGET_S="$soft" tests/gpu/rescue-e2e.sh) ;;
+        contend) cmd=(env OUT="$dir" CONTEND_BUDGET_S="$soft" tests/gpu/contend.sh) ;;
         timing) cmd=(env OUT="$dir" tests/gpu/init-timing.sh) ;;
         guard)
             # Three runs in one stage, a third of the budget each.
@@ -312,6 +317,12 @@ run_stage() {
         keeper | rescue)
             cp -f "$dir/$name-e2e.md" "$OUT/" 2>/dev/null || say "$name wrote no $name-e2e.md"
             if [ -s "$dir/$name-e2e.log" ]; then append_log "$name-e2e.log" "$dir/$name-e2e.log"; else append_log "$name stderr" "$dir/stderr.txt"; fi
+            ;;
+        contend)
+            cp -f "$dir/contend.md" "$OUT/" 2>/dev/null || say "contend wrote no contend.md"
+            # The traces in one file: the call brings back only so many.
+            (cd "$dir" && tar czf "$OUT/contend-traces.tar.gz" pcie-*.tsv threads-*.tsv 2>/dev/null) || true
+            if [ -s "$dir/contend.log" ]; then append_log contend.log "$dir/contend.log"; else append_log "contend stderr" "$dir/stderr.txt"; fi
             ;;
         multi)
             cp -f "$dir/multi-e2e.md" "$OUT/" 2>/dev/null || say "multi wrote no multi-e2e.md"

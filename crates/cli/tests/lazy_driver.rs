@@ -113,3 +113,52 @@ fn a_page_server_failing_under_the_driver_restore_is_rescued_and_the_image_kept(
     assert_eq!(w.status_of(pid).map(|s| s.2), Some(true));
     assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
 }
+
+/// With the pace to the reader (GPUSNAP_PAGES_PACE, crates/pages/src/
+/// pacer.rs), the page server's fill keeps to the driver's restore: held to
+/// 1 GiB/s with 1 MiB of lead, it falls behind the fake driver's read of
+/// its 256 MiB host copy, whose faults on the fill's front raise the pace
+/// and let the fill go on; the restore reads every page intact, and the
+/// pace ends with the driver's restore.
+#[test]
+fn a_fill_paced_to_the_driver_restore_keeps_behind_it_and_brings_every_page() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = hibernated(&mut w, 256, "pc");
+    for (k, v) in [
+        ("GPUSNAP_PAGES_PACE", "1"),
+        ("GPUSNAP_PAGES_PACE_START", "1G"),
+        ("GPUSNAP_PAGES_PACE_MIN", "1G"),
+        ("GPUSNAP_PAGES_PACE_LEAD", "1M"),
+        ("GPUSNAP_PAGES_HEAD_START", "0"),
+    ] {
+        w.env_extra.push((k.into(), v.into()));
+    }
+    let r = w.json(&["wake", "pc", "--no-guard", "--wait", "10"]);
+    w.env_extra.clear();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["lazy"], true, "{v}");
+    let pace = &v["pages"]["pace"];
+    assert!(pace.is_object(), "the fill was paced: {v}");
+    assert!(pace["catch_ups"].as_u64().unwrap() > 0, "{pace}");
+    assert!(pace["high_gbps"].as_f64().unwrap() > 1.07, "catch-ups raised the pace: {pace}");
+    assert!(pace["paced_ms"].as_u64().is_some(), "{pace}");
+    assert_eq!(v["pages"]["options"]["pace"], true, "{v}");
+    assert_eq!(w.restore_data(pid), ["ok"], "{v}");
+    assert_eq!(w.calls_on(pid).last().map(String::as_str), Some("unlock=0"));
+    w.assert_progressing(pid);
+    assert_eq!(w.status_of(pid).map(|s| s.2), Some(true));
+
+    // Hibernated again and woken with the pace off: no pace in the report.
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", "pc2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let r = w.json(&["wake", "pc2", "--no-guard", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    assert!(r.json()["pages"]["pace"].is_null(), "{}", r.stdout);
+    assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "2"]).code, 0);
+}

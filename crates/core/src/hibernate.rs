@@ -1418,6 +1418,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
             Ok::<_, Error>(t)
         };
+        // While the driver's restores read what the page server fills, its
+        // background fill keeps to their pace (GPUSNAP_PAGES_PACE,
+        // gpusnap_pages::Server::pace_reader); afterwards the rest goes in
+        // at full speed.
+        let pace = match (&head_failed, &pages) {
+            (None, Some(srv)) if !items.is_empty() => Some(srv.pace_reader()),
+            _ => None,
+        };
         // One process alone runs here, with the engine's progress display.
         let results = if head_failed.is_some() {
             Vec::new()
@@ -1429,6 +1437,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             self.in_parallel(items, &|| proto.sibling(), back)
         };
         let driver_ms = ms(t_restore);
+        drop(pace);
         drop(gate);
         if stream {
             verify = waited_verify.into_inner().unwrap_or_default();

@@ -18,6 +18,7 @@
 
 mod image;
 pub mod keeper;
+mod pacer;
 mod pieces;
 pub mod prio;
 mod serve;
@@ -27,10 +28,11 @@ pub mod sys;
 
 pub use image::eager_ranges;
 pub use image::{lazy_bytes, lazy_iovs, Iov};
+pub use pacer::{PaceConfig, PaceStats};
 pub use serve::{
-    flag_setting, parse_flag, HeadStart, Options, Report, Rescuer, Server, ENV_AHEAD, ENV_BATCH,
-    ENV_BIG_FIRST, ENV_FAULT_BATCH, ENV_HEAD_START, ENV_IDLE, ENV_NICE, ENV_RATE, ENV_THREADS, ENV_TRACE,
-    ENV_WAKE_CHUNK,
+    flag_setting, parse_flag, HeadStart, Options, PaceGuard, Report, Rescuer, Server, ENV_AHEAD, ENV_BATCH,
+    ENV_BIG_FIRST, ENV_FAULT_BATCH, ENV_HEAD_START, ENV_IDLE, ENV_NICE, ENV_PACE, ENV_PACE_LEAD,
+    ENV_PACE_MIN, ENV_PACE_START, ENV_RATE, ENV_THREADS, ENV_TRACE, ENV_WAKE_CHUNK,
 };
 pub use source::{DirSource, Mapped, PageSource, PagesFile};
 pub use stats::{dump_stats, DumpStats};

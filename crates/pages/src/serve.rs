@@ -10,6 +10,7 @@
 //! them. A fault in a piece in flight needs nothing: the fill's WAKE wakes it.
 
 use crate::image::{lazy_iovs, Iov};
+use crate::pacer::{PaceConfig, PaceStats, Pacer};
 use crate::pieces::{Piece, Pieces};
 use crate::source::{DirSource, PageSource, PagesFile};
 use crate::sys::{self, PAGE};
@@ -28,6 +29,10 @@ use std::time::{Duration, Instant};
 
 const SOCKET: &str = "lazy-pages.socket";
 const RESTORE_FINISHED: u32 = 0x5253_5446;
+/// A fault in a run of memory to fill at least this large tells the pace
+/// that the reader met the fill's front ([`crate::pacer`]); a CUDA
+/// driver's restore also touches small mappings here and there.
+const PACE_RUN_MIN: u64 = 64 << 20;
 const TICK: Duration = Duration::from_millis(50);
 
 /// How the server fills memory. Every field can be set from the
@@ -80,6 +85,12 @@ pub struct Options {
     /// memory bandwidth while the driver reads (issue 10's warm wake).
     /// Faults are never held back.
     pub rate: u64,
+    /// Pace the background fill to the reader while the caller's driver
+    /// restores run ([`Server::pace_reader`], [`crate::pacer`]); `rate`,
+    /// when set, takes precedence.
+    pub pace: bool,
+    /// The pace's settings.
+    pub pace_cfg: PaceConfig,
     /// Fail on purpose once this many bytes are served (tests of a page
     /// server that dies mid-wake).
     #[serde(skip)]
@@ -161,6 +172,8 @@ impl Default for Options {
             // the setting); kept as a setting to measure.
             big_first: 0,
             rate: 0,
+            pace: false,
+            pace_cfg: PaceConfig::default(),
             fail_after: None,
             remove_raced: false,
             trace: None,
@@ -188,6 +201,10 @@ pub const ENV_RATE: &str = "GPUSNAP_PAGES_RATE";
 pub const ENV_IDLE: &str = "GPUSNAP_PAGES_IDLE";
 pub const ENV_TRACE: &str = "GPUSNAP_PAGES_TRACE";
 pub const ENV_FOLLOW_MIN: &str = "GPUSNAP_PAGES_FOLLOW_MIN";
+pub const ENV_PACE: &str = "GPUSNAP_PAGES_PACE";
+pub const ENV_PACE_START: &str = "GPUSNAP_PAGES_PACE_START";
+pub const ENV_PACE_MIN: &str = "GPUSNAP_PAGES_PACE_MIN";
+pub const ENV_PACE_LEAD: &str = "GPUSNAP_PAGES_PACE_LEAD";
 
 /// A yes/no setting: `1`/`0` (also `yes`/`no`, `on`/`off`, `true`/`false`).
 pub fn parse_flag(v: &str) -> Option<bool> {
@@ -270,6 +287,19 @@ impl Options {
         }
         if let Some(n) = size(ENV_FOLLOW_MIN, 0)? {
             o.follow_min = n;
+        }
+        if let Some(v) = get(ENV_PACE) {
+            o.pace = parse_flag(&v).ok_or_else(|| bad(ENV_PACE, &v, "1 or 0"))?;
+        }
+        // Rates in bytes per second, with K, M or G (binary): 1 GiB/s at least.
+        if let Some(n) = size(ENV_PACE_START, 1 << 30)? {
+            o.pace_cfg.start = n;
+        }
+        if let Some(n) = size(ENV_PACE_MIN, 1 << 30)? {
+            o.pace_cfg.min = n;
+        }
+        if let Some(n) = size(ENV_PACE_LEAD, 1 << 20)? {
+            o.pace_cfg.lead = n;
         }
         if let Some(v) = get(ENV_NICE) {
             o.nice = match v.trim().parse::<i32>() {
@@ -369,6 +399,11 @@ pub struct Report {
     /// waiting with nothing to take, summed over threads.
     pub book_ms: u64,
     pub nap_ms: u64,
+    /// Time the fill threads were held back by the pace to the reader,
+    /// summed over threads.
+    pub pace_wait_ms: u64,
+    /// What the pace to the reader did (None: the fill was not paced).
+    pub pace: Option<PaceStats>,
     /// The settings this wake ran with.
     pub options: Option<Options>,
 }
@@ -551,6 +586,9 @@ struct Shared {
     next_key: std::sync::atomic::AtomicU32,
     /// With [`Options::trace`]: what the trace file gets.
     trace: Option<Mutex<Trace>>,
+    /// The pace of the background fill ([`Options::pace`]).
+    pacer: Pacer,
+    paced: AtomicBool,
 }
 
 /// A wake's trace ([`Options::trace`]); times in microseconds since the
@@ -611,6 +649,7 @@ struct Stats {
     pieces: AtomicU64,
     book_us: AtomicU64,
     nap_us: AtomicU64,
+    pace_wait_us: AtomicU64,
 }
 
 fn us(d: Duration) -> u64 {
@@ -625,6 +664,8 @@ impl Shared {
     fn new(images: &Path, source: Arc<dyn PageSource>, opts: Options) -> Self {
         Shared {
             trace: opts.trace.as_ref().map(|_| Mutex::default()),
+            pacer: Pacer::new(opts.pace_cfg),
+            paced: AtomicBool::new(false),
             images: images.to_path_buf(),
             source,
             opts,
@@ -735,6 +776,8 @@ impl Shared {
             pieces: g(&st.pieces),
             book_ms: g(&st.book_us) / 1000,
             nap_ms: g(&st.nap_us) / 1000,
+            pace_wait_ms: g(&st.pace_wait_us) / 1000,
+            pace: self.paced.load(SeqCst).then(|| self.pacer.stats(self.now_us())),
             options: Some(self.opts.clone()),
         }
     }
@@ -912,7 +955,22 @@ impl Server {
     /// Stops serving (the restore failed: CRIU ends what it restored).
     pub fn abort(&self) {
         self.shared.stop.store(true, SeqCst);
+        self.shared.pacer.stop(self.shared.now_us());
         self.shared.ring();
+    }
+
+    /// The driver's restores start reading the memory this server fills:
+    /// with [`Options::pace`] the background fill keeps to their pace until
+    /// the guard is dropped ([`crate::pacer`]); faults are never held back.
+    /// Without it (or with a fixed [`Options::rate`]) the guard does nothing.
+    pub fn pace_reader(&self) -> PaceGuard<'_> {
+        let sh = &self.shared;
+        let on = sh.opts.pace && sh.opts.rate == 0 && !sh.finished();
+        if on {
+            sh.pacer.start(sh.now_us(), sh.served.load(SeqCst));
+            sh.paced.store(true, SeqCst);
+        }
+        PaceGuard { server: self, on }
     }
 
     /// A handle for the thread that watches this server while a CUDA
@@ -933,6 +991,23 @@ impl Server {
 /// threads are stopped, and its CUDA state is never unlocked.
 #[derive(Clone)]
 pub struct Rescuer(Arc<Shared>);
+
+/// The background fill keeps to the reader's pace while this lives
+/// ([`Server::pace_reader`]); dropped, the rest goes in at full speed.
+#[must_use = "the pace ends when the guard is dropped"]
+pub struct PaceGuard<'a> {
+    server: &'a Server,
+    on: bool,
+}
+
+impl Drop for PaceGuard<'_> {
+    fn drop(&mut self) {
+        if self.on {
+            let sh = &self.server.shared;
+            sh.pacer.stop(sh.now_us());
+        }
+    }
+}
 
 impl Rescuer {
     /// The server failed (a read, a chunk that failed its check, a copy).
@@ -1336,6 +1411,11 @@ fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &
         if follow && st.note_fault(addr) {
             s.faults_backward.fetch_add(1, SeqCst);
         }
+        // The reader met memory still to fill in a large run: the fill's
+        // front, where the pace must not hold it back.
+        if st.in_flight(addr).is_some() && st.follows(addr, PACE_RUN_MIN) {
+            sh.pacer.caught_up(now, sh.served.load(SeqCst));
+        }
         match st.in_flight(addr) {
             // Another thread is filling it: its WAKE wakes this fault.
             Some(true) => {
@@ -1446,10 +1526,22 @@ fn filler(sh: Arc<Shared>) {
 }
 
 /// Holds a background fill back to `rate` bytes per second past the head
-/// start, counted from CRIU's hand-over (the fill's start).
+/// start, counted from CRIU's hand-over (the fill's start); without a rate,
+/// to the reader's pace while [`Server::pace_reader`] holds.
 fn pace(sh: &Shared) {
     let rate = sh.opts.rate;
     if rate == 0 {
+        let t = Instant::now();
+        sh.pacer.wait(
+            || sh.now_us(),
+            || sh.served.load(SeqCst),
+            || sh.stop.load(SeqCst) || sh.failed(),
+            TICK,
+        );
+        let waited = us(t.elapsed());
+        if waited > 0 {
+            sh.stats.pace_wait_us.fetch_add(waited, SeqCst);
+        }
         return;
     }
     let done = sh.stats.restore_done_us.load(SeqCst);
@@ -1794,7 +1886,21 @@ mod tests {
         assert_eq!(o.trace.as_deref(), Some(Path::new("/tmp/t.json")));
         assert_eq!(Options::default().follow_min, 0);
         assert_eq!(Options::from_vars(vars(&[(ENV_FOLLOW_MIN, "64M")])).unwrap().follow_min, 64 << 20);
+        assert!(!Options::default().pace);
+        let o = Options::from_vars(vars(&[
+            (ENV_PACE, "1"),
+            (ENV_PACE_START, "8G"),
+            (ENV_PACE_MIN, "3G"),
+            (ENV_PACE_LEAD, "64M"),
+        ]))
+        .unwrap();
+        assert!(o.pace);
+        assert_eq!(o.pace_cfg, PaceConfig { start: 8 << 30, min: 3 << 30, lead: 64 << 20, quiet_ms: 100 });
         for bad in [
+            (ENV_PACE, "sometimes"),
+            (ENV_PACE_START, "100M"),
+            (ENV_PACE_MIN, "fast"),
+            (ENV_PACE_LEAD, "4K"),
             (ENV_FOLLOW_MIN, "big"),
             (ENV_TRACE, "t.json"),
             (ENV_THREADS, "0"),

@@ -1,0 +1,337 @@
+//! Pacing the background fill to the reader: the fill writes the image into
+//! the woken process no faster than the driver's restore reads it.
+//!
+//! Why (issue 10; docs/benchmarks.md, "What slows the driver's restore"):
+//! the driver's restore of a checkpointed CUDA process is one thread of
+//! that process copying its host memory into the GPU's staging buffers at
+//! 6-10 GB/s, CPU-bound. Measured on the H200 (`tests/gpu/contend.sh`,
+//! another process loading the memory beside a bare driver restore), reads
+//! beside it do not slow it (8 threads reading 42 GB/s: none), but writes
+//! do: copies at 13 GB/s (what the fill does at full speed) took its restore
+//! from ~5.1 to 6.4 s, 31 GB/s to 7.0 s; at 7 GB/s, nothing. Every byte of
+//! the image has to be written into the process once during a lazy wake:
+//! spread at the reader's own pace those writes cost it least, where the
+//! fill at full speed bunches them up at the restore's start.
+//!
+//! The driver's read rate is not known beforehand (6-10 GB/s by host) and
+//! its reads of memory already in place are invisible, so the pace is
+//! found the way a congestion window is: the fill is allowed a budget that
+//! grows at `rate`; a fault in a large run of memory still to fill (the
+//! reader has caught up with the fill's front) raises the rate by a
+//! quarter and gives the fill `lead` bytes of room at once; every `quiet`
+//! span without such a fault lowers the rate by a tenth, down to `min`.
+//! The rate thus saws around the reader's. Faults are never held back, and
+//! the pace ends when the caller says the reader is done (or the server
+//! stops): what is left then goes in at full speed.
+
+use serde::Serialize;
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
+
+/// The pace's settings (GPUSNAP_PAGES_PACE_*, docs/pages.md).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct PaceConfig {
+    /// Bytes per second the fill starts at.
+    pub start: u64,
+    /// The slowest the fill goes while paced, bytes per second.
+    pub min: u64,
+    /// Room the fill gets past what it has served when the reader catches
+    /// up, and the most it may bank while it cannot keep its pace.
+    pub lead: u64,
+    /// A span without a catch-up after which the rate falls by a tenth.
+    pub quiet_ms: u64,
+}
+
+impl Default for PaceConfig {
+    fn default() -> Self {
+        PaceConfig { start: 10 << 30, min: 2 << 30, lead: 256 << 20, quiet_ms: 100 }
+    }
+}
+
+/// What the pace did, for the report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PaceStats {
+    /// Faults that found the reader at the fill's front.
+    pub catch_ups: u64,
+    /// The rate when the pace ended, and the lowest and highest it took,
+    /// in GB/s.
+    pub end_gbps: f64,
+    pub low_gbps: f64,
+    pub high_gbps: f64,
+    /// How long the pace lasted.
+    pub paced_ms: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    on: bool,
+    /// Bytes per microsecond.
+    rate: f64,
+    /// What `served` may reach before a fill waits.
+    allowed: f64,
+    last_us: u64,
+    last_catch_us: u64,
+    last_raise_us: u64,
+    since_us: u64,
+    stats: PaceStats,
+}
+
+impl State {
+    /// Brings the budget and the rate up to `now`.
+    fn advance(&mut self, cfg: &PaceConfig, now: u64, served: u64) {
+        let dt = now.saturating_sub(self.last_us);
+        if dt == 0 {
+            return;
+        }
+        let quiet = (cfg.quiet_ms * 1000).max(1);
+        if now.saturating_sub(self.last_catch_us) > quiet {
+            // A tenth per quiet span, continuously.
+            let min = bytes_per_us(cfg.min);
+            self.rate = (self.rate * 0.9f64.powf(dt as f64 / quiet as f64)).max(min);
+            self.note_rate();
+        }
+        self.allowed += self.rate * dt as f64;
+        // A fill that could not keep its pace banks no more than `lead`.
+        self.allowed = self.allowed.min((served + cfg.lead) as f64);
+        self.last_us = now;
+    }
+    fn note_rate(&mut self) {
+        let g = self.rate / 1e3;
+        if self.stats.low_gbps == 0.0 || g < self.stats.low_gbps {
+            self.stats.low_gbps = g;
+        }
+        if g > self.stats.high_gbps {
+            self.stats.high_gbps = g;
+        }
+        self.stats.end_gbps = g;
+    }
+}
+
+fn bytes_per_us(bytes_per_s: u64) -> f64 {
+    bytes_per_s as f64 / 1e6
+}
+
+/// The pace of one page server's background fill (see the module's text).
+#[derive(Debug)]
+pub(crate) struct Pacer {
+    cfg: PaceConfig,
+    st: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Pacer {
+    pub(crate) fn new(cfg: PaceConfig) -> Self {
+        Pacer { cfg, st: Mutex::new(State::default()), cv: Condvar::new() }
+    }
+
+    /// The reader starts: the fill is paced from now, with `lead` bytes of
+    /// room past `served`.
+    pub(crate) fn start(&self, now: u64, served: u64) {
+        let mut st = self.st.lock().unwrap();
+        if st.on {
+            return;
+        }
+        let rate = bytes_per_us(self.cfg.start.max(self.cfg.min));
+        *st = State {
+            on: true,
+            rate,
+            allowed: (served + self.cfg.lead) as f64,
+            last_us: now,
+            last_catch_us: now,
+            last_raise_us: 0,
+            since_us: now,
+            stats: PaceStats { catch_ups: st.stats.catch_ups, ..PaceStats::default() },
+        };
+        st.note_rate();
+    }
+
+    /// The reader is done (or the wake ends): no more pace; waiting fills
+    /// go on at once.
+    pub(crate) fn stop(&self, now: u64) {
+        let mut st = self.st.lock().unwrap();
+        if st.on {
+            st.on = false;
+            st.stats.paced_ms = now.saturating_sub(st.since_us) / 1000;
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    /// A fault found the reader at the fill's front: more rate (at most
+    /// once per half a quiet span, so that a burst of faults at one front
+    /// counts once), and `lead` bytes of room at once.
+    pub(crate) fn caught_up(&self, now: u64, served: u64) {
+        let mut st = self.st.lock().unwrap();
+        if !st.on {
+            return;
+        }
+        st.advance(&self.cfg, now, served);
+        st.stats.catch_ups += 1;
+        st.last_catch_us = now;
+        if now.saturating_sub(st.last_raise_us) >= self.cfg.quiet_ms * 500 {
+            st.rate *= 1.25;
+            st.last_raise_us = now;
+            st.note_rate();
+        }
+        st.allowed = st.allowed.max((served + self.cfg.lead) as f64);
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    /// How long a fill that has `served` bytes behind it must wait now
+    /// (zero: go on), without waiting.
+    fn due(&self, now: u64, served: u64) -> Duration {
+        let mut st = self.st.lock().unwrap();
+        if !st.on {
+            return Duration::ZERO;
+        }
+        st.advance(&self.cfg, now, served);
+        let over = served as f64 - st.allowed;
+        if over < 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_micros((over / st.rate).ceil() as u64 + 1)
+        }
+    }
+
+    /// Holds a background fill until the pace allows `served()` bytes;
+    /// returns at once when unpaced, and rechecks `give_up` every `tick`.
+    pub(crate) fn wait(
+        &self,
+        now: impl Fn() -> u64,
+        served: impl Fn() -> u64,
+        give_up: impl Fn() -> bool,
+        tick: Duration,
+    ) {
+        loop {
+            let d = self.due(now(), served());
+            if d.is_zero() || give_up() {
+                return;
+            }
+            let g = self.st.lock().unwrap();
+            // Woken early by a catch-up or the end of the pace.
+            let _ = self.cv.wait_timeout(g, d.min(tick));
+        }
+    }
+
+    pub(crate) fn stats(&self, now: u64) -> PaceStats {
+        let st = self.st.lock().unwrap();
+        let mut s = st.stats;
+        if st.on {
+            s.paced_ms = now.saturating_sub(st.since_us) / 1000;
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1000;
+    const GB: u64 = 1_000_000_000;
+
+    fn cfg() -> PaceConfig {
+        PaceConfig { start: 10 * GB, min: 2 * GB, lead: 256 << 20, quiet_ms: 100 }
+    }
+
+    /// Runs a fill that would go at `fill_gbps` against a reader at
+    /// `read_gbps` that starts at the fill's start, for `secs`, in steps of
+    /// 1 ms; returns (the fill's bytes, catch-ups, the highest rate in GB/s).
+    fn race(fill_gbps: f64, read_gbps: f64, secs: f64) -> (u64, u64, f64) {
+        let p = Pacer::new(cfg());
+        p.start(1, 0);
+        let (mut filled, mut read) = (0u64, 0f64);
+        let steps = (secs * 1000.0) as u64;
+        for i in 1..=steps {
+            let now = 1 + i * MS;
+            // The fill moves 1 MiB pieces while the pace allows.
+            let mut budget = (fill_gbps * 1e6) as u64; // bytes per ms
+            while budget >= 1 << 20 && p.due(now, filled).is_zero() {
+                filled += 1 << 20;
+                budget -= 1 << 20;
+            }
+            read += read_gbps * 1e6;
+            if read as u64 >= filled {
+                // The reader meets unfilled memory: a fault.
+                read = filled as f64;
+                p.caught_up(now, filled);
+            }
+        }
+        let s = p.stats(1 + steps * MS);
+        (filled, s.catch_ups, s.high_gbps)
+    }
+
+    #[test]
+    fn the_fill_settles_near_a_slower_readers_pace() {
+        // A reader at 6 GB/s, a fill that could do 13: over 3 s the fill
+        // writes about what the reader reads, not 13 GB/s' worth.
+        let (filled, catches, _) = race(13.0, 6.0, 3.0);
+        let gb = filled as f64 / 1e9;
+        assert!(gb < 3.0 * 6.0 * 1.35, "filled {gb} GB");
+        assert!(gb > 3.0 * 6.0 * 0.95, "filled {gb} GB: the reader was held back");
+        assert!(catches > 0);
+    }
+
+    #[test]
+    fn a_faster_reader_raises_the_pace() {
+        // A reader at 12 GB/s against a fill that starts paced at 10: the
+        // catch-ups raise the rate, and the reader is not held to 10.
+        let (filled, catches, high) = race(20.0, 12.0, 2.0);
+        let gb = filled as f64 / 1e9;
+        assert!(catches > 0);
+        assert!(high > 12.0, "highest rate {high}");
+        assert!(gb > 2.0 * 12.0 * 0.95, "filled {gb} GB: the reader was held back");
+    }
+
+    #[test]
+    fn an_idle_reader_brings_the_rate_to_its_floor_and_stop_frees_the_fill() {
+        let p = Pacer::new(cfg());
+        p.start(1, 0);
+        // Two seconds and no fault: the rate is at its floor.
+        let d = p.due(1 + 2000 * MS, 64 << 30);
+        assert!(!d.is_zero());
+        assert!((p.stats(1 + 2000 * MS).end_gbps - 2.0).abs() < 0.01);
+        // Banked room never exceeds the lead.
+        let served = 1 << 30;
+        assert!(p.due(1 + 2001 * MS, served).is_zero());
+        let after_lead = served + (256 << 20) + (2 << 20);
+        assert!(!p.due(1 + 2001 * MS, after_lead).is_zero());
+        p.stop(1 + 2002 * MS);
+        assert!(p.due(1 + 2003 * MS, u64::MAX / 2).is_zero());
+        assert_eq!(p.stats(1 + 2003 * MS).paced_ms, 2002);
+    }
+
+    #[test]
+    fn a_waiting_fill_is_let_go_by_a_catch_up_and_by_the_end_of_the_pace() {
+        use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+        use std::sync::Arc;
+        let p = Arc::new(Pacer::new(PaceConfig { start: 2 * GB, min: 2 * GB, lead: 1 << 20, quiet_ms: 100 }));
+        let t0 = std::time::Instant::now();
+        let now = move || t0.elapsed().as_micros() as u64 + 1;
+        p.start(now(), 0);
+        let served = Arc::new(AtomicU64::new(1 << 30)); // 1 GiB past the room: ~0.5 s at 2 GB/s
+        let (p2, s2) = (p.clone(), served.clone());
+        let h = std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            p2.wait(now, || s2.load(SeqCst), || false, Duration::from_millis(50));
+            t.elapsed()
+        });
+        std::thread::sleep(Duration::from_millis(30));
+        // The reader at the front: room past what is served, at once.
+        p.caught_up(now(), served.load(SeqCst));
+        let waited = h.join().unwrap();
+        assert!(waited < Duration::from_millis(400), "waited {waited:?}");
+        let s3 = served.clone();
+        served.store(8 << 30, SeqCst);
+        let p3 = p.clone();
+        let h = std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            p3.wait(now, || s3.load(SeqCst), || false, Duration::from_millis(50));
+            t.elapsed()
+        });
+        std::thread::sleep(Duration::from_millis(30));
+        p.stop(now());
+        assert!(h.join().unwrap() < Duration::from_millis(400));
+    }
+}
