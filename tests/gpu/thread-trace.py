@@ -19,6 +19,7 @@ Usage:
       process, of the busiest thread and its share of the span, then the
       top N threads (default 5) as tid:comm:cpu_s:CPUs-it-ran-on.
 """
+import argparse
 import os
 import sys
 import time
@@ -111,23 +112,21 @@ def summary(path, top):
 
 
 def main(argv):
-    if len(argv) >= 5 and argv[1] == "sample":
-        every, max_s = 0.02, 120.0
-        rest = argv[5:]
-        while rest:
-            if rest[0] == "--every" and len(rest) > 1:
-                every = float(rest[1])
-            elif rest[0] == "--max" and len(rest) > 1:
-                max_s = float(rest[1])
-            else:
-                break
-            rest = rest[2:]
-        return sample(argv[2], argv[3], argv[4], every, max_s)
-    if len(argv) >= 3 and argv[1] == "summary":
-        top = int(argv[4]) if len(argv) >= 5 and argv[3] == "--top" else 5
-        return summary(argv[2], top)
-    print(__doc__, file=sys.stderr)
-    return 2
+    ap = argparse.ArgumentParser(description="threads of a process during a driver restore")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("sample")
+    sp.add_argument("pid")
+    sp.add_argument("file")
+    sp.add_argument("stopfile")
+    sp.add_argument("--every", type=float, default=0.02)
+    sp.add_argument("--max", type=float, default=120.0)
+    su = sub.add_parser("summary")
+    su.add_argument("file")
+    su.add_argument("--top", type=int, default=5)
+    a = ap.parse_args(argv[1:])
+    if a.cmd == "sample":
+        return sample(a.pid, a.file, a.stopfile, a.every, a.max)
+    return summary(a.file, a.top)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@
 //! stops): what is left then goes in at full speed.
 
 use serde::Serialize;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -117,11 +118,14 @@ pub(crate) struct Pacer {
     cfg: PaceConfig,
     st: Mutex<State>,
     cv: Condvar,
+    /// `st.on`, readable without the lock: an unpaced fill (the default)
+    /// never takes it.
+    on: AtomicBool,
 }
 
 impl Pacer {
     pub(crate) fn new(cfg: PaceConfig) -> Self {
-        Pacer { cfg, st: Mutex::new(State::default()), cv: Condvar::new() }
+        Pacer { cfg, st: Mutex::new(State::default()), cv: Condvar::new(), on: AtomicBool::new(false) }
     }
 
     /// The reader starts: the fill is paced from now, with `lead` bytes of
@@ -143,6 +147,7 @@ impl Pacer {
             stats: PaceStats { catch_ups: st.stats.catch_ups, ..PaceStats::default() },
         };
         st.note_rate();
+        self.on.store(true, SeqCst);
     }
 
     /// The reader is done (or the wake ends): no more pace; waiting fills
@@ -151,6 +156,7 @@ impl Pacer {
         let mut st = self.st.lock().unwrap();
         if st.on {
             st.on = false;
+            self.on.store(false, SeqCst);
             st.stats.paced_ms = now.saturating_sub(st.since_us) / 1000;
         }
         drop(st);
@@ -161,6 +167,9 @@ impl Pacer {
     /// once per half a quiet span, so that a burst of faults at one front
     /// counts once), and `lead` bytes of room at once.
     pub(crate) fn caught_up(&self, now: u64, served: u64) {
+        if !self.is_on() {
+            return;
+        }
         let mut st = self.st.lock().unwrap();
         if !st.on {
             return;
@@ -178,10 +187,20 @@ impl Pacer {
         self.cv.notify_all();
     }
 
+    /// Whether the fill is paced now.
+    pub(crate) fn is_on(&self) -> bool {
+        self.on.load(SeqCst)
+    }
+
     /// How long a fill that has `served` bytes behind it must wait now
     /// (zero: go on), without waiting.
+    #[cfg(test)]
     fn due(&self, now: u64, served: u64) -> Duration {
         let mut st = self.st.lock().unwrap();
+        self.due_in(&mut st, now, served)
+    }
+
+    fn due_in(&self, st: &mut State, now: u64, served: u64) -> Duration {
         if !st.on {
             return Duration::ZERO;
         }
@@ -196,6 +215,8 @@ impl Pacer {
 
     /// Holds a background fill until the pace allows `served()` bytes;
     /// returns at once when unpaced, and rechecks `give_up` every `tick`.
+    /// The wait is on the lock's condition variable, so a catch-up or the
+    /// end of the pace lets it go at once.
     pub(crate) fn wait(
         &self,
         now: impl Fn() -> u64,
@@ -203,14 +224,16 @@ impl Pacer {
         give_up: impl Fn() -> bool,
         tick: Duration,
     ) {
+        if !self.is_on() {
+            return;
+        }
+        let mut st = self.st.lock().unwrap();
         loop {
-            let d = self.due(now(), served());
+            let d = self.due_in(&mut st, now(), served());
             if d.is_zero() || give_up() {
                 return;
             }
-            let g = self.st.lock().unwrap();
-            // Woken early by a catch-up or the end of the pace.
-            let _ = self.cv.wait_timeout(g, d.min(tick));
+            st = self.cv.wait_timeout(st, d.min(tick)).unwrap().0;
         }
     }
 

@@ -1531,6 +1531,9 @@ fn filler(sh: Arc<Shared>) {
 fn pace(sh: &Shared) {
     let rate = sh.opts.rate;
     if rate == 0 {
+        if !sh.pacer.is_on() {
+            return;
+        }
         let t = Instant::now();
         sh.pacer.wait(
             || sh.now_us(),
