@@ -107,8 +107,12 @@ build_memload() {
     log "memload: ${MEMLOAD:-none (no compiler, no .dev/memload)}"
 }
 
+# word KEY WORDS: the value of KEY=VALUE among the space-separated WORDS.
+word() { printf '%s\n' "$2" | tr ' ' '\n' | sed -n "s/^$1=//p"; }
+
 # traces_start TAG PID / traces_stop: the PCIe and thread samplers around a
-# restore; traces_stop sets PCIE_W (pcie_mid t10 t90) and THR_W.
+# restore; traces_stop sets PCIE_MID, PCIE_T10, PCIE_T90 (pcie-trace.py's
+# summary) and THR_CPU, THR_TOP, THR_SHARE, THR_LIST (thread-trace.py's).
 traces_start() {
     rm -f "$WORK/tr.stop"
     TR_PCIE=$OUT/pcie-$1.tsv
@@ -129,13 +133,16 @@ traces_stop() {
     t=$(python3 "$GPU_DIR/thread-trace.py" summary "$TR_THR" 2>&1 | head -n 1)
     log "pcie: $p"
     log "threads: $t"
-    PCIE_MID=$(printf '%s\n' "$p" | tr ' ' '\n' | sed -n 's/^pcie_mid_gbps=//p')
-    PCIE_T10=$(printf '%s\n' "$p" | tr ' ' '\n' | sed -n 's/^pcie_t10_s=//p')
-    PCIE_T90=$(printf '%s\n' "$p" | tr ' ' '\n' | sed -n 's/^pcie_t90_s=//p')
-    THR_CPU=$(printf '%s\n' "$t" | tr ' ' '\n' | sed -n 's/^threads_cpu_s=//p')
-    THR_TOP=$(printf '%s\n' "$t" | tr ' ' '\n' | sed -n 's/^threads_top_cpu_s=//p')
-    THR_SHARE=$(printf '%s\n' "$t" | tr ' ' '\n' | sed -n 's/^threads_top_share=//p')
-    THR_LIST=$(printf '%s\n' "$t" | tr ' ' '\n' | sed -n 's/^threads_top=//p')
+    PCIE_MID=$(word pcie_mid_gbps "$p") PCIE_T10=$(word pcie_t10_s "$p") PCIE_T90=$(word pcie_t90_s "$p")
+    THR_CPU=$(word threads_cpu_s "$t") THR_TOP=$(word threads_top_cpu_s "$t")
+    THR_SHARE=$(word threads_top_share "$t") THR_LIST=$(word threads_top "$t")
+}
+
+# sample_row LABEL LOAD SECONDS DRIVER_SECONDS LOAD_GBPS: a row of the
+# samples' table, with the traces' figures traces_stop set.
+sample_row() {
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" \
+        "${PCIE_MID:-?}" "${PCIE_T10:-?}" "${PCIE_T90:-?}" "${THR_CPU:-?}" "${THR_TOP:-?}" "${THR_SHARE:-?}" "${THR_LIST:-?}" >>"$SAMPLES"
 }
 
 # checksum_ok NAME: the worker goes on with ok=1 after a restore.
@@ -195,8 +202,7 @@ one_sample() {
         ERRORS=$((ERRORS + 1))
         return 1
     fi
-    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$label" "${load:-none}" "$rs" "$dms" "$lg" \
-        "${PCIE_MID:-?}" "${PCIE_T10:-?}" "${PCIE_T90:-?}" "${THR_CPU:-?}" "${THR_TOP:-?}" "${THR_SHARE:-?}" "${THR_LIST:-?}" >>"$SAMPLES"
+    sample_row "$label" "${load:-none}" "$rs" "$dms" "$lg"
     return 0
 }
 
@@ -241,9 +247,8 @@ wakes() {
             return 1
         fi
         rms=$(jget "$WORK/wake.out" 'round(d["restore_ms"] / 1000, 3)')
-        printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "wake$i-$label" "gpusnap wake ${envs[*]:-(defaults)}; $(jget "$WORK/wake.out" '"fill %.1f GB/s, faults in flight %s, pace %s" % (d["pages"]["fill_gbps"], d["pages"]["faults_in_flight"], d["pages"].get("pace"))' | tr '|' '/')" \
-            "$(jget "$WORK/wake.out" 'round(d["total_ms"] / 1000, 3)')" "$rms" "-" \
-            "${PCIE_MID:-?}" "${PCIE_T10:-?}" "${PCIE_T90:-?}" "${THR_CPU:-?}" "${THR_TOP:-?}" "${THR_SHARE:-?}" "${THR_LIST:-?}" >>"$SAMPLES"
+        sample_row "wake$i-$label" "gpusnap wake ${envs[*]:-(defaults)}; $(jget "$WORK/wake.out" '"fill %.1f GB/s, faults in flight %s, pace %s" % (d["pages"]["fill_gbps"], d["pages"]["faults_in_flight"], d["pages"].get("pace"))' | tr '|' '/')" \
+            "$(jget "$WORK/wake.out" 'round(d["total_ms"] / 1000, 3)')" "$rms" "-"
         if ! checksum_ok "$name"; then
             log "wake $i: the worker's checksum did not hold"
             ERRORS=$((ERRORS + 1))

@@ -65,7 +65,6 @@ pub struct PaceStats {
 
 #[derive(Debug, Default)]
 struct State {
-    on: bool,
     /// Bytes per microsecond.
     rate: f64,
     /// What `served` may reach before a fill waits.
@@ -73,6 +72,7 @@ struct State {
     last_us: u64,
     last_catch_us: u64,
     last_raise_us: u64,
+    /// When the pace (last) started; 0: never.
     since_us: u64,
     stats: PaceStats,
 }
@@ -118,8 +118,8 @@ pub(crate) struct Pacer {
     cfg: PaceConfig,
     st: Mutex<State>,
     cv: Condvar,
-    /// `st.on`, readable without the lock: an unpaced fill (the default)
-    /// never takes it.
+    /// Whether the fill is paced now; changed only under `st`'s lock, read
+    /// without it, so that an unpaced fill (the default) never takes it.
     on: AtomicBool,
 }
 
@@ -132,12 +132,11 @@ impl Pacer {
     /// room past `served`.
     pub(crate) fn start(&self, now: u64, served: u64) {
         let mut st = self.st.lock().unwrap();
-        if st.on {
+        if self.is_on() {
             return;
         }
         let rate = bytes_per_us(self.cfg.start.max(self.cfg.min));
         *st = State {
-            on: true,
             rate,
             allowed: (served + self.cfg.lead) as f64,
             last_us: now,
@@ -154,8 +153,7 @@ impl Pacer {
     /// go on at once.
     pub(crate) fn stop(&self, now: u64) {
         let mut st = self.st.lock().unwrap();
-        if st.on {
-            st.on = false;
+        if self.is_on() {
             self.on.store(false, SeqCst);
             st.stats.paced_ms = now.saturating_sub(st.since_us) / 1000;
         }
@@ -171,7 +169,7 @@ impl Pacer {
             return;
         }
         let mut st = self.st.lock().unwrap();
-        if !st.on {
+        if !self.is_on() {
             return;
         }
         st.advance(&self.cfg, now, served);
@@ -201,7 +199,7 @@ impl Pacer {
     }
 
     fn due_in(&self, st: &mut State, now: u64, served: u64) -> Duration {
-        if !st.on {
+        if !self.is_on() {
             return Duration::ZERO;
         }
         st.advance(&self.cfg, now, served);
@@ -237,13 +235,17 @@ impl Pacer {
         }
     }
 
-    pub(crate) fn stats(&self, now: u64) -> PaceStats {
+    /// What the pace did; None if it never started.
+    pub(crate) fn stats(&self, now: u64) -> Option<PaceStats> {
         let st = self.st.lock().unwrap();
+        if st.since_us == 0 {
+            return None;
+        }
         let mut s = st.stats;
-        if st.on {
+        if self.is_on() {
             s.paced_ms = now.saturating_sub(st.since_us) / 1000;
         }
-        s
+        Some(s)
     }
 }
 
@@ -281,7 +283,7 @@ mod tests {
                 p.caught_up(now, filled);
             }
         }
-        let s = p.stats(1 + steps * MS);
+        let s = p.stats(1 + steps * MS).unwrap();
         (filled, s.catch_ups, s.high_gbps)
     }
 
@@ -314,7 +316,7 @@ mod tests {
         // Two seconds and no fault: the rate is at its floor.
         let d = p.due(1 + 2000 * MS, 64 << 30);
         assert!(!d.is_zero());
-        assert!((p.stats(1 + 2000 * MS).end_gbps - 2.0).abs() < 0.01);
+        assert!((p.stats(1 + 2000 * MS).unwrap().end_gbps - 2.0).abs() < 0.01);
         // Banked room never exceeds the lead.
         let served = 1 << 30;
         assert!(p.due(1 + 2001 * MS, served).is_zero());
@@ -322,7 +324,7 @@ mod tests {
         assert!(!p.due(1 + 2001 * MS, after_lead).is_zero());
         p.stop(1 + 2002 * MS);
         assert!(p.due(1 + 2003 * MS, u64::MAX / 2).is_zero());
-        assert_eq!(p.stats(1 + 2003 * MS).paced_ms, 2002);
+        assert_eq!(p.stats(1 + 2003 * MS).unwrap().paced_ms, 2002);
     }
 
     #[test]

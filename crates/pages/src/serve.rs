@@ -588,7 +588,6 @@ struct Shared {
     trace: Option<Mutex<Trace>>,
     /// The pace of the background fill ([`Options::pace`]).
     pacer: Pacer,
-    paced: AtomicBool,
 }
 
 /// A wake's trace ([`Options::trace`]); times in microseconds since the
@@ -665,7 +664,6 @@ impl Shared {
         Shared {
             trace: opts.trace.as_ref().map(|_| Mutex::default()),
             pacer: Pacer::new(opts.pace_cfg),
-            paced: AtomicBool::new(false),
             images: images.to_path_buf(),
             source,
             opts,
@@ -777,7 +775,7 @@ impl Shared {
             book_ms: g(&st.book_us) / 1000,
             nap_ms: g(&st.nap_us) / 1000,
             pace_wait_ms: g(&st.pace_wait_us) / 1000,
-            pace: self.paced.load(SeqCst).then(|| self.pacer.stats(self.now_us())),
+            pace: self.pacer.stats(self.now_us()),
             options: Some(self.opts.clone()),
         }
     }
@@ -968,7 +966,6 @@ impl Server {
         let on = sh.opts.pace && sh.opts.rate == 0 && !sh.finished();
         if on {
             sh.pacer.start(sh.now_us(), sh.served.load(SeqCst));
-            sh.paced.store(true, SeqCst);
         }
         PaceGuard { server: self, on }
     }
@@ -1411,12 +1408,13 @@ fn fault(sh: &Arc<Shared>, mm: &Arc<Mm>, addr: u64, retry: &mut Vec<u64>, buf: &
         if follow && st.note_fault(addr) {
             s.faults_backward.fetch_add(1, SeqCst);
         }
+        let in_flight = st.in_flight(addr);
         // The reader met memory still to fill in a large run: the fill's
         // front, where the pace must not hold it back.
-        if st.in_flight(addr).is_some() && st.follows(addr, PACE_RUN_MIN) {
+        if sh.pacer.is_on() && in_flight.is_some() && st.follows(addr, PACE_RUN_MIN) {
             sh.pacer.caught_up(now, sh.served.load(SeqCst));
         }
-        match st.in_flight(addr) {
+        match in_flight {
             // Another thread is filling it: its WAKE wakes this fault.
             Some(true) => {
                 s.faults_in_flight.fetch_add(1, SeqCst);
