@@ -115,11 +115,15 @@ fn a_page_server_failing_under_the_driver_restore_is_rescued_and_the_image_kept(
 }
 
 /// With the pace to the reader (GPUSNAP_PAGES_PACE, crates/pages/src/
-/// pacer.rs), the page server's fill keeps to the driver's restore: held to
-/// 1 GiB/s with 1 MiB of lead, it falls behind the fake driver's read of
-/// its 256 MiB host copy, whose faults on the fill's front raise the pace
-/// and let the fill go on; the restore reads every page intact, and the
-/// pace ends with the driver's restore.
+/// pacer.rs), the page server's fill keeps to the driver's restore: with
+/// no head start it waits at its 1 MiB of lead for the restore to start,
+/// then goes on at the pace (1 GiB/s) or as fast as it can. Slowed to at
+/// most 100 MiB/s (10 ms a MiB, one thread), it falls behind the fake
+/// driver's read of its 256 MiB host copy however late the read starts (a
+/// busy CI machine took long enough between the pace's start and the read
+/// for a fill at full speed to bring nearly everything first), so the
+/// read's faults meet the fill's front: catch-ups, which raise the pace.
+/// The restore reads every page intact, and the pace ends with it.
 #[test]
 fn a_fill_paced_to_the_driver_restore_keeps_behind_it_and_brings_every_page() {
     criu_present();
@@ -131,6 +135,8 @@ fn a_fill_paced_to_the_driver_restore_keeps_behind_it_and_brings_every_page() {
         ("GPUSNAP_PAGES_PACE_MIN", "1G"),
         ("GPUSNAP_PAGES_PACE_LEAD", "1M"),
         ("GPUSNAP_PAGES_HEAD_START", "0"),
+        ("GPUSNAP_PAGES_SLOW_US", "10000"),
+        ("GPUSNAP_PAGES_THREADS", "1"),
     ] {
         w.env_extra.push((k.into(), v.into()));
     }

@@ -23,9 +23,16 @@
 //! The rate thus saws around the reader's. Faults are never held back, and
 //! the pace ends when the caller says the reader is done (or the server
 //! stops): what is left then goes in at full speed.
+//!
+//! Before the reader starts, a paced fill is held: past the head start
+//! (what the caller waits for before it starts the driver) and `lead`, it
+//! waits for the reader, so that the rest does not go in at full speed in
+//! the moments before the driver starts and then bunch up at its start.
+//! Whoever waits for every page ([`crate::Server::wait`]) lets it go: no
+//! reader runs then.
 
 use serde::Serialize;
-use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::atomic::{AtomicU8, Ordering::SeqCst};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -112,20 +119,37 @@ fn bytes_per_us(bytes_per_s: u64) -> f64 {
     bytes_per_s as f64 / 1e6
 }
 
+/// The pacer's modes ([`Pacer::mode`]).
+const OFF: u8 = 0;
+/// Waiting for the reader: the fill goes no further than its hold.
+const HELD: u8 = 1;
+/// The reader runs: the fill keeps to its pace.
+const PACED: u8 = 2;
+
 /// The pace of one page server's background fill (see the module's text).
 #[derive(Debug)]
 pub(crate) struct Pacer {
     cfg: PaceConfig,
     st: Mutex<State>,
     cv: Condvar,
-    /// Whether the fill is paced now; changed only under `st`'s lock, read
-    /// without it, so that an unpaced fill (the default) never takes it.
-    on: AtomicBool,
+    /// OFF, HELD or PACED; changed only under `st`'s lock, read without
+    /// it, so that an unpaced fill (the default) never takes it.
+    mode: AtomicU8,
 }
 
 impl Pacer {
     pub(crate) fn new(cfg: PaceConfig) -> Self {
-        Pacer { cfg, st: Mutex::new(State::default()), cv: Condvar::new(), on: AtomicBool::new(false) }
+        Pacer { cfg, st: Mutex::new(State::default()), cv: Condvar::new(), mode: AtomicU8::new(OFF) }
+    }
+
+    /// The reader is to come: until [`Pacer::start`] (or [`Pacer::stop`])
+    /// the fill goes no further than the hold it is given in
+    /// [`Pacer::wait`]. Only before the pace ever started.
+    pub(crate) fn hold(&self) {
+        let st = self.st.lock().unwrap();
+        if self.mode.load(SeqCst) == OFF && st.since_us == 0 {
+            self.mode.store(HELD, SeqCst);
+        }
     }
 
     /// The reader starts: the fill is paced from now, with `lead` bytes of
@@ -146,17 +170,20 @@ impl Pacer {
             stats: PaceStats { catch_ups: st.stats.catch_ups, ..PaceStats::default() },
         };
         st.note_rate();
-        self.on.store(true, SeqCst);
+        self.mode.store(PACED, SeqCst);
+        drop(st);
+        // A held fill goes on at the pace.
+        self.cv.notify_all();
     }
 
-    /// The reader is done (or the wake ends): no more pace; waiting fills
-    /// go on at once.
+    /// The reader is done (or the wake ends, or no reader comes): no more
+    /// pace or hold; waiting fills go on at once.
     pub(crate) fn stop(&self, now: u64) {
         let mut st = self.st.lock().unwrap();
         if self.is_on() {
-            self.on.store(false, SeqCst);
             st.stats.paced_ms = now.saturating_sub(st.since_us) / 1000;
         }
+        self.mode.store(OFF, SeqCst);
         drop(st);
         self.cv.notify_all();
     }
@@ -185,22 +212,31 @@ impl Pacer {
         self.cv.notify_all();
     }
 
-    /// Whether the fill is paced now.
+    /// Whether the fill is paced now (the reader runs).
     pub(crate) fn is_on(&self) -> bool {
-        self.on.load(SeqCst)
+        self.mode.load(SeqCst) == PACED
+    }
+
+    /// Whether a fill must ask [`Pacer::wait`]: paced or held.
+    pub(crate) fn engaged(&self) -> bool {
+        self.mode.load(SeqCst) != OFF
     }
 
     /// How long a fill that has `served` bytes behind it must wait now
-    /// (zero: go on), without waiting.
+    /// (zero: go on), without waiting; `hold`: how far a held fill goes.
     #[cfg(test)]
-    fn due(&self, now: u64, served: u64) -> Duration {
+    fn due(&self, now: u64, served: u64, hold: u64) -> Duration {
         let mut st = self.st.lock().unwrap();
-        self.due_in(&mut st, now, served)
+        self.due_in(&mut st, now, served, hold)
     }
 
-    fn due_in(&self, st: &mut State, now: u64, served: u64) -> Duration {
-        if !self.is_on() {
-            return Duration::ZERO;
+    fn due_in(&self, st: &mut State, now: u64, served: u64, hold: u64) -> Duration {
+        match self.mode.load(SeqCst) {
+            OFF => return Duration::ZERO,
+            // Until the reader starts (a wake of the condition variable).
+            HELD if served < hold => return Duration::ZERO,
+            HELD => return Duration::MAX,
+            _ => {}
         }
         st.advance(&self.cfg, now, served);
         let over = served as f64 - st.allowed;
@@ -211,23 +247,25 @@ impl Pacer {
         }
     }
 
-    /// Holds a background fill until the pace allows `served()` bytes;
-    /// returns at once when unpaced, and rechecks `give_up` every `tick`.
-    /// The wait is on the lock's condition variable, so a catch-up or the
-    /// end of the pace lets it go at once.
+    /// Holds a background fill until the pace allows `served()` bytes
+    /// (held: until the reader starts, past `hold()` bytes); returns at
+    /// once when unpaced, and rechecks `give_up` every `tick`. The wait is
+    /// on the lock's condition variable, so a catch-up, the reader's start
+    /// or the end of the pace lets it go at once.
     pub(crate) fn wait(
         &self,
         now: impl Fn() -> u64,
         served: impl Fn() -> u64,
+        hold: impl Fn() -> u64,
         give_up: impl Fn() -> bool,
         tick: Duration,
     ) {
-        if !self.is_on() {
+        if !self.engaged() {
             return;
         }
         let mut st = self.st.lock().unwrap();
         loop {
-            let d = self.due_in(&mut st, now(), served());
+            let d = self.due_in(&mut st, now(), served(), hold());
             if d.is_zero() || give_up() {
                 return;
             }
@@ -272,7 +310,7 @@ mod tests {
             let now = 1 + i * MS;
             // The fill moves 1 MiB pieces while the pace allows.
             let mut budget = (fill_gbps * 1e6) as u64; // bytes per ms
-            while budget >= 1 << 20 && p.due(now, filled).is_zero() {
+            while budget >= 1 << 20 && p.due(now, filled, 0).is_zero() {
                 filled += 1 << 20;
                 budget -= 1 << 20;
             }
@@ -314,17 +352,46 @@ mod tests {
         let p = Pacer::new(cfg());
         p.start(1, 0);
         // Two seconds and no fault: the rate is at its floor.
-        let d = p.due(1 + 2000 * MS, 64 << 30);
+        let d = p.due(1 + 2000 * MS, 64 << 30, 0);
         assert!(!d.is_zero());
         assert!((p.stats(1 + 2000 * MS).unwrap().end_gbps - 2.0).abs() < 0.01);
         // Banked room never exceeds the lead.
         let served = 1 << 30;
-        assert!(p.due(1 + 2001 * MS, served).is_zero());
+        assert!(p.due(1 + 2001 * MS, served, 0).is_zero());
         let after_lead = served + (256 << 20) + (2 << 20);
-        assert!(!p.due(1 + 2001 * MS, after_lead).is_zero());
+        assert!(!p.due(1 + 2001 * MS, after_lead, 0).is_zero());
         p.stop(1 + 2002 * MS);
-        assert!(p.due(1 + 2003 * MS, u64::MAX / 2).is_zero());
+        assert!(p.due(1 + 2003 * MS, u64::MAX / 2, 0).is_zero());
         assert_eq!(p.stats(1 + 2003 * MS).unwrap().paced_ms, 2002);
+    }
+
+    #[test]
+    fn a_held_fill_goes_to_its_hold_and_waits_for_the_reader_or_the_end() {
+        let p = Pacer::new(cfg());
+        p.hold();
+        assert!(p.engaged() && !p.is_on());
+        // Up to the hold it goes; past it, it waits however long it takes.
+        assert!(p.due(1, 1 << 20, 2 << 20).is_zero());
+        assert_eq!(p.due(1, 2 << 20, 2 << 20), Duration::MAX);
+        // A catch-up before the reader is none.
+        p.caught_up(2, 2 << 20);
+        assert_eq!(p.due(3, 2 << 20, 2 << 20), Duration::MAX);
+        // The reader starts: the pace, with the lead past what is served.
+        p.start(10, 2 << 20);
+        assert!(p.is_on());
+        assert!(p.due(11, 2 << 20, 2 << 20).is_zero());
+        assert_eq!(p.stats(11).unwrap().catch_ups, 0);
+        p.stop(20);
+        assert!(!p.engaged());
+        // Once paced, never held again.
+        p.hold();
+        assert!(!p.engaged());
+        // And a hold that no reader ends is ended by stop.
+        let q = Pacer::new(cfg());
+        q.hold();
+        q.stop(5);
+        assert!(q.due(6, u64::MAX / 2, 0).is_zero());
+        assert!(q.stats(6).is_none(), "never paced");
     }
 
     #[test]
@@ -339,7 +406,7 @@ mod tests {
         let (p2, s2) = (p.clone(), served.clone());
         let h = std::thread::spawn(move || {
             let t = std::time::Instant::now();
-            p2.wait(now, || s2.load(SeqCst), || false, Duration::from_millis(50));
+            p2.wait(now, || s2.load(SeqCst), || 0, || false, Duration::from_millis(50));
             t.elapsed()
         });
         std::thread::sleep(Duration::from_millis(30));
@@ -352,7 +419,7 @@ mod tests {
         let p3 = p.clone();
         let h = std::thread::spawn(move || {
             let t = std::time::Instant::now();
-            p3.wait(now, || s3.load(SeqCst), || false, Duration::from_millis(50));
+            p3.wait(now, || s3.load(SeqCst), || 0, || false, Duration::from_millis(50));
             t.elapsed()
         });
         std::thread::sleep(Duration::from_millis(30));

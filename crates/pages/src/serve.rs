@@ -837,6 +837,11 @@ impl Server {
         .map_err(sock_err)?;
         listener.set_nonblocking(true).map_err(sock_err)?;
         let shared = Arc::new(Shared::new(images, source, opts));
+        if shared.opts.pace && shared.opts.rate == 0 {
+            // Past the head start, the fill waits for the driver's restores
+            // ([`Server::pace_reader`]) to keep to their pace.
+            shared.pacer.hold();
+        }
         shared.spawn("pages-accept", move |sh| {
             if let Err(e) = accept(&sh, listener) {
                 sh.fail(e);
@@ -904,6 +909,8 @@ impl Server {
     /// failed. On failure nothing is closed: the processes stay blocked on
     /// what is missing (never handed zeros) until the server is dropped.
     pub fn wait(&self) -> Result<Report, PagesError> {
+        // No reader runs while its caller waits: a held fill goes on.
+        self.shared.pacer.stop(self.shared.now_us());
         loop {
             if let Some(e) = self.shared.error.lock().unwrap().take() {
                 self.shared.stop.store(true, SeqCst);
@@ -1525,17 +1532,20 @@ fn filler(sh: Arc<Shared>) {
 
 /// Holds a background fill back to `rate` bytes per second past the head
 /// start, counted from CRIU's hand-over (the fill's start); without a rate,
-/// to the reader's pace while [`Server::pace_reader`] holds.
+/// to the reader's pace while [`Server::pace_reader`] holds, and no further
+/// than the head start and the pace's lead before it (see [`crate::pacer`]).
 fn pace(sh: &Shared) {
     let rate = sh.opts.rate;
     if rate == 0 {
-        if !sh.pacer.is_on() {
+        if !sh.pacer.engaged() {
             return;
         }
         let t = Instant::now();
         sh.pacer.wait(
             || sh.now_us(),
             || sh.served.load(SeqCst),
+            // Held for the reader: past the head start and the lead.
+            || sh.opts.head_start.bytes_of(sh.total.load(SeqCst)).saturating_add(sh.opts.pace_cfg.lead),
             || sh.stop.load(SeqCst) || sh.failed(),
             TICK,
         );
