@@ -395,35 +395,37 @@ mod tests {
     }
 
     #[test]
-    fn a_waiting_fill_is_let_go_by_a_catch_up_and_by_the_end_of_the_pace() {
-        use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+    fn a_waiting_fill_is_let_go_by_a_catch_up_the_reader_s_start_and_the_end_of_the_pace() {
         use std::sync::Arc;
-        let p = Arc::new(Pacer::new(PaceConfig { start: 2 * GB, min: 2 * GB, lead: 1 << 20, quiet_ms: 100 }));
+        let cfg = PaceConfig { start: 2 * GB, min: 2 * GB, lead: 1 << 20, quiet_ms: 100 };
         let t0 = std::time::Instant::now();
         let now = move || t0.elapsed().as_micros() as u64 + 1;
+        // A fill thread that waits on `p` with `served` behind it (and a
+        // hold at 0); then `act` runs; returns how long the fill waited.
+        // Unreleased, each wait below would last 4 s or more (8 GiB past
+        // its room at 2 GB/s, or a hold); released, a few milliseconds, so
+        // the bound of 2 s holds on a busy machine.
+        let released = |p: &Arc<Pacer>, served: u64, act: &dyn Fn(&Pacer, u64)| {
+            let p2 = p.clone();
+            let h = std::thread::spawn(move || {
+                let t = std::time::Instant::now();
+                p2.wait(now, || served, || 0, || false, Duration::from_millis(50));
+                t.elapsed()
+            });
+            std::thread::sleep(Duration::from_millis(30));
+            act(p, served);
+            let waited = h.join().unwrap();
+            assert!(waited < Duration::from_secs(2), "waited {waited:?}");
+        };
+        let p = Arc::new(Pacer::new(cfg));
         p.start(now(), 0);
-        let served = Arc::new(AtomicU64::new(1 << 30)); // 1 GiB past the room: ~0.5 s at 2 GB/s
-        let (p2, s2) = (p.clone(), served.clone());
-        let h = std::thread::spawn(move || {
-            let t = std::time::Instant::now();
-            p2.wait(now, || s2.load(SeqCst), || 0, || false, Duration::from_millis(50));
-            t.elapsed()
-        });
-        std::thread::sleep(Duration::from_millis(30));
         // The reader at the front: room past what is served, at once.
-        p.caught_up(now(), served.load(SeqCst));
-        let waited = h.join().unwrap();
-        assert!(waited < Duration::from_millis(400), "waited {waited:?}");
-        let s3 = served.clone();
-        served.store(8 << 30, SeqCst);
-        let p3 = p.clone();
-        let h = std::thread::spawn(move || {
-            let t = std::time::Instant::now();
-            p3.wait(now, || s3.load(SeqCst), || 0, || false, Duration::from_millis(50));
-            t.elapsed()
-        });
-        std::thread::sleep(Duration::from_millis(30));
-        p.stop(now());
-        assert!(h.join().unwrap() < Duration::from_millis(400));
+        released(&p, 8 << 30, &|p, served| p.caught_up(now(), served));
+        // The end of the pace.
+        released(&p, 16 << 30, &|p, _| p.stop(now()));
+        // A held fill, let go by the reader's start.
+        let q = Arc::new(Pacer::new(cfg));
+        q.hold();
+        released(&q, 8 << 30, &|q, served| q.start(now(), served));
     }
 }
