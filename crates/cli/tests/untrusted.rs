@@ -432,14 +432,8 @@ fn proc_state(pid: i32) -> char {
 /// 'R' until it runs to take it, which on a busy machine is a while (seen
 /// in CI).
 fn settled_state(pid: i32, want: char) -> char {
-    let end = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = proc_state(pid);
-        if s == want || std::time::Instant::now() >= end {
-            return s;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(Duration::from_secs(10), || proc_state(pid) == want);
+    proc_state(pid)
 }
 
 #[test]

@@ -191,10 +191,8 @@ impl Pacer {
     /// A fault found the reader at the fill's front: more rate (at most
     /// once per half a quiet span, so that a burst of faults at one front
     /// counts once), and `lead` bytes of room at once.
+    /// The caller asks [`Pacer::is_on`] first (a fault's fast path).
     pub(crate) fn caught_up(&self, now: u64, served: u64) {
-        if !self.is_on() {
-            return;
-        }
         let mut st = self.st.lock().unwrap();
         if !self.is_on() {
             return;

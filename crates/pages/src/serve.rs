@@ -238,6 +238,12 @@ fn parse_size(v: &str) -> Option<u64> {
 }
 
 impl Options {
+    /// Whether the fill is paced to the reader: asked for, and no fixed
+    /// [`Options::rate`] (which takes precedence).
+    pub fn paced(&self) -> bool {
+        self.pace && self.rate == 0
+    }
+
     /// The defaults, with every `GPUSNAP_PAGES_*` variable that is set
     /// applied; a value that is not one is an error naming it.
     pub fn from_env() -> Result<Self, PagesError> {
@@ -837,7 +843,7 @@ impl Server {
         .map_err(sock_err)?;
         listener.set_nonblocking(true).map_err(sock_err)?;
         let shared = Arc::new(Shared::new(images, source, opts));
-        if shared.opts.pace && shared.opts.rate == 0 {
+        if shared.opts.paced() {
             // Past the head start, the fill waits for the driver's restores
             // ([`Server::pace_reader`]) to keep to their pace.
             shared.pacer.hold();
@@ -970,7 +976,7 @@ impl Server {
     /// Without it (or with a fixed [`Options::rate`]) the guard does nothing.
     pub fn pace_reader(&self) -> PaceGuard<'_> {
         let sh = &self.shared;
-        let on = sh.opts.pace && sh.opts.rate == 0 && !sh.finished();
+        let on = sh.opts.paced() && !sh.finished();
         if on {
             sh.pacer.start(sh.now_us(), sh.served.load(SeqCst));
         }

@@ -575,12 +575,21 @@ pub fn wake_intact(w: &mut World, pid: i32, image: &str, out: &Path) {
     assert_eq!(checks(out).1, 0, "the memory came back intact");
 }
 
-pub fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) {
+pub fn wait_for(limit: Duration, f: impl FnMut() -> bool) {
+    assert!(wait_until(limit, f), "condition not met within {limit:?}");
+}
+
+/// Whether `f` came true within `limit` (checked every 20 ms), for a caller
+/// that asserts with its own message.
+pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + limit;
     while !f() {
-        assert!(Instant::now() < end, "condition not met within {limit:?}");
+        if Instant::now() >= end {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
+    true
 }
 
 // ---------------------------------------------------------------- the guard's tests
