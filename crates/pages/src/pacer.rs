@@ -190,7 +190,9 @@ impl Pacer {
 
     /// A fault found the reader at the fill's front: more rate (at most
     /// once per half a quiet span, so that a burst of faults at one front
-    /// counts once), and `lead` bytes of room at once.
+    /// counts once, and only if the pace held the fill back: a fill that
+    /// cannot keep its pace has its whole `lead` banked, and more rate
+    /// would not move it), and `lead` bytes of room at once.
     /// The caller asks [`Pacer::is_on`] first (a fault's fast path).
     pub(crate) fn caught_up(&self, now: u64, served: u64) {
         let mut st = self.st.lock().unwrap();
@@ -200,7 +202,11 @@ impl Pacer {
         st.advance(&self.cfg, now, served);
         st.stats.catch_ups += 1;
         st.last_catch_us = now;
-        if now.saturating_sub(st.last_raise_us) >= self.cfg.quiet_ms * 500 {
+        // Without this, a fill slower than the reader (3 threads on the
+        // H200, Run 72) met it a thousand times and raised the rate a
+        // quarter each 50 ms, to 10^7 GB/s: no pace at all once it could.
+        let held_back = st.allowed - (served as f64) < (self.cfg.lead / 2) as f64;
+        if held_back && now.saturating_sub(st.last_raise_us) >= self.cfg.quiet_ms * 500 {
             st.rate *= 1.25;
             st.last_raise_us = now;
             st.note_rate();
@@ -343,6 +349,19 @@ mod tests {
         assert!(catches > 0);
         assert!(high > 12.0, "highest rate {high}");
         assert!(gb > 2.0 * 12.0 * 0.95, "filled {gb} GB: the reader was held back");
+    }
+
+    #[test]
+    fn a_fill_slower_than_its_reader_does_not_raise_the_pace() {
+        // A fill that can do 4 GB/s against a reader at 12: the reader is
+        // at the front all the time, but the pace never held the fill
+        // back, so the rate stays where it started (10 GB/s).
+        let (filled, catches, high) = race(4.0, 12.0, 2.0);
+        assert!(catches > 100, "{catches} catch-ups");
+        assert!((high - 10.0).abs() < 0.01, "highest rate {high}");
+        // At 4 GB/s the race's fill moves three 1 MiB pieces a ms.
+        let own = 2000.0 * 3.0 * (1 << 20) as f64;
+        assert!(filled as f64 > own * 0.95, "filled {filled} bytes: the fill was held back");
     }
 
     #[test]

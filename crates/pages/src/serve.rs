@@ -34,6 +34,11 @@ const RESTORE_FINISHED: u32 = 0x5253_5446;
 /// driver's restore also touches small mappings here and there.
 const PACE_RUN_MIN: u64 = 64 << 20;
 const TICK: Duration = Duration::from_millis(50);
+/// How often [`Server::wait_ahead`] looks at the bytes in place: nobody
+/// rings as they grow, and the driver's restore waits on it (with
+/// [`TICK`], a head start the fill made in 45 ms cost 50 or 100; measured
+/// on the H200, Runs 70-71).
+const HEAD_TICK: Duration = Duration::from_millis(1);
 
 /// How the server fills memory. Every field can be set from the
 /// environment ([`Options::from_env`], docs/pages.md), so that a GPU run
@@ -103,6 +108,12 @@ pub struct Options {
     /// wake that fails safely on that race).
     #[serde(skip)]
     pub remove_raced: bool,
+    /// The first background fill to have this many bytes served behind it
+    /// gives its pieces back as a fill does when the layout changes under
+    /// it (`UFFDIO_COPY`'s EAGAIN or ENOENT), once (tests: a fault that
+    /// waited for that fill is woken to fault again).
+    #[serde(skip)]
+    pub give_back_at: Option<u64>,
     /// The background fill follows a fault (goes on from it, in its
     /// direction) only when it falls in a run of contiguous memory to fill
     /// of at least this many bytes (0, the default: every fault). A CUDA driver's restore
@@ -176,6 +187,7 @@ impl Default for Options {
             pace_cfg: PaceConfig::default(),
             fail_after: None,
             remove_raced: false,
+            give_back_at: None,
             trace: None,
             // Off: on the H200 (Run 53, ~26 GB, one host) the wakes with
             // 64 MiB took 6.85-7.13 s against 5.39 s following every fault;
@@ -594,6 +606,8 @@ struct Shared {
     trace: Option<Mutex<Trace>>,
     /// The pace of the background fill ([`Options::pace`]).
     pacer: Pacer,
+    /// [`Options::give_back_at`] has been acted on.
+    gave_back: AtomicBool,
 }
 
 /// A wake's trace ([`Options::trace`]); times in microseconds since the
@@ -670,6 +684,7 @@ impl Shared {
         Shared {
             trace: opts.trace.as_ref().map(|_| Mutex::default()),
             pacer: Pacer::new(opts.pace_cfg),
+            gave_back: AtomicBool::new(false),
             images: images.to_path_buf(),
             source,
             opts,
@@ -786,8 +801,11 @@ impl Shared {
         }
     }
     fn nap(&self) {
+        self.nap_for(TICK);
+    }
+    fn nap_for(&self, most: Duration) {
         let g = self.bell.0.lock().unwrap();
-        let _ = self.bell.1.wait_timeout(g, TICK);
+        let _ = self.bell.1.wait_timeout(g, most);
     }
     fn finished(&self) -> bool {
         self.restore_done.load(SeqCst)
@@ -959,7 +977,7 @@ impl Server {
                 self.shared.trace(|t| t.head_done_us = now);
                 return Ok(());
             }
-            self.shared.nap();
+            self.shared.nap_for(HEAD_TICK);
         }
     }
 
@@ -1693,6 +1711,11 @@ fn fill_in(
             let t = Instant::now();
             let n = data.len() as u64;
             requeue = copy_in(sh, mm, start + sub, data, (start, len), by_fault)?;
+            if let Some(at) = sh.opts.give_back_at {
+                if !by_fault && sh.served.load(SeqCst) >= at && !sh.gave_back.swap(true, SeqCst) {
+                    requeue = true;
+                }
+            }
             times.copy_us += us(t.elapsed());
             sub += n;
         }
@@ -1711,6 +1734,16 @@ fn fill_in(
         st.recent.extend(done);
     }
     drop(st);
+    if requeue {
+        // A fault that found its page in this fill's pieces left it to this
+        // fill's wake, which will not come for what was given back: wake
+        // the whole range (after the release, so that the faults that come
+        // again find the pieces free and fill them). Without it such a
+        // fault waited until the background fill came round to the pieces,
+        // after everything else: on the H200 (Run 72) a driver's restore
+        // stood still for 5 and 10 s, until the fill's end.
+        let _ = sys::wake(fd, iov.start, iov.len());
+    }
     sh.stats.book_us.fetch_add(us(t.elapsed()), SeqCst);
     Ok(())
 }
