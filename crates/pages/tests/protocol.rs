@@ -108,6 +108,36 @@ fn hand_over(work: &Path, uffd: &std::os::fd::OwnedFd, zombie: bool) -> UnixStre
     s
 }
 
+/// Waits (at most 60 s) until the server has every page in place.
+fn wait_all(server: Server) -> (Result<gpusnap_pages::Report, gpusnap_pages::PagesError>, Server) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let r = server.wait();
+        let _ = tx.send(());
+        (r, server)
+    });
+    rx.recv_timeout(Duration::from_secs(60)).expect("every page in place within 60 s");
+    waiter.join().unwrap()
+}
+
+/// Pages 0..`n` of the mapping at `base` hold the image's bytes.
+fn assert_pages(base: u64, n: usize) {
+    // SAFETY: pages of our mapping that the server put in place.
+    let mem = unsafe { std::slice::from_raw_parts(base as *const u8, n * PAGE) };
+    for p in 0..n {
+        assert!(mem[p * PAGE..(p + 1) * PAGE].iter().all(|&b| b == byte(p)), "page {p}");
+    }
+}
+
+/// Stops the server and unmaps the `n` pages at `base`.
+fn end(server: Server, uffd: std::os::fd::OwnedFd, base: u64, n: usize) {
+    drop(server);
+    // Its UNMAP event would wait for a reader: close the userfaultfd first.
+    drop(uffd);
+    // SAFETY: our own mapping; nothing refers to it any more.
+    unsafe { libc::munmap(base as *mut libc::c_void, n * PAGE) };
+}
+
 /// CRIU's "restore finished".
 fn restore_finished(s: &UnixStream) {
     (&*s).write_all(&0x5253_5446u32.to_ne_bytes()).unwrap();
@@ -175,14 +205,7 @@ fn serves_lazy_pages_zero_fills_the_rest_and_skips_what_is_not_lazy() {
     assert_eq!(zero, 0);
     restore_finished(&s);
 
-    let (tx, rx) = std::sync::mpsc::channel();
-    let waiter = std::thread::spawn(move || {
-        let r = server.wait();
-        let _ = tx.send(());
-        (r, server)
-    });
-    rx.recv_timeout(Duration::from_secs(60)).expect("every page in place within 60 s");
-    let (r, server) = waiter.join().unwrap();
+    let (r, server) = wait_all(server);
     let r = r.unwrap();
     assert_eq!(r.processes, 1);
     assert_eq!(r.bytes, 40 * PAGE as u64);
@@ -197,16 +220,8 @@ fn serves_lazy_pages_zero_fills_the_rest_and_skips_what_is_not_lazy() {
     assert!(r.first_fault_ms <= r.restore_done_ms, "faults were served before the restore was done: {r:?}");
     assert!(r.last_page_ms >= r.restore_done_ms.unwrap(), "{r:?}");
     assert_eq!(r.options.as_ref().map(|o| o.wake_chunk), Some(2 * PAGE as u64));
-    // SAFETY: pages 0..40 of our mapping, all in place now.
-    let mem = unsafe { std::slice::from_raw_parts(base as *const u8, 40 * PAGE) };
-    for p in 0..40 {
-        assert!(mem[p * PAGE..(p + 1) * PAGE].iter().all(|&b| b == byte(p)), "page {p}");
-    }
-    drop(server);
-    // Its UNMAP event would wait for a reader: close the userfaultfd first.
-    drop(uffd);
-    // SAFETY: our own mapping; nothing refers to it any more.
-    unsafe { libc::munmap(base as *mut libc::c_void, n * PAGE) };
+    assert_pages(base, 40);
+    end(server, uffd, base, n);
 }
 
 #[test]
@@ -252,25 +267,11 @@ fn a_fault_that_waited_for_a_fill_which_gave_its_pieces_back_is_served_at_once()
     assert!(r.faults_in_flight >= 1, "the read did not wait for the fill: {r:?}");
     assert!(done <= 12 * PAGE as u64, "the read waited for the fill to come round: {done} bytes in: {r:?}");
     // Every page still comes, each intact.
-    let (tx, rx) = std::sync::mpsc::channel();
-    let waiter = std::thread::spawn(move || {
-        let r = server.wait();
-        let _ = tx.send(());
-        (r, server)
-    });
-    rx.recv_timeout(Duration::from_secs(60)).expect("every page in place within 60 s");
-    let (r, server) = waiter.join().unwrap();
+    let (r, server) = wait_all(server);
     // (What the fill copied before it gave its pieces back is copied
     // again, found there, and counted again.)
     let r = r.unwrap();
     assert!(r.bytes >= (n * PAGE) as u64 && r.eexist_pages <= 2, "{r:?}");
-    // SAFETY: every page of our mapping is in place now.
-    let mem = unsafe { std::slice::from_raw_parts(base as *const u8, n * PAGE) };
-    for p in 0..n {
-        assert!(mem[p * PAGE..(p + 1) * PAGE].iter().all(|&b| b == byte(p)), "page {p}");
-    }
-    drop(server);
-    drop(uffd);
-    // SAFETY: our own mapping; nothing refers to it any more.
-    unsafe { libc::munmap(base as *mut libc::c_void, n * PAGE) };
+    assert_pages(base, n);
+    end(server, uffd, base, n);
 }
