@@ -45,6 +45,11 @@ fn a_lazy_wake_gives_the_driver_restore_the_host_copy_intact() {
     // second (10 ms per MiB, faults 10 ms per 256 KiB), and nothing but the
     // fill holds the restore up (seen: 1.8 s of 1.9 s of filling).
     assert!(v["stages"]["driver"].as_u64().unwrap() >= 250, "{v}");
+    // The stages in sequence account for the wake's time, and no more.
+    let seq =
+        ["verify", "check", "waited", "criu", "journal", "head_start", "driver_start", "driver", "finish"];
+    let sum: u64 = seq.iter().map(|k| v["stages"][k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"))).sum();
+    assert!(sum <= v["total_ms"].as_u64().unwrap(), "{v}");
     assert_eq!(w.calls_on(pid).last().map(String::as_str), Some("unlock=0"));
     w.assert_progressing(pid);
     assert_eq!(w.status_of(pid).map(|s| s.2), Some(true));

@@ -103,6 +103,9 @@ struct WakePlan {
     fps: Vec<BTreeMap<String, u64>>,
     pairs: Vec<gpusnap_cuda::GpuPair>,
     verify_ms: u64,
+    /// What the host's checks took after the verify (the driver, the GPUs,
+    /// the footprints where they go).
+    check_ms: u64,
     /// Every chunk of the image was checked in full by the verify: the
     /// page server need not hash them again.
     chunks_checked: bool,
@@ -226,6 +229,18 @@ pub struct Stages {
     pub pages: u64,
     pub verify_background: u64,
     pub verify_wait: u64,
+    /// The rest of the wake, in order: the host's checks after the verify,
+    /// the journal of the restored processes after CRIU, the wait from the
+    /// head start's end to the driver's first restore, and the end after
+    /// the driver's last unlock. With the stages above (less `pages`,
+    /// `verify_background` and `verify_wait`, which overlap them: the wait
+    /// for the verify falls in `driver`, or with GPUSNAP_VERIFY_FIRST=1 in
+    /// `driver_start`) they make up `total_ms` but for what is spent
+    /// between them.
+    pub check: u64,
+    pub journal: u64,
+    pub driver_start: u64,
+    pub finish: u64,
 }
 
 /// An image of CUDA processes on a host whose driver is missing or could not start.
@@ -251,7 +266,15 @@ struct Woken {
     root: i32,
     criu_ms: u64,
     head_ms: u64,
+    /// The journal of the restored processes, after CRIU.
+    journal_ms: u64,
+    /// From the head start's end to the driver's first restore: the
+    /// driver's start-up (begun in the background), the verify's hand-off.
+    driver_start_ms: u64,
     driver_ms: u64,
+    /// From the driver's last unlock to the wake's end: the last pages,
+    /// the page server's report.
+    finish_ms: u64,
     pages_ms: u64,
     pages_bytes: u64,
     /// Of the processes' own files, asked to be read ahead (0: off).
@@ -962,6 +985,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                         pages: w.pages_ms,
                         verify_background: w.verify.verify_ms,
                         verify_wait: w.verify.wait_ms,
+                        check: plan.check_ms,
+                        journal: w.journal_ms,
+                        driver_start: w.driver_start_ms,
+                        finish: w.finish_ms,
                     },
                     pages: w.report,
                 }),
@@ -1088,6 +1115,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             fps,
             pairs,
             verify_ms,
+            check_ms: ms(started).saturating_sub(verify_ms),
             chunks_checked,
             verify_deferred,
         })
@@ -1240,6 +1268,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         let criu_ms = ms(t_criu);
         let t_pages = Instant::now();
+        let t_journal = Instant::now();
         // Every CUDA process of the image is known again, resumed or not,
         // with the footprint it needs, before anything else can happen to
         // it: a wake that dies from here on (during the page server's head
@@ -1266,10 +1295,12 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             self.end_woken(m.processes.iter().rev().map(|p| p.pid));
             return Err(err);
         }
+        let journal_ms = ms(t_journal);
         // The page server's head start, if one is asked for: until then
         // the driver's restore is not started.
         // (Only for a driver restore: a tree without one runs at once.)
         let head = if resume.is_empty() { Ok(0) } else { restored.head_start() };
+        let t_head_end = Instant::now();
         let (root, pages, notice) = (restored.root, restored.pages, restored.notice);
         // The processes CRIU made (pid and start time), for a failed lazy
         // wake to know exactly what is its own.
@@ -1324,6 +1355,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         }
         let t_restore = Instant::now();
+        let driver_start_ms = ms(t_head_end);
         type Item<'f> = (i32, (i32, &'f BTreeMap<String, u64>));
         let items: Vec<Item<'_>> =
             resume.iter().zip(footprints).map(|(p, fp)| (p.pid, (p.pid, fp))).collect();
@@ -1437,6 +1469,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             self.in_parallel(items, &|| proto.sibling(), back)
         };
         let driver_ms = ms(t_restore);
+        let t_finish = Instant::now();
         drop(pace);
         drop(gate);
         if stream {
@@ -1518,7 +1551,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             root,
             criu_ms,
             head_ms,
+            journal_ms,
+            driver_start_ms,
             driver_ms,
+            finish_ms: ms(t_finish),
             pages_ms,
             pages_bytes,
             file_pages_bytes,

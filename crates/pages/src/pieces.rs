@@ -116,11 +116,15 @@ impl Pieces {
         self.0.retain(|_, p| p.owner != id);
         done
     }
-    /// Gives fill `id`'s pieces back, still to fill.
-    pub fn release(&mut self, id: u64) {
+    /// Gives fill `id`'s pieces back, still to fill; returns where they
+    /// are now (an event may have moved them since the claim).
+    pub fn release(&mut self, id: u64) -> Vec<Iov> {
+        let mut back = Vec::new();
         for p in self.0.values_mut().filter(|p| p.owner == id) {
             p.owner = 0;
+            back.push(p.iov);
         }
+        back
     }
     /// Drops [a, b); returns the bytes dropped.
     pub fn drop_range(&mut self, a: u64, b: u64) -> u64 {
@@ -182,7 +186,8 @@ mod tests {
         assert_eq!(v, [(0x5000, 0x6000, 0), (0x21000, 0x22000, 0)]);
         // Given back.
         ps.claim(0x5000, 0x5000, 0x6000, 10);
-        ps.release(10);
+        let back = ps.release(10);
+        assert_eq!(back.iter().map(|i| (i.start, i.end)).collect::<Vec<_>>(), [(0x5000, 0x6000)]);
         assert!(ps.iter().all(|p| p.owner == 0));
     }
 }

@@ -1727,22 +1727,27 @@ fn fill_in(
     sh.stats.last_page_us.fetch_max(sh.now_us(), SeqCst);
     let t = Instant::now();
     let mut st = mm.st.lock().unwrap();
-    if requeue {
-        st.pieces.release(id);
+    let back = if requeue {
+        st.pieces.release(id)
     } else {
         let done = st.pieces.finish(id, iov);
         st.recent.extend(done);
-    }
+        Vec::new()
+    };
     drop(st);
     if requeue {
         // A fault that found its page in this fill's pieces left it to this
         // fill's wake, which will not come for what was given back: wake
-        // the whole range (after the release, so that the faults that come
-        // again find the pieces free and fill them). Without it such a
-        // fault waited until the background fill came round to the pieces,
-        // after everything else: on the H200 (Run 72) a driver's restore
-        // stood still for 5 and 10 s, until the fill's end.
+        // the range claimed and wherever an event moved its pieces (after
+        // the release, so that the faults that come again find the pieces
+        // free and fill them). Without it such a fault waited until the
+        // background fill came round to the pieces, after everything else:
+        // on the H200 (Run 72) a driver's restore stood still for 5 and
+        // 10 s, until the fill's end.
         let _ = sys::wake(fd, iov.start, iov.len());
+        for moved in back.iter().filter(|b| b.start < iov.start || b.end > iov.end) {
+            let _ = sys::wake(fd, moved.start, moved.len());
+        }
     }
     sh.stats.book_us.fetch_add(us(t.elapsed()), SeqCst);
     Ok(())
