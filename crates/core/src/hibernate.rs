@@ -1268,7 +1268,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         let criu_ms = ms(t_criu);
         let t_pages = Instant::now();
-        let t_journal = Instant::now();
         // Every CUDA process of the image is known again, resumed or not,
         // with the footprint it needs, before anything else can happen to
         // it: a wake that dies from here on (during the page server's head
@@ -1295,7 +1294,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             self.end_woken(m.processes.iter().rev().map(|p| p.pid));
             return Err(err);
         }
-        let journal_ms = ms(t_journal);
+        // The journal is the first thing done after CRIU's return.
+        let journal_ms = ms(t_pages);
         // The page server's head start, if one is asked for: until then
         // the driver's restore is not started.
         // (Only for a driver restore: a tree without one runs at once.)
