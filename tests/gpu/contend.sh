@@ -209,7 +209,7 @@ one_sample() {
 # wakes NAME PID: hibernate once, then CONTEND_WAKES lazy wakes of that image
 # (each after a gpusnap stop of the one before).
 wakes() {
-    local name=$1 pid=$2 i envs=() variants=() var label rms
+    local name=$1 pid=$2 i envs=() variants=() var label rms rlog
     [ "$CONTEND_WAKES" -gt 0 ] || return 0
     if [ $((CONTEND_BUDGET_S - SECONDS)) -lt 90 ]; then
         log "wakes skipped: $((CONTEND_BUDGET_S - SECONDS)) s left"
@@ -241,13 +241,18 @@ wakes() {
         GS_RC=$?
         traces_stop
         log "wake $i: exit $GS_RC; $(head -c 2500 "$WORK/wake.out" | tr '\n' ' ')"
+        # What the wake said on stderr (GPUSNAP_LOG=debug in its settings:
+        # its timeline) and CRIU's log of its restore, kept for reading.
+        if [ -s "$WORK/wake.err" ]; then gzip -c "$WORK/wake.err" >"$OUT/wake$i-$label.err.gz"; fi
+        rlog=$(ls -td "$STATE_DIR"/logs/*restore-contend* 2>/dev/null | head -n 1)
+        if [ -n "$rlog" ] && [ -f "$rlog/restore.log" ]; then gzip -c "$rlog/restore.log" >"$OUT/wake$i-$label.restore.log.gz"; fi
         if [ "$GS_RC" != 0 ]; then
             log_file "wake stderr" "$WORK/wake.err"
             ERRORS=$((ERRORS + 1))
             return 1
         fi
         rms=$(jget "$WORK/wake.out" 'round(d["restore_ms"] / 1000, 3)')
-        sample_row "wake$i-$label" "gpusnap wake ${envs[*]:-(defaults)}; $(jget "$WORK/wake.out" '"fill %.1f GB/s, faults in flight %s, pace %s" % (d["pages"]["fill_gbps"], d["pages"]["faults_in_flight"], d["pages"].get("pace"))' | tr '|' '/')" \
+        sample_row "wake$i-$label" "gpusnap wake ${envs[*]:-(defaults)}; $(jget "$WORK/wake.out" '"fill %.1f GB/s, faults in flight %s, pace %s" % (d["pages"]["fill_gbps"], d["pages"]["faults_in_flight"], d["pages"].get("pace"))' | tr '|' '/'); stages ms: $(jget "$WORK/wake.out" '" ".join("%s %s" % (k, v) for k, v in d["stages"].items())' | tr '|' '/')" \
             "$(jget "$WORK/wake.out" 'round(d["total_ms"] / 1000, 3)')" "$rms" "-"
         if ! checksum_ok "$name"; then
             log "wake $i: the worker's checksum did not hold"

@@ -321,7 +321,7 @@ run_stage() {
         contend)
             cp -f "$dir/contend.md" "$OUT/" 2>/dev/null || say "contend wrote no contend.md"
             # The traces in one file: the call brings back only so many.
-            (cd "$dir" && tar czf "$OUT/contend-traces.tar.gz" pcie-*.tsv threads-*.tsv 2>/dev/null) || true
+            (cd "$dir" && tar czf "$OUT/contend-traces.tar.gz" pcie-*.tsv threads-*.tsv wake*.gz 2>/dev/null) || true
             if [ -s "$dir/contend.log" ]; then append_log contend.log "$dir/contend.log"; else append_log "contend stderr" "$dir/stderr.txt"; fi
             ;;
         multi)
