@@ -1162,6 +1162,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 err: e,
             })
         })?;
+        // Where a streamed image's missing chunks come from (None: a local image).
+        let origin = crate::remote::origin(state_dir, name);
         // An image whose pages are chunks: CRIU gets its files in the work
         // directory, the page server reads the chunks (see chunksrc).
         let chunked = {
@@ -1172,8 +1174,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     err: std::io::Error::other(e.to_string()),
                 })
             })?;
-            let remote = match crate::remote::origin(state_dir, name) {
-                Some(url) => Some(crate::remote::open_origin(&url)?),
+            let remote = match &origin {
+                Some(url) => Some(crate::remote::open_origin(url)?),
                 None => None,
             };
             crate::chunksrc::Workdir::prepare(name, dir, m, store, remote, &work, *chunks_checked)?
@@ -1548,9 +1550,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // A streamed image whose chunks are all here now is a local image.
         // (Only a streamed one is looked at: the look is a stat per chunk,
         // 40-60 ms of each wake of ~26 GB on the H200, Runs 75-76.)
-        if crate::remote::origin(state_dir, name).is_some()
-            && chunked.as_ref().is_some_and(|wd| wd.complete())
-        {
+        if origin.is_some() && chunked.as_ref().is_some_and(|wd| wd.complete()) {
             crate::remote::clear_origin(state_dir, name);
         }
         Ok(Woken {
