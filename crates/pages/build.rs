@@ -8,7 +8,7 @@ fn main() {
     std::env::set_var("PROTOC", protoc);
     let mut cfg = prost_build::Config::new();
     cfg.compile_protos(
-        &["proto/pagemap.proto", "proto/mm.proto", "proto/stats.proto"],
+        &["proto/pagemap.proto", "proto/mm.proto", "proto/stats.proto", "proto/gpusnap-files.proto"],
         &[std::path::PathBuf::from("proto"), include],
     )
     .expect("compile CRIU's protos");

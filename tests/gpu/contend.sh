@@ -30,6 +30,9 @@
 #                    LABEL:VAR=VALUE,...;LABEL2:...  (default: one entry,
 #                    "base:", the defaults)
 #   CONTEND_PROBE    1 (default): the memload probe first; 0: not
+#   CONTEND_MAP      1: build the image's map file after the hibernate
+#                    (gpusnap images map; wakes then map the host copy
+#                    unless their settings have GPUSNAP_MAP=0); 0 (default)
 #   CONTEND_BUDGET_S soft budget (default 360): samples stop when less than
 #                    a sample is left; a watchdog ends the run 60 s after it
 # Writes $OUT/contend.md (the tables), $OUT/contend.log, and per sample the
@@ -49,6 +52,7 @@ CONTEND_WAKES=${CONTEND_WAKES:-2}
 CONTEND_WAKE_ENV=${CONTEND_WAKE_ENV:-base:}
 CONTEND_BUDGET_S=${CONTEND_BUDGET_S:-360}
 CONTEND_PROBE=${CONTEND_PROBE:-1}
+CONTEND_MAP=${CONTEND_MAP:-0}
 SAMPLES=$WORK/samples.tsv # label load restore_ms driver_ms load_gbps pcie_mid pcie_t10 pcie_t90 threads...
 : >"$SAMPLES"
 MEMLOAD=""
@@ -222,6 +226,12 @@ wakes() {
         ERRORS=$((ERRORS + 1))
         return 1
     fi
+    # The image's map file (docs/pages.md, "The mapped wake"): wakes use it
+    # unless their settings say GPUSNAP_MAP=0.
+    if [ "$CONTEND_MAP" = 1 ]; then
+        gs 300 images map contend
+        log "images map: exit $GS_RC; $GS_MSG"
+    fi
     for i in $(seq 1 "$CONTEND_WAKES"); do
         reap "$pid"
         wait_pid_free "$pid" 30 || true
@@ -252,7 +262,7 @@ wakes() {
             return 1
         fi
         rms=$(jget "$WORK/wake.out" 'round(d["restore_ms"] / 1000, 3)')
-        sample_row "wake$i-$label" "gpusnap wake ${envs[*]:-(defaults)}; $(jget "$WORK/wake.out" '"fill %.1f GB/s, faults in flight %s, pace %s" % (d["pages"]["fill_gbps"], d["pages"]["faults_in_flight"], d["pages"].get("pace"))' | tr '|' '/'); stages ms: $(jget "$WORK/wake.out" '" ".join("%s %s" % (k, v) for k, v in d["stages"].items())' | tr '|' '/')" \
+        sample_row "wake$i-$label" "gpusnap wake ${envs[*]:-(defaults)}; $(jget "$WORK/wake.out" '"mapped %.2f GB, fill %.1f GB/s, faults in flight %s, pace %s" % (d.get("mapped_bytes", 0) / 1e9, d["pages"]["fill_gbps"], d["pages"]["faults_in_flight"], d["pages"].get("pace"))' | tr '|' '/'); stages ms: $(jget "$WORK/wake.out" '" ".join("%s %s" % (k, v) for k, v in d["stages"].items())' | tr '|' '/')" \
             "$(jget "$WORK/wake.out" 'round(d["total_ms"] / 1000, 3)')" "$rms" "-"
         if ! checksum_ok "$name"; then
             log "wake $i: the worker's checksum did not hold"

@@ -303,6 +303,11 @@ enum ImagesCmd {
     Verify { image: String },
     /// Remove an image (a name in the store, or the path of an image directory).
     Rm { image: String },
+    /// Build an image's map file: its CUDA processes' large memory regions
+    /// (the driver's host copy) laid out so that a warm wake maps them from
+    /// the page cache instead of copying them in (docs/pages.md, "The mapped
+    /// wake"). Costs disk and page cache the size of those regions.
+    Map { image: String },
     /// Copy an image directory (from another host, say) into the store, verified.
     Import { path: String },
     /// Finish or undo hibernates a killed gpusnap left, remove its temporary
@@ -756,10 +761,38 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 }
                 ImagesCmd::Rm { image } => {
                     store.remove(image).map_err(Error::Image)?;
+                    gpusnap_core::mapfile::remove(&cli.state_dir, image);
                     out.one(
                         &serde_json::json!({ "removed": image }),
                         &format!("removed {}", output::printable(image)),
                     );
+                }
+                ImagesCmd::Map { image } => {
+                    let (dir, m) = store
+                        .verify_with(image, gpusnap_core::image::ChunkCheck::Present, |_| {})
+                        .map_err(Error::Image)?;
+                    match gpusnap_core::mapfile::build(&cli.state_dir, image, &dir, &m)
+                        .map_err(Error::Image)?
+                    {
+                        Some(b) => out.one(
+                            &b,
+                            &format!(
+                                "{}: map file {} ({} bytes of pages in {} regions, {} ms)",
+                                output::printable(image),
+                                b.path,
+                                b.bytes,
+                                b.regions,
+                                b.ms
+                            ),
+                        ),
+                        None => out.one(
+                            &serde_json::json!({ "image": image, "regions": 0 }),
+                            &format!(
+                                "{}: no region to map (no large memory of a CUDA process)",
+                                output::printable(image)
+                            ),
+                        ),
+                    }
                 }
                 ImagesCmd::Import { path } => {
                     let (name, dir, m) = store.import(path, |_| {}).map_err(Error::Image)?;

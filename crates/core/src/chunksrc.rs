@@ -1089,6 +1089,88 @@ impl Workdir {
         VerifyStarter { files: self.files.clone(), stop: self.stop.clone() }
     }
 
+    /// Checks the bytes a mapped wake maps into a process from its map file
+    /// (`map`: the file, mapped) against the chunks of the store-held pages
+    /// file `pages`. `runs`: (offset in the pages file, length, offset in
+    /// `map`). A chunk wholly inside a run is hashed where it lies in the
+    /// map; one across a run's edge is read from the store (checked there)
+    /// and its bytes in the run compared. Chunks found good are marked
+    /// checked, so the background verify leaves them. On `threads` threads.
+    /// Returns the bytes checked.
+    pub fn check_mapped(
+        &self,
+        pages: &str,
+        runs: &[(u64, u64, u64)],
+        map: &[u8],
+        threads: usize,
+    ) -> Result<u64, ImageError> {
+        let f = self.source.files.get(pages).ok_or_else(|| ImageError::Corrupt {
+            name: self.name().into(),
+            why: format!("{pages} is not a pages file held by the store"),
+        })?;
+        let corrupt = |why: String| ImageError::Corrupt { name: self.name().into(), why };
+        // Work items: (chunk, run) for every chunk a run covers.
+        let mut items: Vec<(usize, usize)> = Vec::new();
+        for (r, &(ro, rl, mo)) in runs.iter().enumerate() {
+            if mo.checked_add(rl).is_none_or(|e| e > map.len() as u64) {
+                return Err(corrupt(format!("the map file is shorter than {pages}'s run at {ro:#x}")));
+            }
+            let mut i = f.ends.partition_point(|&e| e <= ro);
+            while i < f.chunks.len() && f.ends[i] - f.chunks[i].size < ro + rl {
+                items.push((i, r));
+                i += 1;
+            }
+        }
+        let next = AtomicUsize::new(0);
+        let failed: Mutex<Option<ImageError>> = Mutex::new(None);
+        let stop = AtomicBool::new(false);
+        let one = |i: usize, r: usize| -> Result<(), ImageError> {
+            let (ro, rl, mo) = runs[r];
+            let c = &f.chunks[i];
+            let (cs, ce) = (f.ends[i] - c.size, f.ends[i]);
+            let (s, e) = (cs.max(ro), ce.min(ro + rl));
+            let at = (mo + (s - ro)) as usize;
+            let here = &map[at..at + (e - s) as usize];
+            if cs >= ro && ce <= ro + rl {
+                if blake3::hash(here).to_hex().as_str() != c.blake3 {
+                    return Err(corrupt(format!(
+                        "its map file's bytes at {at:#x} are not chunk {} of {pages}",
+                        c.blake3
+                    )));
+                }
+                f.checked[f.canon[i] as usize].store(true, Ordering::Relaxed);
+                return Ok(());
+            }
+            let mut b = vec![0u8; (e - s) as usize];
+            f.read(s, &mut b)?;
+            if b != here {
+                return Err(corrupt(format!(
+                    "its map file's bytes at {at:#x} differ from {pages} at {s:#x}"
+                )));
+            }
+            Ok(())
+        };
+        std::thread::scope(|sc| {
+            for _ in 0..threads.max(1) {
+                sc.spawn(|| {
+                    while !stop.load(Ordering::Relaxed) {
+                        let Some(&(i, r)) = items.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
+                        if let Err(e) = one(i, r) {
+                            stop.store(true, Ordering::Relaxed);
+                            if let Ok(mut g) = failed.lock() {
+                                g.get_or_insert(e);
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        match failed.into_inner().ok().flatten() {
+            Some(e) => Err(e),
+            None => Ok(runs.iter().map(|r| r.1).sum()),
+        }
+    }
+
     /// Every chunk of the image's store-held files is in the local store.
     pub fn complete(&self) -> bool {
         self.files.iter().all(|f| f.chunks.iter().all(|c| f.shared.store.has(&c.blake3)))

@@ -54,6 +54,8 @@ pub enum Error {
     Pages(#[from] gpusnap_pages::PagesError),
     #[error("pid {pid} is held by another program ({comm}); the image needs it free: stop that program or wake elsewhere")]
     PidBusy { pid: i32, comm: String },
+    #[error("process {pid} still maps {path}, the map file of a mapped wake, as its own memory (not the driver's host copy, which the driver's checkpoint replaces): CRIU would write an image that needs that file. Restart the process to hibernate it; wake its images with GPUSNAP_MAP=0 to avoid this")]
+    MapStillMapped { pid: i32, path: String },
     #[error("process {pid} ({comm}) is in a session whose leader is outside its pid namespace, which CRIU cannot dump; start it in a session of its own (setsid, or `gpusnap run`)")]
     ForeignSession { pid: i32, comm: String },
     #[error("process {pid} ({comm}) died after CRIU restored it, before its CUDA state was back ({how}); the image is kept. A thread of it ran on memory the driver maps back only in its restore (seen with JAX and XLA_PYTHON_CLIENT_PREALLOCATE=false: docs/images.md)")]
@@ -111,7 +113,8 @@ impl Error {
             | Self::WrongState { .. }
             | Self::NoFootprint { .. }
             | Self::NoCgroup { .. }
-            | Self::ForeignSession { .. } => 2,
+            | Self::ForeignSession { .. }
+            | Self::MapStillMapped { .. } => 2,
             Self::NoMemory { .. } => 3,
             Self::Member { source, .. } | Self::GroupImage { source, .. } => source.exit_code(),
             Self::Image(crate::image::ImageError::Io { .. }) => 1,
@@ -188,6 +191,7 @@ impl Error {
             Self::StillRunning { .. } => "still_running",
             Self::DiedAfterRestore { .. } => "died_after_restore",
             Self::ForeignSession { .. } => "foreign_session",
+            Self::MapStillMapped { .. } => "map_still_mapped",
             Self::CudaWithoutDriver { .. } => "no_driver",
             Self::Incompatible { .. } => "incompatible",
             Self::BadMap(_) => "bad_device_map",

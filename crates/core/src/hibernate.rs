@@ -196,6 +196,8 @@ pub struct WakeReport {
     pub lazy: bool,
     /// Bytes the page server put in place.
     pub pages_bytes: u64,
+    /// Bytes mapped from the image's map file instead (crate::mapfile).
+    pub mapped_bytes: u64,
     /// Why a lazy wake fell back to an eager one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub notice: Option<String>,
@@ -241,6 +243,9 @@ pub struct Stages {
     pub journal: u64,
     pub driver_start: u64,
     pub finish: u64,
+    /// The check of the map file against the image's chunks before CRIU
+    /// (part of `criu`; 0 without a map file).
+    pub map_check: u64,
 }
 
 /// An image of CUDA processes on a host whose driver is missing or could not start.
@@ -277,6 +282,7 @@ struct Woken {
     finish_ms: u64,
     pages_ms: u64,
     pages_bytes: u64,
+    mapped: crate::mapfile::Mapped,
     /// Of the processes' own files, asked to be read ahead (0: off).
     file_pages_bytes: u64,
     lazy: bool,
@@ -542,9 +548,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         }
 
+        let tree_pids: Vec<i32> = tree.iter().map(|(p, _)| *p).collect();
+        // A map file still mapped after the driver's checkpoint (see
+        // crate::mapfile::still_mapped): refused, the tree as it was.
+        if let Some((pid, path)) = crate::mapfile::still_mapped(images.state_dir(), &tree_pids) {
+            return Err(undo(self, Error::MapStillMapped { pid, path }));
+        }
         // The pages of their own files the processes have in memory, read
         // ahead by a cold wake (crate::workingset).
-        let tree_pids: Vec<i32> = tree.iter().map(|(p, _)| *p).collect();
         let file_pages = crate::workingset::capture(&tree_pids);
         // 2. CRIU dump, leaving the tree stopped (or, with leave_running,
         // running) until the image is safe.
@@ -974,6 +985,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     total_ms: ms(plan.started),
                     lazy: w.lazy,
                     pages_bytes: w.pages_bytes,
+                    mapped_bytes: w.mapped.bytes,
                     file_pages_bytes: w.file_pages_bytes,
                     notice: w.notice,
                     stages: Stages {
@@ -989,6 +1001,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                         journal: w.journal_ms,
                         driver_start: w.driver_start_ms,
                         finish: w.finish_ms,
+                        map_check: w.mapped.check_ms,
                     },
                     pages: w.report,
                 }),
@@ -1191,6 +1204,24 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
             wd.materialise(!lazy_possible)?;
         }
+        // The image's large regions mapped from its map file, if it has one
+        // ready (crate::mapfile): checked here, before CRIU maps it.
+        let mut mapped = crate::mapfile::Mapped::default();
+        let mut map_notice = None;
+        if let (true, Some(wd)) = (lazy_possible, chunked.as_ref()) {
+            match crate::mapfile::for_wake(state_dir, name, dir, m, wd) {
+                Ok(Some(mp)) => {
+                    tracing::debug!(
+                        bytes = mp.bytes,
+                        check_ms = mp.check_ms,
+                        "wake: regions mapped from the map file"
+                    );
+                    mapped = mp;
+                }
+                Ok(None) => {}
+                Err(why) => map_notice = Some(format!("image {name}: {why}; its memory is filled instead")),
+            }
+        }
         let whole = std::sync::atomic::AtomicBool::new(!lazy_possible);
         let before_eager = || -> Result<(), crate::criu::CriuError> {
             let Some(wd) = chunked.as_ref() else { return Ok(()) };
@@ -1304,6 +1335,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let head = if resume.is_empty() { Ok(0) } else { restored.head_start() };
         let t_head_end = Instant::now();
         let (root, pages, notice) = (restored.root, restored.pages, restored.notice);
+        if let Some(n) = &map_notice {
+            eprintln!("gpusnap: notice: {n}");
+        }
         // The processes CRIU made (pid and start time), for a failed lazy
         // wake to know exactly what is its own.
         let woken: Vec<Target> = m.processes.iter().filter_map(|p| target::resolve(p.pid).ok()).collect();
@@ -1563,6 +1597,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             finish_ms: ms(t_finish),
             pages_ms,
             pages_bytes,
+            mapped,
             file_pages_bytes,
             lazy: pages.is_some(),
             verify,

@@ -15,6 +15,7 @@ pub mod hibernate;
 pub mod hostknob;
 pub mod image;
 pub mod lazy;
+pub mod mapfile;
 pub mod progress;
 pub mod remap;
 pub mod remote;

@@ -25,6 +25,11 @@ pub const PE_PARENT: u32 = 1 << 0;
 pub const PE_LAZY: u32 = 1 << 1;
 pub const PE_PRESENT: u32 = 1 << 2;
 
+/// criu/include/image.h: a VMA's `status` bits.
+pub const VMA_AREA_REGULAR: u32 = 1 << 0;
+pub const VMA_FILE_PRIVATE: u32 = 1 << 6;
+pub const VMA_ANON_PRIVATE: u32 = 1 << 9;
+
 /// A run of pages a process gets from the page server: `[start, end)` of
 /// its address space, read from `off` in its pages file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,8 +126,12 @@ pub fn lazy_iovs(images: &Path, pid: i32) -> Result<(u32, Vec<Iov>), PagesError>
     })?;
     let mm = pb::MmEntry::decode(mm.as_slice())
         .map_err(|e| PagesError::Image { path: mm_path.display().to_string(), why: e.to_string() })?;
-    let mut vmas: Vec<(u64, u64)> = mm.vmas.iter().map(|v| (v.start, v.end)).collect();
+    let mut vmas: Vec<(u64, u64, u32)> = mm.vmas.iter().map(|v| (v.start, v.end, v.status)).collect();
     vmas.sort();
+    // Lazy pages in a VMA that is a private file mapping are not served: a
+    // mapped wake (gpusnap-core's mapfile) turned it into a private mapping
+    // of a file that holds them, and CRIU registers no userfaultfd there.
+    let mapped = |at: u64| vmas.iter().any(|v| at >= v.0 && at < v.1 && v.2 & VMA_FILE_PRIVATE != 0);
 
     let mut out = Vec::new();
     for r in runs.iter().filter(|r| r.flags & PE_LAZY != 0) {
@@ -138,7 +147,9 @@ pub fn lazy_iovs(images: &Path, pid: i32) -> Result<(u32, Vec<Iov>), PagesError>
         while s < e {
             let vma_end = vmas.iter().find(|v| s >= v.0 && s < v.1).map(|v| v.1).unwrap_or(e);
             let end = e.min(vma_end);
-            out.push(Iov { start: s, end, off: r.off + (s - r.vaddr) });
+            if !mapped(s) {
+                out.push(Iov { start: s, end, off: r.off + (s - r.vaddr) });
+            }
             s = end;
         }
     }
@@ -172,4 +183,53 @@ pub fn eager_ranges(images: &Path, pid: i32) -> Result<(u32, Vec<(u64, u64)>), P
         }
     }
     Ok((pages_id, out))
+}
+
+/// One VMA of a process as its image records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Vma {
+    pub start: u64,
+    pub end: u64,
+    pub status: u32,
+    pub flags: u32,
+    pub prot: u32,
+    pub madv: u64,
+}
+
+/// One pagemap entry of a process: `len` bytes at `vaddr`, at `off` in its
+/// pages file when present.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub vaddr: u64,
+    pub len: u64,
+    pub off: u64,
+    pub flags: u32,
+}
+
+/// Process `pid`'s VMAs (in address order), its pagemap entries and the id
+/// of its pages file, as its image (`mm-PID.img`, `pagemap-PID.img`) has
+/// them.
+pub fn layout(images: &Path, pid: i32) -> Result<(u32, Vec<Vma>, Vec<Run>), PagesError> {
+    let (pages_id, runs) = pagemap(images, pid)?;
+    let mm_path = images.join(format!("mm-{pid}.img"));
+    let bad = |why: String| PagesError::Image { path: mm_path.display().to_string(), why };
+    let mm = entries(&mm_path, MM_MAGIC)?;
+    let mm = pb::MmEntry::decode(mm.first().ok_or_else(|| bad("no mm entry".into()))?.as_slice())
+        .map_err(|e| bad(e.to_string()))?;
+    let mut vmas: Vec<Vma> = mm
+        .vmas
+        .iter()
+        .map(|v| Vma {
+            start: v.start,
+            end: v.end,
+            status: v.status,
+            flags: v.flags,
+            prot: v.prot,
+            madv: v.madv.unwrap_or(0),
+        })
+        .collect();
+    vmas.sort_by_key(|v| v.start);
+    let runs =
+        runs.into_iter().map(|r| Run { vaddr: r.vaddr, len: r.len, off: r.off, flags: r.flags }).collect();
+    Ok((pages_id, vmas, runs))
 }

@@ -18,6 +18,7 @@
 
 mod image;
 pub mod keeper;
+pub mod mapped;
 mod pacer;
 mod pieces;
 pub mod prio;
@@ -27,7 +28,9 @@ mod stats;
 pub mod sys;
 
 pub use image::eager_ranges;
-pub use image::{lazy_bytes, lazy_iovs, Iov};
+pub use image::{
+    layout, lazy_bytes, lazy_iovs, Iov, Run, Vma, PE_LAZY, PE_PRESENT, VMA_ANON_PRIVATE, VMA_FILE_PRIVATE,
+};
 pub use pacer::{PaceConfig, PaceStats};
 pub use serve::{
     flag_setting, parse_flag, HeadStart, Options, PaceGuard, Report, Rescuer, Server, ENV_AHEAD, ENV_BATCH,

@@ -1,0 +1,125 @@
+//! The mapped wake (docs/pages.md, "The mapped wake"): `images map` builds
+//! an image's map file, and a wake maps the CUDA processes' large regions
+//! (the fake driver's host copy here) from it instead of filling them. Real
+//! CRIU, fake CUDA: the fake driver's restore reads the host copy from the
+//! mapping and says whether it read what its checkpoint wrote.
+
+mod common;
+
+use common::*;
+use std::time::Duration;
+
+/// A fake CUDA workload with `host_mib` MiB of host copy, hibernated as
+/// `image`; returns its pid.
+fn hibernated(w: &mut World, host_mib: u64, image: &str) -> i32 {
+    let pid = w.workload(64, 0, &["--host-copy-mib", &host_mib.to_string()]);
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", image]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    pid
+}
+
+fn maps_of(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default()
+}
+
+#[test]
+fn a_wake_maps_the_host_copy_from_the_map_file_and_the_driver_reads_it_intact() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = hibernated(&mut w, 128, "mp");
+    let r = w.json(&["images", "map", "mp"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let b = r.json();
+    assert!(b["regions"].as_u64().unwrap() >= 1, "{b}");
+    assert!(b["bytes"].as_u64().unwrap() >= 128 << 20, "{b}");
+    // CRIU's pagemap entries (~1 MiB each) merged into a few runs, so the
+    // wake's check hashes chunks where they lie.
+    let idx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(w.state_dir().join("maps/mp.json")).unwrap()).unwrap();
+    for r in idx["regions"].as_array().unwrap() {
+        assert!(r["runs"].as_array().unwrap().len() <= 4, "{r}");
+    }
+    let map = w.state_dir().join("maps/mp.map");
+    assert!(map.is_file() && w.state_dir().join("maps/mp.json").is_file());
+
+    let r = w.json(&["wake", "mp", "--no-guard", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert!(v["mapped_bytes"].as_u64().unwrap() >= 128 << 20, "{v}");
+    assert!(!r.stderr.contains("notice"), "{}", r.stderr);
+    // The page server served the rest only: not the host copy.
+    assert!(v["pages_bytes"].as_u64().unwrap() < 128 << 20, "{v}");
+    // The driver's restore read, from the mapping, what its checkpoint wrote.
+    assert_eq!(w.restore_data(pid), ["ok"], "{v}");
+    let canon = std::fs::canonicalize(&map).unwrap();
+    assert!(maps_of(pid).contains(canon.to_str().unwrap()), "{}", maps_of(pid));
+    w.assert_progressing(pid);
+    assert_eq!(w.status_of(pid).map(|s| s.2), Some(true));
+
+    // The fake driver's checkpoint writes its host copy back into the same
+    // mapping (the real one maps fresh memory there): an image of it would
+    // need the map file, so the hibernate is refused and the process runs on.
+    let h = w.json(&["hibernate", &pid.to_string(), "--image", "mp2"]);
+    assert_eq!(h.code, 2, "{}", h.stderr);
+    assert_eq!(h.json()["error"]["kind"], "map_still_mapped", "{}", h.stderr);
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "2"]).code, 0);
+
+    // `images rm` takes the map file with the image.
+    assert_eq!(w.json(&["images", "rm", "mp"]).code, 0);
+    assert!(!map.exists() && !w.state_dir().join("maps/mp.json").exists());
+}
+
+#[test]
+fn a_map_file_that_differs_from_the_image_is_not_used_and_the_wake_fills_memory() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = hibernated(&mut w, 64, "bad");
+    assert_eq!(w.json(&["images", "map", "bad"]).code, 0);
+    // One byte of the host copy's pages changed in the map file.
+    let idx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(w.state_dir().join("maps/bad.json")).unwrap()).unwrap();
+    let region = &idx["regions"][0];
+    let (start, run) = (region["start"].as_u64().unwrap(), &region["runs"][0]);
+    let at = region["file_off"].as_u64().unwrap() + run[0].as_u64().unwrap() - start + 4097;
+    let map = w.state_dir().join("maps/bad.map");
+    let mut bytes = std::fs::read(&map).unwrap();
+    bytes[at as usize] ^= 0x5a;
+    std::fs::write(&map, &bytes).unwrap();
+
+    let r = w.json(&["wake", "bad", "--no-guard", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["mapped_bytes"], 0, "{v}");
+    assert!(r.stderr.contains("notice") && r.stderr.contains("map file"), "{}", r.stderr);
+    assert!(v["pages_bytes"].as_u64().unwrap() >= 64 << 20, "{v}");
+    assert_eq!(w.restore_data(pid), ["ok"], "{v}");
+    assert!(!maps_of(pid).contains("bad.map"));
+    assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "2"]).code, 0);
+}
+
+#[test]
+fn an_image_hibernated_again_under_the_same_name_does_not_use_the_old_map_file() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = hibernated(&mut w, 64, "again");
+    assert_eq!(w.json(&["images", "map", "again"]).code, 0);
+    assert_eq!(w.json(&["images", "rm", "again"]).code, 0);
+    // rm took the map: put a stale index back to see the wake refuse it.
+    let pid2 = hibernated(&mut w, 64, "again");
+    let old = serde_json::json!({"format": 1, "image": "again", "created_ms": 1, "root_pid": pid,
+        "size": 4096, "regions": []});
+    std::fs::write(w.state_dir().join("maps/again.json"), old.to_string()).unwrap();
+    std::fs::write(w.state_dir().join("maps/again.map"), vec![0u8; 4096]).unwrap();
+    let r = w.json(&["wake", "again", "--no-guard", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid2);
+    assert_eq!(r.json()["mapped_bytes"], 0);
+    assert!(r.stderr.contains("another image"), "{}", r.stderr);
+    assert_eq!(w.restore_data(pid2), ["ok"]);
+    assert_eq!(w.json(&["stop", &pid2.to_string(), "--grace", "2"]).code, 0);
+}

@@ -1,0 +1,66 @@
+//! The check of a map file (crate::mapfile): blake3 of every 1 MiB block of
+//! a file in the page cache on THREADS threads, through a mapping at the
+//! address the kernel picks (memmap2) and through gpusnap's 2 MiB-aligned
+//! one, each with its map and unmap. Usage: bench_mapcheck [GIB] [THREADS]
+//! (a file of GIB GiB written in 32 MiB pieces under $TMPDIR first).
+use std::io::Write;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+fn hash_all(b: &[u8], threads: usize) -> usize {
+    let next = AtomicUsize::new(0);
+    let n = b.len().div_ceil(1 << 20);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                let e = ((i + 1) << 20).min(b.len());
+                std::hint::black_box(blake3::hash(&b[i << 20..e]));
+            });
+        }
+    });
+    n
+}
+
+fn main() {
+    let a: Vec<String> = std::env::args().collect();
+    let gib: u64 = a.get(1).and_then(|v| v.parse().ok()).unwrap_or(4);
+    let threads: usize = a.get(2).and_then(|v| v.parse().ok()).unwrap_or(2);
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("map");
+    let mut f = std::fs::File::create(&path).expect("create");
+    let piece: Vec<u8> = (0..32u64 << 20).map(|i| ((i * 2654435761) >> 13) as u8).collect();
+    for _ in 0..gib * 32 {
+        f.write_all(&piece).expect("write");
+    }
+    f.sync_data().expect("sync");
+    let f = std::fs::File::open(&path).expect("open");
+    let len = f.metadata().expect("stat").len();
+    println!("| mapping | GiB | threads | s | GB/s |");
+    println!("|---|---|---|---|---|");
+    for round in 0..2 {
+        let t = Instant::now();
+        // SAFETY: a read-only mapping of our own temporary file.
+        let m = unsafe { memmap2::Mmap::map(&f) }.expect("mmap");
+        hash_all(&m, threads);
+        drop(m);
+        let s = t.elapsed().as_secs_f64();
+        if round == 1 {
+            println!(
+                "| memmap2 (kernel's address) | {gib} | {threads} | {s:.3} | {:.1} |",
+                len as f64 / s / 1e9
+            );
+        }
+        let t = Instant::now();
+        let m = gpusnap_core::mapfile::AlignedMap::new(&f, len).expect("aligned map");
+        hash_all(m.bytes(), threads);
+        drop(m);
+        let s = t.elapsed().as_secs_f64();
+        if round == 1 {
+            println!("| 2 MiB-aligned | {gib} | {threads} | {s:.3} | {:.1} |", len as f64 / s / 1e9);
+        }
+    }
+}

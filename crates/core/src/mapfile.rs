@@ -1,0 +1,537 @@
+//! The mapped wake (docs/pages.md, "The mapped wake"): the large anonymous
+//! regions of an image's CUDA processes (the driver's host copy, nearly all
+//! of a model server's image) restored as private mappings of a file that
+//! holds their pages, instead of being copied in by the page server.
+//!
+//! Why: the driver's restore is one CPU-bound thread reading the host copy;
+//! a lazy wake copies every byte of it into the process beside that thread,
+//! and the copy's CPU time and memory traffic slow it by 20-30 % on some
+//! hosts (docs/benchmarks.md, "What slows the driver's restore"). A private
+//! mapping of a file in the page cache copies nothing: the driver reads the
+//! page cache's own pages, mapped whole as 2 MiB pages where the file's
+//! large folios sit at offsets congruent to their addresses. Measured on the
+//! H200 (docs/gpu-e2e.md, Run 78): the driver's restore of 14 GB from such a
+//! mapping took 0.81x its time from its own anonymous memory (its release of
+//! the host copy is nearly free), 6975 faults (one per 2 MiB); unaligned,
+//! 214755 faults (one per 64 KiB) and 1.0x.
+//!
+//! The map file of an image is built on demand (`gpusnap images map NAME`)
+//! from the image's chunks, every chunk checked as it is read, into
+//! `STATE/maps/NAME.map` (each region at an offset congruent to its address
+//! modulo 2 MiB, written in large pieces so that the page cache holds large
+//! folios), with its index `STATE/maps/NAME.json`. A wake uses it when it
+//! is there, belongs to this very image (name, creation time, the regions
+//! the image's layout gives), and is in the page cache; before CRIU maps
+//! it, every byte of it is checked against the image's chunks (hashed where
+//! it lies), so that no byte reaches a process unverified. Otherwise, or if
+//! any check fails, the wake fills memory as before (a notice says why).
+//!
+//! Only VMAs that CRIU could restore lazily and whose every page is in the
+//! image qualify, of at least [`MIN_REGION`] bytes, in CUDA processes. The
+//! driver releases its host copy at the end of its restore, and replaces
+//! the mapping with fresh anonymous memory at its next checkpoint (Run 78),
+//! so the next image of the process refers to no map file.
+
+use crate::chunksrc::Workdir;
+use crate::image::{ImageError, Manifest};
+use gpusnap_pages::mapped::FileMap;
+use gpusnap_pages::{PageSource, Vma, PE_LAZY, PE_PRESENT, VMA_ANON_PRIVATE};
+use serde::{Deserialize, Serialize};
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// The smallest region mapped from the file (`GPUSNAP_MAP_MIN_MIB`).
+pub const MIN_REGION: u64 = 64 << 20;
+pub const MIN_ENV: &str = "GPUSNAP_MAP_MIN_MIB";
+/// `GPUSNAP_MAP=0`: wakes never use a map file.
+pub const ENABLE_ENV: &str = "GPUSNAP_MAP";
+/// A map file is used only this much of it in the page cache (a cold one
+/// would be read by the driver's own faults, one thread; the page server
+/// reads a cold image on many).
+const RESIDENT_MIN: f64 = 0.9;
+const HUGE: u64 = 2 << 20;
+const PIECE: u64 = 32 << 20;
+const FORMAT: u32 = 1;
+const PROT_RW: u32 = 0x3;
+
+/// One region of a process kept in the map file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Region {
+    pub pid: i32,
+    /// `pages-N.img`, the process's pages file.
+    pub pages: String,
+    pub start: u64,
+    pub end: u64,
+    /// Where `start` is in the map file.
+    pub file_off: u64,
+    /// The image's pages in the region: (address, length, offset in the
+    /// pages file).
+    pub runs: Vec<(u64, u64, u64)>,
+}
+
+/// `STATE/maps/NAME.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Index {
+    pub format: u32,
+    pub image: String,
+    pub created_ms: i64,
+    pub root_pid: i32,
+    pub size: u64,
+    pub regions: Vec<Region>,
+}
+
+/// `STATE/maps/NAME.map` and `STATE/maps/NAME.json`.
+pub fn paths(state_dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+    let d = state_dir.join("maps");
+    (d.join(format!("{name}.map")), d.join(format!("{name}.json")))
+}
+
+/// A name of the store's (a path names an image elsewhere, with no map file).
+fn plain(name: &str) -> bool {
+    !name.is_empty() && !name.contains('/') && !name.starts_with('.')
+}
+
+fn min_region() -> u64 {
+    std::env::var(MIN_ENV).ok().and_then(|v| v.parse::<u64>().ok()).map(|m| m << 20).unwrap_or(MIN_REGION)
+}
+
+fn io(name: &str, op: &str) -> impl FnOnce(std::io::Error) -> ImageError {
+    let (name, op) = (name.to_string(), op.to_string());
+    move |err| ImageError::Io { name, op, err }
+}
+
+/// The regions of image `m` (at `dir`) that a map file holds: in each CUDA
+/// process, every anonymous private read-write VMA of [`MIN_REGION`] bytes
+/// or more whose pages are all in the image and lazy (CRIU leaves them to
+/// the page server), laid out one after the other, each at an offset
+/// congruent to its address modulo 2 MiB.
+pub fn plan(dir: &Path, m: &Manifest) -> Result<Vec<Region>, ImageError> {
+    let images = dir.join("criu");
+    let min = min_region();
+    let mut out = Vec::new();
+    let mut off = 0u64;
+    for p in m.processes.iter().filter(|p| p.cuda) {
+        let (pages_id, vmas, runs) = gpusnap_pages::layout(&images, p.pid)
+            .map_err(|e| ImageError::Corrupt { name: m.name.clone(), why: e.to_string() })?;
+        for v in vmas.iter().filter(|v| v.end - v.start >= min) {
+            if !candidate(v, min) {
+                tracing::debug!(
+                    pid = p.pid,
+                    start = v.start,
+                    end = v.end,
+                    status = v.status,
+                    prot = v.prot,
+                    "map: not an anonymous private read-write VMA"
+                );
+                continue;
+            }
+            // The image's pages in the VMA (a pagemap entry may run on
+            // from the VMA before, or into the next: its part in this one).
+            let inside: Vec<_> =
+                runs.iter().filter(|r| r.vaddr < v.end && r.vaddr + r.len > v.start).collect();
+            let lazy = |r: &&&gpusnap_pages::Run| r.flags & (PE_LAZY | PE_PRESENT) == PE_LAZY | PE_PRESENT;
+            if inside.is_empty() || !inside.iter().all(|r| lazy(&r)) {
+                let odd: Vec<_> =
+                    inside.iter().filter(|r| !lazy(r)).map(|r| (r.vaddr, r.len, r.flags)).collect();
+                tracing::debug!(
+                    pid = p.pid,
+                    start = v.start,
+                    end = v.end,
+                    ?odd,
+                    "map: not every page of the VMA is in the image, lazy"
+                );
+                continue;
+            }
+            // Clipped to the VMA, and merged where they follow each other
+            // both in memory and in the pages file (CRIU writes entries of
+            // at most ~1 MiB: a check by chunk across entries' edges would
+            // read each chunk from the store instead of hashing it in place;
+            // Run 81: 3.0 s for 26.6 GB).
+            let mut clipped: Vec<(u64, u64, u64)> = Vec::new();
+            for r in &inside {
+                let (s, e) = (r.vaddr.max(v.start), (r.vaddr + r.len).min(v.end));
+                let off = r.off + (s - r.vaddr);
+                match clipped.last_mut() {
+                    Some(l) if l.0 + l.1 == s && l.2 + l.1 == off => l.1 += e - s,
+                    _ => clipped.push((s, e - s, off)),
+                }
+            }
+            off = off.div_ceil(HUGE) * HUGE + v.start % HUGE;
+            out.push(Region {
+                pid: p.pid,
+                pages: format!("pages-{pages_id}.img"),
+                start: v.start,
+                end: v.end,
+                file_off: off,
+                runs: clipped,
+            });
+            off += v.end - v.start;
+        }
+    }
+    Ok(out)
+}
+
+fn candidate(v: &Vma, min: u64) -> bool {
+    v.status & VMA_ANON_PRIVATE != 0 && v.prot & PROT_RW == PROT_RW && v.end - v.start >= min
+}
+
+/// The map file's size: the end of its last region.
+fn size_of(regions: &[Region]) -> u64 {
+    regions.iter().map(|r| r.file_off + (r.end - r.start)).max().unwrap_or(0)
+}
+
+/// What [`build`] made.
+#[derive(Debug, Clone, Serialize)]
+pub struct Built {
+    pub path: String,
+    /// Bytes of pages written (the rest of the file is holes).
+    pub bytes: u64,
+    pub size: u64,
+    pub regions: usize,
+    pub ms: u64,
+}
+
+/// Builds image `name`'s map file from its chunks (each checked as it is
+/// read), written under a temporary name and renamed, the index last.
+/// `None`: the image has no region to map.
+pub fn build(state_dir: &Path, name: &str, dir: &Path, m: &Manifest) -> Result<Option<Built>, ImageError> {
+    let started = Instant::now();
+    if !plain(name) {
+        return Err(ImageError::Foreign {
+            name: name.into(),
+            why: "map files are kept for images of the store (import it first)".into(),
+        });
+    }
+    let regions = plan(dir, m)?;
+    if regions.is_empty() {
+        return Ok(None);
+    }
+    let size = size_of(&regions);
+    let (map, index) = paths(state_dir, name);
+    crate::image::mkdir_private(&state_dir.join("maps")).map_err(io(name, "create STATE/maps"))?;
+    let store = gpusnap_chunks::LocalStore::open(state_dir.join("store")).map_err(|e| ImageError::Io {
+        name: name.into(),
+        op: "open the chunk store".into(),
+        err: std::io::Error::other(e.to_string()),
+    })?;
+    let work =
+        crate::criu::new_log_dir(state_dir, &format!("map-{name}")).map_err(io(name, "create a work dir"))?;
+    let wd = Workdir::prepare(name, dir, m, store, None, &work, false)?.ok_or_else(|| {
+        ImageError::Corrupt { name: name.into(), why: "its pages are not in the store".into() }
+    })?;
+    let tmp = map.with_extension(format!("map.tmp-{}", std::process::id()));
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io(name, "create the map file"))?;
+    f.set_len(size).map_err(io(name, "size the map file"))?;
+    // Pieces of at most PIECE bytes, cut at PIECE boundaries of the map
+    // file (large, aligned writes: the page cache keeps large folios).
+    let mut pieces: Vec<(String, u64, u64, u64)> = Vec::new(); // (pages, off, len, map_off)
+    for r in &regions {
+        for &(vaddr, len, off) in &r.runs {
+            let mut done = 0;
+            while done < len {
+                let at = r.file_off + (vaddr - r.start) + done;
+                let n = (len - done).min(PIECE - at % PIECE);
+                pieces.push((r.pages.clone(), off + done, n, at));
+                done += n;
+            }
+        }
+    }
+    let next = AtomicUsize::new(0);
+    let failed: Mutex<Option<ImageError>> = Mutex::new(None);
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).min(8);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let mut buf = Vec::new();
+                while let Some((pages, off, len, at)) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    if failed.lock().map(|g| g.is_some()).unwrap_or(true) {
+                        return;
+                    }
+                    buf.resize(*len as usize, 0);
+                    let r = wd
+                        .source
+                        .open(pages)
+                        .map_err(|e| ImageError::Corrupt { name: name.into(), why: e.to_string() })
+                        .and_then(|pf| {
+                            pf.read_at(*off, &mut buf).map_err(|e| ImageError::Corrupt {
+                                name: name.into(),
+                                why: format!("{pages} at {off:#x}: {e}"),
+                            })
+                        })
+                        .and_then(|()| f.write_all_at(&buf, *at).map_err(io(name, "write the map file")));
+                    if let Err(e) = r {
+                        if let Ok(mut g) = failed.lock() {
+                            g.get_or_insert(e);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let done = match failed.into_inner().ok().flatten() {
+        Some(e) => Err(e),
+        None => f.sync_data().map_err(io(name, "write the map file")),
+    };
+    if let Err(e) = done {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    fs::rename(&tmp, &map).map_err(io(name, "rename the map file"))?;
+    let idx = Index {
+        format: FORMAT,
+        image: name.into(),
+        created_ms: m.created_ms,
+        root_pid: m.root_pid,
+        size,
+        regions: regions.clone(),
+    };
+    let body = serde_json::to_vec_pretty(&idx)
+        .map_err(|e| io(name, "write the map index")(std::io::Error::other(e)))?;
+    let itmp = index.with_extension(format!("json.tmp-{}", std::process::id()));
+    let mut w = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&itmp)
+        .map_err(io(name, "write the map index"))?;
+    w.write_all(&body).and_then(|()| w.sync_data()).map_err(io(name, "write the map index"))?;
+    fs::rename(&itmp, &index).map_err(io(name, "write the map index"))?;
+    Ok(Some(Built {
+        path: map.display().to_string(),
+        bytes: regions.iter().flat_map(|r| r.runs.iter().map(|x| x.1)).sum(),
+        size,
+        regions: regions.len(),
+        ms: started.elapsed().as_millis() as u64,
+    }))
+}
+
+/// Removes image `name`'s map file and index, if there are (nothing for a
+/// name that is a path: such an image has no map file).
+pub fn remove(state_dir: &Path, name: &str) {
+    if !plain(name) {
+        return;
+    }
+    let (map, index) = paths(state_dir, name);
+    // The index first: a map file without one is never used.
+    let _ = fs::remove_file(index);
+    let _ = fs::remove_file(map);
+}
+
+/// A read-only shared mapping of a file at a 2 MiB-aligned address, so that
+/// the page cache's large folios (at 2 MiB-aligned offsets of the file) are
+/// mapped whole: a read of the whole file faults once per 2 MiB, and the
+/// unmap is nearly free. (memmap2 maps at whatever address the kernel
+/// picks: on the H200 the check of 26.6 GB through such a mapping took
+/// 2.6 s, its faults and unmap of 6.5 M pages included; Run 80.)
+pub struct AlignedMap {
+    base: *mut libc::c_void,
+    reserved: usize,
+    at: *const u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and owned by this value until it drops;
+// reading it from several threads is reading shared immutable memory.
+unsafe impl Send for AlignedMap {}
+// SAFETY: as above.
+unsafe impl Sync for AlignedMap {}
+
+impl AlignedMap {
+    pub fn new(f: &fs::File, len: u64) -> std::io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        let len = usize::try_from(len).map_err(std::io::Error::other)?;
+        if len == 0 {
+            return Ok(Self {
+                base: std::ptr::null_mut(),
+                reserved: 0,
+                at: std::ptr::NonNull::dangling().as_ptr(),
+                len,
+            });
+        }
+        let huge = HUGE as usize;
+        let reserved = len + huge;
+        // SAFETY: a fresh PROT_NONE reservation at an address the kernel
+        // picks; nothing else refers to it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                reserved,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let aligned = (base as usize).div_ceil(huge) * huge;
+        // SAFETY: [aligned, aligned + len) lies inside our own reservation;
+        // MAP_FIXED replaces only that part of it, with the file read-only.
+        let at = unsafe {
+            libc::mmap(
+                aligned as *mut libc::c_void,
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        if at == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: our reservation, unmapped once.
+            unsafe { libc::munmap(base, reserved) };
+            return Err(e);
+        }
+        Ok(Self { base, reserved, at: at as *const u8, len })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `at` maps `len` readable bytes for as long as `self` lives.
+        unsafe { std::slice::from_raw_parts(self.at, self.len) }
+    }
+}
+
+impl Drop for AlignedMap {
+    fn drop(&mut self) {
+        if self.reserved > 0 {
+            // SAFETY: the whole reservation (the file's mapping within it
+            // included), ours, unmapped once.
+            unsafe { libc::munmap(self.base, self.reserved) };
+        }
+    }
+}
+
+/// The share of the mapped file in the page cache (mincore, which faults
+/// nothing in).
+fn resident(m: &AlignedMap) -> std::io::Result<f64> {
+    let b = m.bytes();
+    if b.is_empty() {
+        return Ok(1.0);
+    }
+    let page = gpusnap_pages::sys::PAGE as usize;
+    let mut vec = vec![0u8; b.len().div_ceil(page)];
+    // SAFETY: `b` is a mapping of `b.len()` bytes at a page-aligned address;
+    // `vec` has one byte per page of it.
+    let r = unsafe { libc::mincore(b.as_ptr() as *mut libc::c_void, b.len(), vec.as_mut_ptr()) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(vec.iter().filter(|&&b| b & 1 != 0).count() as f64 / vec.len() as f64)
+}
+
+/// What a mapped wake mapped.
+#[derive(Debug, Clone, Default)]
+pub struct Mapped {
+    pub bytes: u64,
+    /// The check of the map file against the image's chunks.
+    pub check_ms: u64,
+}
+
+/// Prepares a lazy wake of image `name` from chunks (`wd`) to map its
+/// regions from its map file: the index read and matched to the image, the
+/// file found in the page cache, every byte of it checked against the
+/// chunks, then CRIU's images in the work dir changed to map it. `Ok(None)`
+/// when there is no usable map file (the wake fills memory as before);
+/// `Err`: why a map file that is there could not be used (said as a notice,
+/// and the wake fills memory as before).
+pub fn for_wake(
+    state_dir: &Path,
+    name: &str,
+    dir: &Path,
+    m: &Manifest,
+    wd: &Workdir,
+) -> Result<Option<Mapped>, String> {
+    if !plain(name) || std::env::var(ENABLE_ENV).is_ok_and(|v| v == "0") {
+        return Ok(None);
+    }
+    let (map, index) = paths(state_dir, name);
+    let Ok(body) = fs::read(&index) else { return Ok(None) };
+    let idx: Index =
+        serde_json::from_slice(&body).map_err(|e| format!("its map index is not readable: {e}"))?;
+    if idx.format != FORMAT
+        || idx.image != name
+        || idx.created_ms != m.created_ms
+        || idx.root_pid != m.root_pid
+    {
+        return Err(
+            "its map file belongs to another image of that name (rebuild it: gpusnap images map)".into()
+        );
+    }
+    let regions = plan(dir, m).map_err(|e| e.to_string())?;
+    if regions != idx.regions || idx.size != size_of(&regions) {
+        return Err("its map file does not match the image's layout (rebuild it: gpusnap images map)".into());
+    }
+    let started = Instant::now();
+    let f = fs::File::open(&map).map_err(|e| format!("its map file: {e}"))?;
+    let len = f.metadata().map_err(|e| format!("its map file: {e}"))?.len();
+    if len != idx.size {
+        return Err(format!("its map file is {len} bytes, not {}", idx.size));
+    }
+    let mm = AlignedMap::new(&f, len).map_err(|e| format!("its map file: {e}"))?;
+    let warm = resident(&mm).map_err(|e| format!("its map file: {e}"))?;
+    if warm < RESIDENT_MIN {
+        return Err(format!(
+            "its map file is {:.0} % in the page cache (a cold one is read faster by the page server)",
+            warm * 100.0
+        ));
+    }
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
+    let mut by_pages: std::collections::BTreeMap<&str, Vec<(u64, u64, u64)>> = Default::default();
+    for r in &regions {
+        for &(vaddr, len, off) in &r.runs {
+            by_pages.entry(r.pages.as_str()).or_default().push((off, len, r.file_off + (vaddr - r.start)));
+        }
+    }
+    let mut bytes = 0;
+    for (pages, runs) in &by_pages {
+        bytes += wd.check_mapped(pages, runs, mm.bytes(), threads).map_err(|e| e.to_string())?;
+    }
+    drop(mm);
+    let check_ms = started.elapsed().as_millis() as u64;
+    let abs = fs::canonicalize(&map).map_err(|e| format!("its map file: {e}"))?;
+    let id = gpusnap_pages::mapped::add_reg_file(&wd.images, &abs, len).map_err(|e| e.to_string())?;
+    let mut by_pid: std::collections::BTreeMap<i32, Vec<FileMap>> = Default::default();
+    for r in &regions {
+        by_pid.entry(r.pid).or_default().push(FileMap { start: r.start, end: r.end, file_off: r.file_off });
+    }
+    for (pid, maps) in &by_pid {
+        gpusnap_pages::mapped::map_vmas(&wd.images, *pid, maps, id).map_err(|e| e.to_string())?;
+    }
+    Ok(Some(Mapped { bytes, check_ms }))
+}
+
+/// The first of `pids` that maps a map file of `state_dir` (a path under
+/// `STATE/maps/`), and that file. The driver's checkpoint replaces the host
+/// copy it restored from one with fresh anonymous memory (Run 78); a
+/// mapping that outlives it is the process's own memory, and an image of it
+/// would need the file.
+pub fn still_mapped(state_dir: &Path, pids: &[i32]) -> Option<(i32, String)> {
+    let dir = fs::canonicalize(state_dir.join("maps")).ok()?;
+    let prefix = format!("{}/", dir.display());
+    for &pid in pids {
+        let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else { continue };
+        for line in maps.lines() {
+            // Address, perms, offset, dev, inode, then the path.
+            if let Some(path) = line.split_whitespace().nth(5) {
+                if path.starts_with(&prefix) && path.ends_with(".map") {
+                    return Some((pid, path.to_string()));
+                }
+            }
+        }
+    }
+    None
+}
