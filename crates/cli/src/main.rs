@@ -771,7 +771,8 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                     let (dir, m) = store
                         .verify_with(image, gpusnap_core::image::ChunkCheck::Present, |_| {})
                         .map_err(Error::Image)?;
-                    match gpusnap_core::mapfile::build(&cli.state_dir, image, &dir, &m)
+                    let progress = out.progress();
+                    match gpusnap_core::mapfile::build(&cli.state_dir, image, &dir, &m, progress.as_ref())
                         .map_err(Error::Image)?
                     {
                         Some(b) => out.one(
@@ -806,7 +807,8 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                         Ok(mut e) => e.reconcile_hibernates(&own_images(cli)?)?,
                         Err(err) => return Err(err),
                     };
-                    let removed = store.gc();
+                    let mut removed = store.gc();
+                    removed.extend(gpusnap_core::mapfile::gc(&cli.state_dir, &store.names()));
                     let p = out.progress();
                     let chunks_gc = {
                         let done = std::sync::atomic::AtomicU64::new(0);

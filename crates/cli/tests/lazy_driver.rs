@@ -8,23 +8,11 @@ mod common;
 use common::*;
 use std::time::Duration;
 
-/// A fake CUDA workload whose checkpoint leaves `host_mib` MiB of host copy
-/// in it, hibernated as `image`; returns its pid.
-fn hibernated(w: &mut World, host_mib: u64, image: &str) -> i32 {
-    let pid = w.workload(64, 0, &["--host-copy-mib", &host_mib.to_string()]);
-    let r = w.json(&["hibernate", &pid.to_string(), "--image", image]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.reap(pid);
-    wait_for(Duration::from_secs(10), || !pid_exists(pid));
-    assert!(w.restore_data(pid).is_empty(), "no restore yet: {:?}", w.restore_data(pid));
-    pid
-}
-
 #[test]
 fn a_lazy_wake_gives_the_driver_restore_the_host_copy_intact() {
     criu_present();
     let mut w = World::new(&[16_384]);
-    let pid = hibernated(&mut w, 64, "hc");
+    let pid = hibernated_host_copy(&mut w, 64, "hc");
     // Slow pages, so that the driver's restore catches up with the fill and
     // waits for pages of its host copy (its reads fault, or wait for a fill).
     w.env_extra.push(("GPUSNAP_PAGES_SLOW_US".into(), "10000".into()));
@@ -73,7 +61,7 @@ fn a_lazy_wake_gives_the_driver_restore_the_host_copy_intact() {
 fn a_page_server_failing_under_the_driver_restore_is_rescued_and_the_image_kept() {
     criu_present();
     let mut w = World::new(&[16_384]);
-    let pid = hibernated(&mut w, 128, "r");
+    let pid = hibernated_host_copy(&mut w, 128, "r");
     let p = pid.to_string();
     let before = w.calls_on(pid).len();
 
@@ -133,7 +121,7 @@ fn a_page_server_failing_under_the_driver_restore_is_rescued_and_the_image_kept(
 fn a_fill_paced_to_the_driver_restore_keeps_behind_it_and_brings_every_page() {
     criu_present();
     let mut w = World::new(&[16_384]);
-    let pid = hibernated(&mut w, 256, "pc");
+    let pid = hibernated_host_copy(&mut w, 256, "pc");
     for (k, v) in [
         ("GPUSNAP_PAGES_PACE", "1"),
         ("GPUSNAP_PAGES_PACE_START", "1G"),

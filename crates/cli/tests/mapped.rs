@@ -7,18 +7,6 @@
 mod common;
 
 use common::*;
-use std::time::Duration;
-
-/// A fake CUDA workload with `host_mib` MiB of host copy, hibernated as
-/// `image`; returns its pid.
-fn hibernated(w: &mut World, host_mib: u64, image: &str) -> i32 {
-    let pid = w.workload(64, 0, &["--host-copy-mib", &host_mib.to_string()]);
-    let r = w.json(&["hibernate", &pid.to_string(), "--image", image]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.reap(pid);
-    wait_for(Duration::from_secs(10), || !pid_exists(pid));
-    pid
-}
 
 fn maps_of(pid: i32) -> String {
     std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default()
@@ -28,7 +16,7 @@ fn maps_of(pid: i32) -> String {
 fn a_wake_maps_the_host_copy_from_the_map_file_and_the_driver_reads_it_intact() {
     criu_present();
     let mut w = World::new(&[16_384]);
-    let pid = hibernated(&mut w, 128, "mp");
+    let pid = hibernated_host_copy(&mut w, 128, "mp");
     let r = w.json(&["images", "map", "mp"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     let b = r.json();
@@ -71,13 +59,29 @@ fn a_wake_maps_the_host_copy_from_the_map_file_and_the_driver_reads_it_intact() 
     // `images rm` takes the map file with the image.
     assert_eq!(w.json(&["images", "rm", "mp"]).code, 0);
     assert!(!map.exists() && !w.state_dir().join("maps/mp.json").exists());
+
+    // `images gc` removes what no image owns: a killed build's temporary
+    // file, the map of an image gone another way; a live image's stays.
+    let maps = w.state_dir().join("maps");
+    assert_eq!(w.json(&["images", "map", "mp2x"]).code, 2, "no such image");
+    std::fs::write(maps.join("gone.map"), b"x").unwrap();
+    std::fs::write(maps.join("gone.json"), b"{}").unwrap();
+    std::fs::write(maps.join("keep.map.tmp-1"), b"x").unwrap();
+    hibernated_host_copy(&mut w, 64, "keep");
+    assert_eq!(w.json(&["images", "map", "keep"]).code, 0);
+    let g = w.json(&["images", "gc"]);
+    assert_eq!(g.code, 0, "{}", g.stderr);
+    let mut left: Vec<String> =
+        std::fs::read_dir(&maps).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    left.sort();
+    assert_eq!(left, ["keep.json", "keep.map"], "{}", g.stdout);
 }
 
 #[test]
 fn a_map_file_that_differs_from_the_image_is_not_used_and_the_wake_fills_memory() {
     criu_present();
     let mut w = World::new(&[16_384]);
-    let pid = hibernated(&mut w, 64, "bad");
+    let pid = hibernated_host_copy(&mut w, 64, "bad");
     assert_eq!(w.json(&["images", "map", "bad"]).code, 0);
     // One byte of the host copy's pages changed in the map file.
     let idx: serde_json::Value =
@@ -106,11 +110,11 @@ fn a_map_file_that_differs_from_the_image_is_not_used_and_the_wake_fills_memory(
 fn an_image_hibernated_again_under_the_same_name_does_not_use_the_old_map_file() {
     criu_present();
     let mut w = World::new(&[16_384]);
-    let pid = hibernated(&mut w, 64, "again");
+    let pid = hibernated_host_copy(&mut w, 64, "again");
     assert_eq!(w.json(&["images", "map", "again"]).code, 0);
     assert_eq!(w.json(&["images", "rm", "again"]).code, 0);
     // rm took the map: put a stale index back to see the wake refuse it.
-    let pid2 = hibernated(&mut w, 64, "again");
+    let pid2 = hibernated_host_copy(&mut w, 64, "again");
     let old = serde_json::json!({"format": 1, "image": "again", "created_ms": 1, "root_pid": pid,
         "size": 4096, "regions": []});
     std::fs::write(w.state_dir().join("maps/again.json"), old.to_string()).unwrap();

@@ -199,7 +199,13 @@ pub struct Built {
 /// Builds image `name`'s map file from its chunks (each checked as it is
 /// read), written under a temporary name and renamed, the index last.
 /// `None`: the image has no region to map.
-pub fn build(state_dir: &Path, name: &str, dir: &Path, m: &Manifest) -> Result<Option<Built>, ImageError> {
+pub fn build(
+    state_dir: &Path,
+    name: &str,
+    dir: &Path,
+    m: &Manifest,
+    progress: &dyn crate::Progress,
+) -> Result<Option<Built>, ImageError> {
     let started = Instant::now();
     if !plain(name) {
         return Err(ImageError::Foreign {
@@ -250,6 +256,8 @@ pub fn build(state_dir: &Path, name: &str, dir: &Path, m: &Manifest) -> Result<O
     let next = AtomicUsize::new(0);
     let failed: Mutex<Option<ImageError>> = Mutex::new(None);
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).min(8);
+    let written = std::sync::atomic::AtomicU64::new(0);
+    progress.begin(&format!("map {name}"), pieces.iter().map(|p| p.2).sum());
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| {
@@ -270,15 +278,19 @@ pub fn build(state_dir: &Path, name: &str, dir: &Path, m: &Manifest) -> Result<O
                             })
                         })
                         .and_then(|()| f.write_all_at(&buf, *at).map_err(io(name, "write the map file")));
-                    if let Err(e) = r {
-                        if let Ok(mut g) = failed.lock() {
-                            g.get_or_insert(e);
+                    match r {
+                        Ok(()) => progress.update(written.fetch_add(*len, Ordering::Relaxed) + len),
+                        Err(e) => {
+                            if let Ok(mut g) = failed.lock() {
+                                g.get_or_insert(e);
+                            }
                         }
                     }
                 }
             });
         }
     });
+    progress.end();
     let done = match failed.into_inner().ok().flatten() {
         Some(e) => Err(e),
         None => f.sync_data().map_err(io(name, "write the map file")),
@@ -413,6 +425,29 @@ impl Drop for AlignedMap {
             unsafe { libc::munmap(self.base, self.reserved) };
         }
     }
+}
+
+/// Removes what `STATE/maps` holds for no image of the store (`names`): the
+/// map files and indexes of images removed otherwise than by `images rm`,
+/// and the temporary files of a build that was killed.
+pub fn gc(state_dir: &Path, names: &[String]) -> Vec<crate::image::Stale> {
+    let mut out = Vec::new();
+    let Ok(rd) = fs::read_dir(state_dir.join("maps")) else { return out };
+    for e in rd.filter_map(|e| e.ok()) {
+        let Some(f) = e.file_name().to_str().map(str::to_string) else { continue };
+        let owner = f.strip_suffix(".map").or_else(|| f.strip_suffix(".json"));
+        if owner.is_some_and(|n| names.iter().any(|x| x == n)) {
+            continue;
+        }
+        let Ok(md) = e.metadata() else { continue };
+        if !md.is_file() {
+            continue;
+        }
+        if fs::remove_file(e.path()).is_ok() {
+            out.push(crate::image::Stale { path: e.path(), bytes: md.len() });
+        }
+    }
+    out
 }
 
 /// The share of the mapped file in the page cache (mincore, which faults

@@ -130,3 +130,115 @@ pub fn map_vmas(images: &Path, pid: i32, maps: &[FileMap], file_id: u32) -> Resu
     out.extend(rest.iter().cloned());
     write_image(&path, MM_MAGIC, &out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::image::{PE_LAZY, PE_PRESENT, VMA_ANON_PRIVATE};
+
+    const PAGEMAP_MAGIC: u32 = 0x5608_4025;
+    const MB: u64 = 1 << 20;
+
+    fn vma(start: u64, end: u64) -> pb::VmaEntry {
+        pb::VmaEntry {
+            start,
+            end,
+            pgoff: 0,
+            shmid: 0,
+            prot: 3,
+            flags: MAP_PRIVATE | MAP_ANONYMOUS,
+            status: VMA_AREA_REGULAR | VMA_ANON_PRIVATE,
+            fd: -1,
+            madv: Some((1 << 18) | (1 << 10)),
+            fdflags: None,
+        }
+    }
+
+    /// A process 7 with two anonymous VMAs (A: 4 MiB, B: 2 MiB after a
+    /// gap), every page lazy; files.img with an entry of another kind
+    /// (id 5) and a regular file (id 9).
+    fn images() -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        let (a, b) = (0x7000_0000u64, 0x7100_0000u64);
+        let mm = pb::MmEntry { vmas: vec![vma(a, a + 4 * MB), vma(b, b + 2 * MB)], ..Default::default() };
+        write_image(&d.path().join("mm-7.img"), MM_MAGIC, &[mm.encode_to_vec()]).unwrap();
+        let lazy = Some(PE_LAZY | PE_PRESENT);
+        let pe = |vaddr: u64, len: u64| pb::PagemapEntry {
+            vaddr,
+            compat_nr_pages: 0,
+            in_parent: None,
+            flags: lazy,
+            nr_pages: Some(len / 4096),
+        };
+        let pm = [
+            pb::PagemapHead { pages_id: 3 }.encode_to_vec(),
+            pe(a, MB).encode_to_vec(),
+            pe(a + MB, 3 * MB).encode_to_vec(),
+            pe(b, 2 * MB).encode_to_vec(),
+        ];
+        write_image(&d.path().join("pagemap-7.img"), PAGEMAP_MAGIC, &pm).unwrap();
+        let fe = |t: pb::FdTypes, id: u32| pb::FileEntry { r#type: t as i32, id, reg: None }.encode_to_vec();
+        write_image(
+            &d.path().join("files.img"),
+            FILES_MAGIC,
+            &[fe(pb::FdTypes::Und, 5), fe(pb::FdTypes::Reg, 9)],
+        )
+        .unwrap();
+        d
+    }
+
+    #[test]
+    fn a_vma_becomes_a_private_mapping_of_a_new_file_entry() {
+        let d = images();
+        let id = add_reg_file(d.path(), Path::new("/state/maps/x.map"), 6 * MB).unwrap();
+        assert_eq!(id, 10);
+        let files = entries_after(&d.path().join("files.img"), IMG_COMMON_MAGIC, FILES_MAGIC).unwrap();
+        assert_eq!(files.len(), 3);
+        let fe = pb::FileEntry::decode(files[2].as_slice()).unwrap();
+        let reg = fe.reg.unwrap();
+        assert_eq!((fe.r#type, fe.id, reg.id), (pb::FdTypes::Reg as i32, 10, 10));
+        assert_eq!(
+            (reg.name.as_str(), reg.size, reg.flags, reg.pos),
+            ("/state/maps/x.map", Some(6 * MB), 0, 0)
+        );
+        // The entries before are kept byte for byte.
+        assert_eq!(pb::FileEntry::decode(files[0].as_slice()).unwrap().id, 5);
+
+        let a = 0x7000_0000u64;
+        map_vmas(d.path(), 7, &[FileMap { start: a, end: a + 4 * MB, file_off: 2 * MB }], id).unwrap();
+        let mm = entries_after(&d.path().join("mm-7.img"), IMG_COMMON_MAGIC, MM_MAGIC).unwrap();
+        let mm = pb::MmEntry::decode(mm[0].as_slice()).unwrap();
+        let v = &mm.vmas[0];
+        assert_eq!(v.status, VMA_AREA_REGULAR | VMA_FILE_PRIVATE);
+        assert_eq!(v.flags, MAP_PRIVATE);
+        assert_eq!((v.shmid, v.pgoff, v.fd, v.fdflags), (10, 2 * MB, -1, Some(0)));
+        // MADV_WIPEONFORK dropped (refused on a file mapping), DONTFORK kept.
+        assert_eq!(v.madv, Some(1 << 10));
+        // The other VMA as it was.
+        assert_eq!(mm.vmas[1], vma(0x7100_0000, 0x7100_0000 + 2 * MB));
+
+        // The page server leaves the mapped VMA's lazy pages out; B's are
+        // served as before, from the same offset in the pages file.
+        let (_, iovs) = crate::lazy_iovs(d.path(), 7).unwrap();
+        assert_eq!(iovs.len(), 1);
+        assert_eq!((iovs[0].start, iovs[0].len(), iovs[0].off), (0x7100_0000, 2 * MB, 4 * MB));
+        assert_eq!(crate::lazy_bytes(d.path()), 2 * MB);
+    }
+
+    #[test]
+    fn only_an_anonymous_private_vma_named_exactly_is_mapped() {
+        let d = images();
+        let a = 0x7000_0000u64;
+        let e = map_vmas(d.path(), 7, &[FileMap { start: a, end: a + 2 * MB, file_off: 0 }], 10).unwrap_err();
+        assert!(e.to_string().contains("no VMA"), "{e}");
+        let e =
+            map_vmas(d.path(), 7, &[FileMap { start: a, end: a + 4 * MB, file_off: 100 }], 10).unwrap_err();
+        assert!(e.to_string().contains("page-aligned"), "{e}");
+        map_vmas(d.path(), 7, &[FileMap { start: a, end: a + 4 * MB, file_off: 0 }], 10).unwrap();
+        // Now a file mapping: not again.
+        let e = map_vmas(d.path(), 7, &[FileMap { start: a, end: a + 4 * MB, file_off: 0 }], 10).unwrap_err();
+        assert!(e.to_string().contains("not anonymous private"), "{e}");
+        let e = add_reg_file(d.path(), Path::new("relative.map"), 1).unwrap_err();
+        assert!(e.to_string().contains("absolute"), "{e}");
+    }
+}

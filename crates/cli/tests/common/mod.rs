@@ -771,3 +771,16 @@ pub fn free_port() -> u16 {
         }
     }
 }
+
+/// A fake CUDA workload whose checkpoint leaves `host_mib` MiB of host copy
+/// in it (docs/fakes.md, "The host copy"), hibernated as `image`; returns
+/// its pid (gone, its image written, no restore yet).
+pub fn hibernated_host_copy(w: &mut World, host_mib: u64, image: &str) -> i32 {
+    let pid = w.workload(64, 0, &["--host-copy-mib", &host_mib.to_string()]);
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", image]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    assert!(w.restore_data(pid).is_empty(), "no restore yet: {:?}", w.restore_data(pid));
+    pid
+}
