@@ -155,10 +155,10 @@ pub fn plan(dir: &Path, m: &Manifest) -> Result<Vec<Region>, ImageError> {
             let mut clipped: Vec<(u64, u64, u64)> = Vec::new();
             for r in &inside {
                 let (s, e) = (r.vaddr.max(v.start), (r.vaddr + r.len).min(v.end));
-                let off = r.off + (s - r.vaddr);
+                let at = r.off + (s - r.vaddr);
                 match clipped.last_mut() {
-                    Some(l) if l.0 + l.1 == s && l.2 + l.1 == off => l.1 += e - s,
-                    _ => clipped.push((s, e - s, off)),
+                    Some(l) if l.0 + l.1 == s && l.2 + l.1 == at => l.1 += e - s,
+                    _ => clipped.push((s, e - s, at)),
                 }
             }
             off = off.div_ceil(HUGE) * HUGE + v.start % HUGE;
@@ -341,92 +341,6 @@ pub fn remove(state_dir: &Path, name: &str) {
     let _ = fs::remove_file(map);
 }
 
-/// A read-only shared mapping of a file at a 2 MiB-aligned address, so that
-/// the page cache's large folios (at 2 MiB-aligned offsets of the file) are
-/// mapped whole: a read of the whole file faults once per 2 MiB, and the
-/// unmap is nearly free. (memmap2 maps at whatever address the kernel
-/// picks: on the H200 the check of 26.6 GB through such a mapping took
-/// 2.6 s, its faults and unmap of 6.5 M pages included; Run 80.)
-pub struct AlignedMap {
-    base: *mut libc::c_void,
-    reserved: usize,
-    at: *const u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is read-only and owned by this value until it drops;
-// reading it from several threads is reading shared immutable memory.
-unsafe impl Send for AlignedMap {}
-// SAFETY: as above.
-unsafe impl Sync for AlignedMap {}
-
-impl AlignedMap {
-    pub fn new(f: &fs::File, len: u64) -> std::io::Result<Self> {
-        use std::os::fd::AsRawFd;
-        let len = usize::try_from(len).map_err(std::io::Error::other)?;
-        if len == 0 {
-            return Ok(Self {
-                base: std::ptr::null_mut(),
-                reserved: 0,
-                at: std::ptr::NonNull::dangling().as_ptr(),
-                len,
-            });
-        }
-        let huge = HUGE as usize;
-        let reserved = len + huge;
-        // SAFETY: a fresh PROT_NONE reservation at an address the kernel
-        // picks; nothing else refers to it.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                reserved,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        let aligned = (base as usize).div_ceil(huge) * huge;
-        // SAFETY: [aligned, aligned + len) lies inside our own reservation;
-        // MAP_FIXED replaces only that part of it, with the file read-only.
-        let at = unsafe {
-            libc::mmap(
-                aligned as *mut libc::c_void,
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                f.as_raw_fd(),
-                0,
-            )
-        };
-        if at == libc::MAP_FAILED {
-            let e = std::io::Error::last_os_error();
-            // SAFETY: our reservation, unmapped once.
-            unsafe { libc::munmap(base, reserved) };
-            return Err(e);
-        }
-        Ok(Self { base, reserved, at: at as *const u8, len })
-    }
-
-    pub fn bytes(&self) -> &[u8] {
-        // SAFETY: `at` maps `len` readable bytes for as long as `self` lives.
-        unsafe { std::slice::from_raw_parts(self.at, self.len) }
-    }
-}
-
-impl Drop for AlignedMap {
-    fn drop(&mut self) {
-        if self.reserved > 0 {
-            // SAFETY: the whole reservation (the file's mapping within it
-            // included), ours, unmapped once.
-            unsafe { libc::munmap(self.base, self.reserved) };
-        }
-    }
-}
-
 /// Removes what `STATE/maps` holds for no image of the store (`names`): the
 /// map files and indexes of images removed otherwise than by `images rm`,
 /// and the temporary files of a build that was killed.
@@ -452,8 +366,8 @@ pub fn gc(state_dir: &Path, names: &[String]) -> Vec<crate::image::Stale> {
 
 /// The share of the mapped file in the page cache (mincore, which faults
 /// nothing in).
-fn resident(m: &AlignedMap) -> std::io::Result<f64> {
-    let b = m.bytes();
+fn resident(m: &memmap2::Mmap) -> std::io::Result<f64> {
+    let b: &[u8] = m;
     if b.is_empty() {
         return Ok(1.0);
     }
@@ -516,7 +430,13 @@ pub fn for_wake(
     if len != idx.size {
         return Err(format!("its map file is {len} bytes, not {}", idx.size));
     }
-    let mm = AlignedMap::new(&f, len).map_err(|e| format!("its map file: {e}"))?;
+    // SAFETY: a read-only mapping of a root-only file that no one writes
+    // while the wake runs; its bytes are hashed and compared only, never
+    // handed on. (The kernel places a file mapping this large at a 2 MiB
+    // boundary, so the page cache's large folios are mapped whole: on the
+    // H200 a 2 MiB-aligned mapping of our own hashed 62.6 GB/s against
+    // 59.8 through this one, `bench_mapcheck`, Run 81.)
+    let mm = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| format!("its map file: {e}"))?;
     let warm = resident(&mm).map_err(|e| format!("its map file: {e}"))?;
     if warm < RESIDENT_MIN {
         return Err(format!(
@@ -533,7 +453,7 @@ pub fn for_wake(
     }
     let mut bytes = 0;
     for (pages, runs) in &by_pages {
-        bytes += wd.check_mapped(pages, runs, mm.bytes(), threads).map_err(|e| e.to_string())?;
+        bytes += wd.check_mapped(pages, runs, &mm, threads).map_err(|e| e.to_string())?;
     }
     drop(mm);
     let check_ms = started.elapsed().as_millis() as u64;
