@@ -127,3 +127,32 @@ fn an_image_hibernated_again_under_the_same_name_does_not_use_the_old_map_file()
     assert_eq!(w.restore_data(pid2), ["ok"]);
     assert_eq!(w.json(&["stop", &pid2.to_string(), "--grace", "2"]).code, 0);
 }
+
+#[test]
+fn a_mapped_wake_whose_lazy_restore_fails_restores_eagerly_over_the_mapping() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = hibernated_host_copy(&mut w, 64, "eg");
+    assert_eq!(w.json(&["images", "map", "eg"]).code, 0);
+    // A CRIU that refuses --lazy-pages: the wake falls back to an eager
+    // restore of the same work copy, where CRIU writes the regions' pages
+    // over the file's mapping (copy-on-write): the same bytes, no gain.
+    let wrapper = w.state_dir().with_file_name("criu-no-lazy");
+    std::fs::write(
+        &wrapper,
+        "#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = --lazy-pages ] && { echo 'Error (criu/uffd.c:1): Lazy pages are not available' >&2; exit 1; }; done\nexec criu \"$@\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let r = w.json(&["--criu", wrapper.to_str().unwrap(), "wake", "eg", "--no-guard", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["lazy"], false, "{v}");
+    assert_eq!(v["mapped_bytes"], 0, "{v}");
+    assert!(v["stages"]["map_check"].as_u64().is_some(), "{v}");
+    assert_eq!(w.restore_data(pid), ["ok"], "{v}");
+    w.assert_progressing(pid);
+    assert_eq!(w.status_of(pid).map(|s| s.2), Some(true));
+    assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "2"]).code, 0);
+}

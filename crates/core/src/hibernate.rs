@@ -1597,7 +1597,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             finish_ms: ms(t_finish),
             pages_ms,
             pages_bytes,
-            mapped,
+            // A lazy restore that fell back to an eager one copied the
+            // regions in over the file's mapping: nothing was mapped.
+            mapped: if pages.is_some() { mapped } else { crate::mapfile::Mapped { bytes: 0, ..mapped } },
             file_pages_bytes,
             lazy: pages.is_some(),
             verify,
