@@ -355,20 +355,34 @@ fn host_copy(cuda: &Cuda, mib: u64) -> Result<(), String> {
     let register_thread: RegisterThread =
         *unsafe { cuda._lib.get(b"fakeRegisterRestoreThread\0") }.map_err(|e| e.to_string())?;
     let len = usize::try_from(mib * 1024 * 1024).map_err(|e| e.to_string())?;
-    // SAFETY: a fresh private anonymous mapping; nothing in this program
-    // reads or writes it (it is the driver's), and it is never unmapped.
-    let addr = unsafe {
+    // A page of PROT_NONE on either side keeps the host copy a mapping of
+    // its own: the kernel would otherwise merge it with a neighbour of the
+    // same protection (the stack of the thread started below lands right
+    // under it), and CRIU dumps the pages at a thread's stack pointer
+    // eagerly, so the merged VMA would not be all lazy (a map file would
+    // then leave it out: crates/core/src/mapfile.rs).
+    let page = 4096;
+    // SAFETY: a fresh private anonymous reservation; nothing in this
+    // program reads or writes it (its middle is the driver's), and it is
+    // never unmapped.
+    let base = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
+            len + 2 * page,
+            libc::PROT_NONE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
             0,
         )
     };
-    if addr == libc::MAP_FAILED {
+    if base == libc::MAP_FAILED {
         return Err(format!("mmap of the host copy: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: the middle of our own reservation, page-aligned.
+    let addr = unsafe { base.cast::<u8>().add(page).cast::<libc::c_void>() };
+    // SAFETY: `addr..addr + len` lies inside the reservation above.
+    if unsafe { libc::mprotect(addr, len, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
+        return Err(format!("mprotect of the host copy: {}", std::io::Error::last_os_error()));
     }
     // SAFETY: no pointers are dereferenced; the fake records the range.
     cuda.check("fakeRegisterHostCopy", unsafe { register(addr as u64, len as u64) })?;
