@@ -218,13 +218,7 @@ fn a_criu_that_cannot_restore_lazily_falls_back_to_eager_with_a_notice() {
     let (pid, out) = mem_proc(&mut w, "fallback", 8);
     hibernate(&w, pid, "mem");
     // A CRIU (or kernel) without lazy restores: the lazy restore fails.
-    let wrapper = w.state_dir().with_file_name("criu-no-lazy");
-    std::fs::write(
-        &wrapper,
-        "#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = --lazy-pages ] && { echo 'Error (criu/uffd.c:1): Lazy pages are not available' >&2; exit 1; }; done\nexec criu \"$@\"\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let wrapper = criu_without_lazy(&w);
     let r = wake(&mut w, pid, &["--criu", wrapper.to_str().unwrap(), "wake", "mem", "--no-guard"]);
     let v = r.json();
     assert_eq!(v["lazy"], false, "{v}");

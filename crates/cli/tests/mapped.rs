@@ -139,13 +139,7 @@ fn a_mapped_wake_whose_lazy_restore_fails_restores_eagerly_over_the_mapping() {
     // A CRIU that refuses --lazy-pages: the wake falls back to an eager
     // restore of the same work copy, where CRIU writes the regions' pages
     // over the file's mapping (copy-on-write): the same bytes, no gain.
-    let wrapper = w.state_dir().with_file_name("criu-no-lazy");
-    std::fs::write(
-        &wrapper,
-        "#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = --lazy-pages ] && { echo 'Error (criu/uffd.c:1): Lazy pages are not available' >&2; exit 1; }; done\nexec criu \"$@\"\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let wrapper = criu_without_lazy(&w);
     let r = w.json(&["--criu", wrapper.to_str().unwrap(), "wake", "eg", "--no-guard", "--wait", "10"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.adopt(pid);

@@ -1121,10 +1121,7 @@ impl Workdir {
                 i += 1;
             }
         }
-        let next = AtomicUsize::new(0);
-        let failed: Mutex<Option<ImageError>> = Mutex::new(None);
-        let stop = AtomicBool::new(false);
-        let one = |i: usize, r: usize| -> Result<(), ImageError> {
+        let one = |&(i, r): &(usize, usize)| -> Result<(), ImageError> {
             let (ro, rl, mo) = runs[r];
             let c = &f.chunks[i];
             let (cs, ce) = (f.ends[i] - c.size, f.ends[i]);
@@ -1150,25 +1147,8 @@ impl Workdir {
             }
             Ok(())
         };
-        std::thread::scope(|sc| {
-            for _ in 0..threads.max(1) {
-                sc.spawn(|| {
-                    while !stop.load(Ordering::Relaxed) {
-                        let Some(&(i, r)) = items.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
-                        if let Err(e) = one(i, r) {
-                            stop.store(true, Ordering::Relaxed);
-                            if let Ok(mut g) = failed.lock() {
-                                g.get_or_insert(e);
-                            }
-                        }
-                    }
-                });
-            }
-        });
-        match failed.into_inner().ok().flatten() {
-            Some(e) => Err(e),
-            None => Ok(runs.iter().map(|r| r.1).sum()),
-        }
+        for_each_on(&items, threads, one)?;
+        Ok(runs.iter().map(|r| r.1).sum())
     }
 
     /// Every chunk of the image's store-held files is in the local store.
@@ -1189,6 +1169,38 @@ impl Workdir {
 
     fn io(&self, op: &str, e: io::Error) -> ImageError {
         ImageError::Io { name: self.name().into(), op: op.into(), err: e }
+    }
+}
+
+/// Runs `f` on every item on `threads` threads (at least one), items taken
+/// in order as threads come free; after the first error no item is begun,
+/// and that error is the result.
+pub(crate) fn for_each_on<T: Sync, E: Send>(
+    items: &[T],
+    threads: usize,
+    f: impl Fn(&T) -> Result<(), E> + Sync,
+) -> Result<(), E> {
+    let next = AtomicUsize::new(0);
+    let failed: Mutex<Option<E>> = Mutex::new(None);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        for _ in 0..threads.max(1) {
+            sc.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let Some(item) = items.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
+                    if let Err(e) = f(item) {
+                        stop.store(true, Ordering::Relaxed);
+                        if let Ok(mut g) = failed.lock() {
+                            g.get_or_insert(e);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    match failed.into_inner().ok().flatten() {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
 }
 

@@ -201,7 +201,7 @@ pub fn valid_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
-fn io(name: &str, op: impl Into<String>) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
+pub(crate) fn io(name: &str, op: impl Into<String>) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
     let op = op.into();
     move |err| ImageError::Io { name: name.to_string(), op, err }
 }

@@ -29,20 +29,18 @@
 //! Only VMAs that CRIU could restore lazily and whose every page is in the
 //! image qualify, of at least [`MIN_REGION`] bytes, in CUDA processes. The
 //! driver releases its host copy at the end of its restore, and replaces
-//! the mapping with fresh anonymous memory at its next checkpoint (Run 78),
+//! the mapping with fresh anonymous memory at its next checkpoint (Run 79),
 //! so the next image of the process refers to no map file.
 
 use crate::chunksrc::Workdir;
-use crate::image::{ImageError, Manifest};
+use crate::image::{io, ImageError, Manifest};
 use gpusnap_pages::mapped::FileMap;
 use gpusnap_pages::{PageSource, Vma, PE_LAZY, PE_PRESENT, VMA_ANON_PRIVATE};
 use serde::{Deserialize, Serialize};
 use std::fs;
-use std::io::Write;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 /// The smallest region mapped from the file (`GPUSNAP_MAP_MIN_MIB`).
@@ -58,6 +56,11 @@ const HUGE: u64 = 2 << 20;
 const PIECE: u64 = 32 << 20;
 const FORMAT: u32 = 1;
 const PROT_RW: u32 = 0x3;
+
+thread_local! {
+    /// A building thread's piece, reused (not zeroed again for every piece).
+    static PIECE_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// One region of a process kept in the map file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -91,18 +94,8 @@ pub fn paths(state_dir: &Path, name: &str) -> (PathBuf, PathBuf) {
     (d.join(format!("{name}.map")), d.join(format!("{name}.json")))
 }
 
-/// A name of the store's (a path names an image elsewhere, with no map file).
-fn plain(name: &str) -> bool {
-    !name.is_empty() && !name.contains('/') && !name.starts_with('.')
-}
-
 fn min_region() -> u64 {
     std::env::var(MIN_ENV).ok().and_then(|v| v.parse::<u64>().ok()).map(|m| m << 20).unwrap_or(MIN_REGION)
-}
-
-fn io(name: &str, op: &str) -> impl FnOnce(std::io::Error) -> ImageError {
-    let (name, op) = (name.to_string(), op.to_string());
-    move |err| ImageError::Io { name, op, err }
 }
 
 /// The regions of image `m` (at `dir`) that a map file holds: in each CUDA
@@ -119,7 +112,7 @@ pub fn plan(dir: &Path, m: &Manifest) -> Result<Vec<Region>, ImageError> {
         let (pages_id, vmas, runs) = gpusnap_pages::layout(&images, p.pid)
             .map_err(|e| ImageError::Corrupt { name: m.name.clone(), why: e.to_string() })?;
         for v in vmas.iter().filter(|v| v.end - v.start >= min) {
-            if !candidate(v, min) {
+            if !candidate(v) {
                 tracing::debug!(
                     pid = p.pid,
                     start = v.start,
@@ -176,8 +169,8 @@ pub fn plan(dir: &Path, m: &Manifest) -> Result<Vec<Region>, ImageError> {
     Ok(out)
 }
 
-fn candidate(v: &Vma, min: u64) -> bool {
-    v.status & VMA_ANON_PRIVATE != 0 && v.prot & PROT_RW == PROT_RW && v.end - v.start >= min
+fn candidate(v: &Vma) -> bool {
+    v.status & VMA_ANON_PRIVATE != 0 && v.prot & PROT_RW == PROT_RW
 }
 
 /// The map file's size: the end of its last region.
@@ -207,7 +200,7 @@ pub fn build(
     progress: &dyn crate::Progress,
 ) -> Result<Option<Built>, ImageError> {
     let started = Instant::now();
-    if !plain(name) {
+    if !crate::image::valid_name(name) {
         return Err(ImageError::Foreign {
             name: name.into(),
             why: "map files are kept for images of the store (import it first)".into(),
@@ -231,13 +224,9 @@ pub fn build(
         ImageError::Corrupt { name: name.into(), why: "its pages are not in the store".into() }
     })?;
     let tmp = map.with_extension(format!("map.tmp-{}", std::process::id()));
-    let f = fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(io(name, "create the map file"))?;
+    // One of a killed gpusnap that had this pid, if any (gc removes them too).
+    let _ = fs::remove_file(&tmp);
+    let f = crate::image::create_private(&tmp).map_err(io(name, "create the map file"))?;
     f.set_len(size).map_err(io(name, "size the map file"))?;
     // Pieces of at most PIECE bytes, cut at PIECE boundaries of the map
     // file (large, aligned writes: the page cache keeps large folios).
@@ -253,48 +242,27 @@ pub fn build(
             }
         }
     }
-    let next = AtomicUsize::new(0);
-    let failed: Mutex<Option<ImageError>> = Mutex::new(None);
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).min(8);
-    let written = std::sync::atomic::AtomicU64::new(0);
+    let written = AtomicU64::new(0);
     progress.begin(&format!("map {name}"), pieces.iter().map(|p| p.2).sum());
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| {
-                let mut buf = Vec::new();
-                while let Some((pages, off, len, at)) = pieces.get(next.fetch_add(1, Ordering::Relaxed)) {
-                    if failed.lock().map(|g| g.is_some()).unwrap_or(true) {
-                        return;
-                    }
-                    buf.resize(*len as usize, 0);
-                    let r = wd
-                        .source
-                        .open(pages)
-                        .map_err(|e| ImageError::Corrupt { name: name.into(), why: e.to_string() })
-                        .and_then(|pf| {
-                            pf.read_at(*off, &mut buf).map_err(|e| ImageError::Corrupt {
-                                name: name.into(),
-                                why: format!("{pages} at {off:#x}: {e}"),
-                            })
-                        })
-                        .and_then(|()| f.write_all_at(&buf, *at).map_err(io(name, "write the map file")));
-                    match r {
-                        Ok(()) => progress.update(written.fetch_add(*len, Ordering::Relaxed) + len),
-                        Err(e) => {
-                            if let Ok(mut g) = failed.lock() {
-                                g.get_or_insert(e);
-                            }
-                        }
-                    }
-                }
-            });
-        }
+    let wrote = crate::chunksrc::for_each_on(&pieces, threads, |(pages, off, len, at)| {
+        let pf = wd
+            .source
+            .open(pages)
+            .map_err(|e| ImageError::Corrupt { name: name.into(), why: e.to_string() })?;
+        PIECE_BUF.with_borrow_mut(|buf| {
+            buf.resize(*len as usize, 0);
+            pf.read_at(*off, buf).map_err(|e| ImageError::Corrupt {
+                name: name.into(),
+                why: format!("{pages} at {off:#x}: {e}"),
+            })?;
+            f.write_all_at(buf, *at).map_err(io(name, "write the map file"))
+        })?;
+        progress.update(written.fetch_add(*len, Ordering::Relaxed) + len);
+        Ok(())
     });
     progress.end();
-    let done = match failed.into_inner().ok().flatten() {
-        Some(e) => Err(e),
-        None => f.sync_data().map_err(io(name, "write the map file")),
-    };
+    let done = wrote.and_then(|()| f.sync_data().map_err(io(name, "write the map file")));
     if let Err(e) = done {
         let _ = fs::remove_file(&tmp);
         return Err(e);
@@ -311,14 +279,7 @@ pub fn build(
     let body = serde_json::to_vec_pretty(&idx)
         .map_err(|e| io(name, "write the map index")(std::io::Error::other(e)))?;
     let itmp = index.with_extension(format!("json.tmp-{}", std::process::id()));
-    let mut w = fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&itmp)
-        .map_err(io(name, "write the map index"))?;
-    w.write_all(&body).and_then(|()| w.sync_data()).map_err(io(name, "write the map index"))?;
+    crate::image::write_private(&itmp, &body).map_err(io(name, "write the map index"))?;
     fs::rename(&itmp, &index).map_err(io(name, "write the map index"))?;
     Ok(Some(Built {
         path: map.display().to_string(),
@@ -332,7 +293,7 @@ pub fn build(
 /// Removes image `name`'s map file and index, if there are (nothing for a
 /// name that is a path: such an image has no map file).
 pub fn remove(state_dir: &Path, name: &str) {
-    if !plain(name) {
+    if !crate::image::valid_name(name) {
         return;
     }
     let (map, index) = paths(state_dir, name);
@@ -404,7 +365,7 @@ pub fn for_wake(
     m: &Manifest,
     wd: &Workdir,
 ) -> Result<Option<Mapped>, String> {
-    if !plain(name) || std::env::var(ENABLE_ENV).is_ok_and(|v| v == "0") {
+    if !crate::image::valid_name(name) || std::env::var(ENABLE_ENV).is_ok_and(|v| v == "0") {
         return Ok(None);
     }
     let (map, index) = paths(state_dir, name);

@@ -14,11 +14,11 @@ pub mod pb {
     include!(concat!(env!("OUT_DIR"), "/_.rs"));
 }
 
-const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
+pub(crate) const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
 /// Service files (stats, irmap-cache) start with this instead.
 pub(crate) const IMG_SERVICE_MAGIC: u32 = 0x5510_5940;
-const PAGEMAP_MAGIC: u32 = 0x5608_4025;
-const MM_MAGIC: u32 = 0x5749_2820;
+pub(crate) const PAGEMAP_MAGIC: u32 = 0x5608_4025;
+pub(crate) const MM_MAGIC: u32 = 0x5749_2820;
 
 /// criu/include/pagemap.h
 pub const PE_PARENT: u32 = 1 << 0;
@@ -116,22 +116,13 @@ fn pagemap(images: &Path, pid: i32) -> Result<(u32, Vec<PagemapRun>), PagesError
 /// VMA boundaries (one UFFDIO_COPY cannot cross a VMA), in address order;
 /// and the id of its pages file.
 pub fn lazy_iovs(images: &Path, pid: i32) -> Result<(u32, Vec<Iov>), PagesError> {
-    let (pages_id, runs) = pagemap(images, pid)?;
+    let (pages_id, vmas, runs) = layout(images, pid)?;
     let pm_path = images.join(format!("pagemap-{pid}.img"));
-    let mm_path = images.join(format!("mm-{pid}.img"));
-    let mm = entries(&mm_path, MM_MAGIC)?;
-    let mm = mm.first().ok_or_else(|| PagesError::Image {
-        path: mm_path.display().to_string(),
-        why: "no mm entry".into(),
-    })?;
-    let mm = pb::MmEntry::decode(mm.as_slice())
-        .map_err(|e| PagesError::Image { path: mm_path.display().to_string(), why: e.to_string() })?;
-    let mut vmas: Vec<(u64, u64, u32)> = mm.vmas.iter().map(|v| (v.start, v.end, v.status)).collect();
-    vmas.sort();
     // Lazy pages in a VMA that is a private file mapping are not served: a
     // mapped wake (gpusnap-core's mapfile) turned it into a private mapping
     // of a file that holds them, and CRIU registers no userfaultfd there.
-    let mapped = |at: u64| vmas.iter().any(|v| at >= v.0 && at < v.1 && v.2 & VMA_FILE_PRIVATE != 0);
+    let mapped =
+        |at: u64| vmas.iter().any(|v| at >= v.start && at < v.end && v.status & VMA_FILE_PRIVATE != 0);
 
     let mut out = Vec::new();
     for r in runs.iter().filter(|r| r.flags & PE_LAZY != 0) {
@@ -145,7 +136,7 @@ pub fn lazy_iovs(images: &Path, pid: i32) -> Result<(u32, Vec<Iov>), PagesError>
         // Split at VMA ends, as criu/uffd.c collect_iovs does.
         let (mut s, e) = (r.vaddr, r.vaddr + r.len);
         while s < e {
-            let vma_end = vmas.iter().find(|v| s >= v.0 && s < v.1).map(|v| v.1).unwrap_or(e);
+            let vma_end = vmas.iter().find(|v| s >= v.start && s < v.end).map(|v| v.end).unwrap_or(e);
             let end = e.min(vma_end);
             if !mapped(s) {
                 out.push(Iov { start: s, end, off: r.off + (s - r.vaddr) });

@@ -14,15 +14,13 @@
 //! the pages file, and the page server leaves them out
 //! ([`crate::lazy_iovs`]).
 
-use crate::image::{entries_after, pb, VMA_AREA_REGULAR, VMA_FILE_PRIVATE};
+use crate::image::{entries_after, pb, IMG_COMMON_MAGIC, MM_MAGIC, VMA_AREA_REGULAR, VMA_FILE_PRIVATE};
 use crate::PagesError;
 use prost::Message;
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
-const MM_MAGIC: u32 = 0x5749_2820;
 const FILES_MAGIC: u32 = 0x5630_3138;
 const MAP_PRIVATE: u32 = 0x02;
 const MAP_ANONYMOUS: u32 = 0x20;
@@ -134,9 +132,7 @@ pub fn map_vmas(images: &Path, pid: i32, maps: &[FileMap], file_id: u32) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::image::{PE_LAZY, PE_PRESENT, VMA_ANON_PRIVATE};
-
-    const PAGEMAP_MAGIC: u32 = 0x5608_4025;
+    use crate::image::{PAGEMAP_MAGIC, PE_LAZY, PE_PRESENT, VMA_ANON_PRIVATE};
     const MB: u64 = 1 << 20;
 
     fn vma(start: u64, end: u64) -> pb::VmaEntry {

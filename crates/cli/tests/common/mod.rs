@@ -784,3 +784,17 @@ pub fn hibernated_host_copy(w: &mut World, host_mib: u64, image: &str) -> i32 {
     assert!(w.restore_data(pid).is_empty(), "no restore yet: {:?}", w.restore_data(pid));
     pid
 }
+
+/// A CRIU (a wrapper beside the state directory) that refuses
+/// `--lazy-pages` as a CRIU or kernel without lazy restores does, and runs
+/// the real one otherwise; for `--criu`.
+pub fn criu_without_lazy(w: &World) -> PathBuf {
+    let wrapper = w.state_dir().with_file_name("criu-no-lazy");
+    std::fs::write(
+        &wrapper,
+        "#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = --lazy-pages ] && { echo 'Error (criu/uffd.c:1): Lazy pages are not available' >&2; exit 1; }; done\nexec criu \"$@\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    wrapper
+}
