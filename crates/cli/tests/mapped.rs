@@ -152,3 +152,41 @@ fn a_mapped_wake_whose_lazy_restore_fails_restores_eagerly_over_the_mapping() {
     assert_eq!(w.status_of(pid).map(|s| s.2), Some(true));
     assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "2"]).code, 0);
 }
+
+#[test]
+fn images_map_refuses_a_path_and_a_corrupt_image_and_leaves_nothing_behind() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    hibernated_host_copy(&mut w, 64, "cm");
+    // A path: map files are kept for the store's images.
+    let dir = w.state_dir().join("images/cm");
+    let r = w.json(&["images", "map", dir.to_str().unwrap()]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("map files are kept for images of the store"), "{}", r.stderr);
+    // Every chunk of its pages damaged: the build reads them checked and
+    // stops at the first bad one; no map file, index or temporary is left.
+    let mut good = Vec::new();
+    for h in pages_chunks(&w.state_dir(), "cm") {
+        let p = w.state_dir().join("store/chunks").join(&h[..2]).join(&h);
+        let bytes = std::fs::read(&p).unwrap();
+        let mut bad = bytes.clone();
+        let at = bad.len() / 2;
+        bad[at] ^= 0x5a;
+        std::fs::write(&p, &bad).unwrap();
+        good.push((p, bytes));
+    }
+    let r = w.json(&["images", "map", "cm"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "image_invalid", "{}", r.stderr);
+    let maps = w.state_dir().join("maps");
+    let left: Vec<_> =
+        std::fs::read_dir(&maps).map(|d| d.filter_map(|e| e.ok()).collect()).unwrap_or_default();
+    assert!(left.is_empty(), "{:?}", left.iter().map(|e| e.file_name()).collect::<Vec<_>>());
+    // Nothing lost: the chunks put back, the map builds.
+    for (p, bytes) in good {
+        std::fs::write(&p, bytes).unwrap();
+    }
+    let r = w.json(&["images", "map", "cm"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.json()["regions"].as_u64().unwrap() >= 1, "{}", r.stdout);
+}
