@@ -37,6 +37,7 @@ fn a_wake_maps_the_host_copy_from_the_map_file_and_the_driver_reads_it_intact() 
     w.adopt(pid);
     let v = r.json();
     assert!(v["mapped_bytes"].as_u64().unwrap() >= 128 << 20, "{v}");
+    assert!(v["stages"]["map_hash"].as_u64().unwrap() <= v["stages"]["map_check"].as_u64().unwrap(), "{v}");
     assert!(!r.stderr.contains("notice"), "{}", r.stderr);
     // The page server served the rest only: not the host copy.
     assert!(v["pages_bytes"].as_u64().unwrap() < 128 << 20, "{v}");
@@ -105,6 +106,30 @@ fn a_map_file_that_differs_from_the_image_is_not_used_and_the_wake_fills_memory(
     assert!(v["pages_bytes"].as_u64().unwrap() >= 64 << 20, "{v}");
     assert_eq!(w.restore_data(pid), ["ok"], "{v}");
     assert!(!maps_of(pid).contains("bad.map"));
+    assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "2"]).code, 0);
+}
+
+#[test]
+fn a_map_file_out_of_the_page_cache_is_not_used_and_the_wake_fills_memory() {
+    use std::os::fd::AsRawFd;
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = hibernated_host_copy(&mut w, 64, "cold");
+    assert_eq!(w.json(&["images", "map", "cold"]).code, 0);
+    // The build flushed it: dropped from the page cache, it is cold (its
+    // faults would be the driver's, one thread, where the page server
+    // reads the image on many).
+    let f = std::fs::File::open(w.state_dir().join("maps/cold.map")).unwrap();
+    // SAFETY: fadvise on an open file of the test's own state directory.
+    assert_eq!(unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) }, 0);
+    let r = w.json(&["wake", "cold", "--no-guard", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    let v = r.json();
+    assert_eq!(v["mapped_bytes"], 0, "{v}");
+    assert!(r.stderr.contains("in the page cache"), "{}", r.stderr);
+    assert_eq!(w.restore_data(pid), ["ok"], "{v}");
+    assert!(!maps_of(pid).contains("cold.map"));
     assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "2"]).code, 0);
 }
 

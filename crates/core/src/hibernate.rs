@@ -246,6 +246,8 @@ pub struct Stages {
     /// The check of the map file against the image's chunks before CRIU
     /// (part of `criu`; 0 without a map file).
     pub map_check: u64,
+    /// The hash of the map file's bytes in it (part of `map_check`).
+    pub map_hash: u64,
 }
 
 /// An image of CUDA processes on a host whose driver is missing or could not start.
@@ -1002,6 +1004,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                         driver_start: w.driver_start_ms,
                         finish: w.finish_ms,
                         map_check: w.mapped.check_ms,
+                        map_hash: w.mapped.hash_ms,
                     },
                     pages: w.report,
                 }),
