@@ -809,6 +809,9 @@ impl Agent {
             lock_timeout_ms: LOCK_TIMEOUT_MS,
             durable: true,
             big_pipes: false,
+            // A map file is a second page-cache copy of the host copies: the
+            // agent hibernates to free host memory, so it builds none.
+            map: false,
         };
         // A running service is suspended first by the hibernate: that
         // checkpoint is sped up as a suspend's is.

@@ -121,6 +121,12 @@ enum Cmd {
         /// larger pipes, see docs/images.md). Also GPUSNAP_DUMP_BIG_PIPES=1.
         #[arg(long)]
         big_pipes: bool,
+        /// Also build the image's map file (as `gpusnap images map`): a warm
+        /// wake then maps its CUDA processes' host copies from the page cache
+        /// instead of filling them (disk and page cache the size of those
+        /// host copies; see docs/pages.md, "The mapped wake").
+        #[arg(long)]
+        map: bool,
     },
     /// Keep an image of a process tree and leave it as it is (= hibernate --leave-running).
     Snapshot {
@@ -650,7 +656,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 output::resumed,
             )
         }
-        Cmd::Hibernate { select, image, leave_running, lock_timeout, no_sync, thp, big_pipes } => {
+        Cmd::Hibernate { select, image, leave_running, lock_timeout, no_sync, thp, big_pipes, map } => {
             let _thp = thp.then(|| gpusnap_core::thp::Always::on(&cli.state_dir)).transpose()?;
             let opts = HibernateOptions {
                 name: image.clone(),
@@ -658,6 +664,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 lock_timeout_ms: *lock_timeout,
                 durable: !no_sync,
                 big_pipes: *big_pipes,
+                map: *map,
             };
             hibernate(cli, out, select, &opts)
         }
@@ -668,6 +675,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 lock_timeout_ms: *lock_timeout,
                 durable: true,
                 big_pipes: *big_pipes,
+                map: false,
             };
             hibernate(cli, out, select, &opts)
         }
@@ -1107,6 +1115,7 @@ fn snapshot_if_suspended(e: &mut DynEngine, criu: &Criu, store: &ImageStore, pid
         lock_timeout_ms: 30_000,
         durable: true,
         big_pipes: false,
+        map: false,
     };
     let tree: Vec<i32> = gpusnap_core::hibernate::process_tree(pid).into_iter().map(|(p, _)| p).collect();
     let detached = gpusnap_core::guard::detach_for(store_dir(store), &tree)?;

@@ -58,8 +58,11 @@ pub fn resumed(r: &ResumeReport) -> String {
 
 pub fn hibernated(r: &HibernateReport) -> String {
     let what = if r.left_running { "left running" } else { "ended" };
+    let map = r.map.as_ref().map_or(String::new(), |b| {
+        format!("; map file {} ({} in {} regions, {})", b.path, gib(b.bytes), b.regions, secs(b.ms))
+    });
     format!(
-        "image {} ({}): {} process(es), {} with CUDA, {} in {} (suspend {}, dump {}, write {}); tree {what}",
+        "image {} ({}): {} process(es), {} with CUDA, {} in {} (suspend {}, dump {}, write {}); tree {what}{map}",
         r.image,
         r.path.display(),
         r.processes.len(),

@@ -110,12 +110,27 @@ fn a_map_file_that_differs_from_the_image_is_not_used_and_the_wake_fills_memory(
 }
 
 #[test]
-fn a_map_file_out_of_the_page_cache_is_not_used_and_the_wake_fills_memory() {
+fn hibernate_map_builds_the_map_file_and_one_out_of_the_page_cache_is_not_used() {
     use std::os::fd::AsRawFd;
     criu_present();
     let mut w = World::new(&[16_384]);
-    let pid = hibernated_host_copy(&mut w, 64, "cold");
-    assert_eq!(w.json(&["images", "map", "cold"]).code, 0);
+    // `hibernate --map` builds the map file with the image.
+    let pid = w.workload(64, 0, &["--host-copy-mib", "64"]);
+    let r = w.json(&["hibernate", &pid.to_string(), "--image", "cold", "--map"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    let b = r.json();
+    assert!(b["map"]["regions"].as_u64().unwrap() >= 1, "{b}");
+    assert!(b["map"]["bytes"].as_u64().unwrap() >= 64 << 20, "{b}");
+    assert!(w.state_dir().join("maps/cold.json").is_file());
+    // A tree with no CUDA process has nothing to map: a notice, the image stands.
+    let (plain, _) = w.cpu_tree();
+    let r = w.json(&["hibernate", &plain.to_string(), "--image", "plain", "--map"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(plain);
+    assert!(r.json().get("map").is_none(), "{}", r.stdout);
+    assert!(r.stderr.contains("no region to map"), "{}", r.stderr);
+    assert!(!w.state_dir().join("maps/plain.json").exists());
     // The build flushed it: dropped from the page cache, it is cold (its
     // faults would be the driver's, one thread, where the page server
     // reads the image on many).

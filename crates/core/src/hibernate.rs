@@ -37,6 +37,11 @@ pub struct HibernateOptions {
     /// CAP_SYS_RESOURCE (`--big-pipes`, [`crate::hostknob::BigPipes`]; also
     /// `GPUSNAP_DUMP_BIG_PIPES=1`).
     pub big_pipes: bool,
+    /// Build each image's map file once it is committed (`--map`, as
+    /// `gpusnap images map`; [`crate::mapfile`]): a warm wake then maps its
+    /// CUDA processes' host copies instead of filling them. A map file that
+    /// cannot be built is a notice; the image stands.
+    pub map: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -57,6 +62,9 @@ pub struct HibernateReport {
     /// wrote none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub criu_stats: Option<gpusnap_pages::DumpStats>,
+    /// The map file built after it (`--map`); None without one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub map: Option<crate::mapfile::Built>,
     /// Time of each stage in ms: suspend, dump (CRIU as a whole), commit
     /// (gpusnap's checksums, chunking, manifest, flush), and inside dump
     /// CRIU's own: frozen, drain (the parasite draining pages into pipes)
@@ -428,7 +436,30 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         opts: &HibernateOptions,
     ) -> Result<HibernateReport, Error> {
         let d = self.dump_tree(criu, images, root, opts)?;
-        self.finish_hibernate(d, opts)
+        let mut r = self.finish_hibernate(d, opts)?;
+        if opts.map {
+            self.map_after(images, &mut r);
+        }
+        Ok(r)
+    }
+
+    /// Builds the map file of a committed image (`--map`). The image and
+    /// the hibernate stand whatever happens here: a failure is a notice.
+    fn map_after(&self, images: &ImageStore, r: &mut HibernateReport) {
+        let built = images.manifest(&r.image).and_then(|(dir, m)| {
+            crate::mapfile::build(images.state_dir(), &r.image, &dir, &m, self.progress())
+        });
+        match built {
+            Ok(Some(b)) => r.map = Some(b),
+            Ok(None) => eprintln!(
+                "gpusnap: notice: image {}: no region to map (no large memory of a CUDA process)",
+                r.image
+            ),
+            Err(e) => eprintln!(
+                "gpusnap: notice: image {}: its map file was not built ({e}); a wake fills its memory",
+                r.image
+            ),
+        }
     }
 
     /// Hibernates several trees (a group: the roots of the processes of a
@@ -464,7 +495,13 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // nothing to put back.
         let results: Vec<_> =
             dumped.into_iter().map(|d| (d.report.root_pid, self.finish_hibernate(d, opts))).collect();
-        Self::fail_group(results, |_| {})
+        let mut reports = Self::fail_group(results, |_| {})?;
+        if opts.map {
+            for r in &mut reports {
+                self.map_after(images, r);
+            }
+        }
+        Ok(reports)
     }
 
     /// Steps 1-3 of a hibernate: suspended, dumped, image committed; the
@@ -837,6 +874,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     dump_dir,
                 },
                 criu_stats,
+                map: None,
             },
             started,
             pids,
