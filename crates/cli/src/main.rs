@@ -753,7 +753,18 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Images { cmd } => {
             let store = images(cli)?;
             match cmd.as_ref().unwrap_or(&ImagesCmd::List) {
-                ImagesCmd::List => out.images(&store.list()),
+                ImagesCmd::List => {
+                    let list = store.list();
+                    let maps: Vec<Option<u64>> = list
+                        .iter()
+                        .map(|r| {
+                            r.as_ref()
+                                .ok()
+                                .and_then(|(n, m)| gpusnap_core::mapfile::present(&cli.state_dir, n, m))
+                        })
+                        .collect();
+                    out.images(&list, &maps)
+                }
                 ImagesCmd::Verify { image } => {
                     let (_, m) = store.verify(image, |_| {}).map_err(Error::Image)?;
                     out.one(

@@ -197,30 +197,41 @@ impl Out {
 
     /// Images by their directories' names; what a manifest says is
     /// untrusted text (escaped) until it is verified.
-    pub fn images(&self, list: &[Result<Named, (String, ImageError)>]) {
+    /// The store's images; `maps`: the size of each one's map file, if it
+    /// has one (`images map`).
+    pub fn images(&self, list: &[Result<Named, (String, ImageError)>], maps: &[Option<u64>]) {
+        let map_of = |i: usize| maps.get(i).copied().flatten();
         if self.json {
             let v: Vec<_> = list
                 .iter()
-                .map(|r| match r {
-                    Ok((n, m)) => json!({ "name": n, "created_ms": m.created_ms, "host": m.host, "root_pid": m.root_pid,
+                .enumerate()
+                .map(|(i, r)| match r {
+                    Ok((n, m)) => {
+                        json!({ "name": n, "created_ms": m.created_ms, "host": m.host, "root_pid": m.root_pid,
                         "processes": m.processes.len(), "cuda": m.processes.iter().filter(|p| p.cuda).count(),
-                        "bytes": m.total_bytes(), "footprint_bytes": m.footprint_total(), "signer": m.signer }),
+                        "bytes": m.total_bytes(), "footprint_bytes": m.footprint_total(), "signer": m.signer,
+                        "map_bytes": map_of(i) })
+                    }
                     Err((n, e)) => json!({ "name": n, "error": e.to_string() }),
                 })
                 .collect();
             self.emit(json!({ "images": v }));
             return;
         }
-        println!("{:<40} {:>8} {:>6} {:>10} {:>12}  HOST", "IMAGE", "ROOT", "PROCS", "SIZE", "GPU MEMORY");
-        for r in list {
+        println!(
+            "{:<40} {:>8} {:>6} {:>10} {:>12} {:>10}  HOST",
+            "IMAGE", "ROOT", "PROCS", "SIZE", "GPU MEMORY", "MAP FILE"
+        );
+        for (i, r) in list.iter().enumerate() {
             match r {
                 Ok((n, m)) => println!(
-                    "{:<40} {:>8} {:>6} {:>10} {:>12}  {}",
+                    "{:<40} {:>8} {:>6} {:>10} {:>12} {:>10}  {}",
                     printable(n),
                     m.root_pid,
                     m.processes.len(),
                     gib(m.total_bytes()),
                     gib(m.footprint_total()),
+                    map_of(i).map_or("-".to_string(), gib),
                     printable(&m.host)
                 ),
                 Err((n, e)) => println!("{:<40} unreadable: {}", printable(n), printable(&e.to_string())),

@@ -145,7 +145,8 @@ fn a_fill_paced_to_the_driver_restore_keeps_behind_it_and_brings_every_page() {
     // whether the host copy was lazy.)
     assert!(
         pace.is_object(),
-        "the fill was paced: {v}\nwake stderr: {}\nmaps: {}",
+        "the fill was paced: {v}\nthe restore read: {:?}\nwake stderr: {}\nmaps: {}",
+        w.restore_data(pid),
         r.stderr,
         std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default()
     );

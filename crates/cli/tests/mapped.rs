@@ -31,6 +31,13 @@ fn a_wake_maps_the_host_copy_from_the_map_file_and_the_driver_reads_it_intact() 
     }
     let map = w.state_dir().join("maps/mp.map");
     assert!(map.is_file() && w.state_dir().join("maps/mp.json").is_file());
+    // `images list` says which image has a map file, and how large.
+    let l = w.json(&["images", "list"]);
+    let img = &l.json()["images"][0];
+    assert_eq!(img["name"], "mp", "{}", l.stdout);
+    assert_eq!(img["map_bytes"].as_u64(), Some(std::fs::metadata(&map).unwrap().len()), "{}", l.stdout);
+    let human = w.gpusnap(&["images"]);
+    assert!(human.stdout.contains("MAP FILE"), "{}", human.stdout);
 
     let r = w.json(&["wake", "mp", "--no-guard", "--wait", "10"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
@@ -161,6 +168,9 @@ fn an_image_hibernated_again_under_the_same_name_does_not_use_the_old_map_file()
         "size": 4096, "regions": []});
     std::fs::write(w.state_dir().join("maps/again.json"), old.to_string()).unwrap();
     std::fs::write(w.state_dir().join("maps/again.map"), vec![0u8; 4096]).unwrap();
+    // A map file of another image of that name is none of this one's.
+    let l = w.json(&["images", "list"]);
+    assert!(l.json()["images"][0]["map_bytes"].is_null(), "{}", l.stdout);
     let r = w.json(&["wake", "again", "--no-guard", "--wait", "10"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     w.adopt(pid2);

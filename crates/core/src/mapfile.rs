@@ -290,6 +290,24 @@ pub fn build(
     }))
 }
 
+/// The size of image `name`'s map file when it has one whose index names
+/// this image (`m`: the same creation time and root pid), else None. Its
+/// layout, bytes and page-cache share are a wake's to check.
+pub fn present(state_dir: &Path, name: &str, m: &Manifest) -> Option<u64> {
+    if !crate::image::valid_name(name) {
+        return None;
+    }
+    let (map, index) = paths(state_dir, name);
+    let idx: Index = serde_json::from_slice(&fs::read(index).ok()?).ok()?;
+    let len = fs::metadata(map).ok()?.len();
+    (idx.format == FORMAT
+        && idx.image == name
+        && idx.created_ms == m.created_ms
+        && idx.root_pid == m.root_pid
+        && idx.size == len)
+        .then_some(len)
+}
+
 /// Removes image `name`'s map file and index, if there are (nothing for a
 /// name that is a path: such an image has no map file).
 pub fn remove(state_dir: &Path, name: &str) {
