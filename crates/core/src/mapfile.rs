@@ -300,12 +300,18 @@ pub fn present(state_dir: &Path, name: &str, m: &Manifest) -> Option<u64> {
     let (map, index) = paths(state_dir, name);
     let idx: Index = serde_json::from_slice(&fs::read(index).ok()?).ok()?;
     let len = fs::metadata(map).ok()?.len();
-    (idx.format == FORMAT
-        && idx.image == name
-        && idx.created_ms == m.created_ms
-        && idx.root_pid == m.root_pid
-        && idx.size == len)
-        .then_some(len)
+    (idx.names(name, m) && idx.size == len).then_some(len)
+}
+
+impl Index {
+    /// The index names image `name` as `m` describes it (not another image
+    /// hibernated under that name since).
+    fn names(&self, name: &str, m: &Manifest) -> bool {
+        self.format == FORMAT
+            && self.image == name
+            && self.created_ms == m.created_ms
+            && self.root_pid == m.root_pid
+    }
 }
 
 /// Removes image `name`'s map file and index, if there are (nothing for a
@@ -448,11 +454,7 @@ pub fn for_wake(
     let Ok(body) = fs::read(&index) else { return Ok(None) };
     let idx: Index =
         serde_json::from_slice(&body).map_err(|e| format!("its map index is not readable: {e}"))?;
-    if idx.format != FORMAT
-        || idx.image != name
-        || idx.created_ms != m.created_ms
-        || idx.root_pid != m.root_pid
-    {
+    if !idx.names(name, m) {
         return Err(
             "its map file belongs to another image of that name (rebuild it: gpusnap images map)".into()
         );
