@@ -71,20 +71,11 @@ pub(crate) fn entries_after(path: &Path, head: u32, magic: u32) -> Result<Vec<Ve
     Ok(out)
 }
 
-/// One entry of a process's pagemap: `len` bytes at `vaddr`, and where they
-/// start in its pages file (`off`, meaningful when `PE_PRESENT`).
-struct PagemapRun {
-    vaddr: u64,
-    flags: u32,
-    len: u64,
-    off: u64,
-}
-
 /// The id of process `pid`'s pages file and its pagemap entries, each with
 /// its offset in that file (the running sum of the present entries before
 /// it), as both the page server and the sparse pages files of a wake from
 /// chunks read them.
-fn pagemap(images: &Path, pid: i32) -> Result<(u32, Vec<PagemapRun>), PagesError> {
+fn pagemap(images: &Path, pid: i32) -> Result<(u32, Vec<Run>), PagesError> {
     let pm_path = images.join(format!("pagemap-{pid}.img"));
     let bad = |why: String| PagesError::Image { path: pm_path.display().to_string(), why };
     let ents = entries(&pm_path, PAGEMAP_MAGIC)?;
@@ -104,7 +95,7 @@ fn pagemap(images: &Path, pid: i32) -> Result<(u32, Vec<PagemapRun>), PagesError
         let nr = pe.nr_pages.unwrap_or(pe.compat_nr_pages as u64);
         let len = nr.checked_mul(crate::sys::PAGE).ok_or_else(|| bad("page count overflows".into()))?;
         pe.vaddr.checked_add(len).ok_or_else(|| bad("address overflows".into()))?;
-        out.push(PagemapRun { vaddr: pe.vaddr, flags, len, off });
+        out.push(Run { vaddr: pe.vaddr, len, off, flags });
         if flags & PE_PRESENT != 0 {
             off = off.checked_add(len).ok_or_else(|| bad("offset overflows".into()))?;
         }
@@ -187,8 +178,8 @@ pub struct Vma {
     pub madv: u64,
 }
 
-/// One pagemap entry of a process: `len` bytes at `vaddr`, at `off` in its
-/// pages file when present.
+/// One entry of a process's pagemap: `len` bytes at `vaddr`, and where they
+/// start in its pages file (`off`, meaningful when `PE_PRESENT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Run {
     pub vaddr: u64,
@@ -220,7 +211,5 @@ pub fn layout(images: &Path, pid: i32) -> Result<(u32, Vec<Vma>, Vec<Run>), Page
         })
         .collect();
     vmas.sort_by_key(|v| v.start);
-    let runs =
-        runs.into_iter().map(|r| Run { vaddr: r.vaddr, len: r.len, off: r.off, flags: r.flags }).collect();
     Ok((pages_id, vmas, runs))
 }
