@@ -1084,7 +1084,7 @@ impl ImageStore {
         for e in rd.filter_map(|e| e.ok()) {
             let name = e.file_name().to_string_lossy().into_owned();
             let Some(owner) = temp_owner(&name) else { continue };
-            if owner == std::process::id() as i32 || gpusnap_alive(owner) {
+            if gpusnap_alive(owner) {
                 continue;
             }
             let path = e.path();
@@ -1157,13 +1157,20 @@ fn temp_owner(name: &str) -> Option<i32> {
     if !name.starts_with('.') {
         return None;
     }
+    temp_pid(name)
+}
+
+/// The pid in a temporary name (`...tmp-PID`, `...rm-PID`), if it is one.
+pub(crate) fn temp_pid(name: &str) -> Option<i32> {
     let (_, pid) = name.rsplit_once(".tmp-").or_else(|| name.rsplit_once(".rm-"))?;
     pid.parse().ok()
 }
 
-/// Is `pid` a running gpusnap (its temporary directories are in use)?
-fn gpusnap_alive(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim().starts_with("gpusnap"))
+/// Is `pid` this gpusnap or another running one (its temporaries are in
+/// use)?
+pub(crate) fn gpusnap_alive(pid: i32) -> bool {
+    pid == std::process::id() as i32
+        || fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim().starts_with("gpusnap"))
 }
 
 /// The manifest's bytes and contents (magic and format checked, not the

@@ -328,14 +328,17 @@ pub fn remove(state_dir: &Path, name: &str) {
 
 /// Removes what `STATE/maps` holds for no image of the store (`names`): the
 /// map files and indexes of images removed otherwise than by `images rm`,
-/// and the temporary files of a build that was killed.
+/// and the temporary files of a build that was killed (a running build's
+/// are left, as the image store's are).
 pub fn gc(state_dir: &Path, names: &[String]) -> Vec<crate::image::Stale> {
     let mut out = Vec::new();
     let Ok(rd) = fs::read_dir(state_dir.join("maps")) else { return out };
     for e in rd.filter_map(|e| e.ok()) {
         let Some(f) = e.file_name().to_str().map(str::to_string) else { continue };
         let owner = f.strip_suffix(".map").or_else(|| f.strip_suffix(".json"));
-        if owner.is_some_and(|n| names.iter().any(|x| x == n)) {
+        if owner.is_some_and(|n| names.iter().any(|x| x == n))
+            || crate::image::temp_pid(&f).is_some_and(crate::image::gpusnap_alive)
+        {
             continue;
         }
         let Ok(md) = e.metadata() else { continue };
@@ -537,6 +540,25 @@ mod tests {
     use super::*;
     use std::io::Write;
     use std::os::fd::AsRawFd;
+
+    /// gc leaves a running build's temporary files (this process's here)
+    /// and removes a dead one's and a map no image owns.
+    #[test]
+    fn gc_spares_a_running_builds_temporaries() {
+        let dir = tempfile::tempdir().unwrap();
+        let maps = dir.path().join("maps");
+        fs::create_dir(&maps).unwrap();
+        let me = std::process::id();
+        for f in [format!("a.map.tmp-{me}"), format!("a.json.tmp-{me}"), "b.map.tmp-1".into(), "c.map".into()]
+        {
+            fs::write(maps.join(f), b"x").unwrap();
+        }
+        let gone: Vec<_> = gc(dir.path(), &[]).into_iter().map(|s| s.path).collect();
+        let mut left: Vec<String> =
+            fs::read_dir(&maps).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        assert_eq!(left, [format!("a.json.tmp-{me}"), format!("a.map.tmp-{me}")], "{gone:?}");
+    }
 
     /// cachestat and the sampled mincore agree: a file just written and
     /// flushed is in the page cache, and out of it once dropped.
