@@ -31,6 +31,11 @@ fn a_wake_maps_the_host_copy_from_the_map_file_and_the_driver_reads_it_intact() 
     }
     let map = w.state_dir().join("maps/mp.map");
     assert!(map.is_file() && w.state_dir().join("maps/mp.json").is_file());
+    // The build's work copy is gone with it (no log dir left for it).
+    let logs: Vec<String> = std::fs::read_dir(w.state_dir().join("logs"))
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    assert!(!logs.iter().any(|n| n.contains("-map-")), "{logs:?}");
     // `images list` says which image has a map file, and how large.
     let l = w.json(&["images", "list"]);
     let img = &l.json()["images"][0];

@@ -218,9 +218,17 @@ pub fn build(
         op: "open the chunk store".into(),
         err: std::io::Error::other(e.to_string()),
     })?;
-    let work =
-        crate::criu::new_log_dir(state_dir, &format!("map-{name}")).map_err(io(name, "create a work dir"))?;
-    let wd = Workdir::prepare(name, dir, m, store, None, &work, false)?.ok_or_else(|| {
+    // The pages are read through a wake's work copy (chunksrc), which keeps
+    // no log: a temporary directory (0700) beside the logs, removed when the
+    // build ends (dropped after `wd`); one a killed build left is pruned
+    // with the oldest logs (its name starts with the time, as theirs do).
+    let logs = state_dir.join("logs");
+    crate::image::mkdir_private(&logs).map_err(io(name, "create a work dir"))?;
+    let work = tempfile::Builder::new()
+        .prefix(&format!("{:013}-map-{name}-", crate::store::now_ms()))
+        .tempdir_in(&logs)
+        .map_err(io(name, "create a work dir"))?;
+    let wd = Workdir::prepare(name, dir, m, store, None, work.path(), false)?.ok_or_else(|| {
         ImageError::Corrupt { name: name.into(), why: "its pages are not in the store".into() }
     })?;
     let tmp = map.with_extension(format!("map.tmp-{}", std::process::id()));
