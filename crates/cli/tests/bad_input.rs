@@ -174,6 +174,7 @@ fn targets_are_checked_before_the_driver_is_loaded() {
         (&["stop", "--cgroup", "/nonexistent/cgroup"], "/nonexistent/cgroup is not a cgroup"),
         (&["hibernate", "--cgroup", "/nonexistent/cgroup"], "/nonexistent/cgroup is not a cgroup"),
         (&["hibernate", "999999999"], "no process 999999999"),
+        (&["hibernate", "999999999", "--map"], "no process 999999999"),
         (&["snapshot", "999999999"], "no process 999999999"),
         (&["recover", "999999999"], "no process 999999999"),
     ];
