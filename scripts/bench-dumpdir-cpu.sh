@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# hibernate with CRIU's images on the disk vs on a tmpfs (crates/core/src/dumpdir.rs),
+# hibernate with CRIU's images on the disk vs on a tmpfs (crates/hibernate/src/dumpdir.rs),
 # on any machine (no GPU).
 #
 #   sudo scripts/bench-dumpdir-cpu.sh        REPS=3 SIZE_GIB=4 sudo scripts/bench-dumpdir-cpu.sh

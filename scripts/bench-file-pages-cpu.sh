@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A cold wake with and without the read-ahead of the process's own files
-# (crates/core/src/workingset.rs), on any machine (no GPU).
+# (crates/images/src/workingset.rs), on any machine (no GPU).
 #
 #   sudo scripts/bench-file-pages-cpu.sh        REPS=3 FILE_MIB=1024 sudo scripts/bench-file-pages-cpu.sh
 #

@@ -11,6 +11,6 @@
 # SIZE_MIB x 2 of space). Results go in docs/benchmarks.md (P7, CPU machine).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-cargo build --release -q -p gpusnap-core --example bench_pagesrc
+cargo build --release -q -p gpusnap-images --example bench_pagesrc
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(date -u '+%Y-%m-%d %H:%M UTC'), load $(cut -d' ' -f1-3 /proc/loadavg)"
 target/release/examples/bench_pagesrc "$@"

@@ -172,7 +172,8 @@ async fn action(
 
 async fn processes(AxState(agent): AxState<Arc<Agent>>) -> Response {
     let a = Arc::clone(&agent);
-    let r = tokio::task::spawn_blocking(move || a.engine().and_then(|mut e| e.ps())).await;
+    let r =
+        tokio::task::spawn_blocking(move || a.engine().and_then(|mut e| e.ps().map_err(Into::into))).await;
     match r {
         Ok(Ok(ps)) => Json(ps).into_response(),
         Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), e.exit_code()),

@@ -6,12 +6,13 @@ use crate::config::{AgentConfig, Config};
 use crate::metrics::Metrics;
 use crate::policy::cuda_pids;
 use crate::service::{self, Persisted, Service, State};
-use gpusnap_core::criu::Criu;
-use gpusnap_core::image::ImageStore;
 use gpusnap_core::target::{self, Target};
 use gpusnap_core::{Engine, Store};
 use gpusnap_cuda::{CheckpointApi, Deadline};
 use gpusnap_gpu::GpuInventory;
+use gpusnap_hibernate::criu::Criu;
+use gpusnap_hibernate::Hibernate;
+use gpusnap_images::image::ImageStore;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -26,7 +27,13 @@ pub enum AgentError {
     #[error("{0}")]
     Setup(String),
     #[error(transparent)]
-    Core(#[from] gpusnap_core::Error),
+    Core(#[from] gpusnap_hibernate::Error),
+}
+
+impl From<gpusnap_core::Error> for AgentError {
+    fn from(e: gpusnap_core::Error) -> Self {
+        Self::Core(e.into())
+    }
 }
 
 impl AgentError {
@@ -77,7 +84,8 @@ impl Agent {
             // The agent wakes only images it hibernated itself: this host's key.
             images: ImageStore::new(
                 s.state_dir.join("images"),
-                gpusnap_core::sign::Trust::host_only(&s.state_dir).map_err(gpusnap_core::Error::from)?,
+                gpusnap_images::sign::Trust::host_only(&s.state_dir)
+                    .map_err(gpusnap_hibernate::Error::from)?,
             ),
             state_dir: s.state_dir,
             exe: s.exe,
@@ -90,11 +98,15 @@ impl Agent {
         })
     }
 
-    pub fn engine(&self) -> Result<DynEngine, gpusnap_core::Error> {
-        self.base.lock().unwrap_or_else(|e| e.into_inner()).fork(Box::new(gpusnap_core::Quiet))
+    pub fn engine(&self) -> Result<DynEngine, gpusnap_hibernate::Error> {
+        self.base
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .fork(Box::new(gpusnap_core::Quiet))
+            .map_err(Into::into)
     }
 
-    pub fn criu(&self) -> Result<Criu, gpusnap_core::Error> {
+    pub fn criu(&self) -> Result<Criu, gpusnap_hibernate::Error> {
         Ok(Criu::find(self.criu_path.as_deref())?)
     }
 
@@ -283,7 +295,7 @@ impl Agent {
         }
         if let Some(cg) = &svc.cfg.cgroup {
             let pids = target::cgroup_processes(cg).ok()?;
-            let roots = gpusnap_core::hibernate::roots_of(&pids);
+            let roots = gpusnap_core::tree::roots_of(&pids);
             return roots.first().and_then(|p| target::resolve(*p).ok());
         }
         None

@@ -8,9 +8,11 @@
 use crate::daemon::Agent;
 use crate::service::{Service, State};
 use gpusnap_core::engine::{ResumeOptions, StopOptions, SuspendReport};
-use gpusnap_core::hibernate::{process_tree, HibernateOptions, WakeOptions};
 use gpusnap_core::target::{self, Target};
+use gpusnap_core::tree::process_tree;
 use gpusnap_core::Quiet;
+use gpusnap_hibernate::hibernate::{HibernateOptions, WakeOptions};
+use gpusnap_hibernate::Hibernate;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -397,7 +399,10 @@ impl Agent {
 
     /// One attempt, no waiting for memory: `Err((exit code, message))`.
     fn bring_back_once(&self, svc: &Service, waking: bool) -> Result<Done, (i32, String)> {
-        let err = |e: gpusnap_core::Error| (e.exit_code(), e.to_string());
+        fn err(e: impl Into<gpusnap_hibernate::Error>) -> (i32, String) {
+            let e = e.into();
+            (e.exit_code(), e.to_string())
+        }
         let mut e = self.engine().map_err(|e| (1, e.to_string()))?;
         if waking {
             let t_wake = Instant::now();
@@ -820,7 +825,7 @@ impl Agent {
         // CRIU must be the tree's only tracer: a traced guard (attached after
         // an earlier wake) lets go first, and comes back if the tree stays.
         let tree: Vec<i32> = process_tree(root.pid).into_iter().map(|(p, _)| p).collect();
-        let detached = gpusnap_core::guard::detach_for(&self.state_dir, &tree).map_err(|e| e.to_string())?;
+        let detached = gpusnap_guard::detach_for(&self.state_dir, &tree).map_err(|e| e.to_string())?;
         match e.hibernate(&criu, &self.images, root.pid, &opts) {
             Ok(r) => Ok(r.image),
             Err(err) => {

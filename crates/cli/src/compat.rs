@@ -8,7 +8,7 @@
 //! nothing on success; failures print one line on stderr and exit 1.
 
 use gpusnap_core::compat::Action;
-use gpusnap_core::Error;
+use gpusnap_core::Error as CoreError;
 use gpusnap_cuda::ProcessState;
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -140,7 +140,7 @@ fn run(a: &Args, pid: i32) -> anyhow::Result<Option<String>> {
     }
     let margin = 256 << 20;
     let device_map = match &a.device_map {
-        Some(m) => gpusnap_core::remap::parse(m).map_err(Error::BadMap)?,
+        Some(m) => gpusnap_core::remap::parse(m).map_err(CoreError::BadMap)?,
         None => Vec::new(),
     };
     if a.toggle {

@@ -1,11 +1,12 @@
 //! `gpusnap run` and `gpusnap guard`: the guard's front end.
 
 use crate::Cli;
-use gpusnap_core::guard::light::{self, LightGuard};
-use gpusnap_core::guard::{self, Ending, Guard};
-use gpusnap_core::{Error, Store};
+use gpusnap_core::Error as CoreError;
+use gpusnap_core::Store;
 use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, OrAbsent, Timeouts};
 use gpusnap_gpu::{Deferred, GpuInventory, NoGpus, NvmlInventory};
+use gpusnap_guard::light::{self, LightGuard};
+use gpusnap_guard::{self as guard, Ending, Guard};
 use std::ffi::OsString;
 use std::path::Path;
 
@@ -242,7 +243,7 @@ pub fn guard(
         }
     }
     if pids.is_empty() {
-        return Err(Error::BadPid { pid: 0 }.into());
+        return Err(CoreError::BadPid { pid: 0 }.into());
     }
     // Check every pid before detaching from the terminal, so bad input is
     // reported to the caller.
@@ -299,13 +300,13 @@ fn trace(cli: &Cli, lock_timeout: u32, traced: &[i32], daemon: bool) -> anyhow::
         g.attach(p)?;
         // Children may come and go while they are attached: one that is gone
         // by then needs no guard. Children of a light program are light.
-        for (q, _) in gpusnap_core::hibernate::process_tree(p).into_iter().skip(1) {
+        for (q, _) in gpusnap_core::tree::process_tree(p).into_iter().skip(1) {
             if light::socket_of(q).is_some() {
                 continue;
             }
             match g.attach(q) {
-                Ok(()) | Err(Error::NoProcess { .. } | Error::Zombie { .. }) => {}
-                Err(Error::Proc { .. }) if gpusnap_core::target::resolve(q).is_err() => {}
+                Ok(()) | Err(CoreError::NoProcess { .. } | CoreError::Zombie { .. }) => {}
+                Err(CoreError::Proc { .. }) if gpusnap_core::target::resolve(q).is_err() => {}
                 Err(e) => return Err(e.into()),
             }
         }

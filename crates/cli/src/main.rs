@@ -2,17 +2,21 @@
 
 mod agent;
 mod compat;
+mod doctor;
 mod guarded;
 mod output;
 
 use clap::{Parser, Subcommand};
-use gpusnap_core::criu::Criu;
 use gpusnap_core::engine::{ResumeOptions, StopOptions};
-use gpusnap_core::hibernate::{HibernateOptions, WakeOptions};
-use gpusnap_core::image::ImageStore;
-use gpusnap_core::{doctor, Engine, Error, Store};
+use gpusnap_core::Error as CoreError;
+use gpusnap_hibernate::criu::Criu;
+use gpusnap_hibernate::hibernate::{HibernateOptions, WakeOptions};
+use gpusnap_images::image::ImageStore;
+
+use gpusnap_core::{Engine, Store};
 use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, Timeouts};
 use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};
+use gpusnap_hibernate::{Error, Hibernate};
 use output::Out;
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -359,15 +363,15 @@ fn main() -> ExitCode {
         return ExitCode::from(compat::main(&argv[1..]) as u8);
     }
     // The keeper of a lazy wake (hidden: started by the wake itself).
-    if argv.get(1).is_some_and(|a| a == gpusnap_core::lazy::KEEPER_ARG) {
-        return ExitCode::from(gpusnap_core::lazy::keeper_main(&argv[2..]) as u8);
+    if argv.get(1).is_some_and(|a| a == gpusnap_hibernate::lazy::KEEPER_ARG) {
+        return ExitCode::from(gpusnap_hibernate::lazy::keeper_main(&argv[2..]) as u8);
     }
     // The keeper of a dump through FIFOs (hidden: started by hibernate).
-    if argv.get(1).is_some_and(|a| a == gpusnap_core::fifo::KEEPER_ARG) {
-        return ExitCode::from(gpusnap_core::fifo::keeper_main(&argv[2..]) as u8);
+    if argv.get(1).is_some_and(|a| a == gpusnap_hibernate::fifo::KEEPER_ARG) {
+        return ExitCode::from(gpusnap_hibernate::fifo::keeper_main(&argv[2..]) as u8);
     }
     if let Ok(exe) = std::env::current_exe() {
-        gpusnap_core::lazy::set_keeper_exe(exe);
+        gpusnap_hibernate::lazy::set_keeper_exe(exe);
     }
     let cli = Cli::parse();
     init_logging(cli.verbose);
@@ -375,8 +379,9 @@ fn main() -> ExitCode {
     match run(&cli, &out) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let code = match e.downcast_ref::<Error>() {
-                Some(err) => {
+            let code = match typed(e) {
+                Ok(err) => {
+                    let err = &err;
                     out.error(err.kind(), &err.to_string(), err.hint(), err.exit_code());
                     if let Some(pid) = failed_driver_pid(err) {
                         for f in process_findings(pid).into_iter().filter(|f| {
@@ -387,7 +392,7 @@ fn main() -> ExitCode {
                     }
                     err.exit_code()
                 }
-                None => {
+                Err(e) => {
                     let code = agent::exit_code(&e).unwrap_or(1);
                     out.error("failed", &format!("{e:#}"), None, code);
                     code
@@ -442,7 +447,7 @@ fn driver_and_gpus(mode: Load) -> Result<DriverAndGpus, Error> {
             tracing::info!("no CUDA driver ({e}); only processes without CUDA can be handled");
             Ok(Box::new(Absent { why: e.to_string() }))
         } else {
-            Err(Error::Driverless(e))
+            Err(CoreError::Driverless(e).into())
         }
     };
     let driver = CudaDriver::load();
@@ -460,7 +465,7 @@ fn driver_and_gpus(mode: Load) -> Result<DriverAndGpus, Error> {
     let gpus: Box<dyn GpuInventory> = match nvml {
         Ok(n) => Box::new(n),
         Err(_) if lenient && api.api_version() == 0 => Box::new(NoGpus),
-        Err(e) => return Err(Error::Gpu(e)),
+        Err(e) => return Err(CoreError::Gpu(e).into()),
     };
     Ok((api, gpus))
 }
@@ -485,7 +490,7 @@ pub(crate) fn engine_at(dir: &std::path::Path) -> anyhow::Result<DynEngine> {
 /// The image store, trusting this host's key and those of `--trust`.
 fn images(cli: &Cli) -> Result<ImageStore, Error> {
     gpusnap_core::store::check_state_dir(&cli.state_dir)?;
-    let trust = gpusnap_core::sign::Trust::new(&cli.state_dir, &cli.trust)?;
+    let trust = gpusnap_images::sign::Trust::new(&cli.state_dir, &cli.trust)?;
     Ok(ImageStore::new(cli.state_dir.join("images"), trust))
 }
 
@@ -493,7 +498,7 @@ fn images(cli: &Cli) -> Result<ImageStore, Error> {
 /// automatic recovery) act on the manifest's processes.
 fn own_images(cli: &Cli) -> Result<ImageStore, Error> {
     gpusnap_core::store::check_state_dir(&cli.state_dir)?;
-    let trust = gpusnap_core::sign::Trust::host_only(&cli.state_dir)?;
+    let trust = gpusnap_images::sign::Trust::host_only(&cli.state_dir)?;
     Ok(ImageStore::new(cli.state_dir.join("images"), trust))
 }
 
@@ -634,7 +639,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                     }
                     match e.resume(pid, &opts) {
                         // Stuck, but an image of it exists: wake it from that.
-                        Err(Error::Unrecoverable { reason, .. }) if has_image(&store, pid) => {
+                        Err(CoreError::Unrecoverable { reason, .. }) if has_image(&store, pid) => {
                             tracing::warn!(pid, "{reason}; recovering from its image");
                             let c = match &criu {
                                 Some(c) => c.clone(),
@@ -650,7 +655,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                             };
                             e.recover(&c, &store, pid, &w).map(|w| output::recovered_as_resume(pid, &w))
                         }
-                        other => other,
+                        other => other.map_err(Error::from),
                     }
                 },
                 output::resumed,
@@ -686,10 +691,10 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             // its pages stream from the remote as the wake reads them.
             let mut local_names = Vec::with_capacity(names.len());
             for n in names {
-                if gpusnap_core::remote::Url::is_remote(n) {
+                if gpusnap_images::remote::Url::is_remote(n) {
                     let p = out.progress();
                     let done = std::sync::atomic::AtomicU64::new(0);
-                    let r = gpusnap_core::remote::pull_for_wake(&store, n, &|t| p.begin("pull", t), &|k| {
+                    let r = gpusnap_images::remote::pull_for_wake(&store, n, &|t| p.begin("pull", t), &|k| {
                         p.update(done.fetch_add(k, std::sync::atomic::Ordering::Relaxed) + k)
                     });
                     p.end();
@@ -760,13 +765,13 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                         .map(|r| {
                             r.as_ref()
                                 .ok()
-                                .and_then(|(n, m)| gpusnap_core::mapfile::present(&cli.state_dir, n, m))
+                                .and_then(|(n, m)| gpusnap_images::mapfile::present(&cli.state_dir, n, m))
                         })
                         .collect();
                     out.images(&list, &maps)
                 }
                 ImagesCmd::Verify { image } => {
-                    let (_, m) = store.verify(image, |_| {}).map_err(Error::Image)?;
+                    let (_, m) = store.verify(image, |_| {}).map_err(Error::from)?;
                     out.one(
                         &m,
                         &format!(
@@ -779,8 +784,8 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                     );
                 }
                 ImagesCmd::Rm { image } => {
-                    store.remove(image).map_err(Error::Image)?;
-                    gpusnap_core::mapfile::remove(&cli.state_dir, image);
+                    store.remove(image).map_err(Error::from)?;
+                    gpusnap_images::mapfile::remove(&cli.state_dir, image);
                     out.one(
                         &serde_json::json!({ "removed": image }),
                         &format!("removed {}", output::printable(image)),
@@ -788,11 +793,11 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 }
                 ImagesCmd::Map { image } => {
                     let (dir, m) = store
-                        .verify_with(image, gpusnap_core::image::ChunkCheck::Present, |_| {})
-                        .map_err(Error::Image)?;
+                        .verify_with(image, gpusnap_images::image::ChunkCheck::Present, |_| {})
+                        .map_err(Error::from)?;
                     let progress = out.progress();
-                    match gpusnap_core::mapfile::build(&cli.state_dir, image, &dir, &m, progress.as_ref())
-                        .map_err(Error::Image)?
+                    match gpusnap_images::mapfile::build(&cli.state_dir, image, &dir, &m, progress.as_ref())
+                        .map_err(Error::from)?
                     {
                         Some(b) => out.one(
                             &b,
@@ -815,7 +820,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                     }
                 }
                 ImagesCmd::Import { path } => {
-                    let (name, dir, m) = store.import(path, |_| {}).map_err(Error::Image)?;
+                    let (name, dir, m) = store.import(path, |_| {}).map_err(Error::from)?;
                     out.one(
                         &serde_json::json!({ "imported": name, "path": dir, "bytes": m.total_bytes() }),
                         &format!("imported {name} ({} bytes)", m.total_bytes()),
@@ -827,12 +832,12 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                         Err(err) => return Err(err),
                     };
                     let mut removed = store.gc();
-                    removed.extend(gpusnap_core::mapfile::gc(&cli.state_dir, &store.names()));
+                    removed.extend(gpusnap_images::mapfile::gc(&cli.state_dir, &store.names()));
                     let p = out.progress();
                     let chunks_gc = {
                         let done = std::sync::atomic::AtomicU64::new(0);
                         p.begin("gc", 0);
-                        let r = gpusnap_core::remote::gc(&store, &|n| {
+                        let r = gpusnap_images::remote::gc(&store, &|n| {
                             p.update(done.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n)
                         });
                         p.end();
@@ -868,7 +873,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                     if let Ok((_, m)) = store.manifest(image) {
                         p.begin("push", m.total_bytes());
                     }
-                    let r = gpusnap_core::remote::push(&store, image, url, &|n| {
+                    let r = gpusnap_images::remote::push(&store, image, url, &|n| {
                         p.update(done.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n)
                     });
                     p.end();
@@ -903,7 +908,7 @@ fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                     );
                 }
                 ImagesCmd::Key => {
-                    let k = gpusnap_core::sign::HostKey::load_or_create(&cli.state_dir)?;
+                    let k = gpusnap_images::sign::HostKey::load_or_create(&cli.state_dir)?;
                     out.one(&serde_json::json!({ "key": k.public_hex() }), &k.public_hex());
                 }
             }
@@ -949,7 +954,9 @@ impl Select {
                 Check::Callable => gpusnap_core::target::resolve_callable(pid),
             };
             // A group names the member, as the group's own errors do.
-            r.map_err(|e| if several { Error::Member { pid, source: Box::new(e) } } else { e })?;
+            r.map_err(
+                |e| if several { Error::Member { pid, source: Box::new(e.into()) } } else { e.into() },
+            )?;
         }
         if let Some(root) = self.tree {
             gpusnap_core::target::resolve(root)?;
@@ -972,14 +979,14 @@ impl Select {
         if self.all {
             want.extend(e.ps()?.into_iter().filter(|r| r.state != "stopped").map(|r| r.pid));
         }
-        let mut roots = gpusnap_core::hibernate::roots_of(&want);
+        let mut roots = gpusnap_core::tree::roots_of(&want);
         // A group's member may end between the listing and now (a short-lived
         // process of a container); a pid named on the command line may not.
         roots.retain(|p| {
             self.pids.contains(p)
                 || !matches!(
                     gpusnap_core::target::resolve(*p),
-                    Err(Error::NoProcess { .. } | Error::Zombie { .. })
+                    Err(CoreError::NoProcess { .. } | CoreError::Zombie { .. })
                 )
         });
         Ok(roots)
@@ -1004,7 +1011,7 @@ impl Select {
             if let Some(root) = self.tree {
                 gpusnap_core::target::resolve(root)?;
                 let tree: Vec<i32> =
-                    gpusnap_core::hibernate::process_tree(root).into_iter().map(|(p, _)| p).collect();
+                    gpusnap_core::tree::process_tree(root).into_iter().map(|(p, _)| p).collect();
                 cuda.iter().copied().filter(|p| tree.contains(p)).for_each(&mut push);
             }
             if let Some(cg) = &self.cgroup {
@@ -1029,15 +1036,15 @@ fn hibernate(cli: &Cli, out: &Out, select: &Select, opts: &HibernateOptions) -> 
     if roots.is_empty() {
         // As for the other commands, a group that turns out empty is no error.
         eprintln!("gpusnap: no process in that group: nothing to hibernate");
-        out.all::<gpusnap_core::hibernate::HibernateReport>(&[], output::hibernated);
+        out.all::<gpusnap_hibernate::hibernate::HibernateReport>(&[], output::hibernated);
         return Ok(());
     }
     let mut tree: Vec<i32> = Vec::new();
     for &root in &roots {
         gpusnap_core::target::resolve_callable(root)?;
-        tree.extend(gpusnap_core::hibernate::process_tree(root).into_iter().map(|(p, _)| p));
+        tree.extend(gpusnap_core::tree::process_tree(root).into_iter().map(|(p, _)| p));
     }
-    let detached = gpusnap_core::guard::detach_for(&cli.state_dir, &tree)?;
+    let detached = gpusnap_guard::detach_for(&cli.state_dir, &tree)?;
     let res = e.hibernate_group(&c, &store, &roots, opts);
     respawn_guard(&cli.state_dir, &detached);
     let r = res?;
@@ -1058,11 +1065,11 @@ fn pull(
 ) -> Result<(String, gpusnap_chunks::TransferReport), Error> {
     let p = out.progress();
     let done = std::sync::atomic::AtomicU64::new(0);
-    let r = gpusnap_core::remote::pull(store, url, as_name, &|t| p.begin("pull", t), &|n| {
+    let r = gpusnap_images::remote::pull(store, url, as_name, &|t| p.begin("pull", t), &|n| {
         p.update(done.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n)
     });
     p.end();
-    r
+    Ok(r?)
 }
 
 /// The state directory an image store lives in (`STATE/images`).
@@ -1084,16 +1091,16 @@ fn start_guard(state_dir: &std::path::Path, pids: &[i32]) -> Result<(), Error> {
     if pids.is_empty() {
         return Ok(());
     }
-    let exe = std::env::current_exe().map_err(|e| Error::Proc { pid: 0, reason: e.to_string() })?;
+    let exe = std::env::current_exe().map_err(|e| CoreError::Proc { pid: 0, reason: e.to_string() })?;
     let mut cmd = std::process::Command::new(exe);
     cmd.arg("--state-dir").arg(state_dir).args(["guard", "--daemon"]);
     cmd.args(pids.iter().map(|p| p.to_string()));
     let st = cmd
         .stdin(std::process::Stdio::null())
         .status()
-        .map_err(|e| Error::Proc { pid: 0, reason: format!("cannot start the guard: {e}") })?;
+        .map_err(|e| CoreError::Proc { pid: 0, reason: format!("cannot start the guard: {e}") })?;
     if !st.success() {
-        return Err(Error::Proc { pid: pids[0], reason: "the guard could not attach".into() });
+        return Err(CoreError::Proc { pid: pids[0], reason: "the guard could not attach".into() }.into());
     }
     Ok(())
 }
@@ -1128,8 +1135,8 @@ fn snapshot_if_suspended(e: &mut DynEngine, criu: &Criu, store: &ImageStore, pid
         big_pipes: false,
         map: false,
     };
-    let tree: Vec<i32> = gpusnap_core::hibernate::process_tree(pid).into_iter().map(|(p, _)| p).collect();
-    let detached = gpusnap_core::guard::detach_for(store_dir(store), &tree)?;
+    let tree: Vec<i32> = gpusnap_core::tree::process_tree(pid).into_iter().map(|(p, _)| p).collect();
+    let detached = gpusnap_guard::detach_for(store_dir(store), &tree)?;
     let res = e.hibernate(criu, store, pid, &opts);
     respawn_guard(store_dir(store), &detached);
     res?;
@@ -1165,9 +1172,28 @@ fn process_findings(pid: i32) -> Vec<doctor::Finding> {
 
 /// The process a driver error is about, for doctor's explanation.
 fn failed_driver_pid(e: &Error) -> Option<i32> {
-    match e {
-        Error::Driver { pid, .. } => Some(*pid),
-        Error::Member { source, .. } => failed_driver_pid(source),
-        _ => None,
+    fn core(e: &CoreError) -> Option<i32> {
+        match e {
+            CoreError::Driver { pid, .. } => Some(*pid),
+            CoreError::Member { source, .. } => core(source),
+            _ => None,
+        }
     }
+    match e {
+        Error::Member { source, .. } => failed_driver_pid(source),
+        _ => e.core().and_then(core),
+    }
+}
+
+/// The error as gpusnap's own, of whichever layer it came from.
+fn typed(e: anyhow::Error) -> Result<Error, anyhow::Error> {
+    let e = match e.downcast::<Error>() {
+        Ok(e) => return Ok(e),
+        Err(e) => e,
+    };
+    let e = match e.downcast::<CoreError>() {
+        Ok(e) => return Ok(e.into()),
+        Err(e) => e,
+    };
+    e.downcast::<gpusnap_images::Error>().map(Error::from)
 }

@@ -1,11 +1,11 @@
 //! Printing: human text on a terminal, one JSON object with `--json`.
 
-use gpusnap_core::doctor::{Finding, Severity};
+use crate::doctor::{Finding, Severity};
 use gpusnap_core::engine::{ResumeReport, StateReport, StopReport, SuspendReport};
-use gpusnap_core::hibernate::{HibernateReport, WakeReport};
-use gpusnap_core::image::{ImageError, Named};
 use gpusnap_core::store::Event;
 use gpusnap_core::Progress;
+use gpusnap_hibernate::hibernate::{HibernateReport, WakeReport};
+use gpusnap_images::image::{ImageError, Named};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use serde_json::json;

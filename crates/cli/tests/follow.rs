@@ -1,6 +1,6 @@
 //! hibernate's pages: received through FIFOs as CRIU sends them (the default,
-//! crates/core/src/fifo.rs), or, with `GPUSNAP_DUMP_FIFO=0`, pages files
-//! chunked while CRIU writes them (crates/core/src/follow.rs): the real CRIU
+//! crates/hibernate/src/fifo.rs), or, with `GPUSNAP_DUMP_FIFO=0`, pages files
+//! chunked while CRIU writes them (crates/hibernate/src/follow.rs): the real CRIU
 //! and the fakes.
 
 mod common;

@@ -52,7 +52,7 @@ fn a_lazy_wake_gives_the_driver_restore_the_host_copy_intact() {
 
 /// The page server fails while the driver's restore waits on it: the
 /// restore would wait forever for pages no one serves. The rescue
-/// (crates/core/src/rescue.rs):
+/// (crates/hibernate/src/rescue.rs):
 /// every other thread of the woken processes is stopped, the missing pages
 /// are answered with zero pages so that the restore returns, the process is
 /// checkpointed again (never unlocked onto zeros) and ended; the wake fails

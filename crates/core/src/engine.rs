@@ -162,15 +162,15 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         &self.gpus
     }
 
-    pub(crate) fn api_ref(&self) -> &Deadline<A> {
+    pub fn api_ref(&self) -> &Deadline<A> {
         &self.api
     }
 
-    pub(crate) fn store_mut(&mut self) -> &mut Store {
+    pub fn store_mut(&mut self) -> &mut Store {
         &mut self.store
     }
 
-    pub(crate) fn progress(&self) -> &dyn Progress {
+    pub fn progress(&self) -> &dyn Progress {
         &*self.progress
     }
 
@@ -181,12 +181,12 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     /// Waits for the driver's start-up (`cuInit` runs in the background of
     /// the first steps of a wake) and says whether it could.
-    pub(crate) fn driver_ready(&self) -> Result<(), gpusnap_cuda::DriverError> {
+    pub fn driver_ready(&self) -> Result<(), gpusnap_cuda::DriverError> {
         self.api.ready()
     }
 
     /// The driver's state of a process that [`target::resolve_callable`] passed.
-    pub(crate) fn driver_state(&self, t: &Target) -> Result<ProcessState, Error> {
+    pub fn driver_state(&self, t: &Target) -> Result<ProcessState, Error> {
         match self.api.get_state(t.pid) {
             Ok(s) => Ok(s),
             Err(e) if e.code() == Some(CUDA_ERROR_NOT_INITIALIZED) => {
@@ -213,7 +213,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     }
 
     /// One journaled driver call: begin, call, end.
-    pub(crate) fn journaled<T>(
+    pub fn journaled<T>(
         &mut self,
         t: &Target,
         op: &str,
@@ -435,7 +435,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// same executable with the same command line, from another time
     /// namespace ([`target::Fingerprint::restored_as`]). Its record then
     /// moves to the new start time (journaled, `adopt`).
-    pub(crate) fn record_of(&mut self, t: &Target) -> Result<Option<Record>, Error> {
+    pub fn record_of(&mut self, t: &Target) -> Result<Option<Record>, Error> {
         if let Some(r) = self.store.get(t)? {
             return Ok(Some(r));
         }
@@ -475,7 +475,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// [`Self::record_of`] for commands that act on whatever process holds
     /// the pid now (state, ps, suspend, stop): a reused pid simply has no
     /// record.
-    pub(crate) fn record_now(&mut self, t: &Target) -> Result<Option<Record>, Error> {
+    pub fn record_now(&mut self, t: &Target) -> Result<Option<Record>, Error> {
         match self.record_of(t) {
             Err(Error::Reused { .. }) => Ok(None),
             other => other,
@@ -496,7 +496,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     /// Everything a resume does before admission: identity, state, footprint,
     /// device map. A process that needs no restore is finished here.
-    pub(crate) fn prepare_resume(&mut self, pid: i32, opts: &ResumeOptions) -> Result<Prep, Error> {
+    pub fn prepare_resume(&mut self, pid: i32, opts: &ResumeOptions) -> Result<Prep, Error> {
         let started = Instant::now();
         let t = target::resolve_callable(pid)?;
         let rec = self.record_of(&t)?;
@@ -535,7 +535,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// Admission: reserve `need`, waiting up to `wait` for it, or refuse
     /// without touching the driver (journaled on `t` when given). Returns the
     /// reservation and the wait.
-    pub(crate) fn admit_waiting(
+    pub fn admit_waiting(
         &mut self,
         pid: i32,
         t: Option<&Target>,
@@ -561,7 +561,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     }
 
     /// The restore and unlock of an admitted resume.
-    pub(crate) fn finish_resume(&mut self, p: Prepared, waited_ms: u64) -> Result<ResumeReport, Error> {
+    pub fn finish_resume(&mut self, p: Prepared, waited_ms: u64) -> Result<ResumeReport, Error> {
         let (restore_ms, unlock_ms) = self.restore_and_unlock(&p.t, &p.need, &p.pairs)?;
         if !p.pairs.is_empty() {
             // It lives on other GPUs now: that is where its next resume goes.
@@ -593,12 +593,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(recorded.clone())
     }
 
-    pub(crate) fn admit(
-        &mut self,
-        pid: i32,
-        need: &BTreeMap<String, u64>,
-        margin: u64,
-    ) -> Result<Vec<i64>, Error> {
+    pub fn admit(&mut self, pid: i32, need: &BTreeMap<String, u64>, margin: u64) -> Result<Vec<i64>, Error> {
         let gpus = &self.gpus;
         let (ids, ()) = self.store.reserve(pid, |held| {
             let now = gpus.gpus()?;
@@ -638,7 +633,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     }
 
     /// This host's GPUs, for remapping.
-    pub(crate) fn host_gpus(&self) -> Result<Vec<crate::remap::Gpu>, Error> {
+    pub fn host_gpus(&self) -> Result<Vec<crate::remap::Gpu>, Error> {
         Ok(self
             .gpus
             .gpus()?
@@ -648,7 +643,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     }
 
     /// The driver's pairs and the bytes per new GPU for a user's device map.
-    pub(crate) fn plan_remap(
+    pub fn plan_remap(
         &self,
         map: &[(String, String)],
         olds: &[crate::remap::Gpu],
@@ -665,7 +660,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok((pairs, need))
     }
 
-    pub(crate) fn restore_and_unlock(
+    pub fn restore_and_unlock(
         &mut self,
         t: &Target,
         need: &BTreeMap<String, u64>,
@@ -677,20 +672,20 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// Restore, then `gate` (told whether the restore succeeded; it may
     /// wait, and its error keeps the process locked), then unlock, under
     /// the target's lock. `gate` is called exactly once, whatever fails.
-    pub(crate) fn restore_gated(
+    pub fn restore_gated<E: From<Error>>(
         &mut self,
         t: &Target,
         need: &BTreeMap<String, u64>,
         pairs: &[GpuPair],
-        gate: &dyn Fn(bool) -> Result<(), Error>,
-    ) -> Result<(u64, u64), Error> {
+        gate: &dyn Fn(bool) -> Result<(), E>,
+    ) -> Result<(u64, u64), E> {
         let pid = t.pid;
         let serial = target::resolve_callable(pid).and_then(|_| self.store.lock_target(pid));
         let _serial = match serial {
             Ok(s) => s,
             Err(e) => {
                 let _ = gate(false);
-                return Err(e);
+                return Err(e.into());
             }
         };
         let t_restore = Instant::now();
@@ -706,7 +701,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     /// The journaled restore (to LOCKED), with progress; an out-of-memory
     /// answer marks the process as stuck. The caller holds the target lock.
-    pub(crate) fn restore_only(
+    pub fn restore_only(
         &mut self,
         t: &Target,
         need: &BTreeMap<String, u64>,
@@ -824,15 +819,15 @@ fn used_on<G: GpuInventory>(gpus: &G, need: &BTreeMap<String, u64>) -> Option<u6
 }
 
 /// A resume that is ready for admission.
-pub(crate) struct Prepared {
-    pub(crate) t: Target,
-    pub(crate) need: BTreeMap<String, u64>,
+pub struct Prepared {
+    pub t: Target,
+    pub need: BTreeMap<String, u64>,
     pairs: Vec<GpuPair>,
     started: Instant,
     fp_total: u64,
 }
 
-pub(crate) enum Prep {
+pub enum Prep {
     Done(ResumeReport),
     Go(Prepared),
 }

@@ -44,40 +44,14 @@ pub enum Error {
     DidNotExit { pid: i32, secs: u64 },
     #[error("{0}")]
     Driverless(DriverError),
-    #[error(transparent)]
-    Criu(#[from] crate::criu::CriuError),
-    #[error(transparent)]
-    Image(#[from] crate::image::ImageError),
-    #[error(transparent)]
-    Sign(#[from] crate::sign::SignError),
-    #[error("page server: {0}")]
-    Pages(#[from] gpusnap_pages::PagesError),
-    #[error("pid {pid} is held by another program ({comm}); the image needs it free: stop that program or wake elsewhere")]
-    PidBusy { pid: i32, comm: String },
-    #[error("process {pid} still maps {path}, the map file of a mapped wake, as its own memory (not the driver's host copy, which the driver's checkpoint replaces): CRIU would write an image that needs that file. Restart the process to hibernate it; wake its images with GPUSNAP_MAP=0 to avoid this")]
-    MapStillMapped { pid: i32, path: String },
-    #[error("process {pid} ({comm}) is in a session whose leader is outside its pid namespace, which CRIU cannot dump; start it in a session of its own (setsid, or `gpusnap run`)")]
-    ForeignSession { pid: i32, comm: String },
-    #[error("process {pid} ({comm}) died after CRIU restored it, before its CUDA state was back ({how}); the image is kept. A thread of it ran on memory the driver maps back only in its restore (seen with JAX and XLA_PYTHON_CLIENT_PREALLOCATE=false: docs/images.md)")]
-    DiedAfterRestore { pid: i32, comm: String, how: String },
-    #[error("process {pid} ({comm}) from this image is still running")]
-    StillRunning { pid: i32, comm: String },
-    #[error("process {pid} ({comm}) uses CUDA, but gpusnap cannot load the driver: {why}")]
-    CudaWithoutDriver { pid: i32, comm: String, why: String },
-    #[error("this host cannot take image {image}: {why}")]
-    Incompatible { image: String, why: String },
     #[error("device map: {0}")]
     BadMap(String),
     #[error("member {pid} of the group: {source}")]
     Member { pid: i32, source: Box<Error> },
-    #[error("image {image} of the group: {source}")]
-    GroupImage { image: String, source: Box<Error> },
     #[error(transparent)]
     Gpu(#[from] gpusnap_gpu::GpuError),
     #[error("state store {path}: {reason}")]
     Store { path: String, reason: String },
-    #[error(transparent)]
-    Chunks(#[from] gpusnap_chunks::ChunkError),
 }
 
 impl Error {
@@ -112,21 +86,10 @@ impl Error {
             | Self::NotCuda { .. }
             | Self::WrongState { .. }
             | Self::NoFootprint { .. }
-            | Self::NoCgroup { .. }
-            | Self::ForeignSession { .. }
-            | Self::MapStillMapped { .. } => 2,
+            | Self::NoCgroup { .. } => 2,
             Self::NoMemory { .. } => 3,
-            Self::Member { source, .. } | Self::GroupImage { source, .. } => source.exit_code(),
-            Self::Image(crate::image::ImageError::Io { .. }) => 1,
-            Self::Image(_) | Self::Incompatible { .. } | Self::BadMap(_) => 2,
-            Self::Sign(crate::sign::SignError::BadKey(_)) => 2,
-            Self::Sign(_) => 1,
-            Self::Criu(_)
-            | Self::Pages(_)
-            | Self::PidBusy { .. }
-            | Self::StillRunning { .. }
-            | Self::DiedAfterRestore { .. }
-            | Self::CudaWithoutDriver { .. } => 1,
+            Self::Member { source, .. } => source.exit_code(),
+            Self::BadMap(_) => 2,
             Self::Driver { .. } | Self::NotReleased { .. } => 4,
             Self::Unrecoverable { .. } => 5,
             Self::Proc { .. }
@@ -135,14 +98,6 @@ impl Error {
             | Self::Driverless(_)
             | Self::Gpu(_)
             | Self::Store { .. } => 1,
-            Self::Chunks(e) => {
-                use gpusnap_chunks::{ChunkError as C, RemoteError as R};
-                match e {
-                    C::Remote(R::Unreachable { .. } | R::Denied { .. }) => 6,
-                    C::Remote(_) | C::Corrupt { .. } => 2,
-                    C::Io { .. } | C::Missing(_) => 1,
-                }
-            }
         }
     }
 
@@ -170,32 +125,8 @@ impl Error {
             Self::Driverless(_) => "driver_missing",
             Self::Gpu(_) => "nvml",
             Self::Store { .. } => "store",
-            Self::Chunks(gpusnap_chunks::ChunkError::Remote(gpusnap_chunks::RemoteError::Denied {
-                ..
-            })) => "remote_denied",
-            Self::Chunks(gpusnap_chunks::ChunkError::Remote(gpusnap_chunks::RemoteError::Unreachable {
-                ..
-            })) => "remote_unreachable",
-            Self::Chunks(gpusnap_chunks::ChunkError::Corrupt { .. }) => "corrupt_chunk",
-            Self::Chunks(_) => "chunks",
-            Self::Criu(_) => "criu",
-            Self::Pages(_) => "pages",
-            Self::Image(crate::image::ImageError::Missing(_)) => "image_missing",
-            Self::Image(crate::image::ImageError::Exists(_)) => "image_exists",
-            Self::Image(crate::image::ImageError::Io { .. }) => "image_io",
-            Self::Image(crate::image::ImageError::Untrusted { .. }) => "image_untrusted",
-            Self::Image(crate::image::ImageError::BadName { .. }) => "bad_image_name",
-            Self::Image(_) => "image_invalid",
-            Self::Sign(_) => "key",
-            Self::PidBusy { .. } => "pid_busy",
-            Self::StillRunning { .. } => "still_running",
-            Self::DiedAfterRestore { .. } => "died_after_restore",
-            Self::ForeignSession { .. } => "foreign_session",
-            Self::MapStillMapped { .. } => "map_still_mapped",
-            Self::CudaWithoutDriver { .. } => "no_driver",
-            Self::Incompatible { .. } => "incompatible",
             Self::BadMap(_) => "bad_device_map",
-            Self::Member { source, .. } | Self::GroupImage { source, .. } => source.kind(),
+            Self::Member { source, .. } => source.kind(),
         }
     }
 }

@@ -14,31 +14,77 @@ use gpusnap_gpu::GpuInventory;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+/// An error a group's member can end with: the lifecycle's own, or that
+/// of a crate above that runs groups on the same engine.
+pub trait GroupError: From<Error> + std::fmt::Display {
+    /// `e`, as the error of member `pid` of a group.
+    fn member(pid: i32, e: Self) -> Self;
+}
+
+impl GroupError for Error {
+    fn member(pid: i32, e: Self) -> Self {
+        Error::Member { pid, source: Box::new(e) }
+    }
+}
+
 /// Makes one progress display per member.
 pub type ProgressFactory<'a> = &'a (dyn Fn() -> Box<dyn Progress> + Sync);
 
 impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
+    /// Suspends every CUDA process of a tree, in parallel (a group: all or
+    /// none); returns the ones this call suspended.
+    pub fn suspend_all(&mut self, pids: &[i32], lock_timeout_ms: u32) -> Result<Vec<i32>, Error> {
+        if pids.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Each member's checkpoint shows beside the others'.
+        let proto = self.progress().sibling();
+        let reports =
+            self.suspend_group(pids, lock_timeout_ms, &|| proto.sibling()).map_err(|e| match e {
+                Error::Member { .. } => e,
+                other => Error::Member { pid: pids[0], source: Box::new(other) },
+            })?;
+        Ok(reports.iter().filter(|r| !r.already).map(|r| r.pid).collect())
+    }
+
+    /// Puts processes this operation suspended back on the GPU. Their memory
+    /// was freed moments ago; admission still guards the race.
+    pub fn resume_after_failure(&mut self, pids: &[i32]) -> Option<Error> {
+        let opts = ResumeOptions { wait: Duration::from_secs(30), ..Default::default() };
+        let mut first = None;
+        for &pid in pids.iter().rev() {
+            if let Err(e) = self.resume(pid, &opts) {
+                tracing::error!(pid, "could not resume: {e}");
+                first.get_or_insert(Error::Member { pid, source: Box::new(e) });
+            }
+        }
+        first
+    }
+
     /// Runs `f` for every item on its own engine (thread), in parallel.
-    pub(crate) fn in_parallel<I: Send, T: Send>(
+    pub fn in_parallel<I: Send, T: Send, E: GroupError + Send>(
         &self,
         items: Vec<(i32, I)>,
         progress: ProgressFactory<'_>,
-        f: impl Fn(&mut Self, I) -> Result<T, Error> + Sync,
-    ) -> Vec<(i32, Result<T, Error>)> {
+        f: impl Fn(&mut Self, I) -> Result<T, E> + Sync,
+    ) -> Vec<(i32, Result<T, E>)> {
         let f = &f;
         std::thread::scope(|s| {
             let handles: Vec<_> = items
                 .into_iter()
                 .map(|(pid, item)| {
                     let fork = self.fork(progress());
-                    (pid, s.spawn(move || fork.and_then(|mut e| f(&mut e, item))))
+                    (pid, s.spawn(move || fork.map_err(E::from).and_then(|mut e| f(&mut e, item))))
                 })
                 .collect();
             handles
                 .into_iter()
                 .map(|(pid, h)| {
                     let r = h.join().unwrap_or_else(|_| {
-                        Err(Error::Proc { pid, reason: "the worker thread for this process panicked".into() })
+                        Err(E::from(Error::Proc {
+                            pid,
+                            reason: "the worker thread for this process panicked".into(),
+                        }))
                     });
                     (pid, r)
                 })
@@ -48,16 +94,16 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     /// The first failure, as the group's error, after `undo` put back what
     /// the others did.
-    pub(crate) fn fail_group<T>(
-        results: Vec<(i32, Result<T, Error>)>,
+    pub fn fail_group<T, E: GroupError>(
+        results: Vec<(i32, Result<T, E>)>,
         undo: impl FnOnce(Vec<(i32, T)>),
-    ) -> Result<Vec<T>, Error> {
+    ) -> Result<Vec<T>, E> {
         let mut done = Vec::new();
         let mut failed = None;
         for (pid, r) in results {
             match r {
                 Ok(t) => done.push((pid, t)),
-                Err(e) if failed.is_none() => failed = Some(Error::Member { pid, source: Box::new(e) }),
+                Err(e) if failed.is_none() => failed = Some(E::member(pid, e)),
                 Err(e) => tracing::error!(pid, "also failed: {e}"),
             }
         }

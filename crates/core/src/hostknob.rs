@@ -238,7 +238,7 @@ impl Drop for Switched {
     }
 }
 
-/// The pipe size a FIFO of a dump asks for (`crate::fifo`), and what
+/// The pipe size a FIFO of a dump asks for (the dump's FIFOs, in gpusnap-hibernate), and what
 /// `--big-pipes` raises `fs.pipe-max-size` to.
 pub const BIG_PIPE: u64 = 64 << 20;
 
@@ -269,11 +269,6 @@ pub struct BigPipes(#[allow(dead_code)] Option<Switched>);
 pub const BIG_PIPES_ENV: &str = "GPUSNAP_DUMP_BIG_PIPES";
 
 impl BigPipes {
-    /// Whether `--big-pipes` was given or [`BIG_PIPES_ENV`] is 1.
-    pub fn wanted(flag: bool) -> bool {
-        flag || gpusnap_pages::flag_setting(BIG_PIPES_ENV, std::env::var(BIG_PIPES_ENV).ok(), false)
-    }
-
     pub fn on(state_dir: &Path) -> Result<Self, KnobError> {
         if can_exceed_pipe_max() {
             tracing::debug!("CAP_SYS_RESOURCE held: the pipes get their size without --big-pipes");

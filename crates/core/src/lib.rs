@@ -1,32 +1,24 @@
-//! gpusnap's lifecycle logic, written against the driver and NVML traits.
+//! gpusnap's lifecycle of a CUDA process, written against the driver and
+//! NVML traits: a target's identity (pid and start time), the journal and
+//! the admission ledger, suspend, resume and stop, groups, device remapping.
+//!
+//! Images, CRIU and the guard live in the crates above this one
+//! (`gpusnap-images`, `gpusnap-hibernate`, `gpusnap-guard`); this crate
+//! never imports them.
 
-pub mod chunksrc;
 pub mod compat;
-pub mod criu;
-pub mod doctor;
-pub mod dumpdir;
 pub mod engine;
 pub mod error;
-pub mod fifo;
-pub mod follow;
 pub mod group;
-pub mod guard;
-pub mod hibernate;
 pub mod hostknob;
-pub mod image;
-pub mod lazy;
-pub mod mapfile;
-pub mod progress;
 pub mod remap;
-pub mod remote;
-pub mod rescue;
-pub mod sign;
 pub mod store;
 pub mod target;
 pub mod thp;
-pub mod workingset;
+pub mod tree;
 
 pub use engine::{Engine, ResumeOptions, StopOptions};
 pub use error::Error;
-pub use progress::{Progress, Quiet};
+pub use gpusnap_progress as progress;
+pub use gpusnap_progress::{Progress, Quiet};
 pub use store::Store;

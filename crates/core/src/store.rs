@@ -151,7 +151,7 @@ impl Store {
         let err = |reason: String| Error::Store { path: path.display().to_string(), reason };
         // Created 0600 before SQLite sees it (SQLite would use the umask;
         // its -wal and -shm files copy the database's mode).
-        match crate::image::create_private(&path) {
+        match gpusnap_files::create_private(&path) {
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(err(format!("cannot create: {e}"))),

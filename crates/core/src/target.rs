@@ -240,7 +240,7 @@ pub fn own_session_where_needed(cmd: &mut std::process::Command) {
     }
 }
 
-pub(crate) fn session_visible_in(status: &str) -> Option<bool> {
+pub fn session_visible_in(status: &str) -> Option<bool> {
     let sid: i32 =
         status.lines().find_map(|l| l.strip_prefix("NSsid:"))?.split_whitespace().last()?.parse().ok()?;
     Some(sid != 0)

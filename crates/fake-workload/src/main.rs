@@ -360,7 +360,7 @@ fn host_copy(cuda: &Cuda, mib: u64) -> Result<(), String> {
     // same protection (the stack of the thread started below lands right
     // under it), and CRIU dumps the pages at a thread's stack pointer
     // eagerly, so the merged VMA would not be all lazy (a map file would
-    // then leave it out: crates/core/src/mapfile.rs).
+    // then leave it out: crates/images/src/mapfile.rs).
     let page = 4096;
     // SAFETY: a fresh private anonymous reservation; nothing in this
     // program reads or writes it (its middle is the driver's), and it is

@@ -127,7 +127,7 @@ impl Criu {
         self.common(&mut cmd, images, work, "restore.log");
         // With --shell-job a tree restored without its session leader joins
         // CRIU's session: it must be one the woken tree can be dumped in again.
-        crate::target::own_session_where_needed(&mut cmd);
+        gpusnap_core::target::own_session_where_needed(&mut cmd);
         self.run("restore", cmd, &work.join("restore.log"))?;
         let pid =
             std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok()).ok_or_else(|| {
@@ -174,7 +174,7 @@ pub const KEEP_LOGS: usize = 20;
 fn read_log(log: &Path) -> String {
     use std::io::Read;
     let mut buf = Vec::new();
-    if let Ok(f) = crate::image::open_regular(log, u64::MAX) {
+    if let Ok(f) = gpusnap_files::open_regular(log, u64::MAX) {
         let _ = f.take(64 << 20).read_to_end(&mut buf);
     }
     String::from_utf8_lossy(&buf).into_owned()
@@ -184,7 +184,7 @@ fn read_log(log: &Path) -> String {
 /// (0700), the oldest beyond [`KEEP_LOGS`] removed.
 pub fn new_log_dir(state_dir: &Path, label: &str) -> std::io::Result<PathBuf> {
     let logs = state_dir.join("logs");
-    crate::image::mkdir_private(&logs)?;
+    gpusnap_files::mkdir_private(&logs)?;
     let mut old: Vec<PathBuf> = std::fs::read_dir(&logs)?
         .filter_map(|e| e.ok())
         .filter(|e| {
@@ -201,8 +201,8 @@ pub fn new_log_dir(state_dir: &Path, label: &str) -> std::io::Result<PathBuf> {
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') { c } else { '_' })
         .collect();
-    let dir = logs.join(format!("{:013}-{label}", crate::store::now_ms()));
-    crate::image::mkdir_private(&dir)?;
+    let dir = logs.join(format!("{:013}-{label}", gpusnap_core::store::now_ms()));
+    gpusnap_files::mkdir_private(&dir)?;
     Ok(dir)
 }
 

@@ -22,11 +22,12 @@
 //! read); an image given by path is copied into the store, verified as it is
 //! copied. See docs/images.md.
 
+use gpusnap_files::{create_private, mkdir_private, open_regular, read_bounded, write_private};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{Read, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 pub const MAGIC: &str = "gpusnap-image";
@@ -194,6 +195,30 @@ impl Manifest {
     }
 }
 
+/// One pages file as a follower saw it while CRIU wrote it: its size,
+/// checksum and chunks, stored (staged) in the store.
+#[derive(Debug)]
+pub struct FollowedFile {
+    pub size: u64,
+    pub blake3: String,
+    pub stored: gpusnap_chunks::Stored,
+}
+
+/// The pages files chunked before the commit (by their path under the
+/// image directory, e.g. `criu/pages-1.img`): what [`PendingImage::commit_followed`]
+/// takes instead of chunking them again.
+#[derive(Default)]
+pub struct Prechunked {
+    pub files: BTreeMap<String, FollowedFile>,
+    /// The store's shared lock, held from the first chunk staged until the
+    /// manifest that refers to them is in place (`images gc` waits).
+    pub lock: Option<gpusnap_chunks::StoreLock>,
+    /// The pages files are outside the image directory (a tmpfs dump
+    /// directory) and are not copied into it: the commit takes them from
+    /// there alone.
+    pub elsewhere: bool,
+}
+
 pub fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 128
@@ -204,22 +229,6 @@ pub fn valid_name(name: &str) -> bool {
 pub(crate) fn io(name: &str, op: impl Into<String>) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
     let op = op.into();
     move |err| ImageError::Io { name: name.to_string(), op, err }
-}
-
-/// Creates a private directory, or checks that an existing one is a real
-/// directory (not a link) before making it private: chmod follows links.
-pub fn mkdir_private(p: &Path) -> std::io::Result<()> {
-    fs::DirBuilder::new().recursive(true).mode(0o700).create(p)?;
-    let meta = fs::symlink_metadata(p)?;
-    if !meta.is_dir() {
-        return Err(std::io::Error::other(format!("{} is not a directory (a link?)", p.display())));
-    }
-    fs::set_permissions(p, fs::Permissions::from_mode(0o700))
-}
-
-/// Creates a new file, private (0600), never through a link.
-pub fn create_private(p: &Path) -> std::io::Result<fs::File> {
-    fs::OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(p)
 }
 
 /// Hashes a file, reporting bytes as it goes. Large files are mapped and
@@ -306,46 +315,6 @@ fn store_file(
     Ok((map.len() as u64, hash, stored))
 }
 
-/// Opens `p` for reading only if it is a regular file of its own (not a
-/// link, not a hard link to elsewhere, not a FIFO or device) of at most
-/// `max` bytes: the type is checked on the descriptor, which O_NONBLOCK
-/// keeps a FIFO from blocking in open.
-pub fn open_regular(p: &Path, max: u64) -> std::io::Result<fs::File> {
-    use std::os::unix::fs::MetadataExt;
-    let f = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(p)
-        .map_err(|e| {
-            if e.raw_os_error() == Some(libc::ELOOP) {
-                std::io::Error::other("a symbolic link")
-            } else {
-                e
-            }
-        })?;
-    let meta = f.metadata()?;
-    if !meta.is_file() {
-        return Err(std::io::Error::other("not a regular file"));
-    }
-    if meta.nlink() > 1 {
-        return Err(std::io::Error::other("a hard link to a file elsewhere"));
-    }
-    if meta.len() > max {
-        return Err(std::io::Error::other(format!("too large ({} bytes)", meta.len())));
-    }
-    Ok(f)
-}
-
-/// Reads a file opened by [`open_regular`], at most `max` bytes.
-pub(crate) fn read_bounded(f: fs::File, max: u64) -> std::io::Result<Vec<u8>> {
-    let mut buf = Vec::new();
-    f.take(max.saturating_add(1)).read_to_end(&mut buf)?;
-    if buf.len() as u64 > max {
-        return Err(std::io::Error::other("too large"));
-    }
-    Ok(buf)
-}
-
 /// Hashes a file opened by [`open_regular`].
 fn hash_open(f: fs::File, mut on_bytes: impl FnMut(u64)) -> std::io::Result<(u64, String)> {
     const CHUNK: usize = 256 << 20;
@@ -410,14 +379,14 @@ impl PendingImage {
         self.commit_followed(m, durable, None, on_bytes)
     }
 
-    /// [`Self::commit`], taking the pages files a [`crate::follow::Follower`]
+    /// [`Self::commit`], taking the pages files a follower (gpusnap-hibernate's)
     /// chunked while CRIU wrote them (checked to be the files as they are
     /// now: same size); the others are chunked here.
     pub fn commit_followed(
         mut self,
         mut m: Manifest,
         durable: bool,
-        followed: Option<crate::follow::Followed>,
+        followed: Option<Prechunked>,
         mut on_bytes: impl FnMut(u64),
     ) -> Result<Manifest, ImageError> {
         let name = self.name.clone();
@@ -489,7 +458,7 @@ impl PendingImage {
             m.files.push(FileDesc { path: rs, size, blake3: hash, chunks: st.chunks });
         }
         if elsewhere {
-            // Followed on a tmpfs and never copied here (crate::dumpdir):
+            // Followed on a tmpfs and never copied here (gpusnap_hibernate::dumpdir):
             // the manifest lists them in the order of the files here.
             for (rs, f) in std::mem::take(&mut followed) {
                 on_bytes(f.size);
@@ -598,12 +567,6 @@ impl Drop for PendingImage {
             let _ = fs::remove_dir_all(&self.dir);
         }
     }
-}
-
-pub(crate) fn write_private(p: &Path, data: &[u8]) -> std::io::Result<()> {
-    let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(p)?;
-    f.write_all(data)?;
-    f.sync_all()
 }
 
 /// Queues the dirty pages of every file under `dir` for write-back and

@@ -29,9 +29,9 @@ fn f(check: &'static str, severity: Severity, message: impl Into<String>, fix: O
 
 /// What killed gpusnaps left behind: hibernates never finished (a tree
 /// left stopped, CUDA processes left suspended) and temporary images.
-fn leftovers(state_dir: &Path, store: &crate::store::Store) -> Vec<Finding> {
+fn leftovers(state_dir: &Path, store: &gpusnap_core::store::Store) -> Vec<Finding> {
     let mut out = Vec::new();
-    match crate::hibernate::interrupted_hibernates(store) {
+    match gpusnap_hibernate::hibernate::interrupted_hibernates(store) {
         Ok(list) => {
             for i in list {
                 out.push(Finding {
@@ -47,7 +47,10 @@ fn leftovers(state_dir: &Path, store: &crate::store::Store) -> Vec<Finding> {
         }
         Err(e) => out.push(f("interrupted-hibernate", Severity::Warn, e.to_string(), None)),
     }
-    let images = crate::image::ImageStore::new(state_dir.join("images"), crate::sign::Trust::default());
+    let images = gpusnap_images::image::ImageStore::new(
+        state_dir.join("images"),
+        gpusnap_images::sign::Trust::default(),
+    );
     for s in images.stale() {
         out.push(Finding {
             check: "stale-image",
@@ -123,7 +126,7 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
             Some("NVML ships with the driver; gpusnap needs it for footprints and admission control"),
         )),
     }
-    match crate::hostknob::THP.get() {
+    match gpusnap_core::hostknob::THP.get() {
         Ok(sel) => {
             if sel == "always" {
                 out.push(f("thp", Severity::Ok, "transparent huge pages: always", None));
@@ -149,7 +152,7 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
             Some("run as root, or grant CAP_SYS_PTRACE"),
         ));
     }
-    match crate::store::Store::open(state_dir) {
+    match gpusnap_core::store::Store::open(state_dir) {
         Ok(store) => {
             out.push(f(
                 "state",
@@ -178,7 +181,7 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
 /// Checks of one process: what can keep the driver from checkpointing it.
 /// Pure /proc reading: it works where the driver does not, and never hangs.
 pub fn process(pid: i32, host_gpus: usize) -> Vec<Finding> {
-    match crate::target::resolve(pid) {
+    match gpusnap_core::target::resolve(pid) {
         Ok(_) => process_at(Path::new("/proc"), pid, host_gpus),
         Err(e) => vec![f("process", Severity::Error, e.to_string(), None)],
     }
@@ -308,7 +311,7 @@ pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
             (sev == Severity::Warn).then_some("detach the debugger, or let gpusnap's guard be the tracer"),
         ));
     }
-    if crate::target::session_visible_in(&status) == Some(false) {
+    if gpusnap_core::target::session_visible_in(&status) == Some(false) {
         out.push(f(
             "session",
             Severity::Warn,
@@ -320,8 +323,8 @@ pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
     let mapped = |needle: &str| maps.lines().any(|l| l.contains(needle));
     let env = std::fs::read(dir.join("environ")).unwrap_or_default();
     if mapped("libgpusnap_preload") {
-        match crate::guard::light::socket_in_environ(&env) {
-            Some(s) if crate::guard::light::is_served(&s) => out.push(f(
+        match gpusnap_guard::light::socket_in_environ(&env) {
+            Some(s) if gpusnap_guard::light::is_served(&s) => out.push(f(
                 "guard",
                 Severity::Ok,
                 format!("guarded by `gpusnap run --light` (socket {})", s.display()),
@@ -551,7 +554,7 @@ fn ptrace_finding(scope: Option<u8>, root: bool) -> Finding {
 
 /// CRIU's version, and whether it is new enough for this kernel.
 pub fn criu(explicit: Option<&Path>) -> Finding {
-    match crate::criu::Criu::find(explicit) {
+    match gpusnap_hibernate::criu::Criu::find(explicit) {
         Ok(c) => {
             let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
             let k: Vec<u32> = kernel
@@ -735,7 +738,7 @@ mod nccl_tests {
 /// it writes its pages into): `fs.pipe-max-size` (1 MiB by default) bounds
 /// them unless gpusnap holds CAP_SYS_RESOURCE.
 fn pipes() -> Finding {
-    use crate::hostknob::{can_exceed_pipe_max, BIG_PIPE, PIPE_MAX};
+    use gpusnap_core::hostknob::{can_exceed_pipe_max, BIG_PIPE, PIPE_MAX};
     if can_exceed_pipe_max() {
         return f("pipes", Severity::Ok, "pipes: CAP_SYS_RESOURCE held, a dump's pipes get 64 MiB", None);
     }

@@ -15,8 +15,9 @@
 //! lazy), or whole ones for an eager restore. They are removed when the
 //! wake ends.
 
-use crate::image::{create_private, mkdir_private, open_regular, ImageError, Manifest};
+use crate::image::{ImageError, Manifest};
 use gpusnap_chunks::{ChunkError, ChunkRef, LocalStore, Remote, Scratch};
+use gpusnap_files::{create_private, mkdir_private, open_regular};
 use gpusnap_pages::{DirSource, PageSource, PagesError, PagesFile};
 use std::collections::HashMap;
 use std::fs;
@@ -115,7 +116,7 @@ impl Shared {
             loads: AtomicU64::new(0),
             recurring: AtomicU64::new(0),
             recurring_budget: recurring_budget(
-                crate::dumpdir::meminfo().map(|(_, avail)| avail).unwrap_or(RECURRING_MIN * 4),
+                meminfo().map(|(_, avail)| avail).unwrap_or(RECURRING_MIN * 4),
             ),
             map_raw,
         })
@@ -525,6 +526,13 @@ impl PageSource for StoreSource {
 /// benchmarks (`examples/bench_pagesrc.rs`): `verified`, every chunk of it
 /// was checked in full in this wake already (the up-front verify).
 #[doc(hidden)]
+/// The host's total and available memory, bytes (`/proc/meminfo`).
+pub fn meminfo() -> Option<(u64, u64)> {
+    use procfs::Current;
+    let m = procfs::Meminfo::current().ok()?;
+    Some((m.mem_total, m.mem_available?))
+}
+
 pub fn bench_file(
     image: &str,
     path: &str,

@@ -12,14 +12,16 @@
 //! A failure at 1-3 resumes what was suspended and removes the partial image.
 
 use crate::criu::{Criu, DumpOptions};
-use crate::engine::{Engine, ResumeOptions, StopOptions};
-use crate::error::Error;
-use crate::image::{GpuDesc, ImageStore, Manifest, ProcDesc, FORMAT, MAGIC};
-use crate::progress::{observe, Progress};
-use crate::store::now_ms;
-use crate::target::{self, Target};
+use crate::Error;
+use gpusnap_core::engine::{Engine, ResumeOptions, StopOptions};
+use gpusnap_core::progress::{observe, Progress};
+use gpusnap_core::store::now_ms;
+use gpusnap_core::target::{self, Target};
+use gpusnap_core::tree::process_tree;
+use gpusnap_core::Error as CoreError;
 use gpusnap_cuda::{CheckpointApi, ProcessState};
 use gpusnap_gpu::GpuInventory;
+use gpusnap_images::image::{GpuDesc, ImageStore, Manifest, ProcDesc, FORMAT, MAGIC};
 use procfs::process::Process;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
@@ -34,11 +36,11 @@ pub struct HibernateOptions {
     /// Wait for the image to reach the disk before the tree is ended.
     pub durable: bool,
     /// Raise `fs.pipe-max-size` for the dump where gpusnap lacks
-    /// CAP_SYS_RESOURCE (`--big-pipes`, [`crate::hostknob::BigPipes`]; also
+    /// CAP_SYS_RESOURCE (`--big-pipes`, [`gpusnap_core::hostknob::BigPipes`]; also
     /// `GPUSNAP_DUMP_BIG_PIPES=1`).
     pub big_pipes: bool,
     /// Build each image's map file once it is committed (`--map`, as
-    /// `gpusnap images map`; [`crate::mapfile`]): a warm wake then maps its
+    /// `gpusnap images map`; [`gpusnap_images::mapfile`]): a warm wake then maps its
     /// CUDA processes' host copies instead of filling them. A map file that
     /// cannot be built is a notice; the image stands.
     pub map: bool,
@@ -64,7 +66,7 @@ pub struct HibernateReport {
     pub criu_stats: Option<gpusnap_pages::DumpStats>,
     /// The map file built after it (`--map`); None without one.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub map: Option<crate::mapfile::Built>,
+    pub map: Option<gpusnap_images::mapfile::Built>,
     /// Time of each stage in ms: suspend, dump (CRIU as a whole), commit
     /// (gpusnap's checksums, chunking, manifest, flush), and inside dump
     /// CRIU's own: frozen, drain (the parasite draining pages into pipes)
@@ -119,7 +121,7 @@ struct WakePlan {
     chunks_checked: bool,
     /// The full check of the chunks is left to the restore: in the
     /// background of a lazy wake, finished before any unlock (a CUDA
-    /// image; see [`crate::chunksrc::Workdir::start_verify`]).
+    /// image; see [`gpusnap_images::chunksrc::Workdir::start_verify`]).
     verify_deferred: bool,
 }
 
@@ -141,33 +143,6 @@ struct Dumped {
     cuda_members: Vec<Target>,
     suspended: Vec<i32>,
     journal: Vec<(i64, Target)>,
-}
-
-/// Of `pids`, those with no ancestor among them: the roots of the trees
-/// that hold them all (a group's trees, for CRIU, which dumps whole trees).
-pub fn roots_of(pids: &[i32]) -> Vec<i32> {
-    let set: std::collections::HashSet<i32> = pids.iter().copied().collect();
-    let ppid = |p: i32| Process::new(p).and_then(|x| x.stat()).map(|s| s.ppid).unwrap_or(0);
-    let mut out = Vec::new();
-    for &p in pids {
-        let mut a = ppid(p);
-        let mut inside = false;
-        // Bounded: a pid chain is never longer than the pid space.
-        for _ in 0..4096 {
-            if a <= 1 {
-                break;
-            }
-            if set.contains(&a) {
-                inside = true;
-                break;
-            }
-            a = ppid(a);
-        }
-        if !inside && !out.contains(&p) {
-            out.push(p);
-        }
-    }
-    out
 }
 
 #[derive(Debug, Clone)]
@@ -204,7 +179,7 @@ pub struct WakeReport {
     pub lazy: bool,
     /// Bytes the page server put in place.
     pub pages_bytes: u64,
-    /// Bytes mapped from the image's map file instead (crate::mapfile).
+    /// Bytes mapped from the image's map file instead (gpusnap_images::mapfile).
     pub mapped_bytes: u64,
     /// Why a lazy wake fell back to an eager one.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -220,7 +195,7 @@ pub struct WakeReport {
     pub stages: Stages,
     /// Bytes of the processes' own files (libraries, ...) the wake asked
     /// the kernel to read ahead, as they were in memory at the hibernate
-    /// (`GPUSNAP_FILE_PAGES=1`, see `crate::workingset`; read on a thread,
+    /// (`GPUSNAP_FILE_PAGES=1`, see `gpusnap_images::workingset`; read on a thread,
     /// not waited for); 0 when off.
     pub file_pages_bytes: u64,
     /// What the page server did (lazy wakes): faults, bytes by faults and
@@ -268,7 +243,10 @@ fn no_driver(m: &Manifest) -> Error {
 
 /// Why a lazy wake's pages failed: a chunk that failed its check (the
 /// image refused), else the page server's own error.
-fn pages_failure(wd: Option<&crate::chunksrc::Workdir>, srv: Option<&gpusnap_pages::Server>) -> Error {
+fn pages_failure(
+    wd: Option<&gpusnap_images::chunksrc::Workdir>,
+    srv: Option<&gpusnap_pages::Server>,
+) -> Error {
     match (wd.and_then(|wd| wd.bad()), srv) {
         (Some(bad), _) => bad.into(),
         (None, Some(srv)) => Error::Pages(srv.wait().err().unwrap_or(gpusnap_pages::PagesError::Aborted)),
@@ -292,11 +270,11 @@ struct Woken {
     finish_ms: u64,
     pages_ms: u64,
     pages_bytes: u64,
-    mapped: crate::mapfile::Mapped,
+    mapped: gpusnap_images::mapfile::Mapped,
     /// Of the processes' own files, asked to be read ahead (0: off).
     file_pages_bytes: u64,
     lazy: bool,
-    verify: crate::chunksrc::VerifyTimes,
+    verify: gpusnap_images::chunksrc::VerifyTimes,
     notice: Option<String>,
     report: Option<gpusnap_pages::Report>,
 }
@@ -313,122 +291,166 @@ fn ms(since: Instant) -> u64 {
     since.elapsed().as_millis() as u64
 }
 
-/// The tree rooted at `root`, parents before children: (pid, ppid).
-pub fn process_tree(root: i32) -> Vec<(i32, i32)> {
-    let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
-    if let Ok(all) = procfs::process::all_processes() {
-        for p in all.filter_map(Result::ok) {
-            if let Ok(st) = p.stat() {
-                children.entry(st.ppid).or_default().push(st.pid);
-            }
-        }
-    }
-    let ppid = Process::new(root).and_then(|p| p.stat()).map(|s| s.ppid).unwrap_or(0);
-    let mut out = vec![(root, ppid)];
-    let mut i = 0;
-    while i < out.len() {
-        let pid = out[i].0;
-        if let Some(c) = children.get(&pid) {
-            let mut c = c.clone();
-            c.sort();
-            out.extend(c.into_iter().map(|k| (k, pid)));
-        }
-        i += 1;
-    }
-    out
-}
-
 fn dir_bytes(p: &Path) -> u64 {
     std::fs::read_dir(p)
         .map(|rd| rd.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum())
         .unwrap_or(0)
 }
 
+/// Whether `--big-pipes` was given or
+/// [`gpusnap_core::hostknob::BIG_PIPES_ENV`] is 1.
+fn big_pipes_wanted(flag: bool) -> bool {
+    use gpusnap_core::hostknob::BIG_PIPES_ENV;
+    flag || gpusnap_pages::flag_setting(BIG_PIPES_ENV, std::env::var(BIG_PIPES_ENV).ok(), false)
+}
+
 fn hostname() -> String {
     nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "unknown".into())
 }
 
-impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
-    /// Suspends every CUDA process of a tree, in parallel (a group: all or
-    /// none); returns the ones this call suspended.
-    pub fn suspend_all(&mut self, pids: &[i32], lock_timeout_ms: u32) -> Result<Vec<i32>, Error> {
-        if pids.is_empty() {
-            return Ok(Vec::new());
-        }
-        // Each member's checkpoint shows beside the others'.
-        let proto = self.progress().sibling();
-        let reports =
-            self.suspend_group(pids, lock_timeout_ms, &|| proto.sibling()).map_err(|e| match e {
-                Error::Member { .. } => e,
-                other => Error::Member { pid: pids[0], source: Box::new(other) },
-            })?;
-        Ok(reports.iter().filter(|r| !r.already).map(|r| r.pid).collect())
-    }
-
-    /// Puts processes this operation suspended back on the GPU. Their memory
-    /// was freed moments ago; admission still guards the race.
-    pub(crate) fn resume_after_failure(&mut self, pids: &[i32]) -> Option<Error> {
-        let opts = ResumeOptions { wait: Duration::from_secs(30), ..Default::default() };
-        let mut first = None;
-        for &pid in pids.iter().rev() {
-            if let Err(e) = self.resume(pid, &opts) {
-                tracing::error!(pid, "could not resume: {e}");
-                first.get_or_insert(Error::Member { pid, source: Box::new(e) });
-            }
-        }
-        first
-    }
-
-    /// Classifies the tree's processes: CUDA (with driver state) or plain.
-    /// A member other than the root that is gone (or a zombie) by the time it
-    /// is looked at is dropped from `tree`: a tree that starts and ends
-    /// short-lived children loses some between the walk and now.
-    fn cuda_members(&self, tree: &mut Vec<(i32, i32)>) -> Result<Vec<(Target, Option<ProcessState>)>, Error> {
-        let driverless = self.api_version() == 0;
-        let mapping: std::collections::HashSet<i32> = if driverless {
-            target::processes_mapping_libcuda().into_iter().collect()
-        } else {
-            Default::default()
-        };
-        let root = tree.first().map(|(p, _)| *p);
-        let mut out = Vec::new();
-        let mut gone = Vec::new();
-        for &(pid, _) in tree.iter() {
-            let t = match target::resolve_callable(pid) {
-                Ok(t) => t,
-                Err(Error::NoProcess { .. } | Error::Zombie { .. }) if Some(pid) != root => {
-                    gone.push(pid);
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
-            if driverless {
-                if mapping.contains(&pid) {
-                    return Err(Error::CudaWithoutDriver {
-                        pid,
-                        comm: t.comm,
-                        why: "libcuda.so.1 could not be loaded".into(),
-                    });
-                }
-                out.push((t, None));
-                continue;
-            }
-            match self.driver_state(&t) {
-                Ok(s) => out.push((t, Some(s))),
-                Err(Error::NotCuda { .. }) => out.push((t, None)),
-                Err(_) if Some(pid) != root && !target::is_alive(&t) => gone.push(pid),
-                Err(e) => return Err(Error::Member { pid, source: Box::new(e) }),
-            }
-        }
-        tree.retain(|(p, _)| !gone.contains(p));
-        Ok(out)
-    }
-
+/// Hibernate, wake and recover, on the lifecycle engine: whole process
+/// trees to an image and back.
+pub trait Hibernate {
     /// Hibernates the tree rooted at `root` (or, with `leave_running`,
     /// snapshots it): every CUDA process suspended (all or none), the tree
     /// dumped by CRIU, the image checksummed and renamed into place, and only
     /// then the tree ended. A failure at any step puts everything back.
-    pub fn hibernate(
+    fn hibernate(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        root: i32,
+        opts: &HibernateOptions,
+    ) -> Result<HibernateReport, Error>;
+
+    /// Hibernates several trees (a group: the roots of the processes of a
+    /// cgroup, say), one image each (`NAME-ROOT` when a name is given), all
+    /// or nothing: every tree is dumped and its image written before any
+    /// tree is ended; if one fails, the others are put back as they were
+    /// and their images removed.
+    fn hibernate_group(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        roots: &[i32],
+        opts: &HibernateOptions,
+    ) -> Result<Vec<HibernateReport>, Error>;
+
+    fn wake(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        name: &str,
+        opts: &WakeOptions,
+    ) -> Result<WakeReport, Error>;
+
+    /// Wakes several images (the trees of a hibernated group), all or
+    /// nothing: every image is verified and checked against this host, and
+    /// their processes admitted together, before any is restored; if one
+    /// fails, the trees already woken are ended safely (suspended first) and
+    /// every image stays as it was, for a retry.
+    fn wake_group(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        names: &[String],
+        opts: &WakeOptions,
+    ) -> Result<Vec<WakeReport>, Error>;
+
+    /// A process stuck after a failed restore, brought back from its newest
+    /// image: the stuck tree is ended (it holds no GPU memory) and woken.
+    fn recover(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        pid: i32,
+        opts: &WakeOptions,
+    ) -> Result<WakeReport, Error>;
+
+    /// Reconciles hibernates that a gpusnap killed mid-way left open: if
+    /// their image was committed (signed and complete), the hibernate is
+    /// finished (the tree, stopped by CRIU and off the GPU, is ended);
+    /// otherwise the tree is continued and the CUDA processes it suspended
+    /// are resumed. Only processes still the ones journaled (pid and start
+    /// time) are touched. Temporary images are removed by [`ImageStore::gc`].
+    fn reconcile_hibernates(&mut self, images: &ImageStore) -> Result<Vec<Interrupted>, Error>;
+}
+
+/// The steps of [`Hibernate`], on the same engine.
+trait Steps {
+    /// Classifies the tree's processes: CUDA (with driver state) or plain.
+    /// A member other than the root that is gone (or a zombie) by the time it
+    /// is looked at is dropped from `tree`: a tree that starts and ends
+    /// short-lived children loses some between the walk and now.
+    fn cuda_members(&self, tree: &mut Vec<(i32, i32)>) -> Result<Vec<(Target, Option<ProcessState>)>, Error>;
+
+    /// Builds the map file of a committed image (`--map`). The image and
+    /// the hibernate stand whatever happens here: a failure is a notice.
+    fn map_after(&self, images: &ImageStore, r: &mut HibernateReport);
+
+    /// Steps 1-3 of a hibernate: suspended, dumped, image committed; the
+    /// tree is left stopped (or running) for [`Self::finish_hibernate`] or
+    /// [`Self::abandon_hibernate`].
+    fn dump_tree(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        root: i32,
+        opts: &HibernateOptions,
+    ) -> Result<Dumped, Error>;
+
+    /// Closes a hibernate's journal entries; a store error here is logged
+    /// (what they describe is already done or undone).
+    fn close_journal(&mut self, journal: &[(i64, Target)], ok: bool, detail: &str);
+
+    /// Step 4: the image is safe: end the tree, or put it back as it was.
+    fn finish_hibernate(&mut self, d: Dumped, opts: &HibernateOptions) -> Result<HibernateReport, Error>;
+
+    /// Undoes steps 1-3 for a tree of a group whose other member failed:
+    /// the tree runs on as it was, its image is removed.
+    fn abandon_hibernate(&mut self, d: Dumped, images: &ImageStore, opts: &HibernateOptions);
+
+    /// Everything about waking one image that can be decided before anything
+    /// is restored: the image verified (manifest, every checksum), this host
+    /// checked (driver, GPUs), the CUDA processes to put back and the memory
+    /// each needs where it goes.
+    fn plan_wake(
+        &mut self,
+        images: &ImageStore,
+        name: &str,
+        opts: &WakeOptions,
+        group: bool,
+    ) -> Result<WakePlan, Error>;
+
+    #[allow(clippy::too_many_arguments)]
+    fn wake_admitted(
+        &mut self,
+        criu: &Criu,
+        state_dir: &Path,
+        plan: &WakePlan,
+        resume: &[&ProcDesc],
+        eager: bool,
+    ) -> Result<Woken, Error>;
+
+    /// The CUDA processes of a rescued wake (crate::rescue): those the
+    /// driver's restore left locked are checkpointed again, then the whole
+    /// tree is killed while its threads are still stopped.
+    fn end_rescued(&mut self, m: &Manifest, resume: &[&ProcDesc]) -> Vec<Target>;
+
+    /// Ends restored processes of a wake that failed, safely: not forced, so
+    /// a process already back on the GPU is suspended before it is killed,
+    /// or left running if that fails.
+    fn end_woken(&mut self, pids: impl Iterator<Item = i32>);
+
+    /// Is this host's driver able to restore the image's CUDA processes?
+    fn check_host_driver(&self, m: &Manifest) -> Result<(), Error>;
+
+    /// Can this host take the image's CUDA processes on the GPUs they had?
+    fn check_host(&self, m: &Manifest) -> Result<(), Error>;
+}
+
+impl<A: CheckpointApi, G: GpuInventory> Hibernate for Engine<A, G> {
+    fn hibernate(
         &mut self,
         criu: &Criu,
         images: &ImageStore,
@@ -443,31 +465,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(r)
     }
 
-    /// Builds the map file of a committed image (`--map`). The image and
-    /// the hibernate stand whatever happens here: a failure is a notice.
-    fn map_after(&self, images: &ImageStore, r: &mut HibernateReport) {
-        let built = images.manifest(&r.image).and_then(|(dir, m)| {
-            crate::mapfile::build(images.state_dir(), &r.image, &dir, &m, self.progress())
-        });
-        match built {
-            Ok(Some(b)) => r.map = Some(b),
-            Ok(None) => eprintln!(
-                "gpusnap: notice: image {}: no region to map (no large memory of a CUDA process)",
-                r.image
-            ),
-            Err(e) => eprintln!(
-                "gpusnap: notice: image {}: its map file was not built ({e}); a wake fills its memory",
-                r.image
-            ),
-        }
-    }
-
-    /// Hibernates several trees (a group: the roots of the processes of a
-    /// cgroup, say), one image each (`NAME-ROOT` when a name is given), all
-    /// or nothing: every tree is dumped and its image written before any
-    /// tree is ended; if one fails, the others are put back as they were
-    /// and their images removed.
-    pub fn hibernate_group(
+    fn hibernate_group(
         &mut self,
         criu: &Criu,
         images: &ImageStore,
@@ -504,440 +502,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(reports)
     }
 
-    /// Steps 1-3 of a hibernate: suspended, dumped, image committed; the
-    /// tree is left stopped (or running) for [`Self::finish_hibernate`] or
-    /// [`Self::abandon_hibernate`].
-    fn dump_tree(
-        &mut self,
-        criu: &Criu,
-        images: &ImageStore,
-        root: i32,
-        opts: &HibernateOptions,
-    ) -> Result<Dumped, Error> {
-        let started = Instant::now();
-        let root_t = target::resolve_callable(root)?;
-        // How new chunks will be encoded, read (and a bad value said) now,
-        // not at the first new chunk.
-        let codec = gpusnap_chunks::Codec::configured();
-        tracing::debug!("new chunks encoded as {codec:?}");
-        let mut tree = process_tree(root);
-        // Refused before anything is suspended: CRIU would fail on it only
-        // after the GPU state had gone to host memory.
-        for &(p, _) in &tree {
-            if target::session_leader_visible(p) == Some(false) {
-                let comm = target::resolve(p).map(|t| t.comm).unwrap_or_default();
-                return Err(Error::ForeignSession { pid: p, comm });
-            }
-        }
-        let members = self.cuda_members(&mut tree)?;
-        let name =
-            opts.name.clone().unwrap_or_else(|| format!("{}-{}-{}", sanitize(&root_t.comm), root, now_ms()));
-        let pending = images.begin(&name)?;
-        let cuda: Vec<i32> = members.iter().filter(|(_, s)| s.is_some()).map(|(t, _)| t.pid).collect();
-        let was_running: Vec<i32> = members
-            .iter()
-            .filter(|(_, s)| matches!(s, Some(ProcessState::Running | ProcessState::Locked)))
-            .map(|(t, _)| t.pid)
-            .collect();
-        // Journaled before anything is done, so that a gpusnap killed in
-        // the middle (after CRIU stopped the tree, say) is reconciled by the
-        // next run (see [`Engine::reconcile_hibernates`]).
-        let mut journal: Vec<(i64, Target)> = Vec::new();
-        for (t, _) in &members {
-            let detail = format!(
-                "image={name} resume={} stop={}",
-                u8::from(was_running.contains(&t.pid)),
-                u8::from(!opts.leave_running)
-            );
-            match self.store_mut().begin_with(t, "hibernate", &detail) {
-                Ok(id) => journal.push((id, t.clone())),
-                Err(e) => {
-                    self.close_journal(&journal, false, "not started");
-                    return Err(e);
-                }
-            }
-        }
-
-        // 1. CUDA state off the GPU, all or none.
-        let t_suspend = Instant::now();
-        let suspended = match self.suspend_all(&cuda, opts.lock_timeout_ms) {
-            Ok(s) => s,
-            Err(e) => {
-                self.close_journal(&journal, false, "suspend failed");
-                return Err(e);
-            }
-        };
-        let suspend_ms = ms(t_suspend);
-        let undo = |e: &mut Self, err: Error| -> Error {
-            e.resume_after_failure(&suspended);
-            e.close_journal(&journal, false, &format!("undone: {err}"));
-            err
-        };
-        // Read before CRIU acts: after it, a store error must not leave
-        // the tree stopped.
-        let mut footprints: HashMap<i32, BTreeMap<String, u64>> = HashMap::new();
-        for (t, st) in &members {
-            if st.is_some() {
-                match self.store().get(t) {
-                    Ok(r) => {
-                        footprints.insert(t.pid, r.map(|r| r.footprint).unwrap_or_default());
-                    }
-                    Err(err) => return Err(undo(self, err)),
-                }
-            }
-        }
-
-        let tree_pids: Vec<i32> = tree.iter().map(|(p, _)| *p).collect();
-        // A map file still mapped after the driver's checkpoint (see
-        // crate::mapfile::still_mapped): refused, the tree as it was.
-        if let Some((pid, path)) = crate::mapfile::still_mapped(images.state_dir(), &tree_pids) {
-            return Err(undo(self, Error::MapStillMapped { pid, path }));
-        }
-        // The pages of their own files the processes have in memory, read
-        // ahead by a cold wake (crate::workingset).
-        let file_pages = crate::workingset::capture(&tree_pids);
-        // 2. CRIU dump, leaving the tree stopped (or, with leave_running,
-        // running) until the image is safe.
-        let t_dump = Instant::now();
-        let expect: u64 = tree.iter().filter_map(|(p, _)| target::rss_bytes(*p)).sum();
-        let progress: &dyn Progress = self.progress();
-        let store_root = images.state_dir().join("store");
-        // CRIU's pages go through FIFOs straight to the chunkers (see
-        // crate::fifo); where that cannot start, CRIU writes pages files.
-        let mut receiver = None;
-        let fifos = crate::fifo::enabled();
-        // Held until the dump is over: CRIU's pipes and the FIFOs get
-        // their size when they are made. A switch that fails costs speed
-        // only (the pipes keep the sysctl's size), so it is said and left.
-        let _pipes = (fifos && crate::hostknob::BigPipes::wanted(opts.big_pipes))
-            .then(|| crate::hostknob::BigPipes::on(images.state_dir()))
-            .and_then(|r| r.map_err(|e| tracing::warn!("--big-pipes: {e}; the pipes keep their size")).ok());
-        if fifos {
-            let names = crate::fifo::names_for(&tree_pids);
-            let log = images.state_dir().join("dump-keeper.log");
-            match crate::fifo::Receiver::start(&pending.criu_dir(), &store_root, opts.durable, names, &log) {
-                Ok(r) => receiver = Some(r),
-                Err(e) => tracing::warn!("pages through FIFOs: {e}; CRIU writes pages files"),
-            }
-        }
-        // Otherwise CRIU writes to a tmpfs when the host has the memory (see
-        // crate::dumpdir); only with a follower (without one the pages
-        // files would all be copied).
-        let mut tmpfs = if crate::follow::enabled() && receiver.is_none() {
-            crate::dumpdir::choose(expect)
-        } else {
-            None
-        };
-        let mut follower = None;
-        if let Some(t) = &tmpfs {
-            match crate::follow::Follower::start(t.dir(), &store_root, opts.durable) {
-                Ok(f) => follower = Some(f),
-                Err(e) => tracing::warn!("chunking while CRIU dumps: {e}"),
-            }
-        }
-        if follower.is_none() {
-            tmpfs = None;
-        }
-        let criu_dir = tmpfs.as_ref().map_or_else(|| pending.criu_dir(), |t| t.criu_dir());
-        // The pages files are chunked as CRIU writes them. A follower that
-        // cannot start costs only the overlap: the commit chunks them.
-        if tmpfs.is_none() && receiver.is_none() && crate::follow::enabled() {
-            follower = crate::follow::Follower::start(&pending.dir, &store_root, opts.durable)
-                .map_err(|e| tracing::warn!("chunking while CRIU dumps: {e}"))
-                .ok();
-        }
-        let dumped = observe(
-            progress,
-            &format!("dump {root}"),
-            expect,
-            || Some(receiver.as_ref().map_or_else(|| dir_bytes(&criu_dir), |r| r.received())),
-            || {
-                let o = DumpOptions { leave_running: opts.leave_running, leave_stopped: !opts.leave_running };
-                // A durable image must reach the disk before the tree ends:
-                // write it back while CRIU is still writing, so that little
-                // is left to flush at the end.
-                let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-                std::thread::scope(|s| {
-                    if opts.durable && tmpfs.is_none() && receiver.is_none() {
-                        let dir = criu_dir.clone();
-                        s.spawn(move || {
-                            while done_rx.recv_timeout(Duration::from_millis(250))
-                                == Err(std::sync::mpsc::RecvTimeoutError::Timeout)
-                            {
-                                crate::image::start_writeback(&dir);
-                            }
-                        });
-                    }
-                    let r = criu.dump(root, &criu_dir, &criu_dir, &o);
-                    drop(done_tx);
-                    r
-                })
-            },
-        );
-        if let Err(e) = dumped {
-            // Every chunk the follower staged goes with the partial image.
-            if let Some(f) = follower {
-                f.abandon();
-            }
-            if let Some(r) = receiver {
-                r.abandon();
-            }
-            // CRIU leaves the tree running when a dump fails. Its log is
-            // kept outside the partial image, which is removed.
-            let e = e.keep_log(images.state_dir(), &format!("dump-{name}"));
-            drop(tmpfs);
-            return Err(undo(self, e.into()));
-        }
-        // The tree as CRIU dumped it: it is stopped now (or, left running,
-        // as close as can be seen), and may hold children born since the
-        // first walk. Those are in the image, so they are ended with it.
-        let tree_now = process_tree(root);
-        let mut pids: Vec<Target> = members.iter().map(|(t, _)| t.clone()).collect();
-        let mut born: Vec<(Target, i32)> = Vec::new();
-        for &(p, ppid) in &tree_now {
-            if !pids.iter().any(|t| t.pid == p) {
-                if let Ok(t) = target::resolve(p) {
-                    pids.push(t.clone());
-                    born.push((t, ppid));
-                }
-            }
-        }
-        let undo = |e: &mut Self, err: Error| -> Error {
-            if !opts.leave_running {
-                continue_tree(&pids);
-            }
-            e.resume_after_failure(&suspended);
-            e.close_journal(&journal, false, &format!("undone: {err}"));
-            err
-        };
-        let dump_ms = ms(t_dump);
-        // Where CRIU's time went (information only: a file CRIU did not
-        // write, or could not, costs nothing but the figures).
-        let criu_stats = gpusnap_pages::dump_stats(&criu_dir).unwrap_or_else(|e| {
-            tracing::warn!("criu's dump statistics: {e}");
-            None
-        });
-
-        // 3. Manifest and checksums, then the rename that makes it an image.
-        let t_write = Instant::now();
-        let through_fifos = receiver.is_some();
-        let finished = match receiver {
-            Some(r) => Some(r.finish()),
-            None => follower.map(|f| f.finish()),
-        };
-        let mut followed = match finished {
-            Some(Ok(f)) => Some(f),
-            Some(Err(e)) => {
-                let err = Error::Image(crate::image::ImageError::Io {
-                    name: name.clone(),
-                    op: "chunk the pages files".into(),
-                    err: std::io::Error::other(e),
-                });
-                drop(tmpfs);
-                return Err(undo(self, err));
-            }
-            None => None,
-        };
-        // From the tmpfs: CRIU's small files into the image, the pages
-        // files the follower chunked left out (then the tmpfs is freed).
-        // (A tmpfs dump always has a follower: tmpfs is None without one.)
-        let dump_dir = if let (Some(t), Some(f)) = (tmpfs.take(), followed.as_mut()) {
-            f.elsewhere = true;
-            let chunked = |rel: &str| f.files.get(rel).is_some_and(|x| !x.stored.chunks.is_empty());
-            if let Err(e) = t.copy_into(&pending.criu_dir(), &chunked) {
-                if let Some(f) = followed {
-                    if let Ok(store) = gpusnap_chunks::LocalStore::open(store_root.clone()) {
-                        f.abandon(&store);
-                    }
-                }
-                let err = Error::Image(crate::image::ImageError::Io {
-                    name: name.clone(),
-                    op: "copy CRIU's files from the tmpfs".into(),
-                    err: e,
-                });
-                return Err(undo(self, err));
-            }
-            "tmpfs"
-        } else if through_fifos {
-            "fifo"
-        } else {
-            "disk"
-        };
-        let fstats = followed.as_ref().map(|f| f.stats).unwrap_or_default();
-        let mut procs = Vec::new();
-        let mut gpu_uuids = std::collections::BTreeSet::new();
-        for ((t, st), (_, ppid)) in members.iter().zip(tree.iter()) {
-            let footprint = if st.is_some() {
-                footprints.get(&t.pid).cloned().unwrap_or_default()
-            } else {
-                BTreeMap::new()
-            };
-            gpu_uuids.extend(footprint.keys().cloned());
-            procs.push(ProcDesc {
-                pid: t.pid,
-                ppid: *ppid,
-                start_time: t.start_time,
-                comm: t.comm.clone(),
-                cuda: st.is_some(),
-                was_running: was_running.contains(&t.pid),
-                footprint,
-            });
-        }
-        for (t, ppid) in &born {
-            procs.push(ProcDesc {
-                pid: t.pid,
-                ppid: *ppid,
-                start_time: t.start_time,
-                comm: t.comm.clone(),
-                cuda: false,
-                was_running: false,
-                footprint: BTreeMap::new(),
-            });
-        }
-        let host = self.gpus().gpus().unwrap_or_default();
-        let desc = |g: &gpusnap_gpu::GpuInfo| GpuDesc {
-            uuid: g.uuid.clone(),
-            name: g.name.clone(),
-            total_bytes: g.total_bytes,
-        };
-        let gpus: Vec<GpuDesc> = host.iter().filter(|g| gpu_uuids.contains(&g.uuid)).map(desc).collect();
-        let host_refs: Vec<crate::remap::Gpu> = host
-            .iter()
-            .map(|g| crate::remap::Gpu { index: Some(g.index), uuid: g.uuid.clone(), name: g.name.clone() })
-            .collect();
-        let mut seen = std::collections::BTreeSet::new();
-        for (t, st) in &members {
-            if st.is_some() {
-                seen.extend(crate::remap::visible_to(t.pid, &host_refs).into_iter().map(|g| g.uuid));
-            }
-        }
-        let visible_gpus: Vec<GpuDesc> = host.iter().filter(|g| seen.contains(&g.uuid)).map(desc).collect();
-        let manifest = Manifest {
-            magic: MAGIC.into(),
-            format: FORMAT,
-            gpusnap_version: env!("CARGO_PKG_VERSION").into(),
-            name: name.clone(),
-            host: hostname(),
-            created_ms: now_ms(),
-            driver_api: (!cuda.is_empty()).then(|| self.api_version()),
-            driver_version: if cuda.is_empty() { None } else { self.gpus().driver_version().ok() },
-            gpus,
-            visible_gpus,
-            root_pid: root,
-            processes: procs,
-            criu_version: criu.version.clone(),
-            signer: String::new(),
-            files: Vec::new(),
-            file_pages,
-        };
-        let total_img = dir_bytes(&pending.criu_dir());
-        progress.begin(&format!("checksum {name}"), total_img);
-        let mut hashed = 0u64;
-        let committed = pending.commit_followed(manifest, opts.durable, followed, |n| {
-            hashed += n;
-            progress.update(hashed);
-        });
-        progress.end();
-        let manifest = match committed {
-            Ok(m) => m,
-            Err(e) => return Err(undo(self, e.into())),
-        };
-        let write_ms = ms(t_write);
-        let path = images.root.join(&name);
-        let cuda_members: Vec<Target> =
-            members.iter().filter(|(_, st)| st.is_some()).map(|(t, _)| t.clone()).collect();
-        Ok(Dumped {
-            report: HibernateReport {
-                image: name,
-                path,
-                root_pid: root,
-                processes: pids.iter().map(|t| t.pid).collect(),
-                cuda,
-                image_bytes: manifest.total_bytes(),
-                left_running: opts.leave_running,
-                suspend_ms,
-                dump_ms,
-                write_ms,
-                total_ms: 0,
-                stages: HibernateStages {
-                    suspend: suspend_ms,
-                    dump: dump_ms,
-                    commit: write_ms,
-                    criu_frozen: criu_stats.as_ref().map_or(0, |c| c.frozen_ms),
-                    criu_drain: criu_stats.as_ref().map_or(0, |c| c.drain_ms),
-                    criu_memwrite: criu_stats.as_ref().map_or(0, |c| c.memwrite_ms),
-                    follow_overlapped_bytes: fstats.overlapped_bytes,
-                    follow_after_bytes: fstats.after_bytes,
-                    follow_finish: fstats.finish_ms,
-                    follow_punched_bytes: fstats.punched_bytes,
-                    fifo: fstats.fifo,
-                    dump_dir,
-                },
-                criu_stats,
-                map: None,
-            },
-            started,
-            pids,
-            cuda_members,
-            suspended,
-            journal,
-        })
-    }
-
-    /// Closes a hibernate's journal entries; a store error here is logged
-    /// (what they describe is already done or undone).
-    fn close_journal(&mut self, journal: &[(i64, Target)], ok: bool, detail: &str) {
-        for (id, t) in journal {
-            if let Err(e) = self.store_mut().close(*id, t, "hibernate", ok, detail) {
-                tracing::error!(pid = t.pid, "cannot journal the end of hibernate: {e}");
-            }
-        }
-    }
-
-    /// Step 4: the image is safe: end the tree, or put it back as it was.
-    fn finish_hibernate(&mut self, d: Dumped, opts: &HibernateOptions) -> Result<HibernateReport, Error> {
-        let Dumped { mut report, started, pids, cuda_members, suspended, journal } = d;
-        // The image is committed: from here the hibernate is finished
-        // whatever the store says (an error here used to leave the tree
-        // stopped for good); the records are only notes.
-        for t in &cuda_members {
-            let state = if opts.leave_running { None } else { Some("hibernated") };
-            if let Err(e) = self.store_mut().note(t, "hibernate", state, &format!("image {}", report.image)) {
-                tracing::error!(pid = t.pid, "hibernated, but the journal could not record it: {e}");
-            }
-        }
-        let res = if opts.leave_running {
-            // The image is safe either way; a process that could not be put
-            // back on the GPU is still reported.
-            match self.resume_after_failure(&suspended) {
-                Some(e) => Err(e),
-                None => Ok(()),
-            }
-        } else {
-            kill_tree(&pids)
-        };
-        self.close_journal(&journal, res.is_ok(), &format!("image {}", report.image));
-        res?;
-        report.total_ms = ms(started);
-        Ok(report)
-    }
-
-    /// Undoes steps 1-3 for a tree of a group whose other member failed:
-    /// the tree runs on as it was, its image is removed.
-    fn abandon_hibernate(&mut self, d: Dumped, images: &ImageStore, opts: &HibernateOptions) {
-        if !opts.leave_running {
-            continue_tree(&d.pids);
-        }
-        if let Some(e) = self.resume_after_failure(&d.suspended) {
-            tracing::error!(root = d.report.root_pid, "could not put the tree back on the GPU: {e}");
-        }
-        self.close_journal(&d.journal, false, "undone: another tree of the group failed");
-        if let Err(e) = images.remove(&d.report.image) {
-            tracing::error!(image = d.report.image, "could not remove the image: {e}");
-        }
-    }
-
-    pub fn wake(
+    fn wake(
         &mut self,
         criu: &Criu,
         images: &ImageStore,
@@ -949,12 +514,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(r.remove(0))
     }
 
-    /// Wakes several images (the trees of a hibernated group), all or
-    /// nothing: every image is verified and checked against this host, and
-    /// their processes admitted together, before any is restored; if one
-    /// fails, the trees already woken are ended safely (suspended first) and
-    /// every image stays as it was, for a retry.
-    pub fn wake_group(
+    fn wake_group(
         &mut self,
         criu: &Criu,
         images: &ImageStore,
@@ -1066,10 +626,648 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(out)
     }
 
-    /// Everything about waking one image that can be decided before anything
-    /// is restored: the image verified (manifest, every checksum), this host
-    /// checked (driver, GPUs), the CUDA processes to put back and the memory
-    /// each needs where it goes.
+    fn recover(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        pid: i32,
+        opts: &WakeOptions,
+    ) -> Result<WakeReport, Error> {
+        let t = target::resolve(pid)?;
+        let stuck = self.store().get(&t)?.is_some_and(|r| r.unrecoverable.is_some());
+        if !stuck && !opts.force {
+            return Err(CoreError::WrongState {
+                pid,
+                state:
+                    "not stuck (use `gpusnap resume`; `recover --force` rolls it back to its image anyway)"
+                        .into(),
+                op: "recover",
+            }
+            .into());
+        }
+        // Only a signed image of the store, by its directory's name: a
+        // manifest's own claims (its name, its processes) count only once
+        // its signature says gpusnap wrote it.
+        let Some((image, m)) = images.find_for(pid, t.start_time) else {
+            return Err(CoreError::Unrecoverable {
+                pid,
+                reason: "no image of it exists (take one with `gpusnap snapshot` while it is suspended)"
+                    .into(),
+            }
+            .into());
+        };
+        // Everything of that tree still alive must go, and none of it may hold GPU memory.
+        let alive: Vec<Target> = m
+            .processes
+            .iter()
+            .filter_map(|p| target::resolve(p.pid).ok().filter(|t| t.start_time == p.start_time))
+            .collect();
+        for a in &alive {
+            if self.gpus().usage_of(a.pid as u32)?.iter().any(|u| u.bytes.unwrap_or(1) > 0) {
+                return Err(CoreError::StopRefused {
+                    pid: a.pid,
+                    reason: "it still holds GPU memory, so it is not stuck: use `gpusnap resume`".into(),
+                }
+                .into());
+            }
+        }
+        for a in &alive {
+            self.store_mut().note(a, "recover", Some("stopped"), &format!("ended to wake image {image}"))?;
+        }
+        kill_tree(&alive)?;
+        let mut o = opts.clone();
+        o.force_resume.push(pid);
+        self.wake(criu, images, &image, &o)
+    }
+
+    fn reconcile_hibernates(&mut self, images: &ImageStore) -> Result<Vec<Interrupted>, Error> {
+        let open = self.store().open_entries("hibernate")?;
+        type Entries = Vec<(i64, Target, String)>;
+        let mut by_image: Vec<(String, Entries)> = Vec::new();
+        for e in open {
+            let image = detail_field(&e.2, "image").unwrap_or("?").to_string();
+            match by_image.iter_mut().find(|(i, _)| *i == image) {
+                Some((_, v)) => v.push(e),
+                None => by_image.push((image, vec![e])),
+            }
+        }
+        let mut out = Vec::new();
+        for (image, entries) in by_image {
+            let alive: Entries = entries
+                .iter()
+                .filter(|(_, t, _)| target::resolve(t.pid).is_ok_and(|now| now.start_time == t.start_time))
+                .cloned()
+                .collect();
+            let stopping = entries.iter().any(|(_, _, d)| detail_field(d, "stop") == Some("1"));
+            // Complete: committed, signed, and holding these very processes
+            // (an image of the same name taken since is not this one).
+            let complete = if gpusnap_images::image::valid_name(&image) {
+                images.manifest(&image).ok().map(|(_, m)| m).filter(|m| {
+                    entries.iter().all(|(_, t, _)| {
+                        m.processes.iter().any(|p| p.pid == t.pid && p.start_time == t.start_time)
+                    })
+                })
+            } else {
+                None
+            };
+            let finish = stopping && complete.is_some();
+            tracing::warn!(image, finish, "reconciling a hibernate interrupted by a gpusnap that died");
+            if let (true, Some(m)) = (finish, &complete) {
+                // Every process of the tree (children born during the dump
+                // too) is in the image, which is safe: end those still the
+                // ones it holds.
+                let ts: Vec<Target> = m
+                    .processes
+                    .iter()
+                    .filter_map(|p| target::resolve(p.pid).ok().filter(|t| t.start_time == p.start_time))
+                    .collect();
+                kill_tree(&ts)?;
+            } else {
+                // CRIU stopped the whole tree, children born during the dump
+                // (not journaled) included.
+                let mut ts: Vec<Target> = Vec::new();
+                for (_, t, _) in &alive {
+                    for (p, _) in process_tree(t.pid) {
+                        if let Ok(k) = target::resolve(p) {
+                            if !ts.iter().any(|x| x.pid == k.pid) {
+                                ts.push(k);
+                            }
+                        }
+                    }
+                }
+                continue_tree(&ts);
+                for (_, t, d) in &alive {
+                    if detail_field(d, "resume") != Some("1") {
+                        continue;
+                    }
+                    // SIGCONT is seen at once by the kernel, but wait for it:
+                    // the driver hangs on a stopped process.
+                    let end = Instant::now() + Duration::from_secs(10);
+                    while target::resolve_callable(t.pid)
+                        .is_err_and(|e| matches!(e, CoreError::Stopped { .. }))
+                        && Instant::now() < end
+                    {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    let state = target::resolve_callable(t.pid).and_then(|t| self.driver_state(&t));
+                    if matches!(state, Ok(ProcessState::Checkpointed | ProcessState::Locked)) {
+                        let opts = ResumeOptions { wait: Duration::from_secs(30), ..Default::default() };
+                        if let Err(e) = self.resume(t.pid, &opts) {
+                            tracing::error!(
+                                pid = t.pid,
+                                "could not resume after an interrupted hibernate: {e}"
+                            );
+                        }
+                    }
+                }
+            }
+            let outcome = if finish { "finished" } else { "resumed" };
+            for (id, t, _) in &entries {
+                self.store_mut().close(*id, t, "hibernate", finish, &format!("reconciled: {outcome}"))?;
+            }
+            out.push(Interrupted {
+                image,
+                pids: entries.iter().map(|(_, t, _)| t.pid).collect(),
+                outcome: outcome.into(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+impl<A: CheckpointApi, G: GpuInventory> Steps for Engine<A, G> {
+    fn cuda_members(&self, tree: &mut Vec<(i32, i32)>) -> Result<Vec<(Target, Option<ProcessState>)>, Error> {
+        let driverless = self.api_version() == 0;
+        let mapping: std::collections::HashSet<i32> = if driverless {
+            target::processes_mapping_libcuda().into_iter().collect()
+        } else {
+            Default::default()
+        };
+        let root = tree.first().map(|(p, _)| *p);
+        let mut out = Vec::new();
+        let mut gone = Vec::new();
+        for &(pid, _) in tree.iter() {
+            let t = match target::resolve_callable(pid) {
+                Ok(t) => t,
+                Err(CoreError::NoProcess { .. } | CoreError::Zombie { .. }) if Some(pid) != root => {
+                    gone.push(pid);
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            if driverless {
+                if mapping.contains(&pid) {
+                    return Err(Error::CudaWithoutDriver {
+                        pid,
+                        comm: t.comm,
+                        why: "libcuda.so.1 could not be loaded".into(),
+                    });
+                }
+                out.push((t, None));
+                continue;
+            }
+            match self.driver_state(&t) {
+                Ok(s) => out.push((t, Some(s))),
+                Err(CoreError::NotCuda { .. }) => out.push((t, None)),
+                Err(_) if Some(pid) != root && !target::is_alive(&t) => gone.push(pid),
+                Err(e) => return Err(Error::Member { pid, source: Box::new(e.into()) }),
+            }
+        }
+        tree.retain(|(p, _)| !gone.contains(p));
+        Ok(out)
+    }
+
+    fn map_after(&self, images: &ImageStore, r: &mut HibernateReport) {
+        let built = images.manifest(&r.image).and_then(|(dir, m)| {
+            gpusnap_images::mapfile::build(images.state_dir(), &r.image, &dir, &m, self.progress())
+        });
+        match built {
+            Ok(Some(b)) => r.map = Some(b),
+            Ok(None) => eprintln!(
+                "gpusnap: notice: image {}: no region to map (no large memory of a CUDA process)",
+                r.image
+            ),
+            Err(e) => eprintln!(
+                "gpusnap: notice: image {}: its map file was not built ({e}); a wake fills its memory",
+                r.image
+            ),
+        }
+    }
+
+    fn dump_tree(
+        &mut self,
+        criu: &Criu,
+        images: &ImageStore,
+        root: i32,
+        opts: &HibernateOptions,
+    ) -> Result<Dumped, Error> {
+        let started = Instant::now();
+        let root_t = target::resolve_callable(root)?;
+        // How new chunks will be encoded, read (and a bad value said) now,
+        // not at the first new chunk.
+        let codec = gpusnap_chunks::Codec::configured();
+        tracing::debug!("new chunks encoded as {codec:?}");
+        let mut tree = process_tree(root);
+        // Refused before anything is suspended: CRIU would fail on it only
+        // after the GPU state had gone to host memory.
+        for &(p, _) in &tree {
+            if target::session_leader_visible(p) == Some(false) {
+                let comm = target::resolve(p).map(|t| t.comm).unwrap_or_default();
+                return Err(Error::ForeignSession { pid: p, comm });
+            }
+        }
+        let members = self.cuda_members(&mut tree)?;
+        let name =
+            opts.name.clone().unwrap_or_else(|| format!("{}-{}-{}", sanitize(&root_t.comm), root, now_ms()));
+        let pending = images.begin(&name)?;
+        let cuda: Vec<i32> = members.iter().filter(|(_, s)| s.is_some()).map(|(t, _)| t.pid).collect();
+        let was_running: Vec<i32> = members
+            .iter()
+            .filter(|(_, s)| matches!(s, Some(ProcessState::Running | ProcessState::Locked)))
+            .map(|(t, _)| t.pid)
+            .collect();
+        // Journaled before anything is done, so that a gpusnap killed in
+        // the middle (after CRIU stopped the tree, say) is reconciled by the
+        // next run (see [`Engine::reconcile_hibernates`]).
+        let mut journal: Vec<(i64, Target)> = Vec::new();
+        for (t, _) in &members {
+            let detail = format!(
+                "image={name} resume={} stop={}",
+                u8::from(was_running.contains(&t.pid)),
+                u8::from(!opts.leave_running)
+            );
+            match self.store_mut().begin_with(t, "hibernate", &detail) {
+                Ok(id) => journal.push((id, t.clone())),
+                Err(e) => {
+                    self.close_journal(&journal, false, "not started");
+                    return Err(e.into());
+                }
+            }
+        }
+
+        // 1. CUDA state off the GPU, all or none.
+        let t_suspend = Instant::now();
+        let suspended = match self.suspend_all(&cuda, opts.lock_timeout_ms) {
+            Ok(s) => s,
+            Err(e) => {
+                self.close_journal(&journal, false, "suspend failed");
+                return Err(e.into());
+            }
+        };
+        let suspend_ms = ms(t_suspend);
+        let undo = |e: &mut Self, err: Error| -> Error {
+            e.resume_after_failure(&suspended);
+            e.close_journal(&journal, false, &format!("undone: {err}"));
+            err
+        };
+        // Read before CRIU acts: after it, a store error must not leave
+        // the tree stopped.
+        let mut footprints: HashMap<i32, BTreeMap<String, u64>> = HashMap::new();
+        for (t, st) in &members {
+            if st.is_some() {
+                match self.store().get(t) {
+                    Ok(r) => {
+                        footprints.insert(t.pid, r.map(|r| r.footprint).unwrap_or_default());
+                    }
+                    Err(err) => return Err(undo(self, err.into())),
+                }
+            }
+        }
+
+        let tree_pids: Vec<i32> = tree.iter().map(|(p, _)| *p).collect();
+        // A map file still mapped after the driver's checkpoint (see
+        // gpusnap_images::mapfile::still_mapped): refused, the tree as it was.
+        if let Some((pid, path)) = gpusnap_images::mapfile::still_mapped(images.state_dir(), &tree_pids) {
+            return Err(undo(self, Error::MapStillMapped { pid, path }));
+        }
+        // The pages of their own files the processes have in memory, read
+        // ahead by a cold wake (gpusnap_images::workingset).
+        let file_pages = gpusnap_images::workingset::capture(&tree_pids);
+        // 2. CRIU dump, leaving the tree stopped (or, with leave_running,
+        // running) until the image is safe.
+        let t_dump = Instant::now();
+        let expect: u64 = tree.iter().filter_map(|(p, _)| target::rss_bytes(*p)).sum();
+        let progress: &dyn Progress = self.progress();
+        let store_root = images.state_dir().join("store");
+        // CRIU's pages go through FIFOs straight to the chunkers (see
+        // crate::fifo); where that cannot start, CRIU writes pages files.
+        let mut receiver = None;
+        let fifos = crate::fifo::enabled();
+        // Held until the dump is over: CRIU's pipes and the FIFOs get
+        // their size when they are made. A switch that fails costs speed
+        // only (the pipes keep the sysctl's size), so it is said and left.
+        let _pipes = (fifos && big_pipes_wanted(opts.big_pipes))
+            .then(|| gpusnap_core::hostknob::BigPipes::on(images.state_dir()))
+            .and_then(|r| r.map_err(|e| tracing::warn!("--big-pipes: {e}; the pipes keep their size")).ok());
+        if fifos {
+            let names = crate::fifo::names_for(&tree_pids);
+            let log = images.state_dir().join("dump-keeper.log");
+            match crate::fifo::Receiver::start(&pending.criu_dir(), &store_root, opts.durable, names, &log) {
+                Ok(r) => receiver = Some(r),
+                Err(e) => tracing::warn!("pages through FIFOs: {e}; CRIU writes pages files"),
+            }
+        }
+        // Otherwise CRIU writes to a tmpfs when the host has the memory (see
+        // crate::dumpdir); only with a follower (without one the pages
+        // files would all be copied).
+        let mut tmpfs = if crate::follow::enabled() && receiver.is_none() {
+            crate::dumpdir::choose(expect)
+        } else {
+            None
+        };
+        let mut follower = None;
+        if let Some(t) = &tmpfs {
+            match crate::follow::Follower::start(t.dir(), &store_root, opts.durable) {
+                Ok(f) => follower = Some(f),
+                Err(e) => tracing::warn!("chunking while CRIU dumps: {e}"),
+            }
+        }
+        if follower.is_none() {
+            tmpfs = None;
+        }
+        let criu_dir = tmpfs.as_ref().map_or_else(|| pending.criu_dir(), |t| t.criu_dir());
+        // The pages files are chunked as CRIU writes them. A follower that
+        // cannot start costs only the overlap: the commit chunks them.
+        if tmpfs.is_none() && receiver.is_none() && crate::follow::enabled() {
+            follower = crate::follow::Follower::start(&pending.dir, &store_root, opts.durable)
+                .map_err(|e| tracing::warn!("chunking while CRIU dumps: {e}"))
+                .ok();
+        }
+        let dumped = observe(
+            progress,
+            &format!("dump {root}"),
+            expect,
+            || Some(receiver.as_ref().map_or_else(|| dir_bytes(&criu_dir), |r| r.received())),
+            || {
+                let o = DumpOptions { leave_running: opts.leave_running, leave_stopped: !opts.leave_running };
+                // A durable image must reach the disk before the tree ends:
+                // write it back while CRIU is still writing, so that little
+                // is left to flush at the end.
+                let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+                std::thread::scope(|s| {
+                    if opts.durable && tmpfs.is_none() && receiver.is_none() {
+                        let dir = criu_dir.clone();
+                        s.spawn(move || {
+                            while done_rx.recv_timeout(Duration::from_millis(250))
+                                == Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                            {
+                                gpusnap_images::image::start_writeback(&dir);
+                            }
+                        });
+                    }
+                    let r = criu.dump(root, &criu_dir, &criu_dir, &o);
+                    drop(done_tx);
+                    r
+                })
+            },
+        );
+        if let Err(e) = dumped {
+            // Every chunk the follower staged goes with the partial image.
+            if let Some(f) = follower {
+                f.abandon();
+            }
+            if let Some(r) = receiver {
+                r.abandon();
+            }
+            // CRIU leaves the tree running when a dump fails. Its log is
+            // kept outside the partial image, which is removed.
+            let e = e.keep_log(images.state_dir(), &format!("dump-{name}"));
+            drop(tmpfs);
+            return Err(undo(self, e.into()));
+        }
+        // The tree as CRIU dumped it: it is stopped now (or, left running,
+        // as close as can be seen), and may hold children born since the
+        // first walk. Those are in the image, so they are ended with it.
+        let tree_now = process_tree(root);
+        let mut pids: Vec<Target> = members.iter().map(|(t, _)| t.clone()).collect();
+        let mut born: Vec<(Target, i32)> = Vec::new();
+        for &(p, ppid) in &tree_now {
+            if !pids.iter().any(|t| t.pid == p) {
+                if let Ok(t) = target::resolve(p) {
+                    pids.push(t.clone());
+                    born.push((t, ppid));
+                }
+            }
+        }
+        let undo = |e: &mut Self, err: Error| -> Error {
+            if !opts.leave_running {
+                continue_tree(&pids);
+            }
+            e.resume_after_failure(&suspended);
+            e.close_journal(&journal, false, &format!("undone: {err}"));
+            err
+        };
+        let dump_ms = ms(t_dump);
+        // Where CRIU's time went (information only: a file CRIU did not
+        // write, or could not, costs nothing but the figures).
+        let criu_stats = gpusnap_pages::dump_stats(&criu_dir).unwrap_or_else(|e| {
+            tracing::warn!("criu's dump statistics: {e}");
+            None
+        });
+
+        // 3. Manifest and checksums, then the rename that makes it an image.
+        let t_write = Instant::now();
+        let through_fifos = receiver.is_some();
+        let finished = match receiver {
+            Some(r) => Some(r.finish()),
+            None => follower.map(|f| f.finish()),
+        };
+        let mut followed = match finished {
+            Some(Ok(f)) => Some(f),
+            Some(Err(e)) => {
+                let err = Error::from(gpusnap_images::image::ImageError::Io {
+                    name: name.clone(),
+                    op: "chunk the pages files".into(),
+                    err: std::io::Error::other(e),
+                });
+                drop(tmpfs);
+                return Err(undo(self, err));
+            }
+            None => None,
+        };
+        // From the tmpfs: CRIU's small files into the image, the pages
+        // files the follower chunked left out (then the tmpfs is freed).
+        // (A tmpfs dump always has a follower: tmpfs is None without one.)
+        let dump_dir = if let (Some(t), Some(f)) = (tmpfs.take(), followed.as_mut()) {
+            f.elsewhere = true;
+            let chunked = |rel: &str| f.files.get(rel).is_some_and(|x| !x.stored.chunks.is_empty());
+            if let Err(e) = t.copy_into(&pending.criu_dir(), &chunked) {
+                if let Some(f) = followed {
+                    if let Ok(store) = gpusnap_chunks::LocalStore::open(store_root.clone()) {
+                        f.abandon(&store);
+                    }
+                }
+                let err = Error::from(gpusnap_images::image::ImageError::Io {
+                    name: name.clone(),
+                    op: "copy CRIU's files from the tmpfs".into(),
+                    err: e,
+                });
+                return Err(undo(self, err));
+            }
+            "tmpfs"
+        } else if through_fifos {
+            "fifo"
+        } else {
+            "disk"
+        };
+        let fstats = followed.as_ref().map(|f| f.stats).unwrap_or_default();
+        let mut procs = Vec::new();
+        let mut gpu_uuids = std::collections::BTreeSet::new();
+        for ((t, st), (_, ppid)) in members.iter().zip(tree.iter()) {
+            let footprint = if st.is_some() {
+                footprints.get(&t.pid).cloned().unwrap_or_default()
+            } else {
+                BTreeMap::new()
+            };
+            gpu_uuids.extend(footprint.keys().cloned());
+            procs.push(ProcDesc {
+                pid: t.pid,
+                ppid: *ppid,
+                start_time: t.start_time,
+                comm: t.comm.clone(),
+                cuda: st.is_some(),
+                was_running: was_running.contains(&t.pid),
+                footprint,
+            });
+        }
+        for (t, ppid) in &born {
+            procs.push(ProcDesc {
+                pid: t.pid,
+                ppid: *ppid,
+                start_time: t.start_time,
+                comm: t.comm.clone(),
+                cuda: false,
+                was_running: false,
+                footprint: BTreeMap::new(),
+            });
+        }
+        let host = self.gpus().gpus().unwrap_or_default();
+        let desc = |g: &gpusnap_gpu::GpuInfo| GpuDesc {
+            uuid: g.uuid.clone(),
+            name: g.name.clone(),
+            total_bytes: g.total_bytes,
+        };
+        let gpus: Vec<GpuDesc> = host.iter().filter(|g| gpu_uuids.contains(&g.uuid)).map(desc).collect();
+        let host_refs: Vec<gpusnap_core::remap::Gpu> = host
+            .iter()
+            .map(|g| gpusnap_core::remap::Gpu {
+                index: Some(g.index),
+                uuid: g.uuid.clone(),
+                name: g.name.clone(),
+            })
+            .collect();
+        let mut seen = std::collections::BTreeSet::new();
+        for (t, st) in &members {
+            if st.is_some() {
+                seen.extend(gpusnap_core::remap::visible_to(t.pid, &host_refs).into_iter().map(|g| g.uuid));
+            }
+        }
+        let visible_gpus: Vec<GpuDesc> = host.iter().filter(|g| seen.contains(&g.uuid)).map(desc).collect();
+        let manifest = Manifest {
+            magic: MAGIC.into(),
+            format: FORMAT,
+            gpusnap_version: env!("CARGO_PKG_VERSION").into(),
+            name: name.clone(),
+            host: hostname(),
+            created_ms: now_ms(),
+            driver_api: (!cuda.is_empty()).then(|| self.api_version()),
+            driver_version: if cuda.is_empty() { None } else { self.gpus().driver_version().ok() },
+            gpus,
+            visible_gpus,
+            root_pid: root,
+            processes: procs,
+            criu_version: criu.version.clone(),
+            signer: String::new(),
+            files: Vec::new(),
+            file_pages,
+        };
+        let total_img = dir_bytes(&pending.criu_dir());
+        progress.begin(&format!("checksum {name}"), total_img);
+        let mut hashed = 0u64;
+        let committed = pending.commit_followed(
+            manifest,
+            opts.durable,
+            followed.map(crate::follow::Followed::into_prechunked),
+            |n| {
+                hashed += n;
+                progress.update(hashed);
+            },
+        );
+        progress.end();
+        let manifest = match committed {
+            Ok(m) => m,
+            Err(e) => return Err(undo(self, e.into())),
+        };
+        let write_ms = ms(t_write);
+        let path = images.root.join(&name);
+        let cuda_members: Vec<Target> =
+            members.iter().filter(|(_, st)| st.is_some()).map(|(t, _)| t.clone()).collect();
+        Ok(Dumped {
+            report: HibernateReport {
+                image: name,
+                path,
+                root_pid: root,
+                processes: pids.iter().map(|t| t.pid).collect(),
+                cuda,
+                image_bytes: manifest.total_bytes(),
+                left_running: opts.leave_running,
+                suspend_ms,
+                dump_ms,
+                write_ms,
+                total_ms: 0,
+                stages: HibernateStages {
+                    suspend: suspend_ms,
+                    dump: dump_ms,
+                    commit: write_ms,
+                    criu_frozen: criu_stats.as_ref().map_or(0, |c| c.frozen_ms),
+                    criu_drain: criu_stats.as_ref().map_or(0, |c| c.drain_ms),
+                    criu_memwrite: criu_stats.as_ref().map_or(0, |c| c.memwrite_ms),
+                    follow_overlapped_bytes: fstats.overlapped_bytes,
+                    follow_after_bytes: fstats.after_bytes,
+                    follow_finish: fstats.finish_ms,
+                    follow_punched_bytes: fstats.punched_bytes,
+                    fifo: fstats.fifo,
+                    dump_dir,
+                },
+                criu_stats,
+                map: None,
+            },
+            started,
+            pids,
+            cuda_members,
+            suspended,
+            journal,
+        })
+    }
+
+    fn close_journal(&mut self, journal: &[(i64, Target)], ok: bool, detail: &str) {
+        for (id, t) in journal {
+            if let Err(e) = self.store_mut().close(*id, t, "hibernate", ok, detail) {
+                tracing::error!(pid = t.pid, "cannot journal the end of hibernate: {e}");
+            }
+        }
+    }
+
+    fn finish_hibernate(&mut self, d: Dumped, opts: &HibernateOptions) -> Result<HibernateReport, Error> {
+        let Dumped { mut report, started, pids, cuda_members, suspended, journal } = d;
+        // The image is committed: from here the hibernate is finished
+        // whatever the store says (an error here used to leave the tree
+        // stopped for good); the records are only notes.
+        for t in &cuda_members {
+            let state = if opts.leave_running { None } else { Some("hibernated") };
+            if let Err(e) = self.store_mut().note(t, "hibernate", state, &format!("image {}", report.image)) {
+                tracing::error!(pid = t.pid, "hibernated, but the journal could not record it: {e}");
+            }
+        }
+        let res = if opts.leave_running {
+            // The image is safe either way; a process that could not be put
+            // back on the GPU is still reported.
+            match self.resume_after_failure(&suspended) {
+                Some(e) => Err(e.into()),
+                None => Ok(()),
+            }
+        } else {
+            kill_tree(&pids)
+        };
+        self.close_journal(&journal, res.is_ok(), &format!("image {}", report.image));
+        res?;
+        report.total_ms = ms(started);
+        Ok(report)
+    }
+
+    fn abandon_hibernate(&mut self, d: Dumped, images: &ImageStore, opts: &HibernateOptions) {
+        if !opts.leave_running {
+            continue_tree(&d.pids);
+        }
+        if let Some(e) = self.resume_after_failure(&d.suspended) {
+            tracing::error!(root = d.report.root_pid, "could not put the tree back on the GPU: {e}");
+        }
+        self.close_journal(&d.journal, false, "undone: another tree of the group failed");
+        if let Err(e) = images.remove(&d.report.image) {
+            tracing::error!(image = d.report.image, "could not remove the image: {e}");
+        }
+    }
+
     fn plan_wake(
         &mut self,
         images: &ImageStore,
@@ -1097,14 +1295,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // they were reading: crate::rescue): only the manifest, the small
         // files and the chunks' presence here.
         let cuda = m.processes.iter().any(|p| p.cuda);
-        let streamed = crate::remote::origin(images.state_dir(), name).is_some();
+        let streamed = gpusnap_images::remote::origin(images.state_dir(), name).is_some();
         let verify_deferred = cuda && !group && !streamed;
         let check = if streamed {
-            crate::image::ChunkCheck::Listed
+            gpusnap_images::image::ChunkCheck::Listed
         } else if group || (cuda && !verify_deferred) {
-            crate::image::ChunkCheck::Full
+            gpusnap_images::image::ChunkCheck::Full
         } else {
-            crate::image::ChunkCheck::Present
+            gpusnap_images::image::ChunkCheck::Present
         };
         let verified = images.verified_in_store(name, check, |n| {
             seen = seen.saturating_add(n);
@@ -1137,10 +1335,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             (Vec::new(), None)
         } else {
             self.check_host_driver(&m)?;
-            let olds: Vec<crate::remap::Gpu> =
+            let olds: Vec<gpusnap_core::remap::Gpu> =
                 if m.visible_gpus.is_empty() { &m.gpus } else { &m.visible_gpus }
                     .iter()
-                    .map(|g| crate::remap::Gpu { index: None, uuid: g.uuid.clone(), name: g.name.clone() })
+                    .map(|g| gpusnap_core::remap::Gpu {
+                        index: None,
+                        uuid: g.uuid.clone(),
+                        name: g.name.clone(),
+                    })
                     .collect();
             let news = self.host_gpus()?;
             let (pairs, _) = self.plan_remap(&opts.device_map, &olds, &news, &BTreeMap::new())?;
@@ -1190,11 +1392,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // The processes' own files read ahead while CRIU restores them (the
         // kernel may hold the thread while its queue is full; nobody waits).
         let mut file_pages_bytes = 0;
-        if !m.file_pages.is_empty() && crate::workingset::enabled() {
+        if !m.file_pages.is_empty() && gpusnap_images::workingset::enabled() {
             file_pages_bytes = m.file_pages.iter().map(|f| f.bytes()).sum();
             let sets = m.file_pages.clone();
             let spawned = std::thread::Builder::new().name("file-pages".into()).spawn(move || {
-                let p = crate::workingset::prefetch(&sets);
+                let p = gpusnap_images::workingset::prefetch(&sets);
                 tracing::debug!(
                     files = p.files,
                     bytes = p.bytes,
@@ -1210,29 +1412,29 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // CRIU's log and pidfile go to the state directory, never into the
         // image (a link planted there made root write elsewhere).
         let work = crate::criu::new_log_dir(state_dir, &format!("restore-{name}")).map_err(|e| {
-            Error::Image(crate::image::ImageError::Io {
+            Error::from(gpusnap_images::image::ImageError::Io {
                 name: name.clone(),
                 op: "create the log directory".into(),
                 err: e,
             })
         })?;
         // Where a streamed image's missing chunks come from (None: a local image).
-        let origin = crate::remote::origin(state_dir, name);
+        let origin = gpusnap_images::remote::origin(state_dir, name);
         // An image whose pages are chunks: CRIU gets its files in the work
         // directory, the page server reads the chunks (see chunksrc).
         let chunked = {
             let store = gpusnap_chunks::LocalStore::open(state_dir.join("store")).map_err(|e| {
-                Error::Image(crate::image::ImageError::Io {
+                Error::from(gpusnap_images::image::ImageError::Io {
                     name: name.clone(),
                     op: "open the chunk store".into(),
                     err: std::io::Error::other(e.to_string()),
                 })
             })?;
             let remote = match &origin {
-                Some(url) => Some(crate::remote::open_origin(url)?),
+                Some(url) => Some(gpusnap_images::remote::open_origin(url)?),
                 None => None,
             };
-            crate::chunksrc::Workdir::prepare(name, dir, m, store, remote, &work, *chunks_checked)?
+            gpusnap_images::chunksrc::Workdir::prepare(name, dir, m, store, remote, &work, *chunks_checked)?
         };
         let mut chunked = chunked;
         let lazy_possible = !eager && gpusnap_pages::support().why_not.is_none();
@@ -1246,11 +1448,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             wd.materialise(!lazy_possible)?;
         }
         // The image's large regions mapped from its map file, if it has one
-        // ready (crate::mapfile): checked here, before CRIU maps it.
-        let mut mapped = crate::mapfile::Mapped::default();
+        // ready (gpusnap_images::mapfile): checked here, before CRIU maps it.
+        let mut mapped = gpusnap_images::mapfile::Mapped::default();
         let mut map_notice = None;
         if let (true, Some(wd)) = (lazy_possible, chunked.as_ref()) {
-            match crate::mapfile::for_wake(state_dir, name, dir, m, wd) {
+            match gpusnap_images::mapfile::for_wake(state_dir, name, dir, m, wd) {
                 Ok(Some(mp)) => {
                     tracing::debug!(
                         bytes = mp.bytes,
@@ -1331,9 +1533,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             wd.start_prefetch();
             if *verify_deferred {
                 let pace = if verify_first() {
-                    crate::chunksrc::VerifyPace::all_cores()
+                    gpusnap_images::chunksrc::VerifyPace::all_cores()
                 } else {
-                    crate::chunksrc::VerifyPace::beside_the_driver_from_env()
+                    gpusnap_images::chunksrc::VerifyPace::beside_the_driver_from_env()
                 };
                 if pace.threads > 0 {
                     wd.start_verify(pace);
@@ -1398,7 +1600,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // page server checked first) and their unlocks wait for it, so no
         // process runs unless the whole image is good; with
         // GPUSNAP_VERIFY_FIRST=1 it ends before any driver restore.
-        let mut verify = crate::chunksrc::VerifyTimes::default();
+        let mut verify = gpusnap_images::chunksrc::VerifyTimes::default();
         let stream = pages.is_some() && !verify_first();
         let mut pending = None;
         let mut starter = None;
@@ -1459,13 +1661,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
             _ => None,
         };
-        let waited_verify = std::sync::Mutex::new(crate::chunksrc::VerifyTimes::default());
+        let waited_verify = std::sync::Mutex::new(gpusnap_images::chunksrc::VerifyTimes::default());
         let pending = std::sync::Mutex::new(pending);
         let gate = crate::rescue::Gate::new(items.len(), || {
-            let late = || starter.as_ref().map(|s| s.start(crate::chunksrc::VerifyPace::all_cores()));
+            let late =
+                || starter.as_ref().map(|s| s.start(gpusnap_images::chunksrc::VerifyPace::all_cores()));
             let times = match pending.lock().ok().and_then(|mut p| p.take()).or_else(late) {
                 Some(v) => v.wait().map_err(|e| e.to_string())?,
-                None => crate::chunksrc::VerifyTimes::default(),
+                None => gpusnap_images::chunksrc::VerifyTimes::default(),
             };
             if let Ok(mut w) = waited_verify.lock() {
                 *w = times;
@@ -1491,10 +1694,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     // CRIU restored it a moment ago: one gone now died on
                     // its own, before its driver restore.
                     return Err(match err {
-                        Error::Zombie { pid, comm } => {
+                        CoreError::Zombie { pid, comm } => {
                             Error::DiedAfterRestore { pid, comm, how: target::how_it_ended(pid) }
                         }
-                        Error::NoProcess { pid } => {
+                        CoreError::NoProcess { pid } => {
                             let comm = m.processes.iter().find(|p| p.pid == pid).map(|p| p.comm.clone());
                             Error::DiedAfterRestore {
                                 pid,
@@ -1502,7 +1705,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                                 how: target::how_it_ended(pid),
                             }
                         }
-                        other => other,
+                        other => other.into(),
                     });
                 }
             };
@@ -1512,9 +1715,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 // (Not for what the restore's own failure handling does
                 // next, `Unrecoverable` and its recovery, which may end
                 // and replace the process itself.)
-                let died = matches!(err, Error::Driver { .. })
+                let died = matches!(err, Error::Core(CoreError::Driver { .. }))
                     && match target::resolve(pid) {
-                        Err(Error::Zombie { .. } | Error::NoProcess { .. }) => true,
+                        Err(CoreError::Zombie { .. } | CoreError::NoProcess { .. }) => true,
                         Ok(now) => now.start_time != t.start_time,
                         Err(_) => false,
                     };
@@ -1626,7 +1829,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // (Only a streamed one is looked at: the look is a stat per chunk,
         // 40-60 ms of each wake of ~26 GB on the H200, Runs 75-76.)
         if origin.is_some() && chunked.as_ref().is_some_and(|wd| wd.complete()) {
-            crate::remote::clear_origin(state_dir, name);
+            gpusnap_images::remote::clear_origin(state_dir, name);
         }
         Ok(Woken {
             root,
@@ -1640,7 +1843,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             pages_bytes,
             // A lazy restore that fell back to an eager one copied the
             // regions in over the file's mapping: nothing was mapped.
-            mapped: if pages.is_some() { mapped } else { crate::mapfile::Mapped { bytes: 0, ..mapped } },
+            mapped: if pages.is_some() {
+                mapped
+            } else {
+                gpusnap_images::mapfile::Mapped { bytes: 0, ..mapped }
+            },
             file_pages_bytes,
             lazy: pages.is_some(),
             verify,
@@ -1649,9 +1856,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         })
     }
 
-    /// The CUDA processes of a rescued wake (crate::rescue): those the
-    /// driver's restore left locked are checkpointed again, then the whole
-    /// tree is killed while its threads are still stopped.
     fn end_rescued(&mut self, m: &Manifest, resume: &[&ProcDesc]) -> Vec<Target> {
         for p in resume {
             let Ok(t) = target::resolve(p.pid) else { continue };
@@ -1678,9 +1882,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         tree
     }
 
-    /// Ends restored processes of a wake that failed, safely: not forced, so
-    /// a process already back on the GPU is suspended before it is killed,
-    /// or left running if that fails.
     fn end_woken(&mut self, pids: impl Iterator<Item = i32>) {
         let stop = StopOptions { grace: Duration::from_secs(2), force: false, lock_timeout_ms: 30_000 };
         for pid in pids {
@@ -1703,7 +1904,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
     }
 
-    /// Is this host's driver able to restore the image's CUDA processes?
     fn check_host_driver(&self, m: &Manifest) -> Result<(), Error> {
         let inc = |why: String| Error::Incompatible { image: m.name.clone(), why };
         let api = self.api_version();
@@ -1718,7 +1918,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         Ok(())
     }
 
-    /// Can this host take the image's CUDA processes on the GPUs they had?
     fn check_host(&self, m: &Manifest) -> Result<(), Error> {
         self.check_host_driver(m)?;
         let inc = |why: String| Error::Incompatible { image: m.name.clone(), why };
@@ -1732,59 +1931,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
         }
         Ok(())
-    }
-
-    /// A process stuck after a failed restore, brought back from its newest
-    /// image: the stuck tree is ended (it holds no GPU memory) and woken.
-    pub fn recover(
-        &mut self,
-        criu: &Criu,
-        images: &ImageStore,
-        pid: i32,
-        opts: &WakeOptions,
-    ) -> Result<WakeReport, Error> {
-        let t = target::resolve(pid)?;
-        let stuck = self.store().get(&t)?.is_some_and(|r| r.unrecoverable.is_some());
-        if !stuck && !opts.force {
-            return Err(Error::WrongState {
-                pid,
-                state:
-                    "not stuck (use `gpusnap resume`; `recover --force` rolls it back to its image anyway)"
-                        .into(),
-                op: "recover",
-            });
-        }
-        // Only a signed image of the store, by its directory's name: a
-        // manifest's own claims (its name, its processes) count only once
-        // its signature says gpusnap wrote it.
-        let Some((image, m)) = images.find_for(pid, t.start_time) else {
-            return Err(Error::Unrecoverable {
-                pid,
-                reason: "no image of it exists (take one with `gpusnap snapshot` while it is suspended)"
-                    .into(),
-            });
-        };
-        // Everything of that tree still alive must go, and none of it may hold GPU memory.
-        let alive: Vec<Target> = m
-            .processes
-            .iter()
-            .filter_map(|p| target::resolve(p.pid).ok().filter(|t| t.start_time == p.start_time))
-            .collect();
-        for a in &alive {
-            if self.gpus().usage_of(a.pid as u32)?.iter().any(|u| u.bytes.unwrap_or(1) > 0) {
-                return Err(Error::StopRefused {
-                    pid: a.pid,
-                    reason: "it still holds GPU memory, so it is not stuck: use `gpusnap resume`".into(),
-                });
-            }
-        }
-        for a in &alive {
-            self.store_mut().note(a, "recover", Some("stopped"), &format!("ended to wake image {image}"))?;
-        }
-        kill_tree(&alive)?;
-        let mut o = opts.clone();
-        o.force_resume.push(pid);
-        self.wake(criu, images, &image, &o)
     }
 }
 
@@ -1806,7 +1952,7 @@ fn detail_field<'a>(detail: &'a str, key: &str) -> Option<&'a str> {
 }
 
 /// Hibernates begun by a gpusnap that is gone and never finished, by image.
-pub fn interrupted_hibernates(store: &crate::Store) -> Result<Vec<Interrupted>, Error> {
+pub fn interrupted_hibernates(store: &gpusnap_core::Store) -> Result<Vec<Interrupted>, Error> {
     let mut out: Vec<Interrupted> = Vec::new();
     for (_, t, detail) in store.open_entries("hibernate")? {
         let image = detail_field(&detail, "image").unwrap_or("?").to_string();
@@ -1816,107 +1962,6 @@ pub fn interrupted_hibernates(store: &crate::Store) -> Result<Vec<Interrupted>, 
         }
     }
     Ok(out)
-}
-
-impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
-    /// Reconciles hibernates that a gpusnap killed mid-way left open: if
-    /// their image was committed (signed and complete), the hibernate is
-    /// finished (the tree, stopped by CRIU and off the GPU, is ended);
-    /// otherwise the tree is continued and the CUDA processes it suspended
-    /// are resumed. Only processes still the ones journaled (pid and start
-    /// time) are touched. Temporary images are removed by [`ImageStore::gc`].
-    pub fn reconcile_hibernates(&mut self, images: &ImageStore) -> Result<Vec<Interrupted>, Error> {
-        let open = self.store().open_entries("hibernate")?;
-        type Entries = Vec<(i64, Target, String)>;
-        let mut by_image: Vec<(String, Entries)> = Vec::new();
-        for e in open {
-            let image = detail_field(&e.2, "image").unwrap_or("?").to_string();
-            match by_image.iter_mut().find(|(i, _)| *i == image) {
-                Some((_, v)) => v.push(e),
-                None => by_image.push((image, vec![e])),
-            }
-        }
-        let mut out = Vec::new();
-        for (image, entries) in by_image {
-            let alive: Entries = entries
-                .iter()
-                .filter(|(_, t, _)| target::resolve(t.pid).is_ok_and(|now| now.start_time == t.start_time))
-                .cloned()
-                .collect();
-            let stopping = entries.iter().any(|(_, _, d)| detail_field(d, "stop") == Some("1"));
-            // Complete: committed, signed, and holding these very processes
-            // (an image of the same name taken since is not this one).
-            let complete = if crate::image::valid_name(&image) {
-                images.manifest(&image).ok().map(|(_, m)| m).filter(|m| {
-                    entries.iter().all(|(_, t, _)| {
-                        m.processes.iter().any(|p| p.pid == t.pid && p.start_time == t.start_time)
-                    })
-                })
-            } else {
-                None
-            };
-            let finish = stopping && complete.is_some();
-            tracing::warn!(image, finish, "reconciling a hibernate interrupted by a gpusnap that died");
-            if let (true, Some(m)) = (finish, &complete) {
-                // Every process of the tree (children born during the dump
-                // too) is in the image, which is safe: end those still the
-                // ones it holds.
-                let ts: Vec<Target> = m
-                    .processes
-                    .iter()
-                    .filter_map(|p| target::resolve(p.pid).ok().filter(|t| t.start_time == p.start_time))
-                    .collect();
-                kill_tree(&ts)?;
-            } else {
-                // CRIU stopped the whole tree, children born during the dump
-                // (not journaled) included.
-                let mut ts: Vec<Target> = Vec::new();
-                for (_, t, _) in &alive {
-                    for (p, _) in process_tree(t.pid) {
-                        if let Ok(k) = target::resolve(p) {
-                            if !ts.iter().any(|x| x.pid == k.pid) {
-                                ts.push(k);
-                            }
-                        }
-                    }
-                }
-                continue_tree(&ts);
-                for (_, t, d) in &alive {
-                    if detail_field(d, "resume") != Some("1") {
-                        continue;
-                    }
-                    // SIGCONT is seen at once by the kernel, but wait for it:
-                    // the driver hangs on a stopped process.
-                    let end = Instant::now() + Duration::from_secs(10);
-                    while target::resolve_callable(t.pid).is_err_and(|e| matches!(e, Error::Stopped { .. }))
-                        && Instant::now() < end
-                    {
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    let state = target::resolve_callable(t.pid).and_then(|t| self.driver_state(&t));
-                    if matches!(state, Ok(ProcessState::Checkpointed | ProcessState::Locked)) {
-                        let opts = ResumeOptions { wait: Duration::from_secs(30), ..Default::default() };
-                        if let Err(e) = self.resume(t.pid, &opts) {
-                            tracing::error!(
-                                pid = t.pid,
-                                "could not resume after an interrupted hibernate: {e}"
-                            );
-                        }
-                    }
-                }
-            }
-            let outcome = if finish { "finished" } else { "resumed" };
-            for (id, t, _) in &entries {
-                self.store_mut().close(*id, t, "hibernate", finish, &format!("reconciled: {outcome}"))?;
-            }
-            out.push(Interrupted {
-                image,
-                pids: entries.iter().map(|(_, t, _)| t.pid).collect(),
-                outcome: outcome.into(),
-            });
-        }
-        Ok(out)
-    }
 }
 
 fn sanitize(s: &str) -> String {
@@ -1946,7 +1991,7 @@ pub fn kill_tree(ts: &[Target]) -> Result<(), Error> {
     for t in ts {
         while target::is_alive(t) {
             if Instant::now() > end {
-                return Err(Error::DidNotExit { pid: t.pid, secs: 60 });
+                return Err(CoreError::DidNotExit { pid: t.pid, secs: 60 }.into());
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -1972,23 +2017,5 @@ fn wait_pid_free(p: &ProcDesc, wait: Duration) -> Result<(), Error> {
             return Err(Error::PidBusy { pid: p.pid, comm });
         }
         std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn roots_of_a_process_and_its_child() {
-        let me = std::process::id() as i32;
-        let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
-        let kid = child.id() as i32;
-        assert_eq!(roots_of(&[kid, me]), vec![me]);
-        assert_eq!(roots_of(&[kid]), vec![kid]);
-        assert_eq!(roots_of(&[me, me]), vec![me]);
-        assert!(process_tree(me).iter().any(|(p, pp)| *p == kid && *pp == me));
-        let _ = child.kill();
-        let _ = child.wait();
     }
 }

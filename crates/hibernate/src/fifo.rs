@@ -671,7 +671,7 @@ impl Receiver {
             }
             if r.size == 0 {
                 let p = self.criu_dir.join(r.rel.trim_start_matches("criu/"));
-                if let Err(e) = crate::image::create_private(&p) {
+                if let Err(e) = gpusnap_files::create_private(&p) {
                     err.get_or_insert_with(|| format!("{}: {e}", r.rel));
                 }
                 continue;

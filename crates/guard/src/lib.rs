@@ -22,9 +22,9 @@
 pub mod light;
 pub mod seccomp;
 
-use crate::error::Error;
-use crate::store::Store;
-use crate::target::{self, Target};
+use gpusnap_core::error::Error;
+use gpusnap_core::store::Store;
+use gpusnap_core::target::{self, Target};
 use gpusnap_cuda::ffi::CUDA_ERROR_NOT_INITIALIZED;
 use gpusnap_cuda::{CheckpointApi, Deadline, ProcessState};
 use gpusnap_gpu::GpuInventory;
@@ -146,7 +146,7 @@ pub fn detach_for(state_dir: &Path, pids: &[i32]) -> Result<Vec<i32>, Error> {
 }
 
 /// The process's threads (task ids).
-pub(crate) fn threads_of(pid: i32) -> Vec<i32> {
+pub fn threads_of(pid: i32) -> Vec<i32> {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .map(|rd| rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
         .unwrap_or_default()
@@ -353,7 +353,7 @@ fn decode(pid: i32, status: i32) -> Option<Event> {
     })
 }
 
-pub(crate) fn ptrace_raw(req: libc::c_uint, tid: i32, data: usize) -> std::io::Result<()> {
+pub fn ptrace_raw(req: libc::c_uint, tid: i32, data: usize) -> std::io::Result<()> {
     // SAFETY: PTRACE_CONT/LISTEN/SEIZE/DETACH/INTERRUPT take integers only.
     let r =
         unsafe { libc::ptrace(req, tid, std::ptr::null_mut::<libc::c_void>(), data as *mut libc::c_void) };
@@ -1119,7 +1119,7 @@ pub fn launch(cmd: &[OsString]) -> Result<Launched, Error> {
     // dumped by CRIU (hibernate refuses it): where ours is, the program gets
     // a session of its own. Where ours is visible it keeps it, and with it
     // the terminal and job control.
-    let own_session = crate::target::session_leader_visible_self() == Some(false);
+    let own_session = gpusnap_core::target::session_leader_visible_self() == Some(false);
     let mut ready = [0; 2];
     let mut go = [0; 2];
     // SAFETY: pipe2 fills two fds.

@@ -1,4 +1,4 @@
-//! The check of a map file (crate::mapfile): blake3 of every 1 MiB block of
+//! The check of a map file (gpusnap_images::mapfile): blake3 of every 1 MiB block of
 //! a file in the page cache on THREADS threads through a mapping of it, its
 //! map and unmap included, as a wake checks its map file; each phase timed
 //! apart (a full mincore of the mapping, the hash, the unmap). Usage:

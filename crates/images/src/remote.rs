@@ -184,7 +184,7 @@ fn pull_with(
         }
         let to_path = pending.dir.join(&f.path);
         if let Some(parent) = to_path.parent() {
-            image::mkdir_private(parent).map_err(|e| ImageError::Io {
+            gpusnap_files::mkdir_private(parent).map_err(|e| ImageError::Io {
                 name: name.clone(),
                 op: "create".into(),
                 err: e,
@@ -195,7 +195,7 @@ fn pull_with(
             op: format!("write {}", f.path),
             err: e,
         };
-        let mut to = image::create_private(&to_path).map_err(ioe)?;
+        let mut to = gpusnap_files::create_private(&to_path).map_err(ioe)?;
         let mut h = blake3::Hasher::new();
         for c in &f.chunks {
             let data = local.get(&c.blake3)?;
@@ -211,12 +211,12 @@ fn pull_with(
         }
         to.sync_data().map_err(ioe)?;
     }
-    image::write_private(&pending.dir.join(image::MANIFEST), &body).map_err(|e| ImageError::Io {
+    gpusnap_files::write_private(&pending.dir.join(image::MANIFEST), &body).map_err(|e| ImageError::Io {
         name: name.clone(),
         op: "write manifest".into(),
         err: e,
     })?;
-    image::write_private(&pending.dir.join(image::SIG), &sig).map_err(|e| ImageError::Io {
+    gpusnap_files::write_private(&pending.dir.join(image::SIG), &sig).map_err(|e| ImageError::Io {
         name: name.clone(),
         op: "write manifest.sig".into(),
         err: e,
@@ -251,17 +251,17 @@ pub fn origin(state_dir: &Path, name: &str) -> Option<String> {
     if !image::valid_name(name) {
         return None;
     }
-    let f = image::open_regular(&origin_path(state_dir, name), 4096).ok()?;
-    let s = String::from_utf8(image::read_bounded(f, 4096).ok()?).ok()?;
+    let f = gpusnap_files::open_regular(&origin_path(state_dir, name), 4096).ok()?;
+    let s = String::from_utf8(gpusnap_files::read_bounded(f, 4096).ok()?).ok()?;
     Some(s.trim().to_string()).filter(|s| RemoteUrl::is_remote(s))
 }
 
 fn set_origin(state_dir: &Path, name: &str, url: &str) -> std::io::Result<()> {
     let p = origin_path(state_dir, name);
     if let Some(d) = p.parent() {
-        image::mkdir_private(d)?;
+        gpusnap_files::mkdir_private(d)?;
     }
-    image::write_private(&p, url.as_bytes())
+    gpusnap_files::write_private(&p, url.as_bytes())
 }
 
 /// The image is whole here (or gone): its origin is forgotten.

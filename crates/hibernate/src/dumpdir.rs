@@ -107,11 +107,7 @@ pub fn fits(total: u64, available: u64, dump_bytes: u64) -> bool {
 }
 
 /// MemTotal and MemAvailable, in bytes.
-pub(crate) fn meminfo() -> Option<(u64, u64)> {
-    use procfs::Current;
-    let m = procfs::Meminfo::current().ok()?;
-    Some((m.mem_total, m.mem_available?))
-}
+pub(crate) use gpusnap_images::chunksrc::meminfo;
 
 /// A tmpfs directory for a dump of `dump_bytes`, or None for the disk (by
 /// [`ENV`], for want of memory, or when the directory cannot be made).
@@ -168,7 +164,7 @@ fn create(base: &Path) -> std::io::Result<TmpfsDump> {
     // Not recursive: the base must exist, the directory must not.
     fs::DirBuilder::new().mode(0o700).create(&new)?;
     let made = (|| {
-        let lock = crate::image::create_private(&new.join(LOCK))?;
+        let lock = gpusnap_files::create_private(&new.join(LOCK))?;
         let lock =
             Flock::lock(lock, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| std::io::Error::from(e))?;
         fs::DirBuilder::new().mode(0o700).create(new.join("criu"))?;

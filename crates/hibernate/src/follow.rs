@@ -58,14 +58,7 @@ pub fn enabled() -> bool {
     std::env::var(FOLLOW_ENV).map_or(true, |v| v != "0")
 }
 
-/// One pages file as the follower saw it: its size, checksum and chunks,
-/// stored (staged) in the store.
-#[derive(Debug)]
-pub struct FollowedFile {
-    pub size: u64,
-    pub blake3: String,
-    pub stored: Stored,
-}
+pub use gpusnap_images::image::{FollowedFile, Prechunked};
 
 /// What the follower did, for `hibernate --json`.
 #[derive(Debug, Default, Clone, Copy)]
@@ -146,6 +139,12 @@ pub struct Followed {
 }
 
 impl Followed {
+    /// What the image's commit takes of it: the files, the lock, where
+    /// they are.
+    pub fn into_prechunked(self) -> Prechunked {
+        Prechunked { files: self.files, lock: self.lock, elsewhere: self.elsewhere }
+    }
+
     /// Abandons every staged chunk (a failed commit).
     pub fn abandon(self, store: &LocalStore) {
         for (_, f) in self.files {
@@ -404,7 +403,7 @@ fn scan(
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let rel = format!("criu/{name}");
-        if !crate::image::chunked_name(&rel) || tracked.iter().any(|t| t.rel == rel) {
+        if !gpusnap_images::image::chunked_name(&rel) || tracked.iter().any(|t| t.rel == rel) {
             continue;
         }
         let file = open_pages(&e.path()).map_err(|e| format!("open {rel}: {e}"))?;
@@ -451,7 +450,7 @@ fn scan(
 
 /// Opens a pages file CRIU is writing: read and write (the write only to
 /// punch out what is chunked), a regular file of its own, as
-/// [`crate::image::open_regular`] checks.
+/// [`gpusnap_files::open_regular`] checks.
 fn open_pages(p: &Path) -> std::io::Result<fs::File> {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let f = fs::OpenOptions::new()

@@ -14,9 +14,9 @@
 //! the environment) binds the same path and serves it again.
 
 use super::suspend_before_death;
-use crate::error::Error;
-use crate::store::Store;
-use crate::target::{self, Target};
+use gpusnap_core::error::Error;
+use gpusnap_core::store::Store;
+use gpusnap_core::target::{self, Target};
 use gpusnap_cuda::{CheckpointApi, Deadline};
 use gpusnap_gpu::GpuInventory;
 use std::io::{BufRead, BufReader, Write};
@@ -185,7 +185,8 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
         let tree = Arc::clone(&shared);
         // The tree, again every second: a light guard sees no forks.
         std::thread::spawn(move || loop {
-            let pids: Vec<i32> = crate::hibernate::process_tree(leader).into_iter().map(|(p, _)| p).collect();
+            let pids: Vec<i32> =
+                gpusnap_core::tree::process_tree(leader).into_iter().map(|(p, _)| p).collect();
             if let Ok(mut t) = tree.lock() {
                 *t = pids;
             }

@@ -197,7 +197,7 @@ pub fn build(
     name: &str,
     dir: &Path,
     m: &Manifest,
-    progress: &dyn crate::Progress,
+    progress: &dyn gpusnap_progress::Progress,
 ) -> Result<Option<Built>, ImageError> {
     let started = Instant::now();
     if !crate::image::valid_name(name) {
@@ -212,7 +212,7 @@ pub fn build(
     }
     let size = size_of(&regions);
     let (map, index) = paths(state_dir, name);
-    crate::image::mkdir_private(&state_dir.join("maps")).map_err(io(name, "create STATE/maps"))?;
+    gpusnap_files::mkdir_private(&state_dir.join("maps")).map_err(io(name, "create STATE/maps"))?;
     let store = gpusnap_chunks::LocalStore::open(state_dir.join("store")).map_err(|e| ImageError::Io {
         name: name.into(),
         op: "open the chunk store".into(),
@@ -223,9 +223,12 @@ pub fn build(
     // build ends (dropped after `wd`); one a killed build left is pruned
     // with the oldest logs (its name starts with the time, as theirs do).
     let logs = state_dir.join("logs");
-    crate::image::mkdir_private(&logs).map_err(io(name, "create a work dir"))?;
+    gpusnap_files::mkdir_private(&logs).map_err(io(name, "create a work dir"))?;
     let work = tempfile::Builder::new()
-        .prefix(&format!("{:013}-map-{name}-", crate::store::now_ms()))
+        .prefix(&format!(
+            "{:013}-map-{name}-",
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())
+        ))
         .tempdir_in(&logs)
         .map_err(io(name, "create a work dir"))?;
     let wd = Workdir::prepare(name, dir, m, store, None, work.path(), false)?.ok_or_else(|| {
@@ -234,7 +237,7 @@ pub fn build(
     let tmp = map.with_extension(format!("map.tmp-{}", std::process::id()));
     // One of a killed gpusnap that had this pid, if any (gc removes them too).
     let _ = fs::remove_file(&tmp);
-    let f = crate::image::create_private(&tmp).map_err(io(name, "create the map file"))?;
+    let f = gpusnap_files::create_private(&tmp).map_err(io(name, "create the map file"))?;
     f.set_len(size).map_err(io(name, "size the map file"))?;
     // Pieces of at most PIECE bytes, cut at PIECE boundaries of the map
     // file (large, aligned writes: the page cache keeps large folios).
@@ -287,7 +290,7 @@ pub fn build(
     let body = serde_json::to_vec_pretty(&idx)
         .map_err(|e| io(name, "write the map index")(std::io::Error::other(e)))?;
     let itmp = index.with_extension(format!("json.tmp-{}", std::process::id()));
-    crate::image::write_private(&itmp, &body).map_err(io(name, "write the map index"))?;
+    gpusnap_files::write_private(&itmp, &body).map_err(io(name, "write the map index"))?;
     fs::rename(&itmp, &index).map_err(io(name, "write the map index"))?;
     Ok(Some(Built {
         path: map.display().to_string(),

@@ -45,7 +45,7 @@ pub struct HostKey {
 
 impl HostKey {
     /// The key of the state directory `dir`, created on first need. The
-    /// directory itself is checked by [`crate::store::check_state_dir`].
+    /// directory itself is checked by [`gpusnap_core::store::check_state_dir`].
     pub fn load_or_create(dir: &Path) -> Result<Self, SignError> {
         if let Some(k) = Self::load(dir)? {
             return Ok(k);
@@ -58,7 +58,7 @@ impl HostKey {
         // the first wins and the other uses it.
         let tmp = dir.join(format!(".{KEY_FILE}.tmp-{}", std::process::id()));
         let _ = std::fs::remove_file(&tmp);
-        let mut f = crate::image::create_private(&tmp).map_err(|e| err(format!("cannot create: {e}")))?;
+        let mut f = gpusnap_files::create_private(&tmp).map_err(|e| err(format!("cannot create: {e}")))?;
         f.write_all(hex::encode(key.to_bytes()).as_bytes())
             .and_then(|()| f.sync_all())
             .map_err(|e| err(format!("cannot write: {e}")))?;

@@ -55,7 +55,7 @@ fn start_keeper(
     images: &Path,
     work: &Path,
     chunks: Option<&KeeperChunks<'_>>,
-    m: Option<&crate::image::Manifest>,
+    m: Option<&gpusnap_images::image::Manifest>,
 ) -> std::io::Result<Option<Keeper>> {
     let Some(exe) = KEEPER_EXE.get() else { return Ok(None) };
     let mut cmd = std::process::Command::new(exe);
@@ -182,18 +182,18 @@ fn keeper_chunks(
     state_dir: &Path,
     name: &str,
     dir: &Path,
-) -> Result<crate::chunksrc::Workdir, String> {
+) -> Result<gpusnap_images::chunksrc::Workdir, String> {
     let body = std::fs::read(work.join(KEEPER_MANIFEST)).map_err(|e| format!("{KEEPER_MANIFEST}: {e}"))?;
-    let m: crate::image::Manifest =
+    let m: gpusnap_images::image::Manifest =
         serde_json::from_slice(&body).map_err(|e| format!("{KEEPER_MANIFEST}: {e}"))?;
     let store = gpusnap_chunks::LocalStore::open(state_dir.join("store")).map_err(|e| e.to_string())?;
-    let remote = match crate::remote::origin(state_dir, name) {
-        Some(url) => Some(crate::remote::open_origin(&url).map_err(|e| e.to_string())?),
+    let remote = match gpusnap_images::remote::origin(state_dir, name) {
+        Some(url) => Some(gpusnap_images::remote::open_origin(&url).map_err(|e| e.to_string())?),
         None => None,
     };
     let kw = work.join("keeper");
-    crate::image::mkdir_private(&kw).map_err(|e| e.to_string())?;
-    crate::chunksrc::Workdir::prepare(name, dir, &m, store, remote, &kw, false)
+    gpusnap_files::mkdir_private(&kw).map_err(|e| e.to_string())?;
+    gpusnap_images::chunksrc::Workdir::prepare(name, dir, &m, store, remote, &kw, false)
         .map_err(|e| e.to_string())?
         .ok_or_else(|| "no pages file of the image is in the store".to_string())
 }
@@ -242,7 +242,7 @@ pub fn restore_from(
     eager: bool,
     source: Option<std::sync::Arc<dyn gpusnap_pages::PageSource>>,
     before_eager: &dyn Fn() -> Result<(), CriuError>,
-    chunks: Option<(&KeeperChunks<'_>, &crate::image::Manifest)>,
+    chunks: Option<(&KeeperChunks<'_>, &gpusnap_images::image::Manifest)>,
 ) -> Result<Restored, CriuError> {
     let none = HeadStart::Bytes(0);
     if eager {

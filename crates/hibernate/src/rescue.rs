@@ -13,8 +13,8 @@
 //! checkpoints each process again (it is never unlocked, so nothing runs
 //! on the GPU state), kills the tree, and only then lets the threads go.
 
-use crate::chunksrc::Bad;
-use crate::guard::{ptrace_raw, threads_of};
+use gpusnap_guard::{ptrace_raw, threads_of};
+use gpusnap_images::chunksrc::Bad;
 use gpusnap_pages::Rescuer;
 use std::collections::BTreeSet;
 use std::sync::{Arc, Condvar, Mutex};
@@ -214,7 +214,7 @@ fn stop_threads(members: &[Member]) -> BTreeSet<i32> {
 
 /// The thread is in a stop (or gone).
 fn stopped(tid: i32) -> bool {
-    crate::target::run_state(tid).map_or(true, |s| s.is_stopped() || s.is_zombie())
+    gpusnap_core::target::run_state(tid).map_or(true, |s| s.is_stopped() || s.is_zombie())
 }
 
 /// Restores back, whether one failed, and the decision once made.

@@ -1,0 +1,14 @@
+//! gpusnap's images: the format (a manifest with magic, version and the
+//! checksum of every file), signing and trust, the chunk-backed local store,
+//! remotes (S3) and map files for a mapped wake. Built on `gpusnap-chunks`;
+//! knows nothing of processes, CRIU or the driver.
+
+pub mod chunksrc;
+pub mod error;
+pub mod image;
+pub mod mapfile;
+pub mod remote;
+pub mod sign;
+pub mod workingset;
+
+pub use error::Error;
