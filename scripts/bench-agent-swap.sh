@@ -27,6 +27,9 @@
 # 2-core VM is slow): compare columns of one run, not runs of machines.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self agent-swap "$@"
 
 PROFILE=${PROFILE:-debug}
 SWAPS=${SWAPS:-10}

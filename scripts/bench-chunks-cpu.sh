@@ -4,9 +4,12 @@
 # blake3, zstd levels, and the dedup of two images sharing SHARED_MIB
 # (default 1024) at different offsets, content-defined against fixed chunks.
 # Extra arguments: real image files (CRIU pages-*.img) to measure zstd on.
-# Results go in docs/benchmarks.md.
+#
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self chunks-cpu "$@"
 shared=${SHARED_MIB:-1024}
 cargo build --release -q -p gpusnap-chunks --example bench
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(date -u +%Y-%m-%d)"

@@ -20,6 +20,9 @@
 # of this tree's binary with that environment (label:VAR=VALUE, space separated).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self chunks-hibernate "$@"
 if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
 
 REPS=${REPS:-3}
@@ -47,8 +50,6 @@ while True:
     time.sleep(0.5)
 PY
 
-# shellcheck source=scripts/bench-lib.sh
-. scripts/bench-lib.sh
 
 one() {
     local way=$1 bin=$2 rep=$3 envs=${4:-} pid t0 t1 t2 state

@@ -3,7 +3,7 @@
 # wake fills (random, a model's bf16 weights, integers widened to int64, a
 # repeated pattern, a heap), what `lz` (the default) and `zstd` (before)
 # store, how fast they encode, and how fast a wake reads the chunks back
-# checked (decode + blake3). Results go in docs/benchmarks.md.
+# checked (decode + blake3).
 #
 #   scripts/bench-codec-cpu.sh [MIB]    (default 256 MiB of each kind; REPS=3)
 #
@@ -12,6 +12,9 @@
 # LZ_BYTES_PER_SEQUENCE in crates/chunks/src/lib.rs is calibrated on).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self codec-cpu "$@"
 cargo build --release -q -p gpusnap-chunks --example codecs
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(date -u '+%Y-%m-%d %H:%M UTC'), load $(cut -d' ' -f1-3 /proc/loadavg)"
 taskset -c 0 target/release/examples/codecs "$@"

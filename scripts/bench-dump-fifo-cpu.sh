@@ -15,6 +15,9 @@
 # CRIU >= 4 (scripts/install-criu.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self dump-fifo-cpu "$@"
 if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
 
 REPS=${REPS:-3}
@@ -75,8 +78,6 @@ one() {
         "$way" "$t0" "$t1" "$bytes" >>"$tsv"
 }
 
-# shellcheck source=scripts/bench-lib.sh
-. scripts/bench-lib.sh
 abba file fifo
 
 python3 - "$tsv" "$SIZE_GIB" "$REPS" <<'PY'

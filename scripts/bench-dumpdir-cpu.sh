@@ -13,6 +13,9 @@
 # writers on the machine count too). Needs root and CRIU >= 4.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self dumpdir-cpu "$@"
 if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
 
 REPS=${REPS:-3}
@@ -63,8 +66,6 @@ PY
     "$GS" images gc >/dev/null 2>&1 || true
 }
 
-# shellcheck source=scripts/bench-lib.sh
-. scripts/bench-lib.sh
 abba disk tmpfs
 
 python3 - "$tsv" "$SIZE_GIB" "$REPS" "$dev" <<'PY'

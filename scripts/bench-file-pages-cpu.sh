@@ -14,12 +14,13 @@
 # and CRIU >= 4 (scripts/install-criu.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self file-pages-cpu "$@"
 if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
 
 REPS=${REPS:-3}
 FILE_MIB=${FILE_MIB:-1024}
-# shellcheck source=scripts/bench-lib.sh
-. scripts/bench-lib.sh
 bench_setup fpbench
 head -c "$((FILE_MIB << 20))" /dev/urandom >"$work/lib.bin"
 

@@ -12,6 +12,10 @@
 # a table; two rounds, the second shown.
 # Usage: scripts/bench-filemap-cpu.sh [SIZE_MIB] (default 4096)
 set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self filemap-cpu "$@"
 SIZE=${1:-4096}
 DIR=$(mktemp -d)
 trap 'rm -rf "$DIR"' EXIT

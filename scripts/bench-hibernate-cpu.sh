@@ -14,6 +14,9 @@
 # version is tests/gpu/bench-hibernate.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self hibernate-cpu "$@"
 if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
 
 REPS=${REPS:-3}
@@ -38,8 +41,6 @@ while True:
     time.sleep(0.5)
 PY
 
-# shellcheck source=scripts/bench-lib.sh
-. scripts/bench-lib.sh
 
 # start: a new holder; prints its pid once its memory is written.
 start() {

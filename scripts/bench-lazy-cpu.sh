@@ -22,6 +22,9 @@
 # buffers of a CUDA process are) instead of one.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self lazy-cpu "$@"
 if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
 
 REPS=${REPS:-5}
@@ -31,8 +34,6 @@ FILL=${FILL:-pattern}
 MAPS_MIB=${MAPS_MIB:-0}
 export FILL MAPS_MIB
 case $FILL in pattern | random) ;; *) echo "FILL: pattern or random, not '$FILL'" >&2; exit 2 ;; esac
-# shellcheck source=scripts/bench-lib.sh
-. scripts/bench-lib.sh
 bench_setup lazybench
 
 cat >"$work/hold.py" <<'PY'

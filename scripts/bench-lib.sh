@@ -2,6 +2,28 @@
 # Helpers of the CPU bench scripts (scripts/bench-*.sh), sourced by them;
 # not run on its own.
 
+# record_self NAME ARGS...: runs the calling script again with ARGS, its
+# output shown and, when it exits 0, recorded as a new numbered, dated file
+# of bench/results (scripts/bench-result.sh), then exits with its status.
+# Called from the repository root before the script does anything;
+# BENCH_RECORD=0 runs the script without recording it.
+record_self() {
+    if [ "${BENCH_RECORD:-1}" = 0 ] || [ -n "${BENCH_RECORDING:-}" ]; then return 0; fi
+    local name=$1 self tmp rc=0 cmd
+    shift
+    self=$PWD/scripts/$(basename "$0")
+    tmp=$(mktemp)
+    BENCH_RECORDING=1 "$self" "$@" | tee "$tmp" || rc=$?
+    if [ "$rc" = 0 ]; then
+        # The settings the scripts read, then the command line.
+        cmd=$(env | grep -E '^(REPS|SIZE_[A-Z]+|[A-Z]+_(MIB|GIB|GBPS)|GBPS|SIZES|PROFILE|SWAPS|MIB)=' | sort | tr '\n' ' ' || true)
+        BENCH_CMD="${cmd}scripts/$(basename "$0")${*:+ $*}" scripts/bench-result.sh "$name" "$tmp" |
+            sed 's/^/recorded in /' >&2 || rc=$?
+    fi
+    rm -f "$tmp"
+    exit "$rc"
+}
+
 # now: the time, in seconds. secs A B: B - A, to the millisecond.
 now() { printf '%s\n' "$EPOCHREALTIME"; }
 secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.3f}')" "$1" "$2"; }

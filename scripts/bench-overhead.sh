@@ -15,6 +15,9 @@
 # benchmark with the real driver is tests/gpu/bench.sh (docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self overhead "$@"
 
 REPS=${REPS:-9}
 SIZES=${SIZES:-12 50}
@@ -39,8 +42,6 @@ fw=$work/lib/fake-workload
 tsv=$work/runs.tsv
 : >"$tsv"
 
-# shellcheck source=scripts/bench-lib.sh
-. scripts/bench-lib.sh
 elapsed() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.6f}')" "$1" "$2"; }
 
 # bare OP PID: the raw calls, one process each; prints the wall seconds.

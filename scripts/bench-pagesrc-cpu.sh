@@ -8,9 +8,12 @@
 #   scripts/bench-pagesrc-cpu.sh [SIZE_MIB [THREADS...]]    (default 2048 MiB, 1 and all cores)
 #
 # BENCH_DIR: where the data goes (default: $TMPDIR or /tmp; needs 2 x
-# SIZE_MIB x 2 of space). Results go in docs/benchmarks.md (P7, CPU machine).
+# SIZE_MIB x 2 of space).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self pagesrc-cpu "$@"
 cargo build --release -q -p gpusnap-images --example bench_pagesrc
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(date -u '+%Y-%m-%d %H:%M UTC'), load $(cut -d' ' -f1-3 /proc/loadavg)"
 target/release/examples/bench_pagesrc "$@"

@@ -47,13 +47,17 @@
 #                    cargo on the GPU machine: carry a build)
 #   CRIU_SRC         the relocatable CRIU to install (default .dev/criu), into
 #                    /opt/gpusnap/criu (its bin/criu has absolute paths there)
+#   BENCH_COMMIT     the commit the binary was built from, for the results'
+#                    headers (the copy on the GPU machine may have no .git)
 # Anything else (E2E_SECTIONS, REPS, ...) passes through to the stages.
 # Files in $OUT (those of the stages run): device.log (this script's log,
 # then the logs of bench, hbench, multi, guard, keeper and rescue), gpu-e2e.md,
 # e2e.log, bench.md, bench-hibernate.md, multi-e2e.md, guard-e2e.md,
 # guard-e2e-light.md, guard-bench.md, agent-bench.md, keeper-e2e.md, rescue-e2e.md, init-timing.md, results.json (host, CRIU, every stage's
-# exit status and time, and the JSON of each stage). Exit 0 when every stage
-# ran and exited 0.
+# exit status and time, and the JSON of each stage), and bench/results/ with
+# one numbered, dated file per stage run (bench/results/README.md): copy
+# those into the repository's bench/results. Exit 0 when every stage ran and
+# exited 0.
 
 set -u
 export LC_ALL=C TZ=UTC PYTHONUNBUFFERED=1
@@ -329,7 +333,41 @@ run_stage() {
             if [ -s "$dir/multi-e2e.log" ]; then append_log multi-e2e.log "$dir/multi-e2e.log"; else append_log "multi stderr" "$dir/stderr.txt"; fi
             ;;
     esac
+    record_stage "$name" "$rc" "${cmd[*]}"
     results_json
+}
+
+# record_stage STAGE RC CMD: the stage's tables as the next numbered, dated
+# file of $OUT/bench/results (scripts/bench-result.sh; copy them into the
+# repository's bench/results), headed by the host and the stage's exit.
+record_stage() {
+    local name=$1 rc=$2 cmd=$3 tmp f md=() got
+    case $name in
+        e2e) md=(gpu-e2e.md) ;;
+        bench) md=(bench.md) ;;
+        hbench) md=(bench-hibernate.md) ;;
+        guard) md=(guard-e2e.md guard-e2e-light.md guard-bench.md) ;;
+        keeper | rescue | multi) md=("$name-e2e.md") ;;
+        agent) md=(agent-bench.md) ;;
+        contend) md=(contend.md) ;;
+        timing) md=(init-timing.md) ;;
+    esac
+    tmp=$SCR/$name.result.md
+    {
+        echo "- host: $HOST_GPUS driver $HOST_DRIVER; kernel $(uname -r); gpusnap: $HOST_GPUSNAP; CRIU ${CRIU_VERSION:-none}"
+        echo "- stage: \`$name\`, exit $rc; settings: $(env | grep -E '^(WORKER_[A-Z_]+|HB_[A-Z_]+|[A-Z]+_(SIZES|GIB|MODES|WAKES|LOADS|WAKE_ENV|PROBE|MAP|SECTIONS)|REPS|DEVICE_BUDGET_S)=' | sort | tr '\n' ' ')"
+        for f in "${md[@]}"; do
+            if [ -s "$OUT/$f" ]; then
+                echo
+                cat "$OUT/$f"
+            fi
+        done
+    } >"$tmp"
+    if got=$(RESULTS_DIR=$OUT/bench/results BENCH_TITLE="GPU stage $name" BENCH_CMD="$cmd" scripts/bench-result.sh "$name" "$tmp" 2>&1); then
+        say "stage $name: results in ${got#"$OUT"/}"
+    else
+        say "stage $name: results not recorded: $got"
+    fi
 }
 
 # summary: what matters, last on stdout (the caller sees the tail).
