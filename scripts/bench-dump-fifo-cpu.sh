@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# CRIU's dump of a process's memory into a pages file on a tmpfs (what
-# hibernate does today) against into a FIFO that a reader drains 4 MiB at a
-# time (a receiver that could chunk the pages as they come, without CRIU
-# writing them into a file first), on any machine (no GPU). CRIU alone,
-# not gpusnap: is the FIFO faster for CRIU's single thread? (issue 10,
-# hibernate of large images: CRIU writes 2.2-2.5 GB/s into the tmpfs on the
-# H200's host).
+# CRIU's dump of a process's memory into a pages file on a tmpfs against
+# into a FIFO that a reader drains 4 MiB at a time (as hibernate's receiver
+# takes the pages as they come, chunking them, without CRIU writing them
+# into a file first), on any machine (no GPU). CRIU alone, not gpusnap: is
+# the FIFO faster for CRIU's single thread? (In the hibernate of large
+# images CRIU writes 2.2-2.5 GB/s into a tmpfs file on the H200's host.)
 #
 #   sudo scripts/bench-dump-fifo-cpu.sh        REPS=3 SIZE_GIB=4 sudo scripts/bench-dump-fifo-cpu.sh
 #
@@ -87,7 +86,7 @@ print(f"criu dump of a process holding {sys.argv[2]} GiB of random bytes into /d
 print()
 print("| pages-1.img | criu dump s | GB | GB/s |")
 print("|---|---|---|---|")
-for way, name in (("file", "a file (today)"), ("fifo", "a FIFO, drained by a reader")):
+for way, name in (("file", "a file"), ("fifo", "a FIFO, drained by a reader")):
     s = statistics.median(float(r[1]) for r in rows if r[0] == way)
     b = statistics.median(int(r[2]) for r in rows if r[0] == way)
     print(f"| {name} | {s:.3f} | {b / 1e9:.2f} | {b / 1e9 / s:.2f} |")

@@ -10,8 +10,8 @@
 # ledger). bare = one `fake-workload --driver-call` process per driver call
 # (lock + checkpoint, restore + unlock), the way a script drives the raw
 # API; gpusnap = `gpusnap --json suspend|resume PID`. The two alternate
-# (ABBA) REPS times per size. Prints a markdown table (medians): the P1
-# target is "adds under 2 % or 100 ms, whichever is larger". The GPU
+# (ABBA) REPS times per size. Prints a markdown table (medians): the
+# suspend/resume target is "adds under 2 % or 100 ms, whichever is larger". The GPU
 # benchmark with the real driver is tests/gpu/bench.sh (docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -59,7 +59,7 @@ my @bad = (
     qr/\b(item|point) \d+\b/i,
     qr/\b(handed|hand) (it |this )?over\b|\bwho did\b/i,
 );
-my $run = qr/\bRuns? \d+\b/i;
+my $run = qr/(?-i:\bRuns? \d+\b)/;
 my $hits = 0;
 for my $f (@ARGV) {
     next unless -f $f && -T $f;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The node agent on a GPU (issue 9): two model servers that do not fit one
+# The node agent on a GPU: two model servers that do not fit one
 # GPU together, behind `gpusnap agent`, asked in turn; the swap against a
 # cold start that loads its weights from disk, as real servers do.
 #

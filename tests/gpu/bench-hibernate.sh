@@ -43,8 +43,8 @@
 #                    set for that wake alone (a value the caller had is
 #                    put back after it); an entry whose NAME starts with
 #                    "cold" drops the page cache before its wake (a warm
-#                    call's cold wake: "cold:"); "preset" = today (whole-batch
-#                    wake), default, t8n10 (8 fill threads at nice 10),
+#                    call's cold wake: "cold:"); "preset" = batch4m (one WAKE
+#                    per 4 MiB batch), default, t8n10 (8 fill threads at nice 10),
 #                    head100 (the whole fill before the driver starts);
 #                    empty (default): none
 #   HB_REP_ENV       GPUSNAP_* settings for the gpusnap cycles (hibernate
@@ -102,7 +102,7 @@
 # Writes $OUT/bench-hibernate.md (also on stdout), $OUT/bench-hibernate.json
 # (every sample) and $OUT/bench-hibernate.log. Exit 0 when every planned
 # repetition ran and passed its checks, 1 otherwise; whether the targets
-# (gpusnap <= 1.05 x bare; P7: wake <= 1.3 x the driver's restore alone,
+# (gpusnap <= 1.05 x bare; wake <= 1.3 x the driver's restore alone,
 # cold wake <= 1.2 x max(disk read of the image, driver restore), hibernate
 # <= 1.2 x (suspend + image at the disk's write speed)) are met is in the
 # tables, not the exit status.
@@ -141,12 +141,12 @@ HB_DD_GIB=${HB_DD_GIB:-8}
 case $HB_DD_GIB in '' | *[!0-9]* | 0) echo "HB_DD_GIB must be a positive integer" >&2; exit 2 ;; esac
 HB_MATRIX=${HB_MATRIX:-}
 if [ "$HB_MATRIX" = preset ]; then
-    # today: the fill's WAKE once per 4 MiB batch (before the wake chunks);
+    # batch4m: the fill's WAKE once per 4 MiB batch (not per wake chunk);
     # default: this build's defaults; t8n10: fewer fill threads, below the
     # driver's priority (is the driver short of CPU?); head100: the whole
     # fill before the driver starts (the fill's rate alone, and the driver
     # on memory already in place).
-    HB_MATRIX="today:GPUSNAP_PAGES_WAKE_CHUNK=4M;default:;t8n10:GPUSNAP_PAGES_THREADS=8,GPUSNAP_PAGES_NICE=10;head100:GPUSNAP_PAGES_HEAD_START=100%"
+    HB_MATRIX="batch4m:GPUSNAP_PAGES_WAKE_CHUNK=4M;default:;t8n10:GPUSNAP_PAGES_THREADS=8,GPUSNAP_PAGES_NICE=10;head100:GPUSNAP_PAGES_HEAD_START=100%"
 fi
 # check_knobs VAR ENTRY KVS: each of the comma-separated KVS (of ENTRY, an
 # entry of the setting VAR) is GPUSNAP_[A-Z0-9_]+=VALUE, else exit 2.
@@ -903,7 +903,7 @@ for g in sizes:
                   "disk_checksum_s": None if None in (hwr, wv) else hwr + wv,
                   "cycle_wall_s": None if None in (hw, ww) else hw + ww}})
 
-# P7: the targets against the driver alone and the disk, and the page server.
+# The targets against the driver alone and the disk, and the page server.
 disk = next((s for s in samples if s["mode"] == "disk"), {})
 dw, dr = disk.get("write_gbps"), disk.get("read_gbps")
 cold_run = E.get("B_COLD") == "1"
@@ -999,7 +999,7 @@ for b in breakdown:
                  f"disk/checksum {pc(sp['disk_checksum_s'])}, rest "
                  f"{pc(None if None in sp.values() else c - sp['driver_s'] - sp['criu_s'] - sp['disk_checksum_s'])}.")
 if targets:
-    L += ["", f"## Targets (P7){' - cold: page cache dropped before every wake' if cold_run else ' - warm page cache'}", "",
+    L += ["", f"## Targets{' - cold: page cache dropped before every wake' if cold_run else ' - warm page cache'}", "",
           f"Disk (scratch, dd {E.get('B_DD_GIB')} GiB): write {f(dw)} GB/s (conv=fdatasync), cold read {f(dr)} GB/s.", "",
           "| size GiB | what | gpusnap s | limit s | ratio | target | met | limit from |", "|---|---|---|---|---|---|---|---|"]
     for g, what, x, lim, tgt, why in targets:

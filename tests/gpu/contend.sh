@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What slows the driver's restore beside gpusnap's page server (issue 10, the
-# warm wake of a model's weights). The driver's restore alone reads ~9-10 GB/s
+# What slows the driver's restore beside gpusnap's page server (the warm
+# wake of a model's weights). The driver's restore alone reads ~9-10 GB/s
 # from host memory; under a lazy wake 4-7 GB/s while the fill runs. This
 # times the bare driver restore (tests/gpu/cuckpt.py) of one worker again and
 # again, each time beside another load made by tests/gpu/memload.c in another
@@ -63,7 +63,7 @@ PROBE=""
 write_report() {
     local md=$OUT/contend.md
     {
-        echo "# gpusnap: the driver's restore beside other memory traffic (issue 10)"
+        echo "# gpusnap: the driver's restore beside other memory traffic"
         echo
         echo "- date: $HDR_DATE"
         echo "- host: $HDR_HOST (kernel $HDR_KERNEL, host memory $HDR_HOSTMEM)"

@@ -6,10 +6,10 @@
 # Run from the repository root, as root:
 #   OUT=/some/dir tests/gpu/device.sh [STAGE...]     (default: e2e)
 # Stages:
-#   e2e     tests/gpu/e2e.sh (P1 and the CRIU sections; ~6 min alone)
+#   e2e     tests/gpu/e2e.sh (the driver and CRIU sections; ~6 min alone)
 #   bench   tests/gpu/bench.sh $BENCH_SIZES (suspend/resume against the driver)
 #   hbench  tests/gpu/bench-hibernate.sh $HBENCH_SIZES (hibernate/wake against driver + CRIU;
-#           P7: HB_MODES, HB_DRIVER, HB_COLD, HB_MATRIX, HB_DISK, WORKER_FILL pass through)
+#           HB_MODES, HB_DRIVER, HB_COLD, HB_MATRIX, HB_DISK, WORKER_FILL pass through)
 #   multi   tests/gpu/multi-e2e.sh (two GPUs: remap, a group across GPUs, one
 #           process on two GPUs, NCCL; ~3-4 min; needs a machine with 2 GPUs)
 #   guard   tests/gpu/guard-e2e.sh traced, then with --light, then
@@ -23,11 +23,11 @@
 #           chunk, for a PyTorch and a CuPy worker: the wake fails, nothing
 #           is left on the GPU, the image wakes intact next; ~2 min;
 #           RESCUE_* pass through; DEVICE_BUDGET_S=200 alone)
-#   contend tests/gpu/contend.sh (P7: the driver's restore alone beside
+#   contend tests/gpu/contend.sh (the driver's restore alone beside
 #           memory loads of another process, pinned or not, the worker's
 #           threads and CPUs during it, then lazy wakes on the same host;
 #           ~5-6 min at CONTEND_GIB=23; CONTEND_* pass through)
-#   timing  tests/gpu/init-timing.sh (P7: cuInit and nvmlInit bare, alone and on
+#   timing  tests/gpu/init-timing.sh (cuInit and nvmlInit bare, alone and on
 #           two threads, and the wall of gpusnap ps / doctor / state / a plain
 #           wake, 3 samples each; < 20 s; REPS passes through)
 #   agent   tests/gpu/agent-bench.sh (the node agent: two ~75 GB model servers
@@ -382,7 +382,7 @@ summary() {
     if [ -s "$SCR/e2e/gpu-e2e.md" ]; then
         echo
         grep -E '^- (result|criu|sections):' "$SCR/e2e/gpu-e2e.md"
-        echo "e2e rows not PASS, and the P2 rows:"
+        echo "e2e rows not PASS, and the CRIU sections' rows:"
         grep -E '^\| ' "$SCR/e2e/gpu-e2e.md" | grep -E '\| (FAIL|SKIP|INFO) \||^\| [hrx][0-9]* \|' | cut -c1-400
     fi
     if [ -s "$SCR/bench/bench.md" ]; then
@@ -396,7 +396,7 @@ summary() {
         echo "hbench:"
         sed -n '/^| size GiB | footprint/,/^$/p' "$SCR/hbench/bench-hibernate.md"
         grep -E '^gpusnap cycle|^Images:' "$SCR/hbench/bench-hibernate.md"
-        # P7: the targets, where the dump goes, the page server per lazy wake.
+        # The targets, where the dump goes, the page server per lazy wake.
         sed -n '/^## Targets/,/^## Every sample/p' "$SCR/hbench/bench-hibernate.md" | grep -v '^## Every sample' | cut -c1-400
         sed -n '/^## Notes/,$p' "$SCR/hbench/bench-hibernate.md" | head -n 12
     fi

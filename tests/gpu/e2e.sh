@@ -9,24 +9,24 @@
 #   E2E_BUDGET_S  soft budget in seconds (default 480): a section that would
 #                 not fit is skipped (and counts as a failure); a watchdog
 #                 ends the run, through the cleanup, 60 s after it
-#   BIG_GIB STUCK_GIB SMALL_GIB  P1 worker sizes (default 8, 2, 1)
-#   HIB_GIB REC_GIB              P2 worker sizes (default 4, 2)
+#   BIG_GIB STUCK_GIB SMALL_GIB  driver-section worker sizes (default 8, 2, 1)
+#   HIB_GIB REC_GIB              CRIU-section worker sizes (default 4, 2)
 #   EXT_GIB       (k) worker size (default 2)
 #   E2E_SECTIONS  the sections to run (default "a b c d e h r x"; k is not in
 #                 the default list: E2E_SECTIONS=k runs it alone)
-#   E2E_P2        auto (default): run the P2 (CRIU) sections h r x k when
+#   E2E_CRIU      auto (default): run the CRIU sections h r x k when
 #                 selected; without a usable CRIU each is a SKIP row.
 #                 no: leave them out (one INFO row says so)
 #   E2E_WAKE_ARGS extra arguments for `gpusnap wake` in (h) (e.g. --no-guard)
 #   GPUSNAP_CRIU  the CRIU binary (default: criu on PATH), as for gpusnap
 # Writes $OUT/gpu-e2e.md (the table, also printed on stdout),
-# $OUT/gpu-e2e.json (the rows and the P2 figures) and $OUT/e2e.log
+# $OUT/gpu-e2e.json (the rows and the CRIU sections' figures) and $OUT/e2e.log
 # (timestamped log, gpusnap outputs, worker logs).
 # Exit 0 when every check passed, 1 when one failed or was skipped.
 #
-# P1 workers: big (suspend/resume, admission, stop), stuck (driven by raw
+# Driver-section workers: big (suspend/resume, admission, stop), stuck (driven by raw
 # driver calls into the stranded state), thr (fresh, with extra threads:
-# bad input). P2 workers: hib (hibernate into an image, wake), rec (suspended,
+# bad input). CRIU-section workers: hib (hibernate into an image, wake), rec (suspended,
 # snapshotted, driven into the stuck state, recovered from the snapshot by
 # `gpusnap resume`), ext (k: suspended by gpusnap, then dumped and restored
 # by plain criu outside gpusnap, as a container runtime would, and resumed
@@ -46,23 +46,23 @@ HIB_GIB=${HIB_GIB:-4}
 REC_GIB=${REC_GIB:-2}
 EXT_GIB=${EXT_GIB:-2}
 E2E_SECTIONS=${E2E_SECTIONS:-a b c d e h r x}
-E2E_P2=${E2E_P2:-auto}
+E2E_CRIU=${E2E_CRIU:-auto}
 E2E_WAKE_ARGS=${E2E_WAKE_ARGS:-}
 FILL_LEAVE_ADMISSION=1024   # MiB the filler leaves in (b)
 FILL_LEAVE_STUCK=256        # MiB the filler leaves in (c), as in reports/000
 
 ROWS=$WORK/rows.tsv
-FIGS=$WORK/figures.tsv      # key, value: the P2 figures for gpu-e2e.json
+FIGS=$WORK/figures.tsv      # key, value: the CRIU sections' figures for gpu-e2e.json
 : >"$ROWS"
 : >"$FIGS"
 NPASS=0 NFAIL=0 NSKIP=0 NINFO=0
 FINISHED=0
 WB="" WS="" WT=""           # pids of the big, stuck and thread workers
 WB_OK=0 WS_OK=0 WT_OK=0
-WH="" WR=""                 # pids of the hibernate and recovery workers (P2)
+WH="" WR=""                 # pids of the hibernate and recovery workers (CRIU sections)
 WH_OK=0 WR_OK=0
 WK="" WK_OK=0               # pid of the worker CRIU restores outside gpusnap (k)
-P2=0                        # 1: the P2 sections run (CRIU usable)
+CRIU_ON=0                   # 1: the CRIU sections run (CRIU usable)
 CRIU_BIN="" CRIU_VERSION="" CRIU_CHECK="" CRIU_CHECK_RC="" CRIU_WHY=""
 
 # ---------------------------------------------------------------- table
@@ -101,7 +101,7 @@ write_table() {
         echo "- torch: $torch"
         echo "- THP enabled: $HDR_THP"
         echo "- criu: ${CRIU_BIN:-none} ${CRIU_VERSION:+version $CRIU_VERSION}; criu check: ${CRIU_CHECK:-not run}${CRIU_CHECK_RC:+ (exit $CRIU_CHECK_RC)}"
-        echo "- sections: $E2E_SECTIONS (P2: $([ "$P2" = 1 ] && echo run || echo "not run${CRIU_WHY:+: $CRIU_WHY}"))"
+        echo "- sections: $E2E_SECTIONS (CRIU sections: $([ "$CRIU_ON" = 1 ] && echo run || echo "not run${CRIU_WHY:+: $CRIU_WHY}"))"
         echo "- workers: big $BIG_GIB GiB, stuck $STUCK_GIB GiB, thr $SMALL_GIB GiB (+2 threads); hib $HIB_GIB GiB, rec $REC_GIB GiB"
         echo "- result: $NPASS passed, $NFAIL failed, $NSKIP skipped, $NINFO info; wall ${SECONDS} s (budget $E2E_BUDGET_S s)"
         echo
@@ -115,7 +115,7 @@ write_table() {
     HDR_DATE=$HDR_DATE HDR_HOST=$HDR_HOST HDR_KERNEL=$HDR_KERNEL HDR_GPU=$HDR_GPU HDR_GPU_MEM=$HDR_GPU_MEM \
         HDR_DRIVER=$HDR_DRIVER HDR_VERSION=$HDR_VERSION HDR_THP=$HDR_THP HDR_HOSTMEM=$HDR_HOSTMEM \
         E_TORCH=$torch E_CRIU=$CRIU_BIN E_CRIU_VERSION=$CRIU_VERSION E_CRIU_CHECK=$CRIU_CHECK \
-        E_CRIU_CHECK_RC=$CRIU_CHECK_RC E_SECTIONS=$E2E_SECTIONS E_P2=$P2 E_WALL=$SECONDS \
+        E_CRIU_CHECK_RC=$CRIU_CHECK_RC E_SECTIONS=$E2E_SECTIONS E_CRIU_ON=$CRIU_ON E_WALL=$SECONDS \
         E_BUDGET=$E2E_BUDGET_S E_COUNTS="$NPASS $NFAIL $NSKIP $NINFO" \
         python3 - "$ROWS" "$FIGS" "$OUT/gpu-e2e.json" <<'PY' || log "gpu-e2e.json not written"
 import json, os, sys
@@ -145,7 +145,7 @@ out = {"header": {k: E.get(k) for k in ("HDR_DATE", "HDR_HOST", "HDR_KERNEL", "H
                                         "HDR_DRIVER", "HDR_VERSION", "HDR_THP", "HDR_HOSTMEM")},
        "torch": E.get("E_TORCH"), "criu": {"bin": E.get("E_CRIU"), "version": E.get("E_CRIU_VERSION"),
                                             "check": E.get("E_CRIU_CHECK"), "check_rc": E.get("E_CRIU_CHECK_RC")},
-       "sections": E.get("E_SECTIONS"), "p2_run": E.get("E_P2") == "1",
+       "sections": E.get("E_SECTIONS"), "criu_run": E.get("E_CRIU_ON") == "1",
        "wall_s": int(E.get("E_WALL", "0")), "budget_s": int(E.get("E_BUDGET", "0")),
        "passed": int(n[0]), "failed": int(n[1]), "skipped": int(n[2]), "info": int(n[3]),
        "rows": rows, "figures": figs}
@@ -215,22 +215,22 @@ preflight() {
     return 0
 }
 
-# p2_preflight: whether the P2 sections run; records CRIU's version and check.
+# p2_preflight: whether the CRIU sections run; records CRIU's version and check.
 p2_preflight() {
     local sec want=""
     for sec in h r x k; do selected "$sec" && want="$want $sec"; done
     [ -n "$want" ] || return 0
-    if [ "$E2E_P2" = no ]; then
-        CRIU_WHY="E2E_P2=no"
-        row p3 "P2 sections (${want# })" "(information)" "not run: E2E_P2=no" INFO
+    if [ "$E2E_CRIU" = no ]; then
+        CRIU_WHY="E2E_CRIU=no"
+        row p3 "CRIU sections (${want# })" "(information)" "not run: E2E_CRIU=no" INFO
         return 0
     fi
     if criu_probe; then
-        P2=1
-        row p3 "criu usable (P2 sections ${want# })" "found, version >= 4, criu check passes" \
+        CRIU_ON=1
+        row p3 "criu usable (CRIU sections ${want# })" "found, version >= 4, criu check passes" \
             "$CRIU_BIN: version $CRIU_VERSION; criu check exit $CRIU_CHECK_RC: $CRIU_CHECK" PASS
     else
-        row p3 "criu usable (P2 sections ${want# })" "found, version >= 4, criu check passes" \
+        row p3 "criu usable (CRIU sections ${want# })" "found, version >= 4, criu check passes" \
             "${CRIU_WHY}" INFO
     fi
     fig criu.version "$CRIU_VERSION"
@@ -238,12 +238,12 @@ p2_preflight() {
     return 0
 }
 
-# p2_can ID SECTION: true if this P2 section is selected and CRIU is usable;
+# p2_can ID SECTION: true if this CRIU section is selected and CRIU is usable;
 # otherwise records why it is not run (SKIP when CRIU is missing).
 p2_can() {
     selected "$1" || return 1
-    [ "$E2E_P2" = no ] && return 1
-    if [ "$P2" != 1 ]; then
+    [ "$E2E_CRIU" = no ] && return 1
+    if [ "$CRIU_ON" != 1 ]; then
         row "$1" "$2" "criu usable" "skipped: ${CRIU_WHY:-criu unusable}" SKIP
         return 1
     fi
@@ -253,9 +253,9 @@ p2_can() {
 start_workers() {
     local t0=$SECONDS got="" p1=0 p2=0 s
     for s in a b c d e; do selected "$s" && p1=1; done
-    if [ "$P2" = 1 ] && { selected h || selected r || selected x || selected k; }; then p2=1; fi
-    # All start at once (torch's import and the allocation overlap); the P2
-    # workers simply run on through P1.
+    if [ "$CRIU_ON" = 1 ] && { selected h || selected r || selected x || selected k; }; then p2=1; fi
+    # All start at once (torch's import and the allocation overlap); the CRIU
+    # sections' workers simply run on through the driver sections.
     if [ "$p1" = 1 ]; then
         start_worker big "$BIG_GIB"
         WB=$LAST_PID
@@ -291,7 +291,7 @@ start_workers() {
             if wait_ready ext "$WK" 120; then WK_OK=1; got="$got, ext ok"; else got="$got, ext failed"; s=FAIL; fi
             got="$got ($(smi_pid_mib "$WK") MiB)"
         fi
-        row w2 "P2 workers start (pids ${WH:--} ${WR:--} ${WK:--})" "all ready, checksum ok" "${got#, }" "$s" "$((SECONDS - t0)) s"
+        row w2 "CRIU workers start (pids ${WH:--} ${WR:--} ${WK:--})" "all ready, checksum ok" "${got#, }" "$s" "$((SECONDS - t0)) s"
     fi
 }
 
@@ -630,7 +630,7 @@ section_e() {
     return 0
 }
 
-# ---------------------------------------------------------------- P2: CRIU
+# ---------------------------------------------------------------- CRIU
 
 # gs_image_bytes NAME: the bytes `gpusnap images` lists for an image (runs gs).
 gs_image_bytes() {
@@ -921,7 +921,7 @@ PY
     return 0
 }
 
-# Images as untrusted input (issue 13) and CRIU's first error (issue 8, 2).
+# Images as untrusted input and CRIU's first error.
 # x5: an edited manifest (its signature no longer matches); x6: a `logs`
 # link out of the image (wake wrote restore.log through it); x7: a dump
 # with CRIU's plugin directory missing names CRIU's first error (not the
@@ -1069,7 +1069,7 @@ section_k() {
 # p2_end: the recovered worker is stopped through gpusnap; the images go.
 p2_end() {
     local n=0 d b
-    [ "$P2" = 1 ] || return 0
+    [ "$CRIU_ON" = 1 ] || return 0
     if [ -n "$WR" ]; then stop_row r9 recovered "$WR"; fi
     for d in "$STATE_DIR"/images/*/; do [ -d "$d" ] && n=$((n + 1)); done
     [ "$n" -gt 0 ] || return 0

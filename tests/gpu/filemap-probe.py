@@ -2,7 +2,7 @@
 """Probe: does the driver's restore read its host copy as fast from the page
 cache (a private file mapping) as from anonymous memory?
 
-A warm wake today copies every byte of the image into the woken process
+A filled warm wake copies every byte of the image into the woken process
 (UFFDIO_COPY) while the driver's restore reads it; the copy slows the
 driver's one CPU-bound thread (docs/benchmarks.md, "What slows the driver's
 restore in a warm wake"). A wake could instead map the image's pages from

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Probe (eighth session, Run 47): where a woken JAX worker (tests/gpu/worker_jax.py,
+# Probe: where a woken JAX worker (tests/gpu/worker_jax.py,
 # XLA_PYTHON_CLIENT_PREALLOCATE=false, 3 GiB random) faults. Saves its maps before
 # each hibernate and prints the mapping that held each new segfault address;
 # runs suspend + resume alone, a hibernate + wake --eager, and a hibernate + lazy

@@ -212,7 +212,7 @@ collect_header() {
     HDR_THP_DEFRAG=$(cat /sys/kernel/mm/transparent_hugepage/defrag 2>/dev/null || echo unknown)
     HDR_HOSTMEM=$(awk '/^MemTotal:/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo)
     # The CPU: hosts of one kind differ, and the page server shares it with
-    # the driver's restore (docs/benchmarks.md, Runs 29-30); threads per
+    # the driver's restore (bench/results/029, 030); threads per
     # core say whether a fill thread can share a core with the driver's.
     HDR_HOSTMEM="$HDR_HOSTMEM; $(nproc) CPUs: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(lscpu 2>/dev/null | awk -F: '/^NUMA node\(s\)/ { gsub(/ /, "", $2); print $2 " NUMA node(s)" }'), $(lscpu 2>/dev/null | awk -F: '/^Thread\(s\) per core/ { gsub(/ /, "", $2); print $2 " thread(s) per core" }')"
     log "date $HDR_DATE host $HDR_HOST kernel $HDR_KERNEL"

@@ -1,6 +1,6 @@
 /*
  * memload: memory traffic beside a driver restore, and a probe of what the
- * CPUs share (tests/gpu/contend.sh, issue 10's warm wake of a model's weights).
+ * CPUs share (tests/gpu/contend.sh: the warm wake of a model's weights).
  *
  * The driver's restore copies host memory to the GPU at 9-10 GB/s alone and
  * 4-7 GB/s while gpusnap's page server fills the process beside it. This
@@ -18,7 +18,7 @@
  *         spin  arithmetic in registers, no memory traffic: busy cores
  *               alone (a package's power and turbo budget, which the
  *               fill's and the verify's threads also spend); GBPS then
- *               paces nothing, and gb counts 4 MiB-sized rounds of work
+ *               paces nothing, and gb counts 4 MiB-sized passes
  *       GBPS (0 = unpaced): the threads together move at most that many GB/s
  *       (each a share, in 4 MiB steps). CPULIST ("4-11", "0,2,5"): each
  *       thread pinned to one CPU of the list, in turn.

@@ -36,7 +36,7 @@
 #       cannot be mapped onto GPU 1 (the target GPU must be visible to the
 #       process): exit 2 or 4 is recorded, then a plain resume works.
 #   m2  a group across GPUs: two 8 GiB workers (worker_dev.py, cuda:0 and
-#       cuda:1, both GPUs visible), `suspend P0 P1` + `resume P0 P1` (one
+#       cuda:1, both GPUs visible), `suspend PID0 PID1` + `resume PID0 PID1` (one
 #       gpusnap call each: in parallel) against one at a time; PAR_REPS
 #       repetitions, alternating which goes first; the ratio of the means.
 #   m3  one process with 4 GiB on each GPU (worker2gpu.py): suspended it
@@ -655,7 +655,7 @@ m2_par() {
     ts=$GS_S ok=$(all_state 2 checkpointed) mss=$(members total_ms)
     got="suspend exit $GS_RC, both checkpointed: ${ok:-no}${GS_MSG:+ ($GS_MSG)}"
     if [ "$ok" != true ]; then
-        row "m2.$r.par" "rep $r parallel: suspend P0 P1, resume P0 P1" "exit 0, checkpointed, running, data intact on both" "$got" FAIL "suspend ${ts} s"
+        row "m2.$r.par" "rep $r parallel: suspend PID0 PID1, resume PID0 PID1" "exit 0, checkpointed, running, data intact on both" "$got" FAIL "suspend ${ts} s"
         m2_rescue || log "m2: the par workers are not both running after the rescue"
         return 1
     fi
@@ -671,7 +671,7 @@ m2_par() {
     advanced par1 "$i1" 20 && d1=yes
     a1=$ADV
     v=FAIL; [[ $ok == true && $d0 == yes && $d1 == yes ]] && v=PASS
-    row "m2.$r.par" "rep $r parallel: suspend P0 P1, resume P0 P1" "exit 0, checkpointed, running, data intact on both" \
+    row "m2.$r.par" "rep $r parallel: suspend PID0 PID1, resume PID0 PID1" "exit 0, checkpointed, running, data intact on both" \
         "$got; par0 $a0; par1 $a1" "$v" "suspend $ts s (members $mss ms), resume $tr s (members $msr ms)"
     if [ "$v" != PASS ]; then
         m2_rescue || log "m2: the par workers are not both running after the rescue"
@@ -690,9 +690,9 @@ m2_seq() {
     gs 180 suspend "$WP1"
     s1=$GS_S st1=$(gs_result state) m1=$(gs_result total_ms)
     ts=$(calc %.3f 'a + b' a="$s0" b="$s1")
-    got="suspend P0 ${st0:-failed}, P1 ${st1:-failed}"
+    got="suspend PID0 ${st0:-failed}, PID1 ${st1:-failed}"
     if [ "$st0" != checkpointed ] || [ "$st1" != checkpointed ]; then
-        row "m2.$r.seq" "rep $r sequential: suspend P0; suspend P1; resume P0; resume P1" "each exit 0, data intact on both" "$got" FAIL "suspend ${ts} s"
+        row "m2.$r.seq" "rep $r sequential: suspend PID0; suspend PID1; resume PID0; resume PID1" "each exit 0, data intact on both" "$got" FAIL "suspend ${ts} s"
         m2_rescue || log "m2: the par workers are not both running after the rescue"
         return 1
     fi
@@ -705,13 +705,13 @@ m2_seq() {
     gs 120 resume "$WP1"
     r1=$GS_S st1=$(gs_result state) n1=$(gs_result total_ms)
     tr=$(calc %.3f 'a + b' a="$r0" b="$r1")
-    got="$got; resume P0 ${st0:-failed}, P1 ${st1:-failed}"
+    got="$got; resume PID0 ${st0:-failed}, PID1 ${st1:-failed}"
     advanced par0 "$i0" 20 && d0=yes
     a0=$ADV
     advanced par1 "$i1" 20 && d1=yes
     a1=$ADV
     v=FAIL; [[ $st0 == running && $st1 == running && $d0 == yes && $d1 == yes ]] && v=PASS
-    row "m2.$r.seq" "rep $r sequential: suspend P0; suspend P1; resume P0; resume P1" "each exit 0, data intact on both" \
+    row "m2.$r.seq" "rep $r sequential: suspend PID0; suspend PID1; resume PID0; resume PID1" "each exit 0, data intact on both" \
         "$got; par0 $a0; par1 $a1" "$v" "suspend $s0 + $s1 = $ts s, resume $r0 + $r1 = $tr s"
     if [ "$v" != PASS ]; then
         m2_rescue || log "m2: the par workers are not both running after the rescue"

@@ -6,8 +6,8 @@ background fill was, to find the order in which a driver's restore reads.
 
 Usage: tests/gpu/pages-trace.py TRACE.json [MAX_FAULTS]
 
-Then, per 100 ms, the fill's pace and where its time went (traces written
-since the ninth session: read and copy times, the fill threads' time on a
+Then, per 100 ms, the fill's pace and where its time went (traces that
+hold them: read and copy times, the fill threads' time on a
 CPU and waiting for one, their context switches): a slow window whose fills
 wait for a CPU lost their cores; one whose fills neither ran nor waited slept
 in the kernel.

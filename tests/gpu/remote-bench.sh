@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Images anywhere (P8) on one GPU: two replicas of one model server (the same
+# Images anywhere on one GPU: two replicas of one model server (the same
 # seed: the same weights) hibernated (their pages stored once, as chunks, in
 # the local store), pushed to a remote, their local images removed and the
 # store emptied, each woken from the remote (its pages streamed); against a
