@@ -4,7 +4,7 @@ cache (a private file mapping) as from anonymous memory?
 
 A filled warm wake copies every byte of the image into the woken process
 (UFFDIO_COPY) while the driver's restore reads it; the copy slows the
-driver's one CPU-bound thread (docs/benchmarks.md, "What slows the driver's
+driver's one CPU-bound thread (bench/results/126, "What slows the driver's
 restore in a warm wake"). A wake could instead map the image's pages from
 the page cache (MAP_PRIVATE of a page-aligned raw file: no copy at all,
 copy-on-write only where written). This probe measures that before anything

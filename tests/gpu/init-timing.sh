@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What a gpusnap command pays before its own work (docs/benchmarks.md,
-# "what a wake waits for outside its total_ms"): the driver's and NVML's start-up, measured bare
+# What a gpusnap command pays before its own work (bench/results/104,
+# "What the wake waits for outside total_ms"): the driver's and NVML's start-up, measured bare
 # (python ctypes, a fresh process each time, as each gpusnap is one), alone
 # and side by side on two threads (as gpusnap now loads them), then the wall
 # time of a few cheap gpusnap commands. 3 samples each; < 20 s.
