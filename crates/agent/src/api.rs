@@ -1,15 +1,17 @@
 //! The API: HTTP/JSON on a unix socket (axum), as Cloud Hypervisor's
 //! daemon serves its own. Requests become requests to the agent through
 //! [`Control`]; HTTP stays here. Every peer is checked with SO_PEERCRED:
-//! root or the configured group, else 403. [`routes`] lists every route.
+//! root or the configured group, else 403. [`routes`] lists every route;
+//! `openapi.json` (served at `/v1/openapi.json`) describes them.
 
 use crate::control::{Action, Control};
 use crate::peer::Peer;
 use crate::service::Service;
 use axum::extract::connect_info::{ConnectInfo, Connected};
-use axum::extract::{Path, Request, State as AxState};
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{Path, Query, Request, State as AxState};
 use axum::handler::Handler;
-use axum::http::{Method, StatusCode};
+use axum::http::{Method, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, MethodRouter};
@@ -22,6 +24,9 @@ use tokio::net::UnixListener;
 
 /// The agent, as the API sees it.
 type Ctl = Arc<dyn Control>;
+
+/// The OpenAPI 3.1 document of the API on the socket.
+pub const OPENAPI: &str = include_str!("../openapi.json");
 
 impl Connected<IncomingStream<'_, UnixListener>> for Peer {
     fn connect_info(stream: IncomingStream<'_, UnixListener>) -> Self {
@@ -104,14 +109,30 @@ async fn services(AxState(agent): AxState<Ctl>) -> Response {
     Json(agent.services().iter().map(|s| view(s)).collect::<Vec<_>>()).into_response()
 }
 
-async fn one_service(AxState(agent): AxState<Ctl>, Path(name): Path<String>) -> Response {
+/// A path or query that does not parse: the error format, exit code 2.
+fn bad_request(why: String) -> Response {
+    error(StatusCode::BAD_REQUEST, why, 2)
+}
+
+async fn one_service(AxState(agent): AxState<Ctl>, name: Result<Path<String>, PathRejection>) -> Response {
+    let Path(name) = match name {
+        Ok(n) => n,
+        Err(e) => return bad_request(e.body_text()),
+    };
     match agent.service(&name) {
         Some(s) => Json(view(s)).into_response(),
         None => error(StatusCode::NOT_FOUND, format!("no service {name:?}"), 2),
     }
 }
 
-async fn action(AxState(agent): AxState<Ctl>, Path((name, action)): Path<(String, String)>) -> Response {
+async fn action(
+    AxState(agent): AxState<Ctl>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Response {
+    let Path((name, action)) = match path {
+        Ok(p) => p,
+        Err(e) => return bad_request(e.body_text()),
+    };
     let Some(svc) = agent.service(&name).cloned() else {
         return error(StatusCode::NOT_FOUND, format!("no service {name:?}"), 2);
     };
@@ -134,20 +155,24 @@ async fn processes(AxState(agent): AxState<Ctl>) -> Response {
     }
 }
 
+/// Without `after`, `/v1/events` starts with this many of the newest entries.
+pub const EVENTS_WINDOW: i64 = 100;
+
 #[derive(serde::Deserialize)]
 struct EventsQuery {
-    /// Start after this journal entry (default: the last 100 entries).
+    /// Start after this journal entry (default: the last EVENTS_WINDOW entries).
     after: Option<i64>,
-    /// Stop after the backlog instead of following the journal.
+    /// Keep following the journal (the default), or stop after the entries already there.
     #[serde(default)]
     follow: Option<bool>,
 }
 
 /// The journal as newline-delimited JSON, followed as it grows.
-async fn events(
-    AxState(agent): AxState<Ctl>,
-    axum::extract::Query(q): axum::extract::Query<EventsQuery>,
-) -> Response {
+async fn events(AxState(agent): AxState<Ctl>, q: Result<Query<EventsQuery>, QueryRejection>) -> Response {
+    let Query(q) = match q {
+        Ok(q) => q,
+        Err(e) => return bad_request(e.body_text()),
+    };
     let store = match agent.journal_store() {
         Ok(s) => s,
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), 1),
@@ -155,7 +180,7 @@ async fn events(
     let follow = q.follow.unwrap_or(true);
     let start = match q.after {
         Some(a) => a,
-        None => store.last_event_id().unwrap_or(0).saturating_sub(100).max(0),
+        None => store.last_event_id().unwrap_or(0).saturating_sub(EVENTS_WINDOW).max(0),
     };
     let store = Arc::new(std::sync::Mutex::new(store));
     let stream = futures_util::stream::unfold(start, move |after| {
@@ -202,7 +227,21 @@ async fn metrics(AxState(agent): AxState<Ctl>, headers: axum::http::HeaderMap) -
     ([("content-type", ct)], text).into_response()
 }
 
-/// One route of the API: its method, its path and its handler.
+async fn openapi() -> Response {
+    ([("content-type", "application/json")], OPENAPI).into_response()
+}
+
+/// A path the API does not serve: the error format, not an empty 404.
+async fn no_route(method: Method, uri: Uri) -> Response {
+    error(StatusCode::NOT_FOUND, format!("no route {method} {}", uri.path()), 2)
+}
+
+async fn wrong_method(method: Method, uri: Uri) -> Response {
+    error(StatusCode::METHOD_NOT_ALLOWED, format!("{} does not take {method}", uri.path()), 2)
+}
+
+/// One route of the API: its method and path, as the OpenAPI document
+/// writes them, and its handler.
 pub struct Route {
     pub method: Method,
     pub path: &'static str,
@@ -219,7 +258,8 @@ impl Route {
     }
 }
 
-/// Every route the API serves on its socket.
+/// Every route the API serves on its socket: the router is built from this
+/// list, and the OpenAPI document is checked against it.
 pub fn routes() -> Vec<Route> {
     vec![
         Route::get("/v1/services", services),
@@ -227,6 +267,7 @@ pub fn routes() -> Vec<Route> {
         Route::post("/v1/services/{name}/{action}", action),
         Route::get("/v1/processes", processes),
         Route::get("/v1/events", events),
+        Route::get("/v1/openapi.json", openapi),
         Route::get("/metrics", metrics),
     ]
 }
@@ -236,7 +277,10 @@ pub fn router(agent: Ctl) -> Router {
     for route in routes() {
         r = r.route(route.path, route.handler);
     }
-    r.layer(axum::middleware::from_fn_with_state(Arc::clone(&agent), check_peer)).with_state(agent)
+    r.fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&agent), check_peer))
+        .with_state(agent)
 }
 
 pub async fn serve(agent: Ctl, listener: UnixListener) {
