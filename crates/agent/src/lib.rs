@@ -15,8 +15,8 @@
 //! - [`trace`] breaks a wake caused by a request (a swap) into phases.
 //!
 //! The modules import each other without a circle: `daemon` above `api`,
-//! `proxy` and `policy`; `api` and `proxy` see only `control`; `policy`
-//! implements `control` on `state`.
+//! `proxy` and `policy`; `api` and `proxy` see the agent only through
+//! `control`; `policy` implements `control` on `state`.
 
 pub mod api;
 pub mod client;

@@ -5,12 +5,12 @@
 //! `Engine` (journal, admission, locks); every decision is journaled with its
 //! reason as an `agent` note on the service's process.
 //!
-//! - [`tick`]: the periodic decisions;
-//! - [`demand`]: a service brought back for a connection or the API;
-//! - [`room`]: room on the GPU (evictions, waiting for memory);
-//! - [`suspend`], [`hibernate`]: taking a service off the GPU, out of memory;
-//! - [`lifecycle`]: start, stop, restart, death;
-//! - [`adopt`]: the services found again after the agent restarted.
+//! - `tick`: the periodic decisions;
+//! - `demand`: a service brought back for a connection or the API;
+//! - `room`: room on the GPU (evictions, waiting for memory);
+//! - `suspend`, `hibernate`: taking a service off the GPU, out of memory;
+//! - `lifecycle`: start, stop, restart, death;
+//! - `adopt`: the services found again after the agent restarted.
 //!
 //! The policy works on the state through [`Agent`]'s methods, and serves
 //! the API and the proxies through [`Control`].
