@@ -1,16 +1,20 @@
 //! The API: HTTP/JSON on a unix socket (axum), as Cloud Hypervisor's
-//! daemon serves its own. Requests become actions on the agent; HTTP stays
-//! here. Every peer is checked with SO_PEERCRED: root or the configured
-//! group, else 403.
+//! daemon serves its own. Requests become requests to the agent through
+//! [`Control`]; HTTP stays here. Every peer is checked with SO_PEERCRED:
+//! root or the configured group, else 403. [`routes`] lists every route;
+//! `openapi.json` (served at `/v1/openapi.json`) describes them.
 
-use crate::daemon::Agent;
-use crate::service::{Service, State};
+use crate::control::{Action, Control};
+use crate::peer::Peer;
+use crate::service::Service;
 use axum::extract::connect_info::{ConnectInfo, Connected};
-use axum::extract::{Path, Request, State as AxState};
-use axum::http::StatusCode;
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{Path, Query, Request, State as AxState};
+use axum::handler::Handler;
+use axum::http::{Method, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, MethodRouter};
 use axum::serve::IncomingStream;
 use axum::{Json, Router};
 use serde::Serialize;
@@ -18,13 +22,11 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::UnixListener;
 
-/// The peer's credentials, read once per connection.
-#[derive(Clone, Copy, Debug)]
-pub struct Peer {
-    pub pid: Option<i32>,
-    pub uid: Option<u32>,
-    pub gid: Option<u32>,
-}
+/// The agent, as the API sees it.
+type Ctl = Arc<dyn Control>;
+
+/// The OpenAPI 3.1 document of the API on the socket.
+pub const OPENAPI: &str = include_str!("../openapi.json");
 
 impl Connected<IncomingStream<'_, UnixListener>> for Peer {
     fn connect_info(stream: IncomingStream<'_, UnixListener>) -> Self {
@@ -33,32 +35,6 @@ impl Connected<IncomingStream<'_, UnixListener>> for Peer {
             Err(_) => Peer { pid: None, uid: None, gid: None },
         }
     }
-}
-
-pub fn group_id(name: &str) -> Option<u32> {
-    if let Ok(n) = name.parse::<u32>() {
-        return Some(n);
-    }
-    nix::unistd::Group::from_name(name).ok().flatten().map(|g| g.gid.as_raw())
-}
-
-/// The peer's supplementary groups, from /proc (SO_PEERCRED carries only the primary one).
-fn supplementary_groups(pid: i32) -> Vec<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Groups:"))
-        .map(|g| g.split_whitespace().filter_map(|x| x.parse().ok()).collect())
-        .unwrap_or_default()
-}
-
-fn allowed(agent: &Agent, p: &Peer) -> bool {
-    let Some(uid) = p.uid else { return false };
-    if uid == 0 {
-        return true;
-    }
-    let Some(gid) = agent.cfg.group.as_ref().and_then(|g| group_id(g.get_ref())) else { return false };
-    p.gid == Some(gid) || p.pid.is_some_and(|pid| supplementary_groups(pid).contains(&gid))
 }
 
 #[derive(Serialize)]
@@ -77,12 +53,12 @@ fn error(status: StatusCode, message: impl Into<String>, exit_code: i32) -> Resp
 }
 
 async fn check_peer(
-    AxState(agent): AxState<Arc<Agent>>,
+    AxState(agent): AxState<Ctl>,
     ConnectInfo(peer): ConnectInfo<Peer>,
     req: Request,
     next: Next,
 ) -> Response {
-    if !allowed(&agent, &peer) {
+    if !peer.allowed(agent.api_group()) {
         tracing::warn!(?peer, path = %req.uri().path(), "refused an API peer");
         let who = peer.uid.map_or("an unknown peer".to_string(), |u| format!("uid {u}"));
         return error(StatusCode::FORBIDDEN, format!("{who} is neither root nor in the agent's group"), 2);
@@ -129,11 +105,20 @@ pub fn view(s: &Service) -> ServiceView {
     }
 }
 
-async fn services(AxState(agent): AxState<Arc<Agent>>) -> Response {
-    Json(agent.services.iter().map(|s| view(s)).collect::<Vec<_>>()).into_response()
+async fn services(AxState(agent): AxState<Ctl>) -> Response {
+    Json(agent.services().iter().map(|s| view(s)).collect::<Vec<_>>()).into_response()
 }
 
-async fn one_service(AxState(agent): AxState<Arc<Agent>>, Path(name): Path<String>) -> Response {
+/// A path or query that does not parse: the error format, exit code 2.
+fn bad_request(why: String) -> Response {
+    error(StatusCode::BAD_REQUEST, why, 2)
+}
+
+async fn one_service(AxState(agent): AxState<Ctl>, name: Result<Path<String>, PathRejection>) -> Response {
+    let Path(name) = match name {
+        Ok(n) => n,
+        Err(e) => return bad_request(e.body_text()),
+    };
     match agent.service(&name) {
         Some(s) => Json(view(s)).into_response(),
         None => error(StatusCode::NOT_FOUND, format!("no service {name:?}"), 2),
@@ -141,39 +126,28 @@ async fn one_service(AxState(agent): AxState<Arc<Agent>>, Path(name): Path<Strin
 }
 
 async fn action(
-    AxState(agent): AxState<Arc<Agent>>,
-    Path((name, action)): Path<(String, String)>,
+    AxState(agent): AxState<Ctl>,
+    path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
+    let Path((name, action)) = match path {
+        Ok(p) => p,
+        Err(e) => return bad_request(e.body_text()),
+    };
     let Some(svc) = agent.service(&name).cloned() else {
         return error(StatusCode::NOT_FOUND, format!("no service {name:?}"), 2);
     };
-    let why = "asked through the API";
-    let r = match action.as_str() {
-        "suspend" => agent.suspend(&svc, why).await,
-        "hibernate" => agent.hibernate(&svc, why).await,
-        "resume" | "wake" => {
-            let deadline = std::time::Instant::now() + svc.cfg.wake_timeout;
-            agent.ensure_running(&svc, deadline, None).await.map(|_| ()).map_err(|e| e.0)
-        }
-        "restart" => agent.restart(&svc).await,
-        other => {
-            return error(
-                StatusCode::NOT_FOUND,
-                format!("no action {other:?} (suspend, resume, hibernate, wake, restart)"),
-                2,
-            )
-        }
+    let Some(act) = Action::parse(&action) else {
+        let all: Vec<&str> = Action::ALL.iter().map(|a| a.as_str()).collect();
+        return error(StatusCode::NOT_FOUND, format!("no action {action:?} ({})", all.join(", ")), 2);
     };
-    match r {
+    match Arc::clone(&agent).act(Arc::clone(&svc), act).await {
         Ok(()) => Json(view(&svc)).into_response(),
         Err(e) => error(StatusCode::CONFLICT, e, 1),
     }
 }
 
-async fn processes(AxState(agent): AxState<Arc<Agent>>) -> Response {
-    let a = Arc::clone(&agent);
-    let r =
-        tokio::task::spawn_blocking(move || a.engine().and_then(|mut e| e.ps().map_err(Into::into))).await;
+async fn processes(AxState(agent): AxState<Ctl>) -> Response {
+    let r = tokio::task::spawn_blocking(move || agent.processes()).await;
     match r {
         Ok(Ok(ps)) => Json(ps).into_response(),
         Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), e.exit_code()),
@@ -181,28 +155,32 @@ async fn processes(AxState(agent): AxState<Arc<Agent>>) -> Response {
     }
 }
 
+/// Without `after`, `/v1/events` starts with this many of the newest entries.
+pub const EVENTS_WINDOW: i64 = 100;
+
 #[derive(serde::Deserialize)]
 struct EventsQuery {
-    /// Start after this journal entry (default: the last 100 entries).
+    /// Start after this journal entry (default: the last EVENTS_WINDOW entries).
     after: Option<i64>,
-    /// Stop after the backlog instead of following the journal.
+    /// Keep following the journal (the default), or stop after the entries already there.
     #[serde(default)]
     follow: Option<bool>,
 }
 
 /// The journal as newline-delimited JSON, followed as it grows.
-async fn events(
-    AxState(agent): AxState<Arc<Agent>>,
-    axum::extract::Query(q): axum::extract::Query<EventsQuery>,
-) -> Response {
-    let store = match gpusnap_core::Store::open(&agent.state_dir) {
+async fn events(AxState(agent): AxState<Ctl>, q: Result<Query<EventsQuery>, QueryRejection>) -> Response {
+    let Query(q) = match q {
+        Ok(q) => q,
+        Err(e) => return bad_request(e.body_text()),
+    };
+    let store = match agent.journal_store() {
         Ok(s) => s,
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), 1),
     };
     let follow = q.follow.unwrap_or(true);
     let start = match q.after {
         Some(a) => a,
-        None => store.last_event_id().unwrap_or(0).saturating_sub(100).max(0),
+        None => store.last_event_id().unwrap_or(0).saturating_sub(EVENTS_WINDOW).max(0),
     };
     let store = Arc::new(std::sync::Mutex::new(store));
     let stream = futures_util::stream::unfold(start, move |after| {
@@ -235,22 +213,12 @@ async fn events(
 }
 
 /// Prometheus text by default; OpenMetrics for a scraper that asks for it.
-async fn metrics(AxState(agent): AxState<Arc<Agent>>, headers: axum::http::HeaderMap) -> Response {
+async fn metrics(AxState(agent): AxState<Ctl>, headers: axum::http::HeaderMap) -> Response {
     let openmetrics = headers
         .get("accept")
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("application/openmetrics-text"));
-    let a = Arc::clone(&agent);
-    let text = tokio::task::spawn_blocking(move || {
-        a.refresh_gauges();
-        if openmetrics {
-            a.metrics.encode_openmetrics()
-        } else {
-            a.metrics.encode()
-        }
-    })
-    .await
-    .unwrap_or_default();
+    let text = tokio::task::spawn_blocking(move || agent.metrics_text(openmetrics)).await.unwrap_or_default();
     let ct = if openmetrics {
         "application/openmetrics-text; version=1.0.0; charset=utf-8"
     } else {
@@ -259,56 +227,63 @@ async fn metrics(AxState(agent): AxState<Arc<Agent>>, headers: axum::http::Heade
     ([("content-type", ct)], text).into_response()
 }
 
-impl Agent {
-    /// The gauges that are read from the world rather than counted.
-    pub fn refresh_gauges(&self) {
-        let mut by_state = std::collections::HashMap::new();
-        let mut host = 0u64;
-        let mut images = 0u64;
-        let store = gpusnap_core::Store::open(&self.state_dir).ok();
-        for s in &self.services {
-            let g = s.lock();
-            *by_state.entry(g.state).or_insert(0i64) += 1;
-            if g.state == State::Suspended {
-                if let (Some(t), Some(st)) = (g.process.as_ref(), store.as_ref()) {
-                    for pid in crate::policy::cuda_pids(self, t.pid) {
-                        if let Ok(Some(r)) = st.latest_for_pid(pid) {
-                            host += r.footprint_bytes();
-                        }
-                    }
-                }
-            }
-            if let Some(image) = g.image.as_ref().filter(|_| g.state == State::Hibernated) {
-                if let Ok((_, m)) = self.images.manifest(image) {
-                    images += m.files.iter().map(|f| f.size).sum::<u64>();
-                }
-            }
-        }
-        for st in State::ALL {
-            let n = by_state.get(&st).copied().unwrap_or(0);
-            self.metrics
-                .services
-                .get_or_create(&crate::metrics::StateLabels { state: st.as_str().into() })
-                .set(n);
-        }
-        self.metrics.host_bytes.set(host);
-        self.metrics.image_bytes.set(images);
+async fn openapi() -> Response {
+    ([("content-type", "application/json")], OPENAPI).into_response()
+}
+
+/// A path the API does not serve: the error format, not an empty 404.
+async fn no_route(method: Method, uri: Uri) -> Response {
+    error(StatusCode::NOT_FOUND, format!("no route {method} {}", uri.path()), 2)
+}
+
+async fn wrong_method(method: Method, uri: Uri) -> Response {
+    error(StatusCode::METHOD_NOT_ALLOWED, format!("{} does not take {method}", uri.path()), 2)
+}
+
+/// One route of the API: its method and path, as the OpenAPI document
+/// writes them, and its handler.
+pub struct Route {
+    pub method: Method,
+    pub path: &'static str,
+    handler: MethodRouter<Ctl>,
+}
+
+impl Route {
+    fn get<H: Handler<T, Ctl>, T: 'static>(path: &'static str, h: H) -> Self {
+        Route { method: Method::GET, path, handler: get(h) }
+    }
+
+    fn post<H: Handler<T, Ctl>, T: 'static>(path: &'static str, h: H) -> Self {
+        Route { method: Method::POST, path, handler: post(h) }
     }
 }
 
-pub fn router(agent: Arc<Agent>) -> Router {
-    Router::new()
-        .route("/v1/services", get(services))
-        .route("/v1/services/{name}", get(one_service))
-        .route("/v1/services/{name}/{action}", post(action))
-        .route("/v1/processes", get(processes))
-        .route("/v1/events", get(events))
-        .route("/metrics", get(metrics))
+/// Every route the API serves on its socket: the router is built from this
+/// list, and the OpenAPI document is checked against it.
+pub fn routes() -> Vec<Route> {
+    vec![
+        Route::get("/v1/services", services),
+        Route::get("/v1/services/{name}", one_service),
+        Route::post("/v1/services/{name}/{action}", action),
+        Route::get("/v1/processes", processes),
+        Route::get("/v1/events", events),
+        Route::get("/v1/openapi.json", openapi),
+        Route::get("/metrics", metrics),
+    ]
+}
+
+pub fn router(agent: Ctl) -> Router {
+    let mut r = Router::new();
+    for route in routes() {
+        r = r.route(route.path, route.handler);
+    }
+    r.fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&agent), check_peer))
         .with_state(agent)
 }
 
-pub async fn serve(agent: Arc<Agent>, listener: UnixListener) {
+pub async fn serve(agent: Ctl, listener: UnixListener) {
     let app = router(agent).into_make_service_with_connect_info::<Peer>();
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!("API server: {e}");
@@ -317,7 +292,7 @@ pub async fn serve(agent: Arc<Agent>, listener: UnixListener) {
 
 /// /metrics on TCP for Prometheus (no credentials to check there: bind it
 /// to an address only the scraper reaches).
-pub async fn serve_metrics(agent: Arc<Agent>, listener: tokio::net::TcpListener) {
+pub async fn serve_metrics(agent: Ctl, listener: tokio::net::TcpListener) {
     let app = Router::new().route("/metrics", get(metrics)).with_state(agent);
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!("metrics server: {e}");

@@ -285,7 +285,7 @@ impl Config {
             invalid(offset, e.message().trim().to_string())
         })?;
         if let Some(g) = &cfg.agent.group {
-            if crate::api::group_id(g.get_ref()).is_none() {
+            if crate::peer::group_id(g.get_ref()).is_none() {
                 return Err(invalid(
                     g.span().start,
                     format!("group {:?}: no such group on this host", g.get_ref()),

@@ -4,7 +4,7 @@
 //! backend has not answered yet. Client bytes for a service that is not
 //! running wait until it is back (resumed, woken or started).
 
-use crate::daemon::Agent;
+use crate::control::Control;
 use crate::metrics::ServiceLabels;
 use crate::service::{Conn, Service, State};
 use crate::trace::WakeTrace;
@@ -20,7 +20,7 @@ const BUF: usize = 64 * 1024;
 /// loading); was 50 ms, a latency a request paid for nothing.
 const CONNECT_RETRY: Duration = Duration::from_millis(10);
 
-pub async fn serve(agent: Arc<Agent>, svc: Arc<Service>, listener: TcpListener) {
+pub async fn serve(agent: Arc<dyn Control>, svc: Arc<Service>, listener: TcpListener) {
     loop {
         match listener.accept().await {
             Ok((client, _)) => {
@@ -38,7 +38,7 @@ pub async fn serve(agent: Arc<Agent>, svc: Arc<Service>, listener: TcpListener) 
 /// Takes a connection out of the books when it ends, however it ends.
 struct Registered {
     svc: Arc<Service>,
-    agent: Arc<Agent>,
+    agent: Arc<dyn Control>,
     id: u64,
 }
 
@@ -48,7 +48,7 @@ impl Drop for Registered {
         g.conns.remove(&self.id);
         g.last_activity = Instant::now();
         drop(g);
-        self.agent.metrics.in_flight.get_or_create(&ServiceLabels { service: self.svc.name.clone() }).dec();
+        self.agent.metrics().in_flight.get_or_create(&ServiceLabels { service: self.svc.name.clone() }).dec();
     }
 }
 
@@ -90,7 +90,7 @@ impl Service {
 /// Waits for the service, bounded in count and time; records the wait.
 /// Returns the trace of the wake this connection waited for, if it is the
 /// first to see it done (the trace then goes on to its first byte).
-async fn wait_for(agent: &Arc<Agent>, svc: &Arc<Service>) -> Result<Option<WakeTrace>, String> {
+async fn wait_for(agent: &Arc<dyn Control>, svc: &Arc<Service>) -> Result<Option<WakeTrace>, String> {
     {
         let mut g = svc.lock();
         if g.waiting >= svc.cfg.max_waiting {
@@ -100,10 +100,10 @@ async fn wait_for(agent: &Arc<Agent>, svc: &Arc<Service>) -> Result<Option<WakeT
     }
     let _w = Waiting(svc);
     let t0 = Instant::now();
-    let r = agent.ensure_running(svc, t0 + svc.cfg.wake_timeout, Some(t0)).await;
+    let r = Arc::clone(agent).wait_running(Arc::clone(svc), t0 + svc.cfg.wake_timeout, Some(t0)).await;
     if let Ok(true) = r {
         agent
-            .metrics
+            .metrics()
             .wait
             .get_or_create(&ServiceLabels { service: svc.name.clone() })
             .observe(t0.elapsed().as_secs_f64());
@@ -123,15 +123,15 @@ async fn wait_for(agent: &Arc<Agent>, svc: &Arc<Service>) -> Result<Option<WakeT
 
 /// A trace that reached its first byte: journaled (in the background: the
 /// answer streams on) and observed.
-fn finish(agent: &Arc<Agent>, svc: &Arc<Service>, pending: &Mutex<Option<WakeTrace>>) {
+fn finish(agent: &Arc<dyn Control>, svc: &Arc<Service>, pending: &Mutex<Option<WakeTrace>>) {
     let Some(mut t) = pending.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
     t.mark_now("first_byte");
-    agent.metrics.swap_trace(&t);
+    agent.metrics().swap_trace(&t);
     let (agent, svc) = (Arc::clone(agent), Arc::clone(svc));
-    tokio::task::spawn_blocking(move || agent.journal(&svc, None, &t.summary()));
+    tokio::task::spawn_blocking(move || agent.note(&svc, &t.summary()));
 }
 
-async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
+async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStream) {
     let _ = client.set_nodelay(true);
     let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
     {
@@ -139,10 +139,11 @@ async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
         g.conns.insert(id, Conn { awaiting: false });
         g.last_activity = Instant::now();
     }
-    agent.metrics.in_flight.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+    agent.metrics().in_flight.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
     let _reg = Registered { svc: Arc::clone(&svc), agent: Arc::clone(&agent), id };
-    let closed =
-        || agent.metrics.connections_closed.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+    let closed = || {
+        agent.metrics().connections_closed.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc()
+    };
 
     let pending: Arc<Mutex<Option<WakeTrace>>> = Arc::new(Mutex::new(None));
     match wait_for(&agent, &svc).await {
@@ -211,7 +212,7 @@ async fn handle(agent: Arc<Agent>, svc: Arc<Service>, mut client: TcpStream) {
                         Err(e) => {
                             tracing::warn!(service = svc.name, "closing a connection: {e}");
                             agent
-                                .metrics
+                                .metrics()
                                 .connections_closed
                                 .get_or_create(&ServiceLabels { service: svc.name.clone() })
                                 .inc();

@@ -1,0 +1,86 @@
+//! What the API and the proxies may ask of the agent. They see the services,
+//! the metrics and these few requests; how the agent keeps its state and
+//! decides stays behind this trait (the policy implements it).
+
+use crate::metrics::Metrics;
+use crate::service::Service;
+use gpusnap_core::engine::StateReport;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A request under way, owning what it needs.
+pub type Pending<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// What a client may ask a service to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    Suspend,
+    Resume,
+    Hibernate,
+    Wake,
+    Restart,
+}
+
+impl Action {
+    pub const ALL: [Action; 5] =
+        [Action::Suspend, Action::Resume, Action::Hibernate, Action::Wake, Action::Restart];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Suspend => "suspend",
+            Action::Resume => "resume",
+            Action::Hibernate => "hibernate",
+            Action::Wake => "wake",
+            Action::Restart => "restart",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.as_str() == s)
+    }
+}
+
+/// Why a connection could not be given its service.
+#[derive(Debug, Clone)]
+pub struct Unavailable(pub String);
+
+pub trait Control: Send + Sync + 'static {
+    /// The group whose members may use the API besides root.
+    fn api_group(&self) -> Option<&str>;
+
+    fn services(&self) -> &[Arc<Service>];
+
+    fn service(&self, name: &str) -> Option<&Arc<Service>> {
+        self.services().iter().find(|s| s.name == name)
+    }
+
+    fn metrics(&self) -> &Metrics;
+
+    /// Waits until `svc` runs, starting whatever transition brings it back,
+    /// until `deadline`. Returns whether it had to wait. `accepted`: when
+    /// the connection that asks came (the wake it causes is traced from there).
+    fn wait_running(
+        self: Arc<Self>,
+        svc: Arc<Service>,
+        deadline: Instant,
+        accepted: Option<Instant>,
+    ) -> Pending<Result<bool, Unavailable>>;
+
+    /// Does `action` to `svc` now; the error says why it could not.
+    fn act(self: Arc<Self>, svc: Arc<Service>, action: Action) -> Pending<Result<(), String>>;
+
+    /// Every CUDA process of the host, as `gpusnap ps` (blocks).
+    fn processes(&self) -> Result<Vec<StateReport>, gpusnap_hibernate::Error>;
+
+    /// The journal, to read its entries (blocks).
+    fn journal_store(&self) -> Result<gpusnap_core::Store, gpusnap_core::Error>;
+
+    /// The metrics as Prometheus text, or OpenMetrics, their gauges read
+    /// anew (blocks).
+    fn metrics_text(&self, openmetrics: bool) -> String;
+
+    /// Journals `what` on the service's process (blocks).
+    fn note(&self, svc: &Service, what: &str);
+}

@@ -1,0 +1,122 @@
+//! Hibernating a service the agent started: its tree dumped by CRIU to an
+//! image, off the GPU and out of host memory.
+
+use super::LOCK_TIMEOUT_MS;
+use crate::service::{Service, State};
+use crate::state::Agent;
+use gpusnap_core::target;
+use gpusnap_core::tree::process_tree;
+use gpusnap_hibernate::hibernate::HibernateOptions;
+use gpusnap_hibernate::Hibernate;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// After a failed hibernation, the policy waits this long before another.
+const HIBERNATE_RETRY: Duration = Duration::from_secs(60);
+
+impl Agent {
+    /// Hibernates a suspended service with no open connection.
+    pub(super) async fn hibernate(self: &Arc<Self>, svc: &Arc<Service>, reason: &str) -> Result<(), String> {
+        {
+            let mut g = svc.lock();
+            if !matches!(g.state, State::Suspended | State::Running) {
+                return Err(format!("{} is {}", svc.name, g.state.as_str()));
+            }
+            // Hibernating ends the process and CRIU brings it back as a
+            // child of the agent: a server adopted from its owner (systemd,
+            // a container runtime) would be taken from it. It stays suspended.
+            if svc.cfg.adopted() {
+                return Err(format!(
+                    "{} was adopted (pid_file/cgroup), not started by the agent: it is never hibernated",
+                    svc.name
+                ));
+            }
+            // CRIU cannot take the backend's half of an open connection along.
+            if !g.conns.is_empty() || g.waiting > 0 {
+                return Err(format!("{} has open connections", svc.name));
+            }
+            g.ending_on_purpose = true;
+            svc.set_state(&mut g, State::Hibernating);
+        }
+        self.journal(svc, None, &format!("hibernate: {reason}"));
+        let started = Instant::now();
+        let (a, s) = (Arc::clone(self), Arc::clone(svc));
+        let r = tokio::task::spawn_blocking(move || a.hibernate_blocking(&s))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+        self.metrics().transition(&svc.name, "hibernate", r.is_ok(), started.elapsed().as_secs_f64());
+        let mut g = svc.lock();
+        match &r {
+            Ok(image) => {
+                g.image = Some(image.clone());
+                svc.set_state(&mut g, State::Hibernated);
+            }
+            Err(e) => {
+                g.ending_on_purpose = false;
+                g.last_error = Some(e.clone());
+                g.hibernate_not_before = Some(Instant::now() + HIBERNATE_RETRY);
+                let back = match g.process.as_ref().map(|t| self.cuda_pids(t.pid)) {
+                    Some(p) if !p.is_empty() && self.all_checkpointed(&p) => State::Suspended,
+                    _ => State::Running,
+                };
+                svc.set_state(&mut g, back);
+            }
+        }
+        drop(g);
+        self.persist();
+        match r {
+            Ok(image) => {
+                self.journal(svc, None, &format!("hibernated to {image}"));
+                Ok(())
+            }
+            Err(e) => {
+                self.journal(svc, None, &format!("hibernate failed: {e}"));
+                Err(e)
+            }
+        }
+    }
+
+    fn hibernate_blocking(&self, svc: &Service) -> Result<String, String> {
+        let root = svc.lock().process.clone().ok_or("no process")?;
+        let name = format!("agent-{}-{}", svc.name, gpusnap_core::store::now_ms());
+        {
+            svc.lock().image = Some(name.clone());
+        }
+        self.persist_doing(svc, "hibernate");
+        let mut e = self.engine().map_err(|e| e.to_string())?;
+        let criu = self.criu().map_err(|e| e.to_string())?;
+        let opts = HibernateOptions {
+            name: Some(name),
+            leave_running: false,
+            lock_timeout_ms: LOCK_TIMEOUT_MS,
+            durable: true,
+            big_pipes: false,
+            // A map file is a second page-cache copy of the host copies: the
+            // agent hibernates to free host memory, so it builds none.
+            map: false,
+        };
+        // A running service is suspended first by the hibernate: that
+        // checkpoint is sped up as a suspend's is.
+        let pids = self.cuda_pids(root.pid);
+        let _thp = if self.all_checkpointed(&pids) { None } else { self.thp_for(svc)? };
+        // CRIU must be the tree's only tracer: a traced guard (attached after
+        // an earlier wake) lets go first, and comes back if the tree stays.
+        let tree: Vec<i32> = process_tree(root.pid).into_iter().map(|(p, _)| p).collect();
+        let detached = gpusnap_guard::detach_for(self.state_dir(), &tree).map_err(|e| e.to_string())?;
+        match e.hibernate(&criu, self.images(), root.pid, &opts) {
+            Ok(r) => Ok(r.image),
+            Err(err) => {
+                svc.lock().image = None;
+                self.start_guard(
+                    &detached.into_iter().filter(|p| target::resolve(*p).is_ok()).collect::<Vec<_>>(),
+                );
+                Err(err.to_string())
+            }
+        }
+    }
+
+    fn all_checkpointed(&self, pids: &[i32]) -> bool {
+        let Ok(mut e) = self.engine() else { return false };
+        pids.iter().all(|p| e.state(*p).is_ok_and(|s| s.state == "checkpointed"))
+    }
+}

@@ -1,0 +1,224 @@
+//! A service's life outside the GPU transitions: started under the light
+//! guard, stopped, restarted, noticed dead (and restarted with a backoff),
+//! and the guard given to woken processes.
+
+use super::{quiet, LOCK_TIMEOUT_MS};
+use crate::service::{Service, State};
+use crate::state::Agent;
+use gpusnap_core::engine::StopOptions;
+use gpusnap_core::target;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+impl Agent {
+    pub(super) fn spawn_start(self: &Arc<Self>, svc: &Arc<Service>, why: &'static str) {
+        let (agent, svc) = (Arc::clone(self), Arc::clone(svc));
+        tokio::spawn(async move {
+            // A server that declares its size starts only once it fits, and
+            // holds the GPU lock until it listens (has loaded): two cold
+            // starts must not both count the same free memory.
+            let _gpu = match svc.cfg.gpu_memory {
+                Some(need) => Some(agent.make_room(&svc, need).await),
+                None => None,
+            };
+            let a = Arc::clone(&agent);
+            let s = Arc::clone(&svc);
+            let r = tokio::task::spawn_blocking(move || a.start_blocking(&s, why)).await;
+            if let Ok(Err(e)) | Err(e) = r.map_err(|e| e.to_string()) {
+                agent.died(&svc, &format!("could not start: {e}"));
+            }
+        });
+    }
+
+    /// `gpusnap guard --daemon PIDS`, as `gpusnap wake` starts it.
+    pub(super) fn start_guard(&self, pids: &[i32]) {
+        if pids.is_empty() {
+            return;
+        }
+        let st = std::process::Command::new(self.exe())
+            .arg("--state-dir")
+            .arg(self.state_dir())
+            .args(["guard", "--daemon"])
+            .args(pids.iter().map(|p| p.to_string()))
+            .stdin(std::process::Stdio::null())
+            .status();
+        if !st.is_ok_and(|s| s.success()) {
+            tracing::warn!(?pids, "the guard could not attach to the woken processes");
+        }
+    }
+
+    /// Starts the service's command under the light guard (`gpusnap run
+    /// --light`), in a session of its own so that it outlives the agent.
+    fn start_blocking(&self, svc: &Service, why: &str) -> Result<(), String> {
+        let Some(cmd) = svc.cfg.command.clone() else {
+            return Err("no command to start".into());
+        };
+        let logs = self.state_dir().join("agent");
+        std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
+        let log_path = logs.join(format!("{}.log", svc.name));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| e.to_string())?;
+        let mut c = std::process::Command::new(self.exe());
+        c.arg("--state-dir")
+            .arg(self.state_dir())
+            .args(["run", "--light", "--name", &svc.name, "--"])
+            .args(&cmd)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log);
+        use std::os::unix::process::CommandExt;
+        // SAFETY: setsid is async-signal-safe and touches no memory of ours.
+        unsafe {
+            c.pre_exec(|| {
+                nix::unistd::setsid().map_err(std::io::Error::from)?;
+                Ok(())
+            });
+        }
+        let child = c.spawn().map_err(|e| format!("{}: {e}", self.exe().display()))?;
+        let runner = child.id() as i32;
+        self.keep_child(child);
+        // The program is the runner's child; it appears once run has set up.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let program = loop {
+            let kids =
+                std::fs::read_to_string(format!("/proc/{runner}/task/{runner}/children")).unwrap_or_default();
+            if let Some(p) = kids.split_whitespace().next().and_then(|p| p.parse::<i32>().ok()) {
+                break p;
+            }
+            if Instant::now() > deadline || !std::path::Path::new(&format!("/proc/{runner}")).exists() {
+                return Err(format!("the program did not start (see {})", log_path.display()));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let t = target::resolve(program).map_err(|e| e.to_string())?;
+        {
+            let mut g = svc.lock();
+            g.process = Some(t.clone());
+            g.runner = Some(runner);
+            g.image = None;
+            g.ending_on_purpose = false;
+        }
+        self.persist();
+        // Started means serving: a model server listens once it has loaded.
+        let deadline = Instant::now() + svc.cfg.wake_timeout;
+        while std::net::TcpStream::connect_timeout(&svc.cfg.backend, Duration::from_secs(1)).is_err() {
+            if !target::is_alive(&t) {
+                return Err(format!(
+                    "the program ended before it listened on {} (see {})",
+                    svc.cfg.backend,
+                    log_path.display()
+                ));
+            }
+            if Instant::now() > deadline {
+                tracing::warn!(service = svc.name, "not listening on {} after wake_timeout", svc.cfg.backend);
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        {
+            let mut g = svc.lock();
+            g.last_activity = Instant::now();
+            svc.set_state(&mut g, State::Running);
+        }
+        self.journal(svc, Some(&t), &format!("started (pid {program}, under run --light {runner}): {why}"));
+        Ok(())
+    }
+
+    /// The service's process is gone without the agent ending it.
+    pub(super) fn died(&self, svc: &Service, why: &str) {
+        if svc.cfg.adopted() {
+            // Not ours to start: its owner (systemd, a container runtime)
+            // may start it again, and the tick adopts the new process.
+            // Journaled before the state shows: whoever sees `exited` finds why.
+            let t = svc.lock().process.clone();
+            self.journal(
+                svc,
+                t.as_ref(),
+                &format!("{why}; adopted, not started by the agent: not restarted"),
+            );
+            let mut g = svc.lock();
+            g.last_error = Some(why.to_string());
+            g.exited_at = Some(std::time::SystemTime::now());
+            svc.set_state(&mut g, State::Exited);
+            drop(g);
+            self.persist();
+            return;
+        }
+        let mut g = svc.lock();
+        let backoff = Duration::from_secs(1 << g.restarts.min(6)).min(MAX_BACKOFF);
+        g.last_error = Some(why.to_string());
+        g.runner = None;
+        if svc.cfg.restart && svc.cfg.command.is_some() {
+            g.restart_at = Some(Instant::now() + backoff);
+            g.restarts += 1;
+        }
+        let t = g.process.clone();
+        svc.set_state(&mut g, State::Dead);
+        drop(g);
+        self.persist();
+        let next = if svc.cfg.restart && svc.cfg.command.is_some() {
+            format!("; restart in {} s", backoff.as_secs())
+        } else {
+            String::new()
+        };
+        self.journal(svc, t.as_ref(), &format!("{why}{next}"));
+    }
+
+    /// Ends the service (suspended first, as `gpusnap stop` does) and starts it anew.
+    pub(super) async fn restart(self: &Arc<Self>, svc: &Arc<Service>) -> Result<(), String> {
+        {
+            let mut g = svc.lock();
+            if g.state.in_transition() {
+                return Err(format!("{} is {}", svc.name, g.state.as_str()));
+            }
+            if svc.cfg.command.is_none() {
+                return Err(format!(
+                    "{} was adopted, not started by the agent: it cannot be restarted",
+                    svc.name
+                ));
+            }
+            g.ending_on_purpose = true;
+            svc.set_state(&mut g, State::Stopping);
+        }
+        self.journal(svc, None, "restart: asked through the API");
+        let (a, s) = (Arc::clone(self), Arc::clone(svc));
+        let r = tokio::task::spawn_blocking(move || {
+            a.stop_blocking(&s)?;
+            a.start_blocking(&s, "restart")
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()));
+        self.metrics().transition(&svc.name, "restart", r.is_ok(), 0.0);
+        if let Err(e) = &r {
+            self.died(svc, &format!("restart failed: {e}"));
+        }
+        r
+    }
+
+    fn stop_blocking(&self, svc: &Service) -> Result<(), String> {
+        let (root, image) = {
+            let g = svc.lock();
+            (g.process.clone(), g.image.clone())
+        };
+        if let Some(image) = image {
+            let _ = self.images().remove(&image);
+        }
+        let Some(root) = root.filter(target::is_alive) else { return Ok(()) };
+        let mut e = self.engine().map_err(|e| e.to_string())?;
+        let opts =
+            StopOptions { grace: Duration::from_secs(10), force: false, lock_timeout_ms: LOCK_TIMEOUT_MS };
+        let pids = self.cuda_pids(root.pid);
+        if !pids.is_empty() {
+            e.stop_group(&pids, &opts, &quiet).map_err(|e| e.to_string())?;
+        }
+        if target::is_alive(&root) {
+            e.stop(root.pid, &opts).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,97 @@
+//! What the agent decides and how it carries it out: start, suspend when
+//! idle, resume on demand (evicting idle services when the GPU is full),
+//! hibernate under host-memory pressure or after `hibernate_after`, wake,
+//! restart a service that died. Every transition goes through the core
+//! `Engine` (journal, admission, locks); every decision is journaled with its
+//! reason as an `agent` note on the service's process.
+//!
+//! - `tick`: the periodic decisions;
+//! - `demand`: a service brought back for a connection or the API;
+//! - `room`: room on the GPU (evictions, waiting for memory);
+//! - `suspend`, `hibernate`: taking a service off the GPU, out of memory;
+//! - `lifecycle`: start, stop, restart, death;
+//! - `adopt`: the services found again after the agent restarted.
+//!
+//! The policy works on the state through [`Agent`]'s methods, and serves
+//! the API and the proxies through [`Control`].
+
+mod adopt;
+mod demand;
+mod hibernate;
+mod lifecycle;
+mod room;
+mod suspend;
+mod tick;
+
+use crate::control::{Action, Control, Pending, Unavailable};
+use crate::metrics::Metrics;
+use crate::service::Service;
+use crate::state::Agent;
+use gpusnap_core::engine::StateReport;
+use std::sync::Arc;
+use std::time::Instant;
+
+const LOCK_TIMEOUT_MS: u32 = 30_000;
+
+fn quiet() -> Box<dyn gpusnap_core::Progress> {
+    Box::new(gpusnap_core::Quiet)
+}
+
+impl Control for Agent {
+    fn api_group(&self) -> Option<&str> {
+        self.cfg().group.as_ref().map(|g| g.get_ref().as_str())
+    }
+
+    fn services(&self) -> &[Arc<Service>] {
+        Agent::services(self)
+    }
+
+    fn metrics(&self) -> &Metrics {
+        Agent::metrics(self)
+    }
+
+    fn wait_running(
+        self: Arc<Self>,
+        svc: Arc<Service>,
+        deadline: Instant,
+        accepted: Option<Instant>,
+    ) -> Pending<Result<bool, Unavailable>> {
+        Box::pin(async move { self.ensure_running(&svc, deadline, accepted).await })
+    }
+
+    fn act(self: Arc<Self>, svc: Arc<Service>, action: Action) -> Pending<Result<(), String>> {
+        Box::pin(async move {
+            let why = "asked through the API";
+            match action {
+                Action::Suspend => self.suspend(&svc, why).await,
+                Action::Hibernate => self.hibernate(&svc, why).await,
+                Action::Resume | Action::Wake => {
+                    let deadline = Instant::now() + svc.cfg.wake_timeout;
+                    self.ensure_running(&svc, deadline, None).await.map(|_| ()).map_err(|e| e.0)
+                }
+                Action::Restart => self.restart(&svc).await,
+            }
+        })
+    }
+
+    fn processes(&self) -> Result<Vec<StateReport>, gpusnap_hibernate::Error> {
+        self.engine().and_then(|mut e| e.ps().map_err(Into::into))
+    }
+
+    fn journal_store(&self) -> Result<gpusnap_core::Store, gpusnap_core::Error> {
+        gpusnap_core::Store::open(self.state_dir())
+    }
+
+    fn metrics_text(&self, openmetrics: bool) -> String {
+        self.refresh_gauges();
+        if openmetrics {
+            Agent::metrics(self).encode_openmetrics()
+        } else {
+            Agent::metrics(self).encode()
+        }
+    }
+
+    fn note(&self, svc: &Service, what: &str) {
+        self.journal(svc, None, what);
+    }
+}

@@ -1,0 +1,207 @@
+//! Room on the GPU: which idle service to evict for another, what a resume
+//! needs free, waiting for memory when nothing can be evicted, and what a
+//! service with hooks takes once its after_resume hook has run.
+
+use crate::service::{Service, State};
+use crate::state::{cuda_pids_in, Agent, DynEngine};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Waiting for GPU memory with nothing to evict: NVML is read this often,
+/// and admission asked again after at most MEMORY_WAIT_MAX.
+const MEMORY_POLL: Duration = Duration::from_millis(5);
+const MEMORY_WAIT_MAX: Duration = Duration::from_millis(200);
+
+impl Agent {
+    /// Suspends idle services (as a resume would) until `need` bytes are
+    /// free on the GPU with the most free memory, or wake_timeout passes.
+    pub(super) async fn make_room(
+        self: &Arc<Self>,
+        svc: &Arc<Service>,
+        need: u64,
+    ) -> tokio::sync::MutexGuard<'_, ()> {
+        let gpu = self.gpu_lock().await;
+        let deadline = Instant::now() + svc.cfg.wake_timeout;
+        loop {
+            let a = Arc::clone(self);
+            let free = tokio::task::spawn_blocking(move || {
+                a.engine()
+                    .ok()
+                    .and_then(|e| e.gpus().gpus().ok())
+                    .map(|g| g.iter().map(|g| g.free_bytes).max().unwrap_or(0))
+            })
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or(u64::MAX);
+            if free >= need.saturating_add(svc.cfg.margin) || Instant::now() >= deadline {
+                return gpu;
+            }
+            match self.pick_victim(svc) {
+                Some(v) => {
+                    let reason = format!(
+                        "evicted to make room for {} to start ({} MiB free, {} MiB needed)",
+                        svc.name,
+                        free >> 20,
+                        need >> 20
+                    );
+                    if self.suspend(&v, &reason).await.is_err() {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+                None => {
+                    self.wait_for_memory(None, deadline).await;
+                }
+            }
+        }
+    }
+
+    /// After admission refused and nothing can be evicted: returns as soon
+    /// as NVML shows what the resume of `svc` needs free on each of its GPUs
+    /// (its recorded footprint and margin; without one, `svc` None or not
+    /// known: as soon as free memory grows on some GPU), or after
+    /// MEMORY_WAIT_MAX, or at `deadline`. The caller then asks admission
+    /// again, which decides: this only chooses when to ask. NVML is read
+    /// every MEMORY_POLL (a checkpoint's release it reports late, a process
+    /// that ended); it used to be a fixed 200 ms sleep. Returns the reads.
+    pub(super) async fn wait_for_memory(
+        self: &Arc<Self>,
+        svc: Option<&Arc<Service>>,
+        deadline: Instant,
+    ) -> u32 {
+        let until = (Instant::now() + MEMORY_WAIT_MAX).min(deadline);
+        let (a, s) = (Arc::clone(self), svc.cloned());
+        tokio::task::spawn_blocking(move || {
+            let need = s.map(|s| a.resume_need(&s)).unwrap_or_default();
+            let Ok(e) = a.engine() else {
+                std::thread::sleep(until.saturating_duration_since(Instant::now()));
+                return 0;
+            };
+            let read = || -> Option<std::collections::BTreeMap<String, u64>> {
+                e.gpus().gpus().ok().map(|g| g.into_iter().map(|g| (g.uuid, g.free_bytes)).collect())
+            };
+            let first = read();
+            let mut reads = 1;
+            loop {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return reads;
+                }
+                std::thread::sleep(MEMORY_POLL.min(left));
+                reads += 1;
+                let Some(now) = read() else { continue };
+                let enough = if need.is_empty() {
+                    first.as_ref().is_some_and(|f| now.iter().any(|(u, b)| f.get(u).is_some_and(|g| b > g)))
+                } else {
+                    need.iter().all(|(u, b)| now.get(u).is_some_and(|f| f >= b))
+                };
+                if enough {
+                    return reads;
+                }
+            }
+        })
+        .await
+        .unwrap_or(0)
+    }
+
+    /// Per GPU, what admission asks for a resume of `svc`: the footprint
+    /// recorded for its CUDA processes plus its margin (empty if unknown).
+    fn resume_need(&self, svc: &Service) -> std::collections::BTreeMap<String, u64> {
+        let mut need = std::collections::BTreeMap::new();
+        let Some(root) = svc.lock().process.as_ref().map(|t| t.pid) else { return need };
+        let mut e = self.engine().ok();
+        let pids = cuda_pids_in(e.as_mut(), root);
+        let Some(e) = e else { return need };
+        for pid in pids {
+            if let Ok(Some(r)) = e.store().latest_for_pid(pid) {
+                for (u, b) in r.footprint {
+                    *need.entry(u).or_insert(0u64) += b;
+                }
+            }
+        }
+        let extra = Self::full_size(svc).map(|full| full.saturating_sub(need.values().sum()));
+        for b in need.values_mut() {
+            *b = b.saturating_add(svc.cfg.margin).saturating_add(extra.unwrap_or(0));
+        }
+        need
+    }
+
+    /// The idle running service to suspend for `for_svc`: never one with
+    /// traffic in flight; lowest priority, then least recently used. One
+    /// engine and one NVML process list for all the candidates (a swap
+    /// waits on this).
+    pub(super) fn pick_victim(&self, for_svc: &Service) -> Option<Arc<Service>> {
+        let mut e = self.engine().ok();
+        // Only services on the GPUs the resume needs (its footprint's);
+        // unknown (a cold start): any.
+        let needed = self.footprint_gpus(&mut e, for_svc);
+        let mut nvml: Option<Vec<gpusnap_gpu::ProcessUsage>> = None;
+        let mut best: Option<(i64, i64, Arc<Service>)> = None;
+        for s in self.services() {
+            if s.name == for_svc.name {
+                continue;
+            }
+            let (key, root) = {
+                let g = s.lock();
+                if g.state != State::Running || Service::has_traffic(&g) {
+                    continue;
+                }
+                ((s.cfg.priority, g.last_used_ms), g.process.as_ref().map(|t| t.pid))
+            };
+            if best.as_ref().is_some_and(|(p, u, _)| key >= (*p, *u)) {
+                continue;
+            }
+            if let (false, Some(root)) = (needed.is_empty(), root) {
+                let procs = nvml.get_or_insert_with(|| {
+                    e.as_ref().and_then(|e| e.gpus().processes().ok()).unwrap_or_default()
+                });
+                let pids = cuda_pids_in(e.as_mut(), root);
+                let on: std::collections::BTreeSet<String> =
+                    procs.iter().filter(|p| pids.contains(&(p.pid as i32))).map(|p| p.uuid.clone()).collect();
+                if !on.is_empty() && on.is_disjoint(&needed) {
+                    continue;
+                }
+            }
+            best = Some((key.0, key.1, Arc::clone(s)));
+        }
+        best.map(|(_, _, s)| s)
+    }
+
+    /// The GPUs a suspended service's recorded footprint is on.
+    fn footprint_gpus(&self, e: &mut Option<DynEngine>, svc: &Service) -> std::collections::BTreeSet<String> {
+        let Some(root) = svc.lock().process.as_ref().map(|t| t.pid) else { return Default::default() };
+        let pids = cuda_pids_in(e.as_mut(), root);
+        let Some(e) = e.as_ref() else { return Default::default() };
+        pids.into_iter()
+            .filter_map(|p| e.store().latest_for_pid(p).ok().flatten())
+            .flat_map(|r| r.footprint.into_keys())
+            .collect()
+    }
+
+    /// The size of a service with hooks once its after_resume hook has run:
+    /// what it held before its last before_suspend hook (NVML), or its
+    /// declared `gpu_memory` if larger (or if NVML could not tell).
+    fn full_size(svc: &Service) -> Option<u64> {
+        if !svc.cfg.hooks.any() {
+            return None;
+        }
+        let seen = svc.lock().full_footprint;
+        match (seen, svc.cfg.gpu_memory) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// What the service will take after its after_resume hook beyond what
+    /// its suspend recorded (the before_suspend hook gave it back): admission
+    /// asks for it on top of the margin.
+    pub(super) fn growth(&self, svc: &Service, e: &mut DynEngine, pids: &[i32]) -> u64 {
+        let Some(full) = Self::full_size(svc) else { return 0 };
+        let recorded: u64 = pids
+            .iter()
+            .filter_map(|p| e.store().latest_for_pid(*p).ok().flatten())
+            .map(|r| r.footprint.values().sum::<u64>())
+            .sum();
+        full.saturating_sub(recorded)
+    }
+}

@@ -1,0 +1,239 @@
+//! The agent's state and its one owner, [`Agent`]: the configuration, the
+//! services, the metrics, the driver and NVML, the image store, the record
+//! that outlives the agent and the journal. The policy, the API and the
+//! proxies reach it only through the methods here (the API and the proxies
+//! through `Control`, which the policy implements on it).
+
+use crate::config::{AgentConfig, Config};
+use crate::error::AgentError;
+use crate::metrics::Metrics;
+use crate::service::{self, Persisted, Service, State};
+use gpusnap_core::target::{self, Target};
+use gpusnap_core::tree::process_tree;
+use gpusnap_core::{Engine, Store};
+use gpusnap_cuda::{CheckpointApi, Deadline};
+use gpusnap_gpu::GpuInventory;
+use gpusnap_hibernate::criu::Criu;
+use gpusnap_images::image::ImageStore;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+pub type DynEngine = Engine<Box<dyn CheckpointApi>, Box<dyn GpuInventory>>;
+
+/// What the caller (the CLI) hands the agent.
+pub struct Setup {
+    pub config: Config,
+    pub state_dir: PathBuf,
+    pub criu: Option<PathBuf>,
+    pub api: Deadline<Box<dyn CheckpointApi>>,
+    pub gpus: Box<dyn GpuInventory>,
+    /// The gpusnap binary that runs services (`run --light`).
+    pub exe: PathBuf,
+}
+
+pub struct Agent {
+    cfg: AgentConfig,
+    services: Vec<Arc<Service>>,
+    metrics: Metrics,
+    state_dir: PathBuf,
+    images: ImageStore,
+    exe: PathBuf,
+    criu_path: Option<PathBuf>,
+    /// The driver and NVML, loaded once; each operation forks its own engine.
+    base: Mutex<DynEngine>,
+    /// One admission decision (or cold start) at a time.
+    gpu_lock: tokio::sync::Mutex<()>,
+    /// The runners the agent started, reaped once they end.
+    children: Mutex<Vec<std::process::Child>>,
+    persist_lock: Mutex<()>,
+}
+
+impl Agent {
+    pub fn new(s: Setup) -> Result<Self, AgentError> {
+        let store = Store::open(&s.state_dir)?;
+        let services = s.config.service.into_iter().map(|c| Arc::new(Service::new(c))).collect();
+        Ok(Self {
+            cfg: s.config.agent,
+            services,
+            metrics: Metrics::new(),
+            // The agent wakes only images it hibernated itself: this host's key.
+            images: ImageStore::new(
+                s.state_dir.join("images"),
+                gpusnap_images::sign::Trust::host_only(&s.state_dir)
+                    .map_err(gpusnap_hibernate::Error::from)?,
+            ),
+            state_dir: s.state_dir,
+            exe: s.exe,
+            criu_path: s.criu,
+            base: Mutex::new(Engine::new(s.api, s.gpus, store)),
+            gpu_lock: tokio::sync::Mutex::new(()),
+            children: Mutex::new(Vec::new()),
+            persist_lock: Mutex::new(()),
+        })
+    }
+
+    pub fn cfg(&self) -> &AgentConfig {
+        &self.cfg
+    }
+
+    pub fn services(&self) -> &[Arc<Service>] {
+        &self.services
+    }
+
+    pub fn service(&self, name: &str) -> Option<&Arc<Service>> {
+        self.services.iter().find(|s| s.name == name)
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    pub fn images(&self) -> &ImageStore {
+        &self.images
+    }
+
+    /// The gpusnap binary that runs services and guards.
+    pub fn exe(&self) -> &Path {
+        &self.exe
+    }
+
+    pub fn engine(&self) -> Result<DynEngine, gpusnap_hibernate::Error> {
+        self.base
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .fork(Box::new(gpusnap_core::Quiet))
+            .map_err(Into::into)
+    }
+
+    pub fn criu(&self) -> Result<Criu, gpusnap_hibernate::Error> {
+        Ok(Criu::find(self.criu_path.as_deref())?)
+    }
+
+    /// Held for one admission decision or cold start: two services coming
+    /// back together must not count the same free memory.
+    pub async fn gpu_lock(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.gpu_lock.lock().await
+    }
+
+    /// Keeps a runner the agent started, to be reaped once it ends.
+    pub fn keep_child(&self, child: std::process::Child) {
+        self.children.lock().unwrap_or_else(|e| e.into_inner()).push(child);
+    }
+
+    /// Collects the runners the agent started that have ended.
+    pub fn reap(&self) {
+        let mut kids = self.children.lock().unwrap_or_else(|e| e.into_inner());
+        kids.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_)) | Err(_)));
+    }
+
+    fn persisted_of(svc: &Service) -> Persisted {
+        let g = svc.lock();
+        Persisted {
+            pid: g.process.as_ref().map(|t| t.pid),
+            start_time: g.process.as_ref().map(|t| t.start_time),
+            comm: g.process.as_ref().map(|t| t.comm.clone()),
+            runner: g.runner,
+            image: g.image.clone(),
+            doing: None,
+            full_footprint: g.full_footprint,
+        }
+    }
+
+    /// Writes every service's record (atomically).
+    pub fn persist(&self) {
+        self.persist_with(None);
+    }
+
+    /// Writes the records, marking `svc` as in the middle of `doing`, before
+    /// a transition whose crash the next agent must understand.
+    pub fn persist_doing(&self, svc: &Service, doing: &str) {
+        self.persist_with(Some((&svc.name, doing)));
+    }
+
+    fn persist_with(&self, doing: Option<(&str, &str)>) {
+        let _g = self.persist_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = BTreeMap::new();
+        for s in &self.services {
+            let mut p = Self::persisted_of(s);
+            if let Some((name, what)) = doing {
+                if name == s.name {
+                    p.doing = Some(what.to_string());
+                }
+            }
+            all.insert(s.name.clone(), p);
+        }
+        if let Err(e) = service::save_persisted(&self.state_dir, &all) {
+            tracing::error!("cannot write {}: {e}", service::state_file(&self.state_dir).display());
+        }
+    }
+
+    /// What the previous agent recorded, per service.
+    pub fn load_persisted(&self) -> BTreeMap<String, Persisted> {
+        service::load_persisted(&self.state_dir)
+    }
+
+    /// Journals a decision on the service's process (or the one it last had).
+    pub fn journal(&self, svc: &Service, t: Option<&Target>, what: &str) {
+        tracing::info!(service = svc.name, "{what}");
+        let t = t.cloned().or_else(|| svc.lock().process.clone());
+        let Some(t) = t else { return };
+        let detail = format!("{}: {what}", svc.name);
+        if let Err(err) = Store::open(&self.state_dir).and_then(|mut s| s.note(&t, "agent", None, &detail)) {
+            tracing::warn!(service = svc.name, "could not journal: {err}");
+        }
+    }
+
+    /// The CUDA processes of a service: those of its tree that map libcuda or
+    /// that the driver knows (a driver library installed under another name).
+    pub fn cuda_pids(&self, root: i32) -> Vec<i32> {
+        cuda_pids_in(self.engine().ok().as_mut(), root)
+    }
+
+    /// The gauges that are read from the world rather than counted.
+    pub fn refresh_gauges(&self) {
+        let mut by_state = std::collections::HashMap::new();
+        let mut host = 0u64;
+        let mut images = 0u64;
+        let store = Store::open(&self.state_dir).ok();
+        for s in &self.services {
+            let g = s.lock();
+            *by_state.entry(g.state).or_insert(0i64) += 1;
+            if g.state == State::Suspended {
+                if let (Some(t), Some(st)) = (g.process.as_ref(), store.as_ref()) {
+                    for pid in self.cuda_pids(t.pid) {
+                        if let Ok(Some(r)) = st.latest_for_pid(pid) {
+                            host += r.footprint_bytes();
+                        }
+                    }
+                }
+            }
+            if let Some(image) = g.image.as_ref().filter(|_| g.state == State::Hibernated) {
+                if let Ok((_, m)) = self.images.manifest(image) {
+                    images += m.files.iter().map(|f| f.size).sum::<u64>();
+                }
+            }
+        }
+        for st in State::ALL {
+            let n = by_state.get(&st).copied().unwrap_or(0);
+            self.metrics
+                .services
+                .get_or_create(&crate::metrics::StateLabels { state: st.as_str().into() })
+                .set(n);
+        }
+        self.metrics.host_bytes.set(host);
+        self.metrics.image_bytes.set(images);
+    }
+}
+
+/// [`Agent::cuda_pids`] with an engine the caller already has.
+pub fn cuda_pids_in(mut e: Option<&mut DynEngine>, root: i32) -> Vec<i32> {
+    let tree: Vec<i32> = process_tree(root).into_iter().map(|(p, _)| p).collect();
+    tree.into_iter()
+        .filter(|p| target::pid_maps_libcuda(*p) || e.as_mut().is_some_and(|e| e.state(*p).is_ok()))
+        .collect()
+}
