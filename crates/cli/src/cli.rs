@@ -5,11 +5,25 @@ use clap::{Parser, Subcommand};
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+/// What the exit code of a command says (also in --help and gpusnap(1)).
+const EXIT_STATUS: &str = "\
+Exit status:
+  0  done
+  1  failed (no driver, CRIU failed, stop refused, an I/O error, ...)
+  2  bad input, nothing done: no such process, a thread id, a stopped process,
+     a reused pid, a process without CUDA, a bad image name, bad arguments
+  3  not enough free GPU memory: the resume or wake was refused, nothing changed
+  4  a driver call failed; the process was put back as it was
+  5  the process cannot be restored in place (see `gpusnap recover`)
+  6  a remote could not be reached or refused access
+`gpusnap run` exits as the program did.";
+
 #[derive(Parser)]
 #[command(
     name = "gpusnap",
     version,
-    about = "Take live CUDA processes off the GPU and bring them back, safely"
+    about = "Take live CUDA processes off the GPU and bring them back, safely",
+    after_long_help = EXIT_STATUS
 )]
 pub struct Cli {
     /// Machine-readable output: one JSON object on stdout, no progress.
@@ -38,14 +52,23 @@ pub struct Cli {
 pub enum Cmd {
     /// Every CUDA process this host can see, with its checkpoint state.
     Ps,
-    /// The checkpoint state of one process.
-    State { pid: i32 },
+    /// The checkpoint state of processes: running, locked, checkpointed or
+    /// failed, and whether one is stuck.
+    ///
+    /// One line per process. With --json, a single pid named alone gives its
+    /// object ({"pid": ..., "state": ...}); several pids or a group give
+    /// {"processes": [...]}, the same shape as `gpusnap ps`. A group's
+    /// stopped members are listed as "stopped" (the driver is not asked).
+    State {
+        #[command(flatten)]
+        select: Select,
+    },
     /// Take processes' GPU state to host RAM (lock + checkpoint), freeing their GPU memory.
     Suspend {
         #[command(flatten)]
         select: Select,
         /// How long to wait for queued GPU work to drain before giving up (ms, 0 = forever).
-        #[arg(long, default_value_t = 30_000)]
+        #[arg(long, value_name = "MS", default_value_t = 30_000)]
         lock_timeout: u32,
         /// Switch transparent huge pages to `always` for the checkpoint and
         /// back after it (host-wide while it runs; checkpoint about 1.5-2x
@@ -94,7 +117,8 @@ pub enum Cmd {
         /// (faster; a host crash right after could lose both).
         #[arg(long)]
         no_sync: bool,
-        #[arg(long, default_value_t = 30_000)]
+        /// How long to wait for queued GPU work to drain before giving up (ms, 0 = forever).
+        #[arg(long, value_name = "MS", default_value_t = 30_000)]
         lock_timeout: u32,
         /// Switch transparent huge pages to `always` for the checkpoint and
         /// back after it (host-wide while it runs; checkpoint about 1.5-2x
@@ -118,9 +142,11 @@ pub enum Cmd {
     Snapshot {
         #[command(flatten)]
         select: Select,
+        /// Image name (default COMM-PID-MILLIS), under STATE_DIR/images.
         #[arg(long)]
         image: Option<String>,
-        #[arg(long, default_value_t = 30_000)]
+        /// How long to wait for queued GPU work to drain before giving up (ms, 0 = forever).
+        #[arg(long, value_name = "MS", default_value_t = 30_000)]
         lock_timeout: u32,
         /// As hibernate's --big-pipes.
         #[arg(long)]
@@ -137,6 +163,7 @@ pub enum Cmd {
         /// Wait up to SECS for GPU memory and for the image's pids to come free.
         #[arg(long, value_name = "SECS", default_value_t = 0)]
         wait: u64,
+        /// Free memory to require on each GPU beyond the processes' footprints (MiB).
         #[arg(long, value_name = "MIB", default_value_t = 256)]
         margin: u64,
         /// Do not attach the guard to the woken processes.
@@ -153,12 +180,15 @@ pub enum Cmd {
     },
     /// Bring back a process stuck after a failed restore from its newest image.
     Recover {
+        /// The stuck process (its image is the newest taken of it on this host).
         pid: i32,
         /// Roll a process that is not stuck back to its image anyway.
         #[arg(long)]
         force: bool,
+        /// Wait up to SECS for GPU memory and for the image's pids to come free.
         #[arg(long, value_name = "SECS", default_value_t = 0)]
         wait: u64,
+        /// Free memory to require on each GPU beyond the processes' footprints (MiB).
         #[arg(long, value_name = "MIB", default_value_t = 256)]
         margin: u64,
         /// Restore every page before the tree runs (CRIU alone), not lazily.
@@ -180,7 +210,8 @@ pub enum Cmd {
         /// Kill even when the CUDA state cannot be suspended first (risky on some hosts).
         #[arg(long)]
         force: bool,
-        #[arg(long, default_value_t = 30_000)]
+        /// How long to wait for queued GPU work to drain before giving up (ms, 0 = forever).
+        #[arg(long, value_name = "MS", default_value_t = 30_000)]
         lock_timeout: u32,
     },
     /// Run a program under the guard: a dying CUDA process is suspended before it dies.
@@ -194,7 +225,9 @@ pub enum Cmd {
         /// A name for the journal.
         #[arg(long)]
         name: Option<String>,
-        #[arg(long, default_value_t = 10_000)]
+        /// How long the guard's suspend of a dying process waits for queued
+        /// GPU work to drain (ms, 0 = forever).
+        #[arg(long, value_name = "MS", default_value_t = 10_000)]
         lock_timeout: u32,
         /// Do not leave a keeper that re-attaches a new guard if this one dies.
         #[arg(long)]
@@ -215,7 +248,8 @@ pub enum Cmd {
         /// GPUSNAP_PRELOAD).
         #[arg(long, value_name = "PATH", requires = "light")]
         preload: Option<std::path::PathBuf>,
-        #[arg(required = true, last = true)]
+        /// The program and its arguments, after `--`.
+        #[arg(required = true, last = true, value_name = "PROGRAM")]
         cmd: Vec<OsString>,
     },
     /// Attach the guard to running processes (and their children).
@@ -224,8 +258,11 @@ pub enum Cmd {
     /// by `gpusnap run` (they carry its exit filter, also after hibernate and
     /// wake): a filter cannot be added to a running process from outside.
     Guard {
+        /// The processes to guard (their children too).
         pids: Vec<i32>,
-        #[arg(long, default_value_t = 10_000)]
+        /// How long the guard's suspend of a dying process waits for queued
+        /// GPU work to drain (ms, 0 = forever).
+        #[arg(long, value_name = "MS", default_value_t = 10_000)]
         lock_timeout: u32,
         /// Take over from a guard that died (used by its keeper).
         #[arg(long, value_name = "GUARD_PID")]
@@ -238,27 +275,36 @@ pub enum Cmd {
     /// reached through a link named cuda-checkpoint).
     #[command(disable_help_flag = true)]
     CudaCheckpoint {
+        /// cuda-checkpoint's own arguments (`gpusnap cuda-checkpoint --help` lists them).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
         args: Vec<OsString>,
     },
     /// The journal of one pid: every driver call gpusnap made on it.
-    History { pid: i32 },
+    History {
+        /// The process id (also of a process that has ended).
+        pid: i32,
+    },
     /// The node agent: a proxy per model server that suspends it when idle
     /// and brings it back on the next request (docs/agent.md).
     Agent {
+        /// The agent's configuration (docs/agent.md).
         #[arg(long, value_name = "FILE", default_value = "/etc/gpusnap/agent.toml")]
         config: PathBuf,
     },
     /// The agent's services and their states.
     Services {
+        /// The agent's control socket.
         #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
         socket: PathBuf,
     },
     /// Ask the agent to act on one service.
     Service {
+        /// The service, as named in the agent's configuration.
         name: String,
+        /// What to do with it.
         #[arg(value_enum)]
         action: Action,
+        /// The agent's control socket.
         #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
         socket: PathBuf,
     },
@@ -266,6 +312,26 @@ pub enum Cmd {
     Doctor {
         /// A process to check as well.
         pid: Option<i32>,
+    },
+    /// The manual: gpusnap(1) on stdout, or a page per command in a directory.
+    Man {
+        /// Write DIR/gpusnap.1 and a page for every command
+        /// (gpusnap-suspend.1, gpusnap-images-push.1, ...) instead.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+        /// The command line reference in Markdown (docs/reference/cli.md).
+        #[arg(long, hide = true, conflicts_with = "dir")]
+        markdown: bool,
+    },
+    /// A completion script for SHELL on stdout.
+    ///
+    /// bash: `gpusnap completions bash > /usr/share/bash-completion/completions/gpusnap`;
+    /// zsh: `gpusnap completions zsh > /usr/share/zsh/vendor-completions/_gpusnap`;
+    /// fish: `gpusnap completions fish > /usr/share/fish/vendor_completions.d/gpusnap.fish`.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
     },
 }
 
@@ -292,25 +358,43 @@ pub enum ImagesCmd {
     /// Every image (the default).
     List,
     /// Check an image's signature, manifest and every file's checksum.
-    Verify { image: String },
+    Verify {
+        /// An image: a name in the store, or the path of an image directory.
+        image: String,
+    },
     /// Remove an image (a name in the store, or the path of an image directory).
-    Rm { image: String },
+    Rm {
+        /// An image: a name in the store, or the path of an image directory.
+        image: String,
+    },
     /// Build an image's map file: its CUDA processes' large memory regions
     /// (the driver's host copy) laid out so that a warm wake maps them from
     /// the page cache instead of copying them in (docs/pages.md, "The mapped
     /// wake"). Costs disk and page cache the size of those regions.
-    Map { image: String },
+    Map {
+        /// An image in the store.
+        image: String,
+    },
     /// Copy an image directory (from another host, say) into the store, verified.
-    Import { path: String },
+    Import {
+        /// The image directory to copy.
+        path: String,
+    },
     /// Finish or undo hibernates a killed gpusnap left, remove its temporary
     /// images, and remove the chunks of STATE_DIR/store no image refers to.
     Gc,
     /// Send an image to a remote: s3://BUCKET/PREFIX (AWS_ACCESS_KEY_ID,
     /// AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP) or
     /// file:///DIR. Only the chunks the remote lacks are sent; the manifest last.
-    Push { image: String, url: String },
+    Push {
+        /// An image in the store.
+        image: String,
+        /// The remote: s3://BUCKET/PREFIX or file:///DIR.
+        url: String,
+    },
     /// Fetch URL/NAME into the store (signed by a trusted key, every chunk checked).
     Pull {
+        /// The remote and the image's name there: URL/NAME.
         url: String,
         /// The name it gets here (default: its name on the remote).
         #[arg(long = "as", value_name = "NAME")]
@@ -323,10 +407,16 @@ pub enum ImagesCmd {
 /// What `gpusnap service NAME ACTION` asks the agent to do.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 pub enum Action {
+    /// Take its GPU state to host RAM.
     Suspend,
+    /// Bring it back, from suspended or hibernated, as a request would.
     Resume,
+    /// Dump it into an image and end it.
     Hibernate,
+    /// As resume.
     Wake,
+    /// End it (suspended first, as `gpusnap stop` does) and start it anew;
+    /// only a service the agent started.
     Restart,
 }
 
@@ -348,4 +438,15 @@ pub struct DeviceMap(pub Vec<(String, String)>);
 
 fn parse_map(s: &str) -> Result<DeviceMap, String> {
     gpusnap_core::remap::parse(s).map(DeviceMap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_definitions_hold_together() {
+        Cli::command().debug_assert();
+    }
 }

@@ -7,6 +7,7 @@ mod compat;
 mod doctor;
 mod guarded;
 mod output;
+mod reference;
 mod report;
 mod select;
 mod setup;

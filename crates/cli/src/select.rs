@@ -21,7 +21,7 @@ impl Select {
     /// driver as with one, and nothing is done when one of them is wrong:
     /// each pid named, the --tree root, the --cgroup.
     pub fn validate(&self, check: Check) -> Result<(), Error> {
-        let several = self.pids.len() > 1 || self.tree.is_some() || self.cgroup.is_some() || self.all;
+        let several = self.single().is_none();
         for &pid in &self.pids {
             let r = match check {
                 Check::Exists => gpusnap_core::target::resolve(pid),
@@ -66,6 +66,19 @@ impl Select {
         Ok(roots)
     }
 
+    /// The pid named, when it is the whole selection (no other pid, no group).
+    pub fn single(&self) -> Option<i32> {
+        match self.pids.as_slice() {
+            [pid] if !self.is_group() => Some(*pid),
+            _ => None,
+        }
+    }
+
+    /// Whether a group (--tree, --cgroup, --all) is named.
+    pub fn is_group(&self) -> bool {
+        self.all || self.tree.is_some() || self.cgroup.is_some()
+    }
+
     /// The pids named, plus the CUDA processes of the groups named, in order
     /// and without repeats. A group that turns out empty is not an error.
     pub fn resolve(&self, e: &mut DynEngine) -> anyhow::Result<Vec<i32>> {
@@ -76,22 +89,29 @@ impl Select {
             }
         };
         self.pids.iter().copied().for_each(&mut push);
-        if self.all || self.tree.is_some() || self.cgroup.is_some() {
+        if self.is_group() {
             let cuda: Vec<i32> =
                 e.ps()?.into_iter().filter(|r| r.state != "stopped").map(|r| r.pid).collect();
-            if self.all {
-                cuda.iter().copied().for_each(&mut push);
-            }
-            if let Some(root) = self.tree {
-                gpusnap_core::target::resolve(root)?;
-                let tree: Vec<i32> =
-                    gpusnap_core::tree::process_tree(root).into_iter().map(|(p, _)| p).collect();
-                cuda.iter().copied().filter(|p| tree.contains(p)).for_each(&mut push);
-            }
-            if let Some(cg) = &self.cgroup {
-                let members = gpusnap_core::target::cgroup_processes(cg)?;
-                cuda.iter().copied().filter(|p| members.contains(p)).for_each(&mut push);
-            }
+            self.members(&cuda)?.into_iter().for_each(&mut push);
+        }
+        Ok(out)
+    }
+
+    /// The groups' members among `cuda` (CUDA processes): those of --all,
+    /// of the --tree, of the --cgroup, in that order, perhaps repeated.
+    pub fn members(&self, cuda: &[i32]) -> anyhow::Result<Vec<i32>> {
+        let mut out: Vec<i32> = Vec::new();
+        if self.all {
+            out.extend_from_slice(cuda);
+        }
+        if let Some(root) = self.tree {
+            gpusnap_core::target::resolve(root)?;
+            let tree: Vec<i32> = gpusnap_core::tree::process_tree(root).into_iter().map(|(p, _)| p).collect();
+            out.extend(cuda.iter().copied().filter(|p| tree.contains(p)));
+        }
+        if let Some(cg) = &self.cgroup {
+            let members = gpusnap_core::target::cgroup_processes(cg)?;
+            out.extend(cuda.iter().copied().filter(|p| members.contains(p)));
         }
         Ok(out)
     }

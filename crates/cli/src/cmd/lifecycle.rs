@@ -7,7 +7,7 @@ use crate::doctor;
 use crate::output::{self, Out};
 use crate::select::Check;
 use crate::setup::{criu, engine, engine_with, mib, own_images, reconcile, Load};
-use gpusnap_core::engine::{ResumeOptions, StopOptions};
+use gpusnap_core::engine::{ResumeOptions, StateReport, StopOptions};
 use gpusnap_core::{Error as CoreError, Store};
 use gpusnap_hibernate::criu::Criu;
 use gpusnap_hibernate::hibernate::WakeOptions;
@@ -21,11 +21,41 @@ pub fn ps(cli: &Cli, out: &Out) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn state(cli: &Cli, out: &Out, pid: i32) -> anyhow::Result<()> {
-    gpusnap_core::target::resolve_callable(pid)?;
+/// `state`: a pid named alone gives its report as it always did; several
+/// pids or a group give a list, in the order named, each process once. A
+/// group's member that is stopped is listed as such, as `ps` lists it.
+pub fn state(cli: &Cli, out: &Out, select: &Select) -> anyhow::Result<()> {
+    select.validate(Check::Callable)?;
     let mut e = engine(cli, out)?;
-    let r = e.state(pid)?;
-    out.state(&r);
+    if let Some(pid) = select.single() {
+        let r = e.state(pid)?;
+        out.state(&r);
+        return Ok(());
+    }
+    let mut rows: Vec<StateReport> = Vec::new();
+    for &pid in &select.pids {
+        if rows.iter().any(|r| r.pid == pid) {
+            continue;
+        }
+        let r = e.state(pid).map_err(|err| Error::Member { pid, source: Box::new(err.into()) })?;
+        rows.push(r);
+    }
+    if select.is_group() {
+        let listed = e.ps()?;
+        let cuda: Vec<i32> = listed.iter().map(|r| r.pid).collect();
+        for pid in select.members(&cuda)? {
+            if rows.iter().any(|r| r.pid == pid) {
+                continue;
+            }
+            if let Some(r) = listed.iter().find(|r| r.pid == pid) {
+                rows.push(r.clone());
+            }
+        }
+        if rows.is_empty() {
+            eprintln!("gpusnap: no CUDA process in that group");
+        }
+    }
+    out.states(&rows);
     Ok(())
 }
 

@@ -5,21 +5,25 @@ pub mod doctor;
 mod hibernate;
 mod images;
 mod lifecycle;
+mod manual;
 
 use crate::cli::{Cli, Cmd};
 use crate::output::Out;
 use crate::{agent, compat, guarded};
 
 pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
-    // A `--thp` or `--big-pipes` switch whose gpusnap died is put back by the next one.
-    for e in gpusnap_core::hostknob::reconcile(&cli.state_dir) {
-        tracing::warn!("{e}");
+    // A `--thp` or `--big-pipes` switch whose gpusnap died is put back by
+    // the next one; not by the manual, made at package time.
+    if !matches!(cli.cmd, Cmd::Man { .. } | Cmd::Completions { .. }) {
+        for e in gpusnap_core::hostknob::reconcile(&cli.state_dir) {
+            tracing::warn!("{e}");
+        }
     }
     match &cli.cmd {
         Cmd::CudaCheckpoint { args } => std::process::exit(compat::main(args)),
         Cmd::Doctor { pid } => doctor::run(cli, out, *pid),
         Cmd::Ps => lifecycle::ps(cli, out),
-        Cmd::State { pid } => lifecycle::state(cli, out, *pid),
+        Cmd::State { select } => lifecycle::state(cli, out, select),
         Cmd::History { pid } => lifecycle::history(cli, out, *pid),
         Cmd::Suspend { select, lock_timeout, thp } => {
             lifecycle::suspend(cli, out, select, *lock_timeout, *thp)
@@ -78,5 +82,7 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Agent { config } => agent::run_agent(cli, config),
         Cmd::Services { socket } => agent::services(out, socket),
         Cmd::Service { name, action, socket } => agent::service(out, socket, name, *action),
+        Cmd::Man { dir, markdown } => manual::man(dir.as_deref(), *markdown),
+        Cmd::Completions { shell } => manual::completions(*shell),
     }
 }
