@@ -13,7 +13,7 @@ const PREAMBLE: &str = "\
 ## Man pages and completions
 
 The binary carries its manual and shell completions, generated from the same
-definitions as this page (packages install them; from a build, run):
+definitions as this page:
 
 ```sh
 gpusnap man | man -l -                     # gpusnap(1)
