@@ -1,34 +1,13 @@
 //! `gpusnap agent`, `gpusnap services`, `gpusnap service NAME ACTION`: the
 //! daemon and its remote control live in the agent crate.
 
+use crate::cli::{Action, Cli};
 use crate::output::Out;
-use crate::Cli;
 use gpusnap_agent::client::{self, ClientError};
 use gpusnap_agent::{AgentError, Config, Setup};
 use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, OrAbsent, Timeouts};
 use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};
 use std::path::Path;
-
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum Action {
-    Suspend,
-    Resume,
-    Hibernate,
-    Wake,
-    Restart,
-}
-
-impl Action {
-    fn as_str(self) -> &'static str {
-        match self {
-            Action::Suspend => "suspend",
-            Action::Resume => "resume",
-            Action::Hibernate => "hibernate",
-            Action::Wake => "wake",
-            Action::Restart => "restart",
-        }
-    }
-}
 
 /// The exit code an agent or client error carries.
 pub fn exit_code(e: &anyhow::Error) -> Option<i32> {

@@ -130,7 +130,7 @@ fn state_dir() -> PathBuf {
 }
 
 fn run(a: &Args, pid: i32) -> anyhow::Result<Option<String>> {
-    let mut e = crate::engine_at(&state_dir())?;
+    let mut e = crate::setup::engine_at(&state_dir())?;
     if a.get_state {
         let st = e.compat_state(pid)?;
         return Ok(Some(st.to_string()));

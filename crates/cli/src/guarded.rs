@@ -1,6 +1,6 @@
 //! `gpusnap run` and `gpusnap guard`: the guard's front end.
 
-use crate::Cli;
+use crate::cli::Cli;
 use gpusnap_core::Error as CoreError;
 use gpusnap_core::Store;
 use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, OrAbsent, Timeouts};
@@ -21,7 +21,7 @@ fn driver_and_gpus() -> (Deadline<Box<dyn CheckpointApi>>, Box<dyn GpuInventory>
         Err(e) => Box::new(Absent { why: e.to_string() }),
     };
     // NVML too: the guard's attach, which `gpusnap wake` waits for, needs
-    // neither (docs/benchmarks.md P7, "what the wake waits for").
+    // neither (docs/benchmarks.md, "what the wake waits for").
     let gpus: Box<dyn GpuInventory> = Box::new(Deferred::start(|| match NvmlInventory::load() {
         Ok(n) => Box::new(n),
         Err(_) => Box::new(NoGpus),

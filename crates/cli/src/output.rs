@@ -109,6 +109,23 @@ pub fn recovered_as_resume(pid: i32, w: &WakeReport) -> ResumeReport {
     }
 }
 
+/// `4242 (python): checkpointed, 2.0 GiB on 1 GPU(s)`, and why it cannot
+/// be restored in place when it cannot.
+fn state_line(r: &StateReport) -> String {
+    let stuck = match &r.reason {
+        Some(why) => format!("; UNRECOVERABLE: {why}"),
+        None => String::new(),
+    };
+    format!(
+        "{} ({}): {}, {} on {} GPU(s){stuck}",
+        r.pid,
+        r.comm,
+        r.state,
+        gib(r.footprint_bytes),
+        r.gpus.len()
+    )
+}
+
 pub fn stopped(r: &StopReport) -> String {
     let how = match (r.cuda, r.suspended, r.released_before_kill) {
         (false, _, _) => "no CUDA state".to_string(),
@@ -239,23 +256,21 @@ impl Out {
         }
     }
 
+    /// One process's state: its line, or its JSON object.
     pub fn state(&self, r: &StateReport) {
+        self.one(r, &state_line(r));
+    }
+
+    /// Several processes' states: a line each, or `{"processes": [...]}`
+    /// (the shape of `ps`).
+    pub fn states(&self, rows: &[StateReport]) {
         if self.json {
-            self.emit(serde_json::to_value(r).unwrap_or_default());
+            self.emit(json!({ "processes": rows }));
             return;
         }
-        let extra = match &r.reason {
-            Some(why) => format!("\n  UNRECOVERABLE: {why}"),
-            None => String::new(),
-        };
-        println!(
-            "{} ({}): {}, {} on {} GPU(s){extra}",
-            r.pid,
-            r.comm,
-            r.state,
-            gib(r.footprint_bytes),
-            r.gpus.len()
-        );
+        for r in rows {
+            println!("{}", state_line(r));
+        }
     }
 
     pub fn ps(&self, rows: &[StateReport]) {

@@ -20,6 +20,16 @@ fn a_thread_id_names_its_process() {
         assert!(r.stderr.contains(&format!("{tid} is a thread of {pid}")), "{}", r.stderr);
         assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
     }
+    // Named beside its process, it is the group's bad member, and nothing is said of the others.
+    let r = w.json(&["state", &pid.to_string(), &tid.to_string()]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr.contains(&format!("member {tid} of the group: {tid} is a thread of {pid}")),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+    assert_eq!(r.json()["error"]["kind"], "thread_id");
     assert_eq!(w.json(&["state", &pid.to_string()]).json()["state"], "running");
 }
 
@@ -31,6 +41,12 @@ fn dead_and_invalid_pids() {
     assert!(r.stderr.contains("no process 999999999"), "{}", r.stderr);
     let r = w.gpusnap(&["state", "0"]);
     assert_eq!(r.code, 2);
+    let r = w.gpusnap(&["state", "999999999", "999999998"]);
+    assert_eq!(r.code, 2);
+    assert_eq!(r.stderr.trim(), "gpusnap: member 999999999 of the group: no process 999999999");
+    assert!(r.stdout.is_empty(), "{}", r.stdout);
+    let r = w.gpusnap(&["state"]);
+    assert_eq!(r.code, 2, "a pid or a group is required");
     let r = w.gpusnap(&["state", "abc"]);
     assert_eq!(r.code, 2, "clap usage errors are exit 2");
     let r = w.gpusnap(&["resume"]);
@@ -156,6 +172,7 @@ fn targets_are_checked_before_the_driver_is_loaded() {
     });
     let tid = rx.recv().unwrap().to_string();
     let thread_of = format!("{tid} is a thread of {}", std::process::id());
+    let member_thread = format!("member {tid} of the group: {thread_of}");
     let cases: &[(&[&str], &str)] = &[
         (&["state", &tid], &thread_of),
         (&["resume", &tid], &thread_of),
@@ -170,6 +187,10 @@ fn targets_are_checked_before_the_driver_is_loaded() {
         (&["stop", "999999999"], "no process 999999999"),
         (&["stop", "--tree", "999999999"], "no process 999999999"),
         (&["suspend", &live, "999999999"], "member 999999999 of the group: no process 999999999"),
+        (&["state", &live, "999999999"], "member 999999999 of the group: no process 999999999"),
+        (&["state", &live, &tid], &member_thread),
+        (&["state", "--tree", "999999999"], "no process 999999999"),
+        (&["state", "--cgroup", "/nonexistent/cgroup"], "/nonexistent/cgroup is not a cgroup"),
         (&["suspend", "--cgroup", "/nonexistent/cgroup"], "/nonexistent/cgroup is not a cgroup"),
         (&["stop", "--cgroup", "/nonexistent/cgroup"], "/nonexistent/cgroup is not a cgroup"),
         (&["hibernate", "--cgroup", "/nonexistent/cgroup"], "/nonexistent/cgroup is not a cgroup"),

@@ -143,3 +143,84 @@ fn tree_and_pid_namespaces() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     let _ = ns.wait();
 }
+
+/// `state` of several pids and of groups: a line each, or `{"processes"}`;
+/// a pid named alone keeps its object.
+#[test]
+fn state_of_several_pids_and_of_groups() {
+    let mut w = World::new(&[16_384]);
+    let pids: Vec<i32> = (0..3).map(|_| w.workload(1024, 0, &[])).collect();
+    let args: Vec<String> = pids.iter().map(|p| p.to_string()).collect();
+    assert_eq!(w.json(&["suspend", &args[1]]).code, 0);
+
+    // People: one line per process, in the order named, each once.
+    let r = w.gpusnap(&["state", &args[2], &args[0], &args[1], &args[0]]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{}", r.stdout);
+    assert!(lines[0].starts_with(&format!("{} (", pids[2])) && lines[0].contains(": running, 1.0 GiB"));
+    assert!(lines[1].starts_with(&format!("{} (", pids[0])) && lines[1].contains(": running"));
+    assert!(lines[2].starts_with(&format!("{} (", pids[1])) && lines[2].contains(": checkpointed, 1.0 GiB"));
+
+    // JSON: the shape of `ps`.
+    let v = w.json(&["state", &args[0], &args[1]]).json();
+    let list = v["processes"].as_array().unwrap_or_else(|| panic!("{v}"));
+    let got: Vec<(i64, &str)> =
+        list.iter().map(|x| (x["pid"].as_i64().unwrap(), x["state"].as_str().unwrap())).collect();
+    assert_eq!(got, [(pids[0] as i64, "running"), (pids[1] as i64, "checkpointed")]);
+    assert_eq!(list[1]["footprint_bytes"], 1024 * MIB);
+
+    // A pid named alone: its object, as before.
+    let one = w.json(&["state", &args[1]]).json();
+    assert_eq!(one["pid"], pids[1]);
+    assert_eq!(one["state"], "checkpointed");
+
+    // --all: every CUDA process, ours among them with their states.
+    let v = w.json(&["state", "--all"]).json();
+    let all = v["processes"].as_array().unwrap();
+    for (p, want) in pids.iter().zip(["running", "checkpointed", "running"]) {
+        let row = all.iter().find(|x| x["pid"] == *p).unwrap_or_else(|| panic!("{p} not in {v}"));
+        assert_eq!(row["state"], want, "{row}");
+    }
+
+    // A group's stopped member is listed as stopped; named, it is refused.
+    let stop = |sig| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pids[2]), sig).unwrap();
+    stop(nix::sys::signal::Signal::SIGSTOP);
+    wait_for(std::time::Duration::from_secs(5), || {
+        std::fs::read_to_string(format!("/proc/{}/stat", pids[2])).is_ok_and(|s| s.contains(") T "))
+    });
+    let v = w.json(&["state", "--all"]).json();
+    let row = v["processes"].as_array().unwrap().iter().find(|x| x["pid"] == pids[2]).cloned();
+    assert_eq!(row.unwrap_or_default()["state"], "stopped", "{v}");
+    let r = w.json(&["state", &args[0], &args[2]]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains(&format!("member {} of the group: ", pids[2])), "{}", r.stderr);
+    assert!(r.stderr.contains("is stopped"), "{}", r.stderr);
+    assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+    stop(nix::sys::signal::Signal::SIGCONT);
+    w.assert_progressing(pids[2]);
+}
+
+#[test]
+fn state_of_a_tree() {
+    let mut w = World::new(&[16_384]);
+    let pid = w.workload(1024, 0, &["--child"]);
+    let kid_status = format!("{}.child", w.status_path(pid).display());
+    wait_for(std::time::Duration::from_secs(20), || read_status(std::path::Path::new(&kid_status)).is_some());
+    let kid = read_status(std::path::Path::new(&kid_status)).unwrap().0;
+    let v = w.json(&["state", "--tree", &pid.to_string()]).json();
+    let mut got: Vec<i64> =
+        v["processes"].as_array().unwrap().iter().map(|x| x["pid"].as_i64().unwrap()).collect();
+    got.sort();
+    let mut want = vec![pid as i64, kid as i64];
+    want.sort();
+    assert_eq!(got, want, "{v}");
+
+    // A tree without CUDA: an empty list, no error.
+    let mut sleep = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+    let r = w.json(&["state", "--tree", &sleep.id().to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["processes"], json!([]));
+    let _ = sleep.kill();
+    let _ = sleep.wait();
+}

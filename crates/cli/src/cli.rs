@@ -1,0 +1,452 @@
+//! The command line's definitions (clap): every command, argument and flag
+//! with its help. Parsing only; what a command does lives in `cmd`.
+
+use clap::{Parser, Subcommand};
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+/// What the exit code of a command says (also in --help and gpusnap(1)).
+const EXIT_STATUS: &str = "\
+Exit status:
+  0  done
+  1  failed (no driver, CRIU failed, stop refused, an I/O error, ...)
+  2  bad input, nothing done: no such process, a thread id, a stopped process,
+     a reused pid, a process without CUDA, a bad image name, bad arguments
+  3  not enough free GPU memory: the resume or wake was refused, nothing changed
+  4  a driver call failed; the process was put back as it was
+  5  the process cannot be restored in place (see `gpusnap recover`)
+  6  a remote could not be reached or refused access
+`gpusnap run` exits as the program did.";
+
+#[derive(Parser)]
+#[command(
+    name = "gpusnap",
+    version,
+    about = "Take live CUDA processes off the GPU and bring them back, safely",
+    after_long_help = EXIT_STATUS
+)]
+pub struct Cli {
+    /// Machine-readable output: one JSON object on stdout, no progress.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Where gpusnap keeps its journal, ledger and images.
+    #[arg(long, global = true, env = "GPUSNAP_STATE_DIR", default_value = "/var/lib/gpusnap")]
+    pub state_dir: PathBuf,
+    /// More logging on stderr (-v: info, -vv: debug, every driver call).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+    /// The CRIU binary (default: `criu` on PATH); CRIU >= 4.0 is required, 4.2 on kernels >= 6.16.
+    #[arg(long, global = true, env = "GPUSNAP_CRIU")]
+    pub criu: Option<PathBuf>,
+    /// Also trust images signed by KEY (64 hex digits, or a file holding
+    /// them: `gpusnap images key` on the host that took them prints its
+    /// key). Images signed by this host's own key are always trusted;
+    /// `recover` trusts only those.
+    #[arg(long, global = true, value_name = "KEY")]
+    pub trust: Vec<String>,
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+pub enum Cmd {
+    /// Every CUDA process this host can see, with its checkpoint state.
+    Ps,
+    /// The checkpoint state of processes: running, locked, checkpointed or
+    /// failed, and whether one is stuck.
+    ///
+    /// One line per process. With --json, a single pid named alone gives its
+    /// object ({"pid": ..., "state": ...}); several pids or a group give
+    /// {"processes": [...]}, the same shape as `gpusnap ps`. A group's
+    /// stopped members are listed as "stopped" (the driver is not asked).
+    State {
+        #[command(flatten)]
+        select: Select,
+    },
+    /// Take processes' GPU state to host RAM (lock + checkpoint), freeing their GPU memory.
+    Suspend {
+        #[command(flatten)]
+        select: Select,
+        /// How long to wait for queued GPU work to drain before giving up (ms, 0 = forever).
+        #[arg(long, value_name = "MS", default_value_t = 30_000)]
+        lock_timeout: u32,
+        /// Switch transparent huge pages to `always` for the checkpoint and
+        /// back after it (host-wide while it runs; checkpoint about 1.5-2x
+        /// faster, measured; see docs/pages.md).
+        #[arg(long)]
+        thp: bool,
+    },
+    /// Bring suspended processes back onto the GPU, only when the memory is there.
+    Resume {
+        #[command(flatten)]
+        select: Select,
+        /// Wait up to SECS for enough free GPU memory instead of refusing at once.
+        #[arg(long, value_name = "SECS", default_value_t = 0)]
+        wait: u64,
+        /// Free memory to require on each GPU beyond the process's footprint (MiB).
+        #[arg(long, value_name = "MIB", default_value_t = 256)]
+        margin: u64,
+        /// Footprint to assume for a process suspended outside gpusnap (MiB).
+        #[arg(long, value_name = "MIB")]
+        footprint: Option<u64>,
+        /// Restore onto other GPUs of the same model: OLD=NEW,... (indices or
+        /// UUIDs); GPUs not named are completed into a permutation.
+        #[arg(long, value_name = "MAP", value_parser = parse_map)]
+        device_map: Option<DeviceMap>,
+        /// Take an image of the (suspended) process first, so that a restore
+        /// raced by a tenant outside gpusnap can be recovered from it.
+        #[arg(long)]
+        snapshot_first: bool,
+    },
+    /// Suspend a process tree's CUDA state, dump the tree with CRIU into an image, and end it.
+    ///
+    /// A PID is the root of a tree (its children go with it). A group
+    /// (several pids, --tree, --cgroup, --all) is hibernated as the trees
+    /// that hold it, one image each (NAME-ROOT), all or nothing: no tree is
+    /// ended until every image is written.
+    Hibernate {
+        #[command(flatten)]
+        select: Select,
+        /// Image name (default COMM-PID-MILLIS), under STATE_DIR/images.
+        #[arg(long)]
+        image: Option<String>,
+        /// Keep the tree running (as it was) after the image is written.
+        #[arg(long)]
+        leave_running: bool,
+        /// End the tree without waiting for the image to reach the disk
+        /// (faster; a host crash right after could lose both).
+        #[arg(long)]
+        no_sync: bool,
+        /// How long to wait for queued GPU work to drain before giving up (ms, 0 = forever).
+        #[arg(long, value_name = "MS", default_value_t = 30_000)]
+        lock_timeout: u32,
+        /// Switch transparent huge pages to `always` for the checkpoint and
+        /// back after it (host-wide while it runs; checkpoint about 1.5-2x
+        /// faster, measured; see docs/pages.md).
+        #[arg(long)]
+        thp: bool,
+        /// Raise fs.pipe-max-size to 64 MiB for the dump and back after it,
+        /// where gpusnap lacks CAP_SYS_RESOURCE (host-wide while it runs: any
+        /// process may then make pipes that large; CRIU's pages move through
+        /// larger pipes, see docs/images.md). Also GPUSNAP_DUMP_BIG_PIPES=1.
+        #[arg(long)]
+        big_pipes: bool,
+        /// Also build the image's map file (as `gpusnap images map`): a warm
+        /// wake then maps its CUDA processes' host copies from the page cache
+        /// instead of filling them (disk and page cache the size of those
+        /// host copies; see docs/pages.md, "The mapped wake").
+        #[arg(long)]
+        map: bool,
+    },
+    /// Keep an image of a process tree and leave it as it is (= hibernate --leave-running).
+    Snapshot {
+        #[command(flatten)]
+        select: Select,
+        /// Image name (default COMM-PID-MILLIS), under STATE_DIR/images.
+        #[arg(long)]
+        image: Option<String>,
+        /// How long to wait for queued GPU work to drain before giving up (ms, 0 = forever).
+        #[arg(long, value_name = "MS", default_value_t = 30_000)]
+        lock_timeout: u32,
+        /// As hibernate's --big-pipes.
+        #[arg(long)]
+        big_pipes: bool,
+    },
+    /// Restore a process tree from an image and put its CUDA processes back on the GPU.
+    ///
+    /// Several images (the trees of a hibernated group) are woken all or
+    /// nothing: all verified and admitted together before any is restored.
+    Wake {
+        /// Image names under STATE_DIR/images, or paths to image directories.
+        #[arg(required = true, num_args = 1..)]
+        images: Vec<String>,
+        /// Wait up to SECS for GPU memory and for the image's pids to come free.
+        #[arg(long, value_name = "SECS", default_value_t = 0)]
+        wait: u64,
+        /// Free memory to require on each GPU beyond the processes' footprints (MiB).
+        #[arg(long, value_name = "MIB", default_value_t = 256)]
+        margin: u64,
+        /// Do not attach the guard to the woken processes.
+        #[arg(long)]
+        no_guard: bool,
+        /// Restore onto other GPUs of the same model: OLD=NEW,... (this host's
+        /// indices, or UUIDs; the image's GPUs by UUID).
+        #[arg(long, value_name = "MAP", value_parser = parse_map)]
+        device_map: Option<DeviceMap>,
+        /// Restore every page before the tree runs (CRIU alone), not lazily
+        /// through gpusnap's page server while the tree already runs.
+        #[arg(long)]
+        eager: bool,
+    },
+    /// Bring back a process stuck after a failed restore from its newest image.
+    Recover {
+        /// The stuck process (its image is the newest taken of it on this host).
+        pid: i32,
+        /// Roll a process that is not stuck back to its image anyway.
+        #[arg(long)]
+        force: bool,
+        /// Wait up to SECS for GPU memory and for the image's pids to come free.
+        #[arg(long, value_name = "SECS", default_value_t = 0)]
+        wait: u64,
+        /// Free memory to require on each GPU beyond the processes' footprints (MiB).
+        #[arg(long, value_name = "MIB", default_value_t = 256)]
+        margin: u64,
+        /// Restore every page before the tree runs (CRIU alone), not lazily.
+        #[arg(long)]
+        eager: bool,
+    },
+    /// List, verify or remove images.
+    Images {
+        #[command(subcommand)]
+        cmd: Option<ImagesCmd>,
+    },
+    /// Safe teardown: suspend, check the GPU memory is released, then SIGTERM/SIGKILL.
+    Stop {
+        #[command(flatten)]
+        select: Select,
+        /// Seconds between SIGTERM and SIGKILL.
+        #[arg(long, value_name = "SECS", default_value_t = 10)]
+        grace: u64,
+        /// Kill even when the CUDA state cannot be suspended first (risky on some hosts).
+        #[arg(long)]
+        force: bool,
+        /// How long to wait for queued GPU work to drain before giving up (ms, 0 = forever).
+        #[arg(long, value_name = "MS", default_value_t = 30_000)]
+        lock_timeout: u32,
+    },
+    /// Run a program under the guard: a dying CUDA process is suspended before it dies.
+    ///
+    /// Fatal signals (SIGSEGV, SIGABRT, an unhandled SIGTERM, ...) and exits
+    /// (exit(), _exit() from any thread) of the program and of every child it
+    /// starts are caught; the death then proceeds with its own signal or exit
+    /// code, and `run` exits as the program did. SIGKILL (and the kernel's
+    /// OOM killer) cannot be caught.
+    Run {
+        /// A name for the journal.
+        #[arg(long)]
+        name: Option<String>,
+        /// How long the guard's suspend of a dying process waits for queued
+        /// GPU work to drain (ms, 0 = forever).
+        #[arg(long, value_name = "MS", default_value_t = 10_000)]
+        lock_timeout: u32,
+        /// Do not leave a keeper that re-attaches a new guard if this one dies.
+        #[arg(long)]
+        no_keeper: bool,
+        /// Watch the program's memory cgroup and suspend its CUDA processes
+        /// while host memory can still take their device memory, so that
+        /// the kernel's OOM killer (SIGKILL, uncatchable) finds them suspended.
+        #[arg(long)]
+        oom_watch: bool,
+        /// No tracing: load libgpusnap_preload.so into the program, which asks
+        /// the guard to suspend a dying process from inside it. Signals and
+        /// forks then cost nothing extra; raw `exit_group` calls (Go, static
+        /// binaries) and children that drop LD_PRELOAD are not caught
+        /// (docs/guard.md).
+        #[arg(long)]
+        light: bool,
+        /// The preload library for --light (default: next to gpusnap, or
+        /// GPUSNAP_PRELOAD).
+        #[arg(long, value_name = "PATH", requires = "light")]
+        preload: Option<std::path::PathBuf>,
+        /// The program and its arguments, after `--`.
+        #[arg(required = true, last = true, value_name = "PROGRAM")]
+        cmd: Vec<OsString>,
+    },
+    /// Attach the guard to running processes (and their children).
+    ///
+    /// Fatal signals are caught. Exits are caught only for processes started
+    /// by `gpusnap run` (they carry its exit filter, also after hibernate and
+    /// wake): a filter cannot be added to a running process from outside.
+    Guard {
+        /// The processes to guard (their children too).
+        pids: Vec<i32>,
+        /// How long the guard's suspend of a dying process waits for queued
+        /// GPU work to drain (ms, 0 = forever).
+        #[arg(long, value_name = "MS", default_value_t = 10_000)]
+        lock_timeout: u32,
+        /// Take over from a guard that died (used by its keeper).
+        #[arg(long, value_name = "GUARD_PID")]
+        takeover: Option<i32>,
+        /// Detach from the terminal and run in the background.
+        #[arg(long)]
+        daemon: bool,
+    },
+    /// NVIDIA's cuda-checkpoint command line, with gpusnap's safety (also
+    /// reached through a link named cuda-checkpoint).
+    #[command(disable_help_flag = true)]
+    CudaCheckpoint {
+        /// cuda-checkpoint's own arguments (`gpusnap cuda-checkpoint --help` lists them).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+        args: Vec<OsString>,
+    },
+    /// The journal of one pid: every driver call gpusnap made on it.
+    History {
+        /// The process id (also of a process that has ended).
+        pid: i32,
+    },
+    /// The node agent: a proxy per model server that suspends it when idle
+    /// and brings it back on the next request (docs/agent.md).
+    Agent {
+        /// The agent's configuration (docs/agent.md).
+        #[arg(long, value_name = "FILE", default_value = "/etc/gpusnap/agent.toml")]
+        config: PathBuf,
+    },
+    /// The agent's services and their states.
+    Services {
+        /// The agent's control socket.
+        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
+        socket: PathBuf,
+    },
+    /// Ask the agent to act on one service.
+    Service {
+        /// The service, as named in the agent's configuration.
+        name: String,
+        /// What to do with it.
+        #[arg(value_enum)]
+        action: Action,
+        /// The agent's control socket.
+        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
+        socket: PathBuf,
+    },
+    /// Check this host (and a process) for what checkpointing needs, and explain what is missing.
+    Doctor {
+        /// A process to check as well.
+        pid: Option<i32>,
+    },
+    /// The manual: gpusnap(1) on stdout, or a page per command in a directory.
+    Man {
+        /// Write DIR/gpusnap.1 and a page for every command
+        /// (gpusnap-suspend.1, gpusnap-images-push.1, ...) instead.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+        /// The command line reference in Markdown (docs/reference/cli.md).
+        #[arg(long, hide = true, conflicts_with = "dir")]
+        markdown: bool,
+    },
+    /// A completion script for SHELL on stdout.
+    ///
+    /// bash: `gpusnap completions bash > /usr/share/bash-completion/completions/gpusnap`;
+    /// zsh: `gpusnap completions zsh > /usr/share/zsh/vendor-completions/_gpusnap`;
+    /// fish: `gpusnap completions fish > /usr/share/fish/vendor_completions.d/gpusnap.fish`.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+/// Which processes a command acts on: pids, or a group.
+#[derive(clap::Args, Debug)]
+#[group(required = true, multiple = true)]
+pub struct Select {
+    /// Process ids.
+    pub pids: Vec<i32>,
+    /// Every CUDA process in the tree rooted at PID.
+    #[arg(long, value_name = "PID")]
+    pub tree: Option<i32>,
+    /// Every CUDA process in a cgroup (a container or pod): a path under
+    /// /sys/fs/cgroup, or absolute.
+    #[arg(long, value_name = "PATH")]
+    pub cgroup: Option<PathBuf>,
+    /// Every CUDA process this host can see.
+    #[arg(long)]
+    pub all: bool,
+}
+
+#[derive(Subcommand)]
+pub enum ImagesCmd {
+    /// Every image (the default).
+    List,
+    /// Check an image's signature, manifest and every file's checksum.
+    Verify {
+        /// An image: a name in the store, or the path of an image directory.
+        image: String,
+    },
+    /// Remove an image (a name in the store, or the path of an image directory).
+    Rm {
+        /// An image: a name in the store, or the path of an image directory.
+        image: String,
+    },
+    /// Build an image's map file: its CUDA processes' large memory regions
+    /// (the driver's host copy) laid out so that a warm wake maps them from
+    /// the page cache instead of copying them in (docs/pages.md, "The mapped
+    /// wake"). Costs disk and page cache the size of those regions.
+    Map {
+        /// An image in the store.
+        image: String,
+    },
+    /// Copy an image directory (from another host, say) into the store, verified.
+    Import {
+        /// The image directory to copy.
+        path: String,
+    },
+    /// Finish or undo hibernates a killed gpusnap left, remove its temporary
+    /// images, and remove the chunks of STATE_DIR/store no image refers to.
+    Gc,
+    /// Send an image to a remote: s3://BUCKET/PREFIX (AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP) or
+    /// file:///DIR. Only the chunks the remote lacks are sent; the manifest last.
+    Push {
+        /// An image in the store.
+        image: String,
+        /// The remote: s3://BUCKET/PREFIX or file:///DIR.
+        url: String,
+    },
+    /// Fetch URL/NAME into the store (signed by a trusted key, every chunk checked).
+    Pull {
+        /// The remote and the image's name there: URL/NAME.
+        url: String,
+        /// The name it gets here (default: its name on the remote).
+        #[arg(long = "as", value_name = "NAME")]
+        as_name: Option<String>,
+    },
+    /// This host's public key: what other hosts pass to --trust to wake its images.
+    Key,
+}
+
+/// What `gpusnap service NAME ACTION` asks the agent to do.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Action {
+    /// Take its GPU state to host RAM.
+    Suspend,
+    /// Bring it back, from suspended or hibernated, as a request would.
+    Resume,
+    /// Dump it into an image and end it.
+    Hibernate,
+    /// As resume.
+    Wake,
+    /// End it (suspended first, as `gpusnap stop` does) and start it anew;
+    /// only a service the agent started.
+    Restart,
+}
+
+impl Action {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Suspend => "suspend",
+            Action::Resume => "resume",
+            Action::Hibernate => "hibernate",
+            Action::Wake => "wake",
+            Action::Restart => "restart",
+        }
+    }
+}
+
+/// A `--device-map` value: OLD=NEW pairs.
+#[derive(Debug, Clone)]
+pub struct DeviceMap(pub Vec<(String, String)>);
+
+fn parse_map(s: &str) -> Result<DeviceMap, String> {
+    gpusnap_core::remap::parse(s).map(DeviceMap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_definitions_hold_together() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,189 @@
+//! `ps`, `state`, `suspend`, `resume`, `stop`, `history`: a CUDA process's
+//! GPU state taken off the GPU and brought back, in place.
+
+use super::hibernate::{has_image, snapshot_if_suspended};
+use crate::cli::{Cli, DeviceMap, Select};
+use crate::doctor;
+use crate::output::{self, Out};
+use crate::select::Check;
+use crate::setup::{criu, engine, engine_with, mib, own_images, reconcile, Load};
+use gpusnap_core::engine::{ResumeOptions, StateReport, StopOptions};
+use gpusnap_core::{Error as CoreError, Store};
+use gpusnap_hibernate::criu::Criu;
+use gpusnap_hibernate::hibernate::WakeOptions;
+use gpusnap_hibernate::{Error, Hibernate};
+use std::time::Duration;
+
+pub fn ps(cli: &Cli, out: &Out) -> anyhow::Result<()> {
+    let mut e = engine(cli, out)?;
+    let rows = e.ps()?;
+    out.ps(&rows);
+    Ok(())
+}
+
+/// `state`: a pid named alone gives its report as it always did; several
+/// pids or a group give a list, in the order named, each process once. A
+/// group's member that is stopped is listed as such, as `ps` lists it.
+pub fn state(cli: &Cli, out: &Out, select: &Select) -> anyhow::Result<()> {
+    select.validate(Check::Callable)?;
+    let mut e = engine(cli, out)?;
+    if let Some(pid) = select.single() {
+        let r = e.state(pid)?;
+        out.state(&r);
+        return Ok(());
+    }
+    let mut rows: Vec<StateReport> = Vec::new();
+    for &pid in &select.pids {
+        if rows.iter().any(|r| r.pid == pid) {
+            continue;
+        }
+        let r = e.state(pid).map_err(|err| Error::Member { pid, source: Box::new(err.into()) })?;
+        rows.push(r);
+    }
+    if select.is_group() {
+        let listed = e.ps()?;
+        let cuda: Vec<i32> = listed.iter().map(|r| r.pid).collect();
+        for pid in select.members(&cuda)? {
+            if rows.iter().any(|r| r.pid == pid) {
+                continue;
+            }
+            if let Some(r) = listed.iter().find(|r| r.pid == pid) {
+                rows.push(r.clone());
+            }
+        }
+        if rows.is_empty() {
+            eprintln!("gpusnap: no CUDA process in that group");
+        }
+    }
+    out.states(&rows);
+    Ok(())
+}
+
+pub fn history(cli: &Cli, out: &Out, pid: i32) -> anyhow::Result<()> {
+    let store = Store::open_read_only(&cli.state_dir)?;
+    let h = store.history(pid)?;
+    out.history(pid, &h);
+    Ok(())
+}
+
+pub fn suspend(cli: &Cli, out: &Out, select: &Select, lock_timeout: u32, thp: bool) -> anyhow::Result<()> {
+    select.validate(Check::Callable)?;
+    let mut e = engine(cli, out)?;
+    reconcile(cli, &mut e);
+    let pids = &select.resolve(&mut e)?;
+    // Said before anything is done: what is known about suspending a
+    // rank of a multi-process NCCL job.
+    for &pid in pids {
+        if let Some(note) = doctor::nccl_job_note(pid, pids) {
+            eprintln!("gpusnap: warning: {note}");
+        }
+    }
+    let _thp = thp.then(|| gpusnap_core::thp::Always::on(&cli.state_dir)).transpose()?;
+    let r = e.suspend_group(pids, lock_timeout, &|| out.progress())?;
+    out.all(&r, output::suspended);
+    Ok(())
+}
+
+/// `resume`'s flags.
+pub struct Resume<'a> {
+    pub wait: u64,
+    pub margin: u64,
+    pub footprint: Option<u64>,
+    pub device_map: Option<&'a DeviceMap>,
+    pub snapshot_first: bool,
+}
+
+pub fn resume(cli: &Cli, out: &Out, select: &Select, a: &Resume) -> anyhow::Result<()> {
+    select.validate(Check::Callable)?;
+    let mut e = engine(cli, out)?;
+    reconcile(cli, &mut e);
+    let pids = &select.resolve(&mut e)?;
+    let opts = ResumeOptions {
+        margin_bytes: mib(a.margin),
+        wait: Duration::from_secs(a.wait),
+        footprint_bytes: a.footprint.map(mib),
+        device_map: a.device_map.map(|m| m.0.clone()).unwrap_or_default(),
+    };
+    let store = own_images(cli)?;
+    if pids.len() > 1 && !a.snapshot_first {
+        // A group: admission for all of it, restores in parallel.
+        let r = e.resume_group(pids, &opts, &|| out.progress())?;
+        out.all(&r, output::resumed);
+        return Ok(());
+    }
+    let criu = if a.snapshot_first { Some(criu(cli)?) } else { None };
+    each(
+        out,
+        pids,
+        |pid| {
+            if let Some(c) = &criu {
+                snapshot_if_suspended(&mut e, c, &store, pid)?;
+            }
+            match e.resume(pid, &opts) {
+                // Stuck, but an image of it exists: wake it from that.
+                Err(CoreError::Unrecoverable { reason, .. }) if has_image(&store, pid) => {
+                    tracing::warn!(pid, "{reason}; recovering from its image");
+                    let c = match &criu {
+                        Some(c) => c.clone(),
+                        None => Criu::find(cli.criu.as_deref())?,
+                    };
+                    let w = WakeOptions {
+                        wait: opts.wait,
+                        margin_bytes: opts.margin_bytes,
+                        force_resume: vec![],
+                        device_map: opts.device_map.clone(),
+                        force: false,
+                        eager: false,
+                    };
+                    e.recover(&c, &store, pid, &w).map(|w| output::recovered_as_resume(pid, &w))
+                }
+                other => other.map_err(Error::from),
+            }
+        },
+        output::resumed,
+    )
+}
+
+pub fn stop(
+    cli: &Cli,
+    out: &Out,
+    select: &Select,
+    grace: u64,
+    force: bool,
+    lock_timeout: u32,
+) -> anyhow::Result<()> {
+    // A stopped process is stop's to refuse (or --force), not bad input.
+    select.validate(Check::Exists)?;
+    let mut e = engine_with(cli, out, Load::Lenient)?;
+    reconcile(cli, &mut e);
+    let pids = &select.resolve(&mut e)?;
+    let opts = StopOptions { grace: Duration::from_secs(grace), force, lock_timeout_ms: lock_timeout };
+    let r = e.stop_group(pids, &opts, &|| out.progress())?;
+    out.all(&r, output::stopped);
+    Ok(())
+}
+
+/// Runs `f` on each pid in order, stopping at the first failure; the
+/// results so far are printed either way.
+fn each<T: serde::Serialize>(
+    out: &Out,
+    pids: &[i32],
+    mut f: impl FnMut(i32) -> Result<T, Error>,
+    human: impl Fn(&T) -> String,
+) -> anyhow::Result<()> {
+    let mut done = Vec::new();
+    for &pid in pids {
+        match f(pid) {
+            Ok(r) => {
+                out.line(&human(&r));
+                done.push(r);
+            }
+            Err(e) => {
+                out.results(&done);
+                return Err(e.into());
+            }
+        }
+    }
+    out.results(&done);
+    Ok(())
+}

@@ -1,0 +1,88 @@
+//! What each command does, one family of commands per module; this file
+//! only dispatches.
+
+pub mod doctor;
+mod hibernate;
+mod images;
+mod lifecycle;
+mod manual;
+
+use crate::cli::{Cli, Cmd};
+use crate::output::Out;
+use crate::{agent, compat, guarded};
+
+pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
+    // A `--thp` or `--big-pipes` switch whose gpusnap died is put back by
+    // the next one; not by the manual, made at package time.
+    if !matches!(cli.cmd, Cmd::Man { .. } | Cmd::Completions { .. }) {
+        for e in gpusnap_core::hostknob::reconcile(&cli.state_dir) {
+            tracing::warn!("{e}");
+        }
+    }
+    match &cli.cmd {
+        Cmd::CudaCheckpoint { args } => std::process::exit(compat::main(args)),
+        Cmd::Doctor { pid } => doctor::run(cli, out, *pid),
+        Cmd::Ps => lifecycle::ps(cli, out),
+        Cmd::State { select } => lifecycle::state(cli, out, select),
+        Cmd::History { pid } => lifecycle::history(cli, out, *pid),
+        Cmd::Suspend { select, lock_timeout, thp } => {
+            lifecycle::suspend(cli, out, select, *lock_timeout, *thp)
+        }
+        Cmd::Resume { select, wait, margin, footprint, snapshot_first, device_map } => {
+            let a = lifecycle::Resume {
+                wait: *wait,
+                margin: *margin,
+                footprint: *footprint,
+                device_map: device_map.as_ref(),
+                snapshot_first: *snapshot_first,
+            };
+            lifecycle::resume(cli, out, select, &a)
+        }
+        Cmd::Stop { select, grace, force, lock_timeout } => {
+            lifecycle::stop(cli, out, select, *grace, *force, *lock_timeout)
+        }
+        Cmd::Hibernate { select, image, leave_running, lock_timeout, no_sync, thp, big_pipes, map } => {
+            let a = hibernate::HibernateArgs {
+                image: image.as_deref(),
+                leave_running: *leave_running,
+                lock_timeout: *lock_timeout,
+                no_sync: *no_sync,
+                thp: *thp,
+                big_pipes: *big_pipes,
+                map: *map,
+            };
+            hibernate::hibernate(cli, out, select, &a)
+        }
+        Cmd::Snapshot { select, image, lock_timeout, big_pipes } => {
+            hibernate::snapshot(cli, out, select, image.as_deref(), *lock_timeout, *big_pipes)
+        }
+        Cmd::Wake { images: names, wait, margin, no_guard, device_map, eager } => {
+            let a = hibernate::WakeArgs {
+                wait: *wait,
+                margin: *margin,
+                no_guard: *no_guard,
+                device_map: device_map.as_ref(),
+                eager: *eager,
+            };
+            hibernate::wake(cli, out, names, &a)
+        }
+        Cmd::Recover { pid, wait, margin, force, eager } => {
+            hibernate::recover(cli, out, *pid, *wait, *margin, *force, *eager)
+        }
+        Cmd::Images { cmd } => images::run(cli, out, cmd.as_ref()),
+        Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, cmd, .. } => {
+            guarded::run_light(cli, name.clone(), *lock_timeout, preload.as_deref(), *oom_watch, cmd)
+        }
+        Cmd::Run { name, lock_timeout, no_keeper, oom_watch, cmd, .. } => {
+            guarded::run(cli, name.clone(), *lock_timeout, !no_keeper, *oom_watch, cmd)
+        }
+        Cmd::Guard { pids, lock_timeout, takeover, daemon } => {
+            guarded::guard(cli, pids, *lock_timeout, *takeover, *daemon)
+        }
+        Cmd::Agent { config } => agent::run_agent(cli, config),
+        Cmd::Services { socket } => agent::services(out, socket),
+        Cmd::Service { name, action, socket } => agent::service(out, socket, name, *action),
+        Cmd::Man { dir, markdown } => manual::man(dir.as_deref(), *markdown),
+        Cmd::Completions { shell } => manual::completions(*shell),
+    }
+}
