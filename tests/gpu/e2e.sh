@@ -882,14 +882,19 @@ section_x() {
     elif disk_ok x2 "wake a corrupted image" "$(du_bytes "$STATE_DIR/images/$src")"; then
         rm -rf "$STATE_DIR/images/e2e-corrupt"
         cp -a "$STATE_DIR/images/$src" "$STATE_DIR/images/e2e-corrupt"
-        # One byte flipped in the middle of the largest pages file: same size,
-        # so only the checksum can tell.
+        # One byte flipped in the middle of the largest stored chunk of the
+        # image's pages (the pages live in the chunk store, STATE/store/chunks,
+        # shared with the image copied): same size, so only the chunk's
+        # checksum can tell. Flipped back right after the wake.
         f="" off=""
-        read -r f off < <(python3 - "$STATE_DIR/images/e2e-corrupt/criu" <<'PY'
-import glob, os, sys
-pages = sorted(glob.glob(os.path.join(sys.argv[1], "pages-*.img")), key=os.path.getsize)
-if pages and os.path.getsize(pages[-1]) > 0:
-    p = pages[-1]
+        read -r f off < <(python3 - "$STATE_DIR" e2e-corrupt <<'PY'
+import json, os, sys
+state, name = sys.argv[1], sys.argv[2]
+m = json.load(open(os.path.join(state, "images", name, "manifest.json")))
+refs = [c for f in m["files"] for c in f.get("chunks", [])]
+if refs:
+    c = max(refs, key=lambda c: c["size"])
+    p = os.path.join(state, "store", "chunks", c["blake3"][:2], c["blake3"])
     off = os.path.getsize(p) // 2
     with open(p, "r+b") as fh:
         fh.seek(off)
@@ -899,16 +904,32 @@ if pages and os.path.getsize(pages[-1]) > 0:
     print(p, off)
 PY
 ) || true
-        log "corrupted copy of $src: byte $off of ${f:-no pages file} flipped"
+        log "corrupted copy of $src: byte $off of chunk ${f:-none} flipped"
+        # The check alone (the wake's own check streams beside the restore,
+        # and the image's pid may still be held by the worker woken from it).
+        gs 120 images verify e2e-corrupt
+        vrc=$GS_RC vmsg=${GS_MSG:-no message} vbad=0
+        grep -qiE 'checksum|corrupt' "$GS_ERR" && vbad=1
         gs 120 wake e2e-corrupt
-        got="exit $GS_RC: ${GS_MSG:-no message}"
-        v=FAIL; [[ $GS_RC == 2 && -n $off ]] && grep -qi checksum "$GS_ERR" && v=PASS
+        if [ -n "$off" ]; then
+            python3 - "$f" "$off" <<'PY' || log "could not flip the chunk byte back"
+import sys
+p, off = sys.argv[1], int(sys.argv[2])
+with open(p, "r+b") as fh:
+    fh.seek(off)
+    b = fh.read(1)
+    fh.seek(off)
+    fh.write(bytes([b[0] ^ 0xFF]))
+PY
+        fi
+        got="verify: exit $vrc: $vmsg; wake: exit $GS_RC: ${GS_MSG:-no message}"
+        v=FAIL; [[ $vrc == 2 && $vbad == 1 && -n $off && $GS_RC != 0 ]] && v=PASS
         if [ "$GS_RC" = 0 ]; then
             # Woken despite the damage: a restored process to end safely.
             n=$(jget "$GS_OUT" 'd["root_pid"]')
             if [ -n "$n" ]; then WORKERS+=("$n"); mark_restored "$n"; got="$got; pid $n restored"; fi
         fi
-        row x2 "wake a corrupted copy of $src (byte $off of ${f##*/} flipped)" "exit 2, 'checksum', nothing restored" "$got" "$v" "${GS_S} s"
+        row x2 "wake a corrupted copy of $src (byte $off of chunk ${f##*/} flipped)" "verify exit 2 naming the checksum; wake refused, nothing restored" "$got" "$v" "${GS_S} s"
         gs 60 images rm e2e-corrupt
     fi
 
