@@ -23,13 +23,15 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// `GPUSNAP_NAME` words in `text`; a word ending in `_` is a prefix, not a name.
+/// The `GPUSNAP_*` words in `text`; a word ending in `_` is a prefix, not a name.
 fn gpusnap_vars(text: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut rest = text;
     while let Some(i) = rest.find("GPUSNAP_") {
         let tail = &rest[i..];
-        let len = tail.find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')).unwrap_or(tail.len());
+        let len = tail
+            .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+            .unwrap_or(tail.len());
         let word = &tail[..len];
         if !word.ends_with('_') {
             out.push(word.to_string());
