@@ -5,7 +5,7 @@
 # other, resume this one). Prints a markdown table: the ttfb of a swap
 # against suspend + resume (the agent's transition metrics) and the running
 # service's ttfb, and, for an agent that traces its swaps, the mean of each
-# phase (gpusnap_agent_swap_phase_seconds, docs/agent.md).
+# phase (gpusnap_agent_swap_phase_seconds, docs/design/agent.md).
 #
 #   scripts/bench-agent-swap.sh
 #   BASE=/tmp/old/gpusnap SWAPS=20 NVML_PROCESS_LAG_MS=30 NVML_MEMORY_LAG_MS=60 scripts/bench-agent-swap.sh
@@ -22,7 +22,7 @@
 #                driver's copy speeds, which set suspend and resume times
 #   NVML_PROCESS_LAG_MS, NVML_MEMORY_LAG_MS (0): the fake NVML reports a
 #                checkpoint's release this late, in its process list and in
-#                the GPU's used memory (docs/fakes.md), as a real NVML may
+#                the GPU's used memory (docs/design/fakes.md), as a real NVML may
 # Times are of the whole path on this machine (a debug build on a loaded
 # 2-core VM is slow): compare columns of one run, not runs of machines.
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The mapped wake's premise on any Linux machine (docs/pages.md, "The mapped
+# The mapped wake's premise on any Linux machine (docs/design/wake.md, "The mapped
 # wake"): a reader that copies SIZE MiB out in 2 MiB pieces (the driver's
 # restore reads its host copy so), then unmaps it, from
 #   anon     anonymous memory filled first by pread (what a lazy wake's fill

@@ -14,7 +14,7 @@
 # each wake. The two ways alternate (ABBA). Prints a markdown table of
 # medians and every run, with the page server's report (faults, faults that
 # waited for a fill in flight, its fill rate). GPUSNAP_PAGES_* settings in the
-# environment (docs/pages.md) apply to the lazy wakes. Needs root and
+# environment (docs/reference/environment.md) apply to the lazy wakes. Needs root and
 # CRIU >= 4 (scripts/install-criu.sh). FILL=random writes random bytes (raw,
 # incompressible chunks) instead of one page repeated (the default, pattern:
 # compressed chunks that recur). MAPS_MIB=2 holds the memory in separate

@@ -4,7 +4,7 @@
 #   scripts/bench-overhead.sh            REPS=9 SIZES="12 50" GBPS=20 scripts/bench-overhead.sh
 #
 # Runs on any machine (no GPU): the fake driver and NVML of this workspace
-# (docs/fakes.md) copy at a fixed GBPS, so the driver's part of every call
+# (docs/design/fakes.md) copy at a fixed GBPS, so the driver's part of every call
 # is the same each time and what differs between "bare" and gpusnap is
 # gpusnap's own work (process start, /proc, NVML, the SQLite journal and
 # ledger). bare = one `fake-workload --driver-call` process per driver call

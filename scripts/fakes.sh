@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the fake driver, the fake NVML and fake-workload, and links them
 # into DIR under the real library names, so that LD_LIBRARY_PATH=DIR makes
-# any program (gpusnap included) use them. See docs/fakes.md.
+# any program (gpusnap included) use them. See docs/design/fakes.md.
 #
 #   scripts/fakes.sh DIR        PROFILE=release scripts/fakes.sh DIR
 set -euo pipefail

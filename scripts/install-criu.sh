@@ -8,7 +8,7 @@
 # So forky's criu and its whole dependency closure (glibc included) are
 # unpacked with `dpkg -x` into PREFIX/root, and criu runs through that root's
 # own dynamic loader. Nothing is installed into the system and the system's apt
-# state is not touched. See docs/criu.md.
+# state is not touched. See docs/design/driver.md.
 #
 # PREFIX defaults to /opt/gpusnap/criu. Afterwards PREFIX/bin/criu is the
 # command to run, and as root /usr/local/bin/criu links to it unless a good
@@ -20,7 +20,7 @@
 # the signed index; Debian's patches applied) and installs it as
 # PREFIX/lib/criu/cuda_plugin.so. criu loads it only when told to
 # (`--libdir PREFIX/lib/criu` or CRIU_LIBS_DIR=PREFIX/lib/criu): gpusnap's
-# own hibernate and wake do not want it (docs/criu.md). Building needs
+# own hibernate and wake do not want it (docs/design/driver.md). Building needs
 # build-essential pkg-config protobuf-c-compiler libprotobuf-c-dev
 # protobuf-compiler libprotobuf-dev libnl-3-dev libnet1-dev libcap-dev
 # libbsd-dev uuid-dev python3 (bookworm has them all; about 2 minutes on 2

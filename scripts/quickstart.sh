@@ -2,7 +2,7 @@
 # Build gpusnap, check this host, and take a CUDA program through
 # suspend -> resume -> stop. On a host with a GPU and PyTorch the program is a
 # real PyTorch worker; otherwise it is the fake CUDA workload of this
-# workspace, run against the fake driver and NVML (docs/fakes.md), and the
+# workspace, run against the fake driver and NVML (docs/design/fakes.md), and the
 # script says so.
 #
 #   scripts/quickstart.sh            GPUSNAP_STATE_DIR=DIR scripts/quickstart.sh

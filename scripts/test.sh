@@ -3,7 +3,7 @@
 #
 # Builds every target of the workspace, then runs `cargo test --workspace`
 # (no GPU needed: the tests run against the fake driver and NVML,
-# docs/fakes.md). Exits non-zero when the build or any test fails, and ends
+# docs/design/fakes.md). Exits non-zero when the build or any test fails, and ends
 # with the summary line of every test binary.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -60,7 +60,7 @@
 #   AGENT_BENCH_BUDGET_S  soft budget (420 s); a watchdog ends the run 60 s after
 #   AGENT_SERVER=fake  a dry run without a GPU: fake-workload --http against
 #                      the fake driver (FAKE_WORKLOAD, the fakes on
-#                      LD_LIBRARY_PATH, GPUSNAP_FAKE_DIR; see docs/fakes.md);
+#                      LD_LIBRARY_PATH, GPUSNAP_FAKE_DIR; see docs/design/fakes.md);
 #                      its "weights" are files the server reads before it
 #                      starts, and THP is a file (GPUSNAP_THP_SYSFS)
 # Writes $OUT/agent-bench.md (also printed) and $OUT/agent-bench.log.
@@ -575,7 +575,7 @@ swap_rows() { # MODE
     read -r tn tt ts tr trel tfb thk <<<"${BREAKDOWN[1]:-0 0 0 0 0 0 0}"
     thk=${thk:-0}
     if [ "${tn:-0}" != 0 ]; then
-        row "c6.$mode" "where a swap's time goes (agent trace, mean of $tn; docs/agent.md)" "-" "${BREAKDOWN[0]}" INFO \
+        row "c6.$mode" "where a swap's time goes (agent trace, mean of $tn; docs/design/agent.md)" "-" "${BREAKDOWN[0]}" INFO \
             "${tt}s accept->first byte"
         local added
         added=$(calc %.3f 't - s - r - f - h' t="$tt" s="$ts" r="$tr" f="$tfb" h="$thk")

@@ -37,7 +37,7 @@
 #                    on ONE image woken once per entry (the worker is stopped
 #                    through gpusnap between wakes): "NAME:VAR=VAL,VAR=VAL;..."
 #                    with any GPUSNAP_* variables (GPUSNAP_[A-Z0-9_]+, e.g.
-#                    the page server's GPUSNAP_PAGES_*, docs/pages.md, or
+#                    the page server's GPUSNAP_PAGES_*, docs/reference/environment.md, or
 #                    GPUSNAP_VERIFY_FIRST=1, the driver waiting for the
 #                    whole verify: "first:GPUSNAP_VERIFY_FIRST=1;stream:"),
 #                    set for that wake alone (a value the caller had is

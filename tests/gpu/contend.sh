@@ -226,7 +226,7 @@ wakes() {
         ERRORS=$((ERRORS + 1))
         return 1
     fi
-    # The image's map file (docs/pages.md, "The mapped wake"): wakes use it
+    # The image's map file (docs/design/wake.md, "The mapped wake"): wakes use it
     # unless their settings say GPUSNAP_MAP=0.
     if [ "$CONTEND_MAP" = 1 ]; then
         gs 300 images map contend

@@ -1030,7 +1030,7 @@ plain_criu() {
         </dev/null >>"$WORK/criu-k.out" 2>&1 || CR_RC=$?
     t1=$(now)
     s=$(fsub "$t0" "$t1")
-    # The rlimit line is in every log of an unprivileged-ish root (docs/criu.md): not a cause.
+    # The rlimit line is in every log of an unprivileged-ish root (docs/design/driver.md): not a cause.
     err=""
     if [ "$CR_RC" != 0 ]; then err=$(grep 'Error' "$log" 2>/dev/null | grep -v RLIMIT_NOFILE | head -n 1 | cut -c1-200); fi
     row "$id" "$what" "exit 0" "exit $CR_RC${err:+; first Error line: $err}" "$([ "$CR_RC" = 0 ] && echo PASS || echo FAIL)" "$s s"

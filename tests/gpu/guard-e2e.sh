@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU end-to-end checks of the guard (`gpusnap run`, docs/guard.md) against
+# GPU end-to-end checks of the guard (`gpusnap run`, docs/design/safety.md) against
 # the real driver, on one GPU.
 #
 # Run from the repository root, on a machine with a GPU, as root:

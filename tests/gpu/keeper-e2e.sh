@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the keeper of a lazy wake (docs/pages.md, Safety): a PyTorch
+# GPU check of the keeper of a lazy wake (docs/design/wake.md, Safety): a PyTorch
 # worker is hibernated, then woken lazily with the page server slowed, and
 # `gpusnap wake` is killed with SIGKILL in the middle of the fill (the
 # driver's restore waiting on pages). The keeper must fill every page; the

@@ -634,7 +634,7 @@ install_traps() {
     trap on_exit EXIT
 }
 
-# A dry run against the fakes (docs/fakes.md) replaces the PyTorch workers,
+# A dry run against the fakes (docs/design/fakes.md) replaces the PyTorch workers,
 # the filler and nvidia-smi here; see the end of tests/gpu/README.md.
 if [ -n "${GPU_TEST_HOOK:-}" ]; then
     # shellcheck disable=SC1090

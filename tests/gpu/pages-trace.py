@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Sums up a lazy wake's page-server trace (GPUSNAP_PAGES_TRACE=FILE, see
-docs/pages.md): where the faults fell (which piece of the process's memory,
+docs/design/wake.md): where the faults fell (which piece of the process's memory,
 how far into it, whether a fill had it in flight) against where the
 background fill was, to find the order in which a driver's restore reads.
 

@@ -14,7 +14,7 @@
 #                   (default 6) of seeded random weights + RBENCH_KV_GB (default 2)
 #                   of KV cache, greedy answers; worker: tests/gpu/worker.py of
 #                   SIZE_GIB; fake: a dry run without a GPU, FAKE_WORKLOAD --http
-#                   against the fakes (LD_LIBRARY_PATH, GPUSNAP_FAKE_DIR; docs/fakes.md)
+#                   against the fakes (LD_LIBRARY_PATH, GPUSNAP_FAKE_DIR; docs/design/fakes.md)
 #   REMOTE_URL      where to push (default file://$WORK/remote; an s3://BUCKET/PREFIX
 #                   takes AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION,
 #                   AWS_ENDPOINT_URL, AWS_ALLOW_HTTP=true for a local http server)

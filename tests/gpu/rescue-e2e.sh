@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the streaming lazy wake's rescue (docs/pages.md): the driver's
+# GPU check of the streaming lazy wake's rescue (docs/design/wake.md): the driver's
 # restore starts right after CRIU's, before the whole image is verified; if
 # the page server fails while it runs, gpusnap stops every other thread of
 # the woken tree, answers the missing pages with zeros so that the driver's

@@ -21,7 +21,7 @@ pub enum Error {
     MapStillMapped { pid: i32, path: String },
     #[error("process {pid} ({comm}) is in a session whose leader is outside its pid namespace, which CRIU cannot dump; start it in a session of its own (setsid, or `gpusnap run`)")]
     ForeignSession { pid: i32, comm: String },
-    #[error("process {pid} ({comm}) died after CRIU restored it, before its CUDA state was back ({how}); the image is kept. A thread of it ran on memory the driver maps back only in its restore (seen with JAX and XLA_PYTHON_CLIENT_PREALLOCATE=false: docs/images.md)")]
+    #[error("process {pid} ({comm}) died after CRIU restored it, before its CUDA state was back ({how}); the image is kept. A thread of it ran on memory the driver maps back only in its restore (seen with JAX and XLA_PYTHON_CLIENT_PREALLOCATE=false: docs/design/wake.md)")]
     DiedAfterRestore { pid: i32, comm: String, how: String },
     #[error("process {pid} ({comm}) from this image is still running")]
     StillRunning { pid: i32, comm: String },
