@@ -110,7 +110,7 @@ pub struct ServiceConfig {
     /// Overrides `[agent] lazy_wake` for this service's wakes.
     pub lazy_wake: Option<bool>,
     /// HTTP calls to the server's own backend around its suspends and
-    /// resumes (vLLM's sleep mode, SGLang's memory release): see docs/agent.md.
+    /// resumes (vLLM's sleep mode, SGLang's memory release): see docs/design/agent.md.
     #[serde(default)]
     pub hooks: Hooks,
 }

@@ -72,7 +72,7 @@ pub enum Cmd {
         lock_timeout: u32,
         /// Switch transparent huge pages to `always` for the checkpoint and
         /// back after it (host-wide while it runs; checkpoint about 1.5-2x
-        /// faster, measured; see docs/pages.md).
+        /// faster, measured; see docs/design/wake.md).
         #[arg(long)]
         thp: bool,
     },
@@ -122,19 +122,19 @@ pub enum Cmd {
         lock_timeout: u32,
         /// Switch transparent huge pages to `always` for the checkpoint and
         /// back after it (host-wide while it runs; checkpoint about 1.5-2x
-        /// faster, measured; see docs/pages.md).
+        /// faster, measured; see docs/design/wake.md).
         #[arg(long)]
         thp: bool,
         /// Raise fs.pipe-max-size to 64 MiB for the dump and back after it,
         /// where gpusnap lacks CAP_SYS_RESOURCE (host-wide while it runs: any
         /// process may then make pipes that large; CRIU's pages move through
-        /// larger pipes, see docs/images.md). Also GPUSNAP_DUMP_BIG_PIPES=1.
+        /// larger pipes, see docs/design/chunk-store.md). Also GPUSNAP_DUMP_BIG_PIPES=1.
         #[arg(long)]
         big_pipes: bool,
         /// Also build the image's map file (as `gpusnap images map`): a warm
         /// wake then maps its CUDA processes' host copies from the page cache
         /// instead of filling them (disk and page cache the size of those
-        /// host copies; see docs/pages.md, "The mapped wake").
+        /// host copies; see docs/design/wake.md, "The mapped wake").
         #[arg(long)]
         map: bool,
     },
@@ -241,7 +241,7 @@ pub enum Cmd {
         /// the guard to suspend a dying process from inside it. Signals and
         /// forks then cost nothing extra; raw `exit_group` calls (Go, static
         /// binaries) and children that drop LD_PRELOAD are not caught
-        /// (docs/guard.md).
+        /// (docs/design/safety.md).
         #[arg(long)]
         light: bool,
         /// The preload library for --light (default: next to gpusnap, or
@@ -285,9 +285,9 @@ pub enum Cmd {
         pid: i32,
     },
     /// The node agent: a proxy per model server that suspends it when idle
-    /// and brings it back on the next request (docs/agent.md).
+    /// and brings it back on the next request (docs/design/agent.md).
     Agent {
-        /// The agent's configuration (docs/agent.md).
+        /// The agent's configuration (docs/design/agent.md).
         #[arg(long, value_name = "FILE", default_value = "/etc/gpusnap/agent.toml")]
         config: PathBuf,
     },
@@ -369,7 +369,7 @@ pub enum ImagesCmd {
     },
     /// Build an image's map file: its CUDA processes' large memory regions
     /// (the driver's host copy) laid out so that a warm wake maps them from
-    /// the page cache instead of copying them in (docs/pages.md, "The mapped
+    /// the page cache instead of copying them in (docs/design/wake.md, "The mapped
     /// wake"). Costs disk and page cache the size of those regions.
     Map {
         /// An image in the store.

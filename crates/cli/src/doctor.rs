@@ -370,7 +370,7 @@ pub fn process_at(root: &Path, pid: i32, host_gpus: usize) -> Vec<Finding> {
                 "nccl",
                 Severity::Warn,
                 format!(
-                    "{}{}: the communicator spans processes. NVIDIA does not support checkpointing NCCL communicators (NVIDIA/cuda-checkpoint#5); a one-rank communicator survived suspend and resume on an H200 with r580, for ranks across processes see docs/gpu-e2e.md (multi-e2e m5). A rank suspended alone stalls the others at their next collective",
+                    "{}{}: the communicator spans processes. NVIDIA does not support checkpointing NCCL communicators (NVIDIA/cuda-checkpoint#5); a one-rank communicator survived suspend and resume on an H200 with r580, ranks across processes are untested on this driver (tests/gpu/multi-e2e.sh, section m5, checks them on two GPUs). A rank suspended alone stalls the others at their next collective",
                     j.describe(),
                     if peers.is_empty() {
                         String::new()
@@ -488,7 +488,7 @@ pub fn sandbox() -> Option<Finding> {
 }
 
 /// Whether `wake` can restore lazily here (userfaultfd with fork, remap and
-/// unmap events: docs/pages.md), and `vm.unprivileged_userfaultfd`.
+/// unmap events: docs/design/wake.md), and `vm.unprivileged_userfaultfd`.
 pub fn lazy_wake() -> Finding {
     let s = gpusnap_pages::support();
     let unpriv = match s.unprivileged {

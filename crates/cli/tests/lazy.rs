@@ -44,7 +44,7 @@ fn wake(w: &mut World, pid: i32, args: &[&str]) -> Run {
 /// A wake of `pid`, which acts on its memory (its `go` file is made) while
 /// the page server fills it: a wake that failed because the process removed
 /// pages while a copy into them was in flight (the one race the page server
-/// cannot undo, docs/pages.md) ended the tree and kept the image, and is
+/// cannot undo, docs/design/wake.md) ended the tree and kept the image, and is
 /// tried again, a few times at most.
 fn wake_acting(w: &mut World, pid: i32, out: &Path, args: &[&str]) -> Run {
     for _ in 0..8 {

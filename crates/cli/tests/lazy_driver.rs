@@ -1,6 +1,6 @@
 //! The driver's restore in a lazy wake reads the host copy its checkpoint
 //! left in the process, while the page server is still filling it: the
-//! fake driver does the same (docs/fakes.md, "The host copy"), so that these
+//! fake driver does the same (docs/design/fakes.md, "The host copy"), so that these
 //! tests see what the "driver" read. Real CRIU, fake CUDA.
 
 mod common;

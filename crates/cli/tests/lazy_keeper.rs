@@ -1,6 +1,6 @@
 //! The keeper of a lazy wake: gpusnap killed (SIGKILL) in the middle of a
 //! lazy wake must not let the woken process read zeros where its memory was
-//! still missing (docs/pages.md, "Safety"). With the real CRIU.
+//! still missing (docs/design/wake.md, "Safety"). With the real CRIU.
 
 mod common;
 

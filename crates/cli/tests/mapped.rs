@@ -1,4 +1,4 @@
-//! The mapped wake (docs/pages.md, "The mapped wake"): `images map` builds
+//! The mapped wake (docs/design/wake.md, "The mapped wake"): `images map` builds
 //! an image's map file, and a wake maps the CUDA processes' large regions
 //! (the fake driver's host copy here) from it instead of filling them. Real
 //! CRIU, fake CUDA: the fake driver's restore reads the host copy from the

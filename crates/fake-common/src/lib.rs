@@ -1,5 +1,5 @@
 //! The state model shared by the fake `libcuda.so.1`, the fake
-//! `libnvidia-ml.so.1` and `fake-workload` (see `docs/fakes.md`).
+//! `libnvidia-ml.so.1` and `fake-workload` (see `docs/design/fakes.md`).
 //!
 //! Every process that loads one of the fakes sees the same simulated GPUs
 //! through one directory (`$GPUSNAP_FAKE_DIR`): the libraries keep no state

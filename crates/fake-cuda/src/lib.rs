@@ -1,5 +1,5 @@
 //! A fake `libcuda.so.1`: the CUDA driver's checkpoint API, modelled on what
-//! driver r580 does on an H200 (`docs/fakes.md`), plus the few driver calls
+//! driver r580 does on an H200 (`docs/design/fakes.md`), plus the few driver calls
 //! `fake-workload` needs to be a "CUDA program". State is shared through
 //! `$GPUSNAP_FAKE_DIR` (see `gpusnap-fake-common`).
 //!
@@ -377,7 +377,7 @@ pub extern "C" fn fakeEnqueueWork(ms: c_uint) -> CUresult {
     ffi(|| driver::enqueue_work(ms))
 }
 
-/// Registers the calling process's host copy (see `docs/fakes.md`): its
+/// Registers the calling process's host copy (see `docs/design/fakes.md`): its
 /// checkpoints write a known pattern to `[addr, addr + len)` of its memory
 /// and its restores read it back. Needs a context.
 #[no_mangle]

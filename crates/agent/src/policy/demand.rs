@@ -246,8 +246,8 @@ impl Agent {
                 force: false,
                 // Lazy only when asked: its page server lives in this
                 // process, and an agent killed mid-fill would let the woken
-                // processes fault in zero pages (docs/pages.md). Eager, the
-                // agent can die at any moment (docs/agent.md).
+                // processes fault in zero pages (docs/design/wake.md). Eager, the
+                // agent can die at any moment (docs/design/agent.md).
                 eager: !svc.cfg.lazy_wake.unwrap_or(self.cfg().lazy_wake),
             };
             let r = e.wake(&self.criu().map_err(err)?, self.images(), &image, &opts).map_err(err)?;

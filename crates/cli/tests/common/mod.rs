@@ -1,5 +1,5 @@
 //! Test harness: the real `gpusnap` binary against the fake driver and NVML
-//! (see docs/fakes.md), each test in its own fake GPU world.
+//! (see docs/design/fakes.md), each test in its own fake GPU world.
 
 #![allow(dead_code)]
 
@@ -773,7 +773,7 @@ pub fn free_port() -> u16 {
 }
 
 /// A fake CUDA workload whose checkpoint leaves `host_mib` MiB of host copy
-/// in it (docs/fakes.md, "The host copy"), hibernated as `image`; returns
+/// in it (docs/design/fakes.md, "The host copy"), hibernated as `image`; returns
 /// its pid (gone, its image written, no restore yet).
 pub fn hibernated_host_copy(w: &mut World, host_mib: u64, image: &str) -> i32 {
     let pid = w.workload(64, 0, &["--host-copy-mib", &host_mib.to_string()]);
