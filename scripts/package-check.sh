@@ -161,10 +161,13 @@ exercise() {
 	say "$bin --version"
 	chroot "$r" "$bin" --version
 	say "$bin doctor"
+	local doc
 	rc=0
-	chroot "$r" env -i PATH=/usr/local/bin:/usr/bin:/bin "$bin" doctor || rc=$?
+	doc=$(chroot "$r" env -i PATH=/usr/local/bin:/usr/bin:/bin "$bin" doctor) || rc=$?
+	printf '%s\n' "$doc"
 	echo "exit code: $rc"
 	((rc == 0)) || die "doctor exited $rc (it exits 0 whenever it could look at the host)"
+	grep -q '^ERROR driver .*libcuda' <<<"$doc" || die "doctor did not report the driver missing"
 	say "$bin run --light (finds the preload library, which loads into the program)"
 	rc=0
 	# shellcheck disable=SC2016 # $$ and $l are the program's, in its shell

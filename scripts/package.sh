@@ -190,6 +190,15 @@ if ((deb)); then
 	# crates/cli/Cargo.toml's assets name this tree (target/release/ there
 	# means the target's release directory to cargo-deb).
 	stage "$rel/deb" /usr/bin
+	# The .deb takes the binaries as the tarball has them (line tables
+	# stripped here: --no-strip below), install-criu.sh with its own mode,
+	# and everything under share/ as it lies, where zsh reads the
+	# completions of packages from vendor-completions.
+	mv -- "$rel/deb/share/gpusnap/install-criu.sh" "$rel/deb/install-criu.sh"
+	rmdir -- "$rel/deb/share/gpusnap"
+	if [[ -d $rel/deb/share/zsh/site-functions ]]; then
+		mv -- "$rel/deb/share/zsh/site-functions" "$rel/deb/share/zsh/vendor-completions"
+	fi
 	debs=$(mktemp -d)
 	trap 'rm -rf -- "$debs"' EXIT
 	cargo deb --no-build --no-strip --target "$TRIPLE" -p gpusnap --output "$debs"
