@@ -11,8 +11,8 @@ use gpusnap_core::engine::{ResumeOptions, StopOptions, SuspendReport};
 use gpusnap_core::target::{self, Target};
 use gpusnap_core::tree::process_tree;
 use gpusnap_core::Quiet;
-use gpusnap_hibernate::hibernate::{HibernateOptions, WakeOptions};
 use gpusnap_hibernate::Hibernate;
+use gpusnap_hibernate::{HibernateOptions, WakeOptions};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

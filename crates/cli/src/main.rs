@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 use gpusnap_core::engine::{ResumeOptions, StopOptions};
 use gpusnap_core::Error as CoreError;
 use gpusnap_hibernate::criu::Criu;
-use gpusnap_hibernate::hibernate::{HibernateOptions, WakeOptions};
+use gpusnap_hibernate::{HibernateOptions, WakeOptions};
 use gpusnap_images::image::ImageStore;
 
 use gpusnap_core::{Engine, Store};
@@ -1036,7 +1036,7 @@ fn hibernate(cli: &Cli, out: &Out, select: &Select, opts: &HibernateOptions) -> 
     if roots.is_empty() {
         // As for the other commands, a group that turns out empty is no error.
         eprintln!("gpusnap: no process in that group: nothing to hibernate");
-        out.all::<gpusnap_hibernate::hibernate::HibernateReport>(&[], output::hibernated);
+        out.all::<gpusnap_hibernate::HibernateReport>(&[], output::hibernated);
         return Ok(());
     }
     let mut tree: Vec<i32> = Vec::new();

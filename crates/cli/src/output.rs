@@ -4,7 +4,7 @@ use crate::doctor::{Finding, Severity};
 use gpusnap_core::engine::{ResumeReport, StateReport, StopReport, SuspendReport};
 use gpusnap_core::store::Event;
 use gpusnap_core::Progress;
-use gpusnap_hibernate::hibernate::{HibernateReport, WakeReport};
+use gpusnap_hibernate::{HibernateReport, WakeReport};
 use gpusnap_images::image::{ImageError, Named};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
