@@ -5,7 +5,8 @@ use gpusnap_core::engine::{ResumeReport, StateReport, StopReport, SuspendReport}
 use gpusnap_core::store::Event;
 use gpusnap_core::Progress;
 use gpusnap_hibernate::{HibernateReport, WakeReport};
-use gpusnap_images::image::{ImageError, Named};
+use gpusnap_images::image::Named;
+use gpusnap_images::manifest::ImageError;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use serde_json::json;

@@ -15,7 +15,8 @@ use gpusnap_core::tree::process_tree;
 use gpusnap_core::Error as CoreError;
 use gpusnap_cuda::{CheckpointApi, ProcessState};
 use gpusnap_gpu::GpuInventory;
-use gpusnap_images::image::{GpuDesc, ImageStore, Manifest, ProcDesc, FORMAT, MAGIC};
+use gpusnap_images::image::ImageStore;
+use gpusnap_images::manifest::{GpuDesc, Manifest, ProcDesc, FORMAT, MAGIC};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -303,7 +304,7 @@ impl<A: CheckpointApi, G: GpuInventory> Dump for Engine<A, G> {
                             while done_rx.recv_timeout(Duration::from_millis(250))
                                 == Err(std::sync::mpsc::RecvTimeoutError::Timeout)
                             {
-                                gpusnap_images::image::start_writeback(&dir);
+                                gpusnap_images::sync::start_writeback(&dir);
                             }
                         });
                     }
@@ -367,7 +368,7 @@ impl<A: CheckpointApi, G: GpuInventory> Dump for Engine<A, G> {
         let mut followed = match finished {
             Some(Ok(f)) => Some(f),
             Some(Err(e)) => {
-                let err = Error::from(gpusnap_images::image::ImageError::Io {
+                let err = Error::from(gpusnap_images::manifest::ImageError::Io {
                     name: name.clone(),
                     op: "chunk the pages files".into(),
                     err: std::io::Error::other(e),
@@ -389,7 +390,7 @@ impl<A: CheckpointApi, G: GpuInventory> Dump for Engine<A, G> {
                         f.abandon(&store);
                     }
                 }
-                let err = Error::from(gpusnap_images::image::ImageError::Io {
+                let err = Error::from(gpusnap_images::manifest::ImageError::Io {
                     name: name.clone(),
                     op: "copy CRIU's files from the tmpfs".into(),
                     err: e,

@@ -24,7 +24,8 @@ use gpusnap_core::target::{self, Target};
 use gpusnap_core::Error as CoreError;
 use gpusnap_cuda::CheckpointApi;
 use gpusnap_gpu::GpuInventory;
-use gpusnap_images::image::{ImageStore, ProcDesc};
+use gpusnap_images::image::ImageStore;
+use gpusnap_images::manifest::ProcDesc;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 

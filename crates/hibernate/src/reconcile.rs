@@ -68,7 +68,7 @@ pub(crate) fn reconcile<A: CheckpointApi, G: GpuInventory>(
         let stopping = entries.iter().any(|(_, _, d)| detail_field(d, "stop") == Some("1"));
         // Complete: committed, signed, and holding these very processes
         // (an image of the same name taken since is not this one).
-        let complete = if gpusnap_images::image::valid_name(&image) {
+        let complete = if gpusnap_images::manifest::valid_name(&image) {
             images.manifest(&image).ok().map(|(_, m)| m).filter(|m| {
                 entries.iter().all(|(_, t, _)| {
                     m.processes.iter().any(|p| p.pid == t.pid && p.start_time == t.start_time)

@@ -4,7 +4,7 @@
 use crate::Error;
 use gpusnap_core::target::{self, Target};
 use gpusnap_core::Error as CoreError;
-use gpusnap_images::image::ProcDesc;
+use gpusnap_images::manifest::ProcDesc;
 use procfs::process::Process;
 use std::time::{Duration, Instant};
 

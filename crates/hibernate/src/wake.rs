@@ -13,7 +13,8 @@ use gpusnap_core::target::{self, Target};
 use gpusnap_core::Error as CoreError;
 use gpusnap_cuda::{CheckpointApi, ProcessState};
 use gpusnap_gpu::GpuInventory;
-use gpusnap_images::image::{ImageStore, Manifest, ProcDesc};
+use gpusnap_images::image::ImageStore;
+use gpusnap_images::manifest::{Manifest, ProcDesc};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -83,7 +84,7 @@ pub(crate) struct Woken {
     /// Of the processes' own files, asked to be read ahead (0: off).
     pub(crate) file_pages_bytes: u64,
     pub(crate) lazy: bool,
-    pub(crate) verify: gpusnap_images::chunksrc::VerifyTimes,
+    pub(crate) verify: gpusnap_images::verify::VerifyTimes,
     pub(crate) notice: Option<String>,
     pub(crate) report: Option<gpusnap_pages::Report>,
 }
@@ -165,14 +166,14 @@ impl<A: CheckpointApi, G: GpuInventory> Wake for Engine<A, G> {
         // they were reading: crate::rescue): only the manifest, the small
         // files and the chunks' presence here.
         let cuda = m.processes.iter().any(|p| p.cuda);
-        let streamed = gpusnap_images::remote::origin(images.state_dir(), name).is_some();
+        let streamed = gpusnap_images::origin::origin(images.state_dir(), name).is_some();
         let verify_deferred = cuda && !group && !streamed;
         let check = if streamed {
-            gpusnap_images::image::ChunkCheck::Listed
+            gpusnap_images::manifest::ChunkCheck::Listed
         } else if group || (cuda && !verify_deferred) {
-            gpusnap_images::image::ChunkCheck::Full
+            gpusnap_images::manifest::ChunkCheck::Full
         } else {
-            gpusnap_images::image::ChunkCheck::Present
+            gpusnap_images::manifest::ChunkCheck::Present
         };
         let verified = images.verified_in_store(name, check, |n| {
             seen = seen.saturating_add(n);
@@ -282,19 +283,19 @@ impl<A: CheckpointApi, G: GpuInventory> Wake for Engine<A, G> {
         // CRIU's log and pidfile go to the state directory, never into the
         // image (a link planted there made root write elsewhere).
         let work = crate::criu::new_log_dir(state_dir, &format!("restore-{name}")).map_err(|e| {
-            Error::from(gpusnap_images::image::ImageError::Io {
+            Error::from(gpusnap_images::manifest::ImageError::Io {
                 name: name.clone(),
                 op: "create the log directory".into(),
                 err: e,
             })
         })?;
         // Where a streamed image's missing chunks come from (None: a local image).
-        let origin = gpusnap_images::remote::origin(state_dir, name);
+        let origin = gpusnap_images::origin::origin(state_dir, name);
         // An image whose pages are chunks: CRIU gets its files in the work
         // directory, the page server reads the chunks (see chunksrc).
         let chunked = {
             let store = gpusnap_chunks::LocalStore::open(state_dir.join("store")).map_err(|e| {
-                Error::from(gpusnap_images::image::ImageError::Io {
+                Error::from(gpusnap_images::manifest::ImageError::Io {
                     name: name.clone(),
                     op: "open the chunk store".into(),
                     err: std::io::Error::other(e.to_string()),
@@ -403,9 +404,9 @@ impl<A: CheckpointApi, G: GpuInventory> Wake for Engine<A, G> {
             wd.start_prefetch();
             if *verify_deferred {
                 let pace = if verify_first() {
-                    gpusnap_images::chunksrc::VerifyPace::all_cores()
+                    gpusnap_images::verify::VerifyPace::all_cores()
                 } else {
-                    gpusnap_images::chunksrc::VerifyPace::beside_the_driver_from_env()
+                    gpusnap_images::verify::VerifyPace::beside_the_driver_from_env()
                 };
                 if pace.threads > 0 {
                     wd.start_verify(pace);
@@ -470,7 +471,7 @@ impl<A: CheckpointApi, G: GpuInventory> Wake for Engine<A, G> {
         // page server checked first) and their unlocks wait for it, so no
         // process runs unless the whole image is good; with
         // GPUSNAP_VERIFY_FIRST=1 it ends before any driver restore.
-        let mut verify = gpusnap_images::chunksrc::VerifyTimes::default();
+        let mut verify = gpusnap_images::verify::VerifyTimes::default();
         let stream = pages.is_some() && !verify_first();
         let mut pending = None;
         let mut starter = None;
@@ -531,14 +532,13 @@ impl<A: CheckpointApi, G: GpuInventory> Wake for Engine<A, G> {
             }
             _ => None,
         };
-        let waited_verify = std::sync::Mutex::new(gpusnap_images::chunksrc::VerifyTimes::default());
+        let waited_verify = std::sync::Mutex::new(gpusnap_images::verify::VerifyTimes::default());
         let pending = std::sync::Mutex::new(pending);
         let gate = crate::rescue::Gate::new(items.len(), || {
-            let late =
-                || starter.as_ref().map(|s| s.start(gpusnap_images::chunksrc::VerifyPace::all_cores()));
+            let late = || starter.as_ref().map(|s| s.start(gpusnap_images::verify::VerifyPace::all_cores()));
             let times = match pending.lock().ok().and_then(|mut p| p.take()).or_else(late) {
                 Some(v) => v.wait().map_err(|e| e.to_string())?,
-                None => gpusnap_images::chunksrc::VerifyTimes::default(),
+                None => gpusnap_images::verify::VerifyTimes::default(),
             };
             if let Ok(mut w) = waited_verify.lock() {
                 *w = times;
@@ -699,7 +699,7 @@ impl<A: CheckpointApi, G: GpuInventory> Wake for Engine<A, G> {
         // (Only a streamed one is looked at: the look is a stat per chunk,
         // 40-60 ms of each wake of ~26 GB on the H200, Runs 75-76.)
         if origin.is_some() && chunked.as_ref().is_some_and(|wd| wd.complete()) {
-            gpusnap_images::remote::clear_origin(state_dir, name);
+            gpusnap_images::origin::clear_origin(state_dir, name);
         }
         Ok(Woken {
             root,
