@@ -8,8 +8,10 @@
 use std::time::Instant;
 
 pub mod criu;
+pub mod drain;
 pub mod dump;
 pub mod dumpdir;
+pub mod dumpkeeper;
 pub mod error;
 pub mod fifo;
 pub mod follow;
