@@ -13,6 +13,7 @@ pub mod group;
 pub mod hostknob;
 pub mod remap;
 pub mod reports;
+pub mod statedir;
 pub mod store;
 pub mod target;
 pub mod thp;
