@@ -28,7 +28,7 @@ pub enum Codec {
     /// zstd level 1 without entropy-coded literals; raw below 1.33x or
     /// with more than one sequence per [`LZ_BYTES_PER_SEQUENCE`] bytes.
     Lz,
-    /// zstd level 1; raw below 1.05x (the encoding before the tenth session).
+    /// zstd level 1; raw below 1.05x (the encoding before `Lz` became the default).
     Zstd,
     /// Every chunk raw.
     Raw,
