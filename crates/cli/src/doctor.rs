@@ -31,7 +31,7 @@ fn f(check: &'static str, severity: Severity, message: impl Into<String>, fix: O
 /// left stopped, CUDA processes left suspended) and temporary images.
 fn leftovers(state_dir: &Path, store: &gpusnap_core::store::Store) -> Vec<Finding> {
     let mut out = Vec::new();
-    match gpusnap_hibernate::hibernate::interrupted_hibernates(store) {
+    match gpusnap_hibernate::interrupted_hibernates(store) {
         Ok(list) => {
             for i in list {
                 out.push(Finding {

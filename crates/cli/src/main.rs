@@ -47,8 +47,8 @@ fn main() -> ExitCode {
         return ExitCode::from(gpusnap_hibernate::lazy::keeper_main(&argv[2..]) as u8);
     }
     // The keeper of a dump through FIFOs (hidden: started by hibernate).
-    if argv.get(1).is_some_and(|a| a == gpusnap_hibernate::fifo::KEEPER_ARG) {
-        return ExitCode::from(gpusnap_hibernate::fifo::keeper_main(&argv[2..]) as u8);
+    if argv.get(1).is_some_and(|a| a == gpusnap_hibernate::dumpkeeper::KEEPER_ARG) {
+        return ExitCode::from(gpusnap_hibernate::dumpkeeper::keeper_main(&argv[2..]) as u8);
     }
     if let Ok(exe) = std::env::current_exe() {
         gpusnap_hibernate::lazy::set_keeper_exe(exe);

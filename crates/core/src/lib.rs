@@ -12,6 +12,8 @@ pub mod error;
 pub mod group;
 pub mod hostknob;
 pub mod remap;
+pub mod reports;
+pub mod statedir;
 pub mod store;
 pub mod target;
 pub mod thp;

@@ -7,11 +7,12 @@
 //! and the admission ledger (reservations of resumes in flight).
 
 use crate::error::Error;
+pub use crate::statedir::check_state_dir;
+use crate::statedir::check_state_dir_only;
 use crate::target::{Fingerprint, Target};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -743,45 +744,6 @@ fn busy_timeout() -> Duration {
     Duration::from_secs(secs)
 }
 
-/// What lives in the state directory; none of it may be a link (root would
-/// follow it: chmod, writes, images placed elsewhere).
-const STATE_ENTRIES: &[&str] =
-    &["gpusnap.db", "gpusnap.db-wal", "gpusnap.db-shm", "host.key", "images", "logs", "locks", "guards"];
-
-/// The state directory (created 0700 if missing) must belong to this user
-/// (or root) and be writable by nobody else, and nothing in it may be a
-/// link: its journal, keys and images are trusted, and root acts on them.
-pub fn check_state_dir(dir: &Path) -> Result<(), Error> {
-    create_private_dir(dir).map_err(|e| Error::Store {
-        path: dir.display().to_string(),
-        reason: format!("cannot create: {e}"),
-    })?;
-    check_state_dir_only(dir)
-}
-
-fn check_state_dir_only(dir: &Path) -> Result<(), Error> {
-    let bad = |reason: String| Error::Store { path: dir.display().to_string(), reason };
-    let meta = std::fs::metadata(dir).map_err(|e| bad(e.to_string()))?;
-    if !meta.is_dir() {
-        return Err(bad("not a directory".into()));
-    }
-    private_dir(dir, &meta).map_err(bad)?;
-    for name in STATE_ENTRIES {
-        let p = dir.join(name);
-        let Ok(m) = std::fs::symlink_metadata(&p) else { continue };
-        if m.file_type().is_symlink() {
-            return Err(bad(format!(
-                "{} is a symbolic link; gpusnap follows none in its state directory: remove it",
-                p.display()
-            )));
-        }
-        if m.is_dir() {
-            private_dir(&p, &m).map_err(bad)?;
-        }
-    }
-    Ok(())
-}
-
 /// The journal event in the columns `ts_ms, op, phase, state, detail` of
 /// `r`, starting at column `first` (one reading for history and the stream).
 fn event_at(r: &rusqlite::Row<'_>, first: usize) -> rusqlite::Result<Event> {
@@ -792,36 +754,6 @@ fn event_at(r: &rusqlite::Row<'_>, first: usize) -> rusqlite::Result<Event> {
         state: r.get(first + 3)?,
         detail: r.get(first + 4)?,
     })
-}
-
-/// A directory of ours: owned by this user or root, writable by nobody else.
-fn private_dir(p: &Path, meta: &std::fs::Metadata) -> Result<(), String> {
-    let me = nix::unistd::geteuid().as_raw();
-    if meta.uid() != me && meta.uid() != 0 {
-        return Err(format!(
-            "{} belongs to uid {}, not to this user: `chown {me} {}` (or choose another --state-dir)",
-            p.display(),
-            meta.uid(),
-            p.display()
-        ));
-    }
-    if meta.mode() & 0o022 != 0 {
-        return Err(format!(
-            "{} is writable by others (mode {:o}): `chmod 700 {}` (or choose another --state-dir)",
-            p.display(),
-            meta.mode() & 0o7777,
-            p.display()
-        ));
-    }
-    Ok(())
-}
-
-fn create_private_dir(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    if dir.is_dir() {
-        return Ok(());
-    }
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)
 }
 
 #[cfg(test)]

@@ -107,7 +107,7 @@ pub fn fits(total: u64, available: u64, dump_bytes: u64) -> bool {
 }
 
 /// MemTotal and MemAvailable, in bytes.
-pub(crate) use gpusnap_images::chunksrc::meminfo;
+pub(crate) use gpusnap_images::chunkfile::meminfo;
 
 /// A tmpfs directory for a dump of `dump_bytes`, or None for the disk (by
 /// [`ENV`], for want of memory, or when the directory cannot be made).

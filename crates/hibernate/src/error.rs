@@ -1,5 +1,5 @@
 use crate::criu::CriuError;
-use gpusnap_images::image::ImageError;
+use gpusnap_images::manifest::ImageError;
 use gpusnap_images::sign::SignError;
 
 /// A hibernate, wake or recover that ended badly: the process lifecycle's

@@ -58,7 +58,7 @@ pub fn enabled() -> bool {
     std::env::var(FOLLOW_ENV).map_or(true, |v| v != "0")
 }
 
-pub use gpusnap_images::image::{FollowedFile, Prechunked};
+pub use gpusnap_images::manifest::{FollowedFile, Prechunked};
 
 /// What the follower did, for `hibernate --json`.
 #[derive(Debug, Default, Clone, Copy)]
@@ -403,7 +403,7 @@ fn scan(
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let rel = format!("criu/{name}");
-        if !gpusnap_images::image::chunked_name(&rel) || tracked.iter().any(|t| t.rel == rel) {
+        if !gpusnap_images::manifest::chunked_name(&rel) || tracked.iter().any(|t| t.rel == rel) {
             continue;
         }
         let file = open_pages(&e.path()).map_err(|e| format!("open {rel}: {e}"))?;

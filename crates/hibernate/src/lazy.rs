@@ -55,7 +55,7 @@ fn start_keeper(
     images: &Path,
     work: &Path,
     chunks: Option<&KeeperChunks<'_>>,
-    m: Option<&gpusnap_images::image::Manifest>,
+    m: Option<&gpusnap_images::manifest::Manifest>,
 ) -> std::io::Result<Option<Keeper>> {
     let Some(exe) = KEEPER_EXE.get() else { return Ok(None) };
     let mut cmd = std::process::Command::new(exe);
@@ -184,10 +184,10 @@ fn keeper_chunks(
     dir: &Path,
 ) -> Result<gpusnap_images::chunksrc::Workdir, String> {
     let body = std::fs::read(work.join(KEEPER_MANIFEST)).map_err(|e| format!("{KEEPER_MANIFEST}: {e}"))?;
-    let m: gpusnap_images::image::Manifest =
+    let m: gpusnap_images::manifest::Manifest =
         serde_json::from_slice(&body).map_err(|e| format!("{KEEPER_MANIFEST}: {e}"))?;
     let store = gpusnap_chunks::LocalStore::open(state_dir.join("store")).map_err(|e| e.to_string())?;
-    let remote = match gpusnap_images::remote::origin(state_dir, name) {
+    let remote = match gpusnap_images::origin::origin(state_dir, name) {
         Some(url) => Some(gpusnap_images::remote::open_origin(&url).map_err(|e| e.to_string())?),
         None => None,
     };
@@ -242,7 +242,7 @@ pub fn restore_from(
     eager: bool,
     source: Option<std::sync::Arc<dyn gpusnap_pages::PageSource>>,
     before_eager: &dyn Fn() -> Result<(), CriuError>,
-    chunks: Option<(&KeeperChunks<'_>, &gpusnap_images::image::Manifest)>,
+    chunks: Option<(&KeeperChunks<'_>, &gpusnap_images::manifest::Manifest)>,
 ) -> Result<Restored, CriuError> {
     let none = HeadStart::Bytes(0);
     if eager {

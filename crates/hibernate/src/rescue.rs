@@ -14,7 +14,7 @@
 //! on the GPU state), kills the tree, and only then lets the threads go.
 
 use gpusnap_guard::{ptrace_raw, threads_of};
-use gpusnap_images::chunksrc::Bad;
+use gpusnap_images::chunkfile::Bad;
 use gpusnap_pages::Rescuer;
 use std::collections::BTreeSet;
 use std::sync::{Arc, Condvar, Mutex};

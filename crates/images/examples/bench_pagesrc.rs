@@ -145,7 +145,7 @@ fn main() {
         // Warm the page cache (both copies), and check what each reads.
         fill_read(&dir_file, size as u64, cores, Some(&data));
         let reopen = |verified: bool| {
-            gpusnap_images::chunksrc::bench_file(
+            gpusnap_images::chunkfile::bench_file(
                 "bench",
                 "criu/pages-1.img",
                 &chunks,
@@ -197,7 +197,7 @@ fn main() {
             );
             let bg = median(reps, || {
                 let t = Instant::now();
-                let (f, v) = gpusnap_images::chunksrc::bench_file_verifying(
+                let (f, v) = gpusnap_images::verify::bench_file_verifying(
                     "bench",
                     "criu/pages-1.img",
                     &chunks,

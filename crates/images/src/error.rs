@@ -1,4 +1,4 @@
-use crate::image::ImageError;
+use crate::manifest::ImageError;
 use crate::sign::SignError;
 use gpusnap_chunks::{ChunkError, RemoteError};
 

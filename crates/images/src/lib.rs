@@ -3,12 +3,19 @@
 //! remotes (S3) and map files for a mapped wake. Built on `gpusnap-chunks`;
 //! knows nothing of processes, CRIU or the driver.
 
+pub mod chunkfile;
 pub mod chunksrc;
 pub mod error;
+pub mod hash;
 pub mod image;
+pub mod manifest;
 pub mod mapfile;
+pub mod origin;
+pub mod pending;
 pub mod remote;
 pub mod sign;
+pub mod sync;
+pub mod verify;
 pub mod workingset;
 
 pub use error::Error;

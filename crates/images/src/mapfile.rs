@@ -33,7 +33,7 @@
 //! so the next image of the process refers to no map file.
 
 use crate::chunksrc::Workdir;
-use crate::image::{io, ImageError, Manifest};
+use crate::manifest::{io, ImageError, Manifest};
 use gpusnap_pages::mapped::FileMap;
 use gpusnap_pages::{PageSource, Vma, PE_LAZY, PE_PRESENT, VMA_ANON_PRIVATE};
 use serde::{Deserialize, Serialize};
@@ -200,7 +200,7 @@ pub fn build(
     progress: &dyn gpusnap_progress::Progress,
 ) -> Result<Option<Built>, ImageError> {
     let started = Instant::now();
-    if !crate::image::valid_name(name) {
+    if !crate::manifest::valid_name(name) {
         return Err(ImageError::Foreign {
             name: name.into(),
             why: "map files are kept for images of the store (import it first)".into(),
@@ -305,7 +305,7 @@ pub fn build(
 /// this image (`m`: the same creation time and root pid), else None. Its
 /// layout, bytes and page-cache share are a wake's to check.
 pub fn present(state_dir: &Path, name: &str, m: &Manifest) -> Option<u64> {
-    if !crate::image::valid_name(name) {
+    if !crate::manifest::valid_name(name) {
         return None;
     }
     let (map, index) = paths(state_dir, name);
@@ -328,7 +328,7 @@ impl Index {
 /// Removes image `name`'s map file and index, if there are (nothing for a
 /// name that is a path: such an image has no map file).
 pub fn remove(state_dir: &Path, name: &str) {
-    if !crate::image::valid_name(name) {
+    if !crate::manifest::valid_name(name) {
         return;
     }
     let (map, index) = paths(state_dir, name);
@@ -461,7 +461,7 @@ pub fn for_wake(
     m: &Manifest,
     wd: &Workdir,
 ) -> Result<Option<Mapped>, String> {
-    if !crate::image::valid_name(name) || std::env::var(ENABLE_ENV).is_ok_and(|v| v == "0") {
+    if !crate::manifest::valid_name(name) || std::env::var(ENABLE_ENV).is_ok_and(|v| v == "0") {
         return Ok(None);
     }
     let (map, index) = paths(state_dir, name);

@@ -11,18 +11,13 @@
 //! its pages' chunks are fetched as the wake reads them (and by a
 //! prefetcher, in address order), until the image is whole here.
 
-use crate::image::{self, ImageError, ImageStore, Manifest};
-use gpusnap_chunks::{ChunkError, ChunkRef, GcReport, LocalStore, Remote, RemoteUrl, TransferReport};
+use crate::image::{local_store, ImageStore};
+use crate::manifest::{self, ImageError, Manifest};
+use gpusnap_chunks::{ChunkError, ChunkRef, GcReport, Remote, RemoteUrl, TransferReport};
 use std::collections::HashSet;
-use std::fs;
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
 
 pub use gpusnap_chunks::RemoteUrl as Url;
-
-pub fn local_store(images: &ImageStore) -> Result<LocalStore, ChunkError> {
-    LocalStore::open(images.state_dir().join("store"))
-}
 
 fn all_chunks(m: &Manifest) -> Vec<ChunkRef> {
     m.files.iter().flat_map(|f| f.chunks.iter().cloned()).collect()
@@ -60,7 +55,7 @@ pub fn push(
     on_bytes: &(dyn Fn(u64) + Sync),
 ) -> Result<TransferReport, crate::Error> {
     let (dir, m) = images.manifest(name)?;
-    image::check_contents_pub(name, &dir, &m)?;
+    crate::manifest::check_contents(name, &dir, &m)?;
     check_chunk_lists(name, &m)?;
     let remote =
         Remote::open_for_push(RemoteUrl::parse(url).map_err(ChunkError::from)?).map_err(ChunkError::from)?;
@@ -81,7 +76,7 @@ pub fn push(
             }
             continue;
         }
-        let mut file = image::open_listed(name, &dir, f)?;
+        let mut file = manifest::open_listed(name, &dir, f)?;
         for c in &f.chunks {
             let mut buf = vec![0u8; c.size as usize];
             file.read_exact(&mut buf).map_err(|e| ImageError::Io {
@@ -99,7 +94,7 @@ pub fn push(
             local.put(c, &buf)?;
         }
     }
-    let (body, sig) = image::manifest_bytes(name, &dir)?;
+    let (body, sig) = manifest::manifest_bytes(name, &dir)?;
     Ok(remote.push(&local, name, &all_chunks(&m), &body, &sig, on_bytes)?)
 }
 
@@ -141,7 +136,7 @@ fn pull_with(
 ) -> Result<(String, TransferReport), crate::Error> {
     let (url, rname) = RemoteUrl::parse_image(url_name).map_err(ChunkError::from)?;
     let name = as_name.unwrap_or(&rname).to_string();
-    if !image::valid_name(&name) || !image::valid_name(&rname) {
+    if !manifest::valid_name(&name) || !manifest::valid_name(&rname) {
         return Err(ImageError::BadName {
             name,
             why: "names are letters, digits, '-', '_' and '.', not starting with '.'".into(),
@@ -150,9 +145,9 @@ fn pull_with(
     }
     let remote = Remote::open(url).map_err(ChunkError::from)?;
     let (body, sig) = remote.get_manifest(&rname).map_err(ChunkError::from)?;
-    let m = image::parse_manifest(&rname, &body)?;
+    let m = manifest::parse_manifest(&rname, &body)?;
     images.check_signature(&rname, &body, &sig, &m)?;
-    image::check_paths(&rname, &m)?;
+    manifest::check_paths(&rname, &m)?;
     check_chunk_lists(&rname, &m)?;
     let state = images.state_dir().to_path_buf();
     // What is fetched now: everything, or for a streaming wake the chunks
@@ -160,7 +155,7 @@ fn pull_with(
     let wanted: Vec<ChunkRef> = m
         .files
         .iter()
-        .filter(|f| !stream || !image::chunked_name(&f.path))
+        .filter(|f| !stream || !manifest::chunked_name(&f.path))
         .flat_map(|f| f.chunks.iter().cloned())
         .collect();
     on_total(wanted.iter().map(|c| c.size).sum());
@@ -168,10 +163,10 @@ fn pull_with(
     // Held until the image is in place: gc sees its chunks referenced.
     let _lock = local.shared_lock()?;
     if let Ok((dir, _)) = images.manifest(&name) {
-        if image::manifest_bytes(&name, &dir).is_ok_and(|(b, _)| b == body) {
+        if manifest::manifest_bytes(&name, &dir).is_ok_and(|(b, _)| b == body) {
             let report = remote.fetch(&local, &rname, &wanted, on_bytes)?;
             if !stream {
-                clear_origin(&state, &name);
+                crate::origin::clear_origin(&state, &name);
             }
             return Ok((name, report));
         }
@@ -179,7 +174,7 @@ fn pull_with(
     let report = remote.fetch(&local, &rname, &wanted, on_bytes)?;
     let pending = images.begin(&name)?;
     for f in &m.files {
-        if image::chunked_name(&f.path) && !f.chunks.is_empty() {
+        if manifest::chunked_name(&f.path) && !f.chunks.is_empty() {
             continue; // kept as chunks
         }
         let to_path = pending.dir.join(&f.path);
@@ -211,12 +206,9 @@ fn pull_with(
         }
         to.sync_data().map_err(ioe)?;
     }
-    gpusnap_files::write_private(&pending.dir.join(image::MANIFEST), &body).map_err(|e| ImageError::Io {
-        name: name.clone(),
-        op: "write manifest".into(),
-        err: e,
-    })?;
-    gpusnap_files::write_private(&pending.dir.join(image::SIG), &sig).map_err(|e| ImageError::Io {
+    gpusnap_files::write_private(&pending.dir.join(manifest::MANIFEST), &body)
+        .map_err(|e| ImageError::Io { name: name.clone(), op: "write manifest".into(), err: e })?;
+    gpusnap_files::write_private(&pending.dir.join(manifest::SIG), &sig).map_err(|e| ImageError::Io {
         name: name.clone(),
         op: "write manifest.sig".into(),
         err: e,
@@ -224,51 +216,22 @@ fn pull_with(
     // The origin before the image: an image that lacks chunks is never
     // without the remote that has them.
     if stream {
-        set_origin(&state, &name, &remote.url.base).map_err(|e| ImageError::Io {
+        crate::origin::set_origin(&state, &name, &remote.url.base).map_err(|e| ImageError::Io {
             name: name.clone(),
             op: "record the origin".into(),
             err: e,
         })?;
     } else {
-        clear_origin(&state, &name);
+        crate::origin::clear_origin(&state, &name);
     }
     pending.install().map_err(|e| ImageError::Io {
         name: name.clone(),
         op: "rename into place".into(),
         err: e,
     })?;
-    let check = if stream { image::ChunkCheck::Listed } else { image::ChunkCheck::Present };
+    let check = if stream { manifest::ChunkCheck::Listed } else { manifest::ChunkCheck::Present };
     images.verify_with(&name, check, |_| {})?;
     Ok((name, report))
-}
-
-fn origin_path(state_dir: &Path, name: &str) -> PathBuf {
-    state_dir.join("store").join("origins").join(name)
-}
-
-/// The remote an image streamed from (its chunks not all here yet).
-pub fn origin(state_dir: &Path, name: &str) -> Option<String> {
-    if !image::valid_name(name) {
-        return None;
-    }
-    let f = gpusnap_files::open_regular(&origin_path(state_dir, name), 4096).ok()?;
-    let s = String::from_utf8(gpusnap_files::read_bounded(f, 4096).ok()?).ok()?;
-    Some(s.trim().to_string()).filter(|s| RemoteUrl::is_remote(s))
-}
-
-fn set_origin(state_dir: &Path, name: &str, url: &str) -> std::io::Result<()> {
-    let p = origin_path(state_dir, name);
-    if let Some(d) = p.parent() {
-        gpusnap_files::mkdir_private(d)?;
-    }
-    gpusnap_files::write_private(&p, url.as_bytes())
-}
-
-/// The image is whole here (or gone): its origin is forgotten.
-pub fn clear_origin(state_dir: &Path, name: &str) {
-    if image::valid_name(name) {
-        let _ = fs::remove_file(origin_path(state_dir, name));
-    }
 }
 
 /// Opens the remote an image streams from.
@@ -287,7 +250,7 @@ pub fn gc(images: &ImageStore, on_chunk: &dyn Fn(u64)) -> Result<GcReport, crate
     // removing an image is `images rm`'s decision, never gc's.
     for name in images.names() {
         if let Ok(dir) = images.locate(&name) {
-            if let Ok((_, m)) = image::read_manifest(&name, &dir) {
+            if let Ok((_, m)) = manifest::read_manifest(&name, &dir) {
                 referenced.extend(all_chunks(&m).into_iter().map(|c| c.blake3));
             }
         }

@@ -256,7 +256,7 @@ pub(crate) fn replay(images: &Path, log: Vec<(Msg, Option<OwnedFd>)>) -> Result<
             }
             REMAP | UNMAP | REMOVE => {
                 let Some(r) = mms.get_mut(&m.key) else { continue };
-                let mut p = crate::serve::MmState::of(std::mem::take(&mut r.pieces));
+                let mut p = crate::mmstate::MmState::of(std::mem::take(&mut r.pieces));
                 match m.kind {
                     REMAP => p.remap(m.a[0], m.a[1], m.a[2]),
                     _ => {

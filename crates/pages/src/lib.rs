@@ -16,13 +16,18 @@
 //! is done, the u32 0x52535446. The restorer registers the lazy areas of
 //! each process (MISSING) before that.
 
+mod fill;
 mod image;
 pub mod keeper;
 pub mod mapped;
+mod mmstate;
+mod options;
 mod pacer;
 mod pieces;
 pub mod prio;
+mod report;
 mod serve;
+mod shared;
 mod source;
 mod stats;
 pub mod sys;
@@ -31,12 +36,14 @@ pub use image::eager_ranges;
 pub use image::{
     layout, lazy_bytes, lazy_iovs, Iov, Run, Vma, PE_LAZY, PE_PRESENT, VMA_ANON_PRIVATE, VMA_FILE_PRIVATE,
 };
-pub use pacer::{PaceConfig, PaceStats};
-pub use serve::{
-    flag_setting, parse_flag, HeadStart, Options, PaceGuard, Report, Rescuer, Server, ENV_AHEAD, ENV_BATCH,
-    ENV_BIG_FIRST, ENV_FAULT_BATCH, ENV_HEAD_START, ENV_IDLE, ENV_NICE, ENV_PACE, ENV_PACE_LEAD,
-    ENV_PACE_MIN, ENV_PACE_START, ENV_RATE, ENV_THREADS, ENV_TRACE, ENV_WAKE_CHUNK,
+pub use options::{
+    flag_setting, parse_flag, HeadStart, Options, ENV_AHEAD, ENV_BATCH, ENV_BIG_FIRST, ENV_FAULT_BATCH,
+    ENV_HEAD_START, ENV_IDLE, ENV_NICE, ENV_PACE, ENV_PACE_LEAD, ENV_PACE_MIN, ENV_PACE_START, ENV_RATE,
+    ENV_THREADS, ENV_TRACE, ENV_WAKE_CHUNK,
 };
+pub use pacer::{PaceConfig, PaceStats};
+pub use report::Report;
+pub use serve::{PaceGuard, Rescuer, Server};
 pub use source::{DirSource, Mapped, PageSource, PagesFile};
 pub use stats::{dump_stats, DumpStats};
 

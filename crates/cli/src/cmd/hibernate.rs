@@ -8,7 +8,7 @@ use crate::select::Check;
 use crate::setup::{criu, engine, engine_with, images, mib, own_images, reconcile, DynEngine, Load};
 use gpusnap_core::Error as CoreError;
 use gpusnap_hibernate::criu::Criu;
-use gpusnap_hibernate::hibernate::{HibernateOptions, WakeOptions};
+use gpusnap_hibernate::{HibernateOptions, WakeOptions};
 use gpusnap_hibernate::{Error, Hibernate};
 use gpusnap_images::image::ImageStore;
 use std::path::Path;
@@ -151,7 +151,7 @@ fn hibernate_roots(cli: &Cli, out: &Out, select: &Select, opts: &HibernateOption
     if roots.is_empty() {
         // As for the other commands, a group that turns out empty is no error.
         eprintln!("gpusnap: no process in that group: nothing to hibernate");
-        out.all::<gpusnap_hibernate::hibernate::HibernateReport>(&[], output::hibernated);
+        out.all::<gpusnap_hibernate::HibernateReport>(&[], output::hibernated);
         return Ok(());
     }
     let mut tree: Vec<i32> = Vec::new();

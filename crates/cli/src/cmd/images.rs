@@ -43,7 +43,7 @@ pub fn run(cli: &Cli, out: &Out, cmd: Option<&ImagesCmd>) -> anyhow::Result<()> 
         }
         ImagesCmd::Map { image } => {
             let (dir, m) = store
-                .verify_with(image, gpusnap_images::image::ChunkCheck::Present, |_| {})
+                .verify_with(image, gpusnap_images::manifest::ChunkCheck::Present, |_| {})
                 .map_err(Error::from)?;
             let progress = out.progress();
             match gpusnap_images::mapfile::build(&cli.state_dir, image, &dir, &m, progress.as_ref())

@@ -10,7 +10,7 @@ use crate::setup::{criu, engine, engine_with, mib, own_images, reconcile, Load};
 use gpusnap_core::engine::{ResumeOptions, StateReport, StopOptions};
 use gpusnap_core::{Error as CoreError, Store};
 use gpusnap_hibernate::criu::Criu;
-use gpusnap_hibernate::hibernate::WakeOptions;
+use gpusnap_hibernate::WakeOptions;
 use gpusnap_hibernate::{Error, Hibernate};
 use std::time::Duration;
 

@@ -1,0 +1,102 @@
+//! What the lifecycle's operations (suspend, resume, stop, state) are asked
+//! and what they report.
+
+use serde::Serialize;
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuBytes {
+    pub uuid: String,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StateReport {
+    pub pid: i32,
+    pub start_time: u64,
+    pub comm: String,
+    pub state: String,
+    pub unrecoverable: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Device memory now (running) or when it was suspended (checkpointed).
+    pub footprint_bytes: u64,
+    pub gpus: Vec<GpuBytes>,
+    /// Its pid inside its own pid namespace, when that differs (a container).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ns_pid: Option<i32>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SuspendReport {
+    pub pid: i32,
+    pub state: String,
+    /// It was already checkpointed: nothing was done.
+    pub already: bool,
+    pub footprint_bytes: u64,
+    pub gpus: Vec<GpuBytes>,
+    pub lock_ms: u64,
+    pub checkpoint_ms: u64,
+    /// From the checkpoint's return until NVML showed the process's device
+    /// memory released (what admission of the next resume waits for).
+    pub release_ms: u64,
+    /// NVML reads that took.
+    pub release_polls: u32,
+    pub total_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ResumeReport {
+    pub pid: i32,
+    pub state: String,
+    pub already: bool,
+    pub footprint_bytes: u64,
+    /// Time spent waiting for GPU memory (`--wait`).
+    pub waited_ms: u64,
+    pub restore_ms: u64,
+    pub unlock_ms: u64,
+    pub total_ms: u64,
+    /// It was stuck and came back from this image instead.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recovered_from: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StopReport {
+    pub pid: i32,
+    /// Its CUDA state was checkpointed before any signal was sent.
+    pub suspended: bool,
+    /// NVML showed no device memory for it before the first signal.
+    pub released_before_kill: bool,
+    /// The signal that ended it.
+    pub signal: String,
+    pub cuda: bool,
+    pub total_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct ResumeOptions {
+    /// Extra free memory required on each GPU beyond the footprint.
+    pub margin_bytes: u64,
+    /// How long to wait for enough free memory before refusing.
+    pub wait: Duration,
+    /// The footprint to assume when none was recorded.
+    pub footprint_bytes: Option<u64>,
+    /// Restore onto other GPUs: (old, new) as indices or UUIDs.
+    pub device_map: Vec<(String, String)>,
+}
+
+impl Default for ResumeOptions {
+    fn default() -> Self {
+        Self { margin_bytes: 256 * MIB, wait: Duration::ZERO, footprint_bytes: None, device_map: Vec::new() }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct StopOptions {
+    pub grace: Duration,
+    pub force: bool,
+    pub lock_timeout_ms: u32,
+}
