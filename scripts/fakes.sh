@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the fake driver, the fake NVML and fake-workload, and links them
-# into DIR under the real library names, so that LD_LIBRARY_PATH=DIR makes
-# any program (gpusnap included) use them. See docs/design/fakes.md.
+# Builds the fake driver, the fake NVML and fake-workload (unless
+# GPUSNAP_TEST_PREBUILT is set: already built), and links them into DIR under
+# the real library names, so that LD_LIBRARY_PATH=DIR makes any program
+# (gpusnap included) use them. See docs/design/fakes.md.
 #
 #   scripts/fakes.sh DIR        PROFILE=release scripts/fakes.sh DIR
 set -euo pipefail
@@ -22,16 +23,25 @@ case "$profile" in
     *) profile_flag=(--profile "$profile") ;;
 esac
 
-(cd "$root" && "$cargo" build --quiet "${profile_flag[@]}" \
-    -p gpusnap-fake-cuda -p gpusnap-fake-nvml -p gpusnap-fake-workload)
+# GPUSNAP_TEST_PREBUILT: scripts/test.sh has just built the whole workspace.
+if [ -z "${GPUSNAP_TEST_PREBUILT:-}" ]; then
+    (cd "$root" && "$cargo" build --quiet "${profile_flag[@]}" \
+        -p gpusnap-fake-cuda -p gpusnap-fake-nvml -p gpusnap-fake-workload)
+fi
 
 target=${CARGO_TARGET_DIR:-$root/target}
 case "$target" in /*) ;; *) target=$root/$target ;; esac
 out=$target/$profile
 
 mkdir -p "$dir"
-ln -sfn "$out/libgpusnap_fake_cuda.so" "$dir/libcuda.so.1"
-ln -sfn "$out/libgpusnap_fake_nvml.so" "$dir/libnvidia-ml.so.1"
+# Tests running side by side link the same names: a link under a name of
+# its own, renamed over, never leaves a name missing or fails on another's.
+link() {
+    ln -sfn "$1" "$2.$$"
+    mv -fT "$2.$$" "$2"
+}
+link "$out/libgpusnap_fake_cuda.so" "$dir/libcuda.so.1"
+link "$out/libgpusnap_fake_nvml.so" "$dir/libnvidia-ml.so.1"
 # nvml-wrapper's Nvml::init() asks for the unversioned name.
-ln -sfn "$out/libgpusnap_fake_nvml.so" "$dir/libnvidia-ml.so"
-ln -sfn "$out/fake-workload" "$dir/fake-workload"
+link "$out/libgpusnap_fake_nvml.so" "$dir/libnvidia-ml.so"
+link "$out/fake-workload" "$dir/fake-workload"

@@ -1,55 +1,125 @@
 #!/usr/bin/env bash
-# The test suite: scripts/test.sh [ARGS for cargo test]
+# The test suite, run with cargo-nextest (settings in .config/nextest.toml).
 #
-# Builds every target of the workspace, then runs `cargo test --workspace`
-# (no GPU needed: the tests run against the fake driver and NVML,
-# docs/design/fakes.md). Exits non-zero when the build or any test fails, and ends
-# with the summary line of every test binary.
+#   scripts/test.sh [NEXTEST ARGS]         the whole suite (no GPU needed: the
+#                                           tests run against the fake driver
+#                                           and NVML, docs/design/fakes.md; the image
+#                                           tests drive a real CRIU); under 10
+#                                           minutes on 2 cores
+#   scripts/test.sh --fast [NEXTEST ARGS]  the quick loop while editing: unit
+#                                           tests and the fake-driver tests
+#                                           that need no CRIU; under 3 minutes
+#                                           on 2 cores once built
+#
+# Extra arguments go to `cargo nextest run` (a test name filters, e.g.
+# `scripts/test.sh -E 'binary(lifecycle)'`). It builds every target of the
+# workspace once, runs the tests from that build (each test in a process of
+# its own; the CRIU-heavy ones take turns), then the doc-tests where there
+# are any. It never retries a failed test and fails a test that hangs. It
+# prints nextest's summary, one line per test binary, and ends with
+# `N passed, N failed, N skipped`; it exits non-zero when the build or any
+# test fails.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+profile=default
+if [[ ${1-} == --fast ]]; then
+	profile=fast
+	shift
+fi
 
 # The criu that scripts/install-criu.sh puts in its default prefix.
 if [[ -x /opt/gpusnap/criu/bin/criu ]]; then
 	PATH=/opt/gpusnap/criu/bin:$PATH
 fi
 
+if ! cargo nextest --version >/dev/null 2>&1; then
+	echo "scripts/test.sh: cargo-nextest is missing (cargo install cargo-nextest --locked)" >&2
+	exit 2
+fi
+
 cargo build --workspace --all-targets
+# The fakes were just built with everything else: the test binaries link
+# them without building them again each.
+export GPUSNAP_TEST_PREBUILT=1
 
 log=$(mktemp)
 trap 'rm -f -- "$log"' EXIT
 set +e
-cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$log"
+cargo nextest run --workspace --profile "$profile" "$@" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
+
+# Doc-tests, where a doc comment of the workspace holds a Rust example
+# (nextest does not run them; rustdoc per crate is slow, so only then).
+doc_rc=0
+examples=$(find crates -path '*/src/*' -name '*.rs' -exec awk '
+	FNR == 1 { open = 0 }
+	/^[ \t]*\/\/[\/!][ \t]*```/ {
+		info = $0
+		sub(/^[ \t]*\/\/[\/!][ \t]*```[ \t]*/, "", info)
+		if (!open && info !~ /^(text|ignore|sh|bash|console|json|toml|yaml|c)([ ,]|$)/) print FILENAME
+		open = !open
+	}' {} +)
+if [[ $profile == default && -n $examples ]]; then
+	set +e
+	cargo test --workspace --doc 2>&1 | tee -a "$log"
+	doc_rc=${PIPESTATUS[0]}
+	set -e
+fi
 
 echo
 echo "==> test summary"
 awk '
-	# "Running unittests src/lib.rs (target/debug/deps/gpusnap_core-0123abcd)"
-	/^ *Running / {
-		sub(/^ *Running /, "")
-		suite = $0
-		if (match($0, /\/deps\/[^)]*-[0-9a-f]+\)$/)) {
-			name = substr($0, RSTART + 6, RLENGTH - 7)
-			sub(/-[0-9a-f]+$/, "", name)
-			suite = name " " substr($0, 1, index($0, " (") - 1)
-		}
+	# nextest: "PASS [   1.234s] (12/250) gpusnap::images a_test_name"
+	/^ *(PASS|FAIL|TIMEOUT|SIG[A-Z]+|LEAK[-A-Z]*) +\[ *[0-9.]+s\]/ {
+		status = $1
+		line = $0
+		sub(/^.*\] +(\( *[0-9]+\/[0-9]+\) +)?/, "", line)
+		# The failures are listed again at the end: each test counts once.
+		if (line in seen) next
+		seen[line] = 1
+		split(line, f, " ")
+		bin = f[1]
+		if (!(bin in nrun)) order[++nbin] = bin
+		nrun[bin]++
+		if (status == "PASS" || status == "LEAK") npass[bin]++
+		else { nfail[bin]++; badlist[++nbad] = line }
 	}
-	/^ *Doc-tests / { sub(/^ *Doc-tests /, ""); suite = "doc-tests " $0 }
-	/^test result:/ {
-		printf "%-60s %s\n", suite, $0
+	# "     Summary [ 300.123s] 250 tests run: 249 passed, 1 failed, 3 skipped"
+	/^ *Summary \[/ {
+		summary = $0
 		for (i = 1; i <= NF; i++) {
-			if ($(i) ~ /^passed;?$/) passed += $(i - 1)
-			if ($(i) ~ /^failed;?$/) failed += $(i - 1)
-			if ($(i) ~ /^ignored;?$/) ignored += $(i - 1)
+			w = $(i); gsub(/[,:]/, "", w)
+			if (w == "run" && $(i - 1) ~ /^tests?$/) run = $(i - 2)
+			if (w == "passed") passed = $(i - 1)
+			if (w == "skipped") skipped = $(i - 1)
 		}
 	}
-	/^test .* \.\.\. FAILED$/ { bad[++nbad] = $2 }
+	# cargo test --doc: "test result: ok. 3 passed; 0 failed; 1 ignored; ..."
+	/^test result:/ {
+		for (i = 1; i <= NF; i++) {
+			if ($(i) ~ /^passed;?$/) dpassed += $(i - 1)
+			if ($(i) ~ /^failed;?$/) dfailed += $(i - 1)
+			if ($(i) ~ /^ignored;?$/) dskipped += $(i - 1)
+		}
+		printf "%-60s %s\n", "doc-tests", $0
+	}
 	END {
-		printf "total: %d passed, %d failed, %d skipped\n", passed, failed, ignored
-		for (i = 1; i <= nbad; i++) print "FAILED: " bad[i]
+		for (i = 1; i <= nbin; i++) {
+			b = order[i]
+			printf "%-60s %d passed, %d failed\n", b, npass[b] + 0, nfail[b] + 0
+		}
+		for (i = 1; i <= nbad; i++) print "FAILED: " badlist[i]
+		failed = run - passed + dfailed
+		if (summary == "") failed = failed > 0 ? failed : 1
+		printf "%d passed, %d failed, %d skipped\n", passed + dpassed, failed, skipped + dskipped
 	}' "$log"
 if ((rc != 0)); then
-	echo "cargo test failed (exit $rc)" >&2
+	echo "cargo nextest failed (exit $rc)" >&2
+	exit "$rc"
 fi
-exit "$rc"
+if ((doc_rc != 0)); then
+	echo "cargo test --doc failed (exit $doc_rc)" >&2
+	exit "$doc_rc"
+fi

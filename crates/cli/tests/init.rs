@@ -120,3 +120,43 @@ fn the_guard_runs_a_program_while_the_driver_cannot_start() {
         assert_eq!(r.code, 3, "{args:?}: {}", r.stderr);
     }
 }
+
+/// `stop` of a plain process right after it was started, over and over
+/// while other threads keep the CPU busy: each one is found and ended,
+/// never reported missing. Bounded in count and in time, not timed.
+#[test]
+fn a_process_stopped_right_after_it_starts_is_found_and_ended() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let w = World::new(&[8192]);
+    w.set_config("init_rc", json!(100));
+    w.set_config("init_ms", json!(200));
+    let done = Arc::new(AtomicBool::new(false));
+    let hogs: Vec<_> = (0..2)
+        .map(|_| {
+            let done = Arc::clone(&done);
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    let mut runs = 0;
+    while runs < 40 && std::time::Instant::now() < until {
+        let mut sleep = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let r = w.gpusnap(&["stop", &sleep.id().to_string(), "--grace", "1"]);
+        let _ = sleep.kill();
+        let _ = sleep.wait();
+        if r.code != 0 {
+            done.store(true, Ordering::Relaxed);
+        }
+        assert_eq!(r.code, 0, "run {runs}: {}", r.stderr);
+        runs += 1;
+    }
+    done.store(true, Ordering::Relaxed);
+    for h in hogs {
+        h.join().unwrap();
+    }
+}

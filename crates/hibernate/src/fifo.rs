@@ -437,16 +437,19 @@ mod tests {
     use gpusnap_chunks::Staged;
     use std::io::Write;
 
+    /// Eight bytes a step: the tests make hundreds of MiB of it, in a
+    /// debug build.
     fn noise(n: usize, seed: u64) -> Vec<u8> {
         let mut x = seed | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 24) as u8
-            })
-            .collect()
+        let mut v = Vec::with_capacity(n + 8);
+        while v.len() < n {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        v.truncate(n);
+        v
     }
 
     fn writer(p: PathBuf, data: Vec<u8>) -> JoinHandle<()> {

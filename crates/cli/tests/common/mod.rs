@@ -17,42 +17,58 @@ fn target_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_gpusnap")).parent().unwrap().to_path_buf()
 }
 
-/// Builds the fakes once per test binary and links them under their real names.
+/// Builds the fakes once per test process (unless `GPUSNAP_TEST_PREBUILT`
+/// says scripts/test.sh has just built the workspace) and links them under
+/// their real names.
 pub fn fake_libdir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let profile_dir = target_dir();
         let release = profile_dir.file_name().is_some_and(|n| n == "release");
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.args([
-            "build",
-            "-q",
-            "-p",
-            "gpusnap-fake-cuda",
-            "-p",
-            "gpusnap-fake-nvml",
-            "-p",
-            "gpusnap-fake-workload",
-            // `run --light` finds it next to the gpusnap binary.
-            "-p",
-            "gpusnap-preload",
-        ]);
-        if release {
-            cmd.arg("--release");
+        if std::env::var_os("GPUSNAP_TEST_PREBUILT").is_none() {
+            build_fakes(release);
         }
-        let st = cmd.status().expect("cargo build of the fakes");
-        assert!(st.success(), "building the fakes failed");
         let dir = profile_dir.join("fakelib");
         std::fs::create_dir_all(&dir).unwrap();
         for (src, dst) in
             [("libgpusnap_fake_cuda.so", "libcuda.so.1"), ("libgpusnap_fake_nvml.so", "libnvidia-ml.so.1")]
         {
-            let link = dir.join(dst);
-            let _ = std::fs::remove_file(&link);
-            std::os::unix::fs::symlink(profile_dir.join(src), &link).unwrap();
+            let (link, want) = (dir.join(dst), profile_dir.join(src));
+            if std::fs::read_link(&link).ok().as_deref() == Some(want.as_path()) {
+                continue;
+            }
+            // Test processes running side by side link the same names: each
+            // links a name of its own and renames it over, so that none sees
+            // the link missing or fails on one another made.
+            let mine = dir.join(format!("{dst}.{}", std::process::id()));
+            let _ = std::fs::remove_file(&mine);
+            std::os::unix::fs::symlink(&want, &mine).unwrap();
+            std::fs::rename(&mine, &link).unwrap();
         }
         dir
     })
+}
+
+fn build_fakes(release: bool) {
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args([
+        "build",
+        "-q",
+        "-p",
+        "gpusnap-fake-cuda",
+        "-p",
+        "gpusnap-fake-nvml",
+        "-p",
+        "gpusnap-fake-workload",
+        // `run --light` finds it next to the gpusnap binary.
+        "-p",
+        "gpusnap-preload",
+    ]);
+    if release {
+        cmd.arg("--release");
+    }
+    let st = cmd.status().expect("cargo build of the fakes");
+    assert!(st.success(), "building the fakes failed");
 }
 
 pub fn fake_workload_bin() -> PathBuf {
