@@ -1,5 +1,5 @@
-//! The guard's defects of issue 12, one regression test each (named after
-//! the defect), in the mode(s) it was found in. Each failed before its fix.
+//! The guard's known defects, one regression test each (named after the
+//! defect), in the mode(s) it was found in. Each failed before its fix.
 
 mod common;
 
@@ -89,7 +89,7 @@ fn wait_busy(st: &Path) -> i32 {
     pid_in(&st.to_path_buf())
 }
 
-/// Item 1: a SIGTERM to `gpusnap run` itself (Kubernetes, `docker stop`)
+/// a SIGTERM to `gpusnap run` itself (Kubernetes, `docker stop`)
 /// is forwarded to the program and suspends it first, in both modes.
 #[test]
 fn sigterm_to_the_run_pid_is_suspended_before_it_kills() {
@@ -114,7 +114,7 @@ fn sigterm_to_the_run_pid_is_suspended_before_it_kills() {
     }
 }
 
-/// Item 2: CPython's subprocess resets SIGPIPE in a vfork child, which
+/// CPython's subprocess resets SIGPIPE in a vfork child, which
 /// shares the parent's memory; the parent's view of SIGPIPE must stay its
 /// own (SIG_IGN), so a save/ignore/restore (libcurl) leaves it ignored and
 /// a broken pipe is a BrokenPipeError, not a death.
@@ -147,7 +147,7 @@ except BrokenPipeError:
     assert_eq!(light_out, plain_out, "{light_err}");
 }
 
-/// Item 3: a library whose RUNPATH is `$ORIGIN/sub` dlopens `libplug.so`:
+/// a library whose RUNPATH is `$ORIGIN/sub` dlopens `libplug.so`:
 /// it must find it under the preload library as without, and a successful
 /// dlopen leaves dlerror() empty.
 #[test]
@@ -188,7 +188,7 @@ sys.exit(0 if r == 42 else 1)
     assert_eq!(light.code(), Some(0), "{light_out}{light_err}");
 }
 
-/// Item 4: `int3` resumes after the instruction; unguarded it kills
+/// `int3` resumes after the instruction; unguarded it kills
 /// (SIGTRAP), so under the library it must kill too, not return.
 #[cfg(target_arch = "x86_64")]
 #[test]
@@ -209,7 +209,7 @@ print("CONTINUED", flush=True)
     assert!(!out.contains("CONTINUED"), "{out}");
 }
 
-/// Item 5: a terminating signal with no sender pid (here `alarm`'s
+/// a terminating signal with no sender pid (here `alarm`'s
 /// SIGALRM, SI_KERNEL; and in light mode a SIGTERM whose sender is in
 /// another pid namespace, si_pid 0) to a program busy in CUDA calls is
 /// asynchronous: not waited for where it landed (the thread may hold the
@@ -248,7 +248,7 @@ fn an_asynchronous_signal_without_a_sender_pid_is_suspended_before_it_kills() {
     assert_suspended_before_death(&w, pid);
 }
 
-/// Item 6: a guard that does not answer (stopped here) must not hang a
+/// a guard that does not answer (stopped here) must not hang a
 /// dying light program: it waits GPUSNAP_GUARD_WAIT_MS of silence, then
 /// dies unsuspended, and the guard journals that it did not answer.
 #[test]
@@ -271,7 +271,7 @@ fn light_a_guard_that_does_not_answer_does_not_hang_a_dying_program() {
     wait_for(Duration::from_secs(20), || history_notes(&w, pid).iter().any(|n| n.contains("did not answer")));
 }
 
-/// Item 7: `run --light` serves its socket while a process of the tree
+/// `run --light` serves its socket while a process of the tree
 /// lives, not only the leader: a child that outlives it is still guarded.
 #[test]
 fn light_run_guards_children_that_outlive_the_leader() {
@@ -290,7 +290,7 @@ fn light_run_guards_children_that_outlive_the_leader() {
     assert_suspended_before_death(&w, kid);
 }
 
-/// Item 8: a library linked at start registers (in its constructor) an
+/// a library linked at start registers (in its constructor) an
 /// exit handler that makes a CUDA call. The suspend must come after it: a
 /// CUDA call of a suspended process blocks for good.
 #[test]
@@ -349,7 +349,7 @@ int main(void) {
     assert_suspended_before_death(&w, pid);
 }
 
-/// Item 9: attaching to a program that makes a thread every 0.5 ms: a
+/// attaching to a program that makes a thread every 0.5 ms: a
 /// thread made by one already seized is ours already (EPERM on a second
 /// seize), one may end before it is seized (ESRCH). Neither may fail
 /// `guard PID`, nor the keeper's takeover after the guard is killed.
@@ -385,7 +385,7 @@ fn kill_quietly(pid: i32) {
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
 }
 
-/// Item 10: while the traced guard suspends a process (a SIGTERM to a
+/// while the traced guard suspends a process (a SIGTERM to a
 /// busy program, a slow checkpoint), the program's other stops are still
 /// served: a storm of SIGUSR1 (it has a handler) must not leave a thread
 /// stopped, maybe holding the lock the suspend waits for.

@@ -1,4 +1,4 @@
-//! Images and the state directory as untrusted input (issue 13): what an
+//! Images and the state directory as untrusted input: what an
 //! image may hold, signatures, links, sizes, the state dir's permissions,
 //! interrupted hibernates and store errors after CRIU acted.
 

@@ -16,7 +16,7 @@ use std::time::Instant;
 /// `cuInit(0)` runs on a thread of its own, started by [`CudaDriver::load_from`]:
 /// it is the slow part of loading (on an H200 a `gpusnap wake` spent ~0.27 s
 /// before its own clock started, mostly the driver's and NVML's start-up,
-/// docs/benchmarks.md P7), and a wake's first checkpoint-API call comes only
+/// docs/benchmarks.md), and a wake's first checkpoint-API call comes only
 /// after the image check, admission and CRIU's restore. Every checkpoint-API
 /// call waits for it first ([`CudaDriver::ready`]); a failed `cuInit` is that
 /// call's error, the same one a synchronous load returned.

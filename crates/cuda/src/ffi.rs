@@ -41,7 +41,7 @@ pub struct CUcheckpointRestoreArgs {
     pub reserved1: u64,
 }
 
-/// Opaque argument structs the driver accepts as NULL today.
+/// Opaque argument structs the driver accepts as NULL.
 pub type OpaqueArgs = std::ffi::c_void;
 
 pub type FnInit = unsafe extern "C" fn(flags: c_uint) -> CUresult;

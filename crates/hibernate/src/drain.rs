@@ -264,7 +264,7 @@ pub(crate) fn read_fifo(
     // The file's checksum runs on a thread of its own, in order, so that
     // reading (a copy out of the pipe, the pace CRIU waits for) never waits
     // for hashing: on the H200's host, hashing in line held the reading
-    // to 4.1 GB/s (Run 44).
+    // to 4.1 GB/s (bench/results/044).
     let pool_gone = AtomicBool::new(false);
     let (hash_tx, hash_rx) = mpsc::sync_channel::<Job>(2);
     std::thread::scope(|s| {

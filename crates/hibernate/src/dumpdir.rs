@@ -4,7 +4,7 @@
 //! On a disk, CRIU's pages files are written back (dirty page cache) while
 //! the follower ([`crate::follow`]) turns them into chunks, which are
 //! written too: the disk carries the process's memory twice (measured on
-//! the H200 host, docs/benchmarks.md P7). On a tmpfs nothing of them is
+//! the H200 host, docs/benchmarks.md). On a tmpfs nothing of them is
 //! written; the small CRIU files are copied into the image directory after
 //! the dump and the tmpfs directory is removed once the follower is done.
 //! With `GPUSNAP_FOLLOW_PUNCH=1` the follower punches each segment out once
@@ -74,7 +74,7 @@ impl TmpfsDump {
             if ft.is_file() {
                 fs::copy(e.path(), to.join(&name))?;
             } else if ft.is_dir() {
-                // CRIU writes none today; refused rather than lost.
+                // CRIU writes none; refused rather than lost.
                 return Err(std::io::Error::other(format!("a directory from CRIU: {name}")));
             }
         }

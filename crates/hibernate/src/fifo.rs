@@ -5,7 +5,7 @@
 //! `vmsplice`, fast) and then splices those pipes into `pages-N.img`, one
 //! thread for the whole tree. Into a file that splice copies every page
 //! into the page cache: on the H200's host 26.3 of a 29.8 s dump of 49 GB
-//! went there (`memwrite` in CRIU's stats, Run 43), and gpusnap then reads
+//! went there (`memwrite` in CRIU's stats, bench/results/043), and gpusnap then reads
 //! the file again to chunk it. A FIFO put where a pages file goes turns
 //! CRIU's splice into a move of page references from pipe to pipe (CRIU
 //! 4.2.1 dumps into one without complaint: docs/benchmarks.md, "CRIU
@@ -73,7 +73,7 @@ pub const FAIL_AFTER_ENV: &str = "GPUSNAP_TEST_FIFO_FAIL_AFTER";
 /// Threads that copy a FIFO's pages out of the kernel ("1": the reader
 /// alone; default: half the cores, 2 to 8: an idle copier only waits in
 /// `poll`, and on the H200's 16 cores 8 took 0.5-0.9 s off a 49 GB dump
-/// against 4, Runs 61-62).
+/// against 4, bench/results/061-062).
 pub const COPIERS_ENV: &str = "GPUSNAP_DUMP_FIFO_COPIERS";
 
 /// Are the FIFOs on (`GPUSNAP_DUMP_FIFO`, default on)?

@@ -2,7 +2,7 @@
 //!
 //! A hibernate's commit (read the pages files, cut, hash, compress and stage
 //! their chunks) used to start only once CRIU had exited, and took as long
-//! as the dump itself (docs/benchmarks.md, P7). CRIU writes each
+//! as the dump itself (docs/benchmarks.md). CRIU writes each
 //! `pages-N.img` from the start to the end, appending only (its page
 //! transfer writes the drained pipes one after another, never seeking back
 //! nor truncating), so every byte below a pages file's size is final. A
@@ -21,7 +21,7 @@
 //! The chunked part of a pages file is left alone in the page cache: the
 //! file is removed after the commit, and the dirty pages of a removed file
 //! are dropped unwritten. Measured on this project's kernel (6.18, ext4,
-//! docs/benchmarks.md P7): `posix_fadvise(DONTNEED)` on 512 MiB of dirty
+//! docs/benchmarks.md): `posix_fadvise(DONTNEED)` on 512 MiB of dirty
 //! pages starts their write-back (1.1 GB written within 2 s), and
 //! `fallocate(PUNCH_HOLE)` writes them out before it punches (0.96 s for
 //! 512 MiB), so either would spend the disk on bytes thrown away; doing

@@ -1,6 +1,6 @@
 //! The lazy wake: CRIU restores a tree without its anonymous memory and
 //! gpusnap's page server (crates/pages) fills it while the tree, and the
-//! driver's restore inside it, already run. See docs/pages.md.
+//! driver's restore inside it, already run. See docs/design/wake.md.
 //!
 //! The one seam with the rest of wake: [`restore`] stands where
 //! `Criu::restore` stood and hands back the page server to wait on.
@@ -21,7 +21,7 @@ pub const SLOW_ENV: &str = "GPUSNAP_PAGES_SLOW_US";
 /// Test hook: "1" takes every REMOVE as one that met a copy in flight.
 pub const REMOVE_RACED_ENV: &str = "GPUSNAP_TEST_PAGES_REMOVE_RACED";
 
-/// The hidden subcommand that runs the keeper (docs/pages.md, "Safety").
+/// The hidden subcommand that runs the keeper (docs/design/wake.md, "Safety").
 pub const KEEPER_ARG: &str = "__pages-keeper";
 
 static KEEPER_EXE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
@@ -227,7 +227,7 @@ impl Restored {
 }
 
 /// Restores `images` (CRIU's files) lazily where this kernel and CRIU allow
-/// it, else eagerly with a notice; `eager` asks for today's path.
+/// it, else eagerly with a notice; `eager` asks for the eager path.
 pub fn restore(criu: &Criu, images: &Path, work: &Path, eager: bool) -> Result<Restored, CriuError> {
     restore_from(criu, images, work, eager, None, &|| Ok(()), None)
 }
@@ -269,7 +269,7 @@ pub fn restore_from(
     if let Some(why) = support.why_not {
         return fallback(why);
     }
-    // The page server's settings (GPUSNAP_PAGES_*, docs/pages.md): a bad
+    // The page server's settings (GPUSNAP_PAGES_*, docs/design/wake.md): a bad
     // one is said, and the wake goes on eagerly, as safe as ever.
     let opts = match Options::from_env() {
         Ok(o) => Options {
@@ -293,7 +293,7 @@ pub fn restore_from(
         Err(e) => return fallback(format!("page server: {e}")),
     };
     // The keeper holds a copy of every userfaultfd, so that the death of
-    // this process never lets the tree read zeros (docs/pages.md, "Safety").
+    // this process never lets the tree read zeros (docs/design/wake.md, "Safety").
     match start_keeper(images, work, chunks.map(|c| c.0), chunks.map(|c| c.1)) {
         Ok(Some(k)) => server.keep_with(k),
         Ok(None) => tracing::debug!("lazy wake without a keeper (no keeper program)"),

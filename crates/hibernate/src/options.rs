@@ -131,7 +131,7 @@ pub struct WakeReport {
     /// not waited for); 0 when off.
     pub file_pages_bytes: u64,
     /// What the page server did (lazy wakes): faults, bytes by faults and
-    /// by the background fill, timings, the settings (docs/pages.md).
+    /// by the background fill, timings, the settings (docs/design/wake.md).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pages: Option<gpusnap_pages::Report>,
 }

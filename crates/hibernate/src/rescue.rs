@@ -1,5 +1,5 @@
 //! The rescue of a lazy CUDA wake whose page server fails while a driver
-//! restore reads the memory it serves (docs/pages.md, "Safety").
+//! restore reads the memory it serves (docs/design/wake.md, "Safety").
 //!
 //! The driver's restore cannot be cancelled: a fault it waits on blocks it
 //! until the page comes. Killing the process then (its CUDA state half on

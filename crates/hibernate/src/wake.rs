@@ -159,7 +159,7 @@ impl<A: CheckpointApi, G: GpuInventory> Wake for Engine<A, G> {
         // A group is all or nothing: every chunk of every member is checked
         // before any tree runs (a member woken, then ended because another
         // member's chunk failed, would have run on for a moment). A
-        // streamed image's chunks are checked as they arrive (docs/images.md:
+        // streamed image's chunks are checked as they arrive (docs/design/chunk-store.md:
         // not yet cut short). A lone CUDA image's chunks are checked in the
         // background of its restore instead, to the end before any unlock
         // (a bad one ends the tree safely, its driver restores rescued if
@@ -697,7 +697,7 @@ impl<A: CheckpointApi, G: GpuInventory> Wake for Engine<A, G> {
         }
         // A streamed image whose chunks are all here now is a local image.
         // (Only a streamed one is looked at: the look is a stat per chunk,
-        // 40-60 ms of each wake of ~26 GB on the H200, Runs 75-76.)
+        // 40-60 ms of each wake of ~26 GB on the H200, bench/results/075-076.)
         if origin.is_some() && chunked.as_ref().is_some_and(|wd| wd.complete()) {
             gpusnap_images::origin::clear_origin(state_dir, name);
         }

@@ -3,7 +3,7 @@
 //! map and unmap included, as a wake checks its map file; each phase timed
 //! apart (a full mincore of the mapping, the hash, the unmap). Usage:
 //! bench_mapcheck [GIB] [THREADS] (a file of GIB GiB written in 32 MiB
-//! pieces under $TMPDIR first). On the H200 (Run 81), 8 GiB on 16 threads:
+//! pieces under $TMPDIR first). On the H200 (bench/results/081), 8 GiB on 16 threads:
 //! 59.8 GB/s (62.6 through a mapping placed at a 2 MiB boundary by hand,
 //! within the noise: the kernel aligns such a mapping itself).
 use std::io::Write;

@@ -33,7 +33,7 @@ pub(crate) const PER_SHARD: usize = 2;
 /// of what is available, if less) and [`RECURRING_MAX`]. With 2 GiB at most,
 /// a 49 GB worker's wake on the H200 decoded most chunks again and again:
 /// the fill read 3.9 GB/s and the driver's restore waited for it (14.0 s
-/// against 7.7 s alone, Run 31).
+/// against 7.7 s alone, bench/results/031).
 pub(crate) const RECURRING_MIN: u64 = 2 << 30;
 pub(crate) const RECURRING_MAX: u64 = 16 << 30;
 
@@ -71,7 +71,7 @@ pub(crate) struct Shared {
     /// `munmap` (a TLB shootdown across the page server's cores): on the
     /// H200 with 8 fill and 8 verify threads the fill of 20.5 GB of random
     /// memory ran at 6.2-6.5 GB/s mapped against 8.1-8.4 GB/s read, on one
-    /// host, alternating (Run 36).
+    /// host, alternating (bench/results/036).
     pub(crate) map_raw: bool,
 }
 
@@ -213,7 +213,7 @@ pub(crate) struct ChunkedFile {
     /// Raw chunks' mappings (`GPUSNAP_PAGES_MAP_RAW=1`), by canonical index,
     /// kept until the wake ends: unmapping one while the fill runs is a TLB
     /// shootdown across every core the page server's threads are on
-    /// (session 7: mapping and unmapping a chunk per read slowed the fill
+    /// (measured: mapping and unmapping a chunk per read slowed the fill
     /// from 8.1-8.4 to 6.2-6.5 GB/s on the H200).
     pub(crate) mapped: Vec<OnceLock<Arc<memmap2::Mmap>>>,
     /// By canonical index: held by the one thread reading, decoding and

@@ -261,7 +261,7 @@ impl Workdir {
     /// unchecked either way). A CUDA wake waits for the end
     /// ([`Workdir::take_verify`]) before any unlock, so that no process
     /// runs on an image with a bad chunk, while its driver restores read
-    /// chunks the page server checked (docs/pages.md, "Safety"); with
+    /// chunks the page server checked (docs/design/wake.md, "Safety"); with
     /// `GPUSNAP_VERIFY_FIRST=1` before any driver restore
     /// ([`Workdir::wait_verify`]).
     pub fn start_verify(&mut self, pace: VerifyPace) {

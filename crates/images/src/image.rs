@@ -20,7 +20,7 @@
 //! images inside the store (root-owned, 0700, refused when others can write
 //! it: nobody else can change a file between its verification and CRIU's
 //! read); an image given by path is copied into the store, verified as it is
-//! copied. See docs/images.md.
+//! copied. See docs/design/chunk-store.md.
 use crate::hash::hash_open;
 use crate::manifest::{
     check_contents, check_paths, chunked_name, io, open_listed, read_manifest, valid_name, ChunkCheck,

@@ -1,4 +1,4 @@
-//! The mapped wake (docs/pages.md, "The mapped wake"): the large anonymous
+//! The mapped wake (docs/design/wake.md, "The mapped wake"): the large anonymous
 //! regions of an image's CUDA processes (the driver's host copy, nearly all
 //! of a model server's image) restored as private mappings of a file that
 //! holds their pages, instead of being copied in by the page server.
@@ -10,7 +10,7 @@
 //! mapping of a file in the page cache copies nothing: the driver reads the
 //! page cache's own pages, mapped whole as 2 MiB pages where the file's
 //! large folios sit at offsets congruent to their addresses. Measured on the
-//! H200 (docs/gpu-e2e.md, Run 78): the driver's restore of 14 GB from such a
+//! H200 (bench/results/078): the driver's restore of 14 GB from such a
 //! mapping took 0.81x its time from its own anonymous memory (its release of
 //! the host copy is nearly free), 6975 faults (one per 2 MiB); unaligned,
 //! 214755 faults (one per 64 KiB) and 1.0x.
@@ -29,7 +29,7 @@
 //! Only VMAs that CRIU could restore lazily and whose every page is in the
 //! image qualify, of at least [`MIN_REGION`] bytes, in CUDA processes. The
 //! driver releases its host copy at the end of its restore, and replaces
-//! the mapping with fresh anonymous memory at its next checkpoint (Run 79),
+//! the mapping with fresh anonymous memory at its next checkpoint (bench/results/079),
 //! so the next image of the process refers to no map file.
 
 use crate::chunksrc::Workdir;
@@ -144,7 +144,7 @@ pub fn plan(dir: &Path, m: &Manifest) -> Result<Vec<Region>, ImageError> {
             // both in memory and in the pages file (CRIU writes entries of
             // at most ~1 MiB: a check by chunk across entries' edges would
             // read each chunk from the store instead of hashing it in place;
-            // Run 81: 3.0 s for 26.6 GB).
+            // bench/results/081: 3.0 s for 26.6 GB).
             let mut clipped: Vec<(u64, u64, u64)> = Vec::new();
             for r in &inside {
                 let (s, e) = (r.vaddr.max(v.start), (r.vaddr + r.len).min(v.end));
@@ -488,7 +488,7 @@ pub fn for_wake(
     // handed on. (The kernel places a file mapping this large at a 2 MiB
     // boundary, so the page cache's large folios are mapped whole: on the
     // H200 a 2 MiB-aligned mapping of our own hashed 62.6 GB/s against
-    // 59.8 through this one, `bench_mapcheck`, Run 81.)
+    // 59.8 through this one, `bench_mapcheck`, bench/results/081.)
     let mm = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| format!("its map file: {e}"))?;
     let warm = resident(&f, &mm).map_err(|e| format!("its map file: {e}"))?;
     if warm < RESIDENT_MIN {
@@ -526,7 +526,7 @@ pub fn for_wake(
 
 /// The first of `pids` that maps a map file of `state_dir` (a path under
 /// `STATE/maps/`), and that file. The driver's checkpoint replaces the host
-/// copy it restored from one with fresh anonymous memory (Run 78); a
+/// copy it restored from one with fresh anonymous memory (bench/results/078); a
 /// mapping that outlives it is the process's own memory, and an image of it
 /// would need the file.
 pub fn still_mapped(state_dir: &Path, pids: &[i32]) -> Option<(i32, String)> {

@@ -30,7 +30,7 @@ pub struct VerifyPace {
     /// goes up and checks a chunk it reaches first itself) in the middle:
     /// each chunk read for its check once, by one of them, instead of the
     /// verify reading all of them beside the fill. No gain on the H200
-    /// (Run 35).
+    /// (bench/results/035).
     pub downwards: bool,
 }
 
@@ -46,7 +46,7 @@ impl VerifyPace {
     /// (0: no verify beside the driver; what the page server has not
     /// checked by the unlocks is checked then, on every core) and
     /// `GPUSNAP_VERIFY_NICE` applied, so that a GPU run can compare them
-    /// (docs/pages.md, settings); a value that is not one is said and left.
+    /// (docs/reference/environment.md); a value that is not one is said and left.
     pub fn beside_the_driver_from_env() -> Self {
         Self::beside_the_driver_from(|k| std::env::var(k).ok())
     }

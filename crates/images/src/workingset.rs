@@ -5,7 +5,7 @@
 //! another host) reads the restored processes' own files back from the disk
 //! page by page, as CRIU, the driver's restore and the process touch them:
 //! Python, PyTorch's and CUDA's libraries. On the H200 a cold wake of ~49 GB
-//! (an image of 0.23 GB) took 1.25 s longer than a warm one (Run 40), CRIU
+//! (an image of 0.23 GB) took 1.25 s longer than a warm one (bench/results/040), CRIU
 //! 0.4 s and the driver's restore 0.4 s of it, more than the image's own
 //! reads explain. So `hibernate` records, per file, the pages its processes
 //! had mapped (present in their page tables, `/proc/PID/pagemap`), and a

@@ -260,7 +260,7 @@ pub(crate) fn fill_in(
         // the release, so that the faults that come again find the pieces
         // free and fill them). Without it such a fault waited until the
         // background fill came round to the pieces, after everything else:
-        // on the H200 (Run 72) a driver's restore stood still for 5 and
+        // on the H200 (bench/results/072) a driver's restore stood still for 5 and
         // 10 s, until the fill's end.
         let _ = sys::wake(fd, iov.start, iov.len());
         for moved in back.iter().filter(|b| b.start < iov.start || b.end > iov.end) {

@@ -12,7 +12,7 @@
 //! in place, or the tree ended) it says "done" and the keeper exits. If the
 //! socket reaches its end without "done", the wake died: the keeper replays
 //! the events onto the image's lazy pieces and serves what is still missing
-//! with the same server ([`crate::Server`]), then exits. See docs/pages.md.
+//! with the same server ([`crate::Server`]), then exits. See docs/design/wake.md.
 
 use crate::image::lazy_iovs;
 use crate::PagesError;

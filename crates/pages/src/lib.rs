@@ -8,7 +8,7 @@
 //! many threads, in address order, in large batches (UFFDIO_COPY without
 //! waking, then one UFFDIO_WAKE per batch), so that the driver's restore,
 //! which reads the process's memory in address order, runs while the image
-//! streams in. See docs/pages.md.
+//! streams in. See docs/design/wake.md.
 //!
 //! The protocol, from CRIU 4.2's criu/uffd.c: one unix stream connection;
 //! per task a native-endian i32 pid, then one byte with the uffd as

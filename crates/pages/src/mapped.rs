@@ -1,5 +1,5 @@
 //! A mapped wake's change to CRIU's images: anonymous VMAs restored as
-//! private mappings of a file that holds their pages (docs/pages.md,
+//! private mappings of a file that holds their pages (docs/design/wake.md,
 //! "The mapped wake").
 //!
 //! What CRIU 4.2 does with such a VMA (criu/proc_parse.c, files-reg.c,

@@ -1,5 +1,5 @@
 //! How the page server fills memory, set by the caller or from the
-//! environment (docs/pages.md).
+//! environment (docs/design/wake.md).
 
 use crate::pacer::PaceConfig;
 use crate::sys::PAGE;
@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// How the server fills memory. Every field can be set from the
-/// environment ([`Options::from_env`], docs/pages.md), so that a GPU run
+/// environment ([`Options::from_env`], docs/design/wake.md), so that a GPU run
 /// can compare settings without a rebuild.
 #[derive(Debug, Clone, Serialize)]
 pub struct Options {
@@ -49,13 +49,13 @@ pub struct Options {
     /// checkpointed device memory is such a run, and what the driver's
     /// restore reads; the low addresses hold the interpreter's heap and
     /// small mappings. Measured on the H200 (20.5 GB): the first GB went in
-    /// at ~2.4 GB/s, the rest at ~11 (Run 23); starting at the large run
-    /// did not make the driver's restore faster (Runs 24-25).
+    /// at ~2.4 GB/s, the rest at ~11 (bench/results/023); starting at the large run
+    /// did not make the driver's restore faster (bench/results/024-025).
     pub big_first: u64,
     /// Bytes per second the background fill keeps to once the head start is
     /// in (0: as fast as it goes, the default): a fill just ahead of the
     /// driver's restore instead of one that takes the host's cores and
-    /// memory bandwidth while the driver reads (issue 10's warm wake).
+    /// memory bandwidth while the driver reads (the warm wake).
     /// Faults are never held back.
     pub rate: u64,
     /// Pace the background fill to the reader while the caller's driver
@@ -89,9 +89,9 @@ pub struct Options {
     /// while it streams the checkpointed device memory, one large run, in
     /// address order: following those faults took every fill thread away
     /// from the stream's front for 0.2 s, through hundreds of small
-    /// mappings, and the driver then caught up with the front (H200, Run 52
+    /// mappings, and the driver then caught up with the front (H200, bench/results/052
     /// traces). A fault elsewhere is served by its own batch. Not a gain
-    /// measured yet (Run 53), so off.
+    /// measured yet (bench/results/053), so off.
     pub follow_min: u64,
     /// Write a trace of the wake to this file when the server ends: each
     /// fault (time, address, how it was answered), each fill (start and end
@@ -122,7 +122,7 @@ impl HeadStart {
 impl Default for Options {
     fn default() -> Self {
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4);
-        // Measured on the H200 host (16 cores, 26.4 GB lazy wake, Run 10 of
+        // Measured on the H200 host (16 cores, 26.4 GB lazy wake, bench/results/010 of
         // docs/gpu-e2e.md): 16 fill threads at normal priority slowed the
         // driver's restore, which runs on the same cores, to 6.72 s; 8 at
         // nice 10 filled faster (6.3 GB/s against 5.6) and the driver took
@@ -135,17 +135,17 @@ impl Default for Options {
             fault_batch: 256 << 10,
             ahead: 0,
             nice: 10,
-            // Off: on the H200 (Run 30, 20.5 GB, four samples each,
+            // Off: on the H200 (bench/results/030, 20.5 GB, four samples each,
             // alternating) SCHED_IDLE fill and verify threads woke in
             // 4.38-5.71 s (median 4.53), nice 10 in 4.13-5.61 s (4.67): no
             // difference, and a SCHED_IDLE fill gets no core on a busy host.
             idle: false,
-            // Measured on the H200 (20.5 GB, Run 23 of docs/gpu-e2e.md):
+            // Measured on the H200 (20.5 GB, bench/results/023):
             // the driver's restore started right after CRIU's caught up
             // with the fill (driver 5.25 s against 3.29 alone); 512 MiB
             // first: 3.80 s, after a 0.21 s head start.
             head_start: HeadStart::Bytes(512 << 20),
-            // Off: on the H200 (Runs 24-25) starting at the large run did not
+            // Off: on the H200 (bench/results/024-025) starting at the large run did not
             // make the driver's restore faster (its slowdown inside a wake
             // came with almost no fault waiting; the hosts varied more than
             // the setting); kept as a setting to measure.
@@ -157,7 +157,7 @@ impl Default for Options {
             remove_raced: false,
             give_back_at: None,
             trace: None,
-            // Off: on the H200 (Run 53, ~26 GB, one host) the wakes with
+            // Off: on the H200 (bench/results/053, ~26 GB, one host) the wakes with
             // 64 MiB took 6.85-7.13 s against 5.39 s following every fault;
             // the fill's front was no further ahead when the driver met it
             // (its fills slow down ~10x for ~0.5 s as the driver's restore

@@ -1,7 +1,7 @@
 //! Pacing the background fill to the reader: the fill writes the image into
 //! the woken process no faster than the driver's restore reads it.
 //!
-//! Why (issue 10; docs/benchmarks.md, "What slows the driver's restore"):
+//! Why (docs/benchmarks.md, "What slows the driver's restore"):
 //! the driver's restore of a checkpointed CUDA process is one thread of
 //! that process copying its host memory into the GPU's staging buffers at
 //! 6-10 GB/s, CPU-bound. Measured on the H200 (`tests/gpu/contend.sh`,
@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicU8, Ordering::SeqCst};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
-/// The pace's settings (GPUSNAP_PAGES_PACE_*, docs/pages.md).
+/// The pace's settings (GPUSNAP_PAGES_PACE_*, docs/design/wake.md).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct PaceConfig {
     /// Bytes per second the fill starts at.
@@ -203,7 +203,7 @@ impl Pacer {
         st.stats.catch_ups += 1;
         st.last_catch_us = now;
         // Without this, a fill slower than the reader (3 threads on the
-        // H200, Run 72) met it a thousand times and raised the rate a
+        // H200, bench/results/072) met it a thousand times and raised the rate a
         // quarter each 50 ms, to 10^7 GB/s: no pace at all once it could.
         let held_back = st.allowed - (served as f64) < (self.cfg.lead / 2) as f64;
         if held_back && now.saturating_sub(st.last_raise_us) >= self.cfg.quiet_ms * 500 {

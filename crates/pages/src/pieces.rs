@@ -7,8 +7,8 @@
 //! further by the batches in flight, and a sorted `Vec` edited in
 //! place (a full pass to find a fill's pieces, another to remove them, a
 //! shift of the tail to split one) kept 8 fill threads 26.5 s waiting for
-//! that lock, summed, in an 8.4 s fill (H200, Run 38; 0.65 s with this
-//! map, the fill 5.9 -> 10.9 GB/s, Run 39). Events (fork, remap,
+//! that lock, summed, in an 8.4 s fill (H200, bench/results/038; 0.65 s with this
+//! map, the fill 5.9 -> 10.9 GB/s, bench/results/039). Events (fork, remap,
 //! unmap, remove) are rare and edit the whole list.
 
 use crate::image::Iov;

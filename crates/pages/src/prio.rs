@@ -2,7 +2,7 @@
 //! verify) give way to the woken processes, whose threads run the driver's
 //! restore.
 //!
-//! Measured on the H200 (20.5 GB, one host, Run 29 of docs/gpu-e2e.md): the
+//! Measured on the H200 (20.5 GB, one host, bench/results/029): the
 //! driver's restore took 3.70 s on memory already in place and 3.92-4.87 s
 //! while 16 background threads at nice 10 filled and verified beside it,
 //! with almost no fault to wait for: every core was busy, so each time a

@@ -5,7 +5,7 @@ use crate::pacer::PaceStats;
 use serde::Serialize;
 
 /// What a lazy wake's page server did: the figures that tell where the
-/// driver's restore waited (docs/pages.md, "Reading the report").
+/// driver's restore waited (docs/design/wake.md, "Reading the report").
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
     /// Processes whose memory was served (forks during the wake included).

@@ -37,7 +37,7 @@ const PACE_RUN_MIN: u64 = 64 << 20;
 /// How often [`Server::wait_ahead`] looks at the bytes in place: nobody
 /// rings as they grow, and the driver's restore waits on it (with
 /// [`TICK`], a head start the fill made in 45 ms cost 50 or 100; measured
-/// on the H200, Runs 70-71).
+/// on the H200, bench/results/070-071).
 const HEAD_TICK: Duration = Duration::from_millis(1);
 /// A running page server. Dropping it stops serving and closes every
 /// userfaultfd: call [`Server::wait`] first, or end the processes first
@@ -94,7 +94,7 @@ impl Server {
 
     /// Hands a copy of every userfaultfd, and every event, to `keeper`
     /// from now on (before `criu restore` starts), and releases it once
-    /// this server is dropped (docs/pages.md, "Safety").
+    /// this server is dropped (docs/design/wake.md, "Safety").
     pub fn keep_with(&self, keeper: crate::keeper::Keeper) {
         let _ = self.shared.keeper.set(keeper);
     }
@@ -517,7 +517,7 @@ fn events(sh: &Arc<Shared>, mm: &Arc<Mm>) {
             };
             let [a0, a1, a2] = msg.arg;
             // The keeper hears of every event before it is acted on: if
-            // gpusnap dies now, the keeper replays it (docs/pages.md).
+            // gpusnap dies now, the keeper replays it (docs/design/wake.md).
             let child_key = match msg.event {
                 sys::EVENT_FORK => {
                     let k = sh.key();

@@ -9,8 +9,8 @@ use crate::service::{Service, State};
 use crate::state::{cuda_pids_in, Agent, DynEngine};
 use gpusnap_core::engine::{ResumeOptions, SuspendReport};
 use gpusnap_core::target;
-use gpusnap_hibernate::WakeOptions;
 use gpusnap_hibernate::Hibernate;
+use gpusnap_hibernate::WakeOptions;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

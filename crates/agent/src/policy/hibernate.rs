@@ -6,8 +6,8 @@ use crate::service::{Service, State};
 use crate::state::Agent;
 use gpusnap_core::target;
 use gpusnap_core::tree::process_tree;
-use gpusnap_hibernate::HibernateOptions;
 use gpusnap_hibernate::Hibernate;
+use gpusnap_hibernate::HibernateOptions;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
