@@ -38,6 +38,11 @@ if ! cargo nextest --version >/dev/null 2>&1; then
 	exit 2
 fi
 
+# The tree speaks of the product only (no narrative of how it was made).
+if [[ $profile != fast ]]; then
+	scripts/check-narrative.sh
+fi
+
 cargo build --workspace --all-targets
 # The fakes were just built with everything else: the test binaries link
 # them without building them again each.
