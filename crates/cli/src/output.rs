@@ -17,6 +17,9 @@ pub struct Out {
     json: bool,
     /// All bars of one command, drawn together (groups run in parallel).
     bars: indicatif::MultiProgress,
+    /// What a command finished before it failed: part of the error's JSON
+    /// object, so that `--json` prints one object either way.
+    partial: std::sync::Mutex<Option<serde_json::Value>>,
 }
 
 fn gib(b: u64) -> String {
@@ -138,7 +141,11 @@ pub fn stopped(r: &StopReport) -> String {
 
 impl Out {
     pub fn new(json: bool) -> Self {
-        Self { json, bars: indicatif::MultiProgress::with_draw_target(ProgressDrawTarget::stderr()) }
+        Self {
+            json,
+            bars: indicatif::MultiProgress::with_draw_target(ProgressDrawTarget::stderr()),
+            partial: std::sync::Mutex::new(None),
+        }
     }
 
     fn emit(&self, v: serde_json::Value) {
@@ -166,13 +173,25 @@ impl Out {
         }
     }
 
+    /// The results of a command that then failed: printed with its error.
+    pub fn partial_results<T: Serialize>(&self, r: &[T]) {
+        if self.json {
+            let v = serde_json::to_value(r).unwrap_or_default();
+            *self.partial.lock().unwrap_or_else(|e| e.into_inner()) = Some(v);
+        }
+    }
+
     pub fn error(&self, kind: &str, msg: &str, hint: Option<&str>, code: i32) {
         eprintln!("gpusnap: {msg}");
         if let Some(h) = hint {
             eprintln!("  hint: {h}");
         }
         if self.json {
-            self.emit(json!({ "error": { "kind": kind, "message": msg, "hint": hint, "exit_code": code } }));
+            let mut v = json!({ "error": { "kind": kind, "message": msg, "hint": hint, "exit_code": code } });
+            if let Some(done) = self.partial.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                v["results"] = done;
+            }
+            self.emit(v);
         }
     }
 

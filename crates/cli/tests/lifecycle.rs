@@ -89,6 +89,9 @@ fn resume_is_refused_without_memory_and_works_once_it_is_free() {
     let r = w.json(&["resume", &p]);
     assert_eq!(r.code, 3, "{}", r.stderr);
     assert_eq!(r.json()["error"]["kind"], "no_memory");
+    // One JSON object on stdout: the error, with what was done before it.
+    assert_eq!(r.stdout.lines().count(), 1, "{}", r.stdout);
+    assert_eq!(r.json()["results"], json!([]));
     assert!(r.stderr.contains("needs 4352 MiB"), "{}", r.stderr);
     // Nothing was attempted: the driver saw no restore, the process stays resumable.
     assert!(!w.calls_on(pid).iter().any(|c| c.starts_with("restore")));

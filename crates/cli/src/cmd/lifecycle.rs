@@ -164,7 +164,8 @@ pub fn stop(
 }
 
 /// Runs `f` on each pid in order, stopping at the first failure; the
-/// results so far are printed either way.
+/// results so far are printed either way (with `--json`, in the error's
+/// object when it failed: one object on stdout).
 fn each<T: serde::Serialize>(
     out: &Out,
     pids: &[i32],
@@ -179,7 +180,7 @@ fn each<T: serde::Serialize>(
                 done.push(r);
             }
             Err(e) => {
-                out.results(&done);
+                out.partial_results(&done);
                 return Err(e.into());
             }
         }
