@@ -81,7 +81,43 @@ pub fn fake_workload_bin() -> PathBuf {
 /// real supervisor would: a killed workload leaves no zombie holding its pid.
 pub struct Kid {
     pid: i32,
+    /// The process itself, not its number: the waiter thread reaps it as
+    /// soon as it exits and its pid may then be another test's process.
+    pidfd: Option<Pidfd>,
     exited: Arc<(Mutex<Option<ExitStatus>>, Condvar)>,
+}
+
+/// A pidfd (pidfd_open(2)): signals sent through it reach the process it
+/// was opened on or nobody, never a later process with the same pid. The
+/// tests run side by side and pids are reused quickly; a stray SIGKILL by
+/// number once ended another test's process.
+pub struct Pidfd(std::os::fd::OwnedFd);
+
+impl Pidfd {
+    /// Opens one on `pid`; None when it is gone already.
+    pub fn open(pid: i32) -> Option<Pidfd> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: pidfd_open takes a pid and flags and returns a new
+        // descriptor or -1; nothing of ours is read or written.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        // SAFETY: a descriptor the kernel just gave us, owned from here.
+        (fd >= 0).then(|| Pidfd(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }))
+    }
+
+    /// Whether the process is alive (not yet exited).
+    pub fn alive(&self) -> bool {
+        self.signal(0)
+    }
+
+    /// Sends `sig` (0: only checks); false when the process is gone.
+    pub fn signal(&self, sig: i32) -> bool {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the descriptor is ours and open; no siginfo is passed.
+        unsafe {
+            libc::syscall(libc::SYS_pidfd_send_signal, self.0.as_raw_fd(), sig, std::ptr::null::<u8>(), 0)
+                == 0
+        }
+    }
 }
 
 impl Kid {
@@ -101,6 +137,8 @@ impl Kid {
         }
         let mut child = cmd.spawn().expect("spawn");
         let pid = child.id() as i32;
+        // Opened before the waiter thread can reap it: it is this process.
+        let pidfd = Pidfd::open(pid);
         let exited = Arc::new((Mutex::new(None), Condvar::new()));
         let e2 = Arc::clone(&exited);
         std::thread::spawn(move || {
@@ -108,7 +146,7 @@ impl Kid {
             *e2.0.lock().unwrap() = st;
             e2.1.notify_all();
         });
-        Kid { pid, exited }
+        Kid { pid, pidfd, exited }
     }
 
     pub fn id(&self) -> u32 {
@@ -126,11 +164,8 @@ impl Kid {
     }
 
     pub fn kill(&self) {
-        if self.try_wait().is_none() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(self.pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+        if let Some(fd) = &self.pidfd {
+            fd.signal(libc::SIGKILL);
         }
     }
 }
@@ -140,6 +175,8 @@ pub struct World {
     pub children: Vec<Kid>,
     /// Processes restored by CRIU (not our children), ended on drop.
     pub adopted: Vec<i32>,
+    /// Their pidfds, opened when adopted (see [`Pidfd`]).
+    adopted_fds: Vec<Option<Pidfd>>,
     /// More environment for every gpusnap run (a remote's credentials).
     pub env_extra: Vec<(String, String)>,
     /// How long one gpusnap run may take before it counts as hung.
@@ -193,6 +230,7 @@ impl World {
             tmp,
             children: Vec::new(),
             adopted: Vec::new(),
+            adopted_fds: Vec::new(),
             env_extra: Vec::new(),
             run_limit: Duration::from_secs(60),
         };
@@ -501,6 +539,7 @@ while True:
 
     pub fn adopt(&mut self, pid: i32) {
         self.adopted.push(pid);
+        self.adopted_fds.push(Pidfd::open(pid));
     }
 }
 
@@ -525,13 +564,16 @@ pub fn children_of(pid: i32) -> Vec<i32> {
 
 impl Drop for World {
     fn drop(&mut self) {
-        for &pid in &self.adopted {
+        // Only the processes adopted, through their pidfds: by number, a
+        // pid that ended and was reused would be another test's process.
+        for (&pid, fd) in self.adopted.iter().zip(&self.adopted_fds) {
+            let Some(fd) = fd.as_ref().filter(|fd| fd.alive()) else { continue };
             for c in children_of(pid) {
-                let _ =
-                    nix::sys::signal::kill(nix::unistd::Pid::from_raw(c), nix::sys::signal::Signal::SIGKILL);
+                if let Some(cfd) = Pidfd::open(c) {
+                    cfd.signal(libc::SIGKILL);
+                }
             }
-            let _ =
-                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            fd.signal(libc::SIGKILL);
         }
         for c in &self.children {
             c.kill();
