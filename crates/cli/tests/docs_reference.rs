@@ -109,3 +109,37 @@ fn every_agent_toml_key_is_in_the_reference() {
     let m = missing(keys, &doc, |k| format!("| `{k}` |"));
     assert!(m.is_empty(), "not in docs/reference/config.md: {m:?}");
 }
+
+/// ARCHITECTURE.md's code map names every crate, and no source file grows
+/// past what one reading holds unless its module doc says why it is one
+/// thing.
+#[test]
+fn architecture_names_every_crate_and_files_stay_small() {
+    let arch = read("ARCHITECTURE.md");
+    let mut unnamed = Vec::new();
+    let mut long = Vec::new();
+    let mut crates: Vec<PathBuf> =
+        std::fs::read_dir(root().join("crates")).unwrap().flatten().map(|e| e.path()).collect();
+    crates.sort();
+    for dir in crates.iter().filter(|p| p.is_dir()) {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        if !arch.contains(&format!("crates/{name}")) {
+            unnamed.push(name);
+        }
+        let mut files = Vec::new();
+        let src = dir.join("src");
+        if src.is_dir() {
+            rust_files(&src, &mut files);
+        }
+        for f in files {
+            let text = std::fs::read_to_string(&f).unwrap();
+            // Joined by single spaces: the words may wrap across lines.
+            let head = text.lines().take(40).flat_map(str::split_whitespace).collect::<Vec<_>>().join(" ");
+            if text.lines().count() > 800 && !head.contains("one thing") {
+                long.push(f.strip_prefix(root()).unwrap_or(&f).display().to_string());
+            }
+        }
+    }
+    assert!(unnamed.is_empty(), "crates not named in ARCHITECTURE.md: {unnamed:?}");
+    assert!(long.is_empty(), "over 800 lines without a module doc saying it is one thing: {long:?}");
+}

@@ -17,6 +17,7 @@ use crate::ms;
 use crate::options::{HibernateOptions, HibernateReport, Stages, WakeOptions, WakeReport};
 use crate::reconcile::{reconcile, Interrupted};
 use crate::tree::{kill_tree, wait_pid_free};
+use crate::unwind::Unwind;
 use crate::wake::Wake;
 use crate::Error;
 use gpusnap_core::engine::Engine;

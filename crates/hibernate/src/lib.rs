@@ -21,6 +21,7 @@ pub mod options;
 pub mod reconcile;
 pub mod rescue;
 pub mod tree;
+mod unwind;
 pub mod wake;
 
 pub use error::Error;

@@ -32,6 +32,13 @@
 //! signal stack. The ptrace guard (`gpusnap run` without `--light`) sees all
 //! of those.
 //!
+//! One file because it is one thing: the wrappers, the handlers and the
+//! exchange with the guard all read and write the same handful of globals
+//! (the address, the saved dispositions, the next definitions from dlsym)
+//! under one rule, async-signal safety, that holds only if every access is
+//! checked against every other; split across modules, those globals would
+//! have to be made visible crate-wide and the rule checked across files.
+//!
 //! Written by hand: no crate does in-process interposition of libc's
 //! signal and exit functions. Everything reachable from a signal handler
 //! makes only async-signal-safe system calls and touches only atomics and
