@@ -99,12 +99,12 @@ pub fn woken(r: &WakeReport) -> String {
 }
 
 /// A resume that had to go through recovery, reported as a resume.
-pub fn recovered_as_resume(pid: i32, w: &WakeReport) -> ResumeReport {
+pub fn recovered_as_resume(pid: i32, w: &WakeReport, footprint_bytes: u64) -> ResumeReport {
     ResumeReport {
         pid,
         state: "running".into(),
         already: false,
-        footprint_bytes: 0,
+        footprint_bytes,
         waited_ms: w.waited_ms,
         restore_ms: w.restore_ms,
         unlock_ms: 0,

@@ -263,6 +263,9 @@ fn a_stuck_process_is_recovered_from_its_snapshot() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     let v = r.json();
     assert!(v["results"][0]["recovered_from"].as_str().unwrap().starts_with("resume-"), "{v}");
+    // What came back: its footprint as the image recorded it (2 GiB and the
+    // fake driver's context), not zero.
+    assert!(v["results"][0]["footprint_bytes"].as_u64().unwrap() >= 2048 << 20, "{v}");
     w.reap(pid);
     w.adopt(pid);
     w.assert_progressing(pid);

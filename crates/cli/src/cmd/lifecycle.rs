@@ -135,7 +135,13 @@ pub fn resume(cli: &Cli, out: &Out, select: &Select, a: &Resume) -> anyhow::Resu
                         force: false,
                         eager: false,
                     };
-                    e.recover(&c, &store, pid, &w).map(|w| output::recovered_as_resume(pid, &w))
+                    e.recover(&c, &store, pid, &w).map(|w| {
+                        // Its footprint as the image recorded it: what came back.
+                        let fp = store.manifest(&w.image).ok().and_then(|(_, m)| {
+                            m.processes.iter().find(|p| p.pid == pid).map(|p| p.footprint.values().sum())
+                        });
+                        output::recovered_as_resume(pid, &w, fp.unwrap_or(0))
+                    })
                 }
                 other => other.map_err(Error::from),
             }
