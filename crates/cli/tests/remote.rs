@@ -333,8 +333,30 @@ fn replicas_share_chunks_an_interrupted_push_resumes_gc_keeps_the_other_and_dama
 
     // A damaged chunk on the remote is refused by a host pulling it, and
     // nothing is installed there.
-    let victim =
-        files_in(&chunks_dir).into_iter().max_by_key(|p| std::fs::metadata(p).unwrap().len()).unwrap();
+    // The largest chunk of b that this host does not hold itself: one its
+    // own image `mine` shares with b (the same bytes, cut the same way) is
+    // never fetched, so damage to it could not be seen here.
+    // Nor one of a's alone: the remote holds both images' chunks.
+    let local: std::collections::HashSet<String> = files_in(&their_chunks)
+        .iter()
+        .filter_map(|p| p.file_name().and_then(|n| n.to_str()).map(String::from))
+        .collect();
+    let b_manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(remote.join("images/b/manifest.json")).unwrap()).unwrap();
+    let of_b: std::collections::HashSet<String> = b_manifest["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|f| f["chunks"].as_array().cloned().unwrap_or_default())
+        .filter_map(|c| c["blake3"].as_str().map(String::from))
+        .collect();
+    let victim = files_in(&chunks_dir)
+        .into_iter()
+        .filter(|p| {
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| of_b.contains(n) && !local.contains(n))
+        })
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
+        .expect("b has chunks this host lacks");
     let mut bytes = std::fs::read(&victim).unwrap();
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x55;
