@@ -140,9 +140,7 @@ impl AgentWorld {
         }
         for k in ["runner", "pid"] {
             if let Some(p) = last[k].as_i64() {
-                if !self.w.adopted.contains(&(p as i32)) {
-                    self.w.adopt(p as i32);
-                }
+                self.w.adopt(p as i32);
             }
         }
         last
@@ -185,9 +183,7 @@ impl Drop for AgentWorld {
         for rec in v.as_object().into_iter().flat_map(|o| o.values()) {
             for k in ["runner", "pid"] {
                 if let Some(p) = rec[k].as_i64() {
-                    if !self.w.adopted.contains(&(p as i32)) {
-                        self.w.adopt(p as i32);
-                    }
+                    self.w.adopt(p as i32);
                 }
             }
         }

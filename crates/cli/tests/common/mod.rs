@@ -164,8 +164,19 @@ impl Kid {
     }
 
     pub fn kill(&self) {
-        if let Some(fd) = &self.pidfd {
-            fd.signal(libc::SIGKILL);
+        match &self.pidfd {
+            Some(fd) => {
+                fd.signal(libc::SIGKILL);
+            }
+            // No pidfd could be opened (out of descriptors): by number,
+            // while it is known not to have been reaped yet.
+            None if self.try_wait().is_none() => {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(self.pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            None => {}
         }
     }
 }
@@ -537,9 +548,18 @@ while True:
         self.children[index].pid
     }
 
+    /// Registers a process this test did not start (CRIU restored it) to be
+    /// ended on drop. A pid adopted again whose process has ended since (a
+    /// hibernate and wake restore the same pid) now names the restored one.
     pub fn adopt(&mut self, pid: i32) {
-        self.adopted.push(pid);
-        self.adopted_fds.push(Pidfd::open(pid));
+        match self.adopted.iter().position(|&p| p == pid) {
+            Some(i) if self.adopted_fds[i].as_ref().is_some_and(Pidfd::alive) => {}
+            Some(i) => self.adopted_fds[i] = Pidfd::open(pid),
+            None => {
+                self.adopted.push(pid);
+                self.adopted_fds.push(Pidfd::open(pid));
+            }
+        }
     }
 }
 
