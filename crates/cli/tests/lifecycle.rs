@@ -75,6 +75,9 @@ fn suspend_and_resume_keep_the_data_and_free_the_gpu() {
 fn stop(w: &mut World, pid: i32) {
     let r = w.json(&["stop", &pid.to_string(), "--grace", "2"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
+    // Gone once stop returns; its waiter thread records the exit a moment
+    // later (bounded wait), only then is the child's status known here.
+    w.reap(pid);
     assert!(!w.alive(pid));
 }
 
@@ -246,6 +249,9 @@ fn stop_refuses_when_it_cannot_suspend_unless_forced() {
     assert_eq!(w.json(&["state", &p]).json()["state"], "running");
     let r = w.json(&["stop", &p, "--lock-timeout", "100", "--force", "--grace", "1"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
+    // Gone once stop returns; its waiter thread records the exit a moment
+    // later (bounded wait), only then is the child's status known here.
+    w.reap(pid);
     assert!(!w.alive(pid));
 }
 
