@@ -51,6 +51,11 @@ pub struct AgentConfig {
     /// `kill -9` at any moment. A service may say otherwise.
     #[serde(default)]
     pub lazy_wake: bool,
+    /// The front door: one HTTP listener for every service, routing by the
+    /// request's `model` (docs/guides/many-models-one-endpoint.md).
+    pub http_listen: Option<SocketAddr>,
+    #[serde(default)]
+    pub http: crate::frontdoor::Limits,
 }
 
 impl Default for AgentConfig {
@@ -63,6 +68,8 @@ impl Default for AgentConfig {
             tick: default_tick(),
             thp: false,
             lazy_wake: false,
+            http_listen: None,
+            http: Default::default(),
         }
     }
 }
@@ -113,6 +120,29 @@ pub struct ServiceConfig {
     /// resumes (vLLM's sleep mode, SGLang's memory release): see docs/design/agent.md.
     #[serde(default)]
     pub hooks: Hooks,
+    /// The model names the front door routes to this service.
+    #[serde(default)]
+    pub models: Vec<Spanned<String>>,
+    /// `"boot"`: started with the agent; `"on-demand"`: at its first request.
+    #[serde(default)]
+    pub start: Start,
+    /// The service speaks HTTP: a request it cannot serve (max_waiting
+    /// full, its start failing, its image gone, wake_timeout reached) gets a
+    /// 503 with a JSON reason and `Retry-After` on its own port too.
+    #[serde(default)]
+    pub fail_fast: bool,
+    /// `s3://BUCKET/PREFIX` or `file://DIR`: each image of the service is
+    /// pushed there once hibernated; a wake whose local image is gone pulls it.
+    pub remote: Option<Spanned<String>>,
+}
+
+/// When the agent starts a service it starts itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Start {
+    #[default]
+    Boot,
+    OnDemand,
 }
 
 /// `[service.hooks]` (in a `[[service]]` array: `hooks.before_suspend = {...}`
@@ -234,7 +264,7 @@ enum NumOrStr {
     Str(String),
 }
 
-fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+pub(crate) fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     match NumOrStr::deserialize(d)? {
         NumOrStr::Int(n) => Ok(Duration::from_secs(n)),
         NumOrStr::Float(f) => Duration::try_from_secs_f64(f).map_err(de::Error::custom),
@@ -251,7 +281,7 @@ fn duration_or_never<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>
     }
 }
 
-fn size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+pub(crate) fn size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     match NumOrStr::deserialize(d)? {
         NumOrStr::Int(n) => Ok(n),
         NumOrStr::Float(f) => Ok(f as u64),
@@ -370,6 +400,32 @@ impl Config {
                         format!("service {name:?}: hook {which}: timeout must be above 0 and at most 1h"),
                     ));
                 }
+            }
+        }
+        let mut models = std::collections::HashMap::new();
+        for s in &cfg.service {
+            for m in &s.models {
+                let at = m.span().start;
+                if m.get_ref().is_empty() || m.get_ref().chars().any(|c| c.is_control()) {
+                    return Err(invalid(at, format!("service {:?}: model {:?}: empty or with control characters", s.name.get_ref(), m.get_ref())));
+                }
+                if let Some(first) = models.insert(m.get_ref().clone(), s.name.get_ref().clone()) {
+                    return Err(invalid(at, format!("model {:?} is served by {first:?} already", m.get_ref())));
+                }
+            }
+            if let Some(r) = &s.remote {
+                if let Err(e) = gpusnap_images::remote::Url::parse(r.get_ref()) {
+                    return Err(invalid(r.span().start, format!("service {:?}: remote {:?}: {e}", s.name.get_ref(), r.get_ref())));
+                }
+            }
+        }
+        if let Err(why) = cfg.agent.http.check() {
+            let at = text.find("[agent.http]").unwrap_or(0);
+            return Err(invalid(at, why));
+        }
+        if let Some(a) = cfg.agent.http_listen {
+            if let Some((other, at)) = ports.get(&a.port()) {
+                return Err(invalid(*at, format!("service {other:?} listens on port {}, the http_listen port", a.port())));
             }
         }
         // A backend of one service that another listens on would loop.

@@ -46,6 +46,15 @@ impl Action {
 #[derive(Debug, Clone)]
 pub struct Unavailable(pub String);
 
+/// Why a request is answered at once instead of waiting: its service cannot
+/// come back (its start failing, its image gone, too many waiting), and
+/// when to try again.
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    pub reason: String,
+    pub retry_after: std::time::Duration,
+}
+
 pub trait Control: Send + Sync + 'static {
     /// The group whose members may use the API besides root.
     fn api_group(&self) -> Option<&str>;
@@ -67,6 +76,11 @@ pub trait Control: Send + Sync + 'static {
         deadline: Instant,
         accepted: Option<Instant>,
     ) -> Pending<Result<bool, Unavailable>>;
+
+    /// Why `svc` cannot come back for a request now, if it cannot: its last
+    /// start failed and the next is not due, its image is gone with no
+    /// remote or cold start to fall back to.
+    fn hopeless(&self, svc: &Service) -> Option<Refusal>;
 
     /// Does `action` to `svc` now; the error says why it could not.
     fn act(self: Arc<Self>, svc: Arc<Service>, action: Action) -> Pending<Result<(), String>>;

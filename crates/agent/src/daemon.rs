@@ -55,6 +55,14 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
                 .map_err(|e| AgentError::Setup(format!("service {}: listen {addr}: {e}", svc.name)))?;
             proxies.push((Arc::clone(svc), l));
         }
+        let front_door = match agent.cfg().http_listen {
+            Some(a) => Some(
+                tokio::net::TcpListener::bind(a)
+                    .await
+                    .map_err(|e| AgentError::Setup(format!("http_listen {a}: {e}")))?,
+            ),
+            None => None,
+        };
         let metrics_listener = match agent.cfg().metrics_listen {
             Some(a) => Some(
                 tokio::net::TcpListener::bind(a)
@@ -73,6 +81,9 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         let ctl: Arc<dyn Control> = agent.clone();
         for (svc, l) in proxies {
             tokio::spawn(crate::proxy::serve(Arc::clone(&ctl), svc, l));
+        }
+        if let Some(l) = front_door {
+            tokio::spawn(crate::frontdoor::serve(Arc::clone(&ctl), l, agent.cfg().http.clone()));
         }
         tokio::spawn(crate::api::serve(Arc::clone(&ctl), api_listener));
         if let Some(l) = metrics_listener {

@@ -7,6 +7,7 @@
 //!   through the core `Engine`, and adopts the services after a restart;
 //! - [`control`] is what the API and the proxies may ask of the agent;
 //! - [`proxy`] is a TCP proxy per service, which wakes it on demand;
+//! - [`frontdoor`] is one HTTP listener for all, routing by model;
 //! - [`api`] serves HTTP/JSON on a unix socket to the peers [`peer`] lets
 //!   in, [`client`] is the CLI's side;
 //! - [`daemon`] starts it all and tells systemd it is ready;
@@ -15,7 +16,8 @@
 //! - [`trace`] breaks a wake caused by a request (a swap) into phases.
 //!
 //! The modules import each other without a circle: `daemon` above `api`,
-//! `proxy` and `policy`; `api` and `proxy` see the agent only through
+//! `proxy`, `frontdoor` and `policy`; `api`, `proxy` and `frontdoor` see
+//! the agent only through
 //! `control`; `policy` implements `control` on `state`.
 
 pub mod api;
@@ -24,6 +26,7 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod error;
+pub mod frontdoor;
 pub mod hooks;
 pub mod metrics;
 pub mod peer;

@@ -146,14 +146,32 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
     };
 
     let pending: Arc<Mutex<Option<WakeTrace>>> = Arc::new(Mutex::new(None));
-    match wait_for(&agent, &svc).await {
+    // fail_fast: the request read meanwhile (a client that hangs up leaves
+    // the wait, its request never forwarded) and a JSON 503 when refused.
+    let mut early = Vec::new();
+    let waited = if svc.cfg.fail_fast {
+        match crate::frontdoor::wait::wait_reading(&agent, &svc, &mut client, &mut early, BUF).await {
+            Some(r) => r,
+            None => {
+                tracing::info!(service = svc.name, "a client hung up while waiting: dropped");
+                closed();
+                return;
+            }
+        }
+    } else {
+        wait_for(&agent, &svc).await.map_err(|reason| crate::control::Refusal { reason, retry_after: Duration::from_secs(1) })
+    };
+    match waited {
         Ok(t) => *pending.lock().unwrap_or_else(|e| e.into_inner()) = t,
-        Err(e) => {
+        Err(r) => {
+            let e = &r.reason;
             tracing::warn!(service = svc.name, "closing a connection: {e}");
             closed();
-            // A service with hooks speaks HTTP (its hooks do): nothing of
-            // the request was forwarded, and a clear 503 beats a bare close.
-            if svc.cfg.hooks.any() {
+            if svc.cfg.fail_fast {
+                let _ = client.write_all(&crate::frontdoor::wait::refused_bytes(&svc, &r)).await;
+            } else if svc.cfg.hooks.any() {
+                // A service with hooks speaks HTTP (its hooks do): nothing of
+                // the request was forwarded, and a clear 503 beats a bare close.
                 let body = format!("gpusnap agent: {e}\n");
                 let head = format!(
                     "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n\
@@ -199,9 +217,15 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
         async move {
             let mut buf = vec![0u8; BUF];
             loop {
-                let n = match cr.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
+                let n = if !early.is_empty() {
+                    // What a fail_fast client sent while it waited.
+                    buf[..early.len()].copy_from_slice(&early);
+                    std::mem::take(&mut early).len()
+                } else {
+                    match cr.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    }
                 };
                 // A keep-alive connection may outlive a suspension: bytes on
                 // it bring the service back as a new connection would.

@@ -366,6 +366,10 @@ pub enum ImagesCmd {
     Rm {
         /// An image: a name in the store, or the path of an image directory.
         image: String,
+        /// Remove it even if a service of the agent wakes from it (the
+        /// service then falls back to its remote, or a cold start).
+        #[arg(long)]
+        force: bool,
     },
     /// Build an image's map file: its CUDA processes' large memory regions
     /// (the driver's host copy) laid out so that a warm wake maps them from

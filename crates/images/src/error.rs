@@ -44,6 +44,7 @@ impl Error {
             Self::Chunks(_) => "chunks",
             Self::Image(ImageError::Missing(_)) => "image_missing",
             Self::Image(ImageError::Exists(_)) => "image_exists",
+            Self::Image(ImageError::InUse { .. }) => "image_in_use",
             Self::Image(ImageError::Io { .. }) => "image_io",
             Self::Image(ImageError::Untrusted { .. }) => "image_untrusted",
             Self::Image(ImageError::BadName { .. }) => "bad_image_name",

@@ -31,6 +31,8 @@ pub enum ImageError {
     Corrupt { name: String, why: String },
     #[error("image {0} already exists (remove it with `gpusnap images rm`, or choose another --image)")]
     Exists(String),
+    #[error("image {name} is the one {user} wakes from (remove it anyway with --force)")]
+    InUse { name: String, user: String },
     #[error("image {name} cannot be trusted: {why}")]
     Untrusted { name: String, why: String },
     #[error("{name:?} is not an image name or path: {why}")]

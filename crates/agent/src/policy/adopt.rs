@@ -98,6 +98,11 @@ impl Agent {
                         drop(g);
                         self.journal(svc, None, &format!("adopted as hibernated (image {image})"));
                     }
+                    None if svc.cfg.start == crate::config::Start::OnDemand => {
+                        // Started by its first request (as a dead one is).
+                        g.process = None;
+                        svc.set_state(&mut g, State::Dead);
+                    }
                     None if svc.cfg.command.is_some() => {
                         svc.set_state(&mut g, State::Starting);
                         drop(g);

@@ -61,7 +61,11 @@ impl Agent {
                         svc.set_state(&mut g, State::Waking);
                         g.trace = trace("wake");
                         drop(g);
-                        self.spawn_bring_back(svc, "a connection arrived");
+                        if self.image_lost(svc) {
+                            self.spawn_recover(svc);
+                        } else {
+                            self.spawn_bring_back(svc, "a connection arrived");
+                        }
                     }
                     State::Exited | State::Dead if svc.cfg.adopted() => {
                         return Err(Unavailable(format!(
@@ -87,7 +91,7 @@ impl Agent {
         }
     }
 
-    fn spawn_bring_back(self: &Arc<Self>, svc: &Arc<Service>, why: &'static str) {
+    pub(super) fn spawn_bring_back(self: &Arc<Self>, svc: &Arc<Service>, why: &'static str) {
         let (agent, svc) = (Arc::clone(self), Arc::clone(svc));
         tokio::spawn(async move { agent.bring_back(&svc, why).await });
     }

@@ -67,6 +67,7 @@ impl Agent {
         match r {
             Ok(image) => {
                 self.journal(svc, None, &format!("hibernated to {image}"));
+                self.spawn_push(svc, image);
                 Ok(())
             }
             Err(e) => {
@@ -78,7 +79,12 @@ impl Agent {
 
     fn hibernate_blocking(&self, svc: &Service) -> Result<String, String> {
         let root = svc.lock().process.clone().ok_or("no process")?;
-        let name = format!("agent-{}-{}", svc.name, gpusnap_core::store::now_ms());
+        let name = super::image_name(&svc.name);
+        // One left from an earlier hibernation was replaced by the process
+        // that runs now (a wake removes it; this catches one that could not).
+        if self.images().manifest(&name).is_ok() {
+            self.images().remove(&name).map_err(|e| format!("{name}: an older image is in the way: {e}"))?;
+        }
         {
             svc.lock().image = Some(name.clone());
         }

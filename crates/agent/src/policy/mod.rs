@@ -17,13 +17,16 @@
 
 mod adopt;
 mod demand;
+mod fallback;
 mod hibernate;
 mod lifecycle;
 mod room;
 mod suspend;
 mod tick;
 
-use crate::control::{Action, Control, Pending, Unavailable};
+pub use fallback::image_name;
+
+use crate::control::{Action, Control, Pending, Refusal, Unavailable};
 use crate::metrics::Metrics;
 use crate::service::Service;
 use crate::state::Agent;
@@ -57,6 +60,10 @@ impl Control for Agent {
         accepted: Option<Instant>,
     ) -> Pending<Result<bool, Unavailable>> {
         Box::pin(async move { self.ensure_running(&svc, deadline, accepted).await })
+    }
+
+    fn hopeless(&self, svc: &Service) -> Option<Refusal> {
+        Agent::hopeless(self, svc)
     }
 
     fn act(self: Arc<Self>, svc: Arc<Service>, action: Action) -> Pending<Result<(), String>> {

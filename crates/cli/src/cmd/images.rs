@@ -33,7 +33,18 @@ pub fn run(cli: &Cli, out: &Out, cmd: Option<&ImagesCmd>) -> anyhow::Result<()> 
                 ),
             );
         }
-        ImagesCmd::Rm { image } => {
+        ImagesCmd::Rm { image, force } => {
+            // The agent's services that are hibernated to an image wake from it.
+            let users = gpusnap_agent::service::load_persisted(&cli.state_dir);
+            if let Some((user, _)) = users.iter().find(|(_, p)| p.image.as_deref() == Some(image.as_str())) {
+                if !force {
+                    let e = gpusnap_images::manifest::ImageError::InUse {
+                        name: image.clone(),
+                        user: format!("the agent's service {user}"),
+                    };
+                    return Err(Error::from(gpusnap_images::Error::from(e)).into());
+                }
+            }
             store.remove(image).map_err(Error::from)?;
             gpusnap_images::mapfile::remove(&cli.state_dir, image);
             out.one(

@@ -1,0 +1,137 @@
+//! The front door: one HTTP/1.1 listener (`[agent] http_listen`) in front of
+//! every service, as llama-swap or Ollama offer. OpenAI-compatible requests
+//! go to the service that serves their `model`; others by `Host` or a path
+//! prefix. A service that is not running is brought back exactly as for a
+//! connection on its own port (through [`Control`]); one that cannot come
+//! back is answered at once with a 503, a JSON reason and `Retry-After`.
+//!
+//! - [`limits`]: what one client may take (`[agent.http]`);
+//! - [`route`]: which service a request is for;
+//! - [`wait`]: the wait for the service, and the answer when it cannot come;
+//! - [`forward`]: the request to the backend, its answer streamed back;
+//! - [`models`]: `/v1/models`, `/healthz`, `/readyz`.
+
+mod forward;
+mod limits;
+mod models;
+mod route;
+pub(crate) mod wait;
+
+pub use limits::Limits;
+
+use crate::control::Control;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response, StatusCode};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// What the front door answers with: a backend's body streamed, or its own.
+pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
+
+/// A JSON answer of the front door's own.
+pub(crate) fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
+    let body = Full::new(Bytes::from(value.to_string())).map_err(|never| match never {}).boxed();
+    let mut r = Response::new(body);
+    *r.status_mut() = status;
+    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    r
+}
+
+/// An error in OpenAI's format (clients of that API show `message`).
+pub(crate) fn error(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
+    json(status, &serde_json::json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } }))
+}
+
+/// Serves the front door until the agent ends. Connections past
+/// `max_connections` are closed at once (their slot would hold a file
+/// descriptor and a task for as long as the client likes).
+pub async fn serve(agent: Arc<dyn Control>, listener: TcpListener, limits: Limits) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let limits = Arc::new(limits);
+    let mut refused_at: Option<std::time::Instant> = None;
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("front door: accept: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            // Once a minute at most: a flood must not flood the log too.
+            if refused_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                tracing::warn!(max = limits.max_connections, "front door: connection limit reached, closing new ones");
+                refused_at = Some(std::time::Instant::now());
+            }
+            drop(stream);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let (agent, limits) = (Arc::clone(&agent), Arc::clone(&limits));
+        tokio::spawn(async move {
+            let _slot = slot;
+            let svc = {
+                let (agent, limits) = (Arc::clone(&agent), Arc::clone(&limits));
+                hyper::service::service_fn(move |req| {
+                    let (agent, limits) = (Arc::clone(&agent), Arc::clone(&limits));
+                    async move { Ok::<_, std::convert::Infallible>(handle(agent, &limits, req).await) }
+                })
+            };
+            let mut b = hyper::server::conn::http1::Builder::new();
+            b.timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .max_buf_size(limits.max_header as usize)
+                .keep_alive(true);
+            let conn = b.serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+            // Bounded in time as a whole: a connection is no lease for life.
+            match tokio::time::timeout(limits.connection_timeout, conn).await {
+                Ok(Err(e)) => tracing::debug!("front door connection: {e}"),
+                Ok(Ok(())) => {}
+                Err(_) => tracing::debug!("front door connection: open past connection_timeout, closed"),
+            }
+        });
+    }
+}
+
+async fn handle(agent: Arc<dyn Control>, limits: &Limits, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path();
+    if req.method() == hyper::Method::GET {
+        match path {
+            "/healthz" => return models::healthz(),
+            "/readyz" => return models::readyz(&agent),
+            "/v1/models" => return models::list(&agent),
+            _ => {}
+        }
+        if let Some(id) = path.strip_prefix("/v1/models/") {
+            return models::one(&agent, id);
+        }
+    }
+    let (parts, body) = req.into_parts();
+    // The whole body, bounded: its `model` decides, and a client that hangs
+    // up while its service comes back is then seen (and dropped).
+    let body = match Limited::new(body, limits.max_body as usize).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                &format!("request body over {} bytes ([agent.http] max_body)", limits.max_body),
+            )
+        }
+        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("request body: {e}")),
+    };
+    let (svc, path) = match route::route(agent.services(), &parts, &body) {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    let svc = Arc::clone(svc);
+    let in_flight = match wait::admit(&agent, &svc).await {
+        Ok(f) => f,
+        Err(refusal) => return wait::refused(&svc, &refusal),
+    };
+    forward::forward(svc, in_flight, parts, path, body).await
+}

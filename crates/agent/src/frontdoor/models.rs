@@ -1,0 +1,64 @@
+//! The front door's own answers: `/v1/models` (OpenAI's list, each model
+//! with its service and that service's state), `/healthz` (the agent
+//! serves) and `/readyz` (some service can serve a request now or after a
+//! wait: not every one refuses).
+
+use super::{error, json, Body};
+use crate::control::Control;
+use crate::service::Service;
+use hyper::{Response, StatusCode};
+use serde_json::{json as j, Value};
+use std::sync::Arc;
+
+fn entries(agent: &Arc<dyn Control>, s: &Service) -> Vec<Value> {
+    let (state, last_error) = {
+        let g = s.lock();
+        (g.state.as_str(), g.last_error.clone())
+    };
+    let available = agent.hopeless(s).is_none();
+    let mut ids: Vec<&str> = s.cfg.models.iter().map(|m| m.get_ref().as_str()).collect();
+    if ids.is_empty() {
+        ids.push(&s.name);
+    }
+    ids.into_iter()
+        .map(|id| {
+            j!({
+                "id": id,
+                "object": "model",
+                "created": 0,
+                "owned_by": "gpusnap",
+                "service": s.name,
+                "state": state,
+                "available": available,
+                "last_error": last_error,
+            })
+        })
+        .collect()
+}
+
+pub fn list(agent: &Arc<dyn Control>) -> Response<Body> {
+    let data: Vec<Value> = agent.services().iter().flat_map(|s| entries(agent, s)).collect();
+    json(StatusCode::OK, &j!({ "object": "list", "data": data }))
+}
+
+pub fn one(agent: &Arc<dyn Control>, id: &str) -> Response<Body> {
+    match agent.services().iter().flat_map(|s| entries(agent, s)).find(|e| e["id"] == id) {
+        Some(e) => json(StatusCode::OK, &e),
+        None => error(StatusCode::NOT_FOUND, "invalid_request_error", &format!("the model {id:?} does not exist here")),
+    }
+}
+
+pub fn healthz() -> Response<Body> {
+    json(StatusCode::OK, &j!({ "status": "ok" }))
+}
+
+pub fn readyz(agent: &Arc<dyn Control>) -> Response<Body> {
+    let down: Vec<Value> = agent
+        .services()
+        .iter()
+        .filter_map(|s| agent.hopeless(s).map(|r| j!({ "service": s.name, "reason": r.reason })))
+        .collect();
+    let ready = down.len() < agent.services().len() || agent.services().is_empty();
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    json(status, &j!({ "ready": ready, "unavailable": down }))
+}

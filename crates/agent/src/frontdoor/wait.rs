@@ -1,0 +1,249 @@
+//! The wait for a service, and the answer when it cannot come: a request is
+//! held (bounded by `max_waiting` and `wake_timeout`) while the policy
+//! brings its service back, and refused at once when the service cannot
+//! come back, or as soon as the start, wake or resume it waited for fails.
+//! A client that hangs up meanwhile drops this future: it leaves the wait,
+//! and its request is never forwarded.
+
+use super::{json, Body};
+use crate::control::{Control, Refusal};
+use crate::metrics::ServiceLabels;
+use crate::service::{Conn, Service, State};
+use crate::trace::WakeTrace;
+use hyper::{Response, StatusCode};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Front door requests count as connections of their service; their ids
+/// are apart from the per-port proxy's.
+static NEXT: AtomicU64 = AtomicU64::new(1 << 62);
+/// After a wait that ran out, or a transition that failed.
+const RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// One request given its running service: it counts as a connection (in
+/// flight until its answer's first byte) until dropped.
+pub struct InFlight {
+    pub agent: Arc<dyn Control>,
+    pub svc: Arc<Service>,
+    pub id: u64,
+    /// The wake this request waited for, until its first byte.
+    pub trace: Option<WakeTrace>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut g = self.svc.lock();
+        g.conns.remove(&self.id);
+        g.last_activity = Instant::now();
+        drop(g);
+        self.agent.metrics().in_flight.get_or_create(&ServiceLabels { service: self.svc.name.clone() }).dec();
+    }
+}
+
+impl InFlight {
+    /// The backend answered (its headers came).
+    pub fn answered(&mut self) {
+        {
+            let mut g = self.svc.lock();
+            if let Some(c) = g.conns.get_mut(&self.id) {
+                c.awaiting = false;
+            }
+            g.last_activity = Instant::now();
+        }
+        if let Some(mut t) = self.trace.take() {
+            t.mark_now("first_byte");
+            self.agent.metrics().swap_trace(&t);
+            let (agent, svc) = (Arc::clone(&self.agent), Arc::clone(&self.svc));
+            tokio::task::spawn_blocking(move || agent.note(&svc, &t.summary()));
+        }
+    }
+
+    /// Marks the request in flight if the service runs: under the lock the
+    /// policy decides to suspend under, so it cannot be suspended between
+    /// this check and the request reaching the backend.
+    fn begin(&self) -> bool {
+        let mut g = self.svc.lock();
+        if g.state != State::Running {
+            return false;
+        }
+        if let Some(c) = g.conns.get_mut(&self.id) {
+            c.awaiting = true;
+        }
+        g.last_activity = Instant::now();
+        g.last_used_ms = gpusnap_core::store::now_ms();
+        true
+    }
+}
+
+/// Waits until `svc` runs, then counts the request in flight; or says why not.
+pub async fn admit(agent: &Arc<dyn Control>, svc: &Arc<Service>) -> Result<InFlight, Refusal> {
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    {
+        let mut g = svc.lock();
+        g.conns.insert(id, Conn { awaiting: false });
+        g.last_activity = Instant::now();
+    }
+    agent.metrics().in_flight.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+    let mut f = InFlight { agent: Arc::clone(agent), svc: Arc::clone(svc), id, trace: None };
+    while !f.begin() {
+        match wait(agent, svc).await {
+            Ok(Some(t)) => f.trace = Some(t),
+            Ok(None) => {}
+            Err(r) => {
+                agent.metrics().connections_closed.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+                tracing::warn!(service = svc.name, "refused a request: {}", r.reason);
+                return Err(r);
+            }
+        }
+    }
+    Ok(f)
+}
+
+/// Counts a request as waiting for its service (bounded by max_waiting).
+struct Waiting<'a>(&'a Service);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.lock().waiting -= 1;
+    }
+}
+
+/// One wait for `svc`, as the per-port proxy's, refused early when the
+/// service cannot come back. Returns the trace of the wake it waited for,
+/// if it is the first to see it done.
+pub async fn wait(agent: &Arc<dyn Control>, svc: &Arc<Service>) -> Result<Option<WakeTrace>, Refusal> {
+    // Subscribed before the first look: no change is missed between.
+    let rx = svc.changed.subscribe();
+    if let Some(r) = agent.hopeless(svc) {
+        return Err(r);
+    }
+    {
+        let mut g = svc.lock();
+        if g.waiting >= svc.cfg.max_waiting {
+            return Err(Refusal {
+                reason: format!("{}: {} requests already wait (max_waiting)", svc.name, g.waiting),
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        g.waiting += 1;
+    }
+    let _w = Waiting(svc);
+    let t0 = Instant::now();
+    let waited = Arc::clone(agent).wait_running(Arc::clone(svc), t0 + svc.cfg.wake_timeout, Some(t0));
+    let r = tokio::select! {
+        r = waited => r.map_err(|e| Refusal { reason: e.0, retry_after: RETRY_AFTER }),
+        r = failed(agent, svc, rx) => Err(r),
+    };
+    if let Ok(true) = r {
+        agent.metrics().wait.get_or_create(&ServiceLabels { service: svc.name.clone() }).observe(t0.elapsed().as_secs_f64());
+        tracing::info!(service = svc.name, waited_ms = t0.elapsed().as_millis() as u64, "request waited for its service");
+        let mut t = svc.lock().trace.take();
+        if let Some(t) = t.as_mut() {
+            t.mark_now("ready");
+        }
+        return Ok(t);
+    }
+    r.map(|_| None)
+}
+
+/// Resolves once the transition that would bring `svc` back fails (a start,
+/// wake or resume that falls back to where it was): the wait is then over.
+async fn failed(
+    agent: &Arc<dyn Control>,
+    svc: &Service,
+    mut rx: tokio::sync::watch::Receiver<u64>,
+) -> Refusal {
+    let mut prev = svc.lock().state;
+    loop {
+        if rx.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        let (now, last_error) = {
+            let g = svc.lock();
+            (g.state, g.last_error.clone())
+        };
+        let (from, to) = (prev, now);
+        prev = now;
+        let bringing_back = matches!(from, State::Starting | State::Waking | State::Resuming);
+        if bringing_back && matches!(to, State::Dead | State::Exited | State::Hibernated | State::Suspended) {
+            if let Some(r) = agent.hopeless(svc) {
+                return r;
+            }
+            return Refusal {
+                reason: format!(
+                    "{}: {} failed: {}",
+                    svc.name,
+                    match from {
+                        State::Starting => "its start",
+                        State::Waking => "its wake",
+                        _ => "its resume",
+                    },
+                    last_error.as_deref().unwrap_or("no reason recorded")
+                ),
+                retry_after: RETRY_AFTER,
+            };
+        }
+    }
+}
+
+fn retry_secs(r: &Refusal) -> u64 {
+    r.retry_after.as_secs_f64().ceil().max(1.0) as u64
+}
+
+fn refusal_json(svc: &Service, r: &Refusal) -> serde_json::Value {
+    serde_json::json!({ "error": {
+        "message": r.reason,
+        "type": "service_unavailable",
+        "code": 503,
+        "service": svc.name,
+        "retry_after": retry_secs(r),
+    }})
+}
+
+/// The 503 for a request that cannot be served: a JSON reason (in OpenAI's
+/// error format) and `Retry-After`.
+pub fn refused(svc: &Service, r: &Refusal) -> Response<Body> {
+    let secs = retry_secs(r);
+    let mut resp = json(StatusCode::SERVICE_UNAVAILABLE, &refusal_json(svc, r));
+    resp.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from(secs));
+    resp
+}
+
+/// The same 503 as bytes, for a service's own port (`fail_fast`).
+pub fn refused_bytes(svc: &Service, r: &Refusal) -> Vec<u8> {
+    let secs = retry_secs(r);
+    let body = refusal_json(svc, r).to_string();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n\
+         Retry-After: {secs}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// [`wait`] for a connection on a service's own port (`fail_fast`), reading
+/// what the client sends meanwhile into `early` (at most `cap` bytes).
+/// `None`: the client hung up first; nothing of it is to be forwarded.
+pub async fn wait_reading(
+    agent: &Arc<dyn Control>,
+    svc: &Arc<Service>,
+    client: &mut tokio::net::TcpStream,
+    early: &mut Vec<u8>,
+    cap: usize,
+) -> Option<Result<Option<WakeTrace>, Refusal>> {
+    use tokio::io::AsyncReadExt;
+    let w = wait(agent, svc);
+    tokio::pin!(w);
+    let mut buf = vec![0u8; cap];
+    loop {
+        let room = cap - early.len();
+        tokio::select! {
+            r = &mut w => return Some(r),
+            n = client.read(&mut buf[..room]), if room > 0 => match n {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => early.extend_from_slice(&buf[..n]),
+            },
+        }
+    }
+}
