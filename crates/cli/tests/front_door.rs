@@ -1,0 +1,296 @@
+//! The agent's front door (`[agent] http_listen`) against real processes:
+//! the agent, curl as the client, OpenAI-style servers (fake_openai.py,
+//! streaming server-sent events with a secret only each server knows) and
+//! fake CUDA servers (`fake-workload --http`) behind it; moto_server as the
+//! remote a hibernated service's image is pushed to and pulled from.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const LONG: Duration = Duration::from_secs(60);
+
+enum Kind {
+    /// fake_openai.py: start delayed this many seconds, or failing.
+    OpenAi { delay: f64, fail: bool },
+    /// fake-workload --http holding this many MiB on the fake GPU 0.
+    Gpu { mib: u64 },
+}
+
+struct S {
+    name: &'static str,
+    kind: Kind,
+    extra: &'static str,
+}
+
+fn openai(name: &'static str, extra: &'static str) -> S {
+    S { name, kind: Kind::OpenAi { delay: 0.0, fail: false }, extra }
+}
+
+struct Door {
+    w: World,
+    socket: PathBuf,
+    http: u16,
+    /// Per service: (listen, backend) ports and its secret.
+    svcs: HashMap<String, (u16, u16, String)>,
+    agent: Option<usize>,
+    _sockdir: tempfile::TempDir,
+}
+
+fn python() -> String {
+    let out = Command::new("python3").args(["-c", "import sys; print(sys.executable)"]).output().unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+impl Door {
+    fn start(gpu_mib: u64, agent_extra: &str, svcs: &[S], env: &[(String, String)]) -> Self {
+        let w = World::new(&[gpu_mib]);
+        let sockdir = tempfile::Builder::new().prefix("gpusnap-door-test").tempdir_in("/tmp").unwrap();
+        let socket = sockdir.path().join("agent.sock");
+        let script = w.tmp.path().join("fake_openai.py");
+        std::fs::write(&script, include_str!("fake_openai.py")).unwrap();
+        let http = free_port();
+        let (agent_keys, agent_tables) = agent_extra.split_once("\n[").map_or((agent_extra, String::new()), |(k, t)| (k, format!("[{t}")));
+        let mut text = format!(
+            "[agent]\nsocket = {:?}\nhttp_listen = \"127.0.0.1:{http}\"\n{agent_keys}\n{agent_tables}\n",
+            socket.display().to_string()
+        );
+        let py = python();
+        let mut ports = HashMap::new();
+        for s in svcs {
+            let (listen, backend) = (free_port(), free_port());
+            let secret = format!("secret-{}-{}", s.name, std::process::id());
+            let command = match s.kind {
+                Kind::OpenAi { delay, fail } => {
+                    let mut c = format!(
+                        "[{py:?}, {:?}, \"--port\", \"{backend}\", \"--model\", \"{}\", \"--secret\", \"{secret}\", \"--delay-start\", \"{delay}\"",
+                        script.display().to_string(),
+                        s.name
+                    );
+                    if fail {
+                        c += ", \"--fail\"";
+                    }
+                    c + "]"
+                }
+                Kind::Gpu { mib } => format!(
+                    "[{:?}, \"--mib\", \"{mib}\", \"--gpu\", \"0\", \"--http\", \"{backend}\"]",
+                    fake_workload_bin().display().to_string()
+                ),
+            };
+            text += &format!(
+                "\n[[service]]\nname = \"{}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\ncommand = {command}\n{}\n",
+                s.name, s.extra
+            );
+            ports.insert(s.name.to_string(), (listen, backend, secret));
+        }
+        let config = w.tmp.path().join("agent.toml");
+        std::fs::write(&config, text).unwrap();
+        let mut d = Door { w, socket, http, svcs: ports, agent: None, _sockdir: sockdir };
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let cfg = config.display().to_string();
+        d.agent = Some(d.w.spawn_gpusnap_env(&["agent", "--config", &cfg], &env));
+        let sock = d.socket.clone();
+        let up = wait_until(LONG, || UnixStream::connect(&sock).is_ok());
+        assert!(up, "the agent did not start: {}", d.log());
+        d
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{}.err", self.agent.unwrap_or(0))))
+            .unwrap_or_default()
+    }
+
+    fn api(&self, method: &str, path: &str) -> (u16, String) {
+        let mut s = UnixStream::connect(&self.socket).unwrap();
+        s.set_read_timeout(Some(LONG)).unwrap();
+        write!(s, "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        (code, text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string())
+    }
+
+    fn service(&self, name: &str) -> Value {
+        let (code, body) = self.api("GET", &format!("/v1/services/{name}"));
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    fn wait_state(&mut self, name: &str, state: &str) -> Value {
+        let mut last = Value::Null;
+        let ok = wait_until(LONG, || {
+            last = self.service(name);
+            last["state"] == state
+        });
+        assert!(ok, "{name} not {state} within {LONG:?}: {last}\nagent log: {}", self.log());
+        for k in ["runner", "pid"] {
+            if let Some(p) = last[k].as_i64() {
+                self.w.adopt(p as i32);
+            }
+        }
+        last
+    }
+
+    fn secret(&self, name: &str) -> &str {
+        &self.svcs[name].2
+    }
+
+    /// curl against the front door: (status, headers, body).
+    fn curl(&self, args: &[&str]) -> (u16, String, String) {
+        curl_at(self.http, args)
+    }
+
+    fn chat(&self, model: &str, stream: bool) -> (u16, String, String) {
+        let body = format!(
+            "{{\"model\":\"{model}\",\"stream\":{stream},\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}"
+        );
+        self.curl(&["-N", "-H", "Content-Type: application/json", "--data-binary", &body, "/v1/chat/completions"])
+    }
+
+    fn notes(&self) -> String {
+        let (code, events) = self.api("GET", "/v1/events?after=0&follow=false");
+        assert_eq!(code, 200);
+        events
+    }
+}
+
+impl Drop for Door {
+    fn drop(&mut self) {
+        if let Some(n) = self.agent.take() {
+            self.w.children[n].kill();
+        }
+        let path = self.w.state_dir().join("agent").join("services.json");
+        let v: Value = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        for rec in v.as_object().into_iter().flat_map(|o| o.values()) {
+            for k in ["runner", "pid"] {
+                if let Some(p) = rec[k].as_i64() {
+                    self.w.adopt(p as i32);
+                }
+            }
+        }
+    }
+}
+
+/// curl on 127.0.0.1:PORT; the last argument is the path. (status, headers, body).
+fn curl_at(port: u16, args: &[&str]) -> (u16, String, String) {
+    let (path, rest) = args.split_last().unwrap();
+    let t0 = Instant::now();
+    let out = Command::new("curl")
+        .args(["-sS", "-i", "--max-time", "60"])
+        .args(rest)
+        .arg(format!("http://127.0.0.1:{port}{path}"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    eprintln!("curl {args:?}: {code} in {:?}", t0.elapsed());
+    (code, head.to_string(), body.to_string())
+}
+
+fn json(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"))
+}
+
+#[test]
+fn front_door_routes_by_model_and_streams_answers_untouched() {
+    let mut d = Door::start(
+        1000,
+        "[agent.http]\nmax_body = \"16KiB\"",
+        &[
+            openai("alpha", "models = [\"alpha-7b\"]\nsuspend_after = \"never\""),
+            openai("beta", "models = [\"beta-8b\", \"beta-70b\"]\nsuspend_after = \"never\"\nstart = \"on-demand\""),
+        ],
+        &[],
+    );
+    d.wait_state("alpha", "running");
+    // On demand: not started with the agent.
+    let beta = d.service("beta");
+    assert_eq!((beta["state"].as_str(), beta["pid"].as_i64()), (Some("dead"), None), "{beta}");
+    assert_eq!(beta["last_error"], Value::Null, "{beta}");
+
+    let (code, _, body) = d.curl(&["/healthz"]);
+    assert_eq!(code, 200, "{body}");
+    let (code, _, body) = d.curl(&["/readyz"]);
+    assert_eq!(code, 200, "{body}");
+    let (code, _, body) = d.curl(&["/v1/models"]);
+    assert_eq!(code, 200, "{body}");
+    let models = json(&body);
+    let listed: Vec<(String, String, String)> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (m["id"].as_str().unwrap().into(), m["service"].as_str().unwrap().into(), m["state"].as_str().unwrap().into())
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        vec![
+            ("alpha-7b".into(), "alpha".into(), "running".into()),
+            ("beta-8b".into(), "beta".into(), "dead".into()),
+            ("beta-70b".into(), "beta".into(), "dead".into()),
+        ],
+        "{body}"
+    );
+
+    // The first request for beta's model starts it, waits, and streams its
+    // answer: the same bytes as the server sends to a client of its own.
+    let (code, head, through) = d.chat("beta-70b", true);
+    assert_eq!(code, 200, "{head}\n{through}\n{}", d.log());
+    assert!(head.to_ascii_lowercase().contains("content-type: text/event-stream"), "{head}");
+    assert!(through.contains(d.secret("beta")) && through.ends_with("data: [DONE]\n\n"), "{through}");
+    assert_eq!(through.matches("data: ").count(), 4, "{through}");
+    d.wait_state("beta", "running");
+    let backend = d.svcs["beta"].1;
+    let body = "{\"model\":\"beta-70b\",\"stream\":true,\"messages\":[]}";
+    let (_, _, direct) = curl_at(backend, &["-N", "--data-binary", body, "/v1/chat/completions"]);
+    assert_eq!(through, direct);
+
+    // Each model to its service, not streamed too.
+    let (code, _, body) = d.chat("alpha-7b", false);
+    assert_eq!(code, 200, "{body}");
+    let v = json(&body);
+    assert_eq!(v["choices"][0]["message"]["content"], format!("Hello from {}", d.secret("alpha")), "{body}");
+    let (_, _, body) = d.chat("beta-8b", false);
+    assert!(body.contains(d.secret("beta")), "{body}");
+
+    // Keep-alive: two requests, one connection.
+    let out = Command::new("curl")
+        .args(["-sS", "-o", "/dev/null", "-o", "/dev/null", "-w", "%{http_code} %{num_connects}\n"])
+        .arg(format!("http://127.0.0.1:{}/alpha/count", d.http))
+        .arg(format!("http://127.0.0.1:{}/beta/count", d.http))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200 1\n200 0\n");
+
+    // By path prefix (stripped) and by Host.
+    let (code, _, body) = d.curl(&["/alpha/count"]);
+    assert_eq!((code, json(&body)["served"].as_u64()), (200, Some(1)), "{body}");
+    let (_, _, body) = d.curl(&["-H", "Host: beta.models.example", "/some/path?x=1"]);
+    let v = json(&body);
+    assert_eq!((v["model"].as_str(), v["path"].as_str()), (Some("beta"), Some("/some/path?x=1")), "{body}");
+
+    // What cannot be routed, and what is too large.
+    let (code, _, body) = d.chat("gamma", false);
+    assert_eq!(code, 404, "{body}");
+    assert_eq!(json(&body)["error"]["code"], "model_not_found", "{body}");
+    let (code, _, body) = d.curl(&["--data-binary", "not json", "/v1/completions"]);
+    assert_eq!(code, 404, "{body}");
+    let big = format!("{{\"model\":\"alpha-7b\",\"prompt\":\"{}\"}}", "x".repeat(20 << 10));
+    let file = d.w.tmp.path().join("big.json");
+    std::fs::write(&file, big).unwrap();
+    let (code, _, body) = d.curl(&["--data-binary", &format!("@{}", file.display()), "/v1/completions"]);
+    assert_eq!(code, 413, "{body}");
+    // Nothing of those reached a server.
+    let (_, _, body) = d.curl(&["/alpha/count"]);
+    assert_eq!(json(&body)["served"], 1, "{body}");
+}
