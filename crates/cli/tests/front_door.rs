@@ -294,3 +294,113 @@ fn front_door_routes_by_model_and_streams_answers_untouched() {
     let (_, _, body) = d.curl(&["/alpha/count"]);
     assert_eq!(json(&body)["served"], 1, "{body}");
 }
+
+/// A 503 with a JSON reason (containing `why`) and a Retry-After header.
+fn assert_refused(r: &(u16, String, String), why: &str) -> Value {
+    let (code, head, body) = r;
+    assert_eq!(*code, 503, "{head}\n{body}");
+    assert!(head.to_ascii_lowercase().contains("\r\nretry-after: "), "{head}");
+    let v = json(body);
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains(why), "{why:?} not in {body}");
+    v
+}
+
+#[test]
+fn front_door_fails_fast_with_an_answer_and_drops_clients_that_hang_up() {
+    let mut d = Door::start(
+        1000,
+        "",
+        &[
+            // A start that fails: the answer comes at once, not after wake_timeout.
+            S {
+                name: "broken",
+                kind: Kind::OpenAi { delay: 0.0, fail: true },
+                extra: "start = \"on-demand\"\nwake_timeout = \"600s\"",
+            },
+            // The same on its own port, opted in.
+            S {
+                name: "own",
+                kind: Kind::OpenAi { delay: 0.0, fail: true },
+                extra: "start = \"on-demand\"\nwake_timeout = \"600s\"\nfail_fast = true",
+            },
+            S {
+                name: "slow",
+                kind: Kind::OpenAi { delay: 4.0, fail: false },
+                extra: "start = \"on-demand\"\nmax_waiting = 1\nsuspend_after = \"never\"",
+            },
+            S {
+                name: "late",
+                kind: Kind::OpenAi { delay: 600.0, fail: false },
+                extra: "start = \"on-demand\"\nwake_timeout = \"1s\"",
+            },
+            S {
+                name: "hang2",
+                kind: Kind::OpenAi { delay: 4.0, fail: false },
+                extra: "start = \"on-demand\"\nsuspend_after = \"never\"\nfail_fast = true",
+            },
+            S {
+                name: "hang",
+                kind: Kind::OpenAi { delay: 4.0, fail: false },
+                extra: "start = \"on-demand\"\nsuspend_after = \"never\"",
+            },
+        ],
+        &[],
+    );
+    let v = assert_refused(&d.chat("broken", false), "could not start");
+    assert_eq!(v["error"]["service"], "broken");
+    // While its restart is not due, at once again, saying when.
+    assert_refused(&d.chat("broken", false), "next start in");
+    let (code, _, body) = d.curl(&["/v1/models"]);
+    assert_eq!(code, 200);
+    let broken = json(&body)["data"].as_array().unwrap().iter().find(|m| m["id"] == "broken").unwrap().clone();
+    assert_eq!(broken["available"], false, "{broken}");
+
+    let own = d.svcs["own"].0;
+    assert_refused(&curl_at(own, &["--data-binary", "{}", "/v1/completions"]), "own");
+
+    // max_waiting full: the second request is refused while the first waits.
+    let port = d.http;
+    let first = std::thread::spawn(move || {
+        curl_at(port, &["--data-binary", "{\"model\":\"slow\"}", "/v1/chat/completions"])
+    });
+    let waiting = wait_until(LONG, || d.service("slow")["waiting"] == 1);
+    assert!(waiting, "{}", d.service("slow"));
+    assert_refused(&d.chat("slow", false), "already wait");
+    let (code, _, body) = first.join().unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains(d.secret("slow")), "{body}");
+
+    // wake_timeout reached.
+    assert_refused(&d.chat("late", false), "wake_timeout");
+
+    // A client that hangs up while its service starts leaves the wait; its
+    // request never reaches the server.
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.http)).unwrap();
+    let body = "{\"model\":\"hang\"}";
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let started = wait_until(LONG, || d.service("hang")["waiting"] == 1);
+    assert!(started, "{}", d.service("hang"));
+    drop(s);
+    let left = wait_until(LONG, || d.service("hang")["waiting"] == 0);
+    assert!(left, "{}", d.service("hang"));
+    d.wait_state("hang", "running");
+    let (code, _, body) = d.curl(&["/hang/count"]);
+    assert_eq!((code, json(&body)["served"].as_u64()), (200, Some(0)), "{body}");
+    // So does a service's own port, with fail_fast.
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.svcs["hang2"].0)).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{{}}").unwrap();
+    let started = wait_until(LONG, || d.service("hang2")["waiting"] == 1);
+    assert!(started, "{}", d.service("hang2"));
+    drop(s);
+    let left = wait_until(LONG, || d.service("hang2")["waiting"] == 0);
+    assert!(left, "{}", d.service("hang2"));
+    d.wait_state("hang2", "running");
+    let (code, _, body) = d.curl(&["/hang2/count"]);
+    assert_eq!((code, json(&body)["served"].as_u64()), (200, Some(0)), "{body}");
+}
