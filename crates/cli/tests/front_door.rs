@@ -154,10 +154,21 @@ impl Door {
         self.curl(&["-N", "-H", "Content-Type: application/json", "--data-binary", &body, "/v1/chat/completions"])
     }
 
+    /// The agent's journal notes, as text.
     fn notes(&self) -> String {
         let (code, events) = self.api("GET", "/v1/events?after=0&follow=false");
         assert_eq!(code, 200);
         events
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|e| e["op"] == "agent")
+            .map(|e| e["detail"].as_str().unwrap_or_default().to_string() + "\n")
+            .collect()
+    }
+
+    fn wait_note(&self, what: &str) {
+        let found = wait_until(LONG, || self.notes().contains(what));
+        assert!(found, "no note {what:?}:\n{}\nagent log: {}", self.notes(), self.log());
     }
 }
 
@@ -403,4 +414,125 @@ fn front_door_fails_fast_with_an_answer_and_drops_clients_that_hang_up() {
     d.wait_state("hang2", "running");
     let (code, _, body) = d.curl(&["/hang2/count"]);
     assert_eq!((code, json(&body)["served"].as_u64()), (200, Some(0)), "{body}");
+}
+
+/// A moto S3 server on a free loopback port, ended on drop.
+struct Moto {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// moto_server with a bucket `models`; without it the test is skipped here
+/// and fails on CI (.ci/run installs it).
+fn moto() -> Option<Moto> {
+    let found = Command::new("moto_server").arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status();
+    if !found.is_ok_and(|s| s.success()) {
+        assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "moto_server is missing (pip install 'moto[server]')");
+        eprintln!("skipped: moto_server is not installed (pip install 'moto[server]')");
+        return None;
+    }
+    let port = free_port();
+    let child = Command::new("moto_server")
+        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut m = Moto { child, port };
+    let up = wait_until(Duration::from_secs(120), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() || !matches!(m.child.try_wait(), Ok(None))
+    });
+    assert!(up && matches!(m.child.try_wait(), Ok(None)), "moto_server on port {port} did not start");
+    let (code, _, _) = curl_at(port, &["-X", "PUT", "/models"]);
+    assert_eq!(code, 200, "bucket created");
+    Some(m)
+}
+
+fn s3_env(port: u16) -> Vec<(String, String)> {
+    [
+        ("AWS_ACCESS_KEY_ID", "testing".to_string()),
+        ("AWS_SECRET_ACCESS_KEY", "testing".to_string()),
+        ("AWS_REGION", "us-east-1".to_string()),
+        ("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}")),
+        ("AWS_ALLOW_HTTP", "true".to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// fake-workload's answer: (pid, requests served, memory intact).
+fn served_by(r: &(u16, String, String)) -> (i64, u64, bool) {
+    assert_eq!(r.0, 200, "{}\n{}", r.1, r.2);
+    let f: Vec<&str> = r.2.split_whitespace().collect();
+    assert_eq!(f.first(), Some(&"ok"), "{}", r.2);
+    (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3] == "1")
+}
+
+#[test]
+fn front_door_swaps_models_and_a_lost_image_comes_back_from_the_remote_or_cold() {
+    criu_present();
+    let Some(m) = moto() else { return };
+    macro_rules! gpu {
+        ($more:literal) => {
+            concat!("suspend_after = \"1h\"\ngpu_memory = \"600MiB\"\nwake_timeout = \"60s\"\n", $more)
+        };
+    }
+    const A: &str = gpu!("models = [\"a-model\"]\nremote = \"s3://models/node1\"");
+    const B: &str = gpu!("models = [\"b-model\"]\nstart = \"on-demand\"");
+    let mut d = Door::start(
+        1000,
+        "",
+        &[
+            S { name: "a", kind: Kind::Gpu { mib: 600 }, extra: A },
+            S { name: "b", kind: Kind::Gpu { mib: 600 }, extra: B },
+        ],
+        &s3_env(m.port),
+    );
+    // Both on one GPU that holds one: each request for the other model swaps.
+    let pa = d.wait_state("a", "running")["pid"].as_i64().unwrap();
+    assert_eq!(served_by(&d.chat("a-model", false)), (pa, 1, true));
+    let (pb, n, intact) = served_by(&d.chat("b-model", false));
+    assert_eq!((n, intact), (1, true));
+    d.wait_state("b", "running");
+    assert_eq!(d.service("a")["state"], "suspended");
+    assert_eq!(served_by(&d.chat("a-model", false)), (pa, 2, true));
+    assert_eq!(d.service("b")["state"], "suspended");
+
+    // Hibernated: its image has the service's stable name and is pushed.
+    let (code, body) = d.api("POST", "/v1/services/a/hibernate");
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(d.wait_state("a", "hibernated")["image"], "agent.a");
+    d.wait_note("agent.a pushed to s3://models/node1");
+    // The image a service wakes from is not removed by mistake.
+    let r = d.w.gpusnap(&["images", "rm", "agent.a"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("wakes from") && r.stderr.contains("--force"), "{}", r.stderr);
+    let r = d.w.gpusnap(&["images", "rm", "agent.a", "--force"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    // Gone here: the request wakes it from the remote, the same process
+    // with its memory (its count of requests) intact.
+    assert_eq!(served_by(&d.chat("a-model", false)), (pa, 3, true));
+    d.wait_state("a", "running");
+    d.wait_note("image agent.a was gone: pulled from s3://models/node1/agent.a");
+
+    // Without a remote, a service that may restart starts cold.
+    let (code, body) = d.api("POST", "/v1/services/b/hibernate");
+    assert_eq!(code, 200, "{body}");
+    d.wait_state("b", "hibernated");
+    let r = d.w.gpusnap(&["images", "rm", "agent.b", "--force"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let (cold, n, intact) = served_by(&d.chat("b-model", false));
+    assert_ne!(cold, pb);
+    assert_eq!((n, intact), (1, true));
+    d.wait_state("b", "running");
+    d.wait_note("image agent.b is gone (no remote): a cold start");
 }
