@@ -517,13 +517,14 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
         };
         let n = gpu.served.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
         let pid = std::process::id();
+        // One write: an answer in pieces waits on the client's delayed ACK
+        // (Nagle), 40 ms that no real server adds.
         let reply = |out: &mut std::net::TcpStream, status: &str, text: &str| {
-            write!(
-                out,
+            let all = format!(
                 "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{text}",
                 text.len()
-            )
-            .map_err(|e| e.to_string())
+            );
+            out.write_all(all.as_bytes()).map_err(|e| e.to_string())
         };
         if path == "/sleep" || path == "/wake_up" {
             sleep(Duration::from_millis(param("delay_ms").unwrap_or(0)));
@@ -565,12 +566,7 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
             } else {
                 format!("ok {pid} {n} {}\n", u8::from(intact))
             };
-            write!(
-                out,
-                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{text}",
-                text.len()
-            )
-            .map_err(|e| e.to_string())?;
+            reply(&mut out, "200 OK", &text)?;
         }
         out.flush().map_err(|e| e.to_string())?;
         if close {
