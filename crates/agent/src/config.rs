@@ -55,7 +55,7 @@ pub struct AgentConfig {
     /// request's `model` (docs/guides/many-models-one-endpoint.md).
     pub http_listen: Option<SocketAddr>,
     #[serde(default)]
-    pub http: crate::frontdoor::Limits,
+    pub http: HttpLimits,
 }
 
 impl Default for AgentConfig {
@@ -72,6 +72,81 @@ impl Default for AgentConfig {
             http: Default::default(),
         }
     }
+}
+
+/// `[agent.http]`: what one client of the front door may take. Everything
+/// a client controls is bounded: connections, header bytes, body bytes, the
+/// time to send its headers, the time a connection stays open.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpLimits {
+    /// Open connections at once; more are closed as they come.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// The request line and headers, in bytes (at least 8 KiB).
+    #[serde(default = "default_max_header", deserialize_with = "size")]
+    pub max_header: u64,
+    /// A request's body, in bytes: larger ones get a 413.
+    #[serde(default = "default_max_body", deserialize_with = "size")]
+    pub max_body: u64,
+    /// Time to send the request line and headers, from the first byte (or
+    /// from the connection, for its first request).
+    #[serde(default = "default_header_timeout", deserialize_with = "duration")]
+    pub header_timeout: Duration,
+    /// A connection is closed once open this long, answer streaming or not.
+    #[serde(default = "default_connection_timeout", deserialize_with = "duration")]
+    pub connection_timeout: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: default_max_connections(),
+            max_header: default_max_header(),
+            max_body: default_max_body(),
+            header_timeout: default_header_timeout(),
+            connection_timeout: default_connection_timeout(),
+        }
+    }
+}
+
+impl HttpLimits {
+    /// The values hyper and the agent can work with; the error names the key.
+    pub fn check(&self) -> Result<(), String> {
+        if !(1..=1_000_000).contains(&self.max_connections) {
+            return Err("[agent.http] max_connections must be from 1 to 1000000".into());
+        }
+        if !(8 << 10..=16 << 20).contains(&self.max_header) {
+            return Err("[agent.http] max_header must be from 8KiB to 16MiB".into());
+        }
+        if !(1..=1 << 32).contains(&self.max_body) {
+            return Err("[agent.http] max_body must be from 1 byte to 4GiB".into());
+        }
+        for (key, d) in
+            [("header_timeout", self.header_timeout), ("connection_timeout", self.connection_timeout)]
+        {
+            if d.is_zero() || d > Duration::from_secs(7 * 86400) {
+                return Err(format!("[agent.http] {key} must be above 0 and at most 7d"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn default_max_connections() -> usize {
+    1024
+}
+fn default_max_header() -> u64 {
+    64 << 10
+}
+fn default_max_body() -> u64 {
+    32 << 20
+}
+fn default_header_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_connection_timeout() -> Duration {
+    Duration::from_secs(3600)
 }
 
 fn default_socket() -> PathBuf {
@@ -264,7 +339,7 @@ enum NumOrStr {
     Str(String),
 }
 
-pub(crate) fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     match NumOrStr::deserialize(d)? {
         NumOrStr::Int(n) => Ok(Duration::from_secs(n)),
         NumOrStr::Float(f) => Duration::try_from_secs_f64(f).map_err(de::Error::custom),
@@ -281,7 +356,7 @@ fn duration_or_never<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>
     }
 }
 
-pub(crate) fn size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+fn size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     match NumOrStr::deserialize(d)? {
         NumOrStr::Int(n) => Ok(n),
         NumOrStr::Float(f) => Ok(f as u64),
@@ -407,15 +482,28 @@ impl Config {
             for m in &s.models {
                 let at = m.span().start;
                 if m.get_ref().is_empty() || m.get_ref().chars().any(|c| c.is_control()) {
-                    return Err(invalid(at, format!("service {:?}: model {:?}: empty or with control characters", s.name.get_ref(), m.get_ref())));
+                    return Err(invalid(
+                        at,
+                        format!(
+                            "service {:?}: model {:?}: empty or with control characters",
+                            s.name.get_ref(),
+                            m.get_ref()
+                        ),
+                    ));
                 }
                 if let Some(first) = models.insert(m.get_ref().clone(), s.name.get_ref().clone()) {
-                    return Err(invalid(at, format!("model {:?} is served by {first:?} already", m.get_ref())));
+                    return Err(invalid(
+                        at,
+                        format!("model {:?} is served by {first:?} already", m.get_ref()),
+                    ));
                 }
             }
             if let Some(r) = &s.remote {
                 if let Err(e) = gpusnap_images::remote::Url::parse(r.get_ref()) {
-                    return Err(invalid(r.span().start, format!("service {:?}: remote {:?}: {e}", s.name.get_ref(), r.get_ref())));
+                    return Err(invalid(
+                        r.span().start,
+                        format!("service {:?}: remote {:?}: {e}", s.name.get_ref(), r.get_ref()),
+                    ));
                 }
             }
         }
@@ -425,7 +513,10 @@ impl Config {
         }
         if let Some(a) = cfg.agent.http_listen {
             if let Some((other, at)) = ports.get(&a.port()) {
-                return Err(invalid(*at, format!("service {other:?} listens on port {}, the http_listen port", a.port())));
+                return Err(invalid(
+                    *at,
+                    format!("service {other:?} listens on port {}, the http_listen port", a.port()),
+                ));
             }
         }
         // A backend of one service that another listens on would loop.
@@ -547,5 +638,39 @@ priority = 10
         assert!(e.starts_with("x.toml:7:") && e.contains("exactly one of command"), "{e}");
         let e = err(&GOOD.replace("\"5m\"", "\"5 parsecs\""));
         assert!(e.starts_with("x.toml:11:") && e.contains("bad duration"), "{e}");
+    }
+
+    #[test]
+    fn front_door_keys() {
+        let text = GOOD
+            .replace("min_host_available = \"16GiB\"\n", "min_host_available = \"16GiB\"\nhttp_listen = \"127.0.0.1:8080\"\n\n[agent.http]\nmax_body = \"1MiB\"\n")
+            + "models = [\"m-7b\", \"m\"]\nstart = \"on-demand\"\nfail_fast = true\nremote = \"s3://b/p\"\n";
+        let c = Config::parse(&text, "x.toml").unwrap();
+        assert_eq!(c.agent.http_listen, Some("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(c.agent.http.max_body, 1 << 20);
+        assert_eq!(c.agent.http.max_connections, 1024);
+        let s = &c.service[0];
+        assert_eq!(s.models.iter().map(|m| m.get_ref().as_str()).collect::<Vec<_>>(), ["m-7b", "m"]);
+        assert_eq!((s.start, s.fail_fast), (Start::OnDemand, true));
+        assert_eq!(Config::parse(GOOD, "x.toml").unwrap().service[0].start, Start::Boot);
+        let two = format!(
+            "{text}\n[[service]]\nname = \"b\"\nlisten = \"127.0.0.1:8001\"\nbackend = \"127.0.0.1:18001\"\ncommand = [\"s\"]\nmodels = [\"m\"]\n"
+        );
+        let e = err(&two);
+        assert!(e.contains("model \"m\" is served by \"a\" already"), "{e}");
+        for (bad, what) in [
+            ("start = \"later\"", "unknown variant"),
+            ("remote = \"ftp://x\"", "remote \"ftp://x\""),
+            ("models = [\"\"]", "empty"),
+        ] {
+            let e = err(&format!("{GOOD}{bad}\n"));
+            assert!(e.starts_with("x.toml:15:") && e.contains(what), "{bad}: {e}");
+        }
+        let e = err(&text.replace("max_body = \"1MiB\"", "max_body = 0"));
+        assert!(e.starts_with("x.toml:7:") && e.contains("max_body"), "{e}");
+        let e = err(&text.replace("max_body = \"1MiB\"", "max_header = 100"));
+        assert!(e.contains("max_header"), "{e}");
+        let e = err(&text.replace("127.0.0.1:8080", "127.0.0.1:8000"));
+        assert!(e.contains("the http_listen port"), "{e}");
     }
 }

@@ -159,7 +159,9 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
             }
         }
     } else {
-        wait_for(&agent, &svc).await.map_err(|reason| crate::control::Refusal { reason, retry_after: Duration::from_secs(1) })
+        wait_for(&agent, &svc)
+            .await
+            .map_err(|reason| crate::control::Refusal { reason, retry_after: Duration::from_secs(1) })
     };
     match waited {
         Ok(t) => *pending.lock().unwrap_or_else(|e| e.into_inner()) = t,

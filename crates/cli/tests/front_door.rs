@@ -57,7 +57,8 @@ impl Door {
         let script = w.tmp.path().join("fake_openai.py");
         std::fs::write(&script, include_str!("fake_openai.py")).unwrap();
         let http = free_port();
-        let (agent_keys, agent_tables) = agent_extra.split_once("\n[").map_or((agent_extra, String::new()), |(k, t)| (k, format!("[{t}")));
+        let (agent_keys, agent_tables) =
+            agent_extra.split_once("\n[").map_or((agent_extra, String::new()), |(k, t)| (k, format!("[{t}")));
         let mut text = format!(
             "[agent]\nsocket = {:?}\nhttp_listen = \"127.0.0.1:{http}\"\n{agent_keys}\n{agent_tables}\n",
             socket.display().to_string()
@@ -110,7 +111,11 @@ impl Door {
     fn api(&self, method: &str, path: &str) -> (u16, String) {
         let mut s = UnixStream::connect(&self.socket).unwrap();
         s.set_read_timeout(Some(LONG)).unwrap();
-        write!(s, "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n").unwrap();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+        )
+        .unwrap();
         let mut text = String::new();
         s.read_to_string(&mut text).unwrap();
         let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
@@ -151,7 +156,14 @@ impl Door {
         let body = format!(
             "{{\"model\":\"{model}\",\"stream\":{stream},\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}"
         );
-        self.curl(&["-N", "-H", "Content-Type: application/json", "--data-binary", &body, "/v1/chat/completions"])
+        self.curl(&[
+            "-N",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            &body,
+            "/v1/chat/completions",
+        ])
     }
 
     /// The agent's journal notes, as text.
@@ -178,7 +190,8 @@ impl Drop for Door {
             self.w.children[n].kill();
         }
         let path = self.w.state_dir().join("agent").join("services.json");
-        let v: Value = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        let v: Value =
+            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
         for rec in v.as_object().into_iter().flat_map(|o| o.values()) {
             for k in ["runner", "pid"] {
                 if let Some(p) = rec[k].as_i64() {
@@ -218,7 +231,10 @@ fn front_door_routes_by_model_and_streams_answers_untouched() {
         "[agent.http]\nmax_body = \"16KiB\"",
         &[
             openai("alpha", "models = [\"alpha-7b\"]\nsuspend_after = \"never\""),
-            openai("beta", "models = [\"beta-8b\", \"beta-70b\"]\nsuspend_after = \"never\"\nstart = \"on-demand\""),
+            openai(
+                "beta",
+                "models = [\"beta-8b\", \"beta-70b\"]\nsuspend_after = \"never\"\nstart = \"on-demand\"",
+            ),
         ],
         &[],
     );
@@ -240,7 +256,11 @@ fn front_door_routes_by_model_and_streams_answers_untouched() {
         .unwrap()
         .iter()
         .map(|m| {
-            (m["id"].as_str().unwrap().into(), m["service"].as_str().unwrap().into(), m["state"].as_str().unwrap().into())
+            (
+                m["id"].as_str().unwrap().into(),
+                m["service"].as_str().unwrap().into(),
+                m["state"].as_str().unwrap().into(),
+            )
         })
         .collect();
     assert_eq!(
@@ -364,7 +384,8 @@ fn front_door_fails_fast_with_an_answer_and_drops_clients_that_hang_up() {
     assert_refused(&d.chat("broken", false), "next start in");
     let (code, _, body) = d.curl(&["/v1/models"]);
     assert_eq!(code, 200);
-    let broken = json(&body)["data"].as_array().unwrap().iter().find(|m| m["id"] == "broken").unwrap().clone();
+    let broken =
+        json(&body)["data"].as_array().unwrap().iter().find(|m| m["id"] == "broken").unwrap().clone();
     assert_eq!(broken["available"], false, "{broken}");
 
     let own = d.svcs["own"].0;
@@ -432,9 +453,14 @@ impl Drop for Moto {
 /// moto_server with a bucket `models`; without it the test is skipped here
 /// and fails on CI (.ci/run installs it).
 fn moto() -> Option<Moto> {
-    let found = Command::new("moto_server").arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status();
+    let found =
+        Command::new("moto_server").arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status();
     if !found.is_ok_and(|s| s.success()) {
-        assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "moto_server is missing (pip install 'moto[server]')");
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "moto_server is missing (pip install 'moto[server]')"
+        );
         eprintln!("skipped: moto_server is not installed (pip install 'moto[server]')");
         return None;
     }

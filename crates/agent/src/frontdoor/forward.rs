@@ -70,10 +70,13 @@ pub async fn forward(
         t.mark_now("connect");
     }
     let _ = stream.set_nodelay(true);
-    let (mut send, conn) = match hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await {
-        Ok(c) => c,
-        Err(e) => return error(StatusCode::BAD_GATEWAY, "bad_gateway", &format!("{}: backend: {e}", svc.name)),
-    };
+    let (mut send, conn) =
+        match hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await {
+            Ok(c) => c,
+            Err(e) => {
+                return error(StatusCode::BAD_GATEWAY, "bad_gateway", &format!("{}: backend: {e}", svc.name))
+            }
+        };
     let name = svc.name.clone();
     tokio::spawn(async move {
         if let Err(e) = conn.await {
@@ -84,7 +87,9 @@ pub async fn forward(
     *req.method_mut() = parts.method;
     *req.uri_mut() = match path.parse() {
         Ok(u) => u,
-        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("path {path:?}: {e}")),
+        Err(e) => {
+            return error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("path {path:?}: {e}"))
+        }
     };
     *req.headers_mut() = parts.headers;
     strip_hop(req.headers_mut());
@@ -94,7 +99,9 @@ pub async fn forward(
     }
     let resp = match send.send_request(req).await {
         Ok(r) => r,
-        Err(e) => return error(StatusCode::BAD_GATEWAY, "bad_gateway", &format!("{}: backend: {e}", svc.name)),
+        Err(e) => {
+            return error(StatusCode::BAD_GATEWAY, "bad_gateway", &format!("{}: backend: {e}", svc.name))
+        }
     };
     f.answered();
     let (mut head, incoming) = resp.into_parts();

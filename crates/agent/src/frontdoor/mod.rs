@@ -5,20 +5,17 @@
 //! connection on its own port (through [`Control`]); one that cannot come
 //! back is answered at once with a 503, a JSON reason and `Retry-After`.
 //!
-//! - [`limits`]: what one client may take (`[agent.http]`);
 //! - [`route`]: which service a request is for;
 //! - [`wait`]: the wait for the service, and the answer when it cannot come;
 //! - [`forward`]: the request to the backend, its answer streamed back;
 //! - [`models`]: `/v1/models`, `/healthz`, `/readyz`.
 
 mod forward;
-mod limits;
 mod models;
 mod route;
 pub(crate) mod wait;
 
-pub use limits::Limits;
-
+use crate::config::HttpLimits as Limits;
 use crate::control::Control;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, Limited};
@@ -36,13 +33,17 @@ pub(crate) fn json(status: StatusCode, value: &serde_json::Value) -> Response<Bo
     let body = Full::new(Bytes::from(value.to_string())).map_err(|never| match never {}).boxed();
     let mut r = Response::new(body);
     *r.status_mut() = status;
-    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    r.headers_mut()
+        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
     r
 }
 
 /// An error in OpenAI's format (clients of that API show `message`).
 pub(crate) fn error(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
-    json(status, &serde_json::json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } }))
+    json(
+        status,
+        &serde_json::json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } }),
+    )
 }
 
 /// Serves the front door until the agent ends. Connections past
@@ -64,7 +65,10 @@ pub async fn serve(agent: Arc<dyn Control>, listener: TcpListener, limits: Limit
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             // Once a minute at most: a flood must not flood the log too.
             if refused_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
-                tracing::warn!(max = limits.max_connections, "front door: connection limit reached, closing new ones");
+                tracing::warn!(
+                    max = limits.max_connections,
+                    "front door: connection limit reached, closing new ones"
+                );
                 refused_at = Some(std::time::Instant::now());
             }
             drop(stream);
@@ -122,11 +126,13 @@ async fn handle(agent: Arc<dyn Control>, limits: &Limits, req: Request<Incoming>
                 &format!("request body over {} bytes ([agent.http] max_body)", limits.max_body),
             )
         }
-        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("request body: {e}")),
+        Err(e) => {
+            return error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("request body: {e}"))
+        }
     };
     let (svc, path) = match route::route(agent.services(), &parts, &body) {
         Ok(r) => r,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     let svc = Arc::clone(svc);
     let in_flight = match wait::admit(&agent, &svc).await {

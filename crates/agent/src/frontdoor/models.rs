@@ -44,7 +44,11 @@ pub fn list(agent: &Arc<dyn Control>) -> Response<Body> {
 pub fn one(agent: &Arc<dyn Control>, id: &str) -> Response<Body> {
     match agent.services().iter().flat_map(|s| entries(agent, s)).find(|e| e["id"] == id) {
         Some(e) => json(StatusCode::OK, &e),
-        None => error(StatusCode::NOT_FOUND, "invalid_request_error", &format!("the model {id:?} does not exist here")),
+        None => error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            &format!("the model {id:?} does not exist here"),
+        ),
     }
 }
 

@@ -15,16 +15,15 @@ pub fn route<'a>(
     services: &'a [Arc<Service>],
     parts: &Parts,
     body: &Bytes,
-) -> Result<(&'a Arc<Service>, String), Response<Body>> {
+) -> Result<(&'a Arc<Service>, String), Box<Response<Body>>> {
     let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
     let by_name = |n: &str| services.iter().find(|s| s.name == n);
-    let host = parts
-        .headers
-        .get(hyper::header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .map(|h| h.rsplit_once(':').filter(|(_, p)| p.bytes().all(|b| b.is_ascii_digit())).map_or(h, |(h, _)| h));
+    let host = parts.headers.get(hyper::header::HOST).and_then(|h| h.to_str().ok()).map(|h| {
+        h.rsplit_once(':').filter(|(_, p)| p.bytes().all(|b| b.is_ascii_digit())).map_or(h, |(h, _)| h)
+    });
     if let Some(host) = host {
-        if let Some(s) = by_name(host).or_else(|| host.split_once('.').and_then(|(first, _)| by_name(first))) {
+        if let Some(s) = by_name(host).or_else(|| host.split_once('.').and_then(|(first, _)| by_name(first)))
+        {
             return Ok((s, path_and_query));
         }
     }
@@ -37,11 +36,11 @@ pub fn route<'a>(
         .ok()
         .and_then(|v| v.get("model").and_then(|m| m.as_str()).map(str::to_string));
     let Some(model) = model else {
-        return Err(error(
+        return Err(Box::new(error(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "no service for this request: give a JSON body with a \"model\", a Host naming a service, or a path /SERVICE/...",
-        ));
+        )));
     };
     services
         .iter()
@@ -49,13 +48,13 @@ pub fn route<'a>(
         .or_else(|| by_name(&model))
         .map(|s| (s, path_and_query))
         .ok_or_else(|| {
-            super::json(
+            Box::new(super::json(
                 StatusCode::NOT_FOUND,
                 &serde_json::json!({ "error": {
                     "message": format!("the model {model:?} does not exist here (GET /v1/models lists them)"),
                     "type": "invalid_request_error",
                     "code": "model_not_found",
                 }}),
-            )
+            ))
         })
 }

@@ -91,7 +91,11 @@ pub async fn admit(agent: &Arc<dyn Control>, svc: &Arc<Service>) -> Result<InFli
             Ok(Some(t)) => f.trace = Some(t),
             Ok(None) => {}
             Err(r) => {
-                agent.metrics().connections_closed.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+                agent
+                    .metrics()
+                    .connections_closed
+                    .get_or_create(&ServiceLabels { service: svc.name.clone() })
+                    .inc();
                 tracing::warn!(service = svc.name, "refused a request: {}", r.reason);
                 return Err(r);
             }
@@ -136,8 +140,16 @@ pub async fn wait(agent: &Arc<dyn Control>, svc: &Arc<Service>) -> Result<Option
         r = failed(agent, svc, rx) => Err(r),
     };
     if let Ok(true) = r {
-        agent.metrics().wait.get_or_create(&ServiceLabels { service: svc.name.clone() }).observe(t0.elapsed().as_secs_f64());
-        tracing::info!(service = svc.name, waited_ms = t0.elapsed().as_millis() as u64, "request waited for its service");
+        agent
+            .metrics()
+            .wait
+            .get_or_create(&ServiceLabels { service: svc.name.clone() })
+            .observe(t0.elapsed().as_secs_f64());
+        tracing::info!(
+            service = svc.name,
+            waited_ms = t0.elapsed().as_millis() as u64,
+            "request waited for its service"
+        );
         let mut t = svc.lock().trace.take();
         if let Some(t) = t.as_mut() {
             t.mark_now("ready");

@@ -141,7 +141,11 @@ impl Agent {
                 Ok(r) => agent.journal(
                     &svc,
                     None,
-                    &format!("{image} pushed to {url} in {} ms ({} bytes sent)", t0.elapsed().as_millis(), r.bytes_sent),
+                    &format!(
+                        "{image} pushed to {url} in {} ms ({} bytes sent)",
+                        t0.elapsed().as_millis(),
+                        r.bytes_sent
+                    ),
                 ),
                 Err(e) => {
                     agent.journal(&svc, None, &format!("{image}: push to {url} failed: {e}"));
