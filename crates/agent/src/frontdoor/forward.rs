@@ -3,13 +3,16 @@
 //! as the backend sends it (SSE, chunked), until it ends or the client
 //! hangs up (then the backend's connection is closed too).
 
+use super::pool::{self, Conn, Pool};
 use super::wait::InFlight;
 use super::{error, Body};
+use crate::service::Service;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::header::{HeaderMap, HeaderValue};
 use hyper::http::request::Parts;
 use hyper::{Request, Response, StatusCode};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
@@ -42,13 +45,8 @@ fn strip_hop(h: &mut HeaderMap) {
     h.remove(hyper::header::UPGRADE);
 }
 
-pub async fn forward(
-    svc: Arc<crate::service::Service>,
-    mut f: InFlight,
-    parts: Parts,
-    path: String,
-    body: Bytes,
-) -> Response<Body> {
+/// A new connection to the backend, driven in the background.
+async fn connect(svc: &Arc<Service>) -> Result<Conn, String> {
     let backend = svc.cfg.backend;
     // A server just started may not listen yet (a resumed one does: its
     // socket stayed open).
@@ -57,62 +55,104 @@ pub async fn forward(
         match TcpStream::connect(backend).await {
             Ok(s) => break s,
             Err(_) if Instant::now() < deadline => tokio::time::sleep(CONNECT_RETRY).await,
-            Err(e) => {
-                return error(
-                    StatusCode::BAD_GATEWAY,
-                    "bad_gateway",
-                    &format!("{}: backend {backend}: {e}", svc.name),
-                )
-            }
+            Err(e) => return Err(format!("{}: backend {backend}: {e}", svc.name)),
         }
     };
-    if let Some(t) = f.trace.as_mut() {
-        t.mark_now("connect");
-    }
     let _ = stream.set_nodelay(true);
-    let (mut send, conn) =
-        match hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await {
-            Ok(c) => c,
-            Err(e) => {
-                return error(StatusCode::BAD_GATEWAY, "bad_gateway", &format!("{}: backend: {e}", svc.name))
-            }
-        };
-    let name = svc.name.clone();
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(service = name, "backend connection: {e}");
-        }
-    });
-    let mut req = Request::new(Full::new(body));
-    *req.method_mut() = parts.method;
-    *req.uri_mut() = match path.parse() {
+    let (send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("{}: backend: {e}", svc.name))?;
+    let busy = Arc::new(AtomicBool::new(true));
+    tokio::spawn(pool::drive(Arc::clone(svc), Arc::clone(&busy), conn));
+    Ok(Conn { send, busy })
+}
+
+pub async fn forward(
+    svc: Arc<Service>,
+    pool: Arc<Pool>,
+    mut f: InFlight,
+    parts: Parts,
+    path: String,
+    body: Bytes,
+) -> Response<Body> {
+    let uri: hyper::Uri = match path.parse() {
         Ok(u) => u,
         Err(e) => {
             return error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("path {path:?}: {e}"))
         }
     };
-    *req.headers_mut() = parts.headers;
-    strip_hop(req.headers_mut());
-    req.headers_mut().remove(hyper::header::CONTENT_LENGTH);
-    if let Ok(h) = HeaderValue::from_str(&backend.to_string()) {
-        req.headers_mut().insert(hyper::header::HOST, h);
+    let mut headers = parts.headers;
+    strip_hop(&mut headers);
+    headers.remove(hyper::header::CONTENT_LENGTH);
+    if let Ok(h) = HeaderValue::from_str(&svc.cfg.backend.to_string()) {
+        headers.insert(hyper::header::HOST, h);
     }
-    let resp = match send.send_request(req).await {
-        Ok(r) => r,
-        Err(e) => {
-            return error(StatusCode::BAD_GATEWAY, "bad_gateway", &format!("{}: backend: {e}", svc.name))
+    let request = || {
+        let mut req = Request::new(Full::new(body.clone()));
+        *req.method_mut() = parts.method.clone();
+        *req.uri_mut() = uri.clone();
+        *req.headers_mut() = headers.clone();
+        req
+    };
+    // A kept connection first; one the server closed meanwhile is no
+    // failure of the request: it goes on a new connection (nothing of it
+    // was answered).
+    let mut sent = None;
+    if let Some(mut c) = pool.take(&svc) {
+        if let Ok(r) = c.send.send_request(request()).await {
+            sent = Some((c, r));
+        }
+    }
+    let (c, resp) = match sent {
+        Some(s) => s,
+        None => {
+            let mut c = match connect(&svc).await {
+                Ok(c) => c,
+                Err(e) => return error(StatusCode::BAD_GATEWAY, "bad_gateway", &e),
+            };
+            if let Some(t) = f.trace.as_mut() {
+                t.mark_now("connect");
+            }
+            match c.send.send_request(request()).await {
+                Ok(r) => (c, r),
+                Err(e) => {
+                    return error(
+                        StatusCode::BAD_GATEWAY,
+                        "bad_gateway",
+                        &format!("{}: backend: {e}", svc.name),
+                    )
+                }
+            }
         }
     };
     f.answered();
     let (mut head, incoming) = resp.into_parts();
     strip_hop(&mut head.headers);
     // The request stays in its service's books (a connection: no hibernate
-    // while it streams) until its answer's last frame, or the client left.
+    // while it streams) until its answer's last frame, or the client left;
+    // then its backend connection is kept for the next.
+    let keep = Keep { pool, svc, conn: Some(c), _request: f };
     let body = incoming
         .map_frame(move |frame| {
-            let _keep = &f;
+            let _keep = &keep;
             frame
         })
         .boxed();
     Response::from_parts(head, body)
+}
+
+/// Held by an answer's body until it is dropped.
+struct Keep {
+    pool: Arc<Pool>,
+    svc: Arc<Service>,
+    conn: Option<Conn>,
+    _request: InFlight,
+}
+
+impl Drop for Keep {
+    fn drop(&mut self) {
+        if let Some(c) = self.conn.take() {
+            self.pool.put(&self.svc, c);
+        }
+    }
 }

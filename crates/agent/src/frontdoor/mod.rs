@@ -8,10 +8,12 @@
 //! - [`route`]: which service a request is for;
 //! - [`wait`]: the wait for the service, and the answer when it cannot come;
 //! - [`forward`]: the request to the backend, its answer streamed back;
+//! - [`pool`]: backend connections kept between requests;
 //! - [`models`]: `/v1/models`, `/healthz`, `/readyz`.
 
 mod forward;
 mod models;
+mod pool;
 mod route;
 pub(crate) mod wait;
 
@@ -52,6 +54,7 @@ pub(crate) fn error(status: StatusCode, kind: &str, message: &str) -> Response<B
 pub async fn serve(agent: Arc<dyn Control>, listener: TcpListener, limits: Limits) {
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
     let limits = Arc::new(limits);
+    let pool = Arc::new(pool::Pool::default());
     let mut refused_at: Option<std::time::Instant> = None;
     loop {
         let (stream, _) = match listener.accept().await {
@@ -75,14 +78,14 @@ pub async fn serve(agent: Arc<dyn Control>, listener: TcpListener, limits: Limit
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let (agent, limits) = (Arc::clone(&agent), Arc::clone(&limits));
+        let (agent, limits, pool) = (Arc::clone(&agent), Arc::clone(&limits), Arc::clone(&pool));
         tokio::spawn(async move {
             let _slot = slot;
             let svc = {
-                let (agent, limits) = (Arc::clone(&agent), Arc::clone(&limits));
+                let limits = Arc::clone(&limits);
                 hyper::service::service_fn(move |req| {
-                    let (agent, limits) = (Arc::clone(&agent), Arc::clone(&limits));
-                    async move { Ok::<_, std::convert::Infallible>(handle(agent, &limits, req).await) }
+                    let (agent, limits, pool) = (Arc::clone(&agent), Arc::clone(&limits), Arc::clone(&pool));
+                    async move { Ok::<_, std::convert::Infallible>(handle(agent, &limits, pool, req).await) }
                 })
             };
             let mut b = hyper::server::conn::http1::Builder::new();
@@ -101,7 +104,12 @@ pub async fn serve(agent: Arc<dyn Control>, listener: TcpListener, limits: Limit
     }
 }
 
-async fn handle(agent: Arc<dyn Control>, limits: &Limits, req: Request<Incoming>) -> Response<Body> {
+async fn handle(
+    agent: Arc<dyn Control>,
+    limits: &Limits,
+    pool: Arc<pool::Pool>,
+    req: Request<Incoming>,
+) -> Response<Body> {
     let path = req.uri().path();
     if req.method() == hyper::Method::GET {
         match path {
@@ -139,5 +147,5 @@ async fn handle(agent: Arc<dyn Control>, limits: &Limits, req: Request<Incoming>
         Ok(f) => f,
         Err(refusal) => return wait::refused(&svc, &refusal),
     };
-    forward::forward(svc, in_flight, parts, path, body).await
+    forward::forward(svc, pool, in_flight, parts, path, body).await
 }
