@@ -595,6 +595,8 @@ fn host_memory_pressure_hibernates_and_a_request_wakes() {
     let pid = a.wait_state("h", "running")["pid"].as_i64().unwrap();
     let s = a.wait_state("h", "hibernated");
     let image = s["image"].as_str().unwrap().to_string();
+    // One image name per service, stable across its hibernations.
+    assert_eq!(image, "agent.h");
     assert!(a.w.state_dir().join("images").join(&image).join("manifest.json").exists());
     assert!(!pid_exists(pid as i32), "the hibernated server still runs");
     let notes = a.notes(pid);
@@ -610,7 +612,7 @@ fn host_memory_pressure_hibernates_and_a_request_wakes() {
     // Again: the woken server carries the traced guard now (as after
     // `gpusnap wake`), which must let go for CRIU.
     let s = a.wait_state("h", "hibernated");
-    assert_ne!(s["image"].as_str().unwrap(), image);
+    assert_eq!(s["image"].as_str().unwrap(), image);
     let body = get(a.port(0), "/");
     assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
     let m = a.metrics();

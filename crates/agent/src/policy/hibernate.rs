@@ -78,10 +78,18 @@ impl Agent {
     }
 
     fn hibernate_blocking(&self, svc: &Service) -> Result<String, String> {
-        let root = svc.lock().process.clone().ok_or("no process")?;
+        let (root, kept) = {
+            let g = svc.lock();
+            (g.process.clone().ok_or("no process")?, g.image.clone())
+        };
         let name = super::image_name(&svc.name);
-        // One left from an earlier hibernation was replaced by the process
-        // that runs now (a wake removes it; this catches one that could not).
+        // One the service still keeps (woken, not yet resumed) stays: this
+        // hibernation waits for a later try. One left from an earlier
+        // hibernation whose process runs again (a wake removes it; this
+        // catches one that could not) goes.
+        if kept.as_deref() == Some(name.as_str()) {
+            return Err(format!("{name} is kept until the process it was woken into runs"));
+        }
         if self.images().manifest(&name).is_ok() {
             self.images().remove(&name).map_err(|e| format!("{name}: an older image is in the way: {e}"))?;
         }
