@@ -562,3 +562,55 @@ fn front_door_swaps_models_and_a_lost_image_comes_back_from_the_remote_or_cold()
     d.wait_state("b", "running");
     d.wait_note("image agent.b is gone (no remote): a cold start");
 }
+
+/// Reads until the server closes the connection (or resets it): what it
+/// sent before, if anything.
+fn until_closed(s: &mut std::net::TcpStream) -> String {
+    s.set_read_timeout(Some(LONG)).unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("still open: {e}; read so far: {:?}", String::from_utf8_lossy(&out)),
+        }
+    }
+    String::from_utf8_lossy(&out).to_string()
+}
+
+#[test]
+fn front_door_bounds_connections_header_time_and_size() {
+    let d = Door::start(
+        1000,
+        "[agent.http]\nmax_connections = 2\nheader_timeout = \"5s\"\nmax_header = \"8KiB\"",
+        &[openai("alpha", "suspend_after = \"never\"")],
+        &[],
+    );
+    let connect = || std::net::TcpStream::connect(("127.0.0.1", d.http)).unwrap();
+    // Two clients that never finish their headers hold both slots...
+    let mut slow: Vec<_> = (0..2).map(|_| connect()).collect();
+    for s in &mut slow {
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").unwrap();
+    }
+    // ...so a third is closed unanswered, its request complete or not.
+    let mut third = connect();
+    let _ = third.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    let answer = until_closed(&mut third);
+    assert!(answer.is_empty(), "{answer}");
+    // The slow ones are disconnected at header_timeout; the slots are free again.
+    for s in &mut slow {
+        let answer = until_closed(s);
+        assert!(!answer.contains("200 OK"), "{answer}");
+    }
+    let (code, _, body) = d.curl(&["/healthz"]);
+    assert_eq!(code, 200, "{body}");
+    // Headers over max_header end the connection.
+    let mut big = connect();
+    let _ = write!(big, "GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n", "y".repeat(16 << 10));
+    let answer = until_closed(&mut big);
+    assert!(!answer.contains("200 OK"), "{answer}");
+    let (code, _, body) = d.curl(&["/healthz"]);
+    assert_eq!(code, 200, "{body}");
+}
