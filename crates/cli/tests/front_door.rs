@@ -357,7 +357,7 @@ fn front_door_fails_fast_with_an_answer_and_drops_clients_that_hang_up() {
             },
             S {
                 name: "slow",
-                kind: Kind::OpenAi { delay: 4.0, fail: false },
+                kind: Kind::OpenAi { delay: 8.0, fail: false },
                 extra: "start = \"on-demand\"\nmax_waiting = 1\nsuspend_after = \"never\"",
             },
             S {
@@ -367,12 +367,12 @@ fn front_door_fails_fast_with_an_answer_and_drops_clients_that_hang_up() {
             },
             S {
                 name: "hang2",
-                kind: Kind::OpenAi { delay: 4.0, fail: false },
+                kind: Kind::OpenAi { delay: 8.0, fail: false },
                 extra: "start = \"on-demand\"\nsuspend_after = \"never\"\nfail_fast = true",
             },
             S {
                 name: "hang",
-                kind: Kind::OpenAi { delay: 4.0, fail: false },
+                kind: Kind::OpenAi { delay: 8.0, fail: false },
                 extra: "start = \"on-demand\"\nsuspend_after = \"never\"",
             },
         ],

@@ -177,11 +177,12 @@ async fn failed(
         };
         let (from, to) = (prev, now);
         prev = now;
+        // However it got there (a failure this wait saw or not).
+        if let Some(r) = agent.hopeless(svc) {
+            return r;
+        }
         let bringing_back = matches!(from, State::Starting | State::Waking | State::Resuming);
         if bringing_back && matches!(to, State::Dead | State::Exited | State::Hibernated | State::Suspended) {
-            if let Some(r) = agent.hopeless(svc) {
-                return r;
-            }
             return Refusal {
                 reason: format!(
                     "{}: {} failed: {}",
