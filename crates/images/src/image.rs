@@ -58,6 +58,11 @@ impl ImageStore {
         Self { root, trust }
     }
 
+    /// The keys this store trusts.
+    pub fn trust(&self) -> &crate::sign::Trust {
+        &self.trust
+    }
+
     /// The state directory the store lives in (`STATE/images`).
     pub fn state_dir(&self) -> &Path {
         self.root.parent().unwrap_or(&self.root)
