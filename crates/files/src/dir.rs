@@ -119,6 +119,35 @@ impl PrivateDir {
         .map_err(io)
     }
 
+    /// Opens `name` here for reading if it is a regular file of this
+    /// user's, no link (not followed, not hard-linked elsewhere), writable by
+    /// nobody else: the descriptor is what is checked and used.
+    pub fn open_file(&self, name: &str) -> std::io::Result<std::fs::File> {
+        let flags =
+            OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+        let raw =
+            nix::fcntl::openat(Some(self.fd.as_raw_fd()), name, flags, Mode::empty()).map_err(
+                |e| match e {
+                    nix::Error::ELOOP => other(&self.path.join(name), "a symbolic link"),
+                    e => io(e),
+                },
+            )?;
+        // SAFETY: openat just returned this descriptor, owned by nobody else.
+        let f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+        let m = f.metadata()?;
+        let bad = |why: &str| Err(other(&self.path.join(name), why));
+        if !m.is_file() {
+            return bad("not a regular file");
+        }
+        if m.nlink() > 1 {
+            return bad("a hard link to a file elsewhere");
+        }
+        if m.uid() != nix::unistd::geteuid().as_raw() || m.mode() & 0o022 != 0 {
+            return bad("not this user's alone (owner or mode)");
+        }
+        Ok(f)
+    }
+
     /// Renames `from` to `to`, both in this directory.
     pub fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
         nix::fcntl::renameat(Some(self.fd.as_raw_fd()), from, Some(self.fd.as_raw_fd()), to).map_err(io)
