@@ -96,3 +96,45 @@ fn a_guard_serves_no_socket_outside_its_own_directory() {
         .unwrap_or_default();
     assert!(socks.iter().all(|n| !n.to_string_lossy().starts_with("light-")), "{socks:?}");
 }
+
+fn mode_of(p: &Path) -> u32 {
+    std::fs::symlink_metadata(p).unwrap().mode() & 0o7777
+}
+
+/// STATE/maps, store and agent are checked as images/ is: writable by
+/// others, refused (left as they are); a link, refused (its target
+/// untouched); readable by others (0755), made owner-only.
+#[test]
+fn the_state_dirs_parts_are_checked_and_kept_owner_only() {
+    let w = World::new(&[8192]);
+    assert_eq!(w.json(&["ps"]).code, 0);
+    let state = w.state_dir();
+    let elsewhere = w.tmp.path().join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    std::fs::set_permissions(&elsewhere, std::fs::Permissions::from_mode(0o755)).unwrap();
+    for d in ["maps", "store", "agent", "images", "logs"] {
+        let p = state.join(d);
+        std::fs::create_dir_all(&p).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let r = w.json(&["ps"]);
+        assert_eq!(r.code, 1, "{d}: {}", r.stderr);
+        assert!(r.stderr.contains("writable by others"), "{d}: {}", r.stderr);
+        assert_eq!(mode_of(&p), 0o777, "{d}: refused, left as it was");
+
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let r = w.json(&["ps"]);
+        assert_eq!(r.code, 0, "{d}: {}", r.stderr);
+        assert_eq!(mode_of(&p), 0o700, "{d}: made owner-only");
+
+        let kept = w.tmp.path().join(format!("{d}.kept"));
+        std::fs::rename(&p, &kept).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &p).unwrap();
+        let r = w.json(&["ps"]);
+        assert_eq!(r.code, 1, "{d}: {}", r.stderr);
+        assert!(r.stderr.contains("symbolic link"), "{d}: {}", r.stderr);
+        assert_eq!(mode_of(&elsewhere), 0o755);
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+        std::fs::remove_file(&p).unwrap();
+        std::fs::rename(&kept, &p).unwrap();
+    }
+}

@@ -10,7 +10,8 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-/// A directory of this user's, open.
+/// A directory held open: one of this user's ([`PrivateDir::open`]), or
+/// any, as named when held ([`PrivateDir::hold`]).
 #[derive(Debug)]
 pub struct PrivateDir {
     fd: OwnedFd,
@@ -61,6 +62,44 @@ impl PrivateDir {
             nix::sys::stat::fchmod(fd.as_raw_fd(), Mode::from_bits_truncate(0o700)).map_err(io)?;
         }
         Ok(Self { fd, path })
+    }
+
+    /// The directory `path` names now (followed), held as it is: not
+    /// checked, for acting on its entries by name whatever is renamed or
+    /// linked in its place afterwards.
+    pub fn hold(path: &Path) -> std::io::Result<Self> {
+        let raw =
+            nix::fcntl::open(path, OFlag::O_DIRECTORY | OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
+                .map_err(io)?;
+        // SAFETY: open just returned this descriptor, owned by nobody else.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+        Ok(Self { fd, path: path.to_path_buf() })
+    }
+
+    /// The directory `name` here (not followed if a link), held.
+    pub fn hold_entry(&self, name: &str) -> std::io::Result<Self> {
+        let flags = OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_RDONLY | OFlag::O_CLOEXEC;
+        let raw =
+            nix::fcntl::openat(Some(self.fd.as_raw_fd()), name, flags, Mode::empty()).map_err(
+                |e| match e {
+                    nix::Error::ELOOP | nix::Error::ENOTDIR => {
+                        other(&self.path.join(name), "not a directory (a link?)")
+                    }
+                    e => io(e),
+                },
+            )?;
+        // SAFETY: openat just returned this descriptor, owned by nobody else.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+        Ok(Self { fd, path: self.path.join(name) })
+    }
+
+    /// Whether the entry `name` here (not followed) is the directory
+    /// `other` holds.
+    pub fn entry_is(&self, name: &str, other: &PrivateDir) -> bool {
+        let (Ok(a), Ok(b)) = (self.stat(name), nix::sys::stat::fstat(other.fd.as_raw_fd())) else {
+            return false;
+        };
+        a.st_dev == b.st_dev && a.st_ino == b.st_ino
     }
 
     /// The directory's path as it was opened (for messages).
@@ -173,6 +212,32 @@ mod tests {
         let e = PrivateDir::open(d.path(), "guards").unwrap_err();
         assert!(e.to_string().contains("a link"), "{e}");
         assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+    }
+
+    /// `images rm PATH`'s way: the parent and the entry held, renamed by
+    /// name in the held parent, and the renamed entry compared with the
+    /// held one; an entry swapped for a link or another directory is seen.
+    #[test]
+    fn a_held_entry_swapped_before_its_rename_is_seen() {
+        let d = tempfile::tempdir().unwrap();
+        let (img, other_dir) = (d.path().join("img"), d.path().join("other"));
+        std::fs::create_dir(&img).unwrap();
+        std::fs::create_dir(&other_dir).unwrap();
+        let up = PrivateDir::hold(d.path()).unwrap();
+        let held = up.hold_entry("img").unwrap();
+        up.rename("img", ".img.rm").unwrap();
+        assert!(up.entry_is(".img.rm", &held));
+        up.rename(".img.rm", "img").unwrap();
+        // Swapped: the directory moved away, a link to another in its place.
+        std::fs::rename(&img, d.path().join("moved")).unwrap();
+        std::os::unix::fs::symlink(&other_dir, &img).unwrap();
+        up.rename("img", ".img.rm").unwrap();
+        assert!(!up.entry_is(".img.rm", &held));
+        assert!(up.hold_entry(".img.rm").is_err(), "a link is not held");
+        // The parent itself renamed: still the one held.
+        std::fs::rename(d.path(), d.path().with_extension("away")).unwrap();
+        assert!(up.stat(".img.rm").is_ok());
+        std::fs::rename(d.path().with_extension("away"), d.path()).unwrap();
     }
 
     #[test]
