@@ -202,18 +202,19 @@ async fn events(AxState(agent): AxState<Ctl>, q: Result<Query<EventsQuery>, Quer
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), 1),
     };
     let follow = q.follow.unwrap_or(true);
-    let counted =
-        match follow.then(Follower::take) {
-            Some(None) => return error(
+    let counted = match follow.then(Follower::take) {
+        Some(None) => {
+            return error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!(
                     "{MAX_FOLLOWERS} requests already follow the journal; ask with follow=false, or later"
                 ),
                 1,
-            ),
-            Some(Some(f)) => Some(f),
-            None => None,
-        };
+            )
+        }
+        Some(Some(f)) => Some(f),
+        None => None,
+    };
     let start = match q.after {
         Some(a) => a,
         None => store.last_event_id().unwrap_or(0).saturating_sub(EVENTS_WINDOW).max(0),

@@ -442,6 +442,7 @@ impl ImageStore {
         let (Some(parent), Some(base)) = (dir.parent(), dir.file_name().and_then(|n| n.to_str())) else {
             return Err(foreign("not an image directory's path"));
         };
+        let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
         let up = gpusnap_files::PrivateDir::hold(parent).map_err(io(name, "open its directory"))?;
         let image = up.hold_entry(base).map_err(io(name, "open"))?;
         if !in_store {
