@@ -459,18 +459,21 @@ fn an_unreachable_endpoint_and_wrong_credentials_are_clear_errors_and_nothing_is
     assert_eq!(w.json(&["images", "verify", "cpu"]).code, 0, "the local image is intact");
 }
 
-/// Copies object `from` over `to` in moto's bucket (S3 CopyObject), as
-/// someone with write access to the bucket could.
+/// Copies object `from` over `to` (`BUCKET/KEY`) on moto (S3 CopyObject,
+/// signed by boto3, moto's own client library), as anyone with write
+/// access to the bucket could.
 fn copy_object(port: u16, from: &str, to: &str) {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
-        s,
-        "PUT /{to} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nx-amz-copy-source: /{from}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    assert!(out.lines().next().unwrap_or("").contains("200"), "copy {from} -> {to}: {out}");
+    let script = r#"
+import sys, boto3
+port, src, dst = sys.argv[1], sys.argv[2], sys.argv[3]
+s3 = boto3.client("s3", endpoint_url="http://127.0.0.1:" + port, aws_access_key_id="testing",
+                  aws_secret_access_key="testing", region_name="us-east-1")
+sb, sk = src.split("/", 1)
+db, dk = dst.split("/", 1)
+s3.copy_object(Bucket=db, Key=dk, CopySource={"Bucket": sb, "Key": sk})
+"#;
+    let out = Command::new("python3").args(["-c", script, &port.to_string(), from, to]).output().unwrap();
+    assert!(out.status.success(), "copy {from} -> {to}: {}", String::from_utf8_lossy(&out.stderr));
 }
 
 fn copy_manifest(port: u16, from: &str, to: &str) {
