@@ -77,7 +77,16 @@ fn owner_only(dir: &Path, name: &str, m: &std::fs::Metadata) -> Result<(), Strin
             p.display()
         ));
     }
-    gpusnap_files::PrivateDir::open(dir, name).map(drop).map_err(|e| e.to_string())?;
+    match gpusnap_files::PrivateDir::open(dir, name) {
+        Ok(_) => {}
+        // A read-only filesystem: nothing is written there, and it can be
+        // made private only where it is writable.
+        Err(e) if e.raw_os_error() == Some(libc::EROFS) => {
+            tracing::warn!(path = %p.display(), "readable by others, on a read-only filesystem: left as it is");
+            return Ok(());
+        }
+        Err(e) => return Err(e.to_string()),
+    }
     tracing::debug!(path = %p.display(), mode = format!("{:o}", m.mode() & 0o7777), "made owner-only (0700)");
     Ok(())
 }
