@@ -107,8 +107,11 @@ pub fn push(
         Err(e) => return Err(ChunkError::from(e).into()),
     };
     let version = on_remote.max(crate::pushed::seen(state, &remote.url.base, name)) + 1;
-    let key = crate::sign::HostKey::load_or_create(state)
-        .map_err(|e| ImageError::Untrusted { name: name.into(), why: e.to_string() })?;
+    let key = crate::sign::HostKey::load_or_create(state).map_err(|e| ImageError::Io {
+        name: name.into(),
+        op: "sign the push".into(),
+        err: std::io::Error::other(e.to_string()),
+    })?;
     let mut env: Envelope = serde_json::from_slice(&sig)
         .map_err(|e| ImageError::Corrupt { name: name.into(), why: format!("manifest.sig: {e}") })?;
     env.push = Some(key.sign_push(name, version, &body));
