@@ -167,6 +167,30 @@ struct EventsQuery {
     follow: Option<bool>,
 }
 
+/// At most this many requests follow the journal at once (each holds a
+/// connection to it and polls it); more are answered 503.
+pub const MAX_FOLLOWERS: usize = 32;
+static FOLLOWERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One follower counted while its stream lives.
+struct Follower;
+
+impl Follower {
+    fn take() -> Option<Self> {
+        use std::sync::atomic::Ordering::SeqCst;
+        FOLLOWERS
+            .fetch_update(SeqCst, SeqCst, |n| (n < MAX_FOLLOWERS).then_some(n + 1))
+            .ok()
+            .map(|_| Follower)
+    }
+}
+
+impl Drop for Follower {
+    fn drop(&mut self) {
+        FOLLOWERS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// The journal as newline-delimited JSON, followed as it grows.
 async fn events(AxState(agent): AxState<Ctl>, q: Result<Query<EventsQuery>, QueryRejection>) -> Response {
     let Query(q) = match q {
@@ -178,12 +202,26 @@ async fn events(AxState(agent): AxState<Ctl>, q: Result<Query<EventsQuery>, Quer
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), 1),
     };
     let follow = q.follow.unwrap_or(true);
+    let counted = match follow.then(Follower::take) {
+        Some(None) => {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "{MAX_FOLLOWERS} requests already follow the journal; ask with follow=false, or later"
+                ),
+                1,
+            )
+        }
+        Some(Some(f)) => Some(f),
+        None => None,
+    };
     let start = match q.after {
         Some(a) => a,
         None => store.last_event_id().unwrap_or(0).saturating_sub(EVENTS_WINDOW).max(0),
     };
     let store = Arc::new(std::sync::Mutex::new(store));
-    let stream = futures_util::stream::unfold(start, move |after| {
+    // The follower is counted while the stream's state holds it.
+    let stream = futures_util::stream::unfold((start, counted), move |(after, counted)| {
         let store = Arc::clone(&store);
         async move {
             loop {
@@ -200,7 +238,7 @@ async fn events(AxState(agent): AxState<Ctl>, q: Result<Query<EventsQuery>, Quer
                         text.push_str(&serde_json::to_string(&r).unwrap_or_default());
                         text.push('\n');
                     }
-                    return Some((Ok::<_, std::convert::Infallible>(text), last));
+                    return Some((Ok::<_, std::convert::Infallible>(text), (last, counted)));
                 }
                 if !follow {
                     return None;

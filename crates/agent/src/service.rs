@@ -229,9 +229,20 @@ pub fn save_persisted(state_dir: &Path, all: &BTreeMap<String, Persisted>) -> st
     use std::io::Write;
     let path = state_file(state_dir);
     let dir = path.parent().unwrap_or(state_dir);
-    std::fs::create_dir_all(dir)?;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     let tmp = dir.join(format!(".services.json.{}", std::process::id()));
-    let mut f = std::fs::File::create(&tmp)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    }
     f.write_all(&serde_json::to_vec_pretty(all).map_err(std::io::Error::other)?)?;
     f.sync_all()?;
     std::fs::rename(&tmp, &path)?;

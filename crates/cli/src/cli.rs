@@ -403,6 +403,11 @@ pub enum ImagesCmd {
         /// The name it gets here (default: its name on the remote).
         #[arg(long = "as", value_name = "NAME")]
         as_name: Option<String>,
+        /// Take a push older than the newest of that name this host has
+        /// pushed or pulled from that remote (refused otherwise, as a
+        /// rollback).
+        #[arg(long)]
+        allow_rollback: bool,
     },
     /// This host's public key: what other hosts pass to --trust to wake its images.
     Key,

@@ -130,7 +130,7 @@ pub fn run_light(
     // process that is gone) is journaled before `run` ends.
     lg.quiesce(std::time::Duration::from_secs(30));
     let _ = std::fs::remove_file(&record);
-    light::unbind(&socket, ino);
+    light::unbind(&cli.state_dir, &socket, ino);
     use std::os::unix::process::ExitStatusExt;
     // Hibernate asked to let go and then ended the tree (SIGKILL, by CRIU):
     // that is no death of the program's. A tree left running (snapshot)
@@ -245,10 +245,19 @@ pub fn guard(
     if pids.is_empty() {
         return Err(CoreError::BadPid { pid: 0 }.into());
     }
+    // The state directory, created and checked, holds the guards' sockets.
+    drop(Store::open(&cli.state_dir)?);
     // Check every pid before detaching from the terminal, so bad input is
-    // reported to the caller.
+    // reported to the caller; and the socket a light program names, its to
+    // set: only a light guard's socket of this state directory is served.
     for &p in &pids {
         gpusnap_core::target::resolve(p)?;
+        if let Some(s) = light::socket_of(p) {
+            light::check_socket(&cli.state_dir, &s).map_err(|e| match e {
+                CoreError::Proc { reason, .. } => anyhow::anyhow!("process {p}: {reason}"),
+                e => e.into(),
+            })?;
+        }
     }
     if daemon {
         daemonize(cli)?;

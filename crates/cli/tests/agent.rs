@@ -326,6 +326,14 @@ fn idle_service_is_suspended_and_a_request_wakes_it() {
     let r = a.w.gpusnap(&["service", "nope", "resume", "--socket", &a.socket.display().to_string()]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("no service \"nope\""), "{}", r.stderr);
+
+    // The services' output and records are root's alone.
+    use std::os::unix::fs::PermissionsExt;
+    let dir = a.w.state_dir().join("agent");
+    for (p, want) in [(dir.clone(), 0o700), (dir.join("m.log"), 0o600), (dir.join("services.json"), 0o600)] {
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, want, "{}: {mode:o}", p.display());
+    }
 }
 
 #[test]
@@ -1425,4 +1433,37 @@ fn a_failing_after_resume_hook_answers_503_and_suspends_again() {
         m.contains("gpusnap_agent_transitions_total{service=\"w\",kind=\"hook_resume\",result=\"failed\"} 1"),
         "{m}"
     );
+}
+
+/// Requests that follow the journal (`/v1/events`, held open) are bounded:
+/// past the cap, 503; a request that stops after what is there is still
+/// answered.
+#[test]
+fn journal_followers_are_bounded() {
+    let mut a = AgentWorld::new(1000, "", &[Svc { name: "f", mib: 100, gpu: 0, extra: "" }]);
+    a.wait_state("f", "running");
+    let follow = || {
+        let mut s = UnixStream::connect(&a.socket).unwrap();
+        s.set_read_timeout(Some(LONG)).unwrap();
+        write!(s, "GET /v1/events?after=0 HTTP/1.1\r\nHost: agent\r\n\r\n").unwrap();
+        let mut head = Vec::new();
+        let mut b = [0u8; 1];
+        while !head.ends_with(b"\r\n") && s.read(&mut b).unwrap() == 1 {
+            head.push(b[0]);
+        }
+        let code: u16 = String::from_utf8_lossy(&head).split_whitespace().nth(1).unwrap().parse().unwrap();
+        (s, code)
+    };
+    let cap = gpusnap_agent::api::MAX_FOLLOWERS;
+    let held: Vec<UnixStream> = (0..cap)
+        .map(|i| {
+            let (s, code) = follow();
+            assert_eq!(code, 200, "follower {i}");
+            s
+        })
+        .collect();
+    assert_eq!(follow().1, 503, "one past {cap} followers");
+    let (code, body) = api_call(&a.socket, "GET", "/v1/events?after=0&follow=false");
+    assert_eq!(code, 200, "{body}");
+    drop(held);
 }

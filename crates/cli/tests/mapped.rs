@@ -245,3 +245,67 @@ fn images_map_refuses_a_path_and_a_corrupt_image_and_leaves_nothing_behind() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert!(r.json()["regions"].as_u64().unwrap() >= 1, "{}", r.stdout);
 }
+
+/// The map file a wake checked is the one CRIU maps: a file of other bytes
+/// renamed over it between the check and CRIU's restore (by someone able
+/// to write STATE/maps) is not what the process gets.
+#[test]
+fn a_map_file_swapped_after_the_check_is_not_what_criu_maps() {
+    use std::os::unix::fs::PermissionsExt;
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = hibernated_host_copy(&mut w, 64, "sw");
+    assert_eq!(w.json(&["images", "map", "sw"]).code, 0);
+    let maps = w.state_dir().join("maps");
+    let map = maps.join("sw.map");
+    let mut bytes = std::fs::read(&map).unwrap();
+    for b in bytes.iter_mut().step_by(4096) {
+        *b ^= 0x5a;
+    }
+    let evil = maps.join("evil");
+    std::fs::write(&evil, &bytes).unwrap();
+    // A CRIU that, asked to restore, waits for the swap first.
+    let real = String::from_utf8(
+        std::process::Command::new("sh").args(["-c", "command -v criu"]).output().unwrap().stdout,
+    )
+    .unwrap()
+    .trim()
+    .to_string();
+    let (flag, go) = (w.tmp.path().join("restore.asked"), w.tmp.path().join("restore.go"));
+    let criu = w.tmp.path().join("criu-waits-before-restore");
+    std::fs::write(
+        &criu,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" = restore ]; then\n  : > \"{f}\"\n  i=0; while [ ! -e \"{g}\" ] && [ $i -lt 1200 ]; do \
+             sleep 0.1; i=$((i+1)); done\nfi\nexec \"{real}\" \"$@\"\n",
+            f = flag.display(),
+            g = go.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&criu, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let idx = w.spawn_gpusnap(&[
+        "--json",
+        "--criu",
+        criu.to_str().unwrap(),
+        "wake",
+        "sw",
+        "--no-guard",
+        "--wait",
+        "10",
+    ]);
+    wait_for(std::time::Duration::from_secs(120), || flag.exists());
+    std::fs::rename(&evil, &map).unwrap();
+    std::fs::write(&go, b"").unwrap();
+    let st = w.wait_child(idx);
+    let out = std::fs::read_to_string(w.tmp.path().join(format!("gpusnap-{idx}.out"))).unwrap();
+    let err = std::fs::read_to_string(w.tmp.path().join(format!("gpusnap-{idx}.err"))).unwrap();
+    assert_eq!(st.code(), Some(0), "{out} {err}");
+    w.adopt(pid);
+    let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert!(v["mapped_bytes"].as_u64().unwrap() >= 64 << 20, "{v}");
+    // The driver's restore read the checked bytes, not the swapped ones.
+    assert_eq!(w.restore_data(pid), ["ok"], "{v}");
+    assert!(maps_of(pid).contains("sw.map (deleted)"), "{}", maps_of(pid));
+    assert_eq!(w.json(&["stop", &pid.to_string(), "--grace", "2"]).code, 0);
+}

@@ -458,3 +458,91 @@ fn an_unreachable_endpoint_and_wrong_credentials_are_clear_errors_and_nothing_is
     assert_eq!(r.json()["error"]["kind"], "remote_denied");
     assert_eq!(w.json(&["images", "verify", "cpu"]).code, 0, "the local image is intact");
 }
+
+/// Copies object `from` over `to` (`BUCKET/KEY`) on moto (S3 CopyObject,
+/// signed by boto3, moto's own client library), as anyone with write
+/// access to the bucket could.
+fn copy_object(port: u16, from: &str, to: &str) {
+    let script = r#"
+import sys, boto3
+port, src, dst = sys.argv[1], sys.argv[2], sys.argv[3]
+s3 = boto3.client("s3", endpoint_url="http://127.0.0.1:" + port, aws_access_key_id="testing",
+                  aws_secret_access_key="testing", region_name="us-east-1")
+sb, sk = src.split("/", 1)
+db, dk = dst.split("/", 1)
+s3.copy_object(Bucket=db, Key=dk, CopySource={"Bucket": sb, "Key": sk})
+"#;
+    let out = Command::new("python3").args(["-c", script, &port.to_string(), from, to]).output().unwrap();
+    assert!(out.status.success(), "copy {from} -> {to}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn copy_manifest(port: u16, from: &str, to: &str) {
+    for f in ["manifest.sig", "manifest.json"] {
+        copy_object(port, &format!("{from}/{f}"), &format!("{to}/{f}"));
+    }
+}
+
+/// A pull (and a wake from the remote) refuses another image's signed
+/// manifest copied over an image's, and an older push of the same image
+/// put back over a newer one (unless told to take it): each push signs
+/// the name it is stored under and a version one above the last.
+#[test]
+fn a_manifest_copied_over_another_or_rolled_back_is_refused() {
+    criu_present();
+    let Some(m) = moto(&[]) else { return };
+    assert!(http(m.port, "PUT", "/snaps").contains("200"), "bucket created");
+    let mut w = World::new(&[8192]);
+    s3_env(&mut w, m.port);
+    for name in ["prod", "dev"] {
+        let (pid, _) = w.cpu_tree();
+        let r = w.json(&["hibernate", &pid.to_string(), "--image", name]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        w.reap(pid);
+        let r = w.json(&["images", "push", name, "s3://snaps/fleet"]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+    }
+    let (prod, dev, old) = ("snaps/fleet/images/prod", "snaps/fleet/images/dev", "snaps/kept/prod-1");
+    copy_manifest(m.port, prod, old);
+    // Pushed again: version 2.
+    assert_eq!(w.json(&["images", "push", "prod", "s3://snaps/fleet"]).code, 0);
+
+    let key = w.json(&["images", "key"]).json()["key"].as_str().unwrap().to_string();
+    let mut other = World::new(&[8192]);
+    s3_env(&mut other, m.port);
+    let pull = |o: &World, extra: &[&str]| {
+        let mut args = vec!["--trust", &key, "images", "pull", "s3://snaps/fleet/prod"];
+        args.extend_from_slice(extra);
+        o.json(&args)
+    };
+    let r = pull(&other, &[]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+
+    // Version 1 put back: a rollback, refused; taken when asked.
+    copy_manifest(m.port, old, prod);
+    let r = pull(&other, &[]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("rollback") && r.stderr.contains("--allow-rollback"), "{}", r.stderr);
+    let r = other.json(&["--trust", &key, "wake", "s3://snaps/fleet/prod", "--wait", "10"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("rollback"), "{}", r.stderr);
+    let r = pull(&other, &["--allow-rollback"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+
+    // dev's manifest, signed by the same trusted key, copied over prod's:
+    // refused here and on a host that saw no version of it.
+    copy_manifest(m.port, dev, prod);
+    let mut fresh = World::new(&[8192]);
+    s3_env(&mut fresh, m.port);
+    for o in [&other, &fresh] {
+        let r = pull(o, &["--as", "copied"]);
+        assert_eq!(r.code, 2, "{}", r.stderr);
+        assert!(r.stderr.contains("pushed as \"dev\""), "{}", r.stderr);
+        let r = o.json(&["--trust", &key, "wake", "s3://snaps/fleet/prod", "--wait", "10"]);
+        assert_eq!(r.code, 2, "{}", r.stderr);
+        assert!(!o.state_dir().join("images/copied").exists());
+    }
+    // What was pulled as prod before is still prod's.
+    let body = std::fs::read_to_string(other.state_dir().join("images/prod/manifest.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["name"], "prod");
+}

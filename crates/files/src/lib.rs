@@ -3,6 +3,9 @@
 //! Below every crate that writes to the state directory (the journal, the
 //! images, CRIU's logs), so that all of them make files the same way.
 
+mod dir;
+pub use dir::PrivateDir;
+
 use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};

@@ -12,6 +12,13 @@
 //! the program's environment (`GPUSNAP_GUARD_SOCKET`), so a guard started
 //! later for the same process (after `snapshot`, or `wake`: CRIU restores
 //! the environment) binds the same path and serves it again.
+//!
+//! The environment is the program's to change, and the guard runs as root:
+//! a path from it is served only if it names gpusnap's own
+//! `STATE/guards/light-PID.sock` (docs/design/trust.md). The directory is
+//! opened with O_NOFOLLOW and checked on its descriptor, and the socket is
+//! removed, bound and chmodded by name relative to it: nothing is created,
+//! changed or removed anywhere else.
 
 use super::suspend_before_death;
 use gpusnap_core::error::Error;
@@ -21,7 +28,6 @@ use gpusnap_cuda::{CheckpointApi, Deadline};
 use gpusnap_gpu::GpuInventory;
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -92,12 +98,48 @@ pub fn socket_in_environ(env: &[u8]) -> Option<PathBuf> {
         .find_map(|kv| kv.strip_prefix(key.as_bytes()).map(|v| PathBuf::from(std::ffi::OsStr::from_bytes(v))))
 }
 
+/// The guards' directory of `state_dir`, open and checked (see
+/// [`gpusnap_files::PrivateDir`]).
+fn guards(state_dir: &Path) -> Result<gpusnap_files::PrivateDir, Error> {
+    gpusnap_files::PrivateDir::open(state_dir, super::registry::GUARDS)
+        .map_err(|e| Error::Proc { pid: std::process::id() as i32, reason: format!("guard sockets: {e}") })
+}
+
+/// The name of `path` in `dir` if it is a light guard's socket there
+/// (`light-PID.sock` in that very directory); an error that says so for any
+/// other path.
+fn own_name(dir: &gpusnap_files::PrivateDir, path: &Path) -> Result<String, Error> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let well_named = name
+        .strip_prefix("light-")
+        .and_then(|n| n.strip_suffix(".sock"))
+        .is_some_and(|pid| !pid.is_empty() && pid.len() <= 10 && pid.bytes().all(|b| b.is_ascii_digit()));
+    if well_named && path.parent().is_some_and(|p| dir.is(p)) {
+        return Ok(name.to_string());
+    }
+    Err(Error::Proc {
+        pid: std::process::id() as i32,
+        reason: format!(
+            "{SOCKET_ENV}={} is not a light guard's socket in {} (light-PID.sock): not served, nothing made there",
+            path.display(),
+            dir.path().display()
+        ),
+    })
+}
+
+/// Checks that `path` (from a program's environment) names a light guard's
+/// socket of `state_dir`, the only place a guard serves one.
+pub fn check_socket(state_dir: &Path, path: &Path) -> Result<(), Error> {
+    own_name(&guards(state_dir)?, path).map(drop)
+}
+
 /// Removes the socket at `path` if it is still the one this process bound
 /// (its inode `ino`): a newer guard may have taken the path over.
-pub fn unbind(path: &Path, ino: u64) {
-    use std::os::unix::fs::MetadataExt;
-    if std::fs::symlink_metadata(path).is_ok_and(|m| m.ino() == ino) {
-        let _ = std::fs::remove_file(path);
+pub fn unbind(state_dir: &Path, path: &Path, ino: u64) {
+    let Ok(dir) = guards(state_dir) else { return };
+    let Ok(name) = own_name(&dir, path) else { return };
+    if dir.stat(&name).is_ok_and(|st| st.st_ino == ino) {
+        let _ = dir.unlink(&name);
     }
 }
 
@@ -196,26 +238,27 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
         Ok(())
     }
 
-    /// Binds `path` (mode 0600; a stale socket left by a dead guard is
-    /// replaced) and serves it on a thread of its own until the process ends.
+    /// Binds `path`, which must be a light guard's socket of the state
+    /// directory (see [`check_socket`]), mode 0600 (a stale socket left by
+    /// a dead guard is replaced), and serves it on a thread of its own until
+    /// the process ends.
     pub fn serve(&self, path: &Path) -> Result<u64, Error> {
         let fail = |e: std::io::Error| Error::Proc {
             pid: std::process::id() as i32,
             reason: format!("guard socket {}: {e}", path.display()),
         };
-        if let Some(dir) = path.parent() {
-            super::private_dir(dir)?;
-        }
+        let dir = guards(&self.state_dir)?;
+        let name = own_name(&dir, path)?;
         // The newest guard owns the path: one that served it before (the
         // `run` of a snapshotted program, a guard of the image's earlier
-        // life) keeps a listener no one can reach any more.
-        let _ = std::fs::remove_file(path);
-        let listener = UnixListener::bind(path).map_err(fail)?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(fail)?;
-        let ino = {
-            use std::os::unix::fs::MetadataExt;
-            std::fs::symlink_metadata(path).map_err(fail)?.ino()
-        };
+        // life) keeps a listener no one can reach any more. Only a socket
+        // is replaced.
+        if dir.is_socket(&name) {
+            let _ = dir.unlink(&name);
+        }
+        let listener = UnixListener::bind(dir.fd_path(&name)).map_err(fail)?;
+        dir.chmod(&name, 0o600).map_err(fail)?;
+        let ino = dir.stat(&name).map_err(fail)?.st_ino;
         if let (Ok(l), Ok(mut ls)) = (listener.try_clone(), self.listeners.lock()) {
             ls.push(l);
         }

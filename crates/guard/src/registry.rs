@@ -29,40 +29,29 @@ impl GuardFile {
     }
 }
 
+/// The guards' directory's name in the state directory.
+pub(crate) const GUARDS: &str = "guards";
+
 pub fn guards_dir(state_dir: &Path) -> PathBuf {
-    state_dir.join("guards")
+    state_dir.join(GUARDS)
 }
 
 /// Creates `dir` (the guards' sockets live there) readable by its owner
-/// only, and checks an existing one: a socket is bound before its mode can
-/// be set, so the directory is what keeps other users out.
+/// only, and checks an existing one (not a link, this user's; made private
+/// on its descriptor): a socket is bound before its mode can be set, so the
+/// directory is what keeps other users out.
 pub fn private_dir(dir: &Path) -> Result<(), Error> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     let fail = |why: String| Error::Proc {
         pid: std::process::id() as i32,
         reason: format!("{}: {why}", dir.display()),
     };
-    if let Some(parent) = dir.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| fail(e.to_string()))?;
-    }
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(fail(e.to_string())),
-    }
-    let m = std::fs::symlink_metadata(dir).map_err(|e| fail(e.to_string()))?;
-    if !m.is_dir() {
-        return Err(fail("not a directory".into()));
-    }
-    let me = nix::unistd::geteuid().as_raw();
-    if m.uid() != me {
-        return Err(fail(format!("owned by uid {}, not by this user ({me})", m.uid())));
-    }
-    if m.mode() & 0o077 != 0 {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| fail(e.to_string()))?;
-    }
-    Ok(())
+    let (Some(parent), Some(name)) = (dir.parent(), dir.file_name().and_then(|n| n.to_str())) else {
+        return Err(fail("not a directory's path".into()));
+    };
+    std::fs::create_dir_all(parent).map_err(|e| fail(e.to_string()))?;
+    gpusnap_files::PrivateDir::open(parent, name)
+        .map(drop)
+        .map_err(|e| Error::Proc { pid: std::process::id() as i32, reason: e.to_string() })
 }
 
 /// Every live guard's record.

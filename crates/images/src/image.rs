@@ -58,6 +58,11 @@ impl ImageStore {
         Self { root, trust }
     }
 
+    /// The keys this store trusts.
+    pub fn trust(&self) -> &crate::sign::Trust {
+        &self.trust
+    }
+
     /// The state directory the store lives in (`STATE/images`).
     pub fn state_dir(&self) -> &Path {
         self.root.parent().unwrap_or(&self.root)
@@ -429,19 +434,35 @@ impl ImageStore {
     /// crash mid-removal never leaves a half image under its name.
     pub fn remove(&self, name: &str) -> Result<(), ImageError> {
         let dir = self.image_dir(name)?;
-        if !self.in_store(&dir) {
+        let in_store = self.in_store(&dir);
+        // Its parent and the image held by descriptor: what is checked is
+        // what is renamed aside and removed, whatever a user owning a
+        // parent directory renames or links meanwhile.
+        let foreign = |why: &str| ImageError::Foreign { name: name.into(), why: why.into() };
+        let (Some(parent), Some(base)) = (dir.parent(), dir.file_name().and_then(|n| n.to_str())) else {
+            return Err(foreign("not an image directory's path"));
+        };
+        let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
+        let up = gpusnap_files::PrivateDir::hold(parent).map_err(io(name, "open its directory"))?;
+        let image = up.hold_entry(base).map_err(io(name, "open"))?;
+        if !in_store {
             // A path: only a directory that holds a gpusnap manifest (a
             // signature is not asked: a foreign image may be removed).
-            read_manifest(name, &dir)?;
+            read_manifest(name, &image.fd_path(""))?;
         }
-        let base = dir.file_name().and_then(|n| n.to_str()).unwrap_or("image").replace('/', "_");
-        let aside = dir.with_file_name(format!(".{base}.rm-{}", std::process::id()));
-        fs::rename(&dir, &aside).map_err(io(name, "rename aside"))?;
-        if self.in_store(&dir) {
+        let aside = format!(".{base}.rm-{}", std::process::id());
+        up.rename(base, &aside).map_err(io(name, "rename aside"))?;
+        if !up.entry_is(&aside, &image) {
+            // Swapped between the check and the rename: put back, refused.
+            let _ = up.rename(&aside, base);
+            return Err(foreign("it was replaced while being removed; nothing removed"));
+        }
+        if in_store {
             crate::origin::clear_origin(self.state_dir(), name);
         }
-        // remove_dir_all does not follow links inside.
-        fs::remove_dir_all(&aside).map_err(io(name, "remove"))
+        // remove_dir_all does not follow links inside; it starts from the
+        // held parent.
+        fs::remove_dir_all(up.fd_path(&aside)).map_err(io(name, "remove"))
     }
 
     /// The newest signed image of this store that holds the process `pid`

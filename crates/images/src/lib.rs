@@ -12,6 +12,7 @@ pub mod manifest;
 pub mod mapfile;
 pub mod origin;
 pub mod pending;
+pub mod pushed;
 pub mod remote;
 pub mod sign;
 pub mod sync;

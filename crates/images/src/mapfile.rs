@@ -38,6 +38,7 @@ use gpusnap_pages::mapped::FileMap;
 use gpusnap_pages::{PageSource, Vma, PE_LAZY, PE_PRESENT, VMA_ANON_PRIVATE};
 use serde::{Deserialize, Serialize};
 use std::fs;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -385,7 +386,6 @@ fn resident(f: &fs::File, m: &memmap2::Mmap) -> std::io::Result<f64> {
 
 /// Pages of `f`'s first `len` bytes in the page cache (cachestat(2)).
 fn cachestat(f: &fs::File, len: u64) -> std::io::Result<u64> {
-    use std::os::fd::AsRawFd;
     // Written by hand: neither libc (its x86_64 glibc module lacks
     // SYS_cachestat) nor nix wraps it; the number is 451 on every
     // architecture (the unified syscall table since Linux 5.1).
@@ -445,6 +445,9 @@ pub struct Mapped {
     pub check_ms: u64,
     /// The hash of its bytes alone.
     pub hash_ms: u64,
+    /// The map file as checked: CRIU opens it through this descriptor
+    /// (`/proc/PID/fd/N`), which must stay open until its restore is done.
+    pub file: Option<std::sync::Arc<fs::File>>,
 }
 
 /// Prepares a lazy wake of image `name` from chunks (`wd`) to map its
@@ -465,7 +468,18 @@ pub fn for_wake(
         return Ok(None);
     }
     let (map, index) = paths(state_dir, name);
-    let Ok(body) = fs::read(&index) else { return Ok(None) };
+    if !index.exists() {
+        return Ok(None);
+    }
+    // Read by name in STATE/maps held by descriptor (neither followed if a
+    // link, nor taken if another user could write it).
+    let maps =
+        gpusnap_files::PrivateDir::open(state_dir, "maps").map_err(|e| format!("its map file: {e}"))?;
+    let name_of = |p: &Path| p.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+    let body = maps
+        .open_file(&name_of(&index))
+        .and_then(|f| gpusnap_files::read_bounded(f, 64 << 20))
+        .map_err(|e| format!("its map index: {e}"))?;
     let idx: Index =
         serde_json::from_slice(&body).map_err(|e| format!("its map index is not readable: {e}"))?;
     if !idx.names(name, m) {
@@ -478,7 +492,9 @@ pub fn for_wake(
         return Err("its map file does not match the image's layout (rebuild it: gpusnap images map)".into());
     }
     let started = Instant::now();
-    let f = fs::File::open(&map).map_err(|e| format!("its map file: {e}"))?;
+    // What is checked is what CRIU maps: it is given this very
+    // descriptor's path, not the file's name a user could swap.
+    let f = maps.open_file(&name_of(&map)).map_err(|e| format!("its map file: {e}"))?;
     let len = f.metadata().map_err(|e| format!("its map file: {e}"))?.len();
     if len != idx.size {
         return Err(format!("its map file is {len} bytes, not {}", idx.size));
@@ -512,8 +528,8 @@ pub fn for_wake(
     let hash_ms = hashed.elapsed().as_millis() as u64;
     drop(mm);
     let check_ms = started.elapsed().as_millis() as u64;
-    let abs = fs::canonicalize(&map).map_err(|e| format!("its map file: {e}"))?;
-    let id = gpusnap_pages::mapped::add_reg_file(&wd.images, &abs, len).map_err(|e| e.to_string())?;
+    let checked = PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), f.as_raw_fd()));
+    let id = gpusnap_pages::mapped::add_reg_file(&wd.images, &checked, len).map_err(|e| e.to_string())?;
     let mut by_pid: std::collections::BTreeMap<i32, Vec<FileMap>> = Default::default();
     for r in &regions {
         by_pid.entry(r.pid).or_default().push(FileMap { start: r.start, end: r.end, file_off: r.file_off });
@@ -521,7 +537,7 @@ pub fn for_wake(
     for (pid, maps) in &by_pid {
         gpusnap_pages::mapped::map_vmas(&wd.images, *pid, maps, id).map_err(|e| e.to_string())?;
     }
-    Ok(Some(Mapped { bytes, check_ms, hash_ms }))
+    Ok(Some(Mapped { bytes, check_ms, hash_ms, file: Some(std::sync::Arc::new(f)) }))
 }
 
 /// The first of `pids` that maps a map file of `state_dir` (a path under
@@ -550,7 +566,6 @@ pub fn still_mapped(state_dir: &Path, pids: &[i32]) -> Option<(i32, String)> {
 mod tests {
     use super::*;
     use std::io::Write;
-    use std::os::fd::AsRawFd;
 
     /// gc leaves a running build's temporary files (this process's here)
     /// and removes a dead one's and a map no image owns.

@@ -13,6 +13,7 @@
 
 use crate::image::{local_store, ImageStore};
 use crate::manifest::{self, ImageError, Manifest};
+use crate::sign::Envelope;
 use gpusnap_chunks::{ChunkError, ChunkRef, GcReport, Remote, RemoteUrl, TransferReport};
 use std::collections::HashSet;
 use std::io::{Read, Write};
@@ -95,7 +96,77 @@ pub fn push(
         }
     }
     let (body, sig) = manifest::manifest_bytes(name, &dir)?;
-    Ok(remote.push(&local, name, &all_chunks(&m), &body, &sig, on_bytes)?)
+    // The push signs the name it is stored under and its version, one more
+    // than the newest push of that name there or seen here.
+    let state = images.state_dir();
+    let on_remote = match remote.get_manifest(name) {
+        Ok((_, sig)) => {
+            serde_json::from_slice::<Envelope>(&sig).ok().and_then(|e| e.push).map_or(0, |p| p.version)
+        }
+        Err(gpusnap_chunks::RemoteError::NoImage { .. }) => 0,
+        Err(e) => return Err(ChunkError::from(e).into()),
+    };
+    let version = on_remote.max(crate::pushed::seen(state, &remote.url.base, name)) + 1;
+    let key = crate::sign::HostKey::load_or_create(state).map_err(|e| ImageError::Io {
+        name: name.into(),
+        op: "sign the push".into(),
+        err: std::io::Error::other(e.to_string()),
+    })?;
+    let mut env: Envelope = serde_json::from_slice(&sig)
+        .map_err(|e| ImageError::Corrupt { name: name.into(), why: format!("manifest.sig: {e}") })?;
+    env.push = Some(key.sign_push(name, version, &body));
+    let sig = serde_json::to_vec(&env)
+        .map_err(|e| ImageError::Corrupt { name: name.into(), why: e.to_string() })?;
+    let report = remote.push(&local, name, &all_chunks(&m), &body, &sig, on_bytes)?;
+    let _ = crate::pushed::note(state, &remote.url.base, name, version);
+    Ok(report)
+}
+
+/// Checks what a remote's push record says of the manifest `body` fetched
+/// as `rname` (its signature already checked): pushed as that very name, of
+/// that manifest, by a trusted key, and no older than the newest push of
+/// that name seen here (unless `allow_rollback`). A manifest pushed before
+/// pushes were signed has no record: it is taken only if it names itself
+/// `rname` and no signed push of that name was seen here. Returns the
+/// version to record as seen.
+fn check_push(
+    images: &ImageStore,
+    remote: &str,
+    rname: &str,
+    body: &[u8],
+    sig: &[u8],
+    m: &Manifest,
+    allow_rollback: bool,
+) -> Result<u64, ImageError> {
+    let refuse = |why: String| ImageError::Untrusted { name: rname.into(), why };
+    let env: Envelope = serde_json::from_slice(sig)
+        .map_err(|e| ImageError::Corrupt { name: rname.into(), why: format!("manifest.sig: {e}") })?;
+    let seen = crate::pushed::seen(images.state_dir(), remote, rname);
+    let version = match env.push {
+        Some(rec) => {
+            images.trust().check_push(&rec, body).map_err(|e| refuse(format!("its push record: {e}")))?;
+            if rec.name != rname {
+                return Err(refuse(format!(
+                    "it was pushed as {:?}, not as {rname:?} (a manifest copied over another image's)",
+                    rec.name
+                )));
+            }
+            rec.version
+        }
+        None if m.name != rname => {
+            return Err(refuse(format!(
+                "its manifest names image {:?} and carries no signed push record (a manifest copied over another image's, or pushed under another name by an older gpusnap: push it again)",
+                m.name
+            )))
+        }
+        None => 0,
+    };
+    if version < seen && !allow_rollback {
+        return Err(refuse(format!(
+            "it is push version {version} and version {seen} of it was already seen here (a rollback: pass --allow-rollback to take the older one)"
+        )));
+    }
+    Ok(version)
 }
 
 /// Fetches `URL/NAME` into the store as `as_name` (default NAME). The
@@ -108,10 +179,11 @@ pub fn pull(
     images: &ImageStore,
     url_name: &str,
     as_name: Option<&str>,
+    allow_rollback: bool,
     on_total: &dyn Fn(u64),
     on_bytes: &(dyn Fn(u64) + Sync),
 ) -> Result<(String, TransferReport), crate::Error> {
-    pull_with(images, url_name, as_name, false, on_total, on_bytes)
+    pull_with(images, url_name, as_name, false, allow_rollback, on_total, on_bytes)
 }
 
 /// For a wake from a remote: the image put in place with its small files
@@ -123,7 +195,7 @@ pub fn pull_for_wake(
     on_total: &dyn Fn(u64),
     on_bytes: &(dyn Fn(u64) + Sync),
 ) -> Result<(String, TransferReport), crate::Error> {
-    pull_with(images, url_name, None, true, on_total, on_bytes)
+    pull_with(images, url_name, None, true, false, on_total, on_bytes)
 }
 
 fn pull_with(
@@ -131,6 +203,7 @@ fn pull_with(
     url_name: &str,
     as_name: Option<&str>,
     stream: bool,
+    allow_rollback: bool,
     on_total: &dyn Fn(u64),
     on_bytes: &(dyn Fn(u64) + Sync),
 ) -> Result<(String, TransferReport), crate::Error> {
@@ -147,6 +220,7 @@ fn pull_with(
     let (body, sig) = remote.get_manifest(&rname).map_err(ChunkError::from)?;
     let m = manifest::parse_manifest(&rname, &body)?;
     images.check_signature(&rname, &body, &sig, &m)?;
+    let version = check_push(images, &remote.url.base, &rname, &body, &sig, &m, allow_rollback)?;
     manifest::check_paths(&rname, &m)?;
     check_chunk_lists(&rname, &m)?;
     let state = images.state_dir().to_path_buf();
@@ -165,6 +239,7 @@ fn pull_with(
     if let Ok((dir, _)) = images.manifest(&name) {
         if manifest::manifest_bytes(&name, &dir).is_ok_and(|(b, _)| b == body) {
             let report = remote.fetch(&local, &rname, &wanted, on_bytes)?;
+            let _ = crate::pushed::note(&state, &remote.url.base, &rname, version);
             if !stream {
                 crate::origin::clear_origin(&state, &name);
             }
@@ -231,6 +306,7 @@ fn pull_with(
     })?;
     let check = if stream { manifest::ChunkCheck::Listed } else { manifest::ChunkCheck::Present };
     images.verify_with(&name, check, |_| {})?;
+    let _ = crate::pushed::note(&state, &remote.url.base, &rname, version);
     Ok((name, report))
 }
 

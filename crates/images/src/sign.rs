@@ -36,6 +36,32 @@ pub struct Envelope {
     pub key: String,
     /// The signature, hex.
     pub signature: String,
+    /// On a remote: what the push that put it there signed (absent in
+    /// images pushed before pushes were signed, and in local images).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub push: Option<PushRecord>,
+}
+
+/// What a push binds to a manifest, signed by the pushing host: the name
+/// the image is stored under on the remote and the push's version (one
+/// more than the last push of that name), so that a pull refuses a
+/// manifest copied over another name's, and an older push put back.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PushRecord {
+    pub name: String,
+    pub version: u64,
+    /// The blake3 of the manifest's bytes, hex.
+    pub manifest: String,
+    /// The pushing host's public key, hex.
+    pub key: String,
+    /// Its signature of the three above, hex.
+    pub signature: String,
+}
+
+impl PushRecord {
+    fn signed_bytes(name: &str, version: u64, manifest: &str) -> Vec<u8> {
+        format!("gpusnap-push\nname {name}\nversion {version}\nmanifest {manifest}\n").into_bytes()
+    }
 }
 
 /// This host's signing key.
@@ -112,7 +138,15 @@ impl HostKey {
             algorithm: ALGORITHM.into(),
             key: self.public_hex(),
             signature: hex::encode(self.key.sign(body).to_bytes()),
+            push: None,
         }
+    }
+
+    /// Signs the push of the manifest `body` as `name`, version `version`.
+    pub fn sign_push(&self, name: &str, version: u64, body: &[u8]) -> PushRecord {
+        let manifest = blake3::hash(body).to_hex().to_string();
+        let env = self.sign(&PushRecord::signed_bytes(name, version, &manifest));
+        PushRecord { name: name.into(), version, manifest, key: env.key, signature: env.signature }
     }
 }
 
@@ -205,6 +239,21 @@ impl Trust {
         key.verify_strict(body, &Signature::from_bytes(&sig)).map_err(|_| Untrusted::BadSignature)?;
         Ok(env.key.to_ascii_lowercase())
     }
+
+    /// Checks a push record: signed by a trusted key, of the manifest
+    /// `body`. Its name and version are the caller's to judge.
+    pub fn check_push(&self, rec: &PushRecord, body: &[u8]) -> Result<String, Untrusted> {
+        if !rec.manifest.eq_ignore_ascii_case(blake3::hash(body).to_hex().as_str()) {
+            return Err(Untrusted::BadSignature);
+        }
+        let env = Envelope {
+            algorithm: ALGORITHM.into(),
+            key: rec.key.clone(),
+            signature: rec.signature.clone(),
+            push: None,
+        };
+        self.check(&PushRecord::signed_bytes(&rec.name, rec.version, &rec.manifest), &env)
+    }
 }
 
 #[cfg(test)]
@@ -242,5 +291,30 @@ mod tests {
         let kc = HostKey::load_or_create(c.path()).unwrap();
         assert!(early.check(b"x", &kc.sign(b"x")).is_ok());
         assert!(matches!(Trust::default().check(b"x", &kc.sign(b"x")), Err(Untrusted::Foreign(_))));
+    }
+
+    #[test]
+    fn push_records_bind_name_version_and_manifest() {
+        let a = tempfile::tempdir().unwrap();
+        let ka = HostKey::load_or_create(a.path()).unwrap();
+        let here = Trust::host_only(a.path()).unwrap();
+        let rec = ka.sign_push("llama-prod", 7, b"manifest");
+        assert_eq!(here.check_push(&rec, b"manifest").unwrap(), ka.public_hex());
+        assert_eq!(here.check_push(&rec, b"other manifest"), Err(Untrusted::BadSignature));
+        for forged in
+            [PushRecord { name: "llama-dev".into(), ..rec.clone() }, PushRecord { version: 8, ..rec.clone() }]
+        {
+            assert_eq!(here.check_push(&forged, b"manifest"), Err(Untrusted::BadSignature));
+        }
+        let b = tempfile::tempdir().unwrap();
+        let there = Trust::host_only(b.path()).unwrap();
+        assert!(matches!(there.check_push(&rec, b"manifest"), Err(Untrusted::Foreign(_))));
+        // Kept in the envelope, which older readers parse without it.
+        let env = Envelope { push: Some(rec.clone()), ..ka.sign(b"manifest") };
+        let text = serde_json::to_vec(&env).unwrap();
+        let back: Envelope = serde_json::from_slice(&text).unwrap();
+        assert_eq!(back.push, Some(rec));
+        let plain: Envelope = serde_json::from_slice(&serde_json::to_vec(&ka.sign(b"m")).unwrap()).unwrap();
+        assert_eq!(plain.push, None);
     }
 }

@@ -56,13 +56,19 @@ impl Agent {
             return Err("no command to start".into());
         };
         let logs = self.state_dir().join("agent");
-        std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
+        // The services' output is theirs and root's alone: 0700, 0600.
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&logs).map_err(|e| e.to_string())?;
         let log_path = logs.join(format!("{}.log", svc.name));
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&log_path)
             .map_err(|e| e.to_string())?;
+        // One made before logs were private.
+        log.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(|e| e.to_string())?;
         let mut c = std::process::Command::new(self.exe());
         c.arg("--state-dir")
             .arg(self.state_dir())

@@ -153,8 +153,8 @@ pub fn run(cli: &Cli, out: &Out, cmd: Option<&ImagesCmd>) -> anyhow::Result<()> 
                 ),
             );
         }
-        ImagesCmd::Pull { url, as_name } => {
-            let (name, r) = pull(out, &store, url, as_name.as_deref())?;
+        ImagesCmd::Pull { url, as_name, allow_rollback } => {
+            let (name, r) = pull(out, &store, url, as_name.as_deref(), *allow_rollback)?;
             out.one(
                 &serde_json::json!({ "name": name, "result": r }),
                 &format!(
@@ -182,12 +182,14 @@ fn pull(
     store: &ImageStore,
     url: &str,
     as_name: Option<&str>,
+    allow_rollback: bool,
 ) -> Result<(String, gpusnap_chunks::TransferReport), Error> {
     let p = out.progress();
     let done = std::sync::atomic::AtomicU64::new(0);
-    let r = gpusnap_images::remote::pull(store, url, as_name, &|t| p.begin("pull", t), &|n| {
-        p.update(done.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n)
-    });
+    let r =
+        gpusnap_images::remote::pull(store, url, as_name, allow_rollback, &|t| p.begin("pull", t), &|n| {
+            p.update(done.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n)
+        });
     p.end();
     Ok(r?)
 }

@@ -523,6 +523,16 @@ while True:
         n
     }
 
+    /// Starts `cmd` as a child of the test (its own session, reaped on
+    /// exit, ended on drop); returns its pid.
+    #[allow(dead_code)]
+    pub fn spawn_cmd(&mut self, cmd: Command) -> i32 {
+        let kid = Kid::spawn(cmd);
+        let pid = kid.pid;
+        self.children.push(kid);
+        pid
+    }
+
     /// Starts gpusnap in the background (a child reaped on exit).
     pub fn spawn_gpusnap(&mut self, args: &[&str]) -> usize {
         self.spawn_gpusnap_env(args, &[])
