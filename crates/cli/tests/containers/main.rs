@@ -30,3 +30,5 @@ fn a_fake_cuda_container_runs_and_is_suspended_from_the_host() {
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_progressing_at(&status);
 }
+
+mod targets;
