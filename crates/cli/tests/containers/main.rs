@@ -31,4 +31,5 @@ fn a_fake_cuda_container_runs_and_is_suspended_from_the_host() {
     assert_progressing_at(&status);
 }
 
+mod checkpoint;
 mod targets;

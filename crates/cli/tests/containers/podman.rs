@@ -17,8 +17,13 @@ use std::time::{Duration, Instant};
 pub const IMAGE: &str = "localhost/gpusnap-fake-cuda:test";
 
 pub struct Podman {
-    /// Everything of this podman: storage, configuration, the bin directory.
+    /// Everything of this podman: storage, configuration, the bin directory;
+    /// apart from the world's directory, which containers mount.
     pub dir: PathBuf,
+    _tmp: tempfile::TempDir,
+    /// Mounted into the containers (with the fake driver's directory): the
+    /// workloads' status files.
+    pub shared: PathBuf,
     /// On PATH of podman, conmon, runc and criu: `cuda-checkpoint` (gpusnap)
     /// and a `criu` that turns its CUDA plugin on without a GPU.
     pub bin: PathBuf,
@@ -81,7 +86,10 @@ impl Podman {
         if !podman_present() {
             return None;
         }
-        let dir = w.tmp.path().join("podman");
+        let tmp = tempfile::Builder::new().prefix("gpusnap-podman").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let shared = w.tmp.path().join("shared");
+        std::fs::create_dir_all(&shared).unwrap();
         let bin = dir.join("bin");
         std::fs::create_dir_all(&bin).unwrap();
         let target = fake_workload_bin().parent().unwrap().to_path_buf();
@@ -138,7 +146,7 @@ conmon_env_vars = ["PATH={path}"]
             ),
         )
         .unwrap();
-        let p = Podman { dir, bin, criu_conf, path };
+        let p = Podman { dir, _tmp: tmp, shared, bin, criu_conf, path };
         p.build_image(&target);
         Some(p)
     }
@@ -205,19 +213,22 @@ conmon_env_vars = ["PATH={path}"]
         self.ok(&["import", tar.to_str().unwrap(), IMAGE]);
     }
 
-    /// The flags that give a container the fake world: the test's directory
-    /// (fake driver state, status files) read-write and the build directory
+    /// The flags that give a container the fake world: the fake driver's
+    /// directory and the shared one (status files) read-write, the build directory
     /// read-only at the same paths, the fake driver's environment, CRIU's
     /// configuration, and the host's pid namespace: the fake driver, like
     /// the real one, knows a process by its host pid, which a process in a
     /// pid namespace of its own cannot learn.
     pub fn world_flags(&self, w: &World) -> Vec<String> {
-        let tmp = w.tmp.path().display().to_string();
+        let fake = w.fake_dir().display().to_string();
+        let shared = self.shared.display().to_string();
         let target = fake_workload_bin().parent().unwrap().display().to_string();
         vec![
             "--pid=host".into(),
             "-v".into(),
-            format!("{tmp}:{tmp}"),
+            format!("{fake}:{fake}"),
+            "-v".into(),
+            format!("{shared}:{shared}"),
             "-v".into(),
             format!("{target}:{target}:ro"),
             "-e".into(),
@@ -233,7 +244,7 @@ conmon_env_vars = ["PATH={path}"]
     /// returns its host pid once it has done its first intact iteration,
     /// and the status file it writes.
     pub fn workload(&self, w: &World, name: &str, mib: u64) -> (i32, PathBuf) {
-        let status = w.tmp.path().join(format!("status-{name}"));
+        let status = self.shared.join(format!("status-{name}"));
         let mut args: Vec<String> = vec!["run".into(), "-d".into(), "--name".into(), name.into()];
         args.extend(self.world_flags(w));
         args.extend([

@@ -8,7 +8,7 @@ use std::time::Duration;
 /// Container `name` running two fake CUDA programs (512 and 256 MiB) under
 /// busybox's sh; their status files.
 fn two_workloads(pm: &Podman, w: &World, name: &str) -> (PathBuf, PathBuf) {
-    let (a, b) = (w.tmp.path().join(format!("{name}-a")), w.tmp.path().join(format!("{name}-b")));
+    let (a, b) = (pm.shared.join(format!("{name}-a")), pm.shared.join(format!("{name}-b")));
     let wl = fake_workload_bin().display().to_string();
     let script =
         format!("{wl} --mib 512 --status {} & exec {wl} --mib 256 --status {}", a.display(), b.display());
