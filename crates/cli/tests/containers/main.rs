@@ -32,4 +32,5 @@ fn a_fake_cuda_container_runs_and_is_suspended_from_the_host() {
 }
 
 mod checkpoint;
+mod guard;
 mod targets;

@@ -220,11 +220,19 @@ conmon_env_vars = ["PATH={path}"]
     /// the real one, knows a process by its host pid, which a process in a
     /// pid namespace of its own cannot learn.
     pub fn world_flags(&self, w: &World) -> Vec<String> {
+        let mut f = vec!["--pid=host".to_string()];
+        f.extend(self.mounts(w));
+        f
+    }
+
+    /// [`Podman::world_flags`] less the host's pid namespace: a container
+    /// of its own pids, where every CUDA call is made inside it (the fake
+    /// driver then knows its processes by their pids in the container).
+    pub fn mounts(&self, w: &World) -> Vec<String> {
         let fake = w.fake_dir().display().to_string();
         let shared = self.shared.display().to_string();
         let target = fake_workload_bin().parent().unwrap().display().to_string();
         vec![
-            "--pid=host".into(),
             "-v".into(),
             format!("{fake}:{fake}"),
             "-v".into(),
