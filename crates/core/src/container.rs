@@ -192,6 +192,33 @@ fn of_cgroup_path(path: &str) -> Option<ContainerRef> {
     None
 }
 
+/// The cgroup that freezes process `pid` (cgroup v2 `cgroup.freeze`, or
+/// v1's freezer), when it is frozen or freezing: a paused container, or a
+/// runtime's dump in progress. The driver hangs on a frozen process as on
+/// a stopped one.
+pub fn frozen(pid: i32) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    for l in text.lines() {
+        let mut f = l.splitn(3, ':');
+        let (_, ctrl, path) = (f.next()?, f.next()?, f.next()?);
+        let rel = path.trim_start_matches('/');
+        if ctrl.is_empty() {
+            for root in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
+                let p = std::path::Path::new(root).join(rel);
+                if std::fs::read_to_string(p.join("cgroup.freeze")).is_ok_and(|s| s.trim() == "1") {
+                    return Some(p.display().to_string());
+                }
+            }
+        } else if ctrl.split(',').any(|c| c == "freezer") {
+            let p = std::path::Path::new("/sys/fs/cgroup/freezer").join(rel);
+            if std::fs::read_to_string(p.join("freezer.state")).is_ok_and(|s| s.trim() != "THAWED") {
+                return Some(p.display().to_string());
+            }
+        }
+    }
+    None
+}
+
 /// A running container resolved: its id and its processes' host pids.
 #[derive(Debug, Clone)]
 pub struct Resolved {
@@ -213,6 +240,13 @@ pub fn resolve(name_or_id: &str) -> Result<Resolved, Error> {
     for rt in runtimes() {
         asked.push(rt.name());
         let Some(f) = rt.find(name_or_id)? else { continue };
+        if f.status == "paused" {
+            return Err(bad(format!(
+                "the {} container {} is paused: its cgroup is frozen and the driver hangs on frozen processes; unpause it first",
+                rt.name(),
+                f.name
+            )));
+        }
         if f.status != "running" || f.pid <= 0 {
             return Err(bad(format!("the {} container {} is {}, not running", rt.name(), f.name, f.status)));
         }

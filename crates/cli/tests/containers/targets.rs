@@ -129,3 +129,61 @@ fn unknown_and_stopped_containers_are_refused() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("no such container"));
 }
+
+/// A paused container (its cgroup frozen) is refused before the driver is
+/// called, which would hang on it; doctor says what a container's process
+/// depends on (its container, mount namespace, a deleted /dev/shm file).
+#[test]
+fn a_paused_container_is_refused_and_doctor_names_the_container_costs() {
+    let w = World::new(&[8192]);
+    let Some(pm) = Podman::new(&w) else { return };
+    let (pid, status) = pm.workload(&w, "held", 256);
+    let gs = |args: &[&str]| {
+        let mut cmd = w.gpusnap_cmd(&[]);
+        pm.env(&mut cmd);
+        cmd.arg("--json").args(args);
+        let o = bounded(cmd, Duration::from_secs(120));
+        (
+            o.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&o.stdout).to_string(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let (code, out, _) = gs(&["doctor", &pid.to_string()]);
+    assert_eq!(code, 0);
+    assert!(out.contains("\"container\"") && out.contains("runs in podman container"), "{out}");
+    assert!(out.contains("\"mount-namespace\""), "{out}");
+
+    pm.ok(&["pause", "held"]);
+    let (code, _, err) = gs(&["suspend", "--container", "held"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("the podman container held is paused: its cgroup is frozen"), "{err}");
+    let (code, out, err) = gs(&["suspend", &pid.to_string()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("frozen cgroup") && out.contains("\"kind\":\"frozen\""), "{err} {out}");
+    let (_, out, _) = gs(&["doctor", &pid.to_string()]);
+    assert!(out.contains("\"frozen\""), "{out}");
+    pm.ok(&["unpause", "held"]);
+    let (code, _, err) = gs(&["suspend", "--container", "held"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = gs(&["resume", "--container", "held"]);
+    assert_eq!(code, 0, "{err}");
+    assert_progressing_at(&status);
+
+    // A deleted /dev/shm file held open: CRIU's link_remap case.
+    let mut args: Vec<String> = vec!["run".into(), "-d".into(), "--name".into(), "shm".into()];
+    args.extend(pm.world_flags(&w));
+    args.extend([
+        IMAGE.into(),
+        "/bin/sh".into(),
+        "-c".into(),
+        "exec 3<>/dev/shm/segment; rm /dev/shm/segment; exec sleep 1000".into(),
+    ]);
+    pm.ok(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    let spid = pm.pid("shm");
+    wait_for(Duration::from_secs(30), || {
+        std::fs::read_to_string(format!("/proc/{spid}/comm")).is_ok_and(|c| c.trim() == "sleep")
+    });
+    let (_, out, _) = gs(&["doctor", &spid.to_string()]);
+    assert!(out.contains("\"shm\"") && out.contains("link_remap"), "{out}");
+}
