@@ -108,3 +108,46 @@ fn the_traced_guard_as_pid_1_reaps_forwards_and_suspends_on_podman_stop() {
 fn the_light_guard_as_pid_1_reaps_forwards_and_suspends_on_podman_stop() {
     pid1_stop(true);
 }
+
+/// The light guard as the entrypoint (in the host's pid namespace, where
+/// the fake driver follows CRIU's restore) is part of the tree the runtime
+/// checkpoints: after `podman container checkpoint` and `restore` it still
+/// guards its program, which `podman stop` then finds suspended.
+#[test]
+fn the_light_guard_survives_a_container_checkpoint_and_restore() {
+    criu_present();
+    let w = World::new(&[8192]);
+    let Some(pm) = Podman::new(&w) else { return };
+    if cuda_plugin_dir().is_none() {
+        return;
+    }
+    let status = pm.shared.join("status-g");
+    let state = pm.shared.join("state-g");
+    let mut args: Vec<String> =
+        vec!["run".into(), "-d".into(), "--init=false".into(), "--name".into(), "g".into()];
+    args.extend(pm.world_flags(&w));
+    args.extend([IMAGE.into(), env!("CARGO_BIN_EXE_gpusnap").into(), "--state-dir".into()]);
+    args.push(state.display().to_string());
+    args.extend(["run".into(), "--light".into(), "--".into(), fake_workload_bin().display().to_string()]);
+    args.extend(["--mib".into(), "256".into(), "--status".into(), status.display().to_string()]);
+    pm.ok(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    wait_for(Duration::from_secs(60), || read_status(&status).is_some_and(|s| s.1 >= 1));
+    let (pid, _, _) = read_status(&status).unwrap();
+    let guard = pm.pid("g");
+
+    pm.ok(&["container", "checkpoint", "g"]);
+    pm.ok(&["container", "restore", "g"]);
+    assert_eq!(pm.pid("g"), guard, "the guard is back, same pid");
+    assert_progressing_at(&status);
+    let calls = w.calls_on(pid);
+    assert!(
+        calls.contains(&"checkpoint=0".to_string()) && calls.contains(&"restore=0".to_string()),
+        "{calls:?}"
+    );
+
+    pm.ok(&["stop", "-t", "30", "g"]);
+    assert_eq!(pm.ok(&["inspect", "--format", "{{.State.ExitCode}}", "g"]), "143");
+    let st = state.display().to_string();
+    let h = w.gpusnap(&["--state-dir", &st, "history", &pid.to_string()]).stdout;
+    assert!(h.contains("before death (signal SIGTERM)"), "{h}");
+}

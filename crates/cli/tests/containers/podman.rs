@@ -116,8 +116,9 @@ impl Podman {
             );
         }
         let criu_conf = dir.join("criu.conf");
+        // file-locks: gpusnap's state store, held by a guard in the container.
         let libdir = plugin_dir_found().map(|d| format!("libdir {}\n", d.display())).unwrap_or_default();
-        std::fs::write(&criu_conf, libdir).unwrap();
+        std::fs::write(&criu_conf, format!("{libdir}file-locks\n")).unwrap();
 
         let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
         std::fs::write(
