@@ -73,7 +73,7 @@ pub fn findings(root: &Path, pid: i32) -> Vec<Finding> {
         out.push(f(
             "shm",
             Severity::Warn,
-            "holds deleted /dev/shm files: CRIU restores them through link_remap, which fails inside a container's /dev/shm (CRIU issue 2980; seen with vLLM and SGLang)".into(),
+            "holds deleted /dev/shm files: CRIU restores them through link_remap, which fails inside a container's /dev/shm (a known CRIU limitation, seen with vLLM and SGLang)".into(),
             Some("checkpoint it before it unlinks them, or have it keep them linked; gpusnap's own suspend (no CRIU) is not affected"),
         ));
     }

@@ -2,7 +2,7 @@
 //! cgroup path, where every runtime names the container's id), and a
 //! container's name or id resolved through its runtime's own state to the
 //! processes in it. One [`Runtime`] per runtime gpusnap can ask (podman
-//! today); a runtime it cannot ask is still recognised by its cgroups, so
+//! now); a runtime it cannot ask is still recognised by its cgroups, so
 //! that a container of it is refused with a reason rather than not found.
 
 use crate::error::Error;
@@ -304,7 +304,7 @@ mod tests {
         );
         assert_eq!(f(&format!("/kubepods/crio-{ID}.scope")), Some(("cri-o", ID.into())));
         assert_eq!(f(&format!("/libpod_parent/libpod-conmon-{ID}")), None);
-        assert_eq!(f("/user.slice/session-3.scope"), None);
+        assert_eq!(f("/user.slice/user-1000.slice/cron.service"), None);
         assert_eq!(f("/libpod_parent/libpod-abc"), None);
         let file = format!("12:memory:/process_api/x\n0::/libpod_parent/libpod-{ID}\n");
         assert_eq!(of_cgroup_file(&file).map(|c| c.runtime), Some("podman"));

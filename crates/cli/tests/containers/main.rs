@@ -14,7 +14,7 @@ use podman::*;
 /// the host, which gpusnap suspends and resumes by pid.
 #[test]
 fn a_fake_cuda_container_runs_and_is_suspended_from_the_host() {
-    let mut w = World::new(&[8192]);
+    let w = World::new(&[8192]);
     let Some(pm) = Podman::new(&w) else { return };
     let (pid, status) = pm.workload(&w, "worker", 1024);
     assert_eq!(pm.status("worker"), "running");

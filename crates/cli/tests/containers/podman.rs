@@ -24,9 +24,6 @@ pub struct Podman {
     /// Mounted into the containers (with the fake driver's directory): the
     /// workloads' status files.
     pub shared: PathBuf,
-    /// On PATH of podman, conmon, runc and criu: `cuda-checkpoint` (gpusnap)
-    /// and a `criu` that turns its CUDA plugin on without a GPU.
-    pub bin: PathBuf,
     /// CRIU's configuration for runc (`--annotation org.criu.config=...`).
     pub criu_conf: PathBuf,
     path: String,
@@ -147,7 +144,7 @@ conmon_env_vars = ["PATH={path}"]
             ),
         )
         .unwrap();
-        let p = Podman { dir, _tmp: tmp, shared, bin, criu_conf, path };
+        let p = Podman { dir, _tmp: tmp, shared, criu_conf, path };
         p.build_image(&target);
         Some(p)
     }
