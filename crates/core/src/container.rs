@@ -219,6 +219,25 @@ pub fn frozen(pid: i32) -> Option<String> {
     None
 }
 
+/// Refuses a CRIU dump of process `pid` on its own when it runs in a
+/// container with a mount namespace of its own: its mounts are the
+/// runtime's (bind mounts from the host) and CRIU fails on them ("doesn't
+/// have a proper root mount"); the runtime's checkpoint is the way.
+pub fn refuse_lone_dump(pid: i32) -> Result<(), Error> {
+    let Some(c) = of_pid(pid) else { return Ok(()) };
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).ok();
+    if ns(&pid.to_string()) == ns("self") {
+        return Ok(());
+    }
+    Err(Error::Container {
+        name: c.id.chars().take(12).collect(),
+        reason: format!(
+            "process {pid} runs in this {} container's mount namespace: CRIU cannot dump it alone (the runtime's mounts); checkpoint the whole container through its runtime ({} container checkpoint, with CRIU's CUDA plugin and gpusnap as cuda-checkpoint)",
+            c.runtime, c.runtime
+        ),
+    })
+}
+
 /// A running container resolved: its id and its processes' host pids.
 #[derive(Debug, Clone)]
 pub struct Resolved {

@@ -138,6 +138,7 @@ fn a_paused_container_is_refused_and_doctor_names_the_container_costs() {
     let w = World::new(&[8192]);
     let Some(pm) = Podman::new(&w) else { return };
     let (pid, status) = pm.workload(&w, "held", 256);
+    let pid_s = pid.to_string();
     let gs = |args: &[&str]| {
         let mut cmd = w.gpusnap_cmd(&[]);
         pm.env(&mut cmd);
@@ -169,6 +170,18 @@ fn a_paused_container_is_refused_and_doctor_names_the_container_costs() {
     let (code, _, err) = gs(&["resume", "--container", "held"]);
     assert_eq!(code, 0, "{err}");
     assert_progressing_at(&status);
+    // CRIU cannot dump a container's process alone: said before it tries.
+    for args in
+        [vec!["hibernate", "--container", "held"], vec!["hibernate", &pid_s], vec!["snapshot", &pid_s]]
+    {
+        let (code, _, err) = gs(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(
+            err.contains("CRIU cannot dump it alone") && err.contains("podman container checkpoint"),
+            "{err}"
+        );
+    }
+    assert_eq!(w.json(&["state", &pid_s]).json()["state"], "running");
 
     // A deleted /dev/shm file held open: CRIU's link_remap case.
     let mut args: Vec<String> = vec!["run".into(), "-d".into(), "--name".into(), "shm".into()];
