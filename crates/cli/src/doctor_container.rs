@@ -79,3 +79,54 @@ pub fn findings(root: &Path, pid: i32) -> Vec<Finding> {
     }
     out
 }
+
+/// Where a container runtime is installed: whether CRIU's CUDA plugin would
+/// find gpusnap as `cuda-checkpoint`, and runc's CRIU configuration its
+/// plugin directory (docs/guides/containers.md). None without a runtime.
+pub fn host() -> Option<Finding> {
+    let on_path = |name: &str| {
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+    };
+    let runtime = ["podman", "runc"].into_iter().find(|r| on_path(r).is_some())?;
+    let mut problems: Vec<String> = Vec::new();
+    match on_path("cuda-checkpoint") {
+        None => problems.push(
+            "no cuda-checkpoint on PATH: CRIU's CUDA plugin cannot checkpoint a container's CUDA processes"
+                .into(),
+        ),
+        Some(p) => {
+            let me = std::env::current_exe().ok().and_then(|e| std::fs::canonicalize(e).ok());
+            if std::fs::canonicalize(&p).ok() != me {
+                problems.push(format!(
+                    "{} is not this gpusnap: a restore through it has no admission control",
+                    p.display()
+                ));
+            }
+        }
+    }
+    let conf = std::fs::read_to_string("/etc/criu/runc.conf").unwrap_or_default();
+    let libdir = conf
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("libdir"))
+        .map(|d| d.trim().trim_matches('"').to_string());
+    if !libdir.is_some_and(|d| Path::new(&d).join("cuda_plugin.so").is_file()) {
+        problems.push("/etc/criu/runc.conf names no libdir holding cuda_plugin.so: runc's CRIU loads no CUDA plugin (unless a container's org.criu.config names a configuration that does)".into());
+    }
+    Some(if problems.is_empty() {
+        f(
+            "container-runtime",
+            Severity::Ok,
+            format!("{runtime}: CRIU's CUDA plugin calls gpusnap as cuda-checkpoint"),
+            None,
+        )
+    } else {
+        f(
+            "container-runtime",
+            Severity::Warn,
+            format!("{runtime} is installed; {}", problems.join("; ")),
+            Some("ln -s $(command -v gpusnap) /usr/local/bin/cuda-checkpoint; `libdir /opt/gpusnap/criu/lib/criu` and `file-locks` in /etc/criu/runc.conf (docs/guides/containers.md)"),
+        )
+    })
+}

@@ -12,6 +12,7 @@ pub fn run(cli: &Cli, out: &Out, pid: Option<i32>) -> anyhow::Result<()> {
     findings.push(doctor::criu(cli.criu.as_deref()));
     findings.push(doctor::lazy_wake());
     findings.push(doctor::ptrace());
+    findings.extend(crate::doctor_container::host());
     if let Some(pid) = pid {
         findings.extend(process_findings(pid));
     }
