@@ -18,7 +18,11 @@ fn a_fake_cuda_container_runs_and_is_suspended_from_the_host() {
     let Some(pm) = Podman::new(&w) else { return };
     let (pid, status) = pm.workload(&w, "worker", 1024);
     assert_eq!(pm.status("worker"), "running");
-    let ps = w.json(&["ps"]).json();
+    // With the test's podman: `ps` asks it for the containers' names.
+    let mut cmd = w.gpusnap_cmd(&["--json", "ps"]);
+    pm.env(&mut cmd);
+    let o = bounded(cmd, std::time::Duration::from_secs(120));
+    let ps: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let row = ps["processes"].as_array().unwrap().iter().find(|r| r["pid"] == pid).cloned();
     assert_eq!(row.expect("ps lists the container's process")["footprint_bytes"], 1024 * MIB);
 
