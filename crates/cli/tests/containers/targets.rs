@@ -203,3 +203,38 @@ fn a_paused_container_is_refused_and_doctor_names_the_container_costs() {
     let (_, out, _) = gs(&["doctor", &spid.to_string()]);
     assert!(out.contains("\"shm\"") && out.contains("link_remap"), "{out}");
 }
+
+/// A container of a runtime gpusnap does not ask (docker here), known by
+/// its processes' cgroup: refused with the reason and the way around it.
+#[test]
+fn a_container_of_another_runtime_is_refused() {
+    let w = World::new(&[8192]);
+    let id = format!("{:016x}{:048x}", std::process::id(), 0xd0c4e5u64);
+    let root = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"].into_iter().find(|r| {
+        std::path::Path::new(r).join("cgroup.procs").is_file()
+            && std::fs::metadata(format!("{r}/cgroup.controllers")).is_ok()
+    });
+    let Some(root) = root else {
+        eprintln!("skipped: no cgroup v2 hierarchy to make a docker-like cgroup in");
+        return;
+    };
+    let cg = PathBuf::from(root).join(format!("docker-{id}.scope"));
+    if std::fs::create_dir(&cg).is_err() {
+        eprintln!("skipped: cannot create a cgroup under {root}");
+        return;
+    }
+    let mut sleep = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+    std::fs::write(cg.join("cgroup.procs"), sleep.id().to_string()).unwrap();
+    let mut cmd = w.gpusnap_cmd(&["--json", "suspend", "--container", &id[..12]]);
+    // Whether or not podman is installed, it does not know the container.
+    if let Some(pm) = Podman::new(&w) {
+        pm.env(&mut cmd);
+    }
+    let o = bounded(cmd, Duration::from_secs(120));
+    let _ = sleep.kill();
+    let _ = sleep.wait();
+    let _ = std::fs::remove_dir(&cg);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("it is a docker container") && err.contains("--cgroup"), "{err}");
+}
