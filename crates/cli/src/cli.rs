@@ -50,8 +50,13 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Cmd {
-    /// Every CUDA process this host can see, with its checkpoint state.
-    Ps,
+    /// Every CUDA process this host can see, with its checkpoint state and
+    /// the container it runs in.
+    Ps {
+        /// Only the CUDA processes of this running container (name or id).
+        #[arg(long, value_name = "NAME|ID")]
+        container: Option<String>,
+    },
     /// The checkpoint state of processes: running, locked, checkpointed or
     /// failed, and whether one is stuck.
     ///
@@ -348,6 +353,14 @@ pub struct Select {
     /// /sys/fs/cgroup, or absolute.
     #[arg(long, value_name = "PATH")]
     pub cgroup: Option<PathBuf>,
+    /// Every CUDA process in a running container, by name or id, resolved
+    /// through its runtime (podman; a container of another runtime is
+    /// refused: name its cgroup with --cgroup).
+    #[arg(long, value_name = "NAME|ID")]
+    pub container: Option<String>,
+    /// The --container, once resolved.
+    #[arg(skip)]
+    pub resolved: std::sync::OnceLock<gpusnap_core::container::Resolved>,
     /// Every CUDA process this host can see.
     #[arg(long)]
     pub all: bool,

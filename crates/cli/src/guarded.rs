@@ -115,7 +115,21 @@ pub fn run_light(
     };
     file.save(&record)?;
     forward_signals(leader);
-    let status = child.wait()?;
+    // Every child is reaped as it ends, not only the program: as a
+    // container's PID 1 (or a subreaper) `run` is handed the program's
+    // orphans, which would otherwise stay zombies while the program runs.
+    let status = loop {
+        let mut st = 0;
+        // SAFETY: waitpid writes one int.
+        let r = unsafe { libc::waitpid(-1, &mut st, 0) };
+        if r == leader {
+            use std::os::unix::process::ExitStatusExt;
+            break std::process::ExitStatus::from_raw(st);
+        }
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            break child.wait()?;
+        }
+    };
     // The rest of the tree: children still running, and orphans handed to
     // us as they are orphaned.
     loop {
@@ -213,7 +227,12 @@ fn finish(ending: Ending) -> anyhow::Result<()> {
         Ending::Signaled(sig) => {
             // No core file of gpusnap's own for the program's SIGSEGV.
             let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_CORE, 0, 0);
-            let _ = signal_hook::low_level::emulate_default_handler(sig);
+            // A container's PID 1 cannot die of a signal it sends itself
+            // (the kernel drops it); it exits 128 + the signal, as runtimes
+            // report a signal death.
+            if std::process::id() != 1 {
+                let _ = signal_hook::low_level::emulate_default_handler(sig);
+            }
             std::process::exit(128 + sig)
         }
         Ending::Detached => {

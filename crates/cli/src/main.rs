@@ -5,6 +5,7 @@ mod cli;
 mod cmd;
 mod compat;
 mod doctor;
+mod doctor_container;
 mod guarded;
 mod output;
 mod reference;

@@ -298,18 +298,24 @@ impl Out {
             self.emit(json!({ "processes": rows }));
             return;
         }
-        println!("{:>8}  {:<16} {:<13} {:>10}  GPUS", "PID", "COMMAND", "STATE", "MEMORY");
+        let containers = rows.iter().any(|r| r.container.is_some());
+        let head = format!("{:>8}  {:<16} {:<13} {:>10}  GPUS", "PID", "COMMAND", "STATE", "MEMORY");
+        println!("{head}{}", if containers { "           CONTAINER" } else { "" });
         for r in rows {
             let state = if r.unrecoverable { format!("{}!", r.state) } else { r.state.clone() };
             let gpus: Vec<String> = r.gpus.iter().map(|g| g.uuid.chars().take(12).collect()).collect();
-            println!(
-                "{:>8}  {:<16} {:<13} {:>10}  {}",
-                r.pid,
-                r.comm,
-                state,
-                gib(r.footprint_bytes),
-                gpus.join(",")
-            );
+            let container = r.container.as_ref().map(|c| {
+                let id: String = c.id.chars().take(12).collect();
+                match &c.name {
+                    Some(n) => format!("  {n} ({} {id})", c.runtime),
+                    None => format!("  {} {id}", c.runtime),
+                }
+            });
+            let gpus = match container {
+                Some(c) => format!("{:<14}{c}", gpus.join(",")),
+                None => gpus.join(","),
+            };
+            println!("{:>8}  {:<16} {:<13} {:>10}  {gpus}", r.pid, r.comm, state, gib(r.footprint_bytes));
         }
         if rows.iter().any(|r| r.unrecoverable) {
             println!("! cannot be restored in place: see `gpusnap state PID`");

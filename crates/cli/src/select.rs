@@ -1,5 +1,5 @@
 //! Which processes a command acts on: the pids named and the groups
-//! (`--tree`, `--cgroup`, `--all`) resolved to processes.
+//! (`--tree`, `--cgroup`, `--container`, `--all`) resolved to processes.
 
 use crate::cli::Select;
 use crate::setup::DynEngine;
@@ -38,7 +38,20 @@ impl Select {
         if let Some(cg) = &self.cgroup {
             gpusnap_core::target::cgroup_processes(cg)?;
         }
+        self.container_pids()?;
         Ok(())
+    }
+
+    /// The processes of the --container (empty without one), resolved
+    /// through its runtime once per command.
+    pub fn container_pids(&self) -> Result<Vec<i32>, CoreError> {
+        let Some(name) = &self.container else { return Ok(Vec::new()) };
+        if let Some(r) = self.resolved.get() {
+            return Ok(r.pids.clone());
+        }
+        let r = gpusnap_core::container::resolve(name)?;
+        tracing::debug!("container {name}: {} {} pids {:?}", r.runtime, r.id, r.pids);
+        Ok(self.resolved.get_or_init(|| r).pids.clone())
     }
 
     /// The roots of the trees a hibernate of this selection dumps: each pid
@@ -50,6 +63,7 @@ impl Select {
         if let Some(cg) = &self.cgroup {
             want.extend(gpusnap_core::target::cgroup_processes(cg)?);
         }
+        want.extend(self.container_pids()?);
         if self.all {
             want.extend(e.ps()?.into_iter().filter(|r| r.state != "stopped").map(|r| r.pid));
         }
@@ -74,9 +88,9 @@ impl Select {
         }
     }
 
-    /// Whether a group (--tree, --cgroup, --all) is named.
+    /// Whether a group (--tree, --cgroup, --container, --all) is named.
     pub fn is_group(&self) -> bool {
-        self.all || self.tree.is_some() || self.cgroup.is_some()
+        self.all || self.tree.is_some() || self.cgroup.is_some() || self.container.is_some()
     }
 
     /// The pids named, plus the CUDA processes of the groups named, in order
@@ -111,6 +125,10 @@ impl Select {
         }
         if let Some(cg) = &self.cgroup {
             let members = gpusnap_core::target::cgroup_processes(cg)?;
+            out.extend(cuda.iter().copied().filter(|p| members.contains(p)));
+        }
+        if self.container.is_some() {
+            let members = self.container_pids()?;
             out.extend(cuda.iter().copied().filter(|p| members.contains(p)));
         }
         Ok(out)

@@ -198,6 +198,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             footprint_bytes: fp.values().sum(),
             gpus: fp.into_iter().map(|(uuid, bytes)| GpuBytes { uuid, bytes }).collect(),
             ns_pid: target::ns_pid(t.pid).filter(|p| *p != t.pid),
+            container: crate::container::of_pid(t.pid),
         })
     }
 

@@ -20,6 +20,10 @@ pub enum Error {
     Proc { pid: i32, reason: String },
     #[error("{path} is not a cgroup (no cgroup.procs)")]
     NoCgroup { path: String },
+    #[error("process {pid} ({comm}) is in the frozen cgroup {cgroup} (a paused container, or a checkpoint in progress); the driver hangs on frozen processes: thaw it first (podman unpause)")]
+    Frozen { pid: i32, comm: String, cgroup: String },
+    #[error("container {name}: {reason}")]
+    Container { name: String, reason: String },
     #[error(
         "pid {pid} now belongs to another program ({comm}); the process gpusnap suspended there is gone"
     )]
@@ -86,7 +90,9 @@ impl Error {
             | Self::NotCuda { .. }
             | Self::WrongState { .. }
             | Self::NoFootprint { .. }
-            | Self::NoCgroup { .. } => 2,
+            | Self::NoCgroup { .. }
+            | Self::Container { .. }
+            | Self::Frozen { .. } => 2,
             Self::NoMemory { .. } => 3,
             Self::Member { source, .. } => source.exit_code(),
             Self::BadMap(_) => 2,
@@ -112,6 +118,8 @@ impl Error {
             Self::Permission { .. } => "permission",
             Self::Proc { .. } => "proc",
             Self::NoCgroup { .. } => "no_cgroup",
+            Self::Container { .. } => "container",
+            Self::Frozen { .. } => "frozen",
             Self::Reused { .. } => "pid_reused",
             Self::NotCuda { .. } => "not_cuda",
             Self::WrongState { .. } => "wrong_state",

@@ -7,6 +7,7 @@
 //! never imports them.
 
 pub mod compat;
+pub mod container;
 pub mod engine;
 pub mod error;
 pub mod group;

@@ -27,6 +27,9 @@ pub struct StateReport {
     /// Its pid inside its own pid namespace, when that differs (a container).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ns_pid: Option<i32>,
+    /// The container it runs in, from its cgroup.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container: Option<crate::container::ContainerRef>,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -88,6 +88,9 @@ pub fn resolve_callable(pid: i32) -> Result<Target, Error> {
     if st.is_stopped() {
         return Err(Error::Stopped { pid, comm: t.comm, state: st.0 });
     }
+    if let Some(cgroup) = crate::container::frozen(pid) {
+        return Err(Error::Frozen { pid, comm: t.comm, cgroup });
+    }
     Ok(t)
 }
 

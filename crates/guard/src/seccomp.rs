@@ -76,16 +76,33 @@ pub fn install_in_child() -> Result<(), i32> {
     let fprog = libc::sock_fprog { len: prog.len() as u16, filter: prog.as_ptr() as *mut libc::sock_filter };
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        // Without CAP_SYS_ADMIN a filter needs no_new_privs.
-        // SAFETY: prctl with integer arguments only.
-        if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
-            return Err(errno());
-        }
+        set_no_new_privs()?;
     }
+    match set_filter(&fprog) {
+        // Root without CAP_SYS_ADMIN (a container's root): a filter needs
+        // no_new_privs there too.
+        Err(libc::EACCES) => {
+            set_no_new_privs()?;
+            set_filter(&fprog)
+        }
+        r => r,
+    }
+}
+
+/// Without CAP_SYS_ADMIN a filter needs no_new_privs.
+fn set_no_new_privs() -> Result<(), i32> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+        return Err(errno());
+    }
+    Ok(())
+}
+
+fn set_filter(fprog: &libc::sock_fprog) -> Result<(), i32> {
     // SAFETY: fprog points at a valid program that outlives the call; the
     // kernel copies it.
     let r = unsafe {
-        libc::syscall(libc::SYS_seccomp, libc::SECCOMP_SET_MODE_FILTER, 0, &fprog as *const libc::sock_fprog)
+        libc::syscall(libc::SYS_seccomp, libc::SECCOMP_SET_MODE_FILTER, 0, fprog as *const libc::sock_fprog)
     };
     if r != 0 {
         return Err(errno());

@@ -12,6 +12,7 @@ pub fn run(cli: &Cli, out: &Out, pid: Option<i32>) -> anyhow::Result<()> {
     findings.push(doctor::criu(cli.criu.as_deref()));
     findings.push(doctor::lazy_wake());
     findings.push(doctor::ptrace());
+    findings.extend(crate::doctor_container::host());
     if let Some(pid) = pid {
         findings.extend(process_findings(pid));
     }
@@ -23,6 +24,7 @@ pub fn run(cli: &Cli, out: &Out, pid: Option<i32>) -> anyhow::Result<()> {
 pub fn process_findings(pid: i32) -> Vec<Finding> {
     let host_gpus = NvmlInventory::load().ok().and_then(|n| n.gpus().ok()).map(|g| g.len()).unwrap_or(0);
     let mut f = doctor::process(pid, host_gpus);
+    f.extend(crate::doctor_container::findings(std::path::Path::new("/proc"), pid));
     // Waited for at load: the 5 s limit below is for the call, not the start-up.
     if let (Ok(t), Ok(d)) = (gpusnap_core::target::resolve_callable(pid), CudaDriver::load_ready()) {
         let api = Deadline::new(d, Timeouts { quick: Duration::from_secs(5), ..Timeouts::default() });

@@ -157,6 +157,7 @@ fn hibernate_roots(cli: &Cli, out: &Out, select: &Select, opts: &HibernateOption
     let mut tree: Vec<i32> = Vec::new();
     for &root in &roots {
         gpusnap_core::target::resolve_callable(root)?;
+        gpusnap_core::container::refuse_lone_dump(root)?;
         tree.extend(gpusnap_core::tree::process_tree(root).into_iter().map(|(p, _)| p));
     }
     let detached = gpusnap_guard::detach_for(&cli.state_dir, &tree)?;

@@ -14,9 +14,23 @@ use gpusnap_hibernate::WakeOptions;
 use gpusnap_hibernate::{Error, Hibernate};
 use std::time::Duration;
 
-pub fn ps(cli: &Cli, out: &Out) -> anyhow::Result<()> {
+/// `ps`: every CUDA process, or those of one container; each row names its
+/// container, by name where its runtime can be asked.
+pub fn ps(cli: &Cli, out: &Out, container: Option<&str>) -> anyhow::Result<()> {
+    let only = container.map(gpusnap_core::container::resolve).transpose()?;
     let mut e = engine(cli, out)?;
-    let rows = e.ps()?;
+    let mut rows = e.ps()?;
+    if let Some(c) = &only {
+        rows.retain(|r| c.pids.contains(&r.pid));
+    }
+    if rows.iter().any(|r| r.container.is_some()) {
+        for rt in gpusnap_core::container::runtimes() {
+            let names = rt.names();
+            for c in rows.iter_mut().filter_map(|r| r.container.as_mut()).filter(|c| c.runtime == rt.name()) {
+                c.name = names.iter().find(|(id, _)| *id == c.id).map(|(_, n)| n.clone());
+            }
+        }
+    }
     out.ps(&rows);
     Ok(())
 }

@@ -22,7 +22,7 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
     match &cli.cmd {
         Cmd::CudaCheckpoint { args } => std::process::exit(compat::main(args)),
         Cmd::Doctor { pid } => doctor::run(cli, out, *pid),
-        Cmd::Ps => lifecycle::ps(cli, out),
+        Cmd::Ps { container } => lifecycle::ps(cli, out, container.as_deref()),
         Cmd::State { select } => lifecycle::state(cli, out, select),
         Cmd::History { pid } => lifecycle::history(cli, out, *pid),
         Cmd::Suspend { select, lock_timeout, thp } => {

@@ -1,0 +1,132 @@
+//! Doctor's checks of a process in a container: what a checkpoint of it
+//! depends on that a bare process does not (its mount namespace, the
+//! device nodes and driver libraries the runtime put there, its /dev/shm,
+//! a frozen cgroup).
+
+use crate::doctor::{Finding, Severity};
+use std::path::Path;
+
+fn f(check: &'static str, severity: Severity, message: String, fix: Option<&str>) -> Finding {
+    Finding { check, severity, message, fix: fix.map(str::to_string) }
+}
+
+/// The findings for `pid` under `root` (/proc): none for a process of no
+/// container, except a frozen cgroup, which hangs the driver wherever it is.
+pub fn findings(root: &Path, pid: i32) -> Vec<Finding> {
+    let mut out = Vec::new();
+    if let Some(cg) = gpusnap_core::container::frozen(pid) {
+        out.push(f(
+            "frozen",
+            Severity::Error,
+            format!("its cgroup {cg} is frozen (a paused container, or a checkpoint in progress): the driver hangs on it"),
+            Some("thaw it first (podman unpause); gpusnap refuses it meanwhile (exit 2, frozen)"),
+        ));
+    }
+    let Some(c) = gpusnap_core::container::of_pid(pid) else { return out };
+    let dir = root.join(pid.to_string());
+    let id: String = c.id.chars().take(12).collect();
+    out.push(f("container", Severity::Info, format!("runs in {} container {id}", c.runtime), None));
+    let ns = |p: &Path| std::fs::read_link(p.join("ns/mnt")).ok();
+    if ns(&dir) != ns(&root.join("self")) {
+        out.push(f(
+            "mount-namespace",
+            Severity::Info,
+            "its mount namespace is not gpusnap's: `hibernate` dumps its process tree alone; the whole container (namespaces, mounts, network) is checkpointed by its runtime".into(),
+            Some("podman container checkpoint, with CRIU's CUDA plugin and gpusnap as its cuda-checkpoint (docs/guides/containers.md)"),
+        ));
+    }
+    let fds: Vec<String> = std::fs::read_dir(dir.join("fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|p| p.display().to_string())
+        .collect();
+    let mut devices: Vec<&str> =
+        fds.iter().filter(|p| p.starts_with("/dev/nvidia")).map(|s| s.as_str()).collect();
+    devices.sort_unstable();
+    devices.dedup();
+    if !devices.is_empty() {
+        out.push(f(
+            "devices",
+            Severity::Info,
+            format!("holds {}: a restore needs the same device nodes in the container", devices.join(", ")),
+            Some("restore on a host with the same GPUs and driver, the runtime giving the container the same /dev/nvidia* nodes"),
+        ));
+    }
+    let maps = std::fs::read_to_string(dir.join("maps")).unwrap_or_default();
+    let libcuda = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.contains("libcuda.so"));
+    if let Some(lib) = libcuda {
+        out.push(f(
+            "driver-libraries",
+            Severity::Info,
+            format!("maps the driver library {lib}, which the runtime mounts from the host"),
+            Some("the restore host must mount the same driver version at the same path; CRIU refuses a restore whose mapped files differ"),
+        ));
+    }
+    let deleted = |p: &str| p.starts_with("/dev/shm/") && p.ends_with("(deleted)");
+    let deleted_shm = fds.iter().any(|p| deleted(p))
+        || maps
+            .lines()
+            .any(|l| l.split_once(" /dev/shm/").is_some_and(|(_, r)| deleted(&format!("/dev/shm/{r}"))));
+    if deleted_shm {
+        out.push(f(
+            "shm",
+            Severity::Warn,
+            "holds deleted /dev/shm files: CRIU restores them through link_remap, which fails inside a container's /dev/shm (a known CRIU limitation, seen with vLLM and SGLang)".into(),
+            Some("checkpoint it before it unlinks them, or have it keep them linked; gpusnap's own suspend (no CRIU) is not affected"),
+        ));
+    }
+    out
+}
+
+/// Where a container runtime is installed: whether CRIU's CUDA plugin would
+/// find gpusnap as `cuda-checkpoint`, and runc's CRIU configuration its
+/// plugin directory (docs/guides/containers.md). None without a runtime.
+pub fn host() -> Option<Finding> {
+    let on_path = |name: &str| {
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+    };
+    let runtime = ["podman", "runc"].into_iter().find(|r| on_path(r).is_some())?;
+    let mut problems: Vec<String> = Vec::new();
+    match on_path("cuda-checkpoint") {
+        None => problems.push(
+            "no cuda-checkpoint on PATH: CRIU's CUDA plugin cannot checkpoint a container's CUDA processes"
+                .into(),
+        ),
+        Some(p) => {
+            let me = std::env::current_exe().ok().and_then(|e| std::fs::canonicalize(e).ok());
+            if std::fs::canonicalize(&p).ok() != me {
+                problems.push(format!(
+                    "{} is not this gpusnap: a restore through it has no admission control",
+                    p.display()
+                ));
+            }
+        }
+    }
+    let conf = std::fs::read_to_string("/etc/criu/runc.conf").unwrap_or_default();
+    let libdir = conf
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("libdir"))
+        .map(|d| d.trim().trim_matches('"').to_string());
+    if !libdir.is_some_and(|d| Path::new(&d).join("cuda_plugin.so").is_file()) {
+        problems.push("/etc/criu/runc.conf names no libdir holding cuda_plugin.so: runc's CRIU loads no CUDA plugin (unless a container's org.criu.config names a configuration that does)".into());
+    }
+    Some(if problems.is_empty() {
+        f(
+            "container-runtime",
+            Severity::Ok,
+            format!("{runtime}: CRIU's CUDA plugin calls gpusnap as cuda-checkpoint"),
+            None,
+        )
+    } else {
+        f(
+            "container-runtime",
+            Severity::Warn,
+            format!("{runtime} is installed; {}", problems.join("; ")),
+            Some("ln -s $(command -v gpusnap) /usr/local/bin/cuda-checkpoint; `libdir /opt/gpusnap/criu/lib/criu` and `file-locks` in /etc/criu/runc.conf (docs/guides/containers.md)"),
+        )
+    })
+}

@@ -1,0 +1,331 @@
+//! A podman of the test's own: its storage (`--root`, `--runroot` through
+//! `CONTAINERS_STORAGE_CONF`) and configuration (`CONTAINERS_CONF`) under the
+//! test's temporary directory, so that nothing of the machine's own
+//! containers or images is seen or touched; an image built from a rootfs
+//! tarball the test makes (no registry); everything removed on drop.
+//!
+//! The configuration is the one docs/guides/containers.md gives: runc (Debian's
+//! crun 1.8.1 cannot checkpoint), default ulimits that an unprivileged-ish
+//! root (no CAP_SYS_RESOURCE) may set, no network, and a PATH for conmon that
+//! holds the `cuda-checkpoint` CRIU's plugin runs.
+
+use crate::common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub const IMAGE: &str = "localhost/gpusnap-fake-cuda:test";
+
+pub struct Podman {
+    /// Everything of this podman: storage, configuration, the bin directory;
+    /// apart from the world's directory, which containers mount.
+    pub dir: PathBuf,
+    _tmp: tempfile::TempDir,
+    /// Mounted into the containers (with the fake driver's directory): the
+    /// workloads' status files.
+    pub shared: PathBuf,
+    /// CRIU's configuration for runc (`--annotation org.criu.config=...`).
+    pub criu_conf: PathBuf,
+    path: String,
+}
+
+/// Whether podman and runc are installed; `false` skips the test, saying
+/// why, except in CI (CI=true), which installs them and must run it.
+pub fn podman_present() -> bool {
+    let ok = |p: &str| Command::new(p).arg("--version").output().is_ok_and(|o| o.status.success());
+    if ok("podman") && ok("runc") {
+        return true;
+    }
+    let why = "podman and runc are not installed (apt-get install podman runc; .ci/run installs them)";
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}; CI must run this test");
+    eprintln!("skipped: {why}");
+    false
+}
+
+/// The directory of CRIU's CUDA plugin for the criu on PATH
+/// (GPUSNAP_TEST_CRIU_PLUGINS, else PREFIX/lib/criu next to PREFIX/bin/criu,
+/// see criu_outside.rs), or None: the test is skipped, except in CI.
+pub fn cuda_plugin_dir() -> Option<PathBuf> {
+    if let Some(d) = plugin_dir_found() {
+        return Some(d);
+    }
+    let why = "CRIU's cuda_plugin.so is not installed next to the criu on PATH \
+               (scripts/install-criu.sh --cuda-plugin, or GPUSNAP_TEST_CRIU_PLUGINS=DIR)";
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}; CI must run this test");
+    eprintln!("skipped: {why}");
+    None
+}
+
+fn plugin_dir_found() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("GPUSNAP_TEST_CRIU_PLUGINS").map(PathBuf::from) {
+        return Some(d).filter(|d| d.join("cuda_plugin.so").is_file());
+    }
+    let criu = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join("criu"))
+        .find(|p| p.is_file())?;
+    [Some(criu.clone()), std::fs::canonicalize(&criu).ok()]
+        .into_iter()
+        .flatten()
+        .filter_map(|c| Some(c.parent()?.parent()?.join("lib/criu")))
+        .find(|d| d.join("cuda_plugin.so").is_file())
+}
+
+fn write_exec(path: &Path, text: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+impl Podman {
+    /// A podman for world `w`, with the test image imported; None when
+    /// podman is not installed (outside CI).
+    pub fn new(w: &World) -> Option<Podman> {
+        if !podman_present() {
+            return None;
+        }
+        let tmp = tempfile::Builder::new().prefix("gpusnap-podman").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let shared = w.tmp.path().join("shared");
+        std::fs::create_dir_all(&shared).unwrap();
+        let bin = dir.join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let target = fake_workload_bin().parent().unwrap().to_path_buf();
+        // gpusnap as NVIDIA's command, with the fake world's environment
+        // (the plugin runs it with criu's, which runc gives only PATH).
+        write_exec(
+            &bin.join("cuda-checkpoint"),
+            &format!(
+                "#!/bin/sh\nGPUSNAP_FAKE_DIR='{}' GPUSNAP_STATE_DIR='{}' LD_LIBRARY_PATH='{}' exec '{}' cuda-checkpoint \"$@\"\n",
+                w.fake_dir().display(),
+                w.state_dir().display(),
+                fake_libdir().display(),
+                env!("CARGO_BIN_EXE_gpusnap"),
+            ),
+        );
+        // The criu on PATH, with its CUDA plugin on without a GPU.
+        let criu = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+            .map(|d| d.join("criu"))
+            .find(|p| p.is_file());
+        if let Some(criu) = criu {
+            write_exec(
+                &bin.join("criu"),
+                &format!("#!/bin/sh\nCRIU_FAULT=138 exec '{}' \"$@\"\n", criu.display()),
+            );
+        }
+        let criu_conf = dir.join("criu.conf");
+        // file-locks: gpusnap's state store, held by a guard in the container.
+        let libdir = plugin_dir_found().map(|d| format!("libdir {}\n", d.display())).unwrap_or_default();
+        std::fs::write(&criu_conf, format!("{libdir}file-locks\n")).unwrap();
+
+        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+        std::fs::write(
+            dir.join("storage.conf"),
+            format!(
+                "[storage]\ndriver = \"vfs\"\ngraphroot = \"{0}/root\"\nrunroot = \"{0}/runroot\"\n",
+                dir.display()
+            ),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("containers.conf"),
+            format!(
+                r#"[containers]
+default_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]
+netns = "none"
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+tmp_dir = "{dir}/tmp"
+volume_path = "{dir}/volumes"
+conmon_env_vars = ["PATH={path}"]
+"#,
+                dir = dir.display(),
+            ),
+        )
+        .unwrap();
+        let p = Podman { dir, _tmp: tmp, shared, criu_conf, path };
+        p.build_image(&target);
+        Some(p)
+    }
+
+    /// The environment podman (and gpusnap, which asks podman) runs with.
+    pub fn env(&self, cmd: &mut Command) {
+        cmd.env("CONTAINERS_CONF", self.dir.join("containers.conf"))
+            .env("CONTAINERS_STORAGE_CONF", self.dir.join("storage.conf"))
+            .env("PATH", &self.path);
+    }
+
+    /// `podman ARGS`, bounded (two minutes), its output.
+    pub fn podman(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new("podman");
+        self.env(&mut cmd);
+        cmd.args(args).stdin(Stdio::null());
+        bounded(cmd, Duration::from_secs(120))
+    }
+
+    /// `podman ARGS`, which must succeed; its stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let o = self.podman(args);
+        assert!(o.status.success(), "podman {args:?}: {}\n{}", o.status, String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    }
+
+    /// The image: the dynamic loader and libraries the fake workload and
+    /// gpusnap need, busybox where the host has a static one; the binaries
+    /// and the fake driver come in by a read-only bind mount of the build
+    /// directory, as the NVIDIA container toolkit mounts the driver's.
+    fn build_image(&self, target: &Path) {
+        let root = self.dir.join("rootfs");
+        for d in ["proc", "sys", "dev", "tmp", "etc", "bin"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/:/bin/sh\n").unwrap();
+        let mut libs: Vec<PathBuf> = Vec::new();
+        for b in [target.join("fake-workload"), PathBuf::from(env!("CARGO_BIN_EXE_gpusnap"))] {
+            let o = Command::new("ldd").arg(&b).output().expect("ldd");
+            for l in String::from_utf8_lossy(&o.stdout).lines() {
+                let p = l.split("=>").last().unwrap_or("").split_whitespace().next().unwrap_or("");
+                if p.starts_with('/') && !libs.iter().any(|x| x == Path::new(p)) {
+                    libs.push(PathBuf::from(p));
+                }
+            }
+        }
+        for l in &libs {
+            let dst = root.join(l.strip_prefix("/").unwrap());
+            std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+            std::fs::copy(l, &dst).unwrap();
+        }
+        for bb in ["/bin/busybox", "/usr/bin/busybox"] {
+            if Path::new(bb).is_file() {
+                std::fs::copy(bb, root.join("bin/busybox")).unwrap();
+                for a in ["sh", "sleep", "cat", "kill", "ps"] {
+                    std::os::unix::fs::symlink("busybox", root.join("bin").join(a)).unwrap();
+                }
+                break;
+            }
+        }
+        let tar = self.dir.join("rootfs.tar");
+        let st = Command::new("tar").arg("-C").arg(&root).arg("-cf").arg(&tar).arg(".").status().unwrap();
+        assert!(st.success(), "tar of the rootfs");
+        self.ok(&["import", tar.to_str().unwrap(), IMAGE]);
+    }
+
+    /// The flags that give a container the fake world: the fake driver's
+    /// directory and the shared one (status files) read-write, the build directory
+    /// read-only at the same paths, the fake driver's environment, CRIU's
+    /// configuration, and the host's pid namespace: the fake driver, like
+    /// the real one, knows a process by its host pid, which a process in a
+    /// pid namespace of its own cannot learn.
+    pub fn world_flags(&self, w: &World) -> Vec<String> {
+        let mut f = vec!["--pid=host".to_string()];
+        f.extend(self.mounts(w));
+        f
+    }
+
+    /// [`Podman::world_flags`] less the host's pid namespace: a container
+    /// of its own pids, where every CUDA call is made inside it (the fake
+    /// driver then knows its processes by their pids in the container).
+    pub fn mounts(&self, w: &World) -> Vec<String> {
+        let fake = w.fake_dir().display().to_string();
+        let shared = self.shared.display().to_string();
+        let target = fake_workload_bin().parent().unwrap().display().to_string();
+        vec![
+            "-v".into(),
+            format!("{fake}:{fake}"),
+            "-v".into(),
+            format!("{shared}:{shared}"),
+            "-v".into(),
+            format!("{target}:{target}:ro"),
+            "-e".into(),
+            format!("LD_LIBRARY_PATH={}", fake_libdir().display()),
+            "-e".into(),
+            format!("GPUSNAP_FAKE_DIR={}", w.fake_dir().display()),
+            "--annotation".into(),
+            format!("org.criu.config={}", self.criu_conf.display()),
+        ]
+    }
+
+    /// Starts container `name` running a fake CUDA program that holds `mib`;
+    /// returns its host pid once it has done its first intact iteration,
+    /// and the status file it writes.
+    pub fn workload(&self, w: &World, name: &str, mib: u64) -> (i32, PathBuf) {
+        let status = self.shared.join(format!("status-{name}"));
+        let mut args: Vec<String> = vec!["run".into(), "-d".into(), "--name".into(), name.into()];
+        args.extend(self.world_flags(w));
+        args.extend([
+            IMAGE.into(),
+            fake_workload_bin().display().to_string(),
+            "--mib".into(),
+            mib.to_string(),
+            "--status".into(),
+            status.display().to_string(),
+        ]);
+        let a: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        self.ok(&a);
+        wait_for(Duration::from_secs(60), || read_status(&status).is_some_and(|s| s.1 >= 1));
+        (self.pid(name), status)
+    }
+
+    /// The host pid of the container's first process.
+    pub fn pid(&self, name: &str) -> i32 {
+        self.ok(&["inspect", "--format", "{{.State.Pid}}", name]).parse().unwrap()
+    }
+
+    pub fn status(&self, name: &str) -> String {
+        self.ok(&["inspect", "--format", "{{.State.Status}}", name])
+    }
+}
+
+/// Runs `cmd` to completion within `limit` (killed and failing the test
+/// past it), its output.
+pub fn bounded(mut cmd: Command, limit: Duration) -> Output {
+    use std::io::Read;
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let end = Instant::now() + limit;
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{cmd:?} did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output { status, stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() }
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        let _ = self.podman(&["rm", "--all", "--force", "--time", "0"]);
+        let _ = self.podman(&["rmi", "--all", "--force"]);
+        // Whatever podman left mounted under its directory (a container's
+        // /dev/shm), deepest first, so that the directory can be removed.
+        let dir = self.dir.display().to_string();
+        let mut mounts: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(4).map(str::to_string))
+            .filter(|m| m.starts_with(&dir))
+            .collect();
+        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in mounts {
+            let c = std::ffi::CString::new(m).unwrap();
+            // SAFETY: a NUL-terminated path; umount2 reads it and nothing else.
+            unsafe {
+                libc::umount2(c.as_ptr(), libc::MNT_DETACH);
+            }
+        }
+    }
+}

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# Checkpoint and restore of a fake CUDA program in a podman container
+# against the same program outside one, both through CRIU and its CUDA
+# plugin with gpusnap as the plugin's cuda-checkpoint.
+#
+#   sudo scripts/bench-container-cpu.sh        REPS=5 MIB=1024 PROFILE=debug sudo scripts/bench-container-cpu.sh
+#
+# container = `podman container checkpoint` / `podman container restore`
+# (runc calling CRIU; the runtime's own work: its state, the container's
+# rootfs changes and /dev/shm, conmon); process = `criu dump --tree` /
+# `criu restore -d` of the same program started bare. The fake driver
+# (docs/design/fakes.md) copies at 100 GB/s, so what differs is what the
+# container stack adds. Each way REPS times, alternating; prints a markdown
+# table of medians. Needs root, podman and runc, CRIU with its CUDA plugin
+# (scripts/install-criu.sh --cuda-plugin); uses a podman storage of its own.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=scripts/bench-lib.sh
+. scripts/bench-lib.sh
+record_self container-cpu "$@"
+if [[ -x /opt/gpusnap/criu/bin/criu ]]; then PATH=/opt/gpusnap/criu/bin:$PATH; fi
+
+REPS=${REPS:-5}
+MIB=${MIB:-1024}
+PROFILE=${PROFILE:-release}
+plugins=$(dirname "$(command -v criu)")/../lib/criu
+[[ -f $plugins/cuda_plugin.so ]] || {
+	echo "no cuda_plugin.so next to criu (scripts/install-criu.sh --cuda-plugin)" >&2
+	exit 2
+}
+command -v podman >/dev/null && command -v runc >/dev/null || {
+	echo "podman and runc are needed (apt-get install podman runc)" >&2
+	exit 2
+}
+flag=()
+[[ $PROFILE == release ]] && flag=(--release)
+cargo build "${flag[@]}" --quiet -p gpusnap -p gpusnap-fake-cuda -p gpusnap-fake-nvml -p gpusnap-fake-workload
+target=$PWD/target/$PROFILE
+work=$(mktemp -d /var/tmp/gpusnap-cbench.XXXXXX)
+mkdir -p "$work"/{fake,fakelib,bin,shared,rootfs/{proc,sys,dev,tmp,etc}}
+ln -s "$target/libgpusnap_fake_cuda.so" "$work/fakelib/libcuda.so.1"
+ln -s "$target/libgpusnap_fake_nvml.so" "$work/fakelib/libnvidia-ml.so.1"
+export GPUSNAP_FAKE_DIR=$work/fake GPUSNAP_STATE_DIR=$work/state
+cat >"$work/fake/config.json" <<JSON
+{"gpus": [{"uuid": "GPU-00000000-0000-0000-0000-000000000000", "total_mib": 143771}],
+ "checkpoint_gbps": 100.0, "restore_gbps": 100.0, "inject": []}
+JSON
+cat >"$work/bin/cuda-checkpoint" <<SH
+#!/bin/sh
+GPUSNAP_FAKE_DIR=$work/fake GPUSNAP_STATE_DIR=$work/state LD_LIBRARY_PATH=$work/fakelib exec $target/gpusnap cuda-checkpoint "\$@"
+SH
+cat >"$work/bin/criu" <<SH
+#!/bin/sh
+CRIU_FAULT=138 exec $(command -v criu) "\$@"
+SH
+chmod +x "$work/bin/"*
+printf 'libdir %s\nfile-locks\n' "$(cd "$plugins" && pwd)" >"$work/criu.conf"
+cat >"$work/storage.conf" <<TOML
+[storage]
+driver = "vfs"
+graphroot = "$work/root"
+runroot = "$work/runroot"
+TOML
+cat >"$work/containers.conf" <<TOML
+[containers]
+default_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]
+netns = "none"
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+tmp_dir = "$work/tmp"
+conmon_env_vars = ["PATH=$work/bin:$PATH"]
+TOML
+export PATH=$work/bin:$PATH CONTAINERS_CONF=$work/containers.conf CONTAINERS_STORAGE_CONF=$work/storage.conf
+cleanup() {
+	podman rm --all --force --time 0 >/dev/null 2>&1 || true
+	podman rmi --all --force >/dev/null 2>&1 || true
+	if [[ -n ${bare:-} ]]; then kill -9 "$bare" 2>/dev/null || true; fi
+	grep -o " $work[^ ]*" /proc/self/mountinfo | sort -r | xargs -r -n1 umount -l 2>/dev/null || true
+	rm -rf -- "$work"
+}
+trap cleanup EXIT
+
+# The image: the loader and libraries the binaries need; the build
+# directory comes in by a read-only bind mount.
+for lib in $(ldd "$target/fake-workload" "$target/gpusnap" | grep -v ":$" | grep -o '/[^ ]*' | sort -u); do
+	mkdir -p "$work/rootfs$(dirname "$lib")"
+	cp "$lib" "$work/rootfs$lib"
+done
+tar -C "$work/rootfs" -cf "$work/rootfs.tar" .
+podman import "$work/rootfs.tar" localhost/gpusnap-bench:latest >/dev/null
+
+status=$work/shared/status
+# ready: waits (a minute at most) for the program's first iteration.
+ready() {
+	local n=0
+	while ! [[ -s $status ]] || [[ $(cut -d' ' -f2 "$status") -lt 1 ]]; do
+		((++n < 1200)) || { echo "the fake CUDA program did not start" >&2; exit 1; }
+		sleep 0.05
+	done
+}
+tsv=$work/runs.tsv
+: >"$tsv"
+
+container() {
+	local rep=$1 t0 t1 t2
+	rm -f "$status"
+	podman run -d --name "c$rep" --pid=host --annotation "org.criu.config=$work/criu.conf" \
+		-v "$work/fake:$work/fake" -v "$work/shared:$work/shared" -v "$target:$target:ro" -v "$work/fakelib:$work/fakelib:ro" \
+		-e "LD_LIBRARY_PATH=$work/fakelib" -e "GPUSNAP_FAKE_DIR=$work/fake" \
+		localhost/gpusnap-bench:latest "$target/fake-workload" --mib "$MIB" --status "$status" >/dev/null
+	ready
+	t0=$(now)
+	podman container checkpoint "c$rep" >/dev/null
+	t1=$(now)
+	podman container restore "c$rep" >/dev/null
+	t2=$(now)
+	printf 'container\t%s\t%s\n' "$(secs "$t0" "$t1")" "$(secs "$t1" "$t2")" >>"$tsv"
+	podman rm --force --time 0 "c$rep" >/dev/null
+}
+
+process() {
+	local rep=$1 t0 t1 t2 img=$work/img$1
+	rm -f "$status"
+	mkdir -p "$img"
+	LD_LIBRARY_PATH=$work/fakelib setsid "$target/fake-workload" --mib "$MIB" --status "$status" \
+		</dev/null >/dev/null 2>"$work/workload.log" &
+	bare=$!
+	disown "$bare"
+	ready
+	t0=$(now)
+	criu dump --tree "$bare" --images-dir "$img" --file-locks --libdir "$plugins" --log-file "$img/dump.log"
+	gone "$bare"
+	t1=$(now)
+	setsid criu restore --restore-detached --images-dir "$img" --file-locks --libdir "$plugins" \
+		--log-file "$img/restore.log" </dev/null
+	t2=$(now)
+	printf 'process\t%s\t%s\n' "$(secs "$t0" "$t1")" "$(secs "$t1" "$t2")" >>"$tsv"
+	kill -9 "$bare" 2>/dev/null || true
+	gone "$bare"
+	bare=
+	rm -rf -- "$img"
+}
+
+for rep in $(seq 1 "$REPS"); do
+	if ((rep % 2)); then container "$rep"; process "$rep"; else process "$rep"; container "$rep"; fi
+done
+
+printf '%s MiB of fake GPU memory, %s runs each way (medians, seconds); CRIU %s, %s, %s\n\n' \
+	"$MIB" "$REPS" "$(criu --version | head -1 | awk '{print $2}')" "$(podman --version)" "$(runc --version | head -1)"
+python3 - "$tsv" <<'PY'
+import statistics, sys
+rows = {}
+for line in open(sys.argv[1]):
+    way, c, r = line.split()
+    rows.setdefault(way, []).append((float(c), float(r)))
+print("| way | checkpoint | restore |")
+print("|---|---|---|")
+for way in ("process", "container"):
+    v = rows.get(way, [])
+    if v:
+        print(f"| {way} | {statistics.median(x[0] for x in v):.3f} | {statistics.median(x[1] for x in v):.3f} |")
+PY
