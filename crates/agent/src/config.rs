@@ -51,6 +51,13 @@ pub struct AgentConfig {
     /// `kill -9` at any moment. A service may say otherwise.
     #[serde(default)]
     pub lazy_wake: bool,
+    /// Client connections the agent holds in all, on every listener
+    /// (unset: what its open-file limit leaves, see docs/design/agent.md).
+    pub max_connections: Option<usize>,
+    /// How long a client may take to send a request's headers (API, metrics)
+    /// or its first byte (a service's port) before it is closed.
+    #[serde(default = "default_header_timeout", deserialize_with = "duration")]
+    pub header_timeout: Duration,
 }
 
 impl Default for AgentConfig {
@@ -63,6 +70,8 @@ impl Default for AgentConfig {
             tick: default_tick(),
             thp: false,
             lazy_wake: false,
+            max_connections: None,
+            header_timeout: default_header_timeout(),
         }
     }
 }
@@ -73,6 +82,10 @@ fn default_socket() -> PathBuf {
 
 fn default_tick() -> Duration {
     Duration::from_millis(200)
+}
+
+fn default_header_timeout() -> Duration {
+    Duration::from_secs(10)
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -113,6 +126,22 @@ pub struct ServiceConfig {
     /// resumes (vLLM's sleep mode, SGLang's memory release): see docs/design/agent.md.
     #[serde(default)]
     pub hooks: Hooks,
+    /// Client connections open on the service's port at once; more are
+    /// closed as they arrive.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// How long a request may go unanswered (bytes sent, none back) and
+    /// still keep the service busy: after it, the connection counts as
+    /// idle (for suspend_after, evictions and hibernation).
+    #[serde(default = "default_request_timeout", deserialize_with = "duration_or_never")]
+    pub request_timeout: Option<Duration>,
+    /// Variables of the agent's own environment the server gets (besides
+    /// the few every server gets: see docs/reference/config.md).
+    #[serde(default)]
+    pub pass_environment: Vec<String>,
+    /// Variables set for the server.
+    #[serde(default)]
+    pub environment: std::collections::BTreeMap<String, String>,
 }
 
 /// `[service.hooks]` (in a `[[service]]` array: `hooks.before_suspend = {...}`
@@ -179,6 +208,12 @@ fn default_wake_timeout() -> Duration {
 }
 fn default_max_waiting() -> usize {
     1024
+}
+fn default_max_connections() -> usize {
+    1024
+}
+fn default_request_timeout() -> Option<Duration> {
+    Some(Duration::from_secs(600))
 }
 fn default_margin() -> u64 {
     256 << 20
@@ -387,6 +422,7 @@ impl Config {
                 }
             }
         }
+        crate::bounds::check(&cfg, text).map_err(|(offset, reason)| invalid(offset, reason))?;
         Ok(cfg)
     }
 }

@@ -55,6 +55,15 @@ impl Agent {
         let Some(cmd) = svc.cfg.command.clone() else {
             return Err("no command to start".into());
         };
+        // Started means listening on the backend port: one that answers
+        // before the server runs is another program's, and the agent would
+        // forward its clients there.
+        if std::net::TcpStream::connect_timeout(&svc.cfg.backend, Duration::from_secs(1)).is_ok() {
+            return Err(format!(
+                "backend {} is already in use by another program: stop it or give the service another backend port",
+                svc.cfg.backend
+            ));
+        }
         let logs = self.state_dir().join("agent");
         std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
         let log_path = logs.join(format!("{}.log", svc.name));

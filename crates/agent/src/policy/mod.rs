@@ -25,7 +25,7 @@ mod tick;
 
 use crate::control::{Action, Control, Pending, Unavailable};
 use crate::metrics::Metrics;
-use crate::service::Service;
+use crate::service::{Service, State};
 use crate::state::Agent;
 use gpusnap_core::engine::StateReport;
 use std::sync::Arc;
@@ -62,7 +62,12 @@ impl Control for Agent {
     fn act(self: Arc<Self>, svc: Arc<Service>, action: Action) -> Pending<Result<(), String>> {
         Box::pin(async move {
             let why = "asked through the API";
+            // Asking for the state a service is already in succeeds, as a
+            // resume of a running one does.
+            let state = svc.lock().state;
             match action {
+                Action::Suspend if matches!(state, State::Suspended | State::Hibernated) => Ok(()),
+                Action::Hibernate if state == State::Hibernated => Ok(()),
                 Action::Suspend => self.suspend(&svc, why).await,
                 Action::Hibernate => self.hibernate(&svc, why).await,
                 Action::Resume | Action::Wake => {

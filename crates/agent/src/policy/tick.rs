@@ -19,8 +19,9 @@ impl Agent {
             let (state, since, alive, restart_due, may_hibernate) = {
                 let g = svc.lock();
                 let alive = g.process.as_ref().is_some_and(target::is_alive);
+                // Idle connections are closed by the hibernate: only traffic holds it off.
                 let may_hibernate =
-                    g.conns.is_empty() && g.hibernate_not_before.is_none_or(|t| Instant::now() >= t);
+                    !Service::has_traffic(&g) && g.hibernate_not_before.is_none_or(|t| Instant::now() >= t);
                 (g.state, g.since, alive, g.restart_at.is_some_and(|t| Instant::now() >= t), may_hibernate)
             };
             match state {
