@@ -142,6 +142,10 @@ pub struct ServiceConfig {
     /// Variables set for the server.
     #[serde(default)]
     pub environment: std::collections::BTreeMap<String, String>,
+    /// The user the server runs as (a name or a uid); unset: the agent's.
+    pub user: Option<Spanned<String>>,
+    /// The server's group (a name or a gid); unset: the user's primary group.
+    pub group: Option<Spanned<String>>,
 }
 
 /// `[service.hooks]` (in a `[[service]]` array: `hooks.before_suspend = {...}`
@@ -369,6 +373,26 @@ impl Config {
             }
             if s.command.as_ref().is_some_and(|c| c.is_empty()) {
                 return Err(invalid(at, format!("service {name:?}: command is empty")));
+            }
+            for (what, v) in [("user", &s.user), ("group", &s.group)] {
+                let Some(v) = v else { continue };
+                if s.command.is_none() {
+                    return Err(invalid(
+                        v.span().start,
+                        format!("service {name:?}: {what} is for a server the agent starts (command)"),
+                    ));
+                }
+                let known = match what {
+                    "user" => v.get_ref().parse::<u32>().is_ok()
+                        || nix::unistd::User::from_name(v.get_ref()).ok().flatten().is_some(),
+                    _ => crate::peer::group_id(v.get_ref()).is_some(),
+                };
+                if !known {
+                    return Err(invalid(
+                        v.span().start,
+                        format!("service {name:?}: {what} {:?}: no such {what} on this host", v.get_ref()),
+                    ));
+                }
             }
             for (which, h) in
                 [("before_suspend", &s.hooks.before_suspend), ("after_resume", &s.hooks.after_resume)]

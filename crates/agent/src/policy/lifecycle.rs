@@ -64,9 +64,11 @@ impl Agent {
                 svc.cfg.backend
             ));
         }
-        let logs = self.state_dir().join("agent");
-        std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
-        let log_path = logs.join(format!("{}.log", svc.name));
+        let log_path = crate::logs::path(self.state_dir(), &svc.name);
+        if let Some(dir) = log_path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        }
+        let _ = crate::logs::rotate(&log_path, crate::logs::MAX_LOG);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -75,11 +77,20 @@ impl Agent {
         let mut c = std::process::Command::new(self.exe());
         c.arg("--state-dir")
             .arg(self.state_dir())
-            .args(["run", "--light", "--name", &svc.name, "--"])
+            .args(["run", "--light", "--name", &svc.name]);
+        if let Some(u) = &svc.cfg.user {
+            c.args(["--user", u.get_ref()]);
+        }
+        if let Some(g) = &svc.cfg.group {
+            c.args(["--group", g.get_ref()]);
+        }
+        c.arg("--")
             .args(&cmd)
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
-            .stderr(log);
+            .stderr(log)
+            .env_clear()
+            .envs(crate::environ::for_server(&svc.cfg));
         use std::os::unix::process::CommandExt;
         // SAFETY: setsid is async-signal-safe and touches no memory of ours.
         unsafe {
