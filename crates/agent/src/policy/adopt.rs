@@ -107,7 +107,9 @@ impl Agent {
                         self.spawn_start(svc, "the agent started and found no process for it");
                     }
                     None => {
-                        g.last_error = Some("no process found (pid_file/cgroup)".into());
+                        // A refused pid file said why already.
+                        let why = g.last_error.take().unwrap_or_else(|| "no process found (pid_file/cgroup)".into());
+                        g.last_error = Some(why);
                         svc.set_state(&mut g, State::Exited);
                     }
                 },

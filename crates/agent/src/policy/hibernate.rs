@@ -132,8 +132,12 @@ impl Agent {
     /// `hibernating`, and a new one waits for the service to come back.
     async fn close_idle_connections(&self, svc: &Service) -> Result<(), String> {
         let deadline = Instant::now() + CLOSE_IDLE;
+        let port = svc.cfg.backend.port();
         loop {
-            let open = svc.lock().conns.values().filter(|c| c.backend).count();
+            // Ours closed, and the server's ends too (it reads the end of
+            // each and closes it itself, a moment later).
+            let ours = svc.lock().conns.values().filter(|c| c.backend).count();
+            let open = if ours > 0 { ours } else { open_tcp_on(port) };
             if open == 0 {
                 return Ok(());
             }
@@ -148,4 +152,26 @@ impl Agent {
         let Ok(mut e) = self.engine() else { return false };
         pids.iter().all(|p| e.state(*p).is_ok_and(|s| s.state == "checkpointed"))
     }
+}
+
+/// TCP connections of this host whose local port is `port`, other than a
+/// listener and those past their close (TIME_WAIT): what CRIU would find
+/// established or half closed in the server (/proc/net/tcp and tcp6).
+fn open_tcp_on(port: u16) -> usize {
+    const LISTEN: &str = "0A";
+    const TIME_WAIT: &str = "06";
+    const CLOSE: &str = "07";
+    let mut n = 0;
+    for f in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(f) else { continue };
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(st)) = (cols.get(1), cols.get(3)) else { continue };
+            let lport = local.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+            if lport == Some(port) && ![LISTEN, TIME_WAIT, CLOSE].contains(st) {
+                n += 1;
+            }
+        }
+    }
+    n
 }
