@@ -98,10 +98,9 @@ fn next_step(s: &Service, g: &crate::service::Inner) -> Option<NextStep> {
             .cfg
             .suspend_after
             .map(|d| NextStep { action: "suspend", in_ms: left(d, g.last_activity.elapsed()) }),
-        State::Suspended if !s.cfg.adopted() => s
-            .cfg
-            .hibernate_after
-            .map(|d| NextStep { action: "hibernate", in_ms: left(d, g.since.elapsed()) }),
+        State::Suspended if !s.cfg.adopted() => {
+            s.cfg.hibernate_after.map(|d| NextStep { action: "hibernate", in_ms: left(d, g.since.elapsed()) })
+        }
         State::Dead => g.restart_at.map(|t| NextStep {
             action: "restart",
             in_ms: t.saturating_duration_since(std::time::Instant::now()).as_millis() as u64,

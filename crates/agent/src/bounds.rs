@@ -43,7 +43,10 @@ pub fn check(cfg: &Config, text: &str) -> Result<(), (usize, String)> {
     let agent = [
         ("tick", within("tick", a.tick, 10 * MS, 3600 * SEC)),
         ("header_timeout", within("header_timeout", a.header_timeout, 100 * MS, 600 * SEC)),
-        ("max_connections", a.max_connections.map_or(Ok(()), |n| count("max_connections", n, 1, MAX_CONNECTIONS))),
+        (
+            "max_connections",
+            a.max_connections.map_or(Ok(()), |n| count("max_connections", n, 1, MAX_CONNECTIONS)),
+        ),
         (
             "min_host_available",
             a.min_host_available.map_or(Ok(()), |n| bytes("min_host_available", n, 0, 1024 * TIB)),
@@ -125,7 +128,8 @@ fn key_offset(text: &str, from: usize, key: &str) -> Option<usize> {
 mod tests {
     use crate::config::Config;
 
-    const BASE: &str = "[agent]\nsocket = \"/tmp/a.sock\"\n\n[[service]]\nname = \"a\"\nlisten = \"127.0.0.1:8000\"\n\
+    const BASE: &str =
+        "[agent]\nsocket = \"/tmp/a.sock\"\n\n[[service]]\nname = \"a\"\nlisten = \"127.0.0.1:8000\"\n\
                         backend = \"127.0.0.1:18000\"\ncommand = [\"serve\"]\n";
 
     fn err(text: &str) -> String {
@@ -146,7 +150,10 @@ mod tests {
             ("gpu_memory = 0", "gpu_memory"),
         ] {
             let e = err(&format!("{BASE}{line}\n"));
-            assert!(e.starts_with("x.toml:9:") && e.contains(what) && e.contains("service \"a\""), "{line}: {e}");
+            assert!(
+                e.starts_with("x.toml:9:") && e.contains(what) && e.contains("service \"a\""),
+                "{line}: {e}"
+            );
         }
         // The key of the second service, not the first's.
         let two = format!(

@@ -383,8 +383,10 @@ impl Config {
                     ));
                 }
                 let known = match what {
-                    "user" => v.get_ref().parse::<u32>().is_ok()
-                        || nix::unistd::User::from_name(v.get_ref()).ok().flatten().is_some(),
+                    "user" => {
+                        v.get_ref().parse::<u32>().is_ok()
+                            || nix::unistd::User::from_name(v.get_ref()).ok().flatten().is_some()
+                    }
                     _ => crate::peer::group_id(v.get_ref()).is_some(),
                 };
                 if !known {

@@ -8,7 +8,8 @@ use crate::config::ServiceConfig;
 use std::collections::BTreeMap;
 
 /// Passed from the agent's environment to every server.
-pub const ALWAYS: [&str; 9] = ["PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR", "LD_LIBRARY_PATH"];
+pub const ALWAYS: [&str; 9] =
+    ["PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR", "LD_LIBRARY_PATH"];
 /// Variables starting so are passed too: the GPU's (`CUDA_VISIBLE_DEVICES`,
 /// `NVIDIA_VISIBLE_DEVICES`) and gpusnap's own (`GPUSNAP_*`).
 pub const PREFIXES: [&str; 3] = ["CUDA_", "NVIDIA_", "GPUSNAP_"];

@@ -60,7 +60,8 @@ impl Nofile {
     /// The connection budget. Under a low limit (`ulimit -n 64`) half of it
     /// is the reserve, and the API and metrics get an eighth each.
     pub fn budget(self) -> Budget {
-        let usable = usize::try_from(self.soft.saturating_sub(RESERVE.min(self.soft / 2))).unwrap_or(usize::MAX);
+        let usable =
+            usize::try_from(self.soft.saturating_sub(RESERVE.min(self.soft / 2))).unwrap_or(usize::MAX);
         let api = API_CONNECTIONS.min(usable / 8).max(1);
         let metrics = METRICS_CONNECTIONS.min(usable / 8).max(1);
         let proxies = (usable.saturating_sub(api + metrics) / 2).max(1);

@@ -25,7 +25,10 @@ pub fn trusted(file: &Path, t: &Target) -> Result<(), String> {
 
 fn judge(mode: u32, file_uid: u32, t: &Target) -> Result<(), String> {
     if mode & 0o022 != 0 {
-        return Err(format!("others may write it (mode {:o}): make it writable by its owner only", mode & 0o777));
+        return Err(format!(
+            "others may write it (mode {:o}): make it writable by its owner only",
+            mode & 0o777
+        ));
     }
     if file_uid != 0 && file_uid != t.uid {
         return Err(format!(

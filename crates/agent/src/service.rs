@@ -186,7 +186,9 @@ impl Service {
             tracing::info!(service = self.name, from = inner.state.as_str(), to = state.as_str(), "state");
             // Back to serving after a start, resume or wake: the last error
             // is history (the journal keeps it).
-            if state == State::Running && matches!(inner.state, State::Starting | State::Resuming | State::Waking) {
+            if state == State::Running
+                && matches!(inner.state, State::Starting | State::Resuming | State::Waking)
+            {
                 inner.last_error = None;
             }
             inner.state = state;

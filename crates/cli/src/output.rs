@@ -215,7 +215,9 @@ impl Out {
         };
         for s in list.as_array().into_iter().flatten() {
             let pid = s["pid"].as_i64().map_or("-".to_string(), |p| p.to_string());
-            let gpu = s["gpu_memory"].as_u64().map_or("-".to_string(), |b| format!("{:.1}GiB", b as f64 / (1u64 << 30) as f64));
+            let gpu = s["gpu_memory"]
+                .as_u64()
+                .map_or("-".to_string(), |b| format!("{:.1}GiB", b as f64 / (1u64 << 30) as f64));
             let next = match (s["next"]["action"].as_str(), s["next"]["in_ms"].as_u64()) {
                 (Some(a), Some(ms)) => format!("{a} in {}", secs(ms)),
                 _ => "-".to_string(),

@@ -84,16 +84,21 @@ impl Agent {
 
     fn log(&self) -> String {
         let n = self.agent.unwrap_or(0);
-        let a = std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default();
-        let b = std::fs::read_to_string(self.w.tmp.path().join(format!("spawned-{n}.log"))).unwrap_or_default();
+        let a =
+            std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default();
+        let b =
+            std::fs::read_to_string(self.w.tmp.path().join(format!("spawned-{n}.log"))).unwrap_or_default();
         a + &b
     }
 
     fn api(&self, method: &str, path: &str) -> (u16, String) {
         let mut s = UnixStream::connect(&self.socket).unwrap();
         s.set_read_timeout(Some(LONG)).unwrap();
-        write!(s, "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
-            .unwrap();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+        )
+        .unwrap();
         let mut text = String::new();
         s.read_to_string(&mut text).unwrap();
         split(&text)
@@ -118,7 +123,11 @@ impl Agent {
                 }
                 return last;
             }
-            assert!(Instant::now() < end, "{name} not {state} within {LONG:?}: {last}\nagent log: {}", self.log());
+            assert!(
+                Instant::now() < end,
+                "{name} not {state} within {LONG:?}: {last}\nagent log: {}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -409,10 +418,7 @@ fn a_pid_file_others_may_write_or_of_another_owner_is_refused() {
 
 #[test]
 fn numbers_out_of_range_are_refused_naming_the_key_and_line() {
-    for (line, key) in [
-        ("tick = 0", "tick"),
-        ("header_timeout = \"1h\"", "header_timeout"),
-    ] {
+    for (line, key) in [("tick = 0", "tick"), ("header_timeout = \"1h\"", "header_timeout")] {
         let a = Agent::config(line, &[("a", "")]);
         let r = a.w.gpusnap(&["agent", "--config", &a.config.display().to_string()]);
         assert_eq!(r.code, 2, "{line}: {}", r.stderr);

@@ -54,7 +54,8 @@ impl Agent {
                     svc.set_state(&mut g, state);
                     drop(g);
                     self.journal(svc, Some(&t), &format!("adopted as {} (pid {})", state.as_str(), t.pid));
-                    if rec.doing.as_deref() == Some(super::suspend::HOOKED_SUSPEND) && state == State::Running {
+                    if rec.doing.as_deref() == Some(super::suspend::HOOKED_SUSPEND) && state == State::Running
+                    {
                         self.undo_hook(svc);
                     }
                     if let Some(image) = woken {
@@ -108,7 +109,10 @@ impl Agent {
                     }
                     None => {
                         // A refused pid file said why already.
-                        let why = g.last_error.take().unwrap_or_else(|| "no process found (pid_file/cgroup)".into());
+                        let why = g
+                            .last_error
+                            .take()
+                            .unwrap_or_else(|| "no process found (pid_file/cgroup)".into());
                         g.last_error = Some(why);
                         svc.set_state(&mut g, State::Exited);
                     }

@@ -75,9 +75,7 @@ impl Agent {
             .open(&log_path)
             .map_err(|e| e.to_string())?;
         let mut c = std::process::Command::new(self.exe());
-        c.arg("--state-dir")
-            .arg(self.state_dir())
-            .args(["run", "--light", "--name", &svc.name]);
+        c.arg("--state-dir").arg(self.state_dir()).args(["run", "--light", "--name", &svc.name]);
         if let Some(u) = &svc.cfg.user {
             c.args(["--user", u.get_ref()]);
         }
