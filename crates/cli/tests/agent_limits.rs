@@ -5,6 +5,9 @@
 //! others could write, an agent killed after a before_suspend hook, and
 //! numbers out of range in its config. Each test reproduces the attack
 //! with the command that did it and checks that the agent keeps serving.
+//! And what the agent reports: a suspend asked twice, a taken backend
+//! port, the last error once it recovered, a wake's phases after an
+//! eviction.
 
 mod common;
 
@@ -32,7 +35,12 @@ impl Agent {
     /// A config of fake servers (`name`, more TOML lines) and the agent's
     /// own lines; not started.
     fn config(agent_extra: &str, svcs: &[(&str, &str)]) -> Self {
-        let w = World::new(&[4000]);
+        Self::config_on(4000, 100, agent_extra, svcs)
+    }
+
+    /// The same on a GPU of `gpu_mib`, each server taking `mib`.
+    fn config_on(gpu_mib: u64, mib: u64, agent_extra: &str, svcs: &[(&str, &str)]) -> Self {
+        let w = World::new(&[gpu_mib]);
         let sockdir = tempfile::Builder::new().prefix("gpusnap-agent-limits").tempdir_in("/tmp").unwrap();
         let socket = sockdir.path().join("agent.sock");
         let mut text = format!("[agent]\nsocket = {:?}\n{agent_extra}\n", socket.display().to_string());
@@ -48,7 +56,7 @@ impl Agent {
                 .collect();
             text += &format!(
                 "\n[[service]]\nname = \"{name}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\n\
-                 command = [{:?}, \"--mib\", \"100\", \"--gpu\", \"0\", \"--http\", \"{backend}\"{more}]\n{extra}\n",
+                 command = [{:?}, \"--mib\", \"{mib}\", \"--gpu\", \"0\", \"--http\", \"{backend}\"{more}]\n{extra}\n",
                 fake_workload_bin().display().to_string(),
             );
         }
@@ -500,4 +508,54 @@ fn suspend_of_a_suspended_service_succeeds_and_recovery_clears_the_last_error() 
     }
     let v = a.service("a");
     assert!(v["gpu_memory"].as_u64().is_some_and(|b| b >= 100 << 20), "{v}");
+}
+
+#[test]
+fn a_wake_that_needed_an_eviction_traces_criu_as_the_wake() {
+    criu_present();
+    // A GPU that fits one server: h hibernates, then its request evicts r.
+    let mut a = Agent::config_on(
+        1000,
+        600,
+        "",
+        &[
+            (
+                "h",
+                "suspend_after = \"300ms\"\nhibernate_after = \"300ms\"\nwake_timeout = \"60s\"\n\
+                 margin = \"16MiB\"\ngpu_memory = \"600MiB\"",
+            ),
+            ("r", "suspend_after = \"never\"\nmargin = \"16MiB\"\ngpu_memory = \"600MiB\""),
+        ],
+    );
+    a.start(None);
+    a.wait_state("h", "hibernated");
+    // r was suspended to make room for h's start, or never was: running now.
+    assert_eq!(a.api("POST", "/v1/services/r/resume").0, 200);
+    a.wait_state("r", "running");
+    let body = answers(a.port(0));
+    assert!(body.starts_with("ok "), "{body}");
+    let pid = a.wait_state("h", "running")["pid"].as_i64().unwrap();
+    a.w.adopt(pid as i32);
+    assert_eq!(a.service("r")["state"], "suspended");
+    // The trace is observed just after the first byte: poll the metrics.
+    let sample = |m: &str, what: &str, p: &str| {
+        m.lines()
+            .find(|l| l.starts_with(&format!("gpusnap_agent_swap_phase_seconds_{what}{{phase=\"{p}\"}}")))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let phase = |m: &str, p: &str| sample(m, "count", p);
+    let end = Instant::now() + LONG;
+    let m = loop {
+        let m = a.api("GET", "/metrics").1;
+        if phase(&m, "first_byte") > 0.0 {
+            break m;
+        }
+        assert!(Instant::now() < end, "no traced wake: {m}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // CRIU's restore took time, and it is the wake's, not admission's.
+    assert!(sample(&m, "sum", "wake") > 0.0, "CRIU's restore is not the wake phase:\n{m}");
+    assert!(phase(&m, "suspend") > 0.0, "no eviction traced:\n{m}");
 }
