@@ -58,6 +58,10 @@ pub struct AgentConfig {
     /// or its first byte (a service's port) before it is closed.
     #[serde(default = "default_header_timeout", deserialize_with = "duration")]
     pub header_timeout: Duration,
+    /// Start each server in a systemd scope of its own, so that its memory
+    /// is charged there, not to the agent's unit (see crate::scope).
+    #[serde(default)]
+    pub server_scope: crate::scope::ServerScope,
 }
 
 impl Default for AgentConfig {
@@ -72,6 +76,7 @@ impl Default for AgentConfig {
             lazy_wake: false,
             max_connections: None,
             header_timeout: default_header_timeout(),
+            server_scope: Default::default(),
         }
     }
 }

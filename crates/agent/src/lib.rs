@@ -39,6 +39,7 @@ pub mod pidfile;
 pub mod policy;
 pub mod proxy;
 pub mod ratelimit;
+pub mod scope;
 pub mod service;
 pub mod state;
 pub mod trace;

@@ -16,7 +16,7 @@ use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const LONG: Duration = Duration::from_secs(60);
@@ -558,4 +558,18 @@ fn a_wake_that_needed_an_eviction_traces_criu_as_the_wake() {
     // CRIU's restore took time, and it is the wake's, not admission's.
     assert!(sample(&m, "sum", "wake") > 0.0, "CRIU's restore is not the wake phase:\n{m}");
     assert!(phase(&m, "suspend") > 0.0, "no eviction traced:\n{m}");
+}
+
+#[test]
+fn a_server_runs_in_a_scope_of_its_own_where_systemd_can_make_one() {
+    if !Path::new("/run/systemd/system").is_dir() {
+        eprintln!("skipped: systemd does not run this host (no /run/systemd/system): no scope can be made");
+        return;
+    }
+    let mut a = Agent::config("server_scope = \"on\"", &[("a", "suspend_after = \"never\"")]);
+    a.start(None);
+    let pid = a.wait_state("a", "running")["pid"].as_i64().unwrap();
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    assert!(cg.contains("gpusnap.slice/gpusnap-server-a-"), "{cg}");
+    assert!(answers(a.port(0)).starts_with("ok "));
 }

@@ -74,7 +74,7 @@ impl Agent {
             .append(true)
             .open(&log_path)
             .map_err(|e| e.to_string())?;
-        let mut c = std::process::Command::new(self.exe());
+        let mut c = crate::scope::command(self.exe(), &svc.name, self.cfg().server_scope);
         c.arg("--state-dir").arg(self.state_dir()).args(["run", "--light", "--name", &svc.name]);
         if let Some(u) = &svc.cfg.user {
             c.args(["--user", u.get_ref()]);
