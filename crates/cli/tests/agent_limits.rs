@@ -447,7 +447,7 @@ fn numbers_out_of_range_are_refused_naming_the_key_and_line() {
 #[test]
 fn an_agent_killed_after_a_before_suspend_hook_wakes_the_server_when_it_adopts_it() {
     let hooks = "suspend_after = \"1h\"\n# fake-workload: --kv-mib 100\n\
-                 hooks.before_suspend = { path = \"/sleep?delay_ms=3000\", timeout = \"30s\" }\n\
+                 hooks.before_suspend = { path = \"/sleep?delay_ms=10000\", timeout = \"60s\" }\n\
                  hooks.after_resume = { path = \"/wake_up\", timeout = \"30s\" }";
     let mut a = Agent::config("", &[("a", hooks)]);
     a.start(None);
@@ -468,7 +468,14 @@ fn an_agent_killed_after_a_before_suspend_hook_wakes_the_server_when_it_adopts_i
     let _ = bg.join();
     // The hook finishes on the server's side: it is asleep (503 on its own port).
     let backend = a.ports[0].1;
-    wait_for(LONG, || get(backend, "/").0 == 503);
+    wait_for(LONG, || {
+        let Ok(mut s) = TcpStream::connect(("127.0.0.1", backend)) else { return false };
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let _ = s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let mut t = String::new();
+        let _ = s.read_to_string(&mut t);
+        split(&t).0 == 503
+    });
     a.start(None);
     let v = a.wait_state("a", "running");
     assert_eq!(v["pid"].as_i64(), Some(pid), "{v}");
