@@ -70,7 +70,9 @@ impl Agent {
         let _ = std::fs::remove_file(&self.socket);
         let cfg = self.config.display().to_string();
         let n = match nofile {
-            None => self.w.spawn_gpusnap(&["agent", "--config", &cfg]),
+            None => {
+                self.w.spawn_gpusnap_env(&["agent", "--config", &cfg], &[("AWS_SECRET_ACCESS_KEY", "secret")])
+            }
             Some(n) => {
                 let limit = format!("--nofile={n}:{n}");
                 let bin = env!("CARGO_BIN_EXE_gpusnap");
@@ -579,4 +581,50 @@ fn a_server_runs_in_a_scope_of_its_own_where_systemd_can_make_one() {
     let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
     assert!(cg.contains("gpusnap.slice/gpusnap-server-a-"), "{cg}");
     assert!(answers(a.port(0)).starts_with("ok "));
+}
+
+#[test]
+fn a_server_gets_its_own_environment_not_the_agents() {
+    let mut a = Agent::config(
+        "",
+        &[("a", "suspend_after = \"never\"\npass_environment = [\"GPUSNAP_NOT_SET\"]\nenvironment = { MODEL = \"llama-8b\" }")],
+    );
+    a.start(None);
+    let pid = a.wait_state("a", "running")["pid"].as_i64().unwrap();
+    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let vars: Vec<String> = env.split(|b| *b == 0).map(|v| String::from_utf8_lossy(v).into_owned()).collect();
+    assert!(vars.iter().any(|v| v == "MODEL=llama-8b"), "{vars:?}");
+    assert!(vars.iter().any(|v| v.starts_with("GPUSNAP_FAKE_DIR=")), "{vars:?}");
+    // The agent has it (the test gave it); the server does not.
+    assert!(!vars.iter().any(|v| v.starts_with("AWS_SECRET_ACCESS_KEY")), "{vars:?}");
+}
+
+#[test]
+fn at_most_sixteen_clients_follow_the_events() {
+    let mut a = Agent::config("", &[("a", "suspend_after = \"never\"")]);
+    a.start(None);
+    a.wait_state("a", "running");
+    let follow = || {
+        let mut s = UnixStream::connect(&a.socket).unwrap();
+        s.set_read_timeout(Some(LONG)).unwrap();
+        write!(s, "GET /v1/events HTTP/1.1\r\nHost: agent\r\n\r\n").unwrap();
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head).unwrap();
+        (String::from_utf8_lossy(&head).into_owned(), s)
+    };
+    let followers: Vec<_> = (0..16).map(|_| follow()).collect();
+    assert!(
+        followers.iter().all(|(h, _)| h == "HTTP/1.1 200"),
+        "{:?}",
+        followers.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+    assert_eq!(follow().0, "HTTP/1.1 503");
+    // Not following is always served; a follower that hangs up frees its place.
+    assert_eq!(a.api("GET", "/v1/events?follow=false").0, 200);
+    drop(followers);
+    let end = Instant::now() + LONG;
+    while follow().0 != "HTTP/1.1 200" {
+        assert!(Instant::now() < end, "no follower's place came free");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
