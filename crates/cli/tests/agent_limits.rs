@@ -587,7 +587,7 @@ fn a_server_runs_in_a_scope_of_its_own_where_systemd_can_make_one() {
 fn a_server_gets_its_own_environment_not_the_agents() {
     let mut a = Agent::config(
         "",
-        &[("a", "suspend_after = \"never\"\npass_environment = [\"GPUSNAP_NOT_SET\"]\nenvironment = { MODEL = \"llama-8b\" }")],
+        &[("a", "suspend_after = \"never\"\npass_environment = [\"HF_HOME_NOT_SET\"]\nenvironment = { MODEL = \"llama-8b\" }")],
     );
     a.start(None);
     let pid = a.wait_state("a", "running")["pid"].as_i64().unwrap();
