@@ -628,3 +628,38 @@ fn at_most_sixteen_clients_follow_the_events() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[test]
+fn an_agent_out_of_descriptors_never_takes_a_live_server_for_dead() {
+    let mut a = Agent::config("tick = \"50ms\"", &[("a", "suspend_after = \"never\"")]);
+    a.start(None);
+    let pid = a.wait_state("a", "running")["pid"].as_i64().unwrap();
+    // Its limit lowered to what it holds: every /proc read of the policy's
+    // liveness check now fails with EMFILE.
+    let agent = a.pid().to_string();
+    let held = a.fds();
+    let limits = std::fs::read_to_string(format!("/proc/{agent}/limits")).unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap().to_string();
+    let f: Vec<&str> = line.split_whitespace().collect();
+    let (soft, hard) = (f[3].to_string(), f[4].to_string());
+    let set = |n: &str| {
+        let st = std::process::Command::new("prlimit")
+            .args(["--pid", &agent, &format!("--nofile={n}:{hard}")])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    };
+    set(&held.to_string());
+    // Many ticks meanwhile (a fixed wait: the check is that nothing happens).
+    std::thread::sleep(Duration::from_secs(2));
+    set(&soft);
+    let v = a.service("a");
+    assert_eq!(
+        (v["state"].as_str(), v["restarts"].as_u64(), v["pid"].as_i64()),
+        (Some("running"), Some(0), Some(pid)),
+        "{v}\n{}",
+        a.log()
+    );
+    assert!(!a.log().contains("the process ended on its own"), "{}", a.log());
+    assert!(answers(a.port(0)).starts_with(&format!("ok {pid} ")));
+}
