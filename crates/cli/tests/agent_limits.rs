@@ -517,6 +517,10 @@ fn suspend_of_a_suspended_service_succeeds_and_recovery_clears_the_last_error() 
     }
     let v = a.service("a");
     assert!(v["gpu_memory"].as_u64().is_some_and(|b| b >= 100 << 20), "{v}");
+    // Transitions are logged without -v, in plain text (stderr is a file).
+    let log = a.log();
+    assert!(log.contains("to=\"running\"") && log.contains("to=\"suspended\""), "{log}");
+    assert!(!log.contains('\x1b'), "colour codes in a log that is not a terminal:\n{log}");
 }
 
 #[test]
