@@ -468,11 +468,14 @@ fn an_agent_killed_after_a_before_suspend_hook_wakes_the_server_when_it_adopts_i
     a.w.children[n].kill();
     a.w.children[n].wait();
     let _ = bg.join();
-    // The hook finishes on the server's side: it is asleep (503 on its own port).
+    // The hook finishes on the server's side: it is asleep (503 on its own
+    // port). The server answers one connection at a time: each ask waits
+    // for its answer (a client that gave up would leave it writing to a
+    // closed connection).
     let backend = a.ports[0].1;
     wait_for(LONG, || {
         let Ok(mut s) = TcpStream::connect(("127.0.0.1", backend)) else { return false };
-        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        s.set_read_timeout(Some(LONG)).unwrap();
         let _ = s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
         let mut t = String::new();
         let _ = s.read_to_string(&mut t);
