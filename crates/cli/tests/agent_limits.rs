@@ -449,7 +449,7 @@ fn numbers_out_of_range_are_refused_naming_the_key_and_line() {
 #[test]
 fn an_agent_killed_after_a_before_suspend_hook_wakes_the_server_when_it_adopts_it() {
     let hooks = "suspend_after = \"1h\"\n# fake-workload: --kv-mib 100\n\
-                 hooks.before_suspend = { path = \"/sleep?delay_ms=10000\", timeout = \"60s\" }\n\
+                 hooks.before_suspend = { path = \"/sleep?delay_ms=25000\", timeout = \"120s\" }\n\
                  hooks.after_resume = { path = \"/wake_up\", timeout = \"30s\" }";
     let mut a = Agent::config("", &[("a", hooks)]);
     a.start(None);
@@ -461,7 +461,8 @@ fn an_agent_killed_after_a_before_suspend_hook_wakes_the_server_when_it_adopts_i
         let mut t = String::new();
         let _ = s.read_to_string(&mut t);
     });
-    // The hooked suspend is recorded before the hook runs: kill -9 then.
+    // The hooked suspend is recorded before the hook runs: kill -9 then
+    // (the hook answers after 25 s: time enough on a loaded machine).
     let rec = a.w.state_dir().join("agent").join("services.json");
     wait_for(LONG, || std::fs::read_to_string(&rec).is_ok_and(|t| t.contains("hooked suspend")));
     let n = a.agent.take().unwrap();
