@@ -671,3 +671,18 @@ fn an_agent_out_of_descriptors_never_takes_a_live_server_for_dead() {
     assert!(!a.log().contains("the process ended on its own"), "{}", a.log());
     assert!(answers(a.port(0)).starts_with(&format!("ok {pid} ")));
 }
+
+#[test]
+fn a_server_runs_as_the_user_and_group_its_service_names() {
+    let w = World::new(&[1000]);
+    let r = w.gpusnap(&["run", "--light", "--user", "nobody", "--", "/bin/sh", "-c", "id -u; id -g; id -G"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let nobody = nix::unistd::User::from_name("nobody").unwrap().unwrap();
+    let (uid, gid) = (nobody.uid.as_raw().to_string(), nobody.gid.as_raw().to_string());
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    // Its uid, its primary group, and no supplementary group of gpusnap's.
+    assert_eq!(lines, [uid.as_str(), gid.as_str(), gid.as_str()], "{}", r.stdout);
+    let r = w.gpusnap(&["run", "--light", "--user", "no-such-user-here", "--", "true"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("no user \"no-such-user-here\""), "{}", r.stderr);
+}
