@@ -148,7 +148,7 @@ impl Metrics {
             connections_closed: register(
                 r,
                 "connections_closed_unserved",
-                "Connections closed because their service could not come back in time",
+                "Connections closed because their service could not come back in time, or refused at a connection cap",
                 None,
                 Family::default(),
             ),

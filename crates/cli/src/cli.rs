@@ -253,6 +253,15 @@ pub enum Cmd {
         /// GPUSNAP_PRELOAD).
         #[arg(long, value_name = "PATH", requires = "light")]
         preload: Option<std::path::PathBuf>,
+        /// Run the program as this user (a name or a uid; --light only): the
+        /// guard stays with gpusnap, the program gets the user's uid, its
+        /// primary group unless --group says otherwise, and no
+        /// supplementary groups.
+        #[arg(long, value_name = "USER", requires = "light")]
+        user: Option<String>,
+        /// Run the program with this group (a name or a gid; --light only).
+        #[arg(long, value_name = "GROUP", requires = "light")]
+        group: Option<String>,
         /// The program and its arguments, after `--`.
         #[arg(required = true, last = true, value_name = "PROGRAM")]
         cmd: Vec<OsString>,

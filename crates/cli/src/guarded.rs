@@ -43,6 +43,44 @@ fn new_light_guard(
     LightGuard::new(api, gpus, &cli.state_dir, lock_timeout)
 }
 
+/// The user and group `run --light --user/--group` gives the program.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RunAs {
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+}
+
+impl RunAs {
+    /// Names or numbers; a user's primary group when no group is given.
+    pub fn resolve(user: Option<&str>, group: Option<&str>) -> anyhow::Result<Self> {
+        use nix::unistd::{Group, User};
+        let bad = |what: &str, n: &str| {
+            gpusnap_agent::AgentError::Config(gpusnap_agent::config::ConfigError::Read {
+                path: format!("--{what}"),
+                reason: format!("no {what} {n:?} on this host"),
+            })
+        };
+        let (uid, primary) = match user {
+            None => (None, None),
+            Some(u) => match u.parse::<u32>() {
+                Ok(n) => (Some(n), User::from_uid(n.into()).ok().flatten().map(|u| u.gid.as_raw())),
+                Err(_) => {
+                    let pw = User::from_name(u).ok().flatten().ok_or_else(|| bad("user", u))?;
+                    (Some(pw.uid.as_raw()), Some(pw.gid.as_raw()))
+                }
+            },
+        };
+        let gid = match group {
+            None => primary,
+            Some(g) => Some(match g.parse::<u32>() {
+                Ok(n) => n,
+                Err(_) => Group::from_name(g).ok().flatten().ok_or_else(|| bad("group", g))?.gid.as_raw(),
+            }),
+        };
+        Ok(Self { uid, gid })
+    }
+}
+
 /// `gpusnap run --light`: the program carries the preload library and asks
 /// this process, over a unix socket, to suspend it before it dies.
 pub fn run_light(
@@ -51,6 +89,7 @@ pub fn run_light(
     lock_timeout: u32,
     preload: Option<&Path>,
     oom_watch: bool,
+    who: RunAs,
     cmd: &[OsString],
 ) -> anyhow::Result<()> {
     let mut store = Store::open(&cli.state_dir)?;
@@ -71,6 +110,15 @@ pub fn run_light(
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let mut command = std::process::Command::new(&cmd[0]);
     command.args(&cmd[1..]).env("LD_PRELOAD", preload_env).env(light::SOCKET_ENV, &socket);
+    // Group first, then user (std sets them so, and drops the supplementary
+    // groups when it changes the user).
+    use std::os::unix::process::CommandExt;
+    if let Some(g) = who.gid {
+        command.gid(g);
+    }
+    if let Some(u) = who.uid {
+        command.uid(u);
+    }
     // The same session rule as the traced `run` (see guard::launch).
     gpusnap_core::target::own_session_where_needed(&mut command);
     let mut child = match command.spawn() {

@@ -277,7 +277,15 @@ impl Agent {
             }
             self.persist();
             let woke = t_wake.elapsed();
-            self.bring_back_once(svc, false).map(|d| Done { wake: woke, ..d })
+            let woken_at = Instant::now();
+            let r = self.bring_back_once(svc, false);
+            if r.is_err() {
+                // The wake is done (the service is Resuming now) and its
+                // resume was refused (an eviction comes next): the CRIU
+                // restore is the wake's phase, not admission's.
+                svc.trace(|t| t.span(woken_at, "resume_prep", &[("wake", woke)]));
+            }
+            r.map(|d| Done { wake: woke, ..d })
         } else {
             let (root, kept) = {
                 let g = svc.lock();

@@ -55,11 +55,22 @@ impl Agent {
         let Some(cmd) = svc.cfg.command.clone() else {
             return Err("no command to start".into());
         };
-        let logs = self.state_dir().join("agent");
+        // Started means listening on the backend port: one that answers
+        // before the server runs is another program's, and the agent would
+        // forward its clients there.
+        if std::net::TcpStream::connect_timeout(&svc.cfg.backend, Duration::from_secs(1)).is_ok() {
+            return Err(format!(
+                "backend {} is already in use by another program: stop it or give the service another backend port",
+                svc.cfg.backend
+            ));
+        }
+        let log_path = crate::logs::path(self.state_dir(), &svc.name);
         // The services' output is theirs and root's alone: 0700, 0600.
         use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&logs).map_err(|e| e.to_string())?;
-        let log_path = logs.join(format!("{}.log", svc.name));
+        if let Some(dir) = log_path.parent() {
+            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| e.to_string())?;
+        }
+        let _ = crate::logs::rotate(&log_path, crate::logs::MAX_LOG);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -69,14 +80,21 @@ impl Agent {
             .map_err(|e| e.to_string())?;
         // One made before logs were private.
         log.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(|e| e.to_string())?;
-        let mut c = std::process::Command::new(self.exe());
-        c.arg("--state-dir")
-            .arg(self.state_dir())
-            .args(["run", "--light", "--name", &svc.name, "--"])
+        let mut c = crate::scope::command(self.exe(), &svc.name, self.cfg().server_scope);
+        c.arg("--state-dir").arg(self.state_dir()).args(["run", "--light", "--name", &svc.name]);
+        if let Some(u) = &svc.cfg.user {
+            c.args(["--user", u.get_ref()]);
+        }
+        if let Some(g) = &svc.cfg.group {
+            c.args(["--group", g.get_ref()]);
+        }
+        c.arg("--")
             .args(&cmd)
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
-            .stderr(log);
+            .stderr(log)
+            .env_clear()
+            .envs(crate::environ::for_server(&svc.cfg));
         use std::os::unix::process::CommandExt;
         // SAFETY: setsid is async-signal-safe and touches no memory of ours.
         unsafe {
