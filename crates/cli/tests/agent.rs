@@ -1454,7 +1454,7 @@ fn journal_followers_are_bounded() {
         let code: u16 = String::from_utf8_lossy(&head).split_whitespace().nth(1).unwrap().parse().unwrap();
         (s, code)
     };
-    let cap = gpusnap_agent::api::MAX_FOLLOWERS;
+    let cap = gpusnap_agent::api::EVENTS_FOLLOWERS;
     let held: Vec<UnixStream> = (0..cap)
         .map(|i| {
             let (s, code) = follow();
