@@ -113,6 +113,31 @@ pub struct ServiceConfig {
     /// resumes (vLLM's sleep mode, SGLang's memory release): see docs/design/agent.md.
     #[serde(default)]
     pub hooks: Hooks,
+    /// What the guard does when the server's CUDA context faults (`gpusnap
+    /// run --on-fault`): `exit` (it dies and is restarted as any death),
+    /// `hold` (kept from dying, the service `faulted` until the operator
+    /// ends it).
+    #[serde(default)]
+    pub on_fault: OnFault,
+}
+
+/// `on_fault`: the guard's policy for a faulted CUDA context.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFault {
+    #[default]
+    Exit,
+    Hold,
+}
+
+impl OnFault {
+    /// As `gpusnap run --on-fault` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnFault::Exit => "exit",
+            OnFault::Hold => "hold",
+        }
+    }
 }
 
 /// `[service.hooks]` (in a `[[service]]` array: `hooks.before_suspend = {...}`

@@ -75,6 +75,9 @@ static REAL_EXIT2: AtomicUsize = AtomicUsize::new(0);
 static REAL_CXA_ATEXIT: AtomicUsize = AtomicUsize::new(0);
 /// Our exit handler is registered (it must be the first of all).
 static EXIT_HANDLER: AtomicBool = AtomicBool::new(false);
+/// The guard answered `hold`: this process's CUDA context faulted and the
+/// guard's policy keeps it from dying (`run --on-fault hold`).
+static HOLD: AtomicBool = AtomicBool::new(false);
 
 type SigactionFn = unsafe extern "C" fn(c_int, *const libc::sigaction, *mut libc::sigaction) -> c_int;
 type SignalFn = unsafe extern "C" fn(c_int, libc::sighandler_t) -> libc::sighandler_t;
@@ -460,6 +463,7 @@ extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void
     } else {
         notify(&why[..]);
     }
+    hold_if_told();
     // SAFETY: zeroed sigaction with SIG_DFL; the real sigaction.
     unsafe {
         let mut dfl: libc::sigaction = std::mem::zeroed();
@@ -566,6 +570,9 @@ fn poll_answer(fd: c_int) -> Answer {
             };
         }
         if buf[..r as usize].contains(&b'\n') {
+            if buf[..r as usize].contains(&b'h') {
+                HOLD.store(true, Ordering::SeqCst);
+            }
             return Answer::Done;
         }
         heard = true;
@@ -734,6 +741,18 @@ fn notify(why: &[u8]) {
     }
     // SAFETY: our own fd.
     unsafe { libc::close(fd) };
+    hold_if_told();
+}
+
+/// Under the guard's `hold` answer this thread never goes on to die: the
+/// faulted context must not be torn down until the operator decides
+/// (SIGKILL, `gpusnap stop --force`, still ends the process). Sleeps only.
+fn hold_if_told() {
+    while HOLD.load(Ordering::SeqCst) {
+        let pause = libc::timespec { tv_sec: 3600, tv_nsec: 0 };
+        // SAFETY: nanosleep with a valid timespec (async-signal-safe).
+        unsafe { libc::nanosleep(&pause, std::ptr::null_mut()) };
+    }
 }
 
 /// At load: remember the socket, put our handler wherever a terminating

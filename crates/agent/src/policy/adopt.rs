@@ -62,7 +62,7 @@ impl Agent {
                         // image stays until it runs again: it holds the
                         // footprint the resume needs, and nothing is deleted
                         // before its replacement is verified.
-                        self.start_guard(&pids);
+                        self.start_guard(&pids, svc.cfg.on_fault);
                         self.journal(
                             svc,
                             Some(&t),
