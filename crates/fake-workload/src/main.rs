@@ -558,6 +558,10 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
             )
             .map_err(|e| e.to_string())
         };
+        if path == "/fault" {
+            // An illegal-address kernel mid-request: the program exits 1.
+            fault(&gpu.cuda, 0)?;
+        }
         if path == "/sleep" || path == "/wake_up" {
             sleep(Duration::from_millis(param("delay_ms").unwrap_or(0)));
             let r = if param("fail") == Some(1) {

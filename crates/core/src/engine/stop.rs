@@ -97,8 +97,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             return Err(Error::StopRefused {
                 pid: t.pid,
                 reason: "its CUDA context faulted, so it cannot be suspended first, and tearing a faulted \
-                         context down can hang the host on some drivers (docs/design/safety.md); drain the \
-                         node and reboot, or --force to kill it now"
+                         context down can hang the host on some drivers (docs/design/safety.md): drain the \
+                         node and reboot"
                     .into(),
             });
         }
