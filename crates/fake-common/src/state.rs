@@ -553,6 +553,25 @@ mod tests {
     }
 
     #[test]
+    fn a_faulted_context_answers_its_sticky_error_and_keeps_its_memory() {
+        let cfg = config(&[1000]);
+        let mut st = State::default();
+        with_proc(&mut st, &cfg, 1, 0, 600);
+        let p = st.procs.get_mut(&1).unwrap();
+        p.faulted = Some(CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(p.begin_lock(0, 0), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.finish_lock(), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.begin_checkpoint(0), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.unlock(), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.reported_state(), ProcState::Running);
+        // Still on the GPU (NVML lists it) until the process is gone.
+        let held = st.used_bytes(&cfg, 0);
+        assert!(held >= 600 * MIB, "{held}");
+        let back: State = serde_json::from_str(&serde_json::to_string(&st).unwrap()).unwrap();
+        assert_eq!(back.procs[&1].faulted, Some(CUDA_ERROR_ILLEGAL_ADDRESS));
+    }
+
+    #[test]
     fn lock_waits_for_queued_work_or_times_out() {
         let mut p = Proc::new(1);
         p.enqueue_work(1000, 500);

@@ -21,6 +21,10 @@
 //!   it runs after every handler of the program and of its libraries;
 //! - **`_exit()` / `_Exit()`**: wrapped.
 //!
+//! A guard whose policy holds a process with a faulted CUDA context
+//! (`run --on-fault hold`) answers `hold` instead of `ok`: the dying thread
+//! then sleeps where it asked, for good (only SIGKILL ends the process).
+//!
 //! Signals that do not kill, and the program's own handlers, are never
 //! touched: they cost nothing. `dlopen` is not wrapped (glibc resolves a
 //! `dlopen` by its caller's RUNPATH and namespace, and the caller would be
