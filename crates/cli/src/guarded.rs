@@ -224,9 +224,14 @@ fn forward_signals(leader: i32) {
 /// process's CUDA context faulted (its own ending is in the journal).
 fn finish(ending: Ending, faulted: bool) -> anyhow::Result<()> {
     if faulted {
+        let how = match ending {
+            Ending::Exited(code) => format!("exit code {code}"),
+            Ending::Signaled(sig) => guard::signal_name(sig),
+            Ending::Detached => "a detach".into(),
+        };
         eprintln!(
-            "gpusnap run: a guarded process's CUDA context faulted, it could not be suspended \
-             (gpusnap history PID has the details); the program ended with {ending:?}"
+            "gpusnap run: a guarded process's CUDA context faulted, so it could not be suspended \
+             (gpusnap history PID has the details); the program ended with {how}"
         );
         std::process::exit(FAULTED_EXIT)
     }
