@@ -49,7 +49,8 @@ impl Agent {
                         rec.doing.as_deref() == Some("wake")
                             && rec.start_time.is_some_and(|st| st != t.start_time)
                     });
-                    let state = self.adopted_state(&pids);
+                    // A process its guard holds with a faulted context stays held.
+                    let state = if self.faulted(svc) { State::Faulted } else { self.adopted_state(&pids) };
                     let mut g = svc.lock();
                     svc.set_state(&mut g, state);
                     drop(g);
