@@ -79,7 +79,7 @@ cleanup() {
 trap cleanup EXIT
 
 log "gpusnap: $("$GPUSNAP" --version 2>&1 | head -n 1); driver: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -n 1)"
-log "kernel log readable: $(head -c 1 /dev/kmsg >/dev/null 2>&1 </dev/null && echo yes || echo no)"
+log "kernel log readable: $(dd if=/dev/kmsg bs=8192 count=1 iflag=nonblock status=none >/dev/null 2>&1 && echo yes || echo no)"
 
 # Every worker at once (imports and CUDA start-up overlap).
 for c in "${CASES[@]}"; do
@@ -184,7 +184,7 @@ done
 {
     echo "# fault-e2e: a guarded process whose CUDA context faults"
     echo
-    echo "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -n 1); $("$GPUSNAP" --version 2>&1 | head -n 1); ${GIB} GiB per worker; kernel log readable by the guard: $(head -c 1 /dev/kmsg >/dev/null 2>&1 </dev/null && echo yes || echo no)"
+    echo "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -n 1); $("$GPUSNAP" --version 2>&1 | head -n 1); ${GIB} GiB per worker; kernel log readable by the guard: $(dd if=/dev/kmsg bs=8192 count=1 iflag=nonblock status=none >/dev/null 2>&1 && echo yes || echo no)"
     echo
     echo "| backend | guard | restored | on-fault | the fault (worker; guard's lock) | fault -> run ended / held (s) | SIGKILL -> gone (s) | ps, plain stop | run exit; kernel log | result |"
     echo "|---|---|---|---|---|---|---|---|---|---|"
