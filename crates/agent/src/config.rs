@@ -242,6 +242,12 @@ pub struct ServiceConfig {
     pub user: Option<Spanned<String>>,
     /// The server's group (a name or a gid); unset: the user's primary group.
     pub group: Option<Spanned<String>>,
+    /// What the guard does when the server's CUDA context faults (`gpusnap
+    /// run --on-fault`): `exit` (it dies and is restarted as any death),
+    /// `hold` (kept from dying, the service `faulted` until the operator
+    /// ends it).
+    #[serde(default)]
+    pub on_fault: OnFault,
 }
 
 /// When the agent starts a service it starts itself.
@@ -251,6 +257,25 @@ pub enum Start {
     #[default]
     Boot,
     OnDemand,
+}
+
+/// `on_fault`: the guard's policy for a faulted CUDA context.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFault {
+    #[default]
+    Exit,
+    Hold,
+}
+
+impl OnFault {
+    /// As `gpusnap run --on-fault` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnFault::Exit => "exit",
+            OnFault::Hold => "hold",
+        }
+    }
 }
 
 /// `[service.hooks]` (in a `[[service]]` array: `hooks.before_suspend = {...}`

@@ -27,10 +27,14 @@ pub enum State {
     /// agent never starts what it did not start. A new process that its
     /// owner starts (a newer pid file, a process in the cgroup) is adopted.
     Exited,
+    /// Its CUDA context faulted and its guard holds the process from dying
+    /// (`on_fault = "hold"`): not routed to, not restarted, until the
+    /// operator ends the process (`gpusnap stop --force`).
+    Faulted,
 }
 
 impl State {
-    pub const ALL: [State; 11] = [
+    pub const ALL: [State; 12] = [
         State::Starting,
         State::Running,
         State::Suspending,
@@ -42,6 +46,7 @@ impl State {
         State::Stopping,
         State::Dead,
         State::Exited,
+        State::Faulted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -57,6 +62,7 @@ impl State {
             State::Stopping => "stopping",
             State::Dead => "dead",
             State::Exited => "exited",
+            State::Faulted => "faulted",
         }
     }
 

@@ -262,6 +262,13 @@ pub enum Cmd {
         /// Run the program with this group (a name or a gid; --light only).
         #[arg(long, value_name = "GROUP", requires = "light")]
         group: Option<String>,
+        /// What the guard does with a dying process whose CUDA context
+        /// faulted (it cannot be suspended): `exit` lets it die (its context
+        /// torn down), `hold` keeps it from dying until `gpusnap stop
+        /// --force` or a reboot (docs/design/safety.md). Either way `run`
+        /// then exits 7.
+        #[arg(long, value_enum, value_name = "POLICY", default_value = "exit")]
+        on_fault: OnFault,
         /// The program and its arguments, after `--`.
         #[arg(required = true, last = true, value_name = "PROGRAM")]
         cmd: Vec<OsString>,
@@ -281,6 +288,11 @@ pub enum Cmd {
         /// Take over from a guard that died (used by its keeper).
         #[arg(long, value_name = "GUARD_PID")]
         takeover: Option<i32>,
+        /// What the guard does with a dying process whose CUDA context
+        /// faulted: `exit` lets it die, `hold` keeps it from dying until
+        /// `gpusnap stop --force` (see `run --on-fault`).
+        #[arg(long, value_enum, value_name = "POLICY", default_value = "exit")]
+        on_fault: OnFault,
         /// Detach from the terminal and run in the background.
         #[arg(long)]
         daemon: bool,
@@ -433,6 +445,24 @@ pub enum ImagesCmd {
     },
     /// This host's public key: what other hosts pass to --trust to wake its images.
     Key,
+}
+
+/// What the guard does with a dying process whose CUDA context faulted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnFault {
+    /// Let the death go on: the process tears its faulted context down.
+    Exit,
+    /// Keep the process from dying, for the operator to decide.
+    Hold,
+}
+
+impl From<OnFault> for gpusnap_guard::OnFault {
+    fn from(o: OnFault) -> Self {
+        match o {
+            OnFault::Exit => gpusnap_guard::OnFault::Exit,
+            OnFault::Hold => gpusnap_guard::OnFault::Hold,
+        }
+    }
 }
 
 /// What `gpusnap service NAME ACTION` asks the agent to do.

@@ -216,6 +216,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             let Ok(t) = target::resolve(pid) else {
                 continue;
             };
+            // A faulted context is not asked anything more (its guard may
+            // hold it stopped, or in its exit path).
+            if let Some(rec) = self.store.get(&t)?.filter(|r| r.state == crate::store::FAULTED) {
+                let mut r = self.report(&t, ProcessState::Unknown(-1), Some(&rec))?;
+                r.state = crate::store::FAULTED.into();
+                out.push(r);
+                continue;
+            }
             if target::run_state(pid).is_ok_and(|s| s.is_stopped()) {
                 let rec = self.store.get(&t)?;
                 let mut r = self.report(&t, ProcessState::Unknown(-1), rec.as_ref())?;

@@ -64,6 +64,11 @@ pub struct Proc {
     /// Stuck after a restore that ran out of memory: never runs again.
     #[serde(default)]
     pub poisoned: bool,
+    /// The sticky error its context took (`fakeFault`): every later call of
+    /// the process, and a lock, checkpoint, restore or unlock of it, answers
+    /// this code; get-state still answers (not measured on the driver).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub faulted: Option<CuResult>,
     /// Holds device memory. Not derivable from `state`: a restore takes the
     /// memory before its copy finishes and the process leaves CHECKPOINTED.
     pub resident: bool,
@@ -116,6 +121,7 @@ impl Proc {
             start_time,
             state: ProcState::Running,
             poisoned: false,
+            faulted: None,
             resident: true,
             contexts: BTreeSet::new(),
             allocs: BTreeMap::new(),
@@ -154,7 +160,13 @@ impl Proc {
         }
     }
 
+    /// A faulted context answers its sticky error to every call on it.
+    pub fn check_fault(&self) -> Result<(), CuResult> {
+        self.faulted.map_or(Ok(()), Err)
+    }
+
     pub fn begin_lock(&self, now_ms: u64, timeout_ms: u32) -> Result<LockWait, CuResult> {
+        self.check_fault()?;
         if self.poisoned || self.state != ProcState::Running {
             return Err(CUDA_ERROR_ILLEGAL_STATE);
         }
@@ -164,6 +176,7 @@ impl Proc {
     }
 
     pub fn finish_lock(&mut self) -> Result<(), CuResult> {
+        self.check_fault()?;
         if self.poisoned || self.state != ProcState::Running {
             return Err(CUDA_ERROR_ILLEGAL_STATE);
         }
@@ -173,6 +186,7 @@ impl Proc {
 
     /// Returns the bytes to copy to the host.
     pub fn begin_checkpoint(&self, context_bytes: u64) -> Result<u64, CuResult> {
+        self.check_fault()?;
         if self.poisoned || self.state != ProcState::Locked {
             return Err(CUDA_ERROR_ILLEGAL_STATE);
         }
@@ -197,6 +211,7 @@ impl Proc {
     }
 
     pub fn unlock(&mut self) -> Result<(), CuResult> {
+        self.check_fault()?;
         if self.poisoned || self.state != ProcState::Locked {
             return Err(CUDA_ERROR_ILLEGAL_STATE);
         }
@@ -535,6 +550,25 @@ mod tests {
         assert_eq!(p.begin_checkpoint(0), Err(CUDA_ERROR_ILLEGAL_STATE));
         assert!(!p.accepts_work());
         assert_eq!(st.used_bytes(&cfg, 0), 0);
+    }
+
+    #[test]
+    fn a_faulted_context_answers_its_sticky_error_and_keeps_its_memory() {
+        let cfg = config(&[1000]);
+        let mut st = State::default();
+        with_proc(&mut st, &cfg, 1, 0, 600);
+        let p = st.procs.get_mut(&1).unwrap();
+        p.faulted = Some(CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(p.begin_lock(0, 0), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.finish_lock(), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.begin_checkpoint(0), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.unlock(), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.reported_state(), ProcState::Running);
+        // Still on the GPU (NVML lists it) until the process is gone.
+        let held = st.used_bytes(&cfg, 0);
+        assert!(held >= 600 * MIB, "{held}");
+        let back: State = serde_json::from_str(&serde_json::to_string(&st).unwrap()).unwrap();
+        assert_eq!(back.procs[&1].faulted, Some(CUDA_ERROR_ILLEGAL_ADDRESS));
     }
 
     #[test]

@@ -312,6 +312,11 @@ fn as_workload<T>(
                 if blocked {
                     return None;
                 }
+                // A faulted context fails every call at once (sticky).
+                if let Some(rc) = t.state.procs.get(&me).filter(|p| !stale_for_me(p)).and_then(|p| p.faulted)
+                {
+                    return Some(Err(rc));
+                }
                 f.take().map(|f| f(&store, t, me))
             })
             .map_err(io_fail)?;
@@ -412,6 +417,20 @@ pub fn register_restore_thread() -> Result<(), CuResult> {
         entry(t, me)?.restore_tid = Some(tid);
         Ok(())
     })
+}
+
+/// `fakeFault`: the calling process's context takes the sticky error `rc`
+/// (0: `CUDA_ERROR_ILLEGAL_ADDRESS`), as a kernel that wrote through a bad
+/// pointer leaves it. Answers `rc`, as the synchronising call after such a
+/// kernel does.
+pub fn fault(rc: CuResult) -> Result<(), CuResult> {
+    let rc = if rc == 0 { CUDA_ERROR_ILLEGAL_ADDRESS } else { rc };
+    current_device()?;
+    as_workload(None, |_, t, me| {
+        entry(t, me)?.faulted = Some(rc);
+        Ok(())
+    })?;
+    Err(rc)
 }
 
 pub fn enqueue_work(ms: u32) -> Result<(), CuResult> {

@@ -391,3 +391,12 @@ pub extern "C" fn fakeRegisterHostCopy(addr: u64, len: u64) -> CUresult {
 pub extern "C" fn fakeRegisterRestoreThread() -> CUresult {
     ffi(driver::register_restore_thread)
 }
+
+/// Not a CUDA call: the calling process's context takes the sticky error
+/// `rc` (0: 700, `CUDA_ERROR_ILLEGAL_ADDRESS`), as after a kernel that
+/// faulted. From then on every call of the process answers it, and so do
+/// a lock, checkpoint, restore or unlock of it. Returns `rc`.
+#[no_mangle]
+pub extern "C" fn fakeFault(rc: c_int) -> CUresult {
+    ffi(|| driver::fault(rc))
+}

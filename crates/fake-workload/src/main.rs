@@ -50,7 +50,10 @@ struct Args {
     #[arg(long, num_args = 2, value_names = ["ACTION", "PID"])]
     driver_call: Option<Vec<String>>,
     /// Die after --after-ms: `exit:N` (main thread), `exit-thread:N` (exit()
-    /// from a second thread), `_exit:N`, `segv`, `abort`.
+    /// from a second thread), `_exit:N`, `segv`, `abort`, or `fault[:RC]`
+    /// (its context takes sticky error RC, default 700, and the program
+    /// exits 1 reporting it, as a program after an illegal-address kernel).
+    /// The same fault happens when `--status FILE`'s `FILE.fault` appears.
     #[arg(long)]
     die: Option<String>,
     #[arg(long, default_value_t = 500)]
@@ -307,6 +310,11 @@ fn run(args: &Args) -> Result<(), String> {
         p.push(".exit");
         PathBuf::from(p)
     });
+    let fault_file = args.status.as_ref().map(|s| {
+        let mut p = s.as_os_str().to_owned();
+        p.push(".fault");
+        PathBuf::from(p)
+    });
     let mut back = vec![0u8; data_len];
     for iteration in 1u64.. {
         if args.busy_ms > 0 {
@@ -326,6 +334,9 @@ fn run(args: &Args) -> Result<(), String> {
         if exit_file.as_ref().is_some_and(|f| f.exists()) {
             std::process::exit(3);
         }
+        if fault_file.as_ref().is_some_and(|f| f.exists()) {
+            fault(&cuda, 0)?;
+        }
         if let (Some(code), true) = (args.sigterm_exit, SIGTERMED.load(std::sync::atomic::Ordering::SeqCst)) {
             std::process::exit(code);
         }
@@ -334,10 +345,32 @@ fn run(args: &Args) -> Result<(), String> {
                 if let Some(k) = kid.as_mut() {
                     let _ = k.wait();
                 }
+                if let Some(rc) = how.strip_prefix("fault") {
+                    let rc =
+                        rc.strip_prefix(':').map_or(Ok(0), str::parse).map_err(|_| format!("--die {how}"))?;
+                    fault(&cuda, rc)?;
+                }
                 die(how);
             }
         }
         sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// An illegal-address kernel: the context takes sticky error `rc` (0: 700)
+/// through the fake's `fakeFault`, and the call that reports it fails the
+/// program (exit 1, as an uncaught CUDA error in Python does).
+fn fault(cuda: &Cuda, rc: c_int) -> Result<(), String> {
+    type Fault = unsafe extern "C" fn(c_int) -> CUresult;
+    // SAFETY: the fake driver's extra export, with this C signature.
+    let f: Fault = *unsafe { cuda._lib.get(b"fakeFault\0") }.map_err(|e| e.to_string())?;
+    // SAFETY: no pointers.
+    if let Err(e) = cuda.check("cuCtxSynchronize", unsafe { f(rc) }) {
+        // Exits here, with libcuda still loaded, as a program whose CUDA
+        // error ends it does (returning would unload it first).
+        eprintln!("fake-workload: {e}");
+        std::process::exit(1);
     }
     Ok(())
 }
@@ -526,6 +559,10 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
             );
             out.write_all(all.as_bytes()).map_err(|e| e.to_string())
         };
+        if path == "/fault" {
+            // An illegal-address kernel mid-request: the program exits 1.
+            fault(&gpu.cuda, 0)?;
+        }
         if path == "/sleep" || path == "/wake_up" {
             sleep(Duration::from_millis(param("delay_ms").unwrap_or(0)));
             let r = if param("fail") == Some(1) {

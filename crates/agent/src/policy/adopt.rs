@@ -49,7 +49,8 @@ impl Agent {
                         rec.doing.as_deref() == Some("wake")
                             && rec.start_time.is_some_and(|st| st != t.start_time)
                     });
-                    let state = self.adopted_state(&pids);
+                    // A process its guard holds with a faulted context stays held.
+                    let state = if self.faulted(svc) { State::Faulted } else { self.adopted_state(&pids) };
                     let mut g = svc.lock();
                     svc.set_state(&mut g, state);
                     drop(g);
@@ -66,7 +67,7 @@ impl Agent {
                         // image stays until it runs again: it holds the
                         // footprint the resume needs, and nothing is deleted
                         // before its replacement is verified.
-                        self.start_guard(&pids);
+                        self.start_guard(&pids, svc.cfg.on_fault);
                         self.journal(
                             svc,
                             Some(&t),

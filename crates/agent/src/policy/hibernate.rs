@@ -135,6 +135,7 @@ impl Agent {
                 svc.lock().image = None;
                 self.start_guard(
                     &detached.into_iter().filter(|p| target::resolve(*p).is_ok()).collect::<Vec<_>>(),
+                    svc.cfg.on_fault,
                 );
                 Err(err.to_string())
             }

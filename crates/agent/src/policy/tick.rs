@@ -36,6 +36,12 @@ impl Agent {
                 State::Running | State::Suspended if !alive => {
                     self.died(&svc, "the process ended on its own");
                 }
+                State::Faulted if !alive => {
+                    self.died(&svc, "the held process with a faulted CUDA context was ended");
+                }
+                State::Running if svc.cfg.on_fault == crate::config::OnFault::Hold && self.faulted(&svc) => {
+                    self.held_faulted(&svc);
+                }
                 State::Dead if restart_due => {
                     let mut g = svc.lock();
                     g.restart_at = None;

@@ -70,15 +70,25 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             hibernate::recover(cli, out, *pid, *wait, *margin, *force, *eager)
         }
         Cmd::Images { cmd } => images::run(cli, out, cmd.as_ref()),
-        Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, user, group, cmd, .. } => {
+        Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, on_fault, user, group, cmd, .. } => {
             let who = guarded::RunAs::resolve(user.as_deref(), group.as_deref())?;
-            guarded::run_light(cli, name.clone(), *lock_timeout, preload.as_deref(), *oom_watch, who, cmd)
+            let o = guarded::Opts {
+                lock_timeout: *lock_timeout,
+                oom_watch: *oom_watch,
+                on_fault: (*on_fault).into(),
+            };
+            guarded::run_light(cli, name.clone(), &o, preload.as_deref(), who, cmd)
         }
-        Cmd::Run { name, lock_timeout, no_keeper, oom_watch, cmd, .. } => {
-            guarded::run(cli, name.clone(), *lock_timeout, !no_keeper, *oom_watch, cmd)
+        Cmd::Run { name, lock_timeout, no_keeper, oom_watch, on_fault, cmd, .. } => {
+            let o = guarded::Opts {
+                lock_timeout: *lock_timeout,
+                oom_watch: *oom_watch,
+                on_fault: (*on_fault).into(),
+            };
+            guarded::run(cli, name.clone(), &o, !no_keeper, cmd)
         }
-        Cmd::Guard { pids, lock_timeout, takeover, daemon } => {
-            guarded::guard(cli, pids, *lock_timeout, *takeover, *daemon)
+        Cmd::Guard { pids, lock_timeout, takeover, daemon, on_fault } => {
+            guarded::guard(cli, pids, *lock_timeout, (*on_fault).into(), *takeover, *daemon)
         }
         Cmd::Agent { config } => agent::run_agent(cli, config),
         Cmd::Services { socket } => agent::services(out, socket),
