@@ -248,6 +248,12 @@ pub enum Cmd {
         /// GPUSNAP_PRELOAD).
         #[arg(long, value_name = "PATH", requires = "light")]
         preload: Option<std::path::PathBuf>,
+        /// With --light: serve the program's device allocations from the
+        /// driver's virtual memory API, so that a suspend moves them to
+        /// pinned host memory at the link's speed and the driver checkpoints
+        /// only the rest (docs/design/fast-swap.md).
+        #[arg(long, requires = "light")]
+        fast_swap: bool,
         /// The program and its arguments, after `--`.
         #[arg(required = true, last = true, value_name = "PROGRAM")]
         cmd: Vec<OsString>,

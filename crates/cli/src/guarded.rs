@@ -43,18 +43,26 @@ fn new_light_guard(
     LightGuard::new(api, gpus, &cli.state_dir, lock_timeout)
 }
 
+/// What `run --light` was asked for besides the program.
+pub struct LightOptions<'a> {
+    pub preload: Option<&'a Path>,
+    pub oom_watch: bool,
+    /// `--fast-swap`: the library serves allocations from the VMM API.
+    pub fast_swap: bool,
+}
+
 /// `gpusnap run --light`: the program carries the preload library and asks
 /// this process, over a unix socket, to suspend it before it dies.
 pub fn run_light(
     cli: &Cli,
     name: Option<String>,
     lock_timeout: u32,
-    preload: Option<&Path>,
-    oom_watch: bool,
+    opts: &LightOptions<'_>,
     cmd: &[OsString],
 ) -> anyhow::Result<()> {
+    let oom_watch = opts.oom_watch;
     let mut store = Store::open(&cli.state_dir)?;
-    let lib = light::find_library(preload)?;
+    let lib = light::find_library(opts.preload)?;
     let me = std::process::id();
     let socket = light::socket_for(&cli.state_dir, me);
     let lg = new_light_guard(cli, lock_timeout);
@@ -71,6 +79,9 @@ pub fn run_light(
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let mut command = std::process::Command::new(&cmd[0]);
     command.args(&cmd[1..]).env("LD_PRELOAD", preload_env).env(light::SOCKET_ENV, &socket);
+    if opts.fast_swap {
+        command.env(gpusnap_core::swap::FAST_SWAP_ENV, "1");
+    }
     // The same session rule as the traced `run` (see guard::launch).
     gpusnap_core::target::own_session_where_needed(&mut command);
     let mut child = match command.spawn() {

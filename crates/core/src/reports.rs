@@ -27,6 +27,10 @@ pub struct StateReport {
     /// Its pid inside its own pid namespace, when that differs (a container).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ns_pid: Option<i32>,
+    /// Run with `--fast-swap`: where its served memory is, and what stays
+    /// with the driver (and why).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fast_swap: Option<crate::swap::SwapStatus>,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -70,8 +70,13 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             hibernate::recover(cli, out, *pid, *wait, *margin, *force, *eager)
         }
         Cmd::Images { cmd } => images::run(cli, out, cmd.as_ref()),
-        Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, cmd, .. } => {
-            guarded::run_light(cli, name.clone(), *lock_timeout, preload.as_deref(), *oom_watch, cmd)
+        Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, fast_swap, cmd, .. } => {
+            let opts = guarded::LightOptions {
+                preload: preload.as_deref(),
+                oom_watch: *oom_watch,
+                fast_swap: *fast_swap,
+            };
+            guarded::run_light(cli, name.clone(), *lock_timeout, &opts, cmd)
         }
         Cmd::Run { name, lock_timeout, no_keeper, oom_watch, cmd, .. } => {
             guarded::run(cli, name.clone(), *lock_timeout, !no_keeper, *oom_watch, cmd)
