@@ -18,7 +18,7 @@ pub const FAST_SWAP_ENV: &str = "GPUSNAP_FAST_SWAP";
 /// How long an offload or restore may take (55 GB at 2 GB/s, with room).
 const WORK_LIMIT: Duration = Duration::from_secs(600);
 /// How long a status request may take (a stopped process never answers).
-const STATUS_LIMIT: Duration = Duration::from_secs(2);
+const STATUS_LIMIT: Duration = Duration::from_secs(5);
 
 /// What the library holds, as its status line says.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -56,6 +56,13 @@ impl SwapStatus {
 
     pub fn offloaded(&self) -> bool {
         self.phase == "offloaded"
+    }
+
+    /// Its memory is not all in place: offloaded, or on its way out or
+    /// back (a request the library finishes on its own, even when the
+    /// gpusnap that asked is gone).
+    pub fn away(&self) -> bool {
+        matches!(self.phase.as_str(), "offloaded" | "offloading" | "restoring")
     }
 }
 

@@ -367,18 +367,23 @@ pub fn mem_free(ptr: u64) -> Result<(), CuResult> {
 
 pub fn memcpy_htod(dst: u64, bytes: &[u8]) -> Result<(), CuResult> {
     current_device()?;
-    as_workload(None, |store, t, me| {
+    let gbps = as_workload(None, |store, t, me| {
         let (base, offset) = entry(t, me)?.locate(dst, bytes.len() as u64)?;
-        store.write_data(me, base, offset, bytes).map_err(io_fail)
-    })
+        store.write_data(me, base, offset, bytes).map_err(io_fail)?;
+        Ok(t.config.copy_gbps)
+    })?;
+    sleep(copy_time(bytes.len() as u64, gbps));
+    Ok(())
 }
 
 pub fn memcpy_dtoh(src: u64, len: usize) -> Result<Vec<u8>, CuResult> {
     current_device()?;
-    as_workload(None, |store, t, me| {
+    let (data, gbps) = as_workload(None, |store, t, me| {
         let (base, offset) = entry(t, me)?.locate(src, len as u64)?;
-        store.read_data(me, base, offset, len).map_err(io_fail)
-    })
+        Ok((store.read_data(me, base, offset, len).map_err(io_fail)?, t.config.copy_gbps))
+    })?;
+    sleep(copy_time(len as u64, gbps));
+    Ok(data)
 }
 
 /// Waits for the process's queued work. Copies do not: only this call and a

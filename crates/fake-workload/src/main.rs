@@ -91,6 +91,14 @@ struct Args {
     /// `cuda-restore`, registered as the driver's restore thread.
     #[arg(long, default_value_t = 0)]
     host_copy_mib: u64,
+    /// Also hold N MiB of managed memory (`cuMemAllocManaged`), which
+    /// gpusnap's fast swap leaves with the driver.
+    #[arg(long, default_value_t = 0)]
+    managed_mib: u64,
+    /// Make N more allocations of --mib each, written and checked like the
+    /// first.
+    #[arg(long, default_value_t = 0)]
+    extra_allocs: u32,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -238,6 +246,25 @@ fn run(args: &Args) -> Result<(), String> {
             cuda.check("cuMemcpyHtoD_v2", (cuda.memcpy_htod)(ptr, data.as_ptr().cast(), data_len))?;
         }
     }
+    let mut extra = Vec::new();
+    for _ in 0..args.extra_allocs {
+        let mut p: u64 = 0;
+        // SAFETY: as above.
+        unsafe {
+            cuda.check("cuMemAlloc_v2", (cuda.mem_alloc)(&mut p, bytes as usize))?;
+            cuda.check("cuMemcpyHtoD_v2", (cuda.memcpy_htod)(p, data.as_ptr().cast(), data_len))?;
+        }
+        extra.push(p);
+    }
+    if args.managed_mib > 0 {
+        type Managed = unsafe extern "C" fn(*mut u64, usize, c_uint) -> CUresult;
+        // SAFETY: the symbol has this C signature in cuda.h.
+        let managed: Managed =
+            *unsafe { cuda._lib.get(b"cuMemAllocManaged\0") }.map_err(|e| e.to_string())?;
+        let mut p: u64 = 0;
+        // SAFETY: an out-pointer to a local; 1 = CU_MEM_ATTACH_GLOBAL.
+        cuda.check("cuMemAllocManaged", unsafe { managed(&mut p, (args.managed_mib << 20) as usize, 1) })?;
+    }
 
     if args.host_copy_mib > 0 {
         host_copy(&cuda, args.host_copy_mib)?;
@@ -318,7 +345,13 @@ fn run(args: &Args) -> Result<(), String> {
             let rc = unsafe { (cuda.memcpy_dtoh)(back.as_mut_ptr().cast(), ptr, data_len) };
             cuda.check("cuMemcpyDtoH_v2", rc)?;
         }
-        let intact = back == data;
+        let mut intact = back == data;
+        for p in &extra {
+            // SAFETY: `back` is `data_len` long.
+            let rc = unsafe { (cuda.memcpy_dtoh)(back.as_mut_ptr().cast(), *p, data_len) };
+            cuda.check("cuMemcpyDtoH_v2", rc)?;
+            intact &= back == data;
+        }
         if let Some(status) = &args.status {
             let line = format!("{pid} {iteration} {} {:.3}\n", u8::from(intact), unix_time());
             write_status(status, &line).map_err(|e| format!("{}: {e}", status.display()))?;

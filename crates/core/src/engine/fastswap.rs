@@ -52,7 +52,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             Some(Err(e)) => {
                 self.store.end(id, t, "offload", Err(&e))?;
                 // The library may still be at work: ask where its memory is.
-                Ok(swap::status(t.pid).is_some_and(|s| s.offloaded()))
+                Ok(swap::status(t.pid).is_some_and(|s| s.away()))
             }
             None => {
                 self.store.end(id, t, "offload", Err("the library stopped answering"))?;
@@ -67,7 +67,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// the caller reports it (exit 3); a resume again retries.
     pub(super) fn restore_offloaded(&mut self, t: &Target) -> Result<(), Error> {
         let Some(st) = swap::status(t.pid) else { return Ok(()) };
-        if !st.offloaded() {
+        if !st.away() {
             return Ok(());
         }
         let id = self.store.begin(t, "restore_offloaded")?;
@@ -120,6 +120,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// Whether `t`'s library has its memory offloaded (a resume that the
     /// driver already finished still has to bring it back).
     pub(super) fn is_offloaded(&self, t: &Target) -> bool {
-        swap::status(t.pid).is_some_and(|s| s.offloaded())
+        swap::status(t.pid).is_some_and(|s| s.away())
     }
 }

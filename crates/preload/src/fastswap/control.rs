@@ -9,7 +9,12 @@ use super::{swap, table};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+/// Requests being answered now, and the most at once.
+static ANSWERING: AtomicUsize = AtomicUsize::new(0);
+const MAX_ANSWERING: usize = 8;
 
 /// The abstract name of process `pid`'s socket (without the leading NUL).
 pub fn name(pid: u32) -> String {
@@ -22,7 +27,20 @@ pub fn serve() {
     let Some(listener) = bind(&name(pid)) else { return };
     let _ = std::thread::Builder::new().name("gpusnap-swap".into()).spawn(move || {
         for conn in listener.incoming().flatten() {
-            answer(conn);
+            // A thread per request (a status is answered while an offload
+            // runs), at most a few at once.
+            if ANSWERING.fetch_add(1, Ordering::SeqCst) >= MAX_ANSWERING {
+                ANSWERING.fetch_sub(1, Ordering::SeqCst);
+                let _ = (&conn).write_all(b"error busy: too many requests\n");
+                continue;
+            }
+            let spawned = std::thread::Builder::new().name("gpusnap-swap-req".into()).spawn(move || {
+                answer(conn);
+                ANSWERING.fetch_sub(1, Ordering::SeqCst);
+            });
+            if spawned.is_err() {
+                ANSWERING.fetch_sub(1, Ordering::SeqCst);
+            }
         }
     });
 }
@@ -80,7 +98,7 @@ pub fn status_line() -> String {
         "phase={} gate={} movable={n} movable_bytes={bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={}",
         swap::phase().name(),
         if super::gate::is_closed() { "closed" } else { "open" },
-        super::gate::UNGATED.load(std::sync::atomic::Ordering::Relaxed)
+        super::gate::UNGATED.load(Ordering::Relaxed)
     )
 }
 
