@@ -62,6 +62,10 @@ fn served_memory_leaves_and_comes_back_at_the_same_addresses_and_managed_memory_
     );
     assert_eq!((fs["kept"].as_u64(), fs["kept_bytes"].as_u64()), (Some(1), Some(64 * MIB)), "{fs}");
     assert!(fs["kept_why"].to_string().contains("managed"), "{fs}");
+    let d = w.json(&["doctor", &pid.to_string()]).json();
+    let finding =
+        d["findings"].as_array().unwrap().iter().find(|f| f["check"] == "fast-swap").cloned().unwrap();
+    assert!(finding["message"].as_str().unwrap().contains("64 MiB, stay with the driver"), "{finding}");
 
     for round in 0..2 {
         let r = w.json(&["suspend", &pid.to_string()]);

@@ -210,6 +210,10 @@ pub extern "C" fn mem_free(ptr: u64) -> c_int {
     let rc = match served {
         Some(e) => {
             let mut rc = cu::SUCCESS;
+            // cuMemFree waits for the device (cudaFree's documented
+            // behaviour); an unmap does not: no kernel may still use it.
+            // SAFETY: no arguments; waits for the current context's work.
+            unsafe { cu::ctx_synchronize() };
             if e.handle != 0 {
                 rc = unback(ptr, e.size, e.handle);
             }
