@@ -51,6 +51,7 @@ run_case() {
     log "case $name: $mode $prog $gb GB"
     env "$@" setsid "$G" run --light "${flag[@]}" -- python3 "$prog" "$gb" "$st" \
         > "$OUT/$name.out" 2> "$OUT/$name.err" < /dev/null &
+    local runner=$!
     if ! wait_file "$st" 300; then
         log "$name: the program did not start"; tail -5 "$OUT/$name.err" >&2
         echo "| $name | $mode | $gb | did not start | | | | | |" >> "$ROWS"
@@ -60,15 +61,15 @@ run_case() {
     read -r _ pid d0 < "$st"
     local before; before=$(used_mib "$pid")
     log "$name: pid $pid, $before MiB on the GPU, checksum $d0"
-    "$G" --json ps > "$OUT/$name.ps-before.json" 2>&1
+    timeout 60 "$G" --json ps > "$OUT/$name.ps-before.json" 2>&1
     for round in 1 2; do
         local t0 t1 t2 after d1 ok
         t0=$(date +%s.%N)
-        "$G" --json suspend "$pid" > "$OUT/$name.suspend$round.json" 2> "$OUT/$name.suspend$round.err"
+        GPUSNAP_LOG=info timeout 120 "$G" --json suspend "$pid" > "$OUT/$name.suspend$round.json" 2> "$OUT/$name.suspend$round.err"
         t1=$(date +%s.%N)
         after=$(used_mib "$pid"); after=${after:-0}
-        "$G" --json ps > "$OUT/$name.ps-suspended$round.json" 2>&1
-        "$G" --json resume "$pid" > "$OUT/$name.resume$round.json" 2> "$OUT/$name.resume$round.err"
+        timeout 60 "$G" --json ps > "$OUT/$name.ps-suspended$round.json" 2>&1
+        GPUSNAP_LOG=info timeout 120 "$G" --json resume "$pid" > "$OUT/$name.resume$round.json" 2> "$OUT/$name.resume$round.err"
         t2=$(date +%s.%N)
         d1=$(digest "$st")
         ok=no; [ "$d1" = "$d0" ] && ok=yes
@@ -78,17 +79,23 @@ run_case() {
         echo "| $name | $mode | $gb | $before | $round | $s | $after | $r | $ok |" >> "$ROWS"
     done
     "$G" history "$pid" > "$OUT/$name.journal.txt" 2>&1 || true
-    "$G" stop "$pid" > "$OUT/$name.stop.txt" 2>&1
-    wait 2>/dev/null
+    timeout 120 "$G" stop "$pid" > "$OUT/$name.stop.txt" 2>&1
+    for _ in $(seq 120); do kill -0 "$runner" 2>/dev/null || break; sleep 0.5; done
 }
 
 log "GPU: $(nvidia-smi -L 2>&1 | head -1); driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
 cd "$(dirname "$0")/../.." || exit 1
-run_case torch-fast fast tests/gpu/fastswap_torch.py "$GB"
-run_case torch-driver driver tests/gpu/fastswap_torch.py "$GB"
-run_case cupy-fast fast tests/gpu/fastswap_cupy.py "$CUPY_GB"
-run_case cupy-driver driver tests/gpu/fastswap_cupy.py "$CUPY_GB"
-run_case torch-vmm-driver driver tests/gpu/fastswap_torch.py "$CUPY_GB" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+CASES=${CASES:-torch-fast cupy-fast torch-driver cupy-driver torch-vmm-driver}
+for c in $CASES; do
+    case $c in
+        torch-fast) run_case torch-fast fast tests/gpu/fastswap_torch.py "$GB" ;;
+        torch-driver) run_case torch-driver driver tests/gpu/fastswap_torch.py "$GB" ;;
+        cupy-fast) run_case cupy-fast fast tests/gpu/fastswap_cupy.py "$CUPY_GB" ;;
+        cupy-driver) run_case cupy-driver driver tests/gpu/fastswap_cupy.py "$CUPY_GB" ;;
+        torch-vmm-driver) run_case torch-vmm-driver driver tests/gpu/fastswap_torch.py "$CUPY_GB" \
+            PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ;;
+    esac
+done
 
 echo "| program | path | GB asked | MiB on GPU | round | suspend s | MiB on GPU suspended | resume s | data identical |"
 echo "|---|---|---|---|---|---|---|---|---|"
