@@ -185,3 +185,21 @@ fn a_program_killed_during_its_offload_fails_the_suspend_without_a_hang() {
     wait_for(Duration::from_secs(20), || !pid_exists(pid));
     assert!(fast_swap_of(&w, pid).is_null());
 }
+
+#[test]
+fn calls_reached_through_cu_get_proc_address_are_served_and_gated_too() {
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "gpa");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "128", "--proc-address"]);
+    assert_progressing_at(&st);
+    assert_eq!(count(&fake_proc(&w, pid)["handles"]), 1, "served: {}", fake_proc(&w, pid));
+    assert_eq!(w.json(&["suspend", &pid.to_string()]).code, 0);
+    assert_eq!(count(&fake_proc(&w, pid)["handles"]), 0);
+    assert_eq!(w.json(&["resume", &pid.to_string()]).code, 0);
+    assert_progressing_at(&st);
+    // A program killed while suspended: the next resume says so, at once.
+    assert_eq!(w.json(&["suspend", &pid.to_string()]).code, 0);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    wait_for(Duration::from_secs(20), || !pid_exists(pid));
+    assert_ne!(w.json(&["resume", &pid.to_string()]).code, 0);
+}

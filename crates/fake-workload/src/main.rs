@@ -99,6 +99,10 @@ struct Args {
     /// first.
     #[arg(long, default_value_t = 0)]
     extra_allocs: u32,
+    /// Reach the allocation and copy calls through `cuGetProcAddress_v2`
+    /// (itself asked of `cuGetProcAddress`), as the CUDA runtime does.
+    #[arg(long)]
+    proc_address: bool,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -188,6 +192,45 @@ impl Cuda {
         })
     }
 
+    /// Replaces the allocation and copy calls with what the driver's
+    /// `cuGetProcAddress_v2` hands out for them (CUDA 12.0's names).
+    fn through_proc_address(&mut self) -> Result<(), String> {
+        type V1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> CUresult;
+        type V2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CUresult;
+        // SAFETY: the symbol has this C signature in cuda.h.
+        let v1: V1 = *unsafe { self._lib.get(b"cuGetProcAddress\0") }.map_err(|e| e.to_string())?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated name and an out-pointer to a local.
+        self.check("cuGetProcAddress", unsafe { v1(c"cuGetProcAddress".as_ptr(), &mut p, 12000, 0) })?;
+        // SAFETY: what the driver handed out for version 12000 is cuGetProcAddress_v2.
+        let v2: V2 = unsafe { std::mem::transmute::<*mut c_void, V2>(p) };
+        let get = |name: &CStr| -> Result<*mut c_void, String> {
+            let mut f: *mut c_void = std::ptr::null_mut();
+            let mut status: c_int = 0;
+            // SAFETY: a NUL-terminated name and out-pointers to locals.
+            let rc = unsafe { v2(name.as_ptr(), &mut f, 12000, 0, &mut status) };
+            self.check("cuGetProcAddress_v2", rc).map(|()| f)
+        };
+        let (alloc, free, htod, dtoh) =
+            (get(c"cuMemAlloc")?, get(c"cuMemFree")?, get(c"cuMemcpyHtoD")?, get(c"cuMemcpyDtoH")?);
+        // SAFETY: the driver's functions for those names, with cuda.h's
+        // signatures of their _v2 forms (version 12000).
+        unsafe {
+            self.mem_alloc =
+                std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut u64, usize) -> CUresult>(alloc);
+            self.mem_free = std::mem::transmute::<*mut c_void, unsafe extern "C" fn(u64) -> CUresult>(free);
+            self.memcpy_htod = std::mem::transmute::<
+                *mut c_void,
+                unsafe extern "C" fn(u64, *const c_void, usize) -> CUresult,
+            >(htod);
+            self.memcpy_dtoh = std::mem::transmute::<
+                *mut c_void,
+                unsafe extern "C" fn(*mut c_void, u64, usize) -> CUresult,
+            >(dtoh);
+        }
+        Ok(())
+    }
+
     /// `Ok` for `CUDA_SUCCESS`, else a message naming the call and the code.
     fn check(&self, call: &str, rc: CUresult) -> Result<(), String> {
         if rc == 0 {
@@ -230,7 +273,10 @@ fn run(args: &Args) -> Result<(), String> {
     if data_len as u64 > bytes {
         return Err(format!("--data-kib {} does not fit in --mib {}", args.data_kib, args.mib));
     }
-    let cuda = Cuda::load()?;
+    let mut cuda = Cuda::load()?;
+    if args.proc_address {
+        cuda.through_proc_address()?;
+    }
     let mut device: c_int = 0;
     let mut ctx: *mut c_void = std::ptr::null_mut();
     let mut ptr: u64 = 0;
