@@ -203,3 +203,48 @@ fn calls_reached_through_cu_get_proc_address_are_served_and_gated_too() {
     wait_for(Duration::from_secs(20), || !pid_exists(pid));
     assert_ne!(w.json(&["resume", &pid.to_string()]).code, 0);
 }
+
+#[test]
+fn a_hibernated_fast_swap_program_wakes_with_its_memory_and_its_control_socket() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "hib");
+    let wl = fake_workload_bin();
+    // Its stderr is a file of its own (see guard_light's hibernate test).
+    let idx = w.spawn_gpusnap_env(
+        &[
+            "run",
+            "--light",
+            "--fast-swap",
+            "--",
+            "sh",
+            "-c",
+            "exec \"$0\" \"$@\" 2>/dev/null",
+            wl.to_str().unwrap(),
+            "--mib",
+            "256",
+            "--extra-allocs",
+            "1",
+            "--status",
+            st.to_str().unwrap(),
+        ],
+        &[("GPUSNAP_FAST_SWAP_VERIFY", "1")],
+    );
+    let pid = pid_in(&st);
+    assert_progressing_at(&st);
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "fs"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(history_notes(&w, pid).iter().any(|n| n.contains("512 MiB moved to pinned host memory")));
+    assert_eq!(w.wait_child(idx).code(), Some(0));
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let r = w.json(&["wake", "fs", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    // The reservations came back with the process; the library's socket
+    // too, and the memory is mapped again at the same addresses.
+    assert_eq!(fast_swap_of(&w, pid)["phase"], "resident");
+    assert_eq!(count(&fake_proc(&w, pid)["handles"]), 2);
+    assert_progressing_at(&st);
+    std::fs::write(format!("{}.exit", st.display()), b"").unwrap();
+}
