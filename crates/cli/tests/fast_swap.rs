@@ -120,6 +120,10 @@ fn a_resume_without_room_for_every_allocation_takes_none_and_a_later_one_succeed
     let before = read_status(&st).unwrap().1;
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(read_status(&st).unwrap().1, before, "no copy ran while its memory was away");
+    // Suspended again meanwhile, it still records all of its memory.
+    let r = w.json(&["suspend", &pid.to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["results"][0]["footprint_bytes"].as_u64(), Some(1024 * MIB));
     w.kill(hog);
     let r = w.json(&["resume", &pid.to_string()]);
     assert_eq!(r.code, 0, "{}", r.stderr);

@@ -273,7 +273,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         // The footprint is what resume's admission will ask for: record it
         // before anything changes.
-        let fp = self.live_usage(pid)?;
+        let fp = self.with_offloaded(&t, self.live_usage(pid)?)?;
         self.store.record(&t, st.as_str(), Some(&fp))?;
         let total: u64 = fp.values().sum();
 

@@ -117,6 +117,21 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
     }
 
+    /// The footprint a suspend records: what NVML shows, or, while the
+    /// library's memory is already in host memory (a resume that could not
+    /// map it all), the footprint recorded before, which still counts it.
+    pub(super) fn with_offloaded(
+        &mut self,
+        t: &Target,
+        live: std::collections::BTreeMap<String, u64>,
+    ) -> Result<std::collections::BTreeMap<String, u64>, Error> {
+        if !self.is_offloaded(t) {
+            return Ok(live);
+        }
+        let before = self.store.get(t)?.map(|r| r.footprint).unwrap_or_default();
+        Ok(if before.values().sum::<u64>() > live.values().sum::<u64>() { before } else { live })
+    }
+
     /// Whether `t`'s library has its memory offloaded (a resume that the
     /// driver already finished still has to bring it back).
     pub(super) fn is_offloaded(&self, t: &Target) -> bool {
