@@ -269,6 +269,12 @@ pub enum Cmd {
         /// then exits 7.
         #[arg(long, value_enum, value_name = "POLICY", default_value = "exit")]
         on_fault: OnFault,
+        /// With --light: serve the program's device allocations from the
+        /// driver's virtual memory API, so that a suspend moves them to
+        /// pinned host memory at the link's speed and the driver checkpoints
+        /// only the rest (docs/design/fast-swap.md).
+        #[arg(long, requires = "light")]
+        fast_swap: bool,
         /// The program and its arguments, after `--`.
         #[arg(required = true, last = true, value_name = "PROGRAM")]
         cmd: Vec<OsString>,

@@ -93,19 +93,26 @@ impl RunAs {
     }
 }
 
+/// What `run --light` was asked for besides the program.
+pub struct LightOptions<'a> {
+    pub preload: Option<&'a Path>,
+    /// `--fast-swap`: the library serves allocations from the VMM API.
+    pub fast_swap: bool,
+}
+
 /// `gpusnap run --light`: the program carries the preload library and asks
 /// this process, over a unix socket, to suspend it before it dies.
 pub fn run_light(
     cli: &Cli,
     name: Option<String>,
     opts: &Opts,
-    preload: Option<&Path>,
+    light_opts: &LightOptions<'_>,
     who: RunAs,
     cmd: &[OsString],
 ) -> anyhow::Result<()> {
     let (lock_timeout, oom_watch) = (opts.lock_timeout, opts.oom_watch);
     let mut store = Store::open(&cli.state_dir)?;
-    let lib = light::find_library(preload)?;
+    let lib = light::find_library(light_opts.preload)?;
     let me = std::process::id();
     let socket = light::socket_for(&cli.state_dir, me);
     let lg = new_light_guard(cli, lock_timeout, opts.on_fault);
@@ -130,6 +137,9 @@ pub fn run_light(
     }
     if let Some(u) = who.uid {
         command.uid(u);
+    }
+    if light_opts.fast_swap {
+        command.env(gpusnap_core::swap::FAST_SWAP_ENV, "1");
     }
     // The same session rule as the traced `run` (see guard::launch).
     gpusnap_core::target::own_session_where_needed(&mut command);

@@ -8,6 +8,7 @@
 //! cross into C (`CUDA_ERROR_UNKNOWN` instead).
 
 mod driver;
+mod vmm;
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};

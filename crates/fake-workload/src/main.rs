@@ -94,6 +94,18 @@ struct Args {
     /// `cuda-restore`, registered as the driver's restore thread.
     #[arg(long, default_value_t = 0)]
     host_copy_mib: u64,
+    /// Also hold N MiB of managed memory (`cuMemAllocManaged`), which
+    /// gpusnap's fast swap leaves with the driver.
+    #[arg(long, default_value_t = 0)]
+    managed_mib: u64,
+    /// Make N more allocations of --mib each, written and checked like the
+    /// first.
+    #[arg(long, default_value_t = 0)]
+    extra_allocs: u32,
+    /// Reach the allocation and copy calls through `cuGetProcAddress_v2`
+    /// (itself asked of `cuGetProcAddress`), as the CUDA runtime does.
+    #[arg(long)]
+    proc_address: bool,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -183,6 +195,45 @@ impl Cuda {
         })
     }
 
+    /// Replaces the allocation and copy calls with what the driver's
+    /// `cuGetProcAddress_v2` hands out for them (CUDA 12.0's names).
+    fn through_proc_address(&mut self) -> Result<(), String> {
+        type V1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> CUresult;
+        type V2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CUresult;
+        // SAFETY: the symbol has this C signature in cuda.h.
+        let v1: V1 = *unsafe { self._lib.get(b"cuGetProcAddress\0") }.map_err(|e| e.to_string())?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated name and an out-pointer to a local.
+        self.check("cuGetProcAddress", unsafe { v1(c"cuGetProcAddress".as_ptr(), &mut p, 12000, 0) })?;
+        // SAFETY: what the driver handed out for version 12000 is cuGetProcAddress_v2.
+        let v2: V2 = unsafe { std::mem::transmute::<*mut c_void, V2>(p) };
+        let get = |name: &CStr| -> Result<*mut c_void, String> {
+            let mut f: *mut c_void = std::ptr::null_mut();
+            let mut status: c_int = 0;
+            // SAFETY: a NUL-terminated name and out-pointers to locals.
+            let rc = unsafe { v2(name.as_ptr(), &mut f, 12000, 0, &mut status) };
+            self.check("cuGetProcAddress_v2", rc).map(|()| f)
+        };
+        let (alloc, free, htod, dtoh) =
+            (get(c"cuMemAlloc")?, get(c"cuMemFree")?, get(c"cuMemcpyHtoD")?, get(c"cuMemcpyDtoH")?);
+        // SAFETY: the driver's functions for those names, with cuda.h's
+        // signatures of their _v2 forms (version 12000).
+        unsafe {
+            self.mem_alloc =
+                std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut u64, usize) -> CUresult>(alloc);
+            self.mem_free = std::mem::transmute::<*mut c_void, unsafe extern "C" fn(u64) -> CUresult>(free);
+            self.memcpy_htod = std::mem::transmute::<
+                *mut c_void,
+                unsafe extern "C" fn(u64, *const c_void, usize) -> CUresult,
+            >(htod);
+            self.memcpy_dtoh = std::mem::transmute::<
+                *mut c_void,
+                unsafe extern "C" fn(*mut c_void, u64, usize) -> CUresult,
+            >(dtoh);
+        }
+        Ok(())
+    }
+
     /// `Ok` for `CUDA_SUCCESS`, else a message naming the call and the code.
     fn check(&self, call: &str, rc: CUresult) -> Result<(), String> {
         if rc == 0 {
@@ -225,7 +276,10 @@ fn run(args: &Args) -> Result<(), String> {
     if data_len as u64 > bytes {
         return Err(format!("--data-kib {} does not fit in --mib {}", args.data_kib, args.mib));
     }
-    let cuda = Cuda::load()?;
+    let mut cuda = Cuda::load()?;
+    if args.proc_address {
+        cuda.through_proc_address()?;
+    }
     let mut device: c_int = 0;
     let mut ctx: *mut c_void = std::ptr::null_mut();
     let mut ptr: u64 = 0;
@@ -240,6 +294,25 @@ fn run(args: &Args) -> Result<(), String> {
             cuda.check("cuMemAlloc_v2", (cuda.mem_alloc)(&mut ptr, bytes as usize))?;
             cuda.check("cuMemcpyHtoD_v2", (cuda.memcpy_htod)(ptr, data.as_ptr().cast(), data_len))?;
         }
+    }
+    let mut extra = Vec::new();
+    for _ in 0..args.extra_allocs {
+        let mut p: u64 = 0;
+        // SAFETY: as above.
+        unsafe {
+            cuda.check("cuMemAlloc_v2", (cuda.mem_alloc)(&mut p, bytes as usize))?;
+            cuda.check("cuMemcpyHtoD_v2", (cuda.memcpy_htod)(p, data.as_ptr().cast(), data_len))?;
+        }
+        extra.push(p);
+    }
+    if args.managed_mib > 0 {
+        type Managed = unsafe extern "C" fn(*mut u64, usize, c_uint) -> CUresult;
+        // SAFETY: the symbol has this C signature in cuda.h.
+        let managed: Managed =
+            *unsafe { cuda._lib.get(b"cuMemAllocManaged\0") }.map_err(|e| e.to_string())?;
+        let mut p: u64 = 0;
+        // SAFETY: an out-pointer to a local; 1 = CU_MEM_ATTACH_GLOBAL.
+        cuda.check("cuMemAllocManaged", unsafe { managed(&mut p, (args.managed_mib << 20) as usize, 1) })?;
     }
 
     if args.host_copy_mib > 0 {
@@ -326,7 +399,13 @@ fn run(args: &Args) -> Result<(), String> {
             let rc = unsafe { (cuda.memcpy_dtoh)(back.as_mut_ptr().cast(), ptr, data_len) };
             cuda.check("cuMemcpyDtoH_v2", rc)?;
         }
-        let intact = back == data;
+        let mut intact = back == data;
+        for p in &extra {
+            // SAFETY: `back` is `data_len` long.
+            let rc = unsafe { (cuda.memcpy_dtoh)(back.as_mut_ptr().cast(), *p, data_len) };
+            cuda.check("cuMemcpyDtoH_v2", rc)?;
+            intact &= back == data;
+        }
         if let Some(status) = &args.status {
             let line = format!("{pid} {iteration} {} {:.3}\n", u8::from(intact), unix_time());
             write_status(status, &line).map_err(|e| format!("{}: {e}", status.display()))?;

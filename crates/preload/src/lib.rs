@@ -50,6 +50,9 @@
 
 #![allow(clippy::missing_safety_doc)]
 
+/// Fast swap: allocations served from the VMM API, moved on request.
+mod fastswap;
+
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 

@@ -70,14 +70,15 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             hibernate::recover(cli, out, *pid, *wait, *margin, *force, *eager)
         }
         Cmd::Images { cmd } => images::run(cli, out, cmd.as_ref()),
-        Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, on_fault, user, group, cmd, .. } => {
+        Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, on_fault, user, group, fast_swap, cmd, .. } => {
             let who = guarded::RunAs::resolve(user.as_deref(), group.as_deref())?;
             let o = guarded::Opts {
                 lock_timeout: *lock_timeout,
                 oom_watch: *oom_watch,
                 on_fault: (*on_fault).into(),
             };
-            guarded::run_light(cli, name.clone(), &o, preload.as_deref(), who, cmd)
+            let light = guarded::LightOptions { preload: preload.as_deref(), fast_swap: *fast_swap };
+            guarded::run_light(cli, name.clone(), &o, &light, who, cmd)
         }
         Cmd::Run { name, lock_timeout, no_keeper, oom_watch, on_fault, cmd, .. } => {
             let o = guarded::Opts {
