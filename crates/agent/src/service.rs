@@ -27,10 +27,13 @@ pub enum State {
     /// agent never starts what it did not start. A new process that its
     /// owner starts (a newer pid file, a process in the cgroup) is adopted.
     Exited,
+    /// An on-demand service before its first request: nothing started yet
+    /// (or a start from its remote refused); its first request starts it.
+    Idle,
 }
 
 impl State {
-    pub const ALL: [State; 11] = [
+    pub const ALL: [State; 12] = [
         State::Starting,
         State::Running,
         State::Suspending,
@@ -42,6 +45,7 @@ impl State {
         State::Stopping,
         State::Dead,
         State::Exited,
+        State::Idle,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -57,6 +61,7 @@ impl State {
             State::Stopping => "stopping",
             State::Dead => "dead",
             State::Exited => "exited",
+            State::Idle => "idle",
         }
     }
 

@@ -239,10 +239,18 @@ fn front_door_routes_by_model_and_streams_answers_untouched() {
         &[],
     );
     d.wait_state("alpha", "running");
-    // On demand: not started with the agent.
+    // On demand: not started with the agent, and shown as such everywhere.
     let beta = d.service("beta");
-    assert_eq!((beta["state"].as_str(), beta["pid"].as_i64()), (Some("dead"), None), "{beta}");
+    assert_eq!((beta["state"].as_str(), beta["pid"].as_i64()), (Some("idle"), None), "{beta}");
     assert_eq!(beta["last_error"], Value::Null, "{beta}");
+    let r = d.w.gpusnap(&["services", "--socket", &d.socket.display().to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let line = r.stdout.lines().find(|l| l.starts_with("beta")).unwrap_or_default();
+    assert!(line.contains("idle") && !line.contains("dead"), "{}", r.stdout);
+    let (code, metrics) = d.api("GET", "/metrics");
+    assert_eq!(code, 200);
+    let idle = metrics.lines().find(|l| l.contains("_services{state=\"idle\"}"));
+    assert!(idle.is_some_and(|l| l.ends_with(" 1")), "{metrics}");
 
     let (code, _, body) = d.curl(&["/healthz"]);
     assert_eq!(code, 200, "{body}");
@@ -267,8 +275,8 @@ fn front_door_routes_by_model_and_streams_answers_untouched() {
         listed,
         vec![
             ("alpha-7b".into(), "alpha".into(), "running".into()),
-            ("beta-8b".into(), "beta".into(), "dead".into()),
-            ("beta-70b".into(), "beta".into(), "dead".into()),
+            ("beta-8b".into(), "beta".into(), "idle".into()),
+            ("beta-70b".into(), "beta".into(), "idle".into()),
         ],
         "{body}"
     );

@@ -73,6 +73,12 @@ impl Agent {
                             svc.name
                         )));
                     }
+                    // Its first request.
+                    State::Idle => {
+                        svc.set_state(&mut g, State::Starting);
+                        drop(g);
+                        self.spawn_start(svc, "its first request arrived");
+                    }
                     State::Dead if g.restart_at.is_none() => {
                         svc.set_state(&mut g, State::Starting);
                         drop(g);
