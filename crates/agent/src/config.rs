@@ -56,6 +56,11 @@ pub struct AgentConfig {
     pub http_listen: Option<SocketAddr>,
     #[serde(default)]
     pub http: HttpLimits,
+    /// Keys whose images the agent wakes besides this host's own (as
+    /// `images pull --trust`): 64 hex digits, or the path of a file holding
+    /// them. Another node's key, for the images it pushed to a `remote`.
+    #[serde(default)]
+    pub trust: Vec<String>,
 }
 
 impl Default for AgentConfig {
@@ -70,6 +75,7 @@ impl Default for AgentConfig {
             lazy_wake: false,
             http_listen: None,
             http: Default::default(),
+            trust: Vec::new(),
         }
     }
 }

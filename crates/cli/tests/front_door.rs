@@ -51,6 +51,17 @@ fn python() -> String {
 
 impl Door {
     fn start(gpu_mib: u64, agent_extra: &str, svcs: &[S], env: &[(String, String)]) -> Self {
+        Self::start_on(gpu_mib, agent_extra, svcs, env, &HashMap::new())
+    }
+
+    /// [`Door::start`] with these services' backends on given ports.
+    fn start_on(
+        gpu_mib: u64,
+        agent_extra: &str,
+        svcs: &[S],
+        env: &[(String, String)],
+        backends: &HashMap<&str, u16>,
+    ) -> Self {
         let w = World::new(&[gpu_mib]);
         let sockdir = tempfile::Builder::new().prefix("gpusnap-door-test").tempdir_in("/tmp").unwrap();
         let socket = sockdir.path().join("agent.sock");
@@ -66,7 +77,7 @@ impl Door {
         let py = python();
         let mut ports = HashMap::new();
         for s in svcs {
-            let (listen, backend) = (free_port(), free_port());
+            let (listen, backend) = (free_port(), backends.get(s.name).copied().unwrap_or_else(free_port));
             let secret = format!("secret-{}-{}", s.name, std::process::id());
             let command = match s.kind {
                 Kind::OpenAi { delay, fail } => {
@@ -621,4 +632,56 @@ fn front_door_bounds_connections_header_time_and_size() {
     assert!(!answer.contains("200 OK"), "{answer}");
     let (code, _, body) = d.curl(&["/healthz"]);
     assert_eq!(code, 200, "{body}");
+}
+
+#[test]
+fn front_door_wakes_another_nodes_image_from_the_remote_only_if_its_key_is_trusted() {
+    criu_present();
+    let Some(m) = moto() else { return };
+    const SVC: &str = "models = [\"a-model\"]\nsuspend_after = \"1h\"\ngpu_memory = \"600MiB\"\n\
+                       wake_timeout = \"60s\"\nremote = \"s3://models/shared\"";
+    const ON_DEMAND: &str = "models = [\"a-model\"]\nsuspend_after = \"1h\"\ngpu_memory = \"600MiB\"\n\
+                             wake_timeout = \"60s\"\nremote = \"s3://models/shared\"\nstart = \"on-demand\"";
+    let a_svc = |extra| [S { name: "a", kind: Kind::Gpu { mib: 600 }, extra }];
+    // Node 1 serves, hibernates and pushes its image.
+    let mut one = Door::start(1000, "", &a_svc(SVC), &s3_env(m.port));
+    let pa = one.wait_state("a", "running")["pid"].as_i64().unwrap();
+    assert_eq!(served_by(&one.chat("a-model", false)), (pa, 1, true));
+    let (code, body) = one.api("POST", "/v1/services/a/hibernate");
+    assert_eq!(code, 200, "{body}");
+    one.wait_state("a", "hibernated");
+    one.wait_note("agent.a pushed to s3://models/shared");
+    let r = one.w.gpusnap(&["images", "key"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let key = r.stdout.trim().to_string();
+    assert_eq!(key.len(), 64, "{key}");
+
+    // A node that does not trust node 1's key refuses its image, with why,
+    // and starts nothing in its place.
+    let mut other = Door::start(1000, "", &a_svc(ON_DEMAND), &s3_env(m.port));
+    assert_eq!(other.service("a")["state"], "idle");
+    let r = other.chat("a-model", false);
+    let v = assert_refused(&r, &key);
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("[agent] trust"), "{v}");
+    let s = other.wait_state("a", "idle");
+    assert_eq!(s["pid"], Value::Null, "{s}");
+    assert!(s["last_error"].as_str().unwrap_or_default().contains(&key), "{s}");
+    drop(other);
+
+    // A node that trusts it wakes node 1's process on its first request:
+    // the same process, its memory (its count of requests) intact. (Its
+    // own state directory; the fake GPU is node 1's, whose driver state the
+    // process carries.)
+    let mut env = s3_env(m.port);
+    env.push(("GPUSNAP_FAKE_DIR".into(), one.w.fake_dir().display().to_string()));
+    // The woken server listens where it did on node 1: its backend port.
+    let backend = HashMap::from([("a", one.svcs["a"].1)]);
+    let mut two = Door::start_on(1000, &format!("trust = [\"{key}\"]"), &a_svc(ON_DEMAND), &env, &backend);
+    assert_eq!(two.service("a")["state"], "idle");
+    let r = two.chat("a-model", false);
+    assert_eq!(r.0, 200, "{r:?}\nagent log: {}", two.log());
+    assert_eq!(served_by(&r), (pa, 2, true));
+    two.wait_state("a", "running");
+    two.wait_note("a: woken from agent.a");
 }
