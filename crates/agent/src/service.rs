@@ -132,6 +132,9 @@ pub struct Service {
     pub inner: Mutex<Inner>,
     /// Bumped on every state change; waiters watch it.
     pub changed: tokio::sync::watch::Sender<u64>,
+    /// Backend connections the front door holds open (kept or in use): a
+    /// hibernation waits for them to be closed before CRIU's dump.
+    pub backend_conns: tokio::sync::watch::Sender<usize>,
 }
 
 impl Service {
@@ -161,6 +164,7 @@ impl Service {
                 hook_failures: 0,
             }),
             changed: tokio::sync::watch::channel(0).0,
+            backend_conns: tokio::sync::watch::channel(0).0,
         }
     }
 

@@ -685,3 +685,21 @@ fn front_door_wakes_another_nodes_image_from_the_remote_only_if_its_key_is_trust
     two.wait_state("a", "running");
     two.wait_note("a: woken from agent.a");
 }
+
+#[test]
+fn front_door_hibernate_right_after_a_request_waits_for_its_kept_backend_connection() {
+    criu_present();
+    const A: &str =
+        "models = [\"a-model\"]\nsuspend_after = \"1h\"\ngpu_memory = \"600MiB\"\nwake_timeout = \"60s\"";
+    let mut d = Door::start(1000, "", &[S { name: "a", kind: Kind::Gpu { mib: 600 }, extra: A }], &[]);
+    let pa = d.wait_state("a", "running")["pid"].as_i64().unwrap();
+    // Each request leaves its backend connection kept; the hibernation
+    // asked right after it must not find it open (CRIU cannot dump it).
+    for n in 1..=3 {
+        assert_eq!(served_by(&d.chat("a-model", false)), (pa, n, true));
+        let (code, body) = d.api("POST", "/v1/services/a/hibernate");
+        assert_eq!(code, 200, "hibernation {n}: {body}\nagent log: {}", d.log());
+        d.wait_state("a", "hibernated");
+    }
+    assert_eq!(served_by(&d.chat("a-model", false)), (pa, 4, true));
+}
