@@ -703,3 +703,58 @@ fn front_door_hibernate_right_after_a_request_waits_for_its_kept_backend_connect
     }
     assert_eq!(served_by(&d.chat("a-model", false)), (pa, 4, true));
 }
+
+/// Reads one HTTP/1.1 answer (with Content-Length) from `s`: its head and body.
+fn read_answer(s: &mut std::net::TcpStream) -> (String, String) {
+    s.set_read_timeout(Some(LONG)).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&got).to_string();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_string())
+                })
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(0);
+            if body.len() >= len {
+                return (head.to_string(), body[..len].to_string());
+            }
+        }
+        match s.read(&mut buf) {
+            Ok(0) => panic!("closed after {text:?}"),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("{e}; read so far: {text:?}"),
+        }
+    }
+}
+
+#[test]
+fn fail_fast_answers_every_request_of_a_kept_alive_connection() {
+    const K: &str = "suspend_after = \"1h\"\nfail_fast = true\nwake_timeout = \"60s\"\n\
+                     hooks.after_resume = { path = \"/wake_up?fail=1\" }";
+    let mut d = Door::start(1000, "", &[S { name: "k", kind: Kind::Gpu { mib: 300 }, extra: K }], &[]);
+    let pid = d.wait_state("k", "running")["pid"].as_i64().unwrap();
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.svcs["k"].0)).unwrap();
+    let ask = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
+    s.write_all(ask.as_bytes()).unwrap();
+    let (head, body) = read_answer(&mut s);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
+    assert!(body.starts_with(&format!("ok {pid} 1 ")), "{body}");
+    // Suspended with the connection open; its resume then fails (the
+    // after_resume hook): the next request on the same connection gets the
+    // 503 with the reason, as a new connection would.
+    let (code, body) = d.api("POST", "/v1/services/k/suspend");
+    assert_eq!(code, 200, "{body}");
+    s.write_all(ask.as_bytes()).unwrap();
+    let (head, body) = read_answer(&mut s);
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}\n{body}");
+    assert!(head.to_ascii_lowercase().contains("\r\nretry-after: "), "{head}");
+    let v = json(&body);
+    assert!(v["error"]["message"].as_str().unwrap_or_default().contains("after_resume"), "{v}");
+    assert_eq!(v["error"]["service"], "k", "{v}");
+    let rest = until_closed(&mut s);
+    assert!(rest.is_empty(), "{rest}");
+}
