@@ -56,8 +56,16 @@ impl Agent {
         // those signed by the keys of `[agent] trust`.
         let images = ImageStore::new(
             s.state_dir.join("images"),
-            gpusnap_images::sign::Trust::new(&s.state_dir, &s.config.agent.trust)
-                .map_err(gpusnap_hibernate::Error::from)?,
+            gpusnap_images::sign::Trust::new(&s.state_dir, &s.config.agent.trust).map_err(|e| match e {
+                // A key of `trust` that does not parse: bad input (exit 2).
+                gpusnap_images::sign::SignError::BadKey(_) => {
+                    AgentError::Config(crate::config::ConfigError::Read {
+                        path: "[agent] trust".into(),
+                        reason: e.to_string(),
+                    })
+                }
+                e => gpusnap_hibernate::Error::from(e).into(),
+            })?,
         );
         let services = s.config.service.into_iter().map(|c| Arc::new(Service::new(c))).collect();
         Ok(Self {

@@ -758,3 +758,23 @@ fn fail_fast_answers_every_request_of_a_kept_alive_connection() {
     let rest = until_closed(&mut s);
     assert!(rest.is_empty(), "{rest}");
 }
+
+#[test]
+fn an_agent_trust_key_that_does_not_parse_is_refused_at_start() {
+    let w = World::new(&[1000]);
+    let config = w.tmp.path().join("agent.toml");
+    let socket = w.tmp.path().join("agent.sock");
+    let (listen, backend) = (free_port(), free_port());
+    std::fs::write(
+        &config,
+        format!(
+            "[agent]\nsocket = {:?}\ntrust = [\"not-a-key\"]\n\n[[service]]\nname = \"m\"\n\
+             listen = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\ncommand = [\"true\"]\n",
+            socket.display().to_string()
+        ),
+    )
+    .unwrap();
+    let r = w.gpusnap(&["agent", "--config", &config.display().to_string()]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("[agent] trust: not a public key: not-a-key"), "{}", r.stderr);
+}
