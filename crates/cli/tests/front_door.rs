@@ -638,15 +638,16 @@ fn front_door_bounds_connections_header_time_and_size() {
 fn front_door_wakes_another_nodes_image_from_the_remote_only_if_its_key_is_trusted() {
     criu_present();
     let Some(m) = moto() else { return };
-    const SVC: &str = "models = [\"a-model\"]\nsuspend_after = \"1h\"\ngpu_memory = \"600MiB\"\n\
-                       wake_timeout = \"60s\"\nremote = \"s3://models/shared\"";
     const ON_DEMAND: &str = "models = [\"a-model\"]\nsuspend_after = \"1h\"\ngpu_memory = \"600MiB\"\n\
                              wake_timeout = \"60s\"\nremote = \"s3://models/shared\"\nstart = \"on-demand\"";
     let a_svc = |extra| [S { name: "a", kind: Kind::Gpu { mib: 600 }, extra }];
-    // Node 1 serves, hibernates and pushes its image.
-    let mut one = Door::start(1000, "", &a_svc(SVC), &s3_env(m.port));
-    let pa = one.wait_state("a", "running")["pid"].as_i64().unwrap();
-    assert_eq!(served_by(&one.chat("a-model", false)), (pa, 1, true));
+    // Node 1: its remote holds nothing yet, so the first request starts
+    // the server cold; then it is hibernated and its image pushed.
+    let mut one = Door::start(1000, "", &a_svc(ON_DEMAND), &s3_env(m.port));
+    assert_eq!(one.service("a")["state"], "idle");
+    let (pa, n, intact) = served_by(&one.chat("a-model", false));
+    assert_eq!((n, intact), (1, true));
+    assert_eq!(one.wait_state("a", "running")["pid"].as_i64(), Some(pa));
     let (code, body) = one.api("POST", "/v1/services/a/hibernate");
     assert_eq!(code, 200, "{body}");
     one.wait_state("a", "hibernated");
