@@ -68,6 +68,11 @@ pub struct AgentConfig {
     /// is charged there, not to the agent's unit (see crate::scope).
     #[serde(default)]
     pub server_scope: crate::scope::ServerScope,
+    /// Keys whose images the agent wakes besides this host's own (as
+    /// `images pull --trust`): 64 hex digits, or the path of a file holding
+    /// them. Another node's key, for the images it pushed to a `remote`.
+    #[serde(default)]
+    pub trust: Vec<String>,
 }
 
 impl Default for AgentConfig {
@@ -85,6 +90,7 @@ impl Default for AgentConfig {
             max_connections: None,
             header_timeout: default_header_timeout(),
             server_scope: Default::default(),
+            trust: Vec::new(),
         }
     }
 }

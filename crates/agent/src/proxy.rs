@@ -4,7 +4,7 @@
 //! backend has not answered yet. Client bytes for a service that is not
 //! running wait until it is back (resumed, woken or started).
 
-use crate::control::Control;
+use crate::control::{Control, Refusal};
 use crate::limits;
 use crate::listen::Bounds;
 use crate::metrics::ServiceLabels;
@@ -219,9 +219,7 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
             }
         }
     } else {
-        wait_for(&agent, &svc)
-            .await
-            .map_err(|reason| crate::control::Refusal { reason, retry_after: Duration::from_secs(1) })
+        wait_for(&agent, &svc).await.map_err(|reason| Refusal { reason, retry_after: Duration::from_secs(1) })
     };
     match waited {
         Ok(t) => *pending.lock().unwrap_or_else(|e| e.into_inner()) = t,
@@ -295,7 +293,7 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
                             Ok(r) => r,
                             Err(_) => {
                                 tracing::debug!(service = svc.name, "closing a connection that sent nothing");
-                                return false;
+                                return Err(None);
                             }
                         }
                     } else {
@@ -307,19 +305,27 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
                     }
                 };
                 // A keep-alive connection may outlive a suspension: bytes on
-                // it bring the service back as a new connection would.
+                // it bring the service back as a new connection would (and
+                // with fail_fast, are refused as a new connection would be).
                 while !svc.begin_request(id) {
-                    match wait_for(&agent, &svc).await {
+                    let waited = if svc.cfg.fail_fast {
+                        crate::frontdoor::wait::wait(&agent, &svc).await
+                    } else {
+                        wait_for(&agent, &svc)
+                            .await
+                            .map_err(|reason| Refusal { reason, retry_after: Duration::from_secs(1) })
+                    };
+                    match waited {
                         Ok(Some(t)) => *pending_up.lock().unwrap_or_else(|e| e.into_inner()) = Some(t),
                         Ok(None) => {}
-                        Err(e) => {
-                            crate::warn_every!(CLOSED, service = svc.name, "closing a connection: {e}");
+                        Err(r) => {
+                            crate::warn_every!(CLOSED, service = svc.name, "closing a connection: {}", r.reason);
                             agent
                                 .metrics()
                                 .connections_closed
                                 .get_or_create(&ServiceLabels { service: svc.name.clone() })
                                 .inc();
-                            return false;
+                            return Err(Some(r));
                         }
                     }
                 }
@@ -328,11 +334,12 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
                 }
             }
             let _ = bw.shutdown().await;
-            true
+            Ok(())
         }
     };
     let down = {
         let (agent, svc) = (Arc::clone(&agent), Arc::clone(&svc));
+        let cw = &mut cw;
         async move {
             let mut buf = vec![0u8; BUF];
             loop {
@@ -350,25 +357,38 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
         }
     };
     let close = closing(Arc::clone(&svc), id);
-    tokio::pin!(up);
-    tokio::pin!(down);
-    tokio::pin!(close);
     // The client's half ending is not the end: the answer may still come.
     // The backend's half ending is (it closed the connection), unless the
-    // client gave up waiting, which closes both. A hibernate closes an idle
-    // connection (both halves).
-    tokio::select! {
-        ok = &mut up => {
-            if ok {
-                tokio::select! {
-                    _ = &mut down => {}
-                    _ = &mut close => {}
+    // client gave up sending or a later request's wait was refused, which
+    // closes both (answered 503 with fail_fast: nothing of that request
+    // reached the server). A hibernate closes an idle connection (both
+    // halves).
+    let refused = {
+        tokio::pin!(up);
+        tokio::pin!(down);
+        tokio::pin!(close);
+        tokio::select! {
+            r = &mut up => match r {
+                Ok(()) => {
+                    tokio::select! {
+                        _ = &mut down => {}
+                        _ = &mut close => {}
+                    }
+                    None
                 }
+                Err(refused) => refused,
+            },
+            _ = &mut down => None,
+            _ = &mut close => {
+                tracing::debug!(service = svc.name, "closed an idle connection: the service hibernates");
+                None
             }
         }
-        _ = &mut down => {}
-        _ = &mut close => {
-            tracing::debug!(service = svc.name, "closed an idle connection: the service hibernates");
+    };
+    if let Some(r) = refused {
+        if svc.cfg.fail_fast {
+            let _ = cw.write_all(&crate::frontdoor::wait::refused_bytes(&svc, &r)).await;
         }
+        let _ = cw.shutdown().await;
     }
 }

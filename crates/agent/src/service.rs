@@ -31,10 +31,13 @@ pub enum State {
     /// (`on_fault = "hold"`): not routed to, not restarted, until the
     /// operator ends the process (`gpusnap stop --force`).
     Faulted,
+    /// An on-demand service before its first request: nothing started yet
+    /// (or a start from its remote refused); its first request starts it.
+    Idle,
 }
 
 impl State {
-    pub const ALL: [State; 12] = [
+    pub const ALL: [State; 13] = [
         State::Starting,
         State::Running,
         State::Suspending,
@@ -47,6 +50,7 @@ impl State {
         State::Dead,
         State::Exited,
         State::Faulted,
+        State::Idle,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -63,6 +67,7 @@ impl State {
             State::Dead => "dead",
             State::Exited => "exited",
             State::Faulted => "faulted",
+            State::Idle => "idle",
         }
     }
 
@@ -149,6 +154,9 @@ pub struct Service {
     pub inner: Mutex<Inner>,
     /// Bumped on every state change; waiters watch it.
     pub changed: tokio::sync::watch::Sender<u64>,
+    /// Backend connections the front door holds open (kept or in use): a
+    /// hibernation waits for them to be closed before CRIU's dump.
+    pub backend_conns: tokio::sync::watch::Sender<usize>,
 }
 
 impl Service {
@@ -179,6 +187,7 @@ impl Service {
                 footprint: None,
             }),
             changed: tokio::sync::watch::channel(0).0,
+            backend_conns: tokio::sync::watch::channel(0).0,
         }
     }
 

@@ -52,17 +52,27 @@ pub struct Agent {
 impl Agent {
     pub fn new(s: Setup) -> Result<Self, AgentError> {
         let store = Store::open(&s.state_dir)?;
+        // The agent wakes images it hibernated itself (this host's key) and
+        // those signed by the keys of `[agent] trust`.
+        let images = ImageStore::new(
+            s.state_dir.join("images"),
+            gpusnap_images::sign::Trust::new(&s.state_dir, &s.config.agent.trust).map_err(|e| match e {
+                // A key of `trust` that does not parse: bad input (exit 2).
+                gpusnap_images::sign::SignError::BadKey(_) => {
+                    AgentError::Config(crate::config::ConfigError::Read {
+                        path: "[agent] trust".into(),
+                        reason: e.to_string(),
+                    })
+                }
+                e => gpusnap_hibernate::Error::from(e).into(),
+            })?,
+        );
         let services = s.config.service.into_iter().map(|c| Arc::new(Service::new(c))).collect();
         Ok(Self {
             cfg: s.config.agent,
             services,
             metrics: Metrics::new(),
-            // The agent wakes only images it hibernated itself: this host's key.
-            images: ImageStore::new(
-                s.state_dir.join("images"),
-                gpusnap_images::sign::Trust::host_only(&s.state_dir)
-                    .map_err(gpusnap_hibernate::Error::from)?,
-            ),
+            images,
             state_dir: s.state_dir,
             exe: s.exe,
             criu_path: s.criu,

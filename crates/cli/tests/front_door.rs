@@ -51,6 +51,17 @@ fn python() -> String {
 
 impl Door {
     fn start(gpu_mib: u64, agent_extra: &str, svcs: &[S], env: &[(String, String)]) -> Self {
+        Self::start_on(gpu_mib, agent_extra, svcs, env, &HashMap::new())
+    }
+
+    /// [`Door::start`] with these services' backends on given ports.
+    fn start_on(
+        gpu_mib: u64,
+        agent_extra: &str,
+        svcs: &[S],
+        env: &[(String, String)],
+        backends: &HashMap<&str, u16>,
+    ) -> Self {
         let w = World::new(&[gpu_mib]);
         let sockdir = tempfile::Builder::new().prefix("gpusnap-door-test").tempdir_in("/tmp").unwrap();
         let socket = sockdir.path().join("agent.sock");
@@ -66,7 +77,7 @@ impl Door {
         let py = python();
         let mut ports = HashMap::new();
         for s in svcs {
-            let (listen, backend) = (free_port(), free_port());
+            let (listen, backend) = (free_port(), backends.get(s.name).copied().unwrap_or_else(free_port));
             let secret = format!("secret-{}-{}", s.name, std::process::id());
             let command = match s.kind {
                 Kind::OpenAi { delay, fail } => {
@@ -239,10 +250,18 @@ fn front_door_routes_by_model_and_streams_answers_untouched() {
         &[],
     );
     d.wait_state("alpha", "running");
-    // On demand: not started with the agent.
+    // On demand: not started with the agent, and shown as such everywhere.
     let beta = d.service("beta");
-    assert_eq!((beta["state"].as_str(), beta["pid"].as_i64()), (Some("dead"), None), "{beta}");
+    assert_eq!((beta["state"].as_str(), beta["pid"].as_i64()), (Some("idle"), None), "{beta}");
     assert_eq!(beta["last_error"], Value::Null, "{beta}");
+    let r = d.w.gpusnap(&["services", "--socket", &d.socket.display().to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let line = r.stdout.lines().find(|l| l.starts_with("beta")).unwrap_or_default();
+    assert!(line.contains("idle") && !line.contains("dead"), "{}", r.stdout);
+    let (code, metrics) = d.api("GET", "/metrics");
+    assert_eq!(code, 200);
+    let idle = metrics.lines().find(|l| l.contains("_services{state=\"idle\"}"));
+    assert!(idle.is_some_and(|l| l.ends_with(" 1")), "{metrics}");
 
     let (code, _, body) = d.curl(&["/healthz"]);
     assert_eq!(code, 200, "{body}");
@@ -267,8 +286,8 @@ fn front_door_routes_by_model_and_streams_answers_untouched() {
         listed,
         vec![
             ("alpha-7b".into(), "alpha".into(), "running".into()),
-            ("beta-8b".into(), "beta".into(), "dead".into()),
-            ("beta-70b".into(), "beta".into(), "dead".into()),
+            ("beta-8b".into(), "beta".into(), "idle".into()),
+            ("beta-70b".into(), "beta".into(), "idle".into()),
         ],
         "{body}"
     );
@@ -613,4 +632,150 @@ fn front_door_bounds_connections_header_time_and_size() {
     assert!(!answer.contains("200 OK"), "{answer}");
     let (code, _, body) = d.curl(&["/healthz"]);
     assert_eq!(code, 200, "{body}");
+}
+
+#[test]
+fn front_door_wakes_another_nodes_image_from_the_remote_only_if_its_key_is_trusted() {
+    criu_present();
+    let Some(m) = moto() else { return };
+    const ON_DEMAND: &str = "models = [\"a-model\"]\nsuspend_after = \"1h\"\ngpu_memory = \"600MiB\"\n\
+                             wake_timeout = \"60s\"\nremote = \"s3://models/shared\"\nstart = \"on-demand\"";
+    let a_svc = |extra| [S { name: "a", kind: Kind::Gpu { mib: 600 }, extra }];
+    // Node 1: its remote holds nothing yet, so the first request starts
+    // the server cold; then it is hibernated and its image pushed.
+    let mut one = Door::start(1000, "", &a_svc(ON_DEMAND), &s3_env(m.port));
+    assert_eq!(one.service("a")["state"], "idle");
+    let (pa, n, intact) = served_by(&one.chat("a-model", false));
+    assert_eq!((n, intact), (1, true));
+    assert_eq!(one.wait_state("a", "running")["pid"].as_i64(), Some(pa));
+    let (code, body) = one.api("POST", "/v1/services/a/hibernate");
+    assert_eq!(code, 200, "{body}");
+    one.wait_state("a", "hibernated");
+    one.wait_note("agent.a pushed to s3://models/shared");
+    let r = one.w.gpusnap(&["images", "key"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let key = r.stdout.trim().to_string();
+    assert_eq!(key.len(), 64, "{key}");
+
+    // A node that does not trust node 1's key refuses its image, with why,
+    // and starts nothing in its place.
+    let mut other = Door::start(1000, "", &a_svc(ON_DEMAND), &s3_env(m.port));
+    assert_eq!(other.service("a")["state"], "idle");
+    let r = other.chat("a-model", false);
+    let v = assert_refused(&r, &key);
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("[agent] trust"), "{v}");
+    let s = other.wait_state("a", "idle");
+    assert_eq!(s["pid"], Value::Null, "{s}");
+    assert!(s["last_error"].as_str().unwrap_or_default().contains(&key), "{s}");
+    drop(other);
+
+    // A node that trusts it wakes node 1's process on its first request:
+    // the same process, its memory (its count of requests) intact. (Its
+    // own state directory; the fake GPU is node 1's, whose driver state the
+    // process carries.)
+    let mut env = s3_env(m.port);
+    env.push(("GPUSNAP_FAKE_DIR".into(), one.w.fake_dir().display().to_string()));
+    // The woken server listens where it did on node 1: its backend port.
+    let backend = HashMap::from([("a", one.svcs["a"].1)]);
+    let mut two = Door::start_on(1000, &format!("trust = [\"{key}\"]"), &a_svc(ON_DEMAND), &env, &backend);
+    assert_eq!(two.service("a")["state"], "idle");
+    let r = two.chat("a-model", false);
+    assert_eq!(r.0, 200, "{r:?}\nagent log: {}", two.log());
+    assert_eq!(served_by(&r), (pa, 2, true));
+    two.wait_state("a", "running");
+    two.wait_note("a: woken from agent.a");
+}
+
+#[test]
+fn front_door_hibernate_right_after_a_request_waits_for_its_kept_backend_connection() {
+    criu_present();
+    const A: &str =
+        "models = [\"a-model\"]\nsuspend_after = \"1h\"\ngpu_memory = \"600MiB\"\nwake_timeout = \"60s\"";
+    let mut d = Door::start(1000, "", &[S { name: "a", kind: Kind::Gpu { mib: 600 }, extra: A }], &[]);
+    let pa = d.wait_state("a", "running")["pid"].as_i64().unwrap();
+    // Each request leaves its backend connection kept; the hibernation
+    // asked right after it must not find it open (CRIU cannot dump it).
+    for n in 1..=3 {
+        assert_eq!(served_by(&d.chat("a-model", false)), (pa, n, true));
+        let (code, body) = d.api("POST", "/v1/services/a/hibernate");
+        assert_eq!(code, 200, "hibernation {n}: {body}\nagent log: {}", d.log());
+        d.wait_state("a", "hibernated");
+    }
+    assert_eq!(served_by(&d.chat("a-model", false)), (pa, 4, true));
+}
+
+/// Reads one HTTP/1.1 answer (with Content-Length) from `s`: its head and body.
+fn read_answer(s: &mut std::net::TcpStream) -> (String, String) {
+    s.set_read_timeout(Some(LONG)).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&got).to_string();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_string())
+                })
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(0);
+            if body.len() >= len {
+                return (head.to_string(), body[..len].to_string());
+            }
+        }
+        match s.read(&mut buf) {
+            Ok(0) => panic!("closed after {text:?}"),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("{e}; read so far: {text:?}"),
+        }
+    }
+}
+
+#[test]
+fn fail_fast_answers_every_request_of_a_kept_alive_connection() {
+    const K: &str = "suspend_after = \"1h\"\nfail_fast = true\nwake_timeout = \"60s\"\n\
+                     hooks.after_resume = { path = \"/wake_up?fail=1\" }";
+    let mut d = Door::start(1000, "", &[S { name: "k", kind: Kind::Gpu { mib: 300 }, extra: K }], &[]);
+    let pid = d.wait_state("k", "running")["pid"].as_i64().unwrap();
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.svcs["k"].0)).unwrap();
+    let ask = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
+    s.write_all(ask.as_bytes()).unwrap();
+    let (head, body) = read_answer(&mut s);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
+    assert!(body.starts_with(&format!("ok {pid} 1 ")), "{body}");
+    // Suspended with the connection open; its resume then fails (the
+    // after_resume hook): the next request on the same connection gets the
+    // 503 with the reason, as a new connection would.
+    let (code, body) = d.api("POST", "/v1/services/k/suspend");
+    assert_eq!(code, 200, "{body}");
+    s.write_all(ask.as_bytes()).unwrap();
+    let (head, body) = read_answer(&mut s);
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}\n{body}");
+    assert!(head.to_ascii_lowercase().contains("\r\nretry-after: "), "{head}");
+    let v = json(&body);
+    assert!(v["error"]["message"].as_str().unwrap_or_default().contains("after_resume"), "{v}");
+    assert_eq!(v["error"]["service"], "k", "{v}");
+    let rest = until_closed(&mut s);
+    assert!(rest.is_empty(), "{rest}");
+}
+
+#[test]
+fn an_agent_trust_key_that_does_not_parse_is_refused_at_start() {
+    let w = World::new(&[1000]);
+    let config = w.tmp.path().join("agent.toml");
+    let socket = w.tmp.path().join("agent.sock");
+    let (listen, backend) = (free_port(), free_port());
+    std::fs::write(
+        &config,
+        format!(
+            "[agent]\nsocket = {:?}\ntrust = [\"not-a-key\"]\n\n[[service]]\nname = \"m\"\n\
+             listen = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\ncommand = [\"true\"]\n",
+            socket.display().to_string()
+        ),
+    )
+    .unwrap();
+    let r = w.gpusnap(&["agent", "--config", &config.display().to_string()]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("[agent] trust: not a public key: not-a-key"), "{}", r.stderr);
 }

@@ -63,6 +63,8 @@ async fn connect(svc: &Arc<Service>) -> Result<Conn, String> {
         .await
         .map_err(|e| format!("{}: backend: {e}", svc.name))?;
     let busy = Arc::new(AtomicBool::new(true));
+    // Counted before the request can end (and a hibernation look).
+    svc.backend_conns.send_modify(|n| *n += 1);
     tokio::spawn(pool::drive(Arc::clone(svc), Arc::clone(&busy), conn));
     Ok(Conn { send, busy })
 }

@@ -54,12 +54,24 @@ impl Pool {
     }
 }
 
+/// Uncounts a backend connection (counted when made) once it is closed.
+struct Counted(Arc<Service>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.backend_conns.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
 /// Drives one backend connection until it ends, or until its service
-/// leaves `running` while no request uses it.
+/// leaves `running` while no request uses it; it is closed (its socket
+/// shut) before it is uncounted.
 pub async fn drive<F>(svc: Arc<Service>, busy: Arc<AtomicBool>, conn: F)
 where
     F: std::future::Future<Output = hyper::Result<()>>,
 {
+    // Declared first, dropped last: after the connection.
+    let _counted = Counted(Arc::clone(&svc));
     let mut rx = svc.changed.subscribe();
     tokio::pin!(conn);
     loop {

@@ -186,7 +186,9 @@ async fn failed(
             return r;
         }
         let bringing_back = matches!(from, State::Starting | State::Waking | State::Resuming);
-        if bringing_back && matches!(to, State::Dead | State::Exited | State::Hibernated | State::Suspended) {
+        if bringing_back
+            && matches!(to, State::Dead | State::Exited | State::Hibernated | State::Suspended | State::Idle)
+        {
             return Refusal {
                 reason: format!(
                     "{}: {} failed: {}",

@@ -104,9 +104,9 @@ impl Agent {
                         self.journal(svc, None, &format!("adopted as hibernated (image {image})"));
                     }
                     None if svc.cfg.start == crate::config::Start::OnDemand => {
-                        // Started by its first request (as a dead one is).
+                        // Started (or woken from its remote) by its first request.
                         g.process = None;
-                        svc.set_state(&mut g, State::Dead);
+                        svc.set_state(&mut g, State::Idle);
                     }
                     None if svc.cfg.command.is_some() => {
                         svc.set_state(&mut g, State::Starting);

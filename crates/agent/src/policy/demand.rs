@@ -62,7 +62,7 @@ impl Agent {
                         g.trace = trace("wake");
                         drop(g);
                         if self.image_lost(svc) {
-                            self.spawn_recover(svc);
+                            self.spawn_recover(svc, false);
                         } else {
                             self.spawn_bring_back(svc, "a connection arrived");
                         }
@@ -78,6 +78,33 @@ impl Agent {
                             "{}: its process ended, and the agent does not start a server it adopted",
                             svc.name
                         )));
+                    }
+                    // Its first request: woken from its remote's image when
+                    // there is one (a second node, or one that lost its
+                    // disk), else started.
+                    // The wake this connection caused was refused: not another.
+                    State::Idle if waited && g.last_error.is_some() => {
+                        return Err(Unavailable(format!(
+                            "{}: {}",
+                            svc.name,
+                            g.last_error.as_deref().unwrap_or("?")
+                        )));
+                    }
+                    State::Idle if svc.cfg.remote.is_some() => {
+                        g.image = Some(super::image_name(&svc.name));
+                        svc.set_state(&mut g, State::Waking);
+                        g.trace = trace("wake");
+                        drop(g);
+                        if self.image_lost(svc) {
+                            self.spawn_recover(svc, true);
+                        } else {
+                            self.spawn_bring_back(svc, "its first request arrived");
+                        }
+                    }
+                    State::Idle => {
+                        svc.set_state(&mut g, State::Starting);
+                        drop(g);
+                        self.spawn_start(svc, "its first request arrived");
                     }
                     State::Dead if g.restart_at.is_none() => {
                         svc.set_state(&mut g, State::Starting);

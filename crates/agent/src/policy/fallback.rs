@@ -76,10 +76,13 @@ impl Agent {
         }
     }
 
-    /// A hibernated service (now Waking) whose image is gone from this host:
-    /// pulled from its remote and woken, else started cold when `restart`
-    /// allows, else left hibernated with the reason.
-    pub(super) fn spawn_recover(self: &Arc<Self>, svc: &Arc<Service>) {
+    /// A hibernated service (now Waking) whose image is gone from this host,
+    /// or an idle one's first request (`first`): pulled from its remote and
+    /// woken, else started cold when `restart` allows, else left hibernated
+    /// with the reason. An image signed by a key this agent does not trust
+    /// (`[agent] trust`) is refused, and nothing is started in its place:
+    /// the requests get the reason, and each later one tries the remote again.
+    pub(super) fn spawn_recover(self: &Arc<Self>, svc: &Arc<Service>, first: bool) {
         let (agent, svc) = (Arc::clone(self), Arc::clone(svc));
         tokio::spawn(async move {
             let image = svc.lock().image.clone().unwrap_or_else(|| image_name(&svc.name));
@@ -93,6 +96,9 @@ impl Agent {
                     .await;
                     match r {
                         Ok(Ok(_)) => Ok(from),
+                        Ok(Err(e)) if e.kind() == "image_untrusted" => {
+                            return agent.refuse_untrusted(&svc, &from, &e, first);
+                        }
                         Ok(Err(e)) => Err(format!("{from}: {e}")),
                         Err(e) => Err(e.to_string()),
                     }
@@ -128,6 +134,22 @@ impl Agent {
                 }
             }
         });
+    }
+
+    /// The image at `from` is signed by a key this agent does not trust:
+    /// the wake fails with that reason (the requests waiting get it in
+    /// their 503), and the service goes back to where it was.
+    fn refuse_untrusted(&self, svc: &Service, from: &str, e: &gpusnap_images::Error, first: bool) {
+        let msg = format!("{from}: {e}; to wake it, add that key to [agent] trust");
+        self.journal(svc, None, &format!("refused to wake: {msg}"));
+        let mut g = svc.lock();
+        g.last_error = Some(msg);
+        if first {
+            g.image = None;
+            svc.set_state(&mut g, State::Idle);
+        } else {
+            svc.set_state(&mut g, State::Hibernated);
+        }
     }
 
     /// Sends a service's new image to its remote, in the background; the

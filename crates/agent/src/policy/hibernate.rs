@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 const HIBERNATE_RETRY: Duration = Duration::from_secs(60);
 /// How long the idle connections of a service to hibernate may take to close.
 const CLOSE_IDLE: Duration = Duration::from_secs(10);
+/// The longest a hibernation waits for the front door's idle backend
+/// connections to close (each closes as soon as its task sees the change).
+const POOL_CLOSE: Duration = Duration::from_secs(10);
 
 impl Agent {
     /// Hibernates a suspended service with no request in flight (its idle
@@ -52,6 +55,15 @@ impl Agent {
         }
         self.journal(svc, None, &format!("hibernate: {reason}"));
         let started = Instant::now();
+        // The front door's kept backend connections close as the service
+        // leaves `running`, each in its own task: CRIU's dump waits for
+        // them (it cannot take the server's half of one along). Bounded:
+        // one still open then fails the dump, which says so.
+        let mut kept = svc.backend_conns.subscribe();
+        let closed = async { kept.wait_for(|n| *n == 0).await.is_ok() };
+        if tokio::time::timeout(POOL_CLOSE, closed).await.is_err() {
+            tracing::warn!(service = svc.name, "backend connections still open after {POOL_CLOSE:?}");
+        }
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
         let r = tokio::task::spawn_blocking(move || a.hibernate_blocking(&s))
             .await
