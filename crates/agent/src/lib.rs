@@ -1,7 +1,7 @@
 //! gpusnap's node agent: model servers leave the GPU when idle and are back
 //! on the next request; more models than GPUs.
 //!
-//! - [`config`] reads the TOML file;
+//! - [`config`] reads the TOML file, [`units`] its durations and sizes;
 //! - [`state`] owns the agent's state: services, driver, images, records;
 //! - [`policy`] suspends the idle, evicts, hibernates and restarts, all
 //!   through the core `Engine`, and adopts the services after a restart;
@@ -46,6 +46,7 @@ pub mod scope;
 pub mod service;
 pub mod state;
 pub mod trace;
+pub mod units;
 
 pub use config::Config;
 pub use daemon::run;

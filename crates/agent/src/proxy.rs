@@ -319,7 +319,12 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
                         Ok(Some(t)) => *pending_up.lock().unwrap_or_else(|e| e.into_inner()) = Some(t),
                         Ok(None) => {}
                         Err(r) => {
-                            crate::warn_every!(CLOSED, service = svc.name, "closing a connection: {}", r.reason);
+                            crate::warn_every!(
+                                CLOSED,
+                                service = svc.name,
+                                "closing a connection: {}",
+                                r.reason
+                            );
                             agent
                                 .metrics()
                                 .connections_closed

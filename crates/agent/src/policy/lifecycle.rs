@@ -84,7 +84,14 @@ impl Agent {
         // One made before logs were private.
         log.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(|e| e.to_string())?;
         let mut c = crate::scope::command(self.exe(), &svc.name, self.cfg().server_scope);
-        c.arg("--state-dir").arg(self.state_dir()).args(["run", "--light", "--on-fault", svc.cfg.on_fault.as_str(), "--name", &svc.name]);
+        c.arg("--state-dir").arg(self.state_dir()).args([
+            "run",
+            "--light",
+            "--on-fault",
+            svc.cfg.on_fault.as_str(),
+            "--name",
+            &svc.name,
+        ]);
         if let Some(u) = &svc.cfg.user {
             c.args(["--user", u.get_ref()]);
         }

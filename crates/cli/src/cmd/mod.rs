@@ -70,7 +70,19 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             hibernate::recover(cli, out, *pid, *wait, *margin, *force, *eager)
         }
         Cmd::Images { cmd } => images::run(cli, out, cmd.as_ref()),
-        Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, on_fault, user, group, fast_swap, cmd, .. } => {
+        Cmd::Run {
+            light: true,
+            name,
+            lock_timeout,
+            preload,
+            oom_watch,
+            on_fault,
+            user,
+            group,
+            fast_swap,
+            cmd,
+            ..
+        } => {
             let who = guarded::RunAs::resolve(user.as_deref(), group.as_deref())?;
             let o = guarded::Opts {
                 lock_timeout: *lock_timeout,
