@@ -270,7 +270,16 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
         if dir.is_socket(&name) {
             let _ = dir.unlink(&name);
         }
-        let listener = UnixListener::bind(dir.fd_path(&name)).map_err(fail)?;
+        // Bound by its own path, not through the directory's descriptor: the
+        // name a socket is bound under is what CRIU binds again when it
+        // restores the guard (a container checkpointed with its guard as
+        // PID 1), and `/proc/self/fd/N/...` would mean another directory
+        // then. The directory is private (root's, 0700, checked above): no
+        // one else can swap it meanwhile; it is checked again after.
+        let listener = UnixListener::bind(path).map_err(fail)?;
+        if !(path.parent().is_some_and(|p| dir.is(p)) && dir.is_socket(&name)) {
+            return Err(fail(std::io::Error::other("the guards directory changed while its socket was bound")));
+        }
         dir.chmod(&name, 0o600).map_err(fail)?;
         let ino = dir.stat(&name).map_err(fail)?.st_ino;
         if let (Ok(l), Ok(mut ls)) = (listener.try_clone(), self.listeners.lock()) {
