@@ -3,7 +3,7 @@
 # in its own mount and pid namespaces (what a container runtime gives its
 # process, without the runtime), against the same worker outside namespaces.
 #
-# For each mode of CONT_MODES (default "bare ns"):
+# For each mode of CONT_MODES (default "bare ns pidns"):
 #   bare   the worker started plainly (its own session)
 #   ns     `unshare --mount --pid --fork --mount-proc` (the worker is pid 1 of
 #          its pid namespace; CRIU dumps and restores both namespaces)
@@ -33,7 +33,7 @@ NAME=container-e2e
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 CONT_GIB=${CONT_GIB:-2}
-CONT_MODES=${CONT_MODES:-bare ns}
+CONT_MODES=${CONT_MODES:-bare ns pidns}
 CONT_FILL=${CONT_FILL:-1}
 CONT_BUDGET_S=${CONT_BUDGET_S:-300}
 CONT_WORKER=${CONT_WORKER:-worker_cupy.py}

@@ -68,7 +68,8 @@ setup() {
             return 1
         fi
         for d in "$PODMAN_DEBS"/*.deb; do dpkg-deb -x "$d" "$PM/root" || log "dpkg-deb -x $d failed"; done
-        PM_LD=$PM/root/usr/lib/x86_64-linux-gnu
+        # Debian 12 packages put some libraries in /lib (libdevmapper), others in /usr/lib.
+        PM_LD=$PM/root/usr/lib/x86_64-linux-gnu:$PM/root/lib/x86_64-linux-gnu
         PATH_EXTRA=$PM/root/usr/bin:$PM/root/usr/sbin:
     fi
     criu=$(command -v criu)
