@@ -97,6 +97,10 @@ conmon_path = ["$(PATH=$PM_PATH command -v conmon)"]
 runc = ["$(PATH=$PM_PATH command -v runc)"]
 EOF
     pm --version
+    # Libraries of the carried programs the host lacks, named in the row.
+    PM_MISSING=$(for b in podman conmon runc; do PATH=$PM_PATH LD_LIBRARY_PATH=${PM_LD:-} ldd "$(PATH=$PM_PATH command -v "$b")" 2>/dev/null; done |
+        awk '/not found/ { print $1 }' | sort -u | tr '\n' ' ')
+    [ -z "$PM_MISSING" ] || PM_OUT="$PM_OUT; libraries not found: $PM_MISSING"
     row p0 "podman from $([ -n "${PM_LD:-}" ] && echo "the carried .debs ($(du -sh "$PODMAN_DEBS" | cut -f1))" || echo PATH)" "podman --version exit 0" \
         "exit $PM_RC: $PM_OUT; runc $(PATH=$PM_PATH LD_LIBRARY_PATH=${PM_LD:-} runc --version 2>&1 | head -n 1)" "$([ "$PM_RC" = 0 ] && echo PASS || echo FAIL)"
     [ "$PM_RC" = 0 ]
