@@ -16,7 +16,7 @@ record_self() {
     BENCH_RECORDING=1 "$self" "$@" | tee "$tmp" || rc=$?
     if [ "$rc" = 0 ]; then
         # The settings the scripts read, then the command line.
-        cmd=$(env | grep -E '^(REPS|SIZE_[A-Z]+|[A-Z]+_(MIB|GIB|GBPS)|GBPS|SIZES|PROFILE|SWAPS|MIB)=' | sort | tr '\n' ' ' || true)
+        cmd=$(env | grep -E '^(REPS|NOFILE|SILENT|HALF|CONCURRENT|SECONDS_EACH|SIZE_[A-Z]+|[A-Z]+_(MIB|GIB|GBPS)|GBPS|SIZES|PROFILE|SWAPS|MIB)=' | sort | tr '\n' ' ' || true)
         BENCH_CMD="${cmd}scripts/$(basename "$0")${*:+ $*}" scripts/bench-result.sh "$name" "$tmp" |
             sed 's/^/recorded in /' >&2 || rc=$?
     fi

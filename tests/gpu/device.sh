@@ -36,6 +36,10 @@
 #   timing  tests/gpu/init-timing.sh (cuInit and nvmlInit bare, alone and on
 #           two threads, and the wall of gpusnap ps / doctor / state / a plain
 #           wake, 3 samples each; < 20 s; REPS passes through)
+#   fault   tests/gpu/fault-e2e.sh (a guarded PyTorch and CuPy worker whose
+#           context faults by an illegal-address kernel, under both guards,
+#           restored and not, with --on-fault exit and hold; ~2-3 min;
+#           FAULT_* pass through; libgpusnap_preload.so next to $GPUSNAP)
 #   agent   tests/gpu/agent-bench.sh (the node agent: two ~75 GB model servers
 #           swapped on one GPU, answers checked, ttfb, proxy p50; ~6-8 min;
 #           AGENT_MODES=hooks: only the swaps with the sleep hooks, ~5 min;
@@ -91,14 +95,14 @@ say() {
 }
 
 usage() {
-    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|agent|keeper|rescue|contend|container|timing]..." >&2
+    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|fault|agent|keeper|rescue|contend|container|timing]..." >&2
     exit 2
 }
 
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(e2e)
 for s in "${STAGES[@]}"; do
-    case $s in e2e | bench | hbench | multi | guard | agent | keeper | rescue | contend | container | timing) ;; *) usage ;; esac
+    case $s in e2e | bench | hbench | multi | guard | fault | agent | keeper | rescue | contend | container | timing) ;; *) usage ;; esac
 done
 if [ ! -f tests/gpu/e2e.sh ]; then
     echo "run tests/gpu/device.sh from the repository root" >&2
@@ -186,7 +190,7 @@ host_info() {
 
 # weight STAGE: the wall it wants; shares of the time left go by these.
 weight() {
-    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; agent) echo 480 ;; keeper) echo 200 ;; rescue) echo 180 ;; contend) echo 360 ;; container) echo 240 ;; timing) echo 40 ;; esac
+    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; fault) echo 240 ;; agent) echo 480 ;; keeper) echo 200 ;; rescue) echo 180 ;; contend) echo 360 ;; container) echo 240 ;; timing) echo 40 ;; esac
 }
 # slack STAGE: its watchdog fires this long after its soft budget, and its
 # cleanup runs after that.
@@ -195,7 +199,7 @@ slack() {
 }
 # floor STAGE: below this soft budget the stage cannot do anything useful.
 floor_s() {
-    case $1 in e2e | multi | guard) echo 150 ;; bench) echo 100 ;; hbench | keeper) echo 120 ;; rescue) echo 90 ;; contend) echo 100 ;; container) echo 90 ;; agent) echo 240 ;; timing) echo 15 ;; esac
+    case $1 in e2e | multi | guard) echo 150 ;; bench | fault) echo 100 ;; hbench | keeper) echo 120 ;; rescue) echo 90 ;; contend) echo 100 ;; container) echo 90 ;; agent) echo 240 ;; timing) echo 15 ;; esac
 }
 
 stage_row() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGES_TSV"; }
@@ -279,6 +283,7 @@ run_stage() {
                 exit $rc' _ "$dir" "$((soft * 2 / 3))" "$((soft / 3))")
             ;;
         timing) cmd=(env OUT="$dir" tests/gpu/init-timing.sh) ;;
+        fault) cmd=(env OUT="$dir" FAULT_BUDGET_S="$soft" tests/gpu/fault-e2e.sh) ;;
         guard)
             # Three runs in one stage, a third of the budget each.
             local third=$((soft / 3))
@@ -340,7 +345,7 @@ run_stage() {
             done
             append_log "container stderr" "$dir/stderr.txt"
             ;;
-        keeper | rescue)
+        keeper | rescue | fault)
             cp -f "$dir/$name-e2e.md" "$OUT/" 2>/dev/null || say "$name wrote no $name-e2e.md"
             if [ -s "$dir/$name-e2e.log" ]; then append_log "$name-e2e.log" "$dir/$name-e2e.log"; else append_log "$name stderr" "$dir/stderr.txt"; fi
             ;;
@@ -369,7 +374,7 @@ record_stage() {
         bench) md=(bench.md) ;;
         hbench) md=(bench-hibernate.md) ;;
         guard) md=(guard-e2e.md guard-e2e-light.md guard-bench.md) ;;
-        keeper | rescue | multi) md=("$name-e2e.md") ;;
+        keeper | rescue | multi | fault) md=("$name-e2e.md") ;;
         agent) md=(agent-bench.md) ;;
         contend) md=(contend.md) ;;
         container) md=(container-e2e.md podman-e2e.md) ;;

@@ -6,8 +6,8 @@
 
 use crate::control::{Action, Control};
 use crate::peer::Peer;
-use crate::service::Service;
-use axum::extract::connect_info::{ConnectInfo, Connected};
+use crate::service::{Service, State};
+use axum::extract::connect_info::ConnectInfo;
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, Request, State as AxState};
 use axum::handler::Handler;
@@ -15,7 +15,6 @@ use axum::http::{Method, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, MethodRouter};
-use axum::serve::IncomingStream;
 use axum::{Json, Router};
 use serde::Serialize;
 use std::sync::Arc;
@@ -27,15 +26,6 @@ type Ctl = Arc<dyn Control>;
 
 /// The OpenAPI 3.1 document of the API on the socket.
 pub const OPENAPI: &str = include_str!("../openapi.json");
-
-impl Connected<IncomingStream<'_, UnixListener>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, UnixListener>) -> Self {
-        match stream.io().peer_cred() {
-            Ok(c) => Peer { pid: c.pid(), uid: Some(c.uid()), gid: Some(c.gid()) },
-            Err(_) => Peer { pid: None, uid: None, gid: None },
-        }
-    }
-}
 
 #[derive(Serialize)]
 struct ApiError {
@@ -83,6 +73,40 @@ pub struct ServiceView {
     pub idle_ms: u64,
     pub restarts: u32,
     pub last_error: Option<String>,
+    /// What it takes on the GPU when it runs (bytes): what NVML saw before
+    /// its last before_suspend hook, else its footprint when last
+    /// suspended, else its declared `gpu_memory`. None: not known yet.
+    pub gpu_memory: Option<u64>,
+    /// What the policy does next if nothing changes, and when:
+    /// `{"action": "suspend", "in_ms": 240000}`. None: nothing planned.
+    pub next: Option<NextStep>,
+}
+
+#[derive(Serialize)]
+pub struct NextStep {
+    pub action: &'static str,
+    pub in_ms: u64,
+}
+
+/// The policy's next step for a service in state `g`, if nothing changes.
+fn next_step(s: &Service, g: &crate::service::Inner) -> Option<NextStep> {
+    let left = |after: std::time::Duration, elapsed: std::time::Duration| {
+        after.saturating_sub(elapsed).as_millis() as u64
+    };
+    match g.state {
+        State::Running if !Service::has_traffic(g) => s
+            .cfg
+            .suspend_after
+            .map(|d| NextStep { action: "suspend", in_ms: left(d, g.last_activity.elapsed()) }),
+        State::Suspended if !s.cfg.adopted() => {
+            s.cfg.hibernate_after.map(|d| NextStep { action: "hibernate", in_ms: left(d, g.since.elapsed()) })
+        }
+        State::Dead => g.restart_at.map(|t| NextStep {
+            action: "restart",
+            in_ms: t.saturating_duration_since(std::time::Instant::now()).as_millis() as u64,
+        }),
+        _ => None,
+    }
 }
 
 pub fn view(s: &Service) -> ServiceView {
@@ -102,6 +126,8 @@ pub fn view(s: &Service) -> ServiceView {
         idle_ms: g.last_activity.elapsed().as_millis() as u64,
         restarts: g.restarts,
         last_error: g.last_error.clone(),
+        gpu_memory: g.full_footprint.or(g.footprint).or(s.cfg.gpu_memory),
+        next: next_step(s, &g),
     }
 }
 
@@ -157,6 +183,15 @@ async fn processes(AxState(agent): AxState<Ctl>) -> Response {
 
 /// Without `after`, `/v1/events` starts with this many of the newest entries.
 pub const EVENTS_WINDOW: i64 = 100;
+/// Clients following `/v1/events` at once; one more gets a 503.
+pub const EVENTS_FOLLOWERS: usize = 16;
+
+/// The followers of `/v1/events` now.
+static FOLLOWERS: std::sync::LazyLock<Arc<crate::limits::Cap>> =
+    std::sync::LazyLock::new(|| crate::limits::Cap::new(EVENTS_FOLLOWERS));
+/// [`crate::limits::admit`] takes two caps; followers have only the one.
+static FOLLOWERS_TOTAL: std::sync::LazyLock<Arc<crate::limits::Cap>> =
+    std::sync::LazyLock::new(|| crate::limits::Cap::new(EVENTS_FOLLOWERS));
 
 #[derive(serde::Deserialize)]
 struct EventsQuery {
@@ -165,30 +200,6 @@ struct EventsQuery {
     /// Keep following the journal (the default), or stop after the entries already there.
     #[serde(default)]
     follow: Option<bool>,
-}
-
-/// At most this many requests follow the journal at once (each holds a
-/// connection to it and polls it); more are answered 503.
-pub const MAX_FOLLOWERS: usize = 32;
-static FOLLOWERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// One follower counted while its stream lives.
-struct Follower;
-
-impl Follower {
-    fn take() -> Option<Self> {
-        use std::sync::atomic::Ordering::SeqCst;
-        FOLLOWERS
-            .fetch_update(SeqCst, SeqCst, |n| (n < MAX_FOLLOWERS).then_some(n + 1))
-            .ok()
-            .map(|_| Follower)
-    }
-}
-
-impl Drop for Follower {
-    fn drop(&mut self) {
-        FOLLOWERS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-    }
 }
 
 /// The journal as newline-delimited JSON, followed as it grows.
@@ -202,27 +213,29 @@ async fn events(AxState(agent): AxState<Ctl>, q: Result<Query<EventsQuery>, Quer
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), 1),
     };
     let follow = q.follow.unwrap_or(true);
-    let counted = match follow.then(Follower::take) {
-        Some(None) => {
-            return error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!(
-                    "{MAX_FOLLOWERS} requests already follow the journal; ask with follow=false, or later"
-                ),
-                1,
-            )
-        }
-        Some(Some(f)) => Some(f),
-        None => None,
+    // A follower holds its place until it hangs up.
+    let place = match follow {
+        true => match crate::limits::admit(&FOLLOWERS, &FOLLOWERS_TOTAL) {
+            Ok(slot) => Some(slot),
+            Err(_) => {
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("{EVENTS_FOLLOWERS} clients already follow the events: try again, or ask with follow=false"),
+                    1,
+                )
+            }
+        },
+        false => None,
     };
     let start = match q.after {
         Some(a) => a,
         None => store.last_event_id().unwrap_or(0).saturating_sub(EVENTS_WINDOW).max(0),
     };
     let store = Arc::new(std::sync::Mutex::new(store));
-    // The follower is counted while the stream's state holds it.
-    let stream = futures_util::stream::unfold((start, counted), move |(after, counted)| {
+    let place = Arc::new(place);
+    let stream = futures_util::stream::unfold(start, move |after| {
         let store = Arc::clone(&store);
+        let _place = Arc::clone(&place);
         async move {
             loop {
                 let s = Arc::clone(&store);
@@ -238,7 +251,7 @@ async fn events(AxState(agent): AxState<Ctl>, q: Result<Query<EventsQuery>, Quer
                         text.push_str(&serde_json::to_string(&r).unwrap_or_default());
                         text.push('\n');
                     }
-                    return Some((Ok::<_, std::convert::Infallible>(text), (last, counted)));
+                    return Some((Ok::<_, std::convert::Infallible>(text), last));
                 }
                 if !follow {
                     return None;
@@ -321,18 +334,13 @@ pub fn router(agent: Ctl) -> Router {
         .with_state(agent)
 }
 
-pub async fn serve(agent: Ctl, listener: UnixListener) {
-    let app = router(agent).into_make_service_with_connect_info::<Peer>();
-    if let Err(e) = axum::serve(listener, app).await {
-        tracing::error!("API server: {e}");
-    }
+pub async fn serve(agent: Ctl, listener: UnixListener, bounds: crate::listen::Bounds) {
+    crate::listen::serve_unix(listener, router(agent), bounds).await;
 }
 
 /// /metrics on TCP for Prometheus (no credentials to check there: bind it
 /// to an address only the scraper reaches).
-pub async fn serve_metrics(agent: Ctl, listener: tokio::net::TcpListener) {
+pub async fn serve_metrics(agent: Ctl, listener: tokio::net::TcpListener, bounds: crate::listen::Bounds) {
     let app = Router::new().route("/metrics", get(metrics)).with_state(agent);
-    if let Err(e) = axum::serve(listener, app).await {
-        tracing::error!("metrics server: {e}");
-    }
+    crate::listen::serve_tcp(listener, app, bounds).await;
 }

@@ -1,6 +1,7 @@
 //! The agent's TOML configuration: `[agent]` and one `[[service]]` per model
 //! server. Every error names the file and the line (toml's spans give it).
 
+use crate::bounds::{bytes, count, key_offset, section_start, within, DAY, MAX_CONNECTIONS, MS, SEC, TIB};
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -56,6 +57,17 @@ pub struct AgentConfig {
     pub http_listen: Option<SocketAddr>,
     #[serde(default)]
     pub http: HttpLimits,
+    /// Client connections the agent holds in all, on every listener
+    /// (unset: what its open-file limit leaves, see docs/design/agent.md).
+    pub max_connections: Option<usize>,
+    /// How long a client may take to send a request's headers (API, metrics)
+    /// or its first byte (a service's port) before it is closed.
+    #[serde(default = "default_header_timeout", deserialize_with = "duration")]
+    pub header_timeout: Duration,
+    /// Start each server in a systemd scope of its own, so that its memory
+    /// is charged there, not to the agent's unit (see crate::scope).
+    #[serde(default)]
+    pub server_scope: crate::scope::ServerScope,
 }
 
 impl Default for AgentConfig {
@@ -70,6 +82,9 @@ impl Default for AgentConfig {
             lazy_wake: false,
             http_listen: None,
             http: Default::default(),
+            max_connections: None,
+            header_timeout: default_header_timeout(),
+            server_scope: Default::default(),
         }
     }
 }
@@ -133,17 +148,11 @@ impl HttpLimits {
     }
 }
 
-fn default_max_connections() -> usize {
-    1024
-}
 fn default_max_header() -> u64 {
     64 << 10
 }
 fn default_max_body() -> u64 {
     32 << 20
-}
-fn default_header_timeout() -> Duration {
-    Duration::from_secs(10)
 }
 fn default_connection_timeout() -> Duration {
     Duration::from_secs(3600)
@@ -155,6 +164,10 @@ fn default_socket() -> PathBuf {
 
 fn default_tick() -> Duration {
     Duration::from_millis(200)
+}
+
+fn default_header_timeout() -> Duration {
+    Duration::from_secs(10)
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -209,6 +222,32 @@ pub struct ServiceConfig {
     /// `s3://BUCKET/PREFIX` or `file://DIR`: each image of the service is
     /// pushed there once hibernated; a wake whose local image is gone pulls it.
     pub remote: Option<Spanned<String>>,
+    /// Client connections open on the service's port at once; more are
+    /// closed as they arrive.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// How long a request may go unanswered (bytes sent, none back) and
+    /// still keep the service busy: after it, the connection counts as
+    /// idle (for suspend_after, evictions and hibernation).
+    #[serde(default = "default_request_timeout", deserialize_with = "duration_or_never")]
+    pub request_timeout: Option<Duration>,
+    /// Variables of the agent's own environment the server gets (besides
+    /// the few every server gets: see docs/reference/config.md).
+    #[serde(default)]
+    pub pass_environment: Vec<String>,
+    /// Variables set for the server.
+    #[serde(default)]
+    pub environment: std::collections::BTreeMap<String, String>,
+    /// The user the server runs as (a name or a uid); unset: the agent's.
+    pub user: Option<Spanned<String>>,
+    /// The server's group (a name or a gid); unset: the user's primary group.
+    pub group: Option<Spanned<String>>,
+    /// What the guard does when the server's CUDA context faults (`gpusnap
+    /// run --on-fault`): `exit` (it dies and is restarted as any death),
+    /// `hold` (kept from dying, the service `faulted` until the operator
+    /// ends it).
+    #[serde(default)]
+    pub on_fault: OnFault,
 }
 
 /// When the agent starts a service it starts itself.
@@ -218,6 +257,25 @@ pub enum Start {
     #[default]
     Boot,
     OnDemand,
+}
+
+/// `on_fault`: the guard's policy for a faulted CUDA context.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFault {
+    #[default]
+    Exit,
+    Hold,
+}
+
+impl OnFault {
+    /// As `gpusnap run --on-fault` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnFault::Exit => "exit",
+            OnFault::Hold => "hold",
+        }
+    }
 }
 
 /// `[service.hooks]` (in a `[[service]]` array: `hooks.before_suspend = {...}`
@@ -284,6 +342,12 @@ fn default_wake_timeout() -> Duration {
 }
 fn default_max_waiting() -> usize {
     1024
+}
+fn default_max_connections() -> usize {
+    1024
+}
+fn default_request_timeout() -> Option<Duration> {
+    Some(Duration::from_secs(600))
 }
 fn default_margin() -> u64 {
     256 << 20
@@ -440,6 +504,28 @@ impl Config {
             if s.command.as_ref().is_some_and(|c| c.is_empty()) {
                 return Err(invalid(at, format!("service {name:?}: command is empty")));
             }
+            for (what, v) in [("user", &s.user), ("group", &s.group)] {
+                let Some(v) = v else { continue };
+                if s.command.is_none() {
+                    return Err(invalid(
+                        v.span().start,
+                        format!("service {name:?}: {what} is for a server the agent starts (command)"),
+                    ));
+                }
+                let known = match what {
+                    "user" => {
+                        v.get_ref().parse::<u32>().is_ok()
+                            || nix::unistd::User::from_name(v.get_ref()).ok().flatten().is_some()
+                    }
+                    _ => crate::peer::group_id(v.get_ref()).is_some(),
+                };
+                if !known {
+                    return Err(invalid(
+                        v.span().start,
+                        format!("service {name:?}: {what} {:?}: no such {what} on this host", v.get_ref()),
+                    ));
+                }
+            }
             for (which, h) in
                 [("before_suspend", &s.hooks.before_suspend), ("after_resume", &s.hooks.after_resume)]
             {
@@ -534,8 +620,68 @@ impl Config {
                 }
             }
         }
+        check(&cfg, text).map_err(|(offset, reason)| invalid(offset, reason))?;
         Ok(cfg)
     }
+}
+
+/// Checks every number; on a bad one, the offset of its key in `text` (or
+/// of its table) and why.
+fn check(cfg: &Config, text: &str) -> Result<(), (usize, String)> {
+    let a = &cfg.agent;
+    let agent_at = section_start(text, "[agent]").unwrap_or(0);
+    let at = |key: &str| key_offset(text, agent_at, key).unwrap_or(agent_at);
+    let agent = [
+        ("tick", within("tick", a.tick, 10 * MS, 3600 * SEC)),
+        ("header_timeout", within("header_timeout", a.header_timeout, 100 * MS, 600 * SEC)),
+        (
+            "max_connections",
+            a.max_connections.map_or(Ok(()), |n| count("max_connections", n, 1, MAX_CONNECTIONS)),
+        ),
+        (
+            "min_host_available",
+            a.min_host_available.map_or(Ok(()), |n| bytes("min_host_available", n, 0, 1024 * TIB)),
+        ),
+    ];
+    for (key, r) in agent {
+        r.map_err(|e| (at(key), e))?;
+    }
+    for s in &cfg.service {
+        check_service(s, text)?;
+    }
+    Ok(())
+}
+
+fn check_service(s: &ServiceConfig, text: &str) -> Result<(), (usize, String)> {
+    let name_at = s.name.span().start;
+    let table = text[..name_at.min(text.len())].rfind("[[service]]").unwrap_or(name_at);
+    let at = |key: &str| key_offset(text, table, key).unwrap_or(name_at);
+    let name = s.name.get_ref();
+    let opt = |key: &str, d: Option<Duration>, min: Duration, max: Duration| {
+        d.map_or(Ok(()), |d| within(key, d, min, max))
+    };
+    let checks = [
+        ("wake_timeout", within("wake_timeout", s.wake_timeout, MS, DAY)),
+        ("suspend_after", opt("suspend_after", s.suspend_after, Duration::ZERO, 365 * DAY)),
+        ("hibernate_after", opt("hibernate_after", s.hibernate_after, Duration::ZERO, 365 * DAY)),
+        ("request_timeout", opt("request_timeout", s.request_timeout, SEC, 7 * DAY)),
+        ("max_waiting", count("max_waiting", s.max_waiting, 1, MAX_CONNECTIONS)),
+        ("max_connections", count("max_connections", s.max_connections, 1, MAX_CONNECTIONS)),
+        ("margin", bytes("margin", s.margin, 0, TIB)),
+        ("gpu_memory", s.gpu_memory.map_or(Ok(()), |n| bytes("gpu_memory", n, 1, 64 * TIB))),
+        (
+            "priority",
+            if s.priority.unsigned_abs() > 1_000_000 {
+                Err(format!("priority = {}: must be between -1000000 and 1000000", s.priority))
+            } else {
+                Ok(())
+            },
+        ),
+    ];
+    for (key, r) in checks {
+        r.map_err(|e| (at(key), format!("service {name:?}: {e}")))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -672,5 +818,38 @@ priority = 10
         assert!(e.contains("max_header"), "{e}");
         let e = err(&text.replace("127.0.0.1:8080", "127.0.0.1:8000"));
         assert!(e.contains("the http_listen port"), "{e}");
+    }
+
+    const BASE: &str =
+        "[agent]\nsocket = \"/tmp/a.sock\"\n\n[[service]]\nname = \"a\"\nlisten = \"127.0.0.1:8000\"\n\
+                        backend = \"127.0.0.1:18000\"\ncommand = [\"serve\"]\n";
+
+    #[test]
+    fn out_of_range_numbers_name_their_key_and_line() {
+        let e = err(&BASE.replace("[agent]\n", "[agent]\ntick = 0\n"));
+        assert!(e.starts_with("x.toml:2:") && e.contains("tick = 0ns"), "{e}");
+        for (line, what) in [
+            ("max_waiting = 0", "max_waiting = 0"),
+            ("wake_timeout = 9223372036854775807", "wake_timeout"),
+            ("max_connections = 0", "max_connections = 0"),
+            ("request_timeout = \"10ms\"", "request_timeout"),
+            ("hibernate_after = \"1000d\"", "hibernate_after"),
+            ("priority = 9223372036854775807", "priority"),
+            ("gpu_memory = 0", "gpu_memory"),
+        ] {
+            let e = err(&format!("{BASE}{line}\n"));
+            assert!(
+                e.starts_with("x.toml:9:") && e.contains(what) && e.contains("service \"a\""),
+                "{line}: {e}"
+            );
+        }
+        // The key of the second service, not the first's.
+        let two = format!(
+            "{BASE}max_waiting = 5\n\n[[service]]\nname = \"b\"\nlisten = \"127.0.0.1:8001\"\n\
+             backend = \"127.0.0.1:18001\"\ncommand = [\"s\"]\nmax_waiting = 0\n"
+        );
+        let e = err(&two);
+        assert!(e.starts_with("x.toml:16:") && e.contains("service \"b\""), "{e}");
+        assert!(Config::parse(&format!("{BASE}max_waiting = 1\nrequest_timeout = \"never\"\n"), "x").is_ok());
     }
 }

@@ -36,6 +36,8 @@ fn bind_socket(path: &Path, group: Option<&str>) -> Result<tokio::net::UnixListe
 /// Runs the agent until SIGTERM or SIGINT. The services are left as they
 /// are: a later agent adopts them.
 pub fn run(setup: Setup) -> Result<(), AgentError> {
+    // Before anything opens a descriptor: every listener's cap comes from it.
+    let nofile = crate::limits::raise_nofile();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .worker_threads(4)
@@ -79,15 +81,31 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         }
         // The proxies and the API see the agent only through Control.
         let ctl: Arc<dyn Control> = agent.clone();
+        let budget = nofile.budget();
+        let total = crate::limits::Cap::new(agent.cfg().max_connections.map_or(budget.proxies, |m| m.min(budget.proxies)));
+        tracing::info!(
+            open_files = nofile.soft,
+            services = total.max(),
+            api = budget.api,
+            metrics = budget.metrics,
+            "connections allowed (the open-file limit less a reserve)"
+        );
+        let header_timeout = agent.cfg().header_timeout;
+        let bounds = |own: usize, total: &Arc<crate::limits::Cap>| crate::listen::Bounds {
+            own: crate::limits::Cap::new(own),
+            total: Arc::clone(total),
+            header_timeout,
+        };
         for (svc, l) in proxies {
-            tokio::spawn(crate::proxy::serve(Arc::clone(&ctl), svc, l));
+            let b = bounds(svc.cfg.max_connections, &total);
+            tokio::spawn(crate::proxy::serve(Arc::clone(&ctl), svc, l, b));
         }
         if let Some(l) = front_door {
             tokio::spawn(crate::frontdoor::serve(Arc::clone(&ctl), l, agent.cfg().http.clone()));
         }
-        tokio::spawn(crate::api::serve(Arc::clone(&ctl), api_listener));
+        tokio::spawn(crate::api::serve(Arc::clone(&ctl), api_listener, bounds(budget.api, &crate::limits::Cap::new(budget.api))));
         if let Some(l) = metrics_listener {
-            tokio::spawn(crate::api::serve_metrics(ctl, l));
+            tokio::spawn(crate::api::serve_metrics(ctl, l, bounds(budget.metrics, &crate::limits::Cap::new(budget.metrics))));
         }
         {
             let a = Arc::clone(&agent);

@@ -13,7 +13,10 @@
 //! - [`daemon`] starts it all and tells systemd it is ready;
 //! - [`service`] is one service's state, [`hooks`] its HTTP hooks;
 //! - [`metrics`] holds the Prometheus metrics;
-//! - [`trace`] breaks a wake caused by a request (a swap) into phases.
+//! - [`trace`] breaks a wake caused by a request (a swap) into phases;
+//! - [`limits`] bounds descriptors and connections, [`listen`] serves the
+//!   HTTP listeners under those bounds, [`ratelimit`] keeps floods out of
+//!   the log, [`bounds`] range-checks the config's numbers.
 //!
 //! The modules import each other without a circle: `daemon` above `api`,
 //! `proxy`, `frontdoor` and `policy`; `api`, `proxy` and `frontdoor` see
@@ -21,17 +24,25 @@
 //! `control`; `policy` implements `control` on `state`.
 
 pub mod api;
+pub mod bounds;
 pub mod client;
 pub mod config;
 pub mod control;
 pub mod daemon;
+pub mod environ;
 pub mod error;
 pub mod frontdoor;
 pub mod hooks;
+pub mod limits;
+pub mod listen;
+pub mod logs;
 pub mod metrics;
 pub mod peer;
+pub mod pidfile;
 pub mod policy;
 pub mod proxy;
+pub mod ratelimit;
+pub mod scope;
 pub mod service;
 pub mod state;
 pub mod trace;

@@ -64,6 +64,7 @@ pub struct Metrics {
     pub swap_phase: Histograms<PhaseLabels>,
     pub swap: Histograms<KindLabels>,
     pub swap_events: Family<EventLabels, Counter>,
+    pub faults: Family<ServiceLabels, Counter>,
 }
 
 /// A histogram family whose buckets come from `fn() -> Histogram`.
@@ -148,7 +149,7 @@ impl Metrics {
             connections_closed: register(
                 r,
                 "connections_closed_unserved",
-                "Connections closed because their service could not come back in time",
+                "Connections closed because their service could not come back in time, or refused at a connection cap",
                 None,
                 Family::default(),
             ),
@@ -169,6 +170,13 @@ impl Metrics {
                 r,
                 "swap_events",
                 "What wakes caused by a request had to do: admissions, refusals, evictions, NVML reads, connect retries",
+                None,
+                Family::default(),
+            ),
+            faults: register(
+                r,
+                "faults",
+                "Processes of a service whose CUDA context faulted (the guard could not suspend them)",
                 None,
                 Family::default(),
             ),

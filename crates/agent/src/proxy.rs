@@ -5,7 +5,10 @@
 //! running wait until it is back (resumed, woken or started).
 
 use crate::control::Control;
+use crate::limits;
+use crate::listen::Bounds;
 use crate::metrics::ServiceLabels;
+use crate::ratelimit::Every;
 use crate::service::{Conn, Service, State};
 use crate::trace::WakeTrace;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,15 +23,39 @@ const BUF: usize = 64 * 1024;
 /// loading); was 50 ms, a latency a request paid for nothing.
 const CONNECT_RETRY: Duration = Duration::from_millis(10);
 
-pub async fn serve(agent: Arc<dyn Control>, svc: Arc<Service>, listener: TcpListener) {
+static ACCEPT_FAILED: Every = Every::new(Duration::from_secs(1));
+static REFUSED: Every = Every::new(Duration::from_secs(1));
+static CLOSED: Every = Every::new(Duration::from_secs(1));
+
+/// Accepts the service's connections, each under its cap and the agent's
+/// total (`bounds`): one beyond either is closed at once. A failed accept
+/// (out of descriptors) backs off instead of spinning, warned about at most
+/// once a second.
+pub async fn serve(agent: Arc<dyn Control>, svc: Arc<Service>, listener: TcpListener, bounds: Bounds) {
     loop {
         match listener.accept().await {
             Ok((client, _)) => {
+                let slot = match limits::admit(&bounds.own, &bounds.total) {
+                    Ok(s) => s,
+                    Err(full) => {
+                        crate::warn_every!(REFUSED, service = svc.name, "refused a connection: {full}");
+                        agent
+                            .metrics()
+                            .connections_closed
+                            .get_or_create(&ServiceLabels { service: svc.name.clone() })
+                            .inc();
+                        continue;
+                    }
+                };
                 let (a, s) = (Arc::clone(&agent), Arc::clone(&svc));
-                tokio::spawn(async move { handle(a, s, client).await });
+                let first_byte = bounds.header_timeout;
+                tokio::spawn(async move {
+                    let _slot = slot;
+                    handle(a, s, client, first_byte).await
+                });
             }
             Err(e) => {
-                tracing::warn!(service = svc.name, "accept: {e}");
+                crate::warn_every!(ACCEPT_FAILED, service = svc.name, "accept: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
@@ -70,7 +97,11 @@ impl Service {
         if g.state != State::Running {
             return false;
         }
+        let bound = self.cfg.request_timeout;
         if let Some(c) = g.conns.get_mut(&id) {
+            if !c.awaiting {
+                c.stale_at = bound.and_then(|b| Instant::now().checked_add(b));
+            }
             c.awaiting = true;
         }
         g.last_activity = Instant::now();
@@ -82,8 +113,37 @@ impl Service {
         let mut g = self.lock();
         if let Some(c) = g.conns.get_mut(&id) {
             c.awaiting = false;
+            c.stale_at = None;
         }
         g.last_activity = Instant::now();
+    }
+
+    /// Marks the connection as holding one to the backend.
+    fn connected(&self, id: u64) {
+        if let Some(c) = self.lock().conns.get_mut(&id) {
+            c.backend = true;
+        }
+    }
+
+    /// Whether connection `id` is to be closed now: the service hibernates
+    /// (CRIU cannot take its backend half along) and it carries no request
+    /// (or one past `request_timeout`).
+    fn to_close(&self, id: u64) -> bool {
+        let g = self.lock();
+        g.state == State::Hibernating && !g.conns.get(&id).is_some_and(|c| c.busy())
+    }
+}
+
+/// Resolves once connection `id` is to be closed (see [`Service::to_close`]).
+async fn closing(svc: Arc<Service>, id: u64) {
+    let mut rx = svc.changed.subscribe();
+    loop {
+        if svc.to_close(id) {
+            return;
+        }
+        if rx.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
     }
 }
 
@@ -131,12 +191,12 @@ fn finish(agent: &Arc<dyn Control>, svc: &Arc<Service>, pending: &Mutex<Option<W
     tokio::task::spawn_blocking(move || agent.note(&svc, &t.summary()));
 }
 
-async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStream) {
+async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStream, first_byte: Duration) {
     let _ = client.set_nodelay(true);
     let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
     {
         let mut g = svc.lock();
-        g.conns.insert(id, Conn { awaiting: false });
+        g.conns.insert(id, Conn::default());
         g.last_activity = Instant::now();
     }
     agent.metrics().in_flight.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
@@ -167,7 +227,7 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
         Ok(t) => *pending.lock().unwrap_or_else(|e| e.into_inner()) = t,
         Err(r) => {
             let e = &r.reason;
-            tracing::warn!(service = svc.name, "closing a connection: {e}");
+            crate::warn_every!(CLOSED, service = svc.name, "closing a connection: {e}");
             closed();
             if svc.cfg.fail_fast {
                 let _ = client.write_all(&crate::frontdoor::wait::refused_bytes(&svc, &r)).await;
@@ -199,7 +259,7 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
                 tokio::time::sleep(CONNECT_RETRY).await;
             }
             Err(e) => {
-                tracing::warn!(service = svc.name, "backend {}: {e}", svc.cfg.backend);
+                crate::warn_every!(CLOSED, service = svc.name, "backend {}: {e}", svc.cfg.backend);
                 closed();
                 return;
             }
@@ -210,6 +270,7 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
         t.mark_now("connect");
     }
     let _ = backend.set_nodelay(true);
+    svc.connected(id);
     let (mut cr, mut cw) = client.into_split();
     let (mut br, mut bw) = backend.into_split();
 
@@ -218,13 +279,29 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
         let pending_up = Arc::clone(&pending);
         async move {
             let mut buf = vec![0u8; BUF];
+            let mut first = true;
             loop {
                 let n = if !early.is_empty() {
                     // What a fail_fast client sent while it waited.
+                    first = false;
                     buf[..early.len()].copy_from_slice(&early);
                     std::mem::take(&mut early).len()
                 } else {
-                    match cr.read(&mut buf).await {
+                    // A client that sends nothing at all within the header
+                    // timeout holds a connection for nothing: closed.
+                    let read = cr.read(&mut buf);
+                    let r = if std::mem::take(&mut first) {
+                        match tokio::time::timeout(first_byte, read).await {
+                            Ok(r) => r,
+                            Err(_) => {
+                                tracing::debug!(service = svc.name, "closing a connection that sent nothing");
+                                return false;
+                            }
+                        }
+                    } else {
+                        read.await
+                    };
+                    match r {
                         Ok(0) | Err(_) => break,
                         Ok(n) => n,
                     }
@@ -236,7 +313,7 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
                         Ok(Some(t)) => *pending_up.lock().unwrap_or_else(|e| e.into_inner()) = Some(t),
                         Ok(None) => {}
                         Err(e) => {
-                            tracing::warn!(service = svc.name, "closing a connection: {e}");
+                            crate::warn_every!(CLOSED, service = svc.name, "closing a connection: {e}");
                             agent
                                 .metrics()
                                 .connections_closed
@@ -272,17 +349,26 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
             let _ = cw.shutdown().await;
         }
     };
+    let close = closing(Arc::clone(&svc), id);
     tokio::pin!(up);
     tokio::pin!(down);
+    tokio::pin!(close);
     // The client's half ending is not the end: the answer may still come.
     // The backend's half ending is (it closed the connection), unless the
-    // client gave up waiting, which closes both.
+    // client gave up waiting, which closes both. A hibernate closes an idle
+    // connection (both halves).
     tokio::select! {
         ok = &mut up => {
             if ok {
-                down.await;
+                tokio::select! {
+                    _ = &mut down => {}
+                    _ = &mut close => {}
+                }
             }
         }
         _ = &mut down => {}
+        _ = &mut close => {
+            tracing::debug!(service = svc.name, "closed an idle connection: the service hibernates");
+        }
     }
 }

@@ -27,10 +27,14 @@ pub enum State {
     /// agent never starts what it did not start. A new process that its
     /// owner starts (a newer pid file, a process in the cgroup) is adopted.
     Exited,
+    /// Its CUDA context faulted and its guard holds the process from dying
+    /// (`on_fault = "hold"`): not routed to, not restarted, until the
+    /// operator ends the process (`gpusnap stop --force`).
+    Faulted,
 }
 
 impl State {
-    pub const ALL: [State; 11] = [
+    pub const ALL: [State; 12] = [
         State::Starting,
         State::Running,
         State::Suspending,
@@ -42,6 +46,7 @@ impl State {
         State::Stopping,
         State::Dead,
         State::Exited,
+        State::Faulted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -57,6 +62,7 @@ impl State {
             State::Stopping => "stopping",
             State::Dead => "dead",
             State::Exited => "exited",
+            State::Faulted => "faulted",
         }
     }
 
@@ -75,11 +81,25 @@ impl State {
 }
 
 /// One client connection as the idle rule sees it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Conn {
     /// The client sent bytes that the backend has not answered yet: a request
     /// is in flight, however long the backend thinks.
     pub awaiting: bool,
+    /// When the request in flight stops counting (`request_timeout` after
+    /// its first byte): a request never finished must not keep the service
+    /// busy for ever. None: never.
+    pub stale_at: Option<Instant>,
+    /// Connected to the backend: CRIU cannot dump the backend's half, so a
+    /// hibernate closes it first (the connection being idle).
+    pub backend: bool,
+}
+
+impl Conn {
+    /// A request is in flight and not yet past `request_timeout`.
+    pub fn busy(&self) -> bool {
+        self.awaiting && self.stale_at.is_none_or(|t| Instant::now() < t)
+    }
 }
 
 #[derive(Debug)]
@@ -119,6 +139,8 @@ pub struct Inner {
     /// Bumped when an after_resume hook fails: the connections that waited
     /// for that resume are answered 503 instead of starting another.
     pub hook_failures: u64,
+    /// What its last suspend checkpointed off the GPU (bytes).
+    pub footprint: Option<u64>,
 }
 
 pub struct Service {
@@ -154,6 +176,7 @@ impl Service {
                 trace: None,
                 full_footprint: None,
                 hook_failures: 0,
+                footprint: None,
             }),
             changed: tokio::sync::watch::channel(0).0,
         }
@@ -167,6 +190,13 @@ impl Service {
     pub fn set_state(&self, inner: &mut Inner, state: State) {
         if inner.state != state {
             tracing::info!(service = self.name, from = inner.state.as_str(), to = state.as_str(), "state");
+            // Back to serving after a start, resume or wake: the last error
+            // is history (the journal keeps it).
+            if state == State::Running
+                && matches!(inner.state, State::Starting | State::Resuming | State::Waking)
+            {
+                inner.last_error = None;
+            }
             inner.state = state;
             inner.since = Instant::now();
             // A wake's trace lives through Waking, Resuming and Running
@@ -187,14 +217,14 @@ impl Service {
 
     /// No bytes for `after`, no request awaiting its answer, nobody waiting.
     pub fn idle_for(inner: &Inner, after: Duration) -> bool {
-        inner.waiting == 0
-            && !inner.conns.values().any(|c| c.awaiting)
-            && inner.last_activity.elapsed() >= after
+        inner.waiting == 0 && !inner.conns.values().any(Conn::busy) && inner.last_activity.elapsed() >= after
     }
 
-    /// Busy enough that it must not be taken off the GPU for another service.
+    /// Busy enough that it must not be taken off the GPU for another service,
+    /// nor hibernated: a connection waits for it, or a request is in flight
+    /// (for at most `request_timeout`). Idle connections do not count.
     pub fn has_traffic(inner: &Inner) -> bool {
-        inner.waiting > 0 || inner.conns.values().any(|c| c.awaiting)
+        inner.waiting > 0 || inner.conns.values().any(Conn::busy)
     }
 }
 

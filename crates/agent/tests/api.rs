@@ -114,7 +114,13 @@ pid_file = "{pid_file}"
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         rt.block_on(async move {
             let l = tokio::net::UnixListener::from_std(listener).unwrap();
-            api::serve(ctl, l).await;
+            let cap = gpusnap_agent::limits::Cap::new(16);
+            let bounds = gpusnap_agent::listen::Bounds {
+                own: Arc::clone(&cap),
+                total: cap,
+                header_timeout: std::time::Duration::from_secs(10),
+            };
+            api::serve(ctl, l, bounds).await;
         });
     });
     socket

@@ -23,6 +23,8 @@ pub enum RemoteError {
     Unreachable { url: String, op: String, why: String },
     #[error("remote {url}: {op}: access denied ({why}); check AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_REGION")]
     Denied { url: String, op: String, why: String },
+    #[error("remote {url}: no bucket {bucket:?}: create it (aws s3 mb s3://{bucket}) or fix the URL")]
+    NoBucket { url: String, bucket: String },
     #[error("remote {url}: no image {name} there")]
     NoImage { url: String, name: String },
     #[error("remote {url}: {what} is larger than a gpusnap object can be")]
@@ -153,6 +155,16 @@ fn says_denied(why: &str) -> bool {
     })
 }
 
+/// Whether an error's text carries S3's `NoSuchBucket` code.
+fn says_no_bucket(why: &str) -> bool {
+    why.split(|c: char| !c.is_ascii_alphanumeric()).any(|w| w.eq_ignore_ascii_case("nosuchbucket"))
+}
+
+/// The bucket of an `s3://BUCKET/...` URL.
+fn bucket_of(url: &str) -> String {
+    url.strip_prefix("s3://").and_then(|r| r.split('/').next()).unwrap_or(url).to_string()
+}
+
 fn classify(url: &str, op: &str, e: object_store::Error) -> RemoteError {
     let why = e.to_string();
     let denied = matches!(
@@ -170,6 +182,10 @@ fn classify(url: &str, op: &str, e: object_store::Error) -> RemoteError {
         src = s.source();
     }
     let why: String = why.chars().take(600).collect();
+    // S3's XML says which: its one word is the whole answer.
+    if says_no_bucket(&why) {
+        return RemoteError::NoBucket { url: url.into(), bucket: bucket_of(url) };
+    }
     if denied {
         RemoteError::Denied { url: url.into(), op: op.into(), why }
     } else {
@@ -273,7 +289,11 @@ impl Remote {
     async fn get_bounded(&self, key: &OPath, max: usize, what: &str) -> Result<Option<Vec<u8>>, RemoteError> {
         let url = &self.url.base;
         match self.store.get(key).await {
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            // A missing bucket is a 404 too, which is not "no such object".
+            Err(e @ object_store::Error::NotFound { .. }) => match classify(url, &format!("get {what}"), e) {
+                nb @ RemoteError::NoBucket { .. } => Err(nb),
+                _ => Ok(None),
+            },
             Err(e) => Err(classify(url, &format!("get {what}"), e)),
             Ok(r) => {
                 if r.meta.size > max as u64 {
@@ -421,7 +441,16 @@ impl Remote {
 
 #[cfg(test)]
 mod tests {
-    use super::says_denied;
+    use super::{bucket_of, says_denied, says_no_bucket};
+
+    #[test]
+    fn a_missing_bucket_is_named() {
+        let why = "Generic S3 error: Client error with status 404 Not Found: <?xml version=\"1.0\"?>\
+                   <Error><Code>NoSuchBucket</Code><Message>The specified bucket does not exist</Message></Error>";
+        assert!(says_no_bucket(why));
+        assert!(!says_no_bucket("<Code>NoSuchKey</Code>"));
+        assert_eq!(bucket_of("s3://snaps/agent"), "snaps");
+    }
 
     #[test]
     fn refusals_are_whole_words_not_digits_of_a_chunk_name() {

@@ -253,6 +253,28 @@ pub enum Cmd {
         /// GPUSNAP_PRELOAD).
         #[arg(long, value_name = "PATH", requires = "light")]
         preload: Option<std::path::PathBuf>,
+        /// Run the program as this user (a name or a uid; --light only): the
+        /// guard stays with gpusnap, the program gets the user's uid, its
+        /// primary group unless --group says otherwise, and no
+        /// supplementary groups.
+        #[arg(long, value_name = "USER", requires = "light")]
+        user: Option<String>,
+        /// Run the program with this group (a name or a gid; --light only).
+        #[arg(long, value_name = "GROUP", requires = "light")]
+        group: Option<String>,
+        /// What the guard does with a dying process whose CUDA context
+        /// faulted (it cannot be suspended): `exit` lets it die (its context
+        /// torn down), `hold` keeps it from dying until `gpusnap stop
+        /// --force` or a reboot (docs/design/safety.md). Either way `run`
+        /// then exits 7.
+        #[arg(long, value_enum, value_name = "POLICY", default_value = "exit")]
+        on_fault: OnFault,
+        /// With --light: serve the program's device allocations from the
+        /// driver's virtual memory API, so that a suspend moves them to
+        /// pinned host memory at the link's speed and the driver checkpoints
+        /// only the rest (docs/design/fast-swap.md).
+        #[arg(long, requires = "light")]
+        fast_swap: bool,
         /// The program and its arguments, after `--`.
         #[arg(required = true, last = true, value_name = "PROGRAM")]
         cmd: Vec<OsString>,
@@ -272,6 +294,11 @@ pub enum Cmd {
         /// Take over from a guard that died (used by its keeper).
         #[arg(long, value_name = "GUARD_PID")]
         takeover: Option<i32>,
+        /// What the guard does with a dying process whose CUDA context
+        /// faulted: `exit` lets it die, `hold` keeps it from dying until
+        /// `gpusnap stop --force` (see `run --on-fault`).
+        #[arg(long, value_enum, value_name = "POLICY", default_value = "exit")]
+        on_fault: OnFault,
         /// Detach from the terminal and run in the background.
         #[arg(long)]
         daemon: bool,
@@ -424,6 +451,24 @@ pub enum ImagesCmd {
     },
     /// This host's public key: what other hosts pass to --trust to wake its images.
     Key,
+}
+
+/// What the guard does with a dying process whose CUDA context faulted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnFault {
+    /// Let the death go on: the process tears its faulted context down.
+    Exit,
+    /// Keep the process from dying, for the operator to decide.
+    Hold,
+}
+
+impl From<OnFault> for gpusnap_guard::OnFault {
+    fn from(o: OnFault) -> Self {
+        match o {
+            OnFault::Exit => gpusnap_guard::OnFault::Exit,
+            OnFault::Hold => gpusnap_guard::OnFault::Hold,
+        }
+    }
 }
 
 /// What `gpusnap service NAME ACTION` asks the agent to do.

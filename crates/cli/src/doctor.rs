@@ -179,12 +179,39 @@ pub fn host(state_dir: &Path) -> Vec<Finding> {
 }
 
 /// Checks of one process: what can keep the driver from checkpointing it.
-/// Pure /proc reading: it works where the driver does not, and never hangs.
+/// /proc reading (it works where the driver does not, and never hangs),
+/// and a fast-swap program's own account of its memory (bounded in time).
 pub fn process(pid: i32, host_gpus: usize) -> Vec<Finding> {
     match gpusnap_core::target::resolve(pid) {
-        Ok(_) => process_at(Path::new("/proc"), pid, host_gpus),
+        Ok(_) => {
+            let mut out = process_at(Path::new("/proc"), pid, host_gpus);
+            out.extend(gpusnap_core::swap::status(pid).map(|s| fast_swap(&s)));
+            out
+        }
         Err(e) => vec![f("process", Severity::Error, e.to_string(), None)],
     }
+}
+
+/// What a `--fast-swap` program's library moves itself, and what it leaves
+/// to the driver's (slower) checkpoint.
+fn fast_swap(s: &gpusnap_core::swap::SwapStatus) -> Finding {
+    const MIB: u64 = 1 << 20;
+    let served = format!(
+        "fast swap: {} allocation(s), {} MiB, move at the link's speed (now {})",
+        s.movable,
+        s.movable_bytes / MIB,
+        s.phase
+    );
+    if s.kept == 0 {
+        return f("fast-swap", Severity::Ok, served, None);
+    }
+    let kept = format!(
+        "{served}; {} allocation(s), {} MiB, stay with the driver's checkpoint: {}",
+        s.kept,
+        s.kept_bytes / MIB,
+        s.kept_why.join(", ")
+    );
+    f("fast-swap", Severity::Info, kept, None)
 }
 
 /// [`process`] on a /proc tree at `root` (tests give it crafted ones).

@@ -6,11 +6,22 @@ use gpusnap_core::Store;
 use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, OrAbsent, Timeouts};
 use gpusnap_gpu::{Deferred, GpuInventory, NoGpus, NvmlInventory};
 use gpusnap_guard::light::{self, LightGuard};
-use gpusnap_guard::{self as guard, Ending, Guard};
+use gpusnap_guard::{self as guard, Ending, Guard, OnFault};
 use std::ffi::OsString;
 use std::path::Path;
 
 type DynGuard = Guard<Box<dyn CheckpointApi>, Box<dyn GpuInventory>>;
+
+/// What `run` asks of its guard.
+pub struct Opts {
+    pub lock_timeout: u32,
+    pub oom_watch: bool,
+    pub on_fault: OnFault,
+}
+
+/// `run`'s exit code when a guarded process's CUDA context faulted
+/// (docs/reference/exit-codes.md).
+const FAULTED_EXIT: i32 = 7;
 
 /// The driver and NVML. A host without a driver still runs programs under
 /// the guard (nothing to suspend, but exits and signals pass through).
@@ -38,9 +49,55 @@ fn new_guard(cli: &Cli, lock_timeout: u32, name: Option<String>) -> anyhow::Resu
 fn new_light_guard(
     cli: &Cli,
     lock_timeout: u32,
+    on_fault: OnFault,
 ) -> LightGuard<Box<dyn CheckpointApi>, Box<dyn GpuInventory>> {
     let (api, gpus) = driver_and_gpus();
-    LightGuard::new(api, gpus, &cli.state_dir, lock_timeout)
+    LightGuard::new(api, gpus, &cli.state_dir, lock_timeout).with_on_fault(on_fault)
+}
+
+/// The user and group `run --light --user/--group` gives the program.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RunAs {
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+}
+
+impl RunAs {
+    /// Names or numbers; a user's primary group when no group is given.
+    pub fn resolve(user: Option<&str>, group: Option<&str>) -> anyhow::Result<Self> {
+        use nix::unistd::{Group, User};
+        let bad = |what: &str, n: &str| {
+            gpusnap_agent::AgentError::Config(gpusnap_agent::config::ConfigError::Read {
+                path: format!("--{what}"),
+                reason: format!("no {what} {n:?} on this host"),
+            })
+        };
+        let (uid, primary) = match user {
+            None => (None, None),
+            Some(u) => match u.parse::<u32>() {
+                Ok(n) => (Some(n), User::from_uid(n.into()).ok().flatten().map(|u| u.gid.as_raw())),
+                Err(_) => {
+                    let pw = User::from_name(u).ok().flatten().ok_or_else(|| bad("user", u))?;
+                    (Some(pw.uid.as_raw()), Some(pw.gid.as_raw()))
+                }
+            },
+        };
+        let gid = match group {
+            None => primary,
+            Some(g) => Some(match g.parse::<u32>() {
+                Ok(n) => n,
+                Err(_) => Group::from_name(g).ok().flatten().ok_or_else(|| bad("group", g))?.gid.as_raw(),
+            }),
+        };
+        Ok(Self { uid, gid })
+    }
+}
+
+/// What `run --light` was asked for besides the program.
+pub struct LightOptions<'a> {
+    pub preload: Option<&'a Path>,
+    /// `--fast-swap`: the library serves allocations from the VMM API.
+    pub fast_swap: bool,
 }
 
 /// `gpusnap run --light`: the program carries the preload library and asks
@@ -48,16 +105,17 @@ fn new_light_guard(
 pub fn run_light(
     cli: &Cli,
     name: Option<String>,
-    lock_timeout: u32,
-    preload: Option<&Path>,
-    oom_watch: bool,
+    opts: &Opts,
+    light_opts: &LightOptions<'_>,
+    who: RunAs,
     cmd: &[OsString],
 ) -> anyhow::Result<()> {
+    let (lock_timeout, oom_watch) = (opts.lock_timeout, opts.oom_watch);
     let mut store = Store::open(&cli.state_dir)?;
-    let lib = light::find_library(preload)?;
+    let lib = light::find_library(light_opts.preload)?;
     let me = std::process::id();
     let socket = light::socket_for(&cli.state_dir, me);
-    let lg = new_light_guard(cli, lock_timeout);
+    let lg = new_light_guard(cli, lock_timeout, opts.on_fault);
     let ino = lg.serve(&socket)?;
     let mut preload_env = lib.into_os_string();
     if let Some(more) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
@@ -71,6 +129,18 @@ pub fn run_light(
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let mut command = std::process::Command::new(&cmd[0]);
     command.args(&cmd[1..]).env("LD_PRELOAD", preload_env).env(light::SOCKET_ENV, &socket);
+    // Group first, then user (std sets them so, and drops the supplementary
+    // groups when it changes the user).
+    use std::os::unix::process::CommandExt;
+    if let Some(g) = who.gid {
+        command.gid(g);
+    }
+    if let Some(u) = who.uid {
+        command.uid(u);
+    }
+    if light_opts.fast_swap {
+        command.env(gpusnap_core::swap::FAST_SWAP_ENV, "1");
+    }
     // The same session rule as the traced `run` (see guard::launch).
     gpusnap_core::target::own_session_where_needed(&mut command);
     let mut child = match command.spawn() {
@@ -157,10 +227,10 @@ pub fn run_light(
         } else {
             Ending::Exited(status.code().unwrap_or(1))
         };
-    finish(ending)
+    finish(ending, lg.faulted.load(std::sync::atomic::Ordering::SeqCst))
 }
 
-fn keeper_argv(cli: &Cli, lock_timeout: u32) -> Vec<OsString> {
+fn keeper_argv(cli: &Cli, lock_timeout: u32, on_fault: OnFault) -> Vec<OsString> {
     vec![
         "gpusnap-keeper".into(),
         "--state-dir".into(),
@@ -168,6 +238,8 @@ fn keeper_argv(cli: &Cli, lock_timeout: u32) -> Vec<OsString> {
         "guard".into(),
         "--lock-timeout".into(),
         lock_timeout.to_string().into(),
+        "--on-fault".into(),
+        on_fault.as_str().into(),
         "--takeover".into(),
         std::process::id().to_string().into(),
     ]
@@ -176,9 +248,8 @@ fn keeper_argv(cli: &Cli, lock_timeout: u32) -> Vec<OsString> {
 pub fn run(
     cli: &Cli,
     name: Option<String>,
-    lock_timeout: u32,
+    opts: &Opts,
     keeper: bool,
-    oom_watch: bool,
     cmd: &[OsString],
 ) -> anyhow::Result<()> {
     // The store first (a failure leaves nothing behind), then the forks,
@@ -186,15 +257,16 @@ pub fn run(
     drop(Store::open(&cli.state_dir)?);
     let launched = guard::launch(cmd)?;
     if keeper {
-        guard::start_keeper(&keeper_argv(cli, lock_timeout))?;
+        guard::start_keeper(&keeper_argv(cli, opts.lock_timeout, opts.on_fault))?;
     }
-    let mut g = new_guard(cli, lock_timeout, name)?.with_oom_watch(oom_watch);
+    let mut g =
+        new_guard(cli, opts.lock_timeout, name)?.with_oom_watch(opts.oom_watch).with_on_fault(opts.on_fault);
     g.attach(launched.pid)?;
     let leader = launched.pid;
     launched.release();
     forward_signals(leader);
     let ending = g.run_loop()?;
-    finish(ending)
+    finish(ending, g.faulted())
 }
 
 /// Signals sent to `gpusnap run` by other processes go on to the program, as
@@ -220,8 +292,21 @@ fn forward_signals(leader: i32) {
     });
 }
 
-/// Ends `gpusnap run` the way the program ended.
-fn finish(ending: Ending) -> anyhow::Result<()> {
+/// Ends `gpusnap run` the way the program ended; 7 when a guarded
+/// process's CUDA context faulted (its own ending is in the journal).
+fn finish(ending: Ending, faulted: bool) -> anyhow::Result<()> {
+    if faulted {
+        let how = match ending {
+            Ending::Exited(code) => format!("exit code {code}"),
+            Ending::Signaled(sig) => guard::signal_name(sig),
+            Ending::Detached => "a detach".into(),
+        };
+        eprintln!(
+            "gpusnap run: a guarded process's CUDA context faulted, so it could not be suspended \
+             (gpusnap history PID has the details); the program ended with {how}"
+        );
+        std::process::exit(FAULTED_EXIT)
+    }
     match ending {
         Ending::Exited(code) => std::process::exit(code),
         Ending::Signaled(sig) => {
@@ -246,6 +331,7 @@ pub fn guard(
     cli: &Cli,
     pids: &[i32],
     lock_timeout: u32,
+    on_fault: OnFault,
     takeover: Option<i32>,
     daemon: bool,
 ) -> anyhow::Result<()> {
@@ -296,7 +382,7 @@ pub fn guard(
         }
     }
     if !sockets.is_empty() {
-        let lg = new_light_guard(cli, lock_timeout);
+        let lg = new_light_guard(cli, lock_timeout, on_fault);
         for s in &sockets {
             lg.serve(s)?;
         }
@@ -311,7 +397,7 @@ pub fn guard(
             report_ready(true);
         }
     } else {
-        trace(cli, lock_timeout, &traced, daemon)?;
+        trace(cli, lock_timeout, on_fault, &traced, daemon)?;
     }
     // No tracee left to wait for: watch the light processes themselves.
     while light_targets.iter().any(gpusnap_core::target::is_alive) {
@@ -321,9 +407,15 @@ pub fn guard(
 }
 
 /// The traced guard of `traced` and their children, until none is left.
-fn trace(cli: &Cli, lock_timeout: u32, traced: &[i32], daemon: bool) -> anyhow::Result<()> {
-    guard::start_keeper(&keeper_argv(cli, lock_timeout))?;
-    let mut g = new_guard(cli, lock_timeout, None)?;
+fn trace(
+    cli: &Cli,
+    lock_timeout: u32,
+    on_fault: OnFault,
+    traced: &[i32],
+    daemon: bool,
+) -> anyhow::Result<()> {
+    guard::start_keeper(&keeper_argv(cli, lock_timeout, on_fault))?;
+    let mut g = new_guard(cli, lock_timeout, None)?.with_on_fault(on_fault);
     for &p in traced {
         g.attach(p)?;
         // Children may come and go while they are attached: one that is gone

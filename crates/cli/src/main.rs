@@ -55,7 +55,9 @@ fn main() -> ExitCode {
         gpusnap_hibernate::lazy::set_keeper_exe(exe);
     }
     let cli = Cli::parse();
-    init_logging(cli.verbose);
+    // The agent is a daemon: its transitions are its log, at info by default.
+    let daemon = matches!(cli.cmd, cli::Cmd::Agent { .. });
+    init_logging(cli.verbose + u8::from(daemon));
     let out = Out::new(cli.json);
     match cmd::run(&cli, &out) {
         Ok(()) => ExitCode::SUCCESS,
@@ -71,5 +73,14 @@ fn init_logging(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("GPUSNAP_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    // Colour only for a person at a terminal: a journal or a file gets
+    // plain text (NO_COLOR is honoured too).
+    use std::io::IsTerminal;
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(ansi)
+        .init();
 }

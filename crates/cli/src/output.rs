@@ -202,20 +202,37 @@ impl Out {
             return;
         }
         println!(
-            "{:<20} {:<12} {:<22} {:>8} {:>6} {:>10}",
-            "SERVICE", "STATE", "LISTEN", "PID", "CONNS", "IDLE"
+            "{:<20} {:<12} {:<22} {:>8} {:>6} {:>9} {:>8}  {:<18} IMAGE",
+            "SERVICE", "STATE", "LISTEN", "PID", "CONNS", "GPU", "IDLE", "NEXT"
         );
+        let secs = |ms: u64| {
+            let s = ms as f64 / 1000.0;
+            match s {
+                s if s < 120.0 => format!("{s:.1}s"),
+                s if s < 7200.0 => format!("{:.1}m", s / 60.0),
+                s => format!("{:.1}h", s / 3600.0),
+            }
+        };
         for s in list.as_array().into_iter().flatten() {
             let pid = s["pid"].as_i64().map_or("-".to_string(), |p| p.to_string());
-            let idle = format!("{:.1}s", s["idle_ms"].as_u64().unwrap_or(0) as f64 / 1000.0);
+            let gpu = s["gpu_memory"]
+                .as_u64()
+                .map_or("-".to_string(), |b| format!("{:.1}GiB", b as f64 / (1u64 << 30) as f64));
+            let next = match (s["next"]["action"].as_str(), s["next"]["in_ms"].as_u64()) {
+                (Some(a), Some(ms)) => format!("{a} in {}", secs(ms)),
+                _ => "-".to_string(),
+            };
             println!(
-                "{:<20} {:<12} {:<22} {:>8} {:>6} {:>10}",
+                "{:<20} {:<12} {:<22} {:>8} {:>6} {:>9} {:>8}  {:<18} {}",
                 s["name"].as_str().unwrap_or("?"),
                 s["state"].as_str().unwrap_or("?"),
                 s["listen"].as_str().unwrap_or("?"),
                 pid,
                 s["connections"].as_u64().unwrap_or(0),
-                idle
+                gpu,
+                secs(s["idle_ms"].as_u64().unwrap_or(0)),
+                next,
+                s["image"].as_str().unwrap_or("-"),
             );
             if let Some(e) = s["last_error"].as_str() {
                 println!("  last error: {e}");

@@ -1454,7 +1454,7 @@ fn journal_followers_are_bounded() {
         let code: u16 = String::from_utf8_lossy(&head).split_whitespace().nth(1).unwrap().parse().unwrap();
         (s, code)
     };
-    let cap = gpusnap_agent::api::MAX_FOLLOWERS;
+    let cap = gpusnap_agent::api::EVENTS_FOLLOWERS;
     let held: Vec<UnixStream> = (0..cap)
         .map(|i| {
             let (s, code) = follow();
@@ -1466,4 +1466,44 @@ fn journal_followers_are_bounded() {
     let (code, body) = api_call(&a.socket, "GET", "/v1/events?after=0&follow=false");
     assert_eq!(code, 200, "{body}");
     drop(held);
+}
+
+#[test]
+fn a_faulted_service_is_held_failed_and_not_routed_to_until_the_operator_ends_it() {
+    let mut a = AgentWorld::new(
+        1000,
+        "",
+        &[Svc { name: "f", mib: 100, gpu: 0, extra: "suspend_after = \"1h\"\non_fault = \"hold\"" }],
+    );
+    let pid = a.wait_state("f", "running")["pid"].as_i64().unwrap();
+    // An illegal-address kernel in the middle of a request: the server's
+    // context faults and it exits; its light guard holds it.
+    // (Sent straight to the backend, not waited on: the held server keeps
+    // the connection open.)
+    let mut c = TcpStream::connect(("127.0.0.1", a.ports[0].1)).unwrap();
+    write!(c, "GET /fault HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let s = a.wait_state("f", "faulted");
+    assert!(s["last_error"].as_str().unwrap_or("").contains("CUDA context faulted"), "{s}");
+    assert_eq!(s["pid"], pid, "{s}");
+    assert!(std::path::Path::new(&format!("/proc/{pid}")).exists(), "held, not dead");
+    assert_eq!(metric_sum(&a.metrics(), "gpusnap_agent_faults_total"), 1.0, "{}", a.metrics());
+    // Not routed to: a request is closed unanswered, the service stays held.
+    let (code, _) = get_any(a.port(0), "/");
+    assert_ne!(code, 200);
+    assert_eq!(a.state("f"), "faulted");
+    // The operator ends it: a death like any other, restarted.
+    let r = a.w.json(&["stop", "--force", &pid.to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let end = Instant::now() + LONG;
+    loop {
+        let s = a.service("f");
+        if s["state"] == "running" && s["pid"].as_i64().is_some_and(|p| p != pid) {
+            break;
+        }
+        assert!(Instant::now() < end, "not restarted: {s}\n{}", a.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    a.wait_state("f", "running");
+    assert!(get(a.port(0), "/").starts_with("ok "));
+    drop(c);
 }

@@ -546,3 +546,19 @@ fn a_manifest_copied_over_another_or_rolled_back_is_refused() {
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["name"], "prod");
 }
+
+#[test]
+fn a_missing_bucket_says_so_with_the_fix_in_one_line() {
+    let Some(m) = moto(&[]) else { return };
+    let mut w = World::new(&[1000]);
+    s3_env(&mut w, m.port);
+    let r = w.json(&["images", "pull", "s3://nobucket/fleet/cpu"]);
+    assert_eq!(r.code, 6, "{}", r.stderr);
+    let line = r.stderr.trim();
+    assert!(
+        line.contains("no bucket \"nobucket\": create it (aws s3 mb s3://nobucket)") && !line.contains('\n'),
+        "{line}"
+    );
+    assert!(!line.contains("<Error>"), "{line}");
+    assert_eq!(r.json()["error"]["kind"], "remote_no_bucket");
+}

@@ -16,6 +16,7 @@ use gpusnap_gpu::GpuInventory;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+mod fastswap;
 mod stop;
 
 const MIB: u64 = 1 << 20;
@@ -199,6 +200,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             gpus: fp.into_iter().map(|(uuid, bytes)| GpuBytes { uuid, bytes }).collect(),
             ns_pid: target::ns_pid(t.pid).filter(|p| *p != t.pid),
             container: crate::container::of_pid(t.pid),
+            fast_swap: crate::swap::status(t.pid),
         })
     }
 
@@ -216,6 +218,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             let Ok(t) = target::resolve(pid) else {
                 continue;
             };
+            // A faulted context is not asked anything more (its guard may
+            // hold it stopped, or in its exit path).
+            if let Some(rec) = self.store.get(&t)?.filter(|r| r.state == crate::store::FAULTED) {
+                let mut r = self.report(&t, ProcessState::Unknown(-1), Some(&rec))?;
+                r.state = crate::store::FAULTED.into();
+                out.push(r);
+                continue;
+            }
             if target::run_state(pid).is_ok_and(|s| s.is_stopped()) {
                 let rec = self.store.get(&t)?;
                 let mut r = self.report(&t, ProcessState::Unknown(-1), rec.as_ref())?;
@@ -272,14 +282,21 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         // The footprint is what resume's admission will ask for: record it
         // before anything changes.
-        let fp = self.live_usage(pid)?;
+        let fp = self.with_offloaded(&t, self.live_usage(pid)?)?;
         self.store.record(&t, st.as_str(), Some(&fp))?;
         let total: u64 = fp.values().sum();
 
+        // Fast swap: the library moves what it serves first; the driver
+        // then checkpoints what is left.
+        let offloaded = st == ProcessState::Running && self.offload(&t)?;
         let t_lock = Instant::now();
         if st == ProcessState::Running {
-            target::resolve_callable(pid)?;
-            self.journaled(&t, "lock", "locked", |api| api.lock(pid, lock_timeout_ms))?;
+            let locked = target::resolve_callable(pid)
+                .and_then(|_| self.journaled(&t, "lock", "locked", |api| api.lock(pid, lock_timeout_ms)));
+            if let Err(e) = locked {
+                self.undo_offload(&t, offloaded);
+                return Err(e);
+            }
         }
         let lock_ms = ms(t_lock);
 
@@ -306,6 +323,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 if let Err(e) = self.journaled(&t, "unlock", "running", |api| api.unlock(pid)) {
                     tracing::error!(pid, "could not unlock after a failed checkpoint: {e}");
                 }
+                self.undo_offload(&t, offloaded);
             }
             return Err(Error::Driver { pid, source });
         }
@@ -417,13 +435,18 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let st = self.driver_state(&t)?;
         let footprint = rec.as_ref().map(|r| r.footprint.clone()).unwrap_or_default();
         let fp_total: u64 = footprint.values().sum();
+        let mut driver = true;
         match st {
+            ProcessState::Running if self.is_offloaded(&t) => driver = false,
             ProcessState::Running => return Ok(Prep::Done(resumed(pid, fp_total, true, started, 0, 0, 0))),
             ProcessState::Locked => {
                 // Restored but never unlocked (an interrupted resume): finish it.
                 let t0 = Instant::now();
                 self.journaled(&t, "unlock", "running", |api| api.unlock(pid))?;
-                return Ok(Prep::Done(resumed(pid, fp_total, false, started, 0, 0, ms(t0))));
+                if !self.is_offloaded(&t) {
+                    return Ok(Prep::Done(resumed(pid, fp_total, false, started, 0, 0, ms(t0))));
+                }
+                driver = false;
             }
             ProcessState::Checkpointed => {}
             other => return Err(Error::WrongState { pid, state: other.to_string(), op: "resume" }),
@@ -439,7 +462,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             let visible = crate::remap::visible_to(pid, &host);
             self.plan_remap(&opts.device_map, &visible, &visible, &need)?
         };
-        Ok(Prep::Go(Prepared { t, need, pairs, started, fp_total }))
+        Ok(Prep::Go(Prepared { t, need, pairs, started, fp_total, driver }))
     }
 
     /// Admission: reserve `need`, waiting up to `wait` for it, or refuse
@@ -472,7 +495,15 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     /// The restore and unlock of an admitted resume.
     pub fn finish_resume(&mut self, p: Prepared, waited_ms: u64) -> Result<ResumeReport, Error> {
-        let (restore_ms, unlock_ms) = self.restore_and_unlock(&p.t, &p.need, &p.pairs)?;
+        let (restore_ms, unlock_ms) = if p.driver {
+            self.restore_and_unlock(&p.t, &p.need, &p.pairs)?
+        } else {
+            // The driver's part is done; only the library's memory is away.
+            let _serial = self.store.lock_target(p.t.pid)?;
+            let t0 = Instant::now();
+            self.restore_offloaded(&p.t)?;
+            (ms(t0), 0)
+        };
         if !p.pairs.is_empty() {
             // It lives on other GPUs now: that is where its next resume goes.
             self.store.record(&p.t, "running", Some(&p.need))?;
@@ -606,6 +637,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         pass?;
         let t_unlock = Instant::now();
         self.journaled(t, "unlock", "running", |api| api.unlock(pid))?;
+        self.restore_offloaded(t)?;
         Ok((restore_ms, ms(t_unlock)))
     }
 
@@ -672,6 +704,9 @@ pub struct Prepared {
     pairs: Vec<GpuPair>,
     started: Instant,
     fp_total: u64,
+    /// The driver has the process checkpointed (false: only the fast-swap
+    /// library's memory is away).
+    driver: bool,
 }
 
 pub enum Prep {

@@ -16,6 +16,7 @@ pub mod remap;
 pub mod reports;
 pub mod statedir;
 pub mod store;
+pub mod swap;
 pub mod target;
 pub mod thp;
 pub mod tree;

@@ -30,6 +30,10 @@ pub struct StateReport {
     /// The container it runs in, from its cgroup.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container: Option<crate::container::ContainerRef>,
+    /// Run with `--fast-swap`: where its served memory is, and what stays
+    /// with the driver (and why).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fast_swap: Option<crate::swap::SwapStatus>,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -78,6 +78,10 @@ pub fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }
 
+/// The record state of a process whose CUDA context faulted (its guard
+/// found its lock answering a sticky error): it cannot be suspended.
+pub const FAULTED: &str = "faulted";
+
 /// What gpusnap knows of one process.
 #[derive(Debug, Clone, Serialize)]
 pub struct Record {

@@ -111,10 +111,28 @@ fn check_permission(t: &Target) -> Result<(), Error> {
 
 /// Whether the process `t` named is still the one running under its pid.
 /// A zombie counts as gone: it holds no memory and only waits to be reaped.
+///
+/// Gone means the kernel said so: no such process (ENOENT, ESRCH), a zombie,
+/// or another start time under the pid. Any other failure to read /proc (out
+/// of file descriptors, EMFILE; out of memory) says nothing about the
+/// process, which then counts as alive: taking a live server for dead would
+/// start a second one beside it.
 pub fn is_alive(t: &Target) -> bool {
     match Process::new(t.pid).and_then(|p| p.stat()) {
         Ok(s) => s.starttime == t.start_time && !RunState(s.state).is_zombie(),
-        Err(_) => false,
+        Err(e) => !proves_gone(&e),
+    }
+}
+
+/// Whether a failed /proc read proves the process is gone (ENOENT, ESRCH).
+pub fn proves_gone(e: &ProcError) -> bool {
+    match e {
+        ProcError::NotFound(_) => true,
+        ProcError::Io(io, _) => {
+            matches!(io.raw_os_error(), Some(libc::ENOENT) | Some(libc::ESRCH))
+                || io.kind() == std::io::ErrorKind::NotFound
+        }
+        _ => false,
     }
 }
 
@@ -279,6 +297,17 @@ mod tests {
         let t = resolve(me).unwrap();
         assert_eq!(t.pid, me);
         assert!(is_alive(&t));
+    }
+
+    #[test]
+    fn only_the_kernel_saying_no_such_process_proves_death() {
+        let io = |n| ProcError::Io(std::io::Error::from_raw_os_error(n), None);
+        assert!(proves_gone(&ProcError::NotFound(None)));
+        assert!(proves_gone(&io(libc::ESRCH)));
+        assert!(proves_gone(&io(libc::ENOENT)));
+        assert!(!proves_gone(&io(libc::EMFILE)));
+        assert!(!proves_gone(&io(libc::ENOMEM)));
+        assert!(!proves_gone(&ProcError::PermissionDenied(None)));
     }
 
     #[test]

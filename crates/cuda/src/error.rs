@@ -45,4 +45,10 @@ impl DriverError {
             _ => None,
         }
     }
+
+    /// The call found the process's CUDA context faulted: it answered one
+    /// of the sticky errors ([`crate::ffi::STICKY_ERRORS`]).
+    pub fn is_sticky(&self) -> bool {
+        self.code().is_some_and(crate::ffi::is_sticky)
+    }
 }

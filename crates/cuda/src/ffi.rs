@@ -61,7 +61,21 @@ pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
 pub const CUDA_ERROR_OPERATING_SYSTEM: CUresult = 304;
 pub const CUDA_ERROR_ILLEGAL_STATE: CUresult = 401;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
+pub const CUDA_ERROR_ILLEGAL_ADDRESS: CUresult = 700;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
+
+/// The errors that leave a CUDA context unusable for good ("sticky": every
+/// later call in the process returns them, the checkpoint API's lock
+/// included): ECC uncorrectable (214), illegal address (700), launch timeout
+/// (702), device-side assert (710), hardware stack error (714), illegal
+/// instruction (715), misaligned address (716), invalid address space
+/// (717), invalid PC (718), launch failed (719).
+pub const STICKY_ERRORS: [CUresult; 10] = [214, 700, 702, 710, 714, 715, 716, 717, 718, 719];
+
+/// Whether `code` is one of [`STICKY_ERRORS`].
+pub fn is_sticky(code: CUresult) -> bool {
+    STICKY_ERRORS.contains(&code)
+}
 
 /// First driver API version with `CUcheckpointGpuPair` in the restore args.
 pub const GPU_PAIRS_MIN_API: i32 = 13000;

@@ -15,6 +15,7 @@ pub const CUDA_ERROR_OPERATING_SYSTEM: CuResult = 304;
 pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
 pub const CUDA_ERROR_NOT_FOUND: CuResult = 500;
 pub const CUDA_ERROR_NOT_READY: CuResult = 600;
+pub const CUDA_ERROR_ILLEGAL_ADDRESS: CuResult = 700;
 pub const CUDA_ERROR_UNKNOWN: CuResult = 999;
 
 /// `(code, cuGetErrorName, cuGetErrorString)`, NUL-terminated so the C side
@@ -39,6 +40,11 @@ const TABLE: &[(CuResult, &str, &str)] = &[
     ),
     (CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND\0", "named symbol not found\0"),
     (CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY\0", "device not ready\0"),
+    (
+        CUDA_ERROR_ILLEGAL_ADDRESS,
+        "CUDA_ERROR_ILLEGAL_ADDRESS\0",
+        "an illegal memory access was encountered\0",
+    ),
     (CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN\0", "unknown error\0"),
 ];
 

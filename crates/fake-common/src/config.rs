@@ -19,6 +19,9 @@ pub struct Config {
     /// take a time proportional to the footprint as on a real GPU.
     pub checkpoint_gbps: f64,
     pub restore_gbps: f64,
+    /// The speed of the process's own copies (`cuMemcpy*`, GB/s; 0: at
+    /// once), so that a test can catch a copy under way.
+    pub copy_gbps: f64,
     /// NVML reporting a checkpoint's release late, as a real NVML may: for
     /// this many ms after a checkpoint returned, the process is still listed
     /// with its memory (`nvml_process_lag_ms`) and the GPU's used memory
@@ -44,6 +47,7 @@ impl Default for Config {
             context_mib: 0,
             checkpoint_gbps: 100.0,
             restore_gbps: 100.0,
+            copy_gbps: 0.0,
             nvml_process_lag_ms: 0,
             nvml_memory_lag_ms: 0,
             init_ms: 0,

@@ -17,6 +17,7 @@ pub mod hostcopy;
 pub mod procfs;
 pub mod state;
 pub mod store;
+pub mod vmm;
 
 pub use config::{Config, GpuConfig, Injection};
 pub use state::{Alloc, HostCopy, Proc, ProcState, State};

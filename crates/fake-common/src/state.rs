@@ -46,13 +46,17 @@ pub struct Alloc {
     /// Device ordinal in `config.json`'s `gpus`.
     pub gpu: u32,
     pub bytes: u64,
+    /// The physical allocation (`cuMemCreate`) mapped here; None for
+    /// `cuMemAlloc`'s memory. Its bytes count once, with the handle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handle: Option<u64>,
 }
 
 /// Where the first allocation of every process starts: an address that looks
 /// like a device pointer and is never 0.
 const FIRST_PTR: u64 = 0x7f00_0000_0000;
 /// Allocations are spaced like the real allocator's 2 MiB pages.
-const PTR_ALIGN: u64 = 2 * MIB;
+pub(crate) const PTR_ALIGN: u64 = 2 * MIB;
 
 /// A process that created a CUDA context.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -64,6 +68,11 @@ pub struct Proc {
     /// Stuck after a restore that ran out of memory: never runs again.
     #[serde(default)]
     pub poisoned: bool,
+    /// The sticky error its context took (`fakeFault`): every later call of
+    /// the process, and a lock, checkpoint, restore or unlock of it, answers
+    /// this code; get-state still answers (not measured on the driver).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub faulted: Option<CuResult>,
     /// Holds device memory. Not derivable from `state`: a restore takes the
     /// memory before its copy finishes and the process leaves CHECKPOINTED.
     pub resident: bool,
@@ -90,6 +99,13 @@ pub struct Proc {
     /// with the host copy); None: the pid.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_tid: Option<i32>,
+    /// Virtual ranges reserved with `cuMemAddressReserve` (address -> size):
+    /// no memory, and they survive a checkpoint and restore (see `vmm`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub reservations: BTreeMap<u64, u64>,
+    /// Physical allocations made with `cuMemCreate`, by handle.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub handles: BTreeMap<u64, crate::vmm::Phys>,
 }
 
 /// A range of the process's own anonymous memory that holds its "device
@@ -116,6 +132,7 @@ impl Proc {
             start_time,
             state: ProcState::Running,
             poisoned: false,
+            faulted: None,
             resident: true,
             contexts: BTreeSet::new(),
             allocs: BTreeMap::new(),
@@ -124,19 +141,19 @@ impl Proc {
             released_ms: 0,
             host_copy: None,
             restore_tid: None,
+            reservations: BTreeMap::new(),
+            handles: BTreeMap::new(),
         }
     }
 
     /// Device bytes this process holds on `gpu` when resident.
     pub fn bytes_on(&self, gpu: u32, context_bytes: u64) -> u64 {
-        let allocs: u64 = self.allocs.values().filter(|a| a.gpu == gpu).map(|a| a.bytes).sum();
-        allocs + if self.contexts.contains(&gpu) { context_bytes } else { 0 }
+        self.memory_bytes(Some(gpu)) + if self.contexts.contains(&gpu) { context_bytes } else { 0 }
     }
 
     /// Device bytes on all GPUs: what checkpoint and restore copy.
     pub fn footprint(&self, context_bytes: u64) -> u64 {
-        let allocs: u64 = self.allocs.values().map(|a| a.bytes).sum();
-        allocs + self.contexts.len() as u64 * context_bytes
+        self.memory_bytes(None) + self.contexts.len() as u64 * context_bytes
     }
 
     /// Whether the process's own CUDA calls may proceed; they block otherwise,
@@ -154,7 +171,13 @@ impl Proc {
         }
     }
 
+    /// A faulted context answers its sticky error to every call on it.
+    pub fn check_fault(&self) -> Result<(), CuResult> {
+        self.faulted.map_or(Ok(()), Err)
+    }
+
     pub fn begin_lock(&self, now_ms: u64, timeout_ms: u32) -> Result<LockWait, CuResult> {
+        self.check_fault()?;
         if self.poisoned || self.state != ProcState::Running {
             return Err(CUDA_ERROR_ILLEGAL_STATE);
         }
@@ -164,6 +187,7 @@ impl Proc {
     }
 
     pub fn finish_lock(&mut self) -> Result<(), CuResult> {
+        self.check_fault()?;
         if self.poisoned || self.state != ProcState::Running {
             return Err(CUDA_ERROR_ILLEGAL_STATE);
         }
@@ -173,6 +197,7 @@ impl Proc {
 
     /// Returns the bytes to copy to the host.
     pub fn begin_checkpoint(&self, context_bytes: u64) -> Result<u64, CuResult> {
+        self.check_fault()?;
         if self.poisoned || self.state != ProcState::Locked {
             return Err(CUDA_ERROR_ILLEGAL_STATE);
         }
@@ -197,6 +222,7 @@ impl Proc {
     }
 
     pub fn unlock(&mut self) -> Result<(), CuResult> {
+        self.check_fault()?;
         if self.poisoned || self.state != ProcState::Locked {
             return Err(CUDA_ERROR_ILLEGAL_STATE);
         }
@@ -272,7 +298,7 @@ impl State {
             .iter()
             .filter(|(_, p)| {
                 Self::nvml_holds(p, cfg.nvml_process_lag_ms, now_ms)
-                    && (p.contexts.contains(&gpu) || p.allocs.values().any(|a| a.gpu == gpu))
+                    && (p.contexts.contains(&gpu) || p.holds_on(gpu))
             })
             .map(|(&pid, p)| (pid, p.bytes_on(gpu, ctx)))
             .collect()
@@ -283,9 +309,7 @@ impl State {
         let ctx = cfg.context_mib * MIB;
         self.procs
             .iter()
-            .filter(|(_, p)| {
-                p.resident && (p.contexts.contains(&gpu) || p.allocs.values().any(|a| a.gpu == gpu))
-            })
+            .filter(|(_, p)| p.resident && (p.contexts.contains(&gpu) || p.holds_on(gpu)))
             .map(|(&pid, p)| (pid, p.bytes_on(gpu, ctx)))
             .collect()
     }
@@ -350,13 +374,17 @@ impl State {
         let p = self.procs.get_mut(&pid).ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
         let ptr = p.next_ptr;
         p.next_ptr += bytes.div_ceil(PTR_ALIGN) * PTR_ALIGN;
-        p.allocs.insert(ptr, Alloc { gpu, bytes });
+        p.allocs.insert(ptr, Alloc { gpu, bytes, handle: None });
         Ok(ptr)
     }
 
     /// `cuMemFree` of a pointer `cuMemAlloc` returned.
     pub fn free(&mut self, pid: i32, ptr: u64) -> Result<(), CuResult> {
         let p = self.procs.get_mut(&pid).ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        // Mapped VMM memory is not cuMemAlloc's to free.
+        if p.allocs.get(&ptr).is_some_and(|a| a.handle.is_some()) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
         p.allocs.remove(&ptr).map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
     }
 
@@ -387,8 +415,11 @@ impl State {
 
         let ctx = cfg.context_mib * MIB;
         let mut need: BTreeMap<u32, u64> = BTreeMap::new();
-        for a in p.allocs.values() {
+        for a in p.allocs.values().filter(|a| a.handle.is_none()) {
             *need.entry(moved(a.gpu)).or_default() += a.bytes;
+        }
+        for h in p.handles.values() {
+            *need.entry(moved(h.gpu)).or_default() += h.bytes;
         }
         for &gpu in &p.contexts {
             *need.entry(moved(gpu)).or_default() += ctx;
@@ -403,6 +434,9 @@ impl State {
         let p = self.procs.get_mut(&pid).ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
         for a in p.allocs.values_mut() {
             a.gpu = moved(a.gpu);
+        }
+        for h in p.handles.values_mut() {
+            h.gpu = moved(h.gpu);
         }
         p.contexts = p.contexts.iter().map(|&g| moved(g)).collect();
         p.resident = true;
@@ -535,6 +569,25 @@ mod tests {
         assert_eq!(p.begin_checkpoint(0), Err(CUDA_ERROR_ILLEGAL_STATE));
         assert!(!p.accepts_work());
         assert_eq!(st.used_bytes(&cfg, 0), 0);
+    }
+
+    #[test]
+    fn a_faulted_context_answers_its_sticky_error_and_keeps_its_memory() {
+        let cfg = config(&[1000]);
+        let mut st = State::default();
+        with_proc(&mut st, &cfg, 1, 0, 600);
+        let p = st.procs.get_mut(&1).unwrap();
+        p.faulted = Some(CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(p.begin_lock(0, 0), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.finish_lock(), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.begin_checkpoint(0), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.unlock(), Err(CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(p.reported_state(), ProcState::Running);
+        // Still on the GPU (NVML lists it) until the process is gone.
+        let held = st.used_bytes(&cfg, 0);
+        assert!(held >= 600 * MIB, "{held}");
+        let back: State = serde_json::from_str(&serde_json::to_string(&st).unwrap()).unwrap();
+        assert_eq!(back.procs[&1].faulted, Some(CUDA_ERROR_ILLEGAL_ADDRESS));
     }
 
     #[test]

@@ -22,7 +22,7 @@ const POLL: Duration = Duration::from_millis(10);
 
 /// The fake failed itself (a bad state file, a full disk): say why on stderr,
 /// since a `CUresult` cannot, and answer `CUDA_ERROR_UNKNOWN`.
-fn io_fail(e: io::Error) -> CuResult {
+pub(crate) fn io_fail(e: io::Error) -> CuResult {
     eprintln!("gpusnap-fake-cuda: {e}");
     CUDA_ERROR_UNKNOWN
 }
@@ -170,7 +170,7 @@ fn on_process<T>(
     })
 }
 
-fn entry(t: &mut Txn, pid: i32) -> Result<&mut Proc, CuResult> {
+pub(crate) fn entry(t: &mut Txn, pid: i32) -> Result<&mut Proc, CuResult> {
     t.state.procs.get_mut(&pid).ok_or(CUDA_ERROR_NOT_INITIALIZED)
 }
 
@@ -279,7 +279,7 @@ pub fn get_restore_tid(store: &Store, pid: i32) -> Result<i32, CuResult> {
 /// process CRIU restored (which lives in a time namespace of its own, where
 /// /proc shows its start time shifted), and the real driver does not hold a
 /// fresh process's calls for a dead one's state.
-fn as_workload<T>(
+pub(crate) fn as_workload<T>(
     new_context: Option<u64>,
     f: impl FnOnce(&Store, &mut Txn, i32) -> Result<T, CuResult>,
 ) -> Result<T, CuResult> {
@@ -312,6 +312,11 @@ fn as_workload<T>(
                 if blocked {
                     return None;
                 }
+                // A faulted context fails every call at once (sticky).
+                if let Some(rc) = t.state.procs.get(&me).filter(|p| !stale_for_me(p)).and_then(|p| p.faulted)
+                {
+                    return Some(Err(rc));
+                }
                 f.take().map(|f| f(&store, t, me))
             })
             .map_err(io_fail)?;
@@ -322,7 +327,7 @@ fn as_workload<T>(
     }
 }
 
-fn current_device() -> Result<u32, CuResult> {
+pub(crate) fn current_device() -> Result<u32, CuResult> {
     u32::try_from(CURRENT_DEVICE.load(Ordering::SeqCst)).map_err(|_| CUDA_ERROR_INVALID_CONTEXT)
 }
 
@@ -367,18 +372,23 @@ pub fn mem_free(ptr: u64) -> Result<(), CuResult> {
 
 pub fn memcpy_htod(dst: u64, bytes: &[u8]) -> Result<(), CuResult> {
     current_device()?;
-    as_workload(None, |store, t, me| {
+    let gbps = as_workload(None, |store, t, me| {
         let (base, offset) = entry(t, me)?.locate(dst, bytes.len() as u64)?;
-        store.write_data(me, base, offset, bytes).map_err(io_fail)
-    })
+        store.write_data(me, base, offset, bytes).map_err(io_fail)?;
+        Ok(t.config.copy_gbps)
+    })?;
+    sleep(copy_time(bytes.len() as u64, gbps));
+    Ok(())
 }
 
 pub fn memcpy_dtoh(src: u64, len: usize) -> Result<Vec<u8>, CuResult> {
     current_device()?;
-    as_workload(None, |store, t, me| {
+    let (data, gbps) = as_workload(None, |store, t, me| {
         let (base, offset) = entry(t, me)?.locate(src, len as u64)?;
-        store.read_data(me, base, offset, len).map_err(io_fail)
-    })
+        Ok((store.read_data(me, base, offset, len).map_err(io_fail)?, t.config.copy_gbps))
+    })?;
+    sleep(copy_time(len as u64, gbps));
+    Ok(data)
 }
 
 /// Waits for the process's queued work. Copies do not: only this call and a
@@ -414,10 +424,44 @@ pub fn register_restore_thread() -> Result<(), CuResult> {
     })
 }
 
+/// `fakeFault`: the calling process's context takes the sticky error `rc`
+/// (0: `CUDA_ERROR_ILLEGAL_ADDRESS`), as a kernel that wrote through a bad
+/// pointer leaves it. Answers `rc`, as the synchronising call after such a
+/// kernel does.
+pub fn fault(rc: CuResult) -> Result<(), CuResult> {
+    let rc = if rc == 0 { CUDA_ERROR_ILLEGAL_ADDRESS } else { rc };
+    current_device()?;
+    as_workload(None, |_, t, me| {
+        entry(t, me)?.faulted = Some(rc);
+        Ok(())
+    })?;
+    Err(rc)
+}
+
 pub fn enqueue_work(ms: u32) -> Result<(), CuResult> {
     current_device()?;
     as_workload(None, |_, t, me| {
         entry(t, me)?.enqueue_work(now_ms(), ms);
         Ok(())
     })
+}
+
+/// `cuCtxSetCurrent`: the context token of `device` (one context per
+/// process and device); the process must have made it.
+pub fn set_current(device: i32) -> Result<(), CuResult> {
+    let gpu = u32::try_from(device).map_err(|_| CUDA_ERROR_INVALID_CONTEXT)?;
+    as_workload(None, |_, t, me| {
+        if entry(t, me)?.contexts.contains(&gpu) {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_INVALID_CONTEXT)
+        }
+    })?;
+    CURRENT_DEVICE.store(device, Ordering::SeqCst);
+    Ok(())
+}
+
+/// The current device, -1 for none.
+pub fn current_raw() -> i32 {
+    CURRENT_DEVICE.load(Ordering::SeqCst)
 }

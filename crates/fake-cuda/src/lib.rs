@@ -8,6 +8,7 @@
 //! cross into C (`CUDA_ERROR_UNKNOWN` instead).
 
 mod driver;
+mod vmm;
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -390,4 +391,13 @@ pub extern "C" fn fakeRegisterHostCopy(addr: u64, len: u64) -> CUresult {
 #[no_mangle]
 pub extern "C" fn fakeRegisterRestoreThread() -> CUresult {
     ffi(driver::register_restore_thread)
+}
+
+/// Not a CUDA call: the calling process's context takes the sticky error
+/// `rc` (0: 700, `CUDA_ERROR_ILLEGAL_ADDRESS`), as after a kernel that
+/// faulted. From then on every call of the process answers it, and so do
+/// a lock, checkpoint, restore or unlock of it. Returns `rc`.
+#[no_mangle]
+pub extern "C" fn fakeFault(rc: c_int) -> CUresult {
+    ffi(|| driver::fault(rc))
 }

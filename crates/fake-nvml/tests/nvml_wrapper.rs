@@ -53,11 +53,11 @@ fn nvml_wrapper_sees_the_fake_gpus() {
         .transact(|t| {
             let mut mine = Proc::new(procfs::stat(me).unwrap().start_time);
             mine.contexts.insert(0);
-            mine.allocs.insert(0x1000, Alloc { gpu: 0, bytes: 100 * MIB });
+            mine.allocs.insert(0x1000, Alloc { gpu: 0, bytes: 100 * MIB, handle: None });
             t.state.procs.insert(me, mine);
             let mut parked = Proc::new(procfs::stat(other).unwrap().start_time);
             parked.contexts.insert(0);
-            parked.allocs.insert(0x1000, Alloc { gpu: 0, bytes: 500 * MIB });
+            parked.allocs.insert(0x1000, Alloc { gpu: 0, bytes: 500 * MIB, handle: None });
             parked.state = ProcState::Checkpointed;
             parked.resident = false;
             t.state.procs.insert(other, parked);

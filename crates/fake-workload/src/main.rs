@@ -50,7 +50,10 @@ struct Args {
     #[arg(long, num_args = 2, value_names = ["ACTION", "PID"])]
     driver_call: Option<Vec<String>>,
     /// Die after --after-ms: `exit:N` (main thread), `exit-thread:N` (exit()
-    /// from a second thread), `_exit:N`, `segv`, `abort`.
+    /// from a second thread), `_exit:N`, `segv`, `abort`, or `fault[:RC]`
+    /// (its context takes sticky error RC, default 700, and the program
+    /// exits 1 reporting it, as a program after an illegal-address kernel).
+    /// The same fault happens when `--status FILE`'s `FILE.fault` appears.
     #[arg(long)]
     die: Option<String>,
     #[arg(long, default_value_t = 500)]
@@ -91,6 +94,18 @@ struct Args {
     /// `cuda-restore`, registered as the driver's restore thread.
     #[arg(long, default_value_t = 0)]
     host_copy_mib: u64,
+    /// Also hold N MiB of managed memory (`cuMemAllocManaged`), which
+    /// gpusnap's fast swap leaves with the driver.
+    #[arg(long, default_value_t = 0)]
+    managed_mib: u64,
+    /// Make N more allocations of --mib each, written and checked like the
+    /// first.
+    #[arg(long, default_value_t = 0)]
+    extra_allocs: u32,
+    /// Reach the allocation and copy calls through `cuGetProcAddress_v2`
+    /// (itself asked of `cuGetProcAddress`), as the CUDA runtime does.
+    #[arg(long)]
+    proc_address: bool,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -180,6 +195,45 @@ impl Cuda {
         })
     }
 
+    /// Replaces the allocation and copy calls with what the driver's
+    /// `cuGetProcAddress_v2` hands out for them (CUDA 12.0's names).
+    fn through_proc_address(&mut self) -> Result<(), String> {
+        type V1 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> CUresult;
+        type V2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CUresult;
+        // SAFETY: the symbol has this C signature in cuda.h.
+        let v1: V1 = *unsafe { self._lib.get(b"cuGetProcAddress\0") }.map_err(|e| e.to_string())?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated name and an out-pointer to a local.
+        self.check("cuGetProcAddress", unsafe { v1(c"cuGetProcAddress".as_ptr(), &mut p, 12000, 0) })?;
+        // SAFETY: what the driver handed out for version 12000 is cuGetProcAddress_v2.
+        let v2: V2 = unsafe { std::mem::transmute::<*mut c_void, V2>(p) };
+        let get = |name: &CStr| -> Result<*mut c_void, String> {
+            let mut f: *mut c_void = std::ptr::null_mut();
+            let mut status: c_int = 0;
+            // SAFETY: a NUL-terminated name and out-pointers to locals.
+            let rc = unsafe { v2(name.as_ptr(), &mut f, 12000, 0, &mut status) };
+            self.check("cuGetProcAddress_v2", rc).map(|()| f)
+        };
+        let (alloc, free, htod, dtoh) =
+            (get(c"cuMemAlloc")?, get(c"cuMemFree")?, get(c"cuMemcpyHtoD")?, get(c"cuMemcpyDtoH")?);
+        // SAFETY: the driver's functions for those names, with cuda.h's
+        // signatures of their _v2 forms (version 12000).
+        unsafe {
+            self.mem_alloc =
+                std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut u64, usize) -> CUresult>(alloc);
+            self.mem_free = std::mem::transmute::<*mut c_void, unsafe extern "C" fn(u64) -> CUresult>(free);
+            self.memcpy_htod = std::mem::transmute::<
+                *mut c_void,
+                unsafe extern "C" fn(u64, *const c_void, usize) -> CUresult,
+            >(htod);
+            self.memcpy_dtoh = std::mem::transmute::<
+                *mut c_void,
+                unsafe extern "C" fn(*mut c_void, u64, usize) -> CUresult,
+            >(dtoh);
+        }
+        Ok(())
+    }
+
     /// `Ok` for `CUDA_SUCCESS`, else a message naming the call and the code.
     fn check(&self, call: &str, rc: CUresult) -> Result<(), String> {
         if rc == 0 {
@@ -222,7 +276,10 @@ fn run(args: &Args) -> Result<(), String> {
     if data_len as u64 > bytes {
         return Err(format!("--data-kib {} does not fit in --mib {}", args.data_kib, args.mib));
     }
-    let cuda = Cuda::load()?;
+    let mut cuda = Cuda::load()?;
+    if args.proc_address {
+        cuda.through_proc_address()?;
+    }
     let mut device: c_int = 0;
     let mut ctx: *mut c_void = std::ptr::null_mut();
     let mut ptr: u64 = 0;
@@ -237,6 +294,25 @@ fn run(args: &Args) -> Result<(), String> {
             cuda.check("cuMemAlloc_v2", (cuda.mem_alloc)(&mut ptr, bytes as usize))?;
             cuda.check("cuMemcpyHtoD_v2", (cuda.memcpy_htod)(ptr, data.as_ptr().cast(), data_len))?;
         }
+    }
+    let mut extra = Vec::new();
+    for _ in 0..args.extra_allocs {
+        let mut p: u64 = 0;
+        // SAFETY: as above.
+        unsafe {
+            cuda.check("cuMemAlloc_v2", (cuda.mem_alloc)(&mut p, bytes as usize))?;
+            cuda.check("cuMemcpyHtoD_v2", (cuda.memcpy_htod)(p, data.as_ptr().cast(), data_len))?;
+        }
+        extra.push(p);
+    }
+    if args.managed_mib > 0 {
+        type Managed = unsafe extern "C" fn(*mut u64, usize, c_uint) -> CUresult;
+        // SAFETY: the symbol has this C signature in cuda.h.
+        let managed: Managed =
+            *unsafe { cuda._lib.get(b"cuMemAllocManaged\0") }.map_err(|e| e.to_string())?;
+        let mut p: u64 = 0;
+        // SAFETY: an out-pointer to a local; 1 = CU_MEM_ATTACH_GLOBAL.
+        cuda.check("cuMemAllocManaged", unsafe { managed(&mut p, (args.managed_mib << 20) as usize, 1) })?;
     }
 
     if args.host_copy_mib > 0 {
@@ -307,6 +383,11 @@ fn run(args: &Args) -> Result<(), String> {
         p.push(".exit");
         PathBuf::from(p)
     });
+    let fault_file = args.status.as_ref().map(|s| {
+        let mut p = s.as_os_str().to_owned();
+        p.push(".fault");
+        PathBuf::from(p)
+    });
     let mut back = vec![0u8; data_len];
     for iteration in 1u64.. {
         if args.busy_ms > 0 {
@@ -318,13 +399,22 @@ fn run(args: &Args) -> Result<(), String> {
             let rc = unsafe { (cuda.memcpy_dtoh)(back.as_mut_ptr().cast(), ptr, data_len) };
             cuda.check("cuMemcpyDtoH_v2", rc)?;
         }
-        let intact = back == data;
+        let mut intact = back == data;
+        for p in &extra {
+            // SAFETY: `back` is `data_len` long.
+            let rc = unsafe { (cuda.memcpy_dtoh)(back.as_mut_ptr().cast(), *p, data_len) };
+            cuda.check("cuMemcpyDtoH_v2", rc)?;
+            intact &= back == data;
+        }
         if let Some(status) = &args.status {
             let line = format!("{pid} {iteration} {} {:.3}\n", u8::from(intact), unix_time());
             write_status(status, &line).map_err(|e| format!("{}: {e}", status.display()))?;
         }
         if exit_file.as_ref().is_some_and(|f| f.exists()) {
             std::process::exit(3);
+        }
+        if fault_file.as_ref().is_some_and(|f| f.exists()) {
+            fault(&cuda, 0)?;
         }
         if let (Some(code), true) = (args.sigterm_exit, SIGTERMED.load(std::sync::atomic::Ordering::SeqCst)) {
             std::process::exit(code);
@@ -334,10 +424,32 @@ fn run(args: &Args) -> Result<(), String> {
                 if let Some(k) = kid.as_mut() {
                     let _ = k.wait();
                 }
+                if let Some(rc) = how.strip_prefix("fault") {
+                    let rc =
+                        rc.strip_prefix(':').map_or(Ok(0), str::parse).map_err(|_| format!("--die {how}"))?;
+                    fault(&cuda, rc)?;
+                }
                 die(how);
             }
         }
         sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// An illegal-address kernel: the context takes sticky error `rc` (0: 700)
+/// through the fake's `fakeFault`, and the call that reports it fails the
+/// program (exit 1, as an uncaught CUDA error in Python does).
+fn fault(cuda: &Cuda, rc: c_int) -> Result<(), String> {
+    type Fault = unsafe extern "C" fn(c_int) -> CUresult;
+    // SAFETY: the fake driver's extra export, with this C signature.
+    let f: Fault = *unsafe { cuda._lib.get(b"fakeFault\0") }.map_err(|e| e.to_string())?;
+    // SAFETY: no pointers.
+    if let Err(e) = cuda.check("cuCtxSynchronize", unsafe { f(rc) }) {
+        // Exits here, with libcuda still loaded, as a program whose CUDA
+        // error ends it does (returning would unload it first).
+        eprintln!("fake-workload: {e}");
+        std::process::exit(1);
     }
     Ok(())
 }
@@ -526,6 +638,10 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
             );
             out.write_all(all.as_bytes()).map_err(|e| e.to_string())
         };
+        if path == "/fault" {
+            // An illegal-address kernel mid-request: the program exits 1.
+            fault(&gpu.cuda, 0)?;
+        }
         if path == "/sleep" || path == "/wake_up" {
             sleep(Duration::from_millis(param("delay_ms").unwrap_or(0)));
             let r = if param("fail") == Some(1) {

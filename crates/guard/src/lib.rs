@@ -18,6 +18,7 @@
 //! and the programs run on. Its keeper (a small standby process) then starts
 //! a new guard that re-attaches, so that exits are caught again (a RET_TRACE
 //! filter with no tracer would fail `exit_group` with ENOSYS).
+pub mod fault;
 pub mod launch;
 pub mod light;
 pub mod oom;
@@ -41,6 +42,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+pub use fault::{OnFault, FAULTED};
 pub use launch::{launch, signal_name, start_keeper, Launched};
 pub use oom::cgroup_memory;
 pub use ptrace::{ptrace_raw, threads_of};
@@ -82,6 +84,12 @@ pub struct Guard<A: CheckpointApi, G: GpuInventory> {
     /// seize, so that a guard killed while it attaches (its keeper fires
     /// as soon as it dies) leaves its keeper something to take over.
     attaching: Option<i32>,
+    on_fault: OnFault,
+    /// Processes whose CUDA context was found faulted at their death.
+    faulted: BTreeSet<i32>,
+    /// Faulted processes held stopped (`OnFault::Hold`): none of their
+    /// threads is let go on again; SIGKILL ends them.
+    holding: BTreeSet<i32>,
 }
 
 /// What the event loop does for a process once its suspend is done.
@@ -96,8 +104,9 @@ enum After {
 
 enum Msg {
     Detach(Detach),
-    /// The suspend of this process is done; the process as it was then.
-    Suspended(i32, Option<Target>),
+    /// The suspend of this process is done; the process as it was then, and
+    /// whether its CUDA context was found faulted.
+    Suspended(i32, Option<Target>, bool),
 }
 
 /// Messages for the event loop, which sleeps in waitpid: each poster
@@ -177,7 +186,21 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
             resent: BTreeSet::new(),
             inbox: Arc::new(Inbox::default()),
             attaching: None,
+            on_fault: OnFault::Exit,
+            faulted: BTreeSet::new(),
+            holding: BTreeSet::new(),
         }
+    }
+
+    /// What to do with a dying process whose CUDA context faulted.
+    pub fn with_on_fault(mut self, on_fault: OnFault) -> Self {
+        self.on_fault = on_fault;
+        self
+    }
+
+    /// Whether a guarded process's CUDA context was found faulted.
+    pub fn faulted(&self) -> bool {
+        !self.faulted.is_empty()
     }
 
     fn record_file(&self) -> PathBuf {
@@ -280,7 +303,7 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     /// Suspends process `pid` before it dies of `why`; the outcome, good or
     /// bad, goes into the journal.
     fn suspend_dying(&mut self, pid: i32, why: &str) {
-        suspend_before_death(&self.api, &*self.gpus, &mut self.store, pid, why, self.lock_timeout_ms);
+        let _ = suspend_before_death(&self.api, &*self.gpus, &mut self.store, pid, why, self.lock_timeout_ms);
     }
 
     /// Suspends `pid` on a thread of its own, so that the event loop goes
@@ -307,18 +330,28 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
         // took its pid during a long suspend.
         let who = target::resolve(pid).ok();
         std::thread::spawn(move || {
-            match Store::open(&dir) {
-                Ok(mut store) => {
-                    suspend_before_death(&api, &*gpus, &mut store, pid, &why, lt);
+            let faulted = match Store::open(&dir) {
+                Ok(mut store) => suspend_before_death(&api, &*gpus, &mut store, pid, &why, lt).is_some(),
+                Err(e) => {
+                    tracing::error!(pid, why, "guard: no journal, nothing suspended: {e}");
+                    false
                 }
-                Err(e) => tracing::error!(pid, why, "guard: no journal, nothing suspended: {e}"),
-            }
-            inbox.post(Msg::Suspended(pid, who));
+            };
+            inbox.post(Msg::Suspended(pid, who, faulted));
         });
     }
 
-    /// A suspend is done: the held threads go on, held-back signals go again.
-    fn suspended(&mut self, pid: i32, who: Option<Target>) {
+    /// A suspend is done: the held threads go on, held-back signals go again;
+    /// a faulted process under `OnFault::Hold` is held instead.
+    fn suspended(&mut self, pid: i32, who: Option<Target>, faulted: bool) {
+        if faulted {
+            self.faulted.insert(pid);
+            if self.on_fault == OnFault::Hold && who.as_ref().is_some_and(target::is_alive) {
+                self.jobs.remove(&pid);
+                self.hold(pid, who.as_ref());
+                return;
+            }
+        }
         for after in self.jobs.remove(&pid).unwrap_or_default() {
             match after {
                 After::Cont(tid, sig) => cont(tid, sig),
@@ -331,6 +364,28 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
                 }
             }
         }
+    }
+
+    /// Keeps faulted process `pid` from dying: the threads stopped for its
+    /// death stay stopped, the others are stopped too, and none goes on
+    /// again. Nothing of it is touched (its context would be torn down).
+    fn hold(&mut self, pid: i32, who: Option<&Target>) {
+        self.holding.insert(pid);
+        for (&tid, _) in self.tids.iter().filter(|(_, p)| **p == pid) {
+            let _ = ptrace_raw(libc::PTRACE_INTERRUPT, tid, 0);
+        }
+        if let Some(t) = who {
+            let _ = self.store.note(
+                t,
+                "guard",
+                Some(FAULTED),
+                &format!(
+                    "held (on-fault hold): the process is kept stopped so that its faulted context is not \
+                     torn down; `gpusnap stop --force {pid}` ends it"
+                ),
+            );
+        }
+        tracing::warn!(pid, "guard: CUDA context faulted; process held (on-fault hold)");
     }
 
     fn held(&self) -> BTreeSet<i32> {
@@ -355,6 +410,9 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
         match ev {
             Event::Exited(tid, code) => self.on_gone(tid, Ending::Exited(code)),
             Event::Signaled(tid, sig) => self.on_gone(tid, Ending::Signaled(sig)),
+            // A held process's threads stay where they stopped.
+            Event::Signal(tid, _) | Event::Ptrace(tid, _, _)
+                if self.tids.get(&tid).is_some_and(|p| self.holding.contains(p)) => {}
             Event::Signal(tid, sig) => {
                 self.adopt(tid);
                 let Some(&pid) = self.tids.get(&tid) else {
@@ -446,6 +504,9 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
     }
 
     fn detach(&mut self, pids: &[i32]) -> String {
+        if let Some(p) = pids.iter().find(|p| self.holding.contains(p)) {
+            return format!("err process {p} is held: its CUDA context faulted");
+        }
         // Threads held for a suspend in flight stay held: they go on (and
         // die) when it ends.
         let held = self.held();
@@ -540,7 +601,7 @@ impl<A: CheckpointApi, G: GpuInventory> Guard<A, G> {
                         let answer = self.detach(&req.pids);
                         let _ = (&req.conn).write_all(format!("{answer}\n").as_bytes());
                     }
-                    Msg::Suspended(pid, who) => self.suspended(pid, who),
+                    Msg::Suspended(pid, who, faulted) => self.suspended(pid, who, faulted),
                 }
             }
             if took {

@@ -21,6 +21,7 @@
 //! changed or removed anywhere else.
 
 use super::suspend_before_death;
+use crate::fault::{OnFault, FAULTED};
 use gpusnap_core::error::Error;
 use gpusnap_core::store::Store;
 use gpusnap_core::target::{self, Target};
@@ -184,6 +185,9 @@ pub struct LightGuard<A: CheckpointApi, G: GpuInventory> {
     /// answer is journaled.
     in_flight: Arc<std::sync::atomic::AtomicUsize>,
     listeners: std::sync::Mutex<Vec<UnixListener>>,
+    on_fault: OnFault,
+    /// Set once a dying process's CUDA context was found faulted.
+    pub faulted: Arc<AtomicBool>,
 }
 
 impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
@@ -196,7 +200,17 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
             detached: Arc::new(AtomicBool::new(false)),
             in_flight: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             listeners: std::sync::Mutex::new(Vec::new()),
+            on_fault: OnFault::Exit,
+            faulted: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// What to do with a dying process whose CUDA context faulted: under
+    /// `OnFault::Hold` the answer is `hold`, and the library keeps the
+    /// process in its exit path for good (SIGKILL ends it).
+    pub fn with_on_fault(mut self, on_fault: OnFault) -> Self {
+        self.on_fault = on_fault;
+        self
     }
 
     /// Waits (at most `limit`) until no request is waiting or being
@@ -270,20 +284,23 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
             Arc::clone(&self.detached),
             Arc::clone(&self.in_flight),
         );
+        let (on_fault, faulted) = (self.on_fault, Arc::clone(&self.faulted));
         std::thread::spawn(move || {
             for conn in listener.incoming().flatten() {
                 in_flight.fetch_add(1, Ordering::SeqCst);
-                let (api, gpus, dir, detached, in_flight) = (
+                let (api, gpus, dir, detached, in_flight, faulted) = (
                     api.clone(),
                     Arc::clone(&gpus),
                     dir.clone(),
                     Arc::clone(&detached),
                     Arc::clone(&in_flight),
+                    Arc::clone(&faulted),
                 );
                 // One thread per caller: processes of a group die together,
                 // and each waits only for its own suspend.
                 std::thread::spawn(move || {
-                    answer(conn, &api, &*gpus, &dir, lt, &detached);
+                    let policy = Policy { on_fault, faulted: &faulted, detached: &detached };
+                    answer(conn, &api, &*gpus, &dir, lt, &policy);
                     in_flight.fetch_sub(1, Ordering::SeqCst);
                 });
             }
@@ -353,14 +370,22 @@ fn journal_not_answered(state_dir: &Path, key: Option<&Target>) {
     }
 }
 
+/// What a light guard decides beyond the suspend, and what it reports.
+struct Policy<'a> {
+    on_fault: OnFault,
+    faulted: &'a AtomicBool,
+    detached: &'a AtomicBool,
+}
+
 fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
     conn: UnixStream,
     api: &Deadline<A>,
     gpus: &G,
     state_dir: &Path,
     lock_timeout_ms: u32,
-    detached: &AtomicBool,
+    policy: &Policy,
 ) {
+    let detached = policy.detached;
     let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
     let mut line = String::new();
     if BufReader::new(&conn).read_line(&mut line).is_err() {
@@ -397,10 +422,30 @@ fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
             let beat = conn.try_clone().ok().map(|c| {
                 heartbeat(c, Arc::clone(&done), Arc::clone(&gone), key.clone(), state_dir.to_path_buf())
             });
-            if who.is_some() {
+            let mut hold = false;
+            if let Some(t) = &who {
                 match Store::open(state_dir) {
                     Ok(mut store) => {
-                        suspend_before_death(api, gpus, &mut store, pid, &why, lock_timeout_ms);
+                        let death = suspend_before_death(api, gpus, &mut store, pid, &why, lock_timeout_ms);
+                        if death.is_some() {
+                            policy.faulted.store(true, Ordering::SeqCst);
+                            hold = policy.on_fault == OnFault::Hold;
+                        }
+                        if hold {
+                            let _ = store.note(
+                                t,
+                                "guard",
+                                Some(FAULTED),
+                                &format!(
+                                    "held (on-fault hold): the process waits in its exit path so that its \
+                                     faulted context is not torn down; `gpusnap stop --force {pid}` ends it"
+                                ),
+                            );
+                            tracing::warn!(
+                                pid,
+                                "light guard: CUDA context faulted; process held (on-fault hold)"
+                            );
+                        }
                     }
                     Err(e) => tracing::error!(pid, why, "light guard: no journal, nothing suspended: {e}"),
                 }
@@ -408,6 +453,11 @@ fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
             done.store(true, Ordering::SeqCst);
             if let Some(b) = beat {
                 let _ = b.join();
+            }
+            if hold {
+                // The library blocks for good on this answer; no signal again.
+                let _ = (&conn).write_all(b"hold\n");
+                return;
             }
             // Alive before the answer: once answered, it dies at once.
             let alive = who.as_ref().is_some_and(target::is_alive);

@@ -1,6 +1,7 @@
 //! Suspending a guarded process before it dies: its CUDA state locked and
 //! checkpointed, journaled, and checked with NVML to be off the GPU.
 
+use crate::fault::{xid_lines, Fault, FAULTED};
 use gpusnap_core::error::Error;
 use gpusnap_core::store::Store;
 use gpusnap_core::target::{self, Target};
@@ -73,7 +74,9 @@ pub(crate) fn suspend_now<A: CheckpointApi, G: GpuInventory + ?Sized>(
 }
 
 /// [`suspend_now`] for a process about to die of `why`; the outcome, good or
-/// bad, goes into the journal and the log, and is returned.
+/// bad, goes into the journal and the log. A context that answered a
+/// sticky error is journaled as faulted (record state `faulted`), with the
+/// kernel log's Xid lines for it where readable, and returned.
 pub(crate) fn suspend_before_death<A: CheckpointApi, G: GpuInventory + ?Sized>(
     api: &Deadline<A>,
     gpus: &G,
@@ -81,14 +84,30 @@ pub(crate) fn suspend_before_death<A: CheckpointApi, G: GpuInventory + ?Sized>(
     pid: i32,
     why: &str,
     lock_timeout_ms: u32,
-) -> String {
+) -> Option<Fault> {
+    let mut fault = None;
     let outcome = suspend_now(api, gpus, store, pid, why, lock_timeout_ms).unwrap_or_else(|e| {
         let msg = format!("could not suspend before death ({why}): {e}");
-        if let Ok(t) = target::resolve(pid) {
-            let _ = store.note(&t, "guard", None, &msg);
+        let t = target::resolve(pid).ok();
+        if let Some(t) = &t {
+            let _ = store.note(t, "guard", None, &msg);
+        }
+        if let Error::Driver { source, .. } = &e {
+            if source.is_sticky() {
+                let f = Fault {
+                    code: source.code().unwrap_or(0),
+                    detail: source.to_string(),
+                    xids: xid_lines(pid),
+                };
+                if let Some(t) = &t {
+                    let _ = store.note(t, "guard", Some(FAULTED), &f.describe());
+                }
+                tracing::warn!(pid, why, "guard: {}", f.describe());
+                fault = Some(f);
+            }
         }
         msg
     });
     tracing::info!(pid, why, outcome = %outcome, "guard");
-    outcome
+    fault
 }

@@ -28,7 +28,7 @@ impl Error {
             Self::Sign(SignError::BadKey(_)) => 2,
             Self::Sign(_) => 1,
             Self::Chunks(ChunkError::Remote(
-                RemoteError::Unreachable { .. } | RemoteError::Denied { .. },
+                RemoteError::Unreachable { .. } | RemoteError::Denied { .. } | RemoteError::NoBucket { .. },
             )) => 6,
             Self::Chunks(ChunkError::Remote(_) | ChunkError::Corrupt { .. }) => 2,
             Self::Chunks(ChunkError::Io { .. } | ChunkError::Missing(_)) => 1,
@@ -40,6 +40,7 @@ impl Error {
         match self {
             Self::Chunks(ChunkError::Remote(RemoteError::Denied { .. })) => "remote_denied",
             Self::Chunks(ChunkError::Remote(RemoteError::Unreachable { .. })) => "remote_unreachable",
+            Self::Chunks(ChunkError::Remote(RemoteError::NoBucket { .. })) => "remote_no_bucket",
             Self::Chunks(ChunkError::Corrupt { .. }) => "corrupt_chunk",
             Self::Chunks(_) => "chunks",
             Self::Image(ImageError::Missing(_)) => "image_missing",

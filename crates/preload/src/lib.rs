@@ -21,6 +21,10 @@
 //!   it runs after every handler of the program and of its libraries;
 //! - **`_exit()` / `_Exit()`**: wrapped.
 //!
+//! A guard whose policy holds a process with a faulted CUDA context
+//! (`run --on-fault hold`) answers `hold` instead of `ok`: the dying thread
+//! then sleeps where it asked, for good (only SIGKILL ends the process).
+//!
 //! Signals that do not kill, and the program's own handlers, are never
 //! touched: they cost nothing. `dlopen` is not wrapped (glibc resolves a
 //! `dlopen` by its caller's RUNPATH and namespace, and the caller would be
@@ -45,6 +49,9 @@
 //! memory the loader keeps consistent for debuggers.
 
 #![allow(clippy::missing_safety_doc)]
+
+/// Fast swap: allocations served from the VMM API, moved on request.
+mod fastswap;
 
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, AtomicUsize, Ordering};
@@ -75,6 +82,9 @@ static REAL_EXIT2: AtomicUsize = AtomicUsize::new(0);
 static REAL_CXA_ATEXIT: AtomicUsize = AtomicUsize::new(0);
 /// Our exit handler is registered (it must be the first of all).
 static EXIT_HANDLER: AtomicBool = AtomicBool::new(false);
+/// The guard answered `hold`: this process's CUDA context faulted and the
+/// guard's policy keeps it from dying (`run --on-fault hold`).
+static HOLD: AtomicBool = AtomicBool::new(false);
 
 type SigactionFn = unsafe extern "C" fn(c_int, *const libc::sigaction, *mut libc::sigaction) -> c_int;
 type SignalFn = unsafe extern "C" fn(c_int, libc::sighandler_t) -> libc::sighandler_t;
@@ -460,6 +470,7 @@ extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void
     } else {
         notify(&why[..]);
     }
+    hold_if_told();
     // SAFETY: zeroed sigaction with SIG_DFL; the real sigaction.
     unsafe {
         let mut dfl: libc::sigaction = std::mem::zeroed();
@@ -566,6 +577,9 @@ fn poll_answer(fd: c_int) -> Answer {
             };
         }
         if buf[..r as usize].contains(&b'\n') {
+            if buf[..r as usize].contains(&b'h') {
+                HOLD.store(true, Ordering::SeqCst);
+            }
             return Answer::Done;
         }
         heard = true;
@@ -734,6 +748,18 @@ fn notify(why: &[u8]) {
     }
     // SAFETY: our own fd.
     unsafe { libc::close(fd) };
+    hold_if_told();
+}
+
+/// Under the guard's `hold` answer this thread never goes on to die: the
+/// faulted context must not be torn down until the operator decides
+/// (SIGKILL, `gpusnap stop --force`, still ends the process). Sleeps only.
+fn hold_if_told() {
+    while HOLD.load(Ordering::SeqCst) {
+        let pause = libc::timespec { tv_sec: 3600, tv_nsec: 0 };
+        // SAFETY: nanosleep with a valid timespec (async-signal-safe).
+        unsafe { libc::nanosleep(&pause, std::ptr::null_mut()) };
+    }
 }
 
 /// At load: remember the socket, put our handler wherever a terminating

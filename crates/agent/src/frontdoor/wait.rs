@@ -67,7 +67,11 @@ impl InFlight {
         if g.state != State::Running {
             return false;
         }
+        let bound = self.svc.cfg.request_timeout;
         if let Some(c) = g.conns.get_mut(&self.id) {
+            if !c.awaiting {
+                c.stale_at = bound.and_then(|b| Instant::now().checked_add(b));
+            }
             c.awaiting = true;
         }
         g.last_activity = Instant::now();
@@ -81,7 +85,7 @@ pub async fn admit(agent: &Arc<dyn Control>, svc: &Arc<Service>) -> Result<InFli
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
     {
         let mut g = svc.lock();
-        g.conns.insert(id, Conn { awaiting: false });
+        g.conns.insert(id, Conn { awaiting: false, stale_at: None, backend: false });
         g.last_activity = Instant::now();
     }
     agent.metrics().in_flight.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();

@@ -49,11 +49,16 @@ impl Agent {
                         rec.doing.as_deref() == Some("wake")
                             && rec.start_time.is_some_and(|st| st != t.start_time)
                     });
-                    let state = self.adopted_state(&pids);
+                    // A process its guard holds with a faulted context stays held.
+                    let state = if self.faulted(svc) { State::Faulted } else { self.adopted_state(&pids) };
                     let mut g = svc.lock();
                     svc.set_state(&mut g, state);
                     drop(g);
                     self.journal(svc, Some(&t), &format!("adopted as {} (pid {})", state.as_str(), t.pid));
+                    if rec.doing.as_deref() == Some(super::suspend::HOOKED_SUSPEND) && state == State::Running
+                    {
+                        self.undo_hook(svc);
+                    }
                     if let Some(image) = woken {
                         // The previous agent died mid-wake, after CRIU had
                         // restored the tree and before the driver's restore
@@ -62,7 +67,7 @@ impl Agent {
                         // image stays until it runs again: it holds the
                         // footprint the resume needs, and nothing is deleted
                         // before its replacement is verified.
-                        self.start_guard(&pids);
+                        self.start_guard(&pids, svc.cfg.on_fault);
                         self.journal(
                             svc,
                             Some(&t),
@@ -109,13 +114,43 @@ impl Agent {
                         self.spawn_start(svc, "the agent started and found no process for it");
                     }
                     None => {
-                        g.last_error = Some("no process found (pid_file/cgroup)".into());
+                        // A refused pid file said why already.
+                        let why = g
+                            .last_error
+                            .take()
+                            .unwrap_or_else(|| "no process found (pid_file/cgroup)".into());
+                        g.last_error = Some(why);
                         svc.set_state(&mut g, State::Exited);
                     }
                 },
             }
         }
         self.persist();
+    }
+
+    /// The previous agent ran the before_suspend hook and died before the
+    /// checkpoint: the server runs without its memory (asleep). Its
+    /// after_resume hook gives it back before any request is forwarded; if
+    /// that fails, the service says so (`last_error`) rather than `running`
+    /// as if it served, and is suspended.
+    fn undo_hook(self: &Arc<Self>, svc: &Arc<Service>) {
+        let Some(hook) = svc.cfg.hooks.after_resume.as_ref().map(|h| h.get_ref()) else {
+            self.journal(svc, None, "the previous agent ran before_suspend and died before the checkpoint; no after_resume hook to undo it");
+            return;
+        };
+        let out = tokio::runtime::Handle::current().block_on(crate::hooks::call(svc.cfg.backend, hook));
+        self.metrics().transition(&svc.name, "hook_resume", out.ok(), out.took.as_secs_f64());
+        let what = format!(
+            "the previous agent ran before_suspend and died before the checkpoint: after_resume hook: {}",
+            out.describe(hook)
+        );
+        if out.ok() {
+            self.journal(svc, None, &what);
+        } else {
+            // Taken off the GPU for real: the next request resumes it and
+            // calls the hook again.
+            tokio::runtime::Handle::current().block_on(self.after_resume_failed(svc, &what));
+        }
     }
 
     fn find_process(&self, svc: &Service, rec: &Persisted) -> Option<Target> {
@@ -152,7 +187,14 @@ impl Agent {
                     return None;
                 }
             }
-            return target::resolve(pid).ok();
+            let t = target::resolve(pid).ok()?;
+            if let Err(why) = crate::pidfile::trusted(pf, &t) {
+                let why = format!("pid_file {}: {why}: not adopted", pf.display());
+                crate::warn_every!(crate::pidfile::REFUSED, service = svc.name, "{why}");
+                svc.lock().last_error = Some(why);
+                return None;
+            }
+            return Some(t);
         }
         if let Some(cg) = &svc.cfg.cgroup {
             let pids = target::cgroup_processes(cg).ok()?;

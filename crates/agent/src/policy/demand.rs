@@ -67,6 +67,12 @@ impl Agent {
                             self.spawn_bring_back(svc, "a connection arrived");
                         }
                     }
+                    State::Faulted => {
+                        return Err(Unavailable(format!(
+                            "{}: its CUDA context faulted; the process is held for the operator",
+                            svc.name
+                        )));
+                    }
                     State::Exited | State::Dead if svc.cfg.adopted() => {
                         return Err(Unavailable(format!(
                             "{}: its process ended, and the agent does not start a server it adopted",
@@ -258,7 +264,7 @@ impl Agent {
             let t = target::resolve(r.root_pid).map_err(err)?;
             // The light guard's runner ended with the hibernated tree; a
             // running tree can only take the traced guard, as `gpusnap wake` gives it.
-            self.start_guard(&r.processes);
+            self.start_guard(&r.processes, svc.cfg.on_fault);
             {
                 let mut g = svc.lock();
                 g.process = Some(t.clone());
@@ -277,7 +283,15 @@ impl Agent {
             }
             self.persist();
             let woke = t_wake.elapsed();
-            self.bring_back_once(svc, false).map(|d| Done { wake: woke, ..d })
+            let woken_at = Instant::now();
+            let r = self.bring_back_once(svc, false);
+            if r.is_err() {
+                // The wake is done (the service is Resuming now) and its
+                // resume was refused (an eviction comes next): the CRIU
+                // restore is the wake's phase, not admission's.
+                svc.trace(|t| t.span(woken_at, "resume_prep", &[("wake", woke)]));
+            }
+            r.map(|d| Done { wake: woke, ..d })
         } else {
             let (root, kept) = {
                 let g = svc.lock();

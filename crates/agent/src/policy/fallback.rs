@@ -88,7 +88,7 @@ impl Agent {
                     let a = Arc::clone(&agent);
                     let at = from.clone();
                     let r = tokio::task::spawn_blocking(move || {
-                        gpusnap_images::remote::pull(a.images(), &at, None, &|_| {}, &|_| {})
+                        gpusnap_images::remote::pull(a.images(), &at, None, false, &|_| {}, &|_| {})
                     })
                     .await;
                     match r {

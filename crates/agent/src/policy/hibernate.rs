@@ -13,11 +13,14 @@ use std::time::{Duration, Instant};
 
 /// After a failed hibernation, the policy waits this long before another.
 const HIBERNATE_RETRY: Duration = Duration::from_secs(60);
+/// How long the idle connections of a service to hibernate may take to close.
+const CLOSE_IDLE: Duration = Duration::from_secs(10);
 
 impl Agent {
-    /// Hibernates a suspended service with no open connection.
+    /// Hibernates a suspended service with no request in flight (its idle
+    /// connections are closed).
     pub(super) async fn hibernate(self: &Arc<Self>, svc: &Arc<Service>, reason: &str) -> Result<(), String> {
-        {
+        let before = {
             let mut g = svc.lock();
             if !matches!(g.state, State::Suspended | State::Running) {
                 return Err(format!("{} is {}", svc.name, g.state.as_str()));
@@ -31,12 +34,21 @@ impl Agent {
                     svc.name
                 ));
             }
-            // CRIU cannot take the backend's half of an open connection along.
-            if !g.conns.is_empty() || g.waiting > 0 {
-                return Err(format!("{} has open connections", svc.name));
+            if Service::has_traffic(&g) {
+                return Err(format!("{} has a request in flight", svc.name));
             }
+            let before = g.state;
             g.ending_on_purpose = true;
             svc.set_state(&mut g, State::Hibernating);
+            before
+        };
+        // CRIU cannot take the backend's half of an open connection along:
+        // the proxy closes the idle ones as it sees the service hibernate.
+        if let Err(e) = self.close_idle_connections(svc).await {
+            let mut g = svc.lock();
+            g.ending_on_purpose = false;
+            svc.set_state(&mut g, before);
+            return Err(e);
         }
         self.journal(svc, None, &format!("hibernate: {reason}"));
         let started = Instant::now();
@@ -123,9 +135,31 @@ impl Agent {
                 svc.lock().image = None;
                 self.start_guard(
                     &detached.into_iter().filter(|p| target::resolve(*p).is_ok()).collect::<Vec<_>>(),
+                    svc.cfg.on_fault,
                 );
                 Err(err.to_string())
             }
+        }
+    }
+
+    /// Waits (bounded) until no connection of `svc` holds a connection to
+    /// its backend: the proxy closes the idle ones when the service enters
+    /// `hibernating`, and a new one waits for the service to come back.
+    async fn close_idle_connections(&self, svc: &Service) -> Result<(), String> {
+        let deadline = Instant::now() + CLOSE_IDLE;
+        let port = svc.cfg.backend.port();
+        loop {
+            // Ours closed, and the server's ends too (it reads the end of
+            // each and closes it itself, a moment later).
+            let ours = svc.lock().conns.values().filter(|c| c.backend).count();
+            let open = if ours > 0 { ours } else { open_tcp_on(port) };
+            if open == 0 {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("{open} connections to its backend stayed open"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
@@ -133,4 +167,26 @@ impl Agent {
         let Ok(mut e) = self.engine() else { return false };
         pids.iter().all(|p| e.state(*p).is_ok_and(|s| s.state == "checkpointed"))
     }
+}
+
+/// TCP connections of this host whose local port is `port`, other than a
+/// listener and those past their close (TIME_WAIT): what CRIU would find
+/// established or half closed in the server (/proc/net/tcp and tcp6).
+fn open_tcp_on(port: u16) -> usize {
+    const LISTEN: &str = "0A";
+    const TIME_WAIT: &str = "06";
+    const CLOSE: &str = "07";
+    let mut n = 0;
+    for f in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(f) else { continue };
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(st)) = (cols.get(1), cols.get(3)) else { continue };
+            let lport = local.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+            if lport == Some(port) && ![LISTEN, TIME_WAIT, CLOSE].contains(st) {
+                n += 1;
+            }
+        }
+    }
+    n
 }

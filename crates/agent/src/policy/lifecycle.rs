@@ -3,9 +3,12 @@
 //! and the guard given to woken processes.
 
 use super::{quiet, LOCK_TIMEOUT_MS};
+use crate::config::OnFault;
+use crate::metrics::ServiceLabels;
 use crate::service::{Service, State};
 use crate::state::Agent;
 use gpusnap_core::engine::StopOptions;
+use gpusnap_core::store::{Store, FAULTED};
 use gpusnap_core::target;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,14 +36,14 @@ impl Agent {
     }
 
     /// `gpusnap guard --daemon PIDS`, as `gpusnap wake` starts it.
-    pub(super) fn start_guard(&self, pids: &[i32]) {
+    pub(super) fn start_guard(&self, pids: &[i32], on_fault: OnFault) {
         if pids.is_empty() {
             return;
         }
         let st = std::process::Command::new(self.exe())
             .arg("--state-dir")
             .arg(self.state_dir())
-            .args(["guard", "--daemon"])
+            .args(["guard", "--daemon", "--on-fault", on_fault.as_str()])
             .args(pids.iter().map(|p| p.to_string()))
             .stdin(std::process::Stdio::null())
             .status();
@@ -55,11 +58,22 @@ impl Agent {
         let Some(cmd) = svc.cfg.command.clone() else {
             return Err("no command to start".into());
         };
-        let logs = self.state_dir().join("agent");
+        // Started means listening on the backend port: one that answers
+        // before the server runs is another program's, and the agent would
+        // forward its clients there.
+        if std::net::TcpStream::connect_timeout(&svc.cfg.backend, Duration::from_secs(1)).is_ok() {
+            return Err(format!(
+                "backend {} is already in use by another program: stop it or give the service another backend port",
+                svc.cfg.backend
+            ));
+        }
+        let log_path = crate::logs::path(self.state_dir(), &svc.name);
         // The services' output is theirs and root's alone: 0700, 0600.
         use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&logs).map_err(|e| e.to_string())?;
-        let log_path = logs.join(format!("{}.log", svc.name));
+        if let Some(dir) = log_path.parent() {
+            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| e.to_string())?;
+        }
+        let _ = crate::logs::rotate(&log_path, crate::logs::MAX_LOG);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -69,14 +83,21 @@ impl Agent {
             .map_err(|e| e.to_string())?;
         // One made before logs were private.
         log.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(|e| e.to_string())?;
-        let mut c = std::process::Command::new(self.exe());
-        c.arg("--state-dir")
-            .arg(self.state_dir())
-            .args(["run", "--light", "--name", &svc.name, "--"])
+        let mut c = crate::scope::command(self.exe(), &svc.name, self.cfg().server_scope);
+        c.arg("--state-dir").arg(self.state_dir()).args(["run", "--light", "--on-fault", svc.cfg.on_fault.as_str(), "--name", &svc.name]);
+        if let Some(u) = &svc.cfg.user {
+            c.args(["--user", u.get_ref()]);
+        }
+        if let Some(g) = &svc.cfg.group {
+            c.args(["--group", g.get_ref()]);
+        }
+        c.arg("--")
             .args(&cmd)
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
-            .stderr(log);
+            .stderr(log)
+            .env_clear()
+            .envs(crate::environ::for_server(&svc.cfg));
         use std::os::unix::process::CommandExt;
         // SAFETY: setsid is async-signal-safe and touches no memory of ours.
         unsafe {
@@ -135,8 +156,47 @@ impl Agent {
         Ok(())
     }
 
+    /// Whether the guard found the service's process's CUDA context
+    /// faulted (its record in the journal says so).
+    pub(super) fn faulted(&self, svc: &Service) -> bool {
+        let Some(t) = svc.lock().process.clone() else { return false };
+        Store::open(self.state_dir())
+            .and_then(|s| s.get(&t))
+            .ok()
+            .flatten()
+            .is_some_and(|r| r.state == FAULTED)
+    }
+
+    /// The service's process is held by its guard with a faulted CUDA
+    /// context (`on_fault = "hold"`): the service is failed and not routed
+    /// to until the operator ends the process.
+    pub(super) fn held_faulted(&self, svc: &Service) {
+        let t = svc.lock().process.clone();
+        let why = "its CUDA context faulted; the process is held (on_fault = \"hold\"): not routed to until \
+                   `gpusnap stop --force PID` ends it (or the host is rebooted)";
+        self.metrics().faults.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+        {
+            let mut g = svc.lock();
+            g.last_error = Some(why.to_string());
+            svc.set_state(&mut g, State::Faulted);
+        }
+        self.persist();
+        self.journal(svc, t.as_ref(), why);
+    }
+
     /// The service's process is gone without the agent ending it.
     pub(super) fn died(&self, svc: &Service, why: &str) {
+        // Its guard let it die with a faulted context (on_fault = "exit"),
+        // or the operator ended one that was held.
+        let was_held = svc.lock().state == State::Faulted;
+        let faulted;
+        let why = if !was_held && self.faulted(svc) {
+            self.metrics().faults.get_or_create(&ServiceLabels { service: svc.name.clone() }).inc();
+            faulted = format!("{why}: its CUDA context faulted");
+            faulted.as_str()
+        } else {
+            why
+        };
         if svc.cfg.adopted() {
             // Not ours to start: its owner (systemd, a container runtime)
             // may start it again, and the tick adopts the new process.

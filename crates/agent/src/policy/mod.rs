@@ -28,7 +28,7 @@ pub use fallback::image_name;
 
 use crate::control::{Action, Control, Pending, Refusal, Unavailable};
 use crate::metrics::Metrics;
-use crate::service::Service;
+use crate::service::{Service, State};
 use crate::state::Agent;
 use gpusnap_core::engine::StateReport;
 use std::sync::Arc;
@@ -69,7 +69,12 @@ impl Control for Agent {
     fn act(self: Arc<Self>, svc: Arc<Service>, action: Action) -> Pending<Result<(), String>> {
         Box::pin(async move {
             let why = "asked through the API";
+            // Asking for the state a service is already in succeeds, as a
+            // resume of a running one does.
+            let state = svc.lock().state;
             match action {
+                Action::Suspend if matches!(state, State::Suspended | State::Hibernated) => Ok(()),
+                Action::Hibernate if state == State::Hibernated => Ok(()),
                 Action::Suspend => self.suspend(&svc, why).await,
                 Action::Hibernate => self.hibernate(&svc, why).await,
                 Action::Resume | Action::Wake => {

@@ -9,6 +9,10 @@ use gpusnap_core::engine::SuspendReport;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// What the service record says while a before_suspend hook may have run
+/// and the checkpoint is not done.
+pub(super) const HOOKED_SUSPEND: &str = "hooked suspend";
+
 impl Agent {
     /// Suspends a running service unless traffic arrived meanwhile.
     pub(super) async fn suspend(self: &Arc<Self>, svc: &Arc<Service>, reason: &str) -> Result<(), String> {
@@ -76,11 +80,19 @@ impl Agent {
         let mut hook_ok = None;
         if let Some(hook) = svc.cfg.hooks.before_suspend.as_ref().map(|h| h.get_ref()) {
             // What it holds before it gives anything back: its size once
-            // its after_resume hook has run.
+            // its after_resume hook has run. Recorded with the hooked
+            // suspend under way before the hook runs: an agent killed
+            // between the hook and the checkpoint leaves a server that
+            // runs but gave its memory back, and the next one must call
+            // after_resume when it adopts it.
             let (a, s) = (Arc::clone(self), Arc::clone(svc));
-            if let Ok(Some(used)) = tokio::task::spawn_blocking(move || a.gpu_usage(&s)).await {
-                svc.lock().full_footprint = Some(used);
-            }
+            let _ = tokio::task::spawn_blocking(move || {
+                if let Some(used) = a.gpu_usage(&s) {
+                    s.lock().full_footprint = Some(used);
+                }
+                a.persist_doing(&s, HOOKED_SUSPEND);
+            })
+            .await;
             let out = crate::hooks::call(svc.cfg.backend, hook).await;
             self.metrics().transition(&svc.name, "hook_suspend", out.ok(), out.took.as_secs_f64());
             if out.ok() {
@@ -119,7 +131,13 @@ impl Agent {
         {
             let mut g = svc.lock();
             match &r {
-                Ok(_) => svc.set_state(&mut g, State::Suspended),
+                Ok(reports) => {
+                    let bytes: u64 = reports.iter().map(|r| r.footprint_bytes).sum();
+                    if bytes > 0 {
+                        g.footprint = Some(bytes);
+                    }
+                    svc.set_state(&mut g, State::Suspended)
+                }
                 Err(e) => {
                     g.last_error = Some(e.clone());
                     // Not again before another suspend_after.

@@ -6,7 +6,9 @@ use crate::service::{Service, State};
 use crate::state::Agent;
 use gpusnap_core::target;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+static LOG_ROTATE: crate::ratelimit::Every = crate::ratelimit::Every::new(Duration::from_secs(60));
 
 impl Agent {
     /// The policy, once per tick: reap, notice deaths, restart, suspend the
@@ -16,16 +18,29 @@ impl Agent {
         self.reap();
         let mut hibernate_one: Option<(Instant, Arc<Service>)> = None;
         for svc in self.services().to_vec() {
+            if svc.cfg.command.is_some() {
+                let log = crate::logs::path(self.state_dir(), &svc.name);
+                if let Err(e) = crate::logs::rotate(&log, crate::logs::MAX_LOG) {
+                    crate::warn_every!(LOG_ROTATE, service = svc.name, "rotating {}: {e}", log.display());
+                }
+            }
             let (state, since, alive, restart_due, may_hibernate) = {
                 let g = svc.lock();
                 let alive = g.process.as_ref().is_some_and(target::is_alive);
+                // Idle connections are closed by the hibernate: only traffic holds it off.
                 let may_hibernate =
-                    g.conns.is_empty() && g.hibernate_not_before.is_none_or(|t| Instant::now() >= t);
+                    !Service::has_traffic(&g) && g.hibernate_not_before.is_none_or(|t| Instant::now() >= t);
                 (g.state, g.since, alive, g.restart_at.is_some_and(|t| Instant::now() >= t), may_hibernate)
             };
             match state {
                 State::Running | State::Suspended if !alive => {
                     self.died(&svc, "the process ended on its own");
+                }
+                State::Faulted if !alive => {
+                    self.died(&svc, "the held process with a faulted CUDA context was ended");
+                }
+                State::Running if svc.cfg.on_fault == crate::config::OnFault::Hold && self.faulted(&svc) => {
+                    self.held_faulted(&svc);
                 }
                 State::Dead if restart_due => {
                     let mut g = svc.lock();

@@ -70,14 +70,26 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             hibernate::recover(cli, out, *pid, *wait, *margin, *force, *eager)
         }
         Cmd::Images { cmd } => images::run(cli, out, cmd.as_ref()),
-        Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, cmd, .. } => {
-            guarded::run_light(cli, name.clone(), *lock_timeout, preload.as_deref(), *oom_watch, cmd)
+        Cmd::Run { light: true, name, lock_timeout, preload, oom_watch, on_fault, user, group, fast_swap, cmd, .. } => {
+            let who = guarded::RunAs::resolve(user.as_deref(), group.as_deref())?;
+            let o = guarded::Opts {
+                lock_timeout: *lock_timeout,
+                oom_watch: *oom_watch,
+                on_fault: (*on_fault).into(),
+            };
+            let light = guarded::LightOptions { preload: preload.as_deref(), fast_swap: *fast_swap };
+            guarded::run_light(cli, name.clone(), &o, &light, who, cmd)
         }
-        Cmd::Run { name, lock_timeout, no_keeper, oom_watch, cmd, .. } => {
-            guarded::run(cli, name.clone(), *lock_timeout, !no_keeper, *oom_watch, cmd)
+        Cmd::Run { name, lock_timeout, no_keeper, oom_watch, on_fault, cmd, .. } => {
+            let o = guarded::Opts {
+                lock_timeout: *lock_timeout,
+                oom_watch: *oom_watch,
+                on_fault: (*on_fault).into(),
+            };
+            guarded::run(cli, name.clone(), &o, !no_keeper, cmd)
         }
-        Cmd::Guard { pids, lock_timeout, takeover, daemon } => {
-            guarded::guard(cli, pids, *lock_timeout, *takeover, *daemon)
+        Cmd::Guard { pids, lock_timeout, takeover, daemon, on_fault } => {
+            guarded::guard(cli, pids, *lock_timeout, (*on_fault).into(), *takeover, *daemon)
         }
         Cmd::Agent { config } => agent::run_agent(cli, config),
         Cmd::Services { socket } => agent::services(out, socket),

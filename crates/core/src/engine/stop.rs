@@ -7,6 +7,7 @@
 use super::{ms, Engine};
 use crate::error::Error;
 use crate::reports::{StopOptions, StopReport};
+use crate::store::FAULTED;
 use crate::target::{self, Target};
 use gpusnap_cuda::{CheckpointApi, ProcessState};
 use gpusnap_gpu::GpuInventory;
@@ -22,6 +23,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let mut cuda = true;
         let stopped = target::run_state(pid)?.is_stopped();
         let refuse = |reason: String| Error::StopRefused { pid, reason };
+        if self.store.get(&t)?.is_some_and(|r| r.state == FAULTED) {
+            return self.stop_faulted(&t, opts, started);
+        }
         if stopped {
             if !opts.force {
                 return Err(refuse(
@@ -74,6 +78,58 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             self.store.note(&t, "stop", Some("stopped"), &format!("ended by {signal}"))?;
         }
         Ok(StopReport { pid, suspended, released_before_kill: released, signal, cuda, total_ms: ms(started) })
+    }
+}
+
+impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
+    /// A process whose CUDA context faulted cannot be suspended (its lock
+    /// answers the sticky error), and may be held by its guard (stopped, or
+    /// waiting in its exit path), where SIGTERM does nothing. Without
+    /// `--force` it is left as it is; with it, SIGKILL at once: the process
+    /// tears its faulted context down, which on some drivers hangs the host.
+    fn stop_faulted(
+        &mut self,
+        t: &Target,
+        opts: &StopOptions,
+        started: Instant,
+    ) -> Result<StopReport, Error> {
+        if !opts.force {
+            return Err(Error::StopRefused {
+                pid: t.pid,
+                reason: "its CUDA context faulted, so it cannot be suspended first, and tearing a faulted \
+                         context down can hang the host on some drivers (docs/design/safety.md): drain the \
+                         node and reboot"
+                    .into(),
+            });
+        }
+        self.store.note(t, "stop", None, "faulted CUDA context; --force: SIGKILL, not suspended")?;
+        // No SIGTERM: a held process would not act on it (or, in light
+        // mode, ask its guard again).
+        if target::is_alive(t) {
+            use nix::sys::signal::{kill, Signal};
+            match kill(nix::unistd::Pid::from_raw(t.pid), Signal::SIGKILL) {
+                Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+                Err(nix::errno::Errno::EPERM) => return Err(Error::Permission { pid: t.pid }),
+                Err(e) => return Err(Error::Proc { pid: t.pid, reason: e.to_string() }),
+            }
+        }
+        let end = Instant::now() + Duration::from_secs(60);
+        while target::is_alive(t) {
+            if Instant::now() >= end {
+                return Err(Error::DidNotExit { pid: t.pid, secs: 60 });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let signal = "SIGKILL".to_string();
+        self.store.note(t, "stop", Some("stopped"), "ended by SIGKILL (faulted, --force)")?;
+        Ok(StopReport {
+            pid: t.pid,
+            suspended: false,
+            released_before_kill: false,
+            signal,
+            cuda: true,
+            total_ms: ms(started),
+        })
     }
 }
 

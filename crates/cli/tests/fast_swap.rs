@@ -1,0 +1,254 @@
+//! `gpusnap run --light --fast-swap`: the preload library serves the fake
+//! program's allocations from the fake driver's VMM calls, moves them to
+//! pinned host memory on suspend (checked with blake3 on the way back), and
+//! maps them back at the same addresses on resume, all or nothing; what it
+//! cannot serve stays with the driver and is named.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+use std::path::PathBuf;
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+
+/// Starts the fake workload under `run --light --fast-swap` with
+/// verification on; returns the `run` child's index and the workload's pid.
+fn run_fast(w: &mut World, st: &PathBuf, extra: &[&str]) -> (usize, i32) {
+    let wl = fake_workload_bin();
+    let mut args =
+        vec!["run", "--light", "--fast-swap", "--", wl.to_str().unwrap(), "--status", st.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let idx = w.spawn_gpusnap_env(&args, &[("GPUSNAP_FAST_SWAP_VERIFY", "1")]);
+    (idx, pid_in(st))
+}
+
+/// The fake driver's entry for `pid`.
+fn fake_proc(w: &World, pid: i32) -> Value {
+    let s: Value = serde_json::from_slice(&std::fs::read(w.fake_dir().join("state.json")).unwrap()).unwrap();
+    s["procs"][pid.to_string()].clone()
+}
+
+fn fast_swap_of(w: &World, pid: i32) -> Value {
+    let ps = w.json(&["ps"]).json();
+    ps["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pid"] == pid)
+        .map(|p| p["fast_swap"].clone())
+        .unwrap_or_default()
+}
+
+fn count(v: &Value) -> usize {
+    v.as_object().map_or(0, |o| o.len())
+}
+
+#[test]
+fn served_memory_leaves_and_comes_back_at_the_same_addresses_and_managed_memory_stays_with_the_driver() {
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "fs");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "256", "--extra-allocs", "1", "--managed-mib", "64"]);
+    assert_progressing_at(&st);
+    let p = fake_proc(&w, pid);
+    assert_eq!(count(&p["handles"]), 2, "served from the VMM API: {p}");
+    let reservations = p["reservations"].clone();
+    let fs = fast_swap_of(&w, pid);
+    assert_eq!(
+        (fs["phase"].as_str(), fs["movable"].as_u64(), fs["movable_bytes"].as_u64()),
+        (Some("resident"), Some(2), Some(512 * MIB)),
+        "{fs}"
+    );
+    assert_eq!((fs["kept"].as_u64(), fs["kept_bytes"].as_u64()), (Some(1), Some(64 * MIB)), "{fs}");
+    assert!(fs["kept_why"].to_string().contains("managed"), "{fs}");
+    let d = w.json(&["doctor", &pid.to_string()]).json();
+    let finding =
+        d["findings"].as_array().unwrap().iter().find(|f| f["check"] == "fast-swap").cloned().unwrap();
+    assert!(finding["message"].as_str().unwrap().contains("64 MiB, stay with the driver"), "{finding}");
+
+    for round in 0..2 {
+        let r = w.json(&["suspend", &pid.to_string()]);
+        assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
+        assert_eq!(
+            r.json()["results"][0]["footprint_bytes"].as_u64(),
+            Some(576 * MIB),
+            "admission asks for the whole footprint"
+        );
+        let p = fake_proc(&w, pid);
+        // The physical memory went back; the reservations stayed; the
+        // driver's checkpoint had only the managed memory left.
+        assert_eq!(count(&p["handles"]), 0, "{p}");
+        assert_eq!(p["reservations"], reservations);
+        assert_eq!(p["state"], 2);
+        assert_eq!(fast_swap_of(&w, pid)["phase"], "offloaded");
+        let notes = history_notes(&w, pid);
+        assert!(
+            notes.iter().any(|n| n.contains("512 MiB moved to pinned host memory") && n.contains("managed")),
+            "{notes:?}"
+        );
+
+        let r = w.json(&["resume", &pid.to_string()]);
+        assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
+        let p = fake_proc(&w, pid);
+        assert_eq!(count(&p["handles"]), 2, "{p}");
+        assert_eq!(p["reservations"], reservations, "the same addresses");
+        assert_eq!(fast_swap_of(&w, pid)["phase"], "resident");
+        assert_progressing_at(&st);
+        assert!(history_notes(&w, pid).iter().any(|n| n.contains("mapped and copied back")));
+    }
+    assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
+}
+
+#[test]
+fn a_resume_without_room_for_every_allocation_takes_none_and_a_later_one_succeeds() {
+    let mut w = World::new(&[2048]);
+    let st = status_file(&w, "aon");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "256", "--extra-allocs", "3"]);
+    assert_progressing_at(&st);
+    assert_eq!(w.json(&["suspend", &pid.to_string()]).code, 0);
+    // Another program takes all but 848 MiB: room for three of the four.
+    let hog = w.workload(1200, 0, &[]);
+    // Admission told to ask for less: the driver's part comes back, the
+    // library's cannot all be mapped.
+    let r = w.json(&["resume", &pid.to_string(), "--footprint", "1"]);
+    assert_eq!(r.code, 3, "{} {}", r.stdout, r.stderr);
+    let p = fake_proc(&w, pid);
+    assert_eq!(count(&p["handles"]), 0, "nothing taken: {p}");
+    assert_eq!(fast_swap_of(&w, pid)["phase"], "offloaded");
+    // Its memory is still away: the program is held at the gate.
+    let before = read_status(&st).unwrap().1;
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(read_status(&st).unwrap().1, before, "no copy ran while its memory was away");
+    // Suspended again meanwhile, it still records all of its memory.
+    let r = w.json(&["suspend", &pid.to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()["results"][0]["footprint_bytes"].as_u64(), Some(1024 * MIB));
+    w.kill(hog);
+    let r = w.json(&["resume", &pid.to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(count(&fake_proc(&w, pid)["handles"]), 4);
+    assert_progressing_at(&st);
+}
+
+#[test]
+fn a_gpusnap_killed_in_each_phase_is_reconciled_by_the_next_command() {
+    // Copies at 0.1 GB/s: an offload or restore of 512 MiB takes seconds.
+    let mut w = World::with_config(&[16_384], serde_json::json!({ "copy_gbps": 0.1 }));
+    let st = status_file(&w, "k9");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "256", "--extra-allocs", "1"]);
+    assert_progressing_at(&st);
+    let phase = |w: &World| fast_swap_of(w, pid)["phase"].as_str().unwrap_or("").to_string();
+    // Killed in the offload, then in the restore of the library's memory.
+    for (cmd, during) in [("suspend", "offloading"), ("resume", "restoring")] {
+        let idx = w.spawn_gpusnap(&[cmd, &pid.to_string()]);
+        wait_for(Duration::from_secs(30), || phase(&w) == during);
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(w.child_pid(idx)),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+        w.wait_child(idx);
+        // The library finishes what it began; the next command goes on
+        // from there.
+        let r = w.json(&[cmd, &pid.to_string()]);
+        assert_eq!(r.code, 0, "{cmd} after a kill in {during}: {}", r.stderr);
+    }
+    assert_eq!(phase(&w), "resident");
+    assert_progressing_at(&st);
+    // Killed while the driver locks (after the offload): the next resume
+    // brings both back.
+    w.set_config("inject", serde_json::json!([{ "call": "checkpoint", "hang": true, "count": 1 }]));
+    let locks = |w: &World| w.calls_on(pid).iter().filter(|c| c.starts_with("lock")).count();
+    let before = locks(&w);
+    let idx = w.spawn_gpusnap(&["suspend", &pid.to_string()]);
+    wait_for(Duration::from_secs(30), || locks(&w) > before);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(w.child_pid(idx)), nix::sys::signal::Signal::SIGKILL)
+        .unwrap();
+    w.wait_child(idx);
+    w.set_config("inject", serde_json::json!([]));
+    let ps = w.json(&["ps"]);
+    assert_eq!(phase(&w), "offloaded", "{} {}", ps.stdout, ps.stderr);
+    let r = w.json(&["resume", &pid.to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(phase(&w), "resident");
+    assert_progressing_at(&st);
+}
+
+#[test]
+fn a_program_killed_during_its_offload_fails_the_suspend_without_a_hang() {
+    let mut w = World::with_config(&[16_384], serde_json::json!({ "copy_gbps": 0.1 }));
+    let st = status_file(&w, "pk");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "256", "--extra-allocs", "1"]);
+    assert_progressing_at(&st);
+    let idx = w.spawn_gpusnap(&["suspend", &pid.to_string()]);
+    wait_for(Duration::from_secs(30), || fast_swap_of(&w, pid)["phase"] == "offloading");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let s = w.wait_child(idx);
+    assert_ne!(s.code(), Some(0));
+    wait_for(Duration::from_secs(20), || !pid_exists(pid));
+    assert!(fast_swap_of(&w, pid).is_null());
+}
+
+#[test]
+fn calls_reached_through_cu_get_proc_address_are_served_and_gated_too() {
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "gpa");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "128", "--proc-address"]);
+    assert_progressing_at(&st);
+    assert_eq!(count(&fake_proc(&w, pid)["handles"]), 1, "served: {}", fake_proc(&w, pid));
+    assert_eq!(w.json(&["suspend", &pid.to_string()]).code, 0);
+    assert_eq!(count(&fake_proc(&w, pid)["handles"]), 0);
+    assert_eq!(w.json(&["resume", &pid.to_string()]).code, 0);
+    assert_progressing_at(&st);
+    // A program killed while suspended: the next resume says so, at once.
+    assert_eq!(w.json(&["suspend", &pid.to_string()]).code, 0);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    wait_for(Duration::from_secs(20), || !pid_exists(pid));
+    assert_ne!(w.json(&["resume", &pid.to_string()]).code, 0);
+}
+
+#[test]
+fn a_hibernated_fast_swap_program_wakes_with_its_memory_and_its_control_socket() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "hib");
+    let wl = fake_workload_bin();
+    // Its stderr is a file of its own (see guard_light's hibernate test).
+    let idx = w.spawn_gpusnap_env(
+        &[
+            "run",
+            "--light",
+            "--fast-swap",
+            "--",
+            "sh",
+            "-c",
+            "exec \"$0\" \"$@\" 2>/dev/null",
+            wl.to_str().unwrap(),
+            "--mib",
+            "256",
+            "--extra-allocs",
+            "1",
+            "--status",
+            st.to_str().unwrap(),
+        ],
+        &[("GPUSNAP_FAST_SWAP_VERIFY", "1")],
+    );
+    let pid = pid_in(&st);
+    assert_progressing_at(&st);
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "fs"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(history_notes(&w, pid).iter().any(|n| n.contains("512 MiB moved to pinned host memory")));
+    assert_eq!(w.wait_child(idx).code(), Some(0));
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+    let r = w.json(&["wake", "fs", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    // The reservations came back with the process; the library's socket
+    // too, and the memory is mapped again at the same addresses.
+    assert_eq!(fast_swap_of(&w, pid)["phase"], "resident");
+    assert_eq!(count(&fake_proc(&w, pid)["handles"]), 2);
+    assert_progressing_at(&st);
+    std::fs::write(format!("{}.exit", st.display()), b"").unwrap();
+}

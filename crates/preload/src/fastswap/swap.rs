@@ -1,0 +1,306 @@
+//! Offload and restore: the served allocations' contents go to pinned host
+//! memory and their physical memory back to the driver (the reservations
+//! stay, so every pointer the program holds stays valid), and later come
+//! back at the same addresses. The gate is closed from the start of an
+//! offload to the end of the restore: no kernel runs meanwhile.
+
+use super::driver as cu;
+use super::{gate, table};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Where the memory is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Phase {
+    Resident = 0,
+    Offloading = 1,
+    Offloaded = 2,
+    Restoring = 3,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Resident => "resident",
+            Phase::Offloading => "offloading",
+            Phase::Offloaded => "offloaded",
+            Phase::Restoring => "restoring",
+        }
+    }
+}
+
+static PHASE: AtomicU8 = AtomicU8::new(0);
+/// One offload or restore at a time.
+static BUSY: Mutex<()> = Mutex::new(());
+
+pub fn phase() -> Phase {
+    match PHASE.load(Ordering::SeqCst) {
+        1 => Phase::Offloading,
+        2 => Phase::Offloaded,
+        3 => Phase::Restoring,
+        _ => Phase::Resident,
+    }
+}
+
+fn set(p: Phase) {
+    PHASE.store(p as u8, Ordering::SeqCst);
+}
+
+/// How long in-flight calls may take to drain before an offload gives up.
+const DRAIN: Duration = Duration::from_secs(30);
+/// Copy threads.
+const THREADS: usize = 4;
+
+/// Whether contents are checksummed on the way out and checked on the way
+/// back (`GPUSNAP_FAST_SWAP_VERIFY=1`).
+pub static VERIFY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// A failed offload or restore: a word for gpusnap, and the detail.
+#[derive(Debug)]
+pub struct Failure {
+    pub kind: &'static str,
+    pub detail: String,
+}
+
+fn fail(kind: &'static str, detail: String) -> Failure {
+    Failure { kind, detail }
+}
+
+/// Runs `work(i)` for `i` in `0..n` on up to THREADS threads, each with
+/// `ctx_of(i)` made current first; the first failure, if any.
+fn parallel(
+    n: usize,
+    ctx_of: &(dyn Fn(usize) -> usize + Sync),
+    work: &(dyn Fn(usize) -> Result<(), String> + Sync),
+) -> Result<(), String> {
+    let next = AtomicUsize::new(0);
+    let first: Mutex<Option<String>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..THREADS.min(n) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= n || first.lock().map(|f| f.is_some()).unwrap_or(true) {
+                    return;
+                }
+                // SAFETY: a context the program made and still holds.
+                let rc = unsafe { cu::ctx_set_current(ctx_of(i)) };
+                let r = if rc == cu::SUCCESS { work(i) } else { Err(format!("cuCtxSetCurrent: {rc}")) };
+                if let Err(e) = r {
+                    if let Ok(mut f) = first.lock() {
+                        f.get_or_insert(e);
+                    }
+                    return;
+                }
+            });
+        }
+    });
+    match first.into_inner() {
+        Ok(Some(e)) => Err(e),
+        _ => Ok(()),
+    }
+}
+
+fn checksum(p: usize, len: u64) -> [u8; 32] {
+    // SAFETY: `len` bytes of host memory this library holds.
+    let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, len as usize) };
+    *blake3::hash(bytes).as_bytes()
+}
+
+/// Moves every served allocation to pinned host memory and gives its
+/// physical memory back. Returns the bytes moved. On failure nothing has
+/// been given back and the gate is open again.
+pub fn offload() -> Result<u64, Failure> {
+    let _one = BUSY.lock().unwrap_or_else(|e| e.into_inner());
+    match phase() {
+        Phase::Offloaded => return Ok(0),
+        Phase::Resident => {}
+        other => return Err(fail("busy", format!("memory is {}", other.name()))),
+    }
+    set(Phase::Offloading);
+    let undo = |f: Failure| {
+        gate::open();
+        set(Phase::Resident);
+        f
+    };
+    if !gate::close(DRAIN) {
+        set(Phase::Resident);
+        return Err(fail("busy", format!("calls in flight did not finish within {} s", DRAIN.as_secs())));
+    }
+    let entries: Vec<(u64, table::Entry)> = {
+        let g = table::table();
+        g.as_ref().map(|t| t.served.iter().map(|(a, e)| (*a, e.clone())).collect()).unwrap_or_default()
+    };
+    let mut ctxs: Vec<usize> = entries.iter().map(|(_, e)| e.ctx).collect();
+    ctxs.sort_unstable();
+    ctxs.dedup();
+    for &c in &ctxs {
+        // SAFETY: contexts the program made; synchronising only waits.
+        let rc = unsafe {
+            let rc = cu::ctx_set_current(c);
+            if rc == cu::SUCCESS {
+                cu::ctx_synchronize()
+            } else {
+                rc
+            }
+        };
+        if rc != cu::SUCCESS {
+            return Err(undo(fail("driver", format!("cuCtxSynchronize: {rc}"))));
+        }
+    }
+    let hosts: Vec<AtomicUsize> = entries.iter().map(|_| AtomicUsize::new(0)).collect();
+    let sums: Vec<Mutex<Option<[u8; 32]>>> = entries.iter().map(|_| Mutex::new(None)).collect();
+    let verify = VERIFY.load(Ordering::Relaxed);
+    let copied = parallel(entries.len(), &|i| entries[i].1.ctx, &|i| {
+        let (va, e) = &entries[i];
+        let mut host: *mut c_void = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local.
+        let rc = unsafe { cu::host_alloc(&mut host, e.bytes as usize, 0) };
+        if rc != cu::SUCCESS {
+            return Err(format!("cuMemHostAlloc of {} bytes: {rc}", e.bytes));
+        }
+        hosts[i].store(host as usize, Ordering::SeqCst);
+        // SAFETY: `bytes` of pinned host memory and of the served range.
+        let rc = unsafe { cu::copy_dtoh(host, *va, e.bytes as usize) };
+        if rc != cu::SUCCESS {
+            return Err(format!("cuMemcpyDtoH of {:#x}: {rc}", va));
+        }
+        if verify {
+            if let Ok(mut s) = sums[i].lock() {
+                *s = Some(checksum(host as usize, e.bytes));
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = copied {
+        for h in &hosts {
+            let p = h.load(Ordering::SeqCst);
+            if p != 0 {
+                // SAFETY: pinned memory this offload allocated.
+                unsafe { cu::free_host(p as *mut c_void) };
+            }
+        }
+        return Err(undo(fail("driver", e)));
+    }
+    // Every copy is safe on the host: now the device memory goes back.
+    let mut moved = 0;
+    let mut g = table::table();
+    let t = g.get_or_insert_with(table::Table::default);
+    for (i, (va, e)) in entries.iter().enumerate() {
+        let rc = table::unback(*va, e.size, e.handle);
+        if let Some(entry) = t.served.get_mut(va) {
+            entry.host = hosts[i].load(Ordering::SeqCst);
+            entry.sum = sums[i].lock().ok().and_then(|s| *s);
+            if rc == cu::SUCCESS {
+                entry.handle = 0;
+            }
+        }
+        moved += e.bytes;
+    }
+    set(Phase::Offloaded);
+    Ok(moved)
+}
+
+/// Maps memory for every offloaded allocation first (all or nothing), then
+/// copies the contents back and opens the gate. On failure whatever was
+/// taken is given back, and the memory stays offloaded.
+pub fn restore() -> Result<u64, Failure> {
+    let _one = BUSY.lock().unwrap_or_else(|e| e.into_inner());
+    match phase() {
+        Phase::Resident => return Ok(0),
+        Phase::Offloaded => {}
+        other => return Err(fail("busy", format!("memory is {}", other.name()))),
+    }
+    set(Phase::Restoring);
+    let away: Vec<(u64, table::Entry)> = {
+        let g = table::table();
+        g.as_ref()
+            .map(|t| t.served.iter().filter(|(_, e)| e.handle == 0).map(|(a, e)| (*a, e.clone())).collect())
+            .unwrap_or_default()
+    };
+    let mut taken: Vec<(u64, u64, u64)> = Vec::new();
+    for (va, e) in &away {
+        match table::back(*va, e.size, e.device) {
+            Ok(h) => taken.push((*va, e.size, h)),
+            Err(rc) => {
+                for (va, size, h) in taken {
+                    table::unback(va, size, h);
+                }
+                set(Phase::Offloaded);
+                let kind = if rc == cu::OUT_OF_MEMORY { "no-memory" } else { "driver" };
+                return Err(fail(kind, format!("mapping {} bytes at {va:#x}: {rc}", e.size)));
+            }
+        }
+    }
+    {
+        let mut g = table::table();
+        let t = g.get_or_insert_with(table::Table::default);
+        for (va, _, h) in &taken {
+            if let Some(e) = t.served.get_mut(va) {
+                e.handle = *h;
+            }
+        }
+    }
+    let verify = VERIFY.load(Ordering::Relaxed);
+    let copied = parallel(away.len(), &|i| away[i].1.ctx, &|i| {
+        let (va, e) = &away[i];
+        // SAFETY: the pinned copy and the range just mapped, `bytes` each.
+        let rc = unsafe { cu::copy_htod(*va, e.host as *const c_void, e.bytes as usize) };
+        if rc != cu::SUCCESS {
+            return Err(format!("cuMemcpyHtoD of {va:#x}: {rc}"));
+        }
+        if let (true, Some(want)) = (verify, e.sum) {
+            let mut back = vec![0u8; e.bytes as usize];
+            // SAFETY: a buffer of `bytes`.
+            let rc = unsafe { cu::copy_dtoh(back.as_mut_ptr().cast(), *va, e.bytes as usize) };
+            if rc != cu::SUCCESS || *blake3::hash(&back).as_bytes() != want {
+                return Err(format!("contents of {va:#x} differ after the copy back"));
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = copied {
+        // The memory is mapped but its contents are not whole: keep the
+        // pinned copies and the gate closed; a restore again copies anew.
+        for (va, size, h) in taken {
+            table::unback(va, size, h);
+        }
+        let mut g = table::table();
+        if let Some(t) = g.as_mut() {
+            for (va, _) in &away {
+                if let Some(e) = t.served.get_mut(va) {
+                    e.handle = 0;
+                }
+            }
+        }
+        set(Phase::Offloaded);
+        return Err(fail("driver", e));
+    }
+    let mut moved = 0;
+    {
+        let mut g = table::table();
+        if let Some(t) = g.as_mut() {
+            for (va, _) in &away {
+                if let Some(e) = t.served.get_mut(va) {
+                    if e.host != 0 {
+                        // SAFETY: the pinned copy, no longer needed.
+                        unsafe { cu::free_host(e.host as *mut c_void) };
+                    }
+                    e.host = 0;
+                    e.sum = None;
+                    moved += e.bytes;
+                }
+            }
+        }
+    }
+    set(Phase::Resident);
+    gate::open();
+    Ok(moved)
+}
+
+/// Milliseconds since `t`.
+pub fn ms(t: Instant) -> u64 {
+    t.elapsed().as_millis() as u64
+}

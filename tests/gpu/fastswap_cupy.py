@@ -1,0 +1,40 @@
+"""A CuPy program for the fast-swap benchmark (see fastswap_torch.py).
+
+    python3 tests/gpu/fastswap_cupy.py GB STATUS
+"""
+import os
+import sys
+import time
+
+import cupy as cp
+
+gb, status = float(sys.argv[1]), sys.argv[2]
+chunk = 256 << 20
+arrays = []
+left = int(gb * (1 << 30))
+rng = cp.random.default_rng(7)
+while left > 0:
+    n = min(chunk, left) // 4
+    arrays.append(rng.integers(0, 1 << 30, size=n, dtype=cp.int32))
+    left -= n * 4
+
+
+def digest():
+    cp.cuda.Device().synchronize()
+    parts = [int(a.sum(dtype=cp.int64)) for a in arrays]
+    return "%x" % (hash(tuple(parts)) & ((1 << 64) - 1))
+
+
+def put(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.rename(path + ".tmp", path)
+
+
+put(status, "ready %d %s\n" % (os.getpid(), digest()))
+while True:
+    if os.path.exists(status + ".check"):
+        os.unlink(status + ".check")
+        put(status + ".result", digest() + "\n")
+    _ = arrays[0][:1024].sum()
+    time.sleep(0.02)
