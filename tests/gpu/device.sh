@@ -27,6 +27,12 @@
 #           memory loads of another process, pinned or not, the worker's
 #           threads and CPUs during it, then lazy wakes on the same host;
 #           ~5-6 min at CONTEND_GIB=23; CONTEND_* pass through)
+#   container tests/gpu/container-e2e.sh (CRIU's CUDA plugin with gpusnap as
+#           its cuda-checkpoint: a CuPy worker dumped and restored bare and in
+#           its own mount and pid namespaces, then a restore that does not
+#           fit beside a filler; then tests/gpu/podman-e2e.sh: podman
+#           from .dev/debs, checkpoint/restore of a CuPy container; ~4 min;
+#           CONT_*, PODMAN_* pass through)
 #   timing  tests/gpu/init-timing.sh (cuInit and nvmlInit bare, alone and on
 #           two threads, and the wall of gpusnap ps / doctor / state / a plain
 #           wake, 3 samples each; < 20 s; REPS passes through)
@@ -57,7 +63,7 @@
 # Files in $OUT (those of the stages run): device.log (this script's log,
 # then the logs of bench, hbench, multi, guard, keeper and rescue), gpu-e2e.md,
 # e2e.log, bench.md, bench-hibernate.md, multi-e2e.md, guard-e2e.md,
-# guard-e2e-light.md, guard-bench.md, agent-bench.md, keeper-e2e.md, rescue-e2e.md, init-timing.md, results.json (host, CRIU, every stage's
+# guard-e2e-light.md, guard-bench.md, agent-bench.md, keeper-e2e.md, rescue-e2e.md, container-e2e.md, init-timing.md, results.json (host, CRIU, every stage's
 # exit status and time, and the JSON of each stage), and bench/results/ with
 # one numbered, dated file per stage run (bench/results/README.md): copy
 # those into the repository's bench/results. Exit 0 when every stage ran and
@@ -89,14 +95,14 @@ say() {
 }
 
 usage() {
-    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|fault|agent|keeper|rescue|contend|timing]..." >&2
+    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|fault|agent|keeper|rescue|contend|container|timing]..." >&2
     exit 2
 }
 
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(e2e)
 for s in "${STAGES[@]}"; do
-    case $s in e2e | bench | hbench | multi | guard | fault | agent | keeper | rescue | contend | timing) ;; *) usage ;; esac
+    case $s in e2e | bench | hbench | multi | guard | fault | agent | keeper | rescue | contend | container | timing) ;; *) usage ;; esac
 done
 if [ ! -f tests/gpu/e2e.sh ]; then
     echo "run tests/gpu/device.sh from the repository root" >&2
@@ -184,16 +190,16 @@ host_info() {
 
 # weight STAGE: the wall it wants; shares of the time left go by these.
 weight() {
-    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; fault) echo 240 ;; agent) echo 480 ;; keeper) echo 200 ;; rescue) echo 180 ;; contend) echo 360 ;; timing) echo 40 ;; esac
+    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; fault) echo 240 ;; agent) echo 480 ;; keeper) echo 200 ;; rescue) echo 180 ;; contend) echo 360 ;; container) echo 240 ;; timing) echo 40 ;; esac
 }
 # slack STAGE: its watchdog fires this long after its soft budget, and its
 # cleanup runs after that.
 slack() {
-    case $1 in e2e | multi) echo 90 ;; rescue) echo 45 ;; contend) echo 60 ;; timing) echo 10 ;; *) echo 75 ;; esac
+    case $1 in e2e | multi) echo 90 ;; rescue | container) echo 45 ;; contend) echo 60 ;; timing) echo 10 ;; *) echo 75 ;; esac
 }
 # floor STAGE: below this soft budget the stage cannot do anything useful.
 floor_s() {
-    case $1 in e2e | multi | guard) echo 150 ;; bench | fault) echo 100 ;; hbench | keeper) echo 120 ;; rescue) echo 90 ;; contend) echo 100 ;; agent) echo 240 ;; timing) echo 15 ;; esac
+    case $1 in e2e | multi | guard) echo 150 ;; bench | fault) echo 100 ;; hbench | keeper) echo 120 ;; rescue) echo 90 ;; contend) echo 100 ;; container) echo 90 ;; agent) echo 240 ;; timing) echo 15 ;; esac
 }
 
 stage_row() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGES_TSV"; }
@@ -268,6 +274,14 @@ run_stage() {
         keeper) cmd=(env OUT="$dir" KEEPER_BUDGET_S="$soft" tests/gpu/keeper-e2e.sh) ;;
         rescue) cmd=(env OUT="$dir" RESCUE_BUDGET_S="$soft" tests/gpu/rescue-e2e.sh) ;;
         contend) cmd=(env OUT="$dir" CONTEND_BUDGET_S="$soft" tests/gpu/contend.sh) ;;
+        container)
+            # The CRIU-plugin flow first (two thirds), then podman where it is
+            # installed or carried as .debs (PODMAN=0 leaves it out).
+            cmd=(bash -c 'rc=0
+                env OUT="$1" CONT_BUDGET_S="$2" tests/gpu/container-e2e.sh || rc=1
+                if [ "${PODMAN:-1}" = 1 ]; then env OUT="$1" PODMAN_BUDGET_S="$3" tests/gpu/podman-e2e.sh || rc=1; fi
+                exit $rc' _ "$dir" "$((soft * 2 / 3))" "$((soft / 3))")
+            ;;
         timing) cmd=(env OUT="$dir" tests/gpu/init-timing.sh) ;;
         fault) cmd=(env OUT="$dir" FAULT_BUDGET_S="$soft" tests/gpu/fault-e2e.sh) ;;
         guard)
@@ -323,6 +337,14 @@ run_stage() {
             cp -f "$dir/init-timing.md" "$OUT/" 2>/dev/null || say "timing wrote no init-timing.md"
             append_log "timing stderr" "$dir/stderr.txt"
             ;;
+        container)
+            cp -f "$dir/container-e2e.md" "$OUT/" 2>/dev/null || say "container wrote no container-e2e.md"
+            cp -f "$dir/podman-e2e.md" "$OUT/" 2>/dev/null || say "container wrote no podman-e2e.md"
+            for f in container-e2e.log podman-e2e.log; do
+                if [ -s "$dir/$f" ]; then append_log "$f" "$dir/$f"; fi
+            done
+            append_log "container stderr" "$dir/stderr.txt"
+            ;;
         keeper | rescue | fault)
             cp -f "$dir/$name-e2e.md" "$OUT/" 2>/dev/null || say "$name wrote no $name-e2e.md"
             if [ -s "$dir/$name-e2e.log" ]; then append_log "$name-e2e.log" "$dir/$name-e2e.log"; else append_log "$name stderr" "$dir/stderr.txt"; fi
@@ -355,6 +377,7 @@ record_stage() {
         keeper | rescue | multi | fault) md=("$name-e2e.md") ;;
         agent) md=(agent-bench.md) ;;
         contend) md=(contend.md) ;;
+        container) md=(container-e2e.md podman-e2e.md) ;;
         timing) md=(init-timing.md) ;;
     esac
     tmp=$SCR/$name.result.md
@@ -421,6 +444,14 @@ summary() {
         grep -E '^- (result|workloads)' "$SCR/rescue/rescue-e2e.md"
         echo "rescue rows not PASS, and each wake's:"
         grep -E '^\| ' "$SCR/rescue/rescue-e2e.md" | grep -E '\| (FAIL|SKIP|INFO) \||^\| [a-z]+\.[a-d]\.1 \|' | cut -c1-300
+    fi
+    if [ -s "$SCR/container/container-e2e.md" ]; then
+        echo
+        grep -E '^(- |\| )' "$SCR/container/container-e2e.md" | cut -c1-400
+    fi
+    if [ -s "$SCR/container/podman-e2e.md" ]; then
+        echo
+        grep -E '^(- |\| )' "$SCR/container/podman-e2e.md" | cut -c1-400
     fi
     if [ -s "$SCR/timing/init-timing.md" ]; then
         echo
