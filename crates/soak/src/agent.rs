@@ -86,7 +86,9 @@ impl Agent {
             bail!("the agent's API did not come up within 90 s");
         }
         if !alive(pid) {
-            bail!("the agent exited at its start (see agent.log)");
+            let log = std::fs::read_to_string(host.path("agent.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(5).collect();
+            bail!("the agent exited at its start: {:?}", tail);
         }
         Ok(())
     }

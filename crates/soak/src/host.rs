@@ -157,7 +157,13 @@ impl Host {
     pub fn write_fake_config(&self, lag_process_ms: u64, lag_memory_ms: u64) -> Result<()> {
         let cfg = serde_json::json!({
             "driver_version": 13000, "driver_string": "580.159.04",
-            "gpus": [{"uuid": "GPU-00000000-0000-0000-0000-000000000000", "name": "NVIDIA H200 (fake)", "total_mib": self.gpu_mib}],
+            // GPU 0: the agent's, smaller than its services. GPU 1: the
+            // command lane's, another model (the agent never moves a
+            // service there), so that the two never race for memory.
+            "gpus": [
+                {"uuid": "GPU-00000000-0000-0000-0000-000000000000", "name": "NVIDIA H200 (fake)", "total_mib": self.gpu_mib},
+                {"uuid": "GPU-00000001-0000-0000-0000-000000000000", "name": "NVIDIA H100 (fake)", "total_mib": 2048},
+            ],
             "checkpoint_gbps": 20.0, "restore_gbps": 20.0, "inject": [],
             "nvml_process_lag_ms": lag_process_ms, "nvml_memory_lag_ms": lag_memory_ms,
         });
@@ -291,6 +297,28 @@ impl Host {
                 signal(pid, libc::SIGCONT);
                 signal(pid, libc::SIGKILL);
             }
+        }
+    }
+}
+
+impl Drop for Host {
+    /// Whatever happened, ends what the soak started and what the agent
+    /// started for it, and unmounts the command lane's tmpfs.
+    fn drop(&mut self) {
+        let v: Value = std::fs::read(self.path("state").join("agent").join("services.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        let recorded: Vec<i32> = v
+            .as_object()
+            .into_iter()
+            .flat_map(|o| o.values())
+            .flat_map(|r| ["runner", "pid"].map(|k| r[k].as_i64().unwrap_or(0) as i32))
+            .collect();
+        self.end_all(&recorded);
+        let lone = self.path("lone");
+        if crate::check::mounts_under(&lone).iter().any(|m| std::path::Path::new(m) == lone) {
+            crate::infra::umount(&lone);
         }
     }
 }

@@ -42,7 +42,7 @@ impl<'a> Lone<'a> {
     pub fn new(host: &'a Host, stats: Arc<Stats>, moto: Option<Moto>) -> Result<Lone<'a>> {
         let state = host.path("lone");
         std::fs::create_dir_all(&state)?;
-        let tmpfs = crate::infra::mount_tmpfs(&state, 768).then(|| state.clone());
+        let tmpfs = crate::infra::mount_tmpfs(&state, 256).then(|| state.clone());
         let mut l = Lone {
             host,
             stats,
@@ -66,7 +66,7 @@ impl<'a> Lone<'a> {
         let st = self.status.display().to_string();
         self.pid = self.host.spawn(
             &self.host.fake_workload(),
-            &["--mib", "48", "--gpu", "0", "--status", &st],
+            &["--mib", "48", "--gpu", "1", "--status", &st],
             &self.state,
             &[],
             "lone.log",
@@ -329,7 +329,19 @@ impl<'a> Lone<'a> {
         });
         match status(&self.status) {
             Some((_, _, false)) => self.stats.violation("corrupt_memory", format!("after {kind}: the program's memory changed")),
-            _ if !ok => self.stats.violation("stranded", format!("after {kind}: the program does not progress")),
+            _ if !ok => {
+                let st = self.run(&["state", &p], &[]);
+                let proc_state = std::fs::read_to_string(format!("/proc/{}/status", self.pid))
+                    .unwrap_or_default()
+                    .lines()
+                    .find(|l| l.starts_with("State:"))
+                    .unwrap_or("")
+                    .to_string();
+                self.stats.violation(
+                    "stranded",
+                    format!("after {kind}: the program does not progress ({proc_state}; state: {})", st.stdout.trim()),
+                )
+            }
             _ => {}
         }
         // No image is kept: the disk is small.

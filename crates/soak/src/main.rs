@@ -190,7 +190,11 @@ fn run(args: &Args) -> Result<u64> {
     }
     if args.keep {
         let kept = host.root.path().to_path_buf();
-        std::mem::forget(host);
+        drop(lone);
+        drop(lane);
+        // The processes are ended (above); the files stay.
+        let host = std::mem::ManuallyDrop::new(host);
+        let _ = &host;
         eprintln!("gpusnap-soak: kept {}", kept.display());
     }
     result?;
