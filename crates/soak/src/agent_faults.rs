@@ -189,6 +189,10 @@ impl Lane<'_> {
                     None
                 };
                 let t = self.api_later(&format!("/v1/services/{name}/suspend"), Duration::from_secs(90));
+                // And a request: a suspended service must not be said to be
+                // back while its process cannot be resumed.
+                let port = self.agent.services.iter().find(|s| s.name == name).map(|s| s.listen).unwrap_or(0);
+                let r = self.ask_later(&name, port);
                 std::thread::sleep(ms(rng.gen_range(500..3000)));
                 match frozen {
                     Some(f) => f.thaw(),
@@ -197,6 +201,7 @@ impl Lane<'_> {
                     }
                 }
                 let _ = t.join();
+                let _ = r.join();
             }
             _ => return Ok(false),
         }
