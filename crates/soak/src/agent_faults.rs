@@ -151,7 +151,11 @@ impl Lane<'_> {
                 let flag = if after { "fail-after-dump" } else { "fail-dump" };
                 self.host.fault_flag(flag, true);
                 let (name, _) = self.pick(rng, &["suspended", "running"]);
-                let r = self.agent.api("POST", &format!("/v1/services/{name}/hibernate"), Duration::from_secs(120));
+                let r = self.agent.api(
+                    "POST",
+                    &format!("/v1/services/{name}/hibernate"),
+                    Duration::from_secs(120),
+                );
                 self.host.fault_flag(flag, false);
                 if let Ok((200, body)) = &r {
                     stats.violation(

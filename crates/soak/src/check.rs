@@ -34,8 +34,7 @@ fn settle(agent: &Agent, stats: &Stats, limit: Duration) -> Option<Vec<Value>> {
             }
         }
         if Instant::now() >= end {
-            let states: Vec<String> =
-                last.iter().map(|s| format!("{}={}", s["name"], s["state"])).collect();
+            let states: Vec<String> = last.iter().map(|s| format!("{}={}", s["name"], s["state"])).collect();
             stats.violation("not_settled", format!("within {limit:?}: {}", states.join(" ")));
             return None;
         }
@@ -59,7 +58,8 @@ pub fn services(host: &Host, agent: &Agent, stats: &Stats, context: &str) {
                     let r = host.gpusnap(stats, &agent.state, &["state", &pid.to_string()], &[]);
                     let driver = r.json()["state"].as_str().unwrap_or("").to_string();
                     let want = if state == "running" { "running" } else { "checkpointed" };
-                    (driver != want).then(|| format!("{state} but the driver says {driver:?} ({})", r.stderr.trim()))
+                    (driver != want)
+                        .then(|| format!("{state} but the driver says {driver:?} ({})", r.stderr.trim()))
                 }
             }
             _ => {
@@ -94,7 +94,8 @@ pub fn answers(agent: &Agent, stats: &Stats, context: &str) {
         });
         if !ok {
             let st = agent.service(&s.name).unwrap_or_default();
-            stats.violation("service_lost", format!("after {context}: {} never answered right: {st}", s.name));
+            stats
+                .violation("service_lost", format!("after {context}: {} never answered right: {st}", s.name));
         }
     }
 }
@@ -122,7 +123,11 @@ pub fn temporaries(dir: &Path) -> Vec<String> {
 pub fn mounts_under(dir: &Path) -> Vec<String> {
     let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let d = dir.display().to_string();
-    text.lines().filter_map(|l| l.split_whitespace().nth(4)).filter(|m| m.starts_with(&d)).map(str::to_string).collect()
+    text.lines()
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .filter(|m| m.starts_with(&d))
+        .map(str::to_string)
+        .collect()
 }
 
 /// The end: with the agent stopped, the journal of each state directory

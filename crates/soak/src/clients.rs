@@ -111,7 +111,8 @@ pub fn start(
         .map(|i| {
             let (services, stats, stop) = (services.clone(), Arc::clone(&stats), Arc::clone(&stop));
             std::thread::spawn(move || {
-                let mut rng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_mul(1000).wrapping_add(i as u64));
+                let mut rng =
+                    rand::rngs::StdRng::seed_from_u64(seed.wrapping_mul(1000).wrapping_add(i as u64));
                 while !stop.load(Ordering::SeqCst) {
                     // Skewed: the first services are asked most, the last
                     // rarely (they idle out, hibernate, and are woken).

@@ -202,7 +202,14 @@ impl Host {
 
     /// Starts a program of the fake world in the background (its own
     /// session, output to `log`), reaped by a thread of its own.
-    pub fn spawn(&self, prog: &Path, args: &[&str], state: &Path, env: &[(&str, &str)], log: &str) -> Result<i32> {
+    pub fn spawn(
+        &self,
+        prog: &Path,
+        args: &[&str],
+        state: &Path,
+        env: &[(&str, &str)],
+        log: &str,
+    ) -> Result<i32> {
         let mut cmd = Command::new(prog);
         self.env(&mut cmd, state);
         cmd.args(args).envs(env.iter().copied());
@@ -265,7 +272,12 @@ impl Host {
                 std::thread::sleep(Duration::from_millis(10));
             };
             let code = status.and_then(|s| s.code()).unwrap_or(-1);
-            Outcome { code, stdout: o.join().unwrap_or_default(), stderr: e.join().unwrap_or_default(), killed }
+            Outcome {
+                code,
+                stdout: o.join().unwrap_or_default(),
+                stderr: e.join().unwrap_or_default(),
+                killed,
+            }
         });
         Ok((pid, h))
     }

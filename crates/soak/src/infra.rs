@@ -54,7 +54,11 @@ impl Moto {
     fn bucket(&self) -> Result<()> {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port))?;
-        write!(s, "PUT /soak HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", self.port)?;
+        write!(
+            s,
+            "PUT /soak HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            self.port
+        )?;
         let mut out = String::new();
         let _ = s.read_to_string(&mut out);
         if !out.starts_with("HTTP/1.1 200") {

@@ -161,7 +161,8 @@ impl<'a> Lone<'a> {
                 let pulled = format!("pulled-{img}");
                 let base = self.s3_url();
                 let push = ["images", "push", img.as_str(), base.as_str()];
-                let pull = ["--trust", self.key.as_str(), "images", "pull", url.as_str(), "--as", pulled.as_str()];
+                let pull =
+                    ["--trust", self.key.as_str(), "images", "pull", url.as_str(), "--as", pulled.as_str()];
                 if kind.ends_with("pull") {
                     let r = self.run(&push, &s3);
                     if r.code != 0 {
@@ -180,10 +181,14 @@ impl<'a> Lone<'a> {
                     }
                     let o = h.join().map_err(|_| anyhow::anyhow!("runner panicked"))?;
                     if o.killed {
-                        self.stats.violation("command_past_deadline", format!("gpusnap {args:?} with S3 down"));
+                        self.stats
+                            .violation("command_past_deadline", format!("gpusnap {args:?} with S3 down"));
                     }
                     if o.code != 0 && !matches!(o.code, 1 | 6) {
-                        self.stats.violation("unclear_error", format!("{args:?}: exit {} {}", o.code, o.stderr.trim()));
+                        self.stats.violation(
+                            "unclear_error",
+                            format!("{args:?}: exit {} {}", o.code, o.stderr.trim()),
+                        );
                     }
                     if let Some(m) = self.moto.as_mut() {
                         m.restart()?;
@@ -194,7 +199,8 @@ impl<'a> Lone<'a> {
                 let v = self.run(&["--trust", &self.key.clone(), "images", "verify", &pulled], &[]);
                 if v.code == 0 || self.state.join("images").join(&pulled).exists() {
                     if v.code != 0 {
-                        self.stats.violation("bad_image", format!("{pulled} does not verify: {}", v.stderr.trim()));
+                        self.stats
+                            .violation("bad_image", format!("{pulled} does not verify: {}", v.stderr.trim()));
                     }
                     self.run(&["images", "rm", &pulled], &[]);
                 }
@@ -208,7 +214,8 @@ impl<'a> Lone<'a> {
                 let after = rng.gen_range(4096..4 << 20).to_string();
                 let r = self.run(&["wake", &img, "--wait", "20"], &[("GPUSNAP_PAGES_FAIL_AFTER", &after)]);
                 if r.code != 0 && r.error_kind() != "pages" {
-                    self.stats.violation("unclear_error", format!("wake, pages failing: {}", r.stderr.trim()));
+                    self.stats
+                        .violation("unclear_error", format!("wake, pages failing: {}", r.stderr.trim()));
                 }
             }
             "corrupt-chunk" => {
@@ -235,7 +242,10 @@ impl<'a> Lone<'a> {
                 let r = self.run(&["hibernate", &p, "--image", &img], &[]);
                 let _ = std::fs::remove_file(&filler);
                 if r.code != 0 && r.code != 1 {
-                    self.stats.violation("unclear_error", format!("hibernate on a full disk: exit {} {}", r.code, r.stderr.trim()));
+                    self.stats.violation(
+                        "unclear_error",
+                        format!("hibernate on a full disk: exit {} {}", r.code, r.stderr.trim()),
+                    );
                 }
             }
             _ => return Ok(false),
@@ -248,10 +258,11 @@ impl<'a> Lone<'a> {
     /// its good bytes.
     fn corrupt(&self, img: &str, rng: &mut StdRng) -> Option<(PathBuf, Vec<u8>)> {
         let chunks = |name: &str| -> Vec<String> {
-            let m: serde_json::Value = std::fs::read(self.state.join("images").join(name).join("manifest.json"))
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok())
-                .unwrap_or_default();
+            let m: serde_json::Value =
+                std::fs::read(self.state.join("images").join(name).join("manifest.json"))
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok())
+                    .unwrap_or_default();
             m["files"]
                 .as_array()
                 .into_iter()
@@ -283,7 +294,8 @@ impl<'a> Lone<'a> {
     pub fn recover(&mut self, kind: &str) -> Result<()> {
         let gc = self.run(&["images", "gc"], &[]);
         if gc.code != 0 {
-            self.stats.violation("not_reconcilable", format!("after {kind}: images gc: {}", gc.stderr.trim()));
+            self.stats
+                .violation("not_reconcilable", format!("after {kind}: images gc: {}", gc.stderr.trim()));
         }
         let p = self.pid.to_string();
         if alive(self.pid) {
@@ -293,7 +305,10 @@ impl<'a> Lone<'a> {
                 "checkpointed" | "locked" => {
                     let r = self.run(&["resume", &p, "--wait", "30"], &[]);
                     if r.code != 0 {
-                        self.stats.violation("stranded", format!("after {kind}: {st}, resume: {}", r.stderr.trim()));
+                        self.stats.violation(
+                            "stranded",
+                            format!("after {kind}: {st}, resume: {}", r.stderr.trim()),
+                        );
                     }
                 }
                 other => self.stats.violation("stranded", format!("after {kind}: the program is {other:?}")),
@@ -317,7 +332,10 @@ impl<'a> Lone<'a> {
                 self.stats.violation("wake_failed", format!("after {kind}: wake {img}: {}", r.stderr.trim()));
             }
             if !woke {
-                self.stats.violation("lost", format!("after {kind}: the program is gone and no image brings it back"));
+                self.stats.violation(
+                    "lost",
+                    format!("after {kind}: the program is gone and no image brings it back"),
+                );
                 self.start_program().context("start the lane's program again")?;
                 return Ok(());
             }
@@ -328,7 +346,9 @@ impl<'a> Lone<'a> {
             status(&self.status).is_some_and(|s| s.0 == self.pid && s.1 >= before + 2)
         });
         match status(&self.status) {
-            Some((_, _, false)) => self.stats.violation("corrupt_memory", format!("after {kind}: the program's memory changed")),
+            Some((_, _, false)) => {
+                self.stats.violation("corrupt_memory", format!("after {kind}: the program's memory changed"))
+            }
             _ if !ok => {
                 let st = self.run(&["state", &p], &[]);
                 let proc_state = std::fs::read_to_string(format!("/proc/{}/status", self.pid))
@@ -339,7 +359,10 @@ impl<'a> Lone<'a> {
                     .to_string();
                 self.stats.violation(
                     "stranded",
-                    format!("after {kind}: the program does not progress ({proc_state}; state: {})", st.stdout.trim()),
+                    format!(
+                        "after {kind}: the program does not progress ({proc_state}; state: {})",
+                        st.stdout.trim()
+                    ),
                 )
             }
             _ => {}

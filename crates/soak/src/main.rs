@@ -133,7 +133,8 @@ fn run(args: &Args) -> Result<u64> {
     let clients = clients::start(args.clients, args.seed, services, Arc::clone(&stats), Arc::clone(&stop));
     let moto = infra::Moto::start();
     let mut lone = lone::Lone::new(&host, Arc::clone(&stats), moto).context("the command lane")?;
-    let mut lane = agent_faults::Lane { host: &host, agent: &agent, stats: Arc::clone(&stats), swaps_before: 0 };
+    let mut lane =
+        agent_faults::Lane { host: &host, agent: &agent, stats: Arc::clone(&stats), swaps_before: 0 };
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     let mut result = Ok(());
@@ -145,7 +146,10 @@ fn run(args: &Args) -> Result<u64> {
         // A generator per cycle, from the seed and the cycle: a cycle's
         // choices do not depend on how the ones before it went.
         let mut crng = rand::rngs::StdRng::seed_from_u64(args.seed.wrapping_mul(7919).wrapping_add(cycle));
-        eprintln!("gpusnap-soak: cycle {cycle}: {kind} (replay: --seed {} --faults {})", args.seed, args.faults);
+        eprintln!(
+            "gpusnap-soak: cycle {cycle}: {kind} (replay: --seed {} --faults {})",
+            args.seed, args.faults
+        );
         let r = (|| -> Result<()> {
             if !lane.inject(kind, &mut crng)? && !lone.inject(kind, &mut crng)? {
                 anyhow::bail!("no lane injects {kind}");

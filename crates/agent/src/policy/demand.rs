@@ -284,7 +284,10 @@ impl Agent {
             // process): nothing is resumed, so nothing may be said to be.
             // A suspend refuses the same way.
             if pids.is_empty() {
-                return Err((1, format!("no CUDA process in the tree of {} (stopped?): it stays suspended", root.pid)));
+                return Err((
+                    1,
+                    format!("no CUDA process in the tree of {} (stopped?): it stays suspended", root.pid),
+                ));
             }
             // Room for what the after_resume hook will allocate too: two
             // woken servers must never both grow into one GPU.
