@@ -86,9 +86,21 @@ pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
 }
 
-/// A loopback port free now.
+/// A loopback port free now and never handed out before by this soak (two
+/// services given one backend would answer for each other).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0)
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap_or(0);
+        if port != 0 && !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 fn find_criu() -> Option<PathBuf> {
