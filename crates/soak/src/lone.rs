@@ -122,8 +122,31 @@ impl<'a> Lone<'a> {
         self.moto.as_ref().map(|m| m.env()).unwrap_or_default()
     }
 
-    /// Injects one fault of `kind`; false when the kind is not a lane one.
+    /// Injects one fault of `kind`, then reconciles and brings the program
+    /// back, whatever the fault did; false when the kind is not a lane one.
     pub fn inject(&mut self, kind: &str, rng: &mut StdRng) -> Result<bool> {
+        const KINDS: &[&str] = &[
+            "kill-suspend",
+            "kill-resume",
+            "kill-hibernate",
+            "kill-wake",
+            "kill-push",
+            "kill-pull",
+            "s3-stop-push",
+            "s3-stop-pull",
+            "pages-fail",
+            "corrupt-chunk",
+            "full-fs",
+        ];
+        if !KINDS.contains(&kind) {
+            return Ok(false);
+        }
+        let r = self.fault(kind, rng);
+        self.recover(kind)?;
+        r.map(|()| true)
+    }
+
+    fn fault(&mut self, kind: &str, rng: &mut StdRng) -> Result<()> {
         let delay = Duration::from_millis(rng.gen_range(0..1200));
         let p = self.pid.to_string();
         let s3: Vec<(String, String)> = self.s3_env();
@@ -142,19 +165,19 @@ impl<'a> Lone<'a> {
                 self.killed(&["hibernate", &p, "--image", &img], &[], delay)?;
             }
             "kill-wake" => {
-                let Some(img) = self.hibernate() else { return Ok(true) };
+                let Some(img) = self.hibernate() else { return Ok(()) };
                 self.killed(&["wake", &img, "--wait", "20"], &[], delay)?;
             }
             "kill-push" | "kill-pull" | "s3-stop-push" | "s3-stop-pull" => {
                 if self.moto.is_none() {
                     self.stats.skip(kind, "moto_server is not installed");
-                    return Ok(true);
+                    return Ok(());
                 }
                 let img = self.next_image();
                 let r = self.run(&["snapshot", &p, "--image", &img], &[]);
                 if r.code != 0 {
                     self.stats.violation("setup_failed", format!("snapshot: {}", r.stderr.trim()));
-                    return Ok(true);
+                    return Ok(());
                 }
                 self.images.push(img.clone());
                 let url = format!("{}/{img}", self.s3_url());
@@ -210,7 +233,7 @@ impl<'a> Lone<'a> {
                 }
             }
             "pages-fail" => {
-                let Some(img) = self.hibernate() else { return Ok(true) };
+                let Some(img) = self.hibernate() else { return Ok(()) };
                 let after = rng.gen_range(4096..4 << 20).to_string();
                 let r = self.run(&["wake", &img, "--wait", "20"], &[("GPUSNAP_PAGES_FAIL_AFTER", &after)]);
                 if r.code != 0 && r.error_kind() != "pages" {
@@ -219,10 +242,10 @@ impl<'a> Lone<'a> {
                 }
             }
             "corrupt-chunk" => {
-                let Some(img) = self.hibernate() else { return Ok(true) };
+                let Some(img) = self.hibernate() else { return Ok(()) };
                 let Some((path, good)) = self.corrupt(&img, rng) else {
                     self.stats.skip(kind, "no chunk of its own in the image");
-                    return Ok(true);
+                    return Ok(());
                 };
                 let r = self.run(&["wake", &img, "--wait", "20"], &[]);
                 if r.code == 0 {
@@ -233,7 +256,7 @@ impl<'a> Lone<'a> {
             "full-fs" => {
                 let Some(mnt) = self.tmpfs.clone() else {
                     self.stats.skip(kind, "needs root to mount a small tmpfs");
-                    return Ok(true);
+                    return Ok(());
                 };
                 let filler = mnt.join("filler");
                 crate::infra::fill(&mnt, &filler, rng.gen_range(0..24 << 20));
@@ -248,10 +271,9 @@ impl<'a> Lone<'a> {
                     );
                 }
             }
-            _ => return Ok(false),
+            _ => {}
         }
-        self.recover(kind)?;
-        Ok(true)
+        Ok(())
     }
 
     /// Flips a byte in a chunk only `img` refers to; the chunk's path and
@@ -267,6 +289,8 @@ impl<'a> Lone<'a> {
                 .as_array()
                 .into_iter()
                 .flatten()
+                // The pages' chunks are in the store; small files may not be.
+                .filter(|f| f["path"].as_str().is_some_and(|p| p.contains("/pages-")))
                 .flat_map(|f| f["chunks"].as_array().cloned().unwrap_or_default())
                 .filter_map(|c| c["blake3"].as_str().map(str::to_string))
                 .collect()
