@@ -500,7 +500,10 @@ priority = 10
         assert!(e.starts_with("x.toml:18:") && e.contains("port 8000"), "{e}");
         let shared = format!("{GOOD}\n[[service]]\nname = \"b\"\nlisten = \"127.0.0.1:8001\"\nbackend = \"127.0.0.1:18000\"\ncommand = [\"s\"]\n");
         let e = err(&shared);
-        assert!(e.starts_with("x.toml:17:") && e.contains("backend 127.0.0.1:18000 is already \"a\"'s"), "{e}");
+        assert!(
+            e.starts_with("x.toml:17:") && e.contains("backend 127.0.0.1:18000 is already \"a\"'s"),
+            "{e}"
+        );
         let e = err(&GOOD.replace("command = [\"serve\"]\n", ""));
         assert!(e.starts_with("x.toml:7:") && e.contains("exactly one of command"), "{e}");
         let e = err(&GOOD.replace("\"5m\"", "\"5 parsecs\""));

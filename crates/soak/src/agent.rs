@@ -93,7 +93,7 @@ impl Agent {
         Ok(())
     }
 
-    /// kill -9 of the agent (the services run on in their sessions).
+    /// kill -9 of the agent (each service runs on, setsid apart from it).
     pub fn kill9(&self) {
         let pid = self.pid();
         signal(pid, libc::SIGKILL);

@@ -212,8 +212,8 @@ impl Host {
         self.started.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
     }
 
-    /// Starts a program of the fake world in the background (its own
-    /// session, output to `log`), reaped by a thread of its own.
+    /// Starts a program of the fake world in the background (setsid, as
+    /// a service manager does; output to `log`), reaped by a thread of its own.
     pub fn spawn(
         &self,
         prog: &Path,
