@@ -1,6 +1,6 @@
 //! The short soak of CI: a fixed seed, a few cycles of every fault kind the
 //! host can inject, and no violation allowed. The same run by hand:
-//! `target/debug/gpusnap-soak --seed 7 --cycles 8 --max-secs 100`.
+//! `target/debug/gpusnap-soak --seed 7 --cycles 5 --max-secs 45 --services 4 --clients 2`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -26,7 +26,7 @@ fn build() -> PathBuf {
 fn a_short_seeded_soak_finds_no_violation() {
     let bin = build();
     let out = Command::new(env!("CARGO_BIN_EXE_gpusnap-soak"))
-        .args(["--seed", "7", "--cycles", "8", "--max-secs", "100", "--services", "5", "--clients", "2"])
+        .args(["--seed", "7", "--cycles", "5", "--max-secs", "45", "--services", "4", "--clients", "2"])
         .env("GPUSNAP_BIN", &bin)
         .output()
         .expect("run gpusnap-soak");
