@@ -537,6 +537,17 @@ impl Config {
                 ));
             }
         }
+        // Two services on one backend: one's requests would be answered by
+        // the other's server (the one that bound the port first).
+        let mut backends = std::collections::HashMap::new();
+        for s in &cfg.service {
+            if let Some(other) = backends.insert(s.backend, s.name.get_ref().clone()) {
+                return Err(invalid(
+                    s.name.span().start,
+                    format!("service {:?}: backend {} is already {other:?}'s", s.name.get_ref(), s.backend),
+                ));
+            }
+        }
         // A backend of one service that another listens on would loop.
         for s in &cfg.service {
             if let Some((other, at)) = ports.get(&s.backend.port()) {
@@ -712,6 +723,12 @@ priority = 10
         );
         let e = err(&port);
         assert!(e.starts_with("x.toml:18:") && e.contains("port 8000"), "{e}");
+        let shared = format!("{GOOD}\n[[service]]\nname = \"b\"\nlisten = \"127.0.0.1:8001\"\nbackend = \"127.0.0.1:18000\"\ncommand = [\"s\"]\n");
+        let e = err(&shared);
+        assert!(
+            e.starts_with("x.toml:17:") && e.contains("backend 127.0.0.1:18000 is already \"a\"'s"),
+            "{e}"
+        );
         let e = err(&GOOD.replace("command = [\"serve\"]\n", ""));
         assert!(e.starts_with("x.toml:7:") && e.contains("exactly one of command"), "{e}");
         let e = err(&GOOD.replace("\"5m\"", "\"5 parsecs\""));

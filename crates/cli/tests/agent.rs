@@ -1507,3 +1507,29 @@ fn a_faulted_service_is_held_failed_and_not_routed_to_until_the_operator_ends_it
     assert!(get(a.port(0), "/").starts_with("ok "));
     drop(c);
 }
+
+#[test]
+fn a_request_to_a_suspended_server_that_is_stopped_is_refused_and_it_stays_suspended() {
+    // The soak's sigstop (seed 11): a request came for a suspended server
+    // whose process was stopped; the driver cannot be asked about a stopped
+    // process, no CUDA process was found, and the agent said the server was
+    // back (resumed in 0 ms) while the driver still had it checkpointed.
+    let mut a = AgentWorld::new(
+        1000,
+        "",
+        &[Svc { name: "s", mib: 100, gpu: 0, extra: "suspend_after = \"500ms\"\nwake_timeout = \"3s\"" }],
+    );
+    let pid = a.wait_state("s", "suspended")["pid"].as_i64().unwrap();
+    let stop = |sig| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).unwrap();
+    stop(nix::sys::signal::Signal::SIGSTOP);
+    let (code, _) = get_any(a.port(0), "/");
+    assert_ne!(code, 200);
+    let s = a.service("s");
+    stop(nix::sys::signal::Signal::SIGCONT);
+    assert_ne!(s["state"], "running", "{s}");
+    a.wait_state("s", "suspended");
+    assert_eq!(driver_state(&a.w, pid), "checkpointed");
+    // Continued, it is resumed by the next request and answers right.
+    let body = get(a.port(0), "/");
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
+}

@@ -77,3 +77,48 @@ fn a_page_server_failing_during_its_head_start_never_starts_the_driver() {
     w.assert_progressing(pid);
     assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
 }
+
+/// A CRIU (a wrapper beside the state directory) whose restore restores the
+/// tree and then reports a failure anyway, as a CRIU that crashes after
+/// detaching the tree does (the soak's `criu-restore-fail`, seed 5).
+fn criu_failing_after_restore(w: &World) -> std::path::PathBuf {
+    let wrapper = w.state_dir().with_file_name("criu-fail-after-restore");
+    std::fs::write(
+        &wrapper,
+        "#!/bin/sh\nif [ \"$1\" = restore ]; then criu \"$@\"; echo 'Error (wrapper): failed after the restore' >&2; exit 1; fi\nexec criu \"$@\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    wrapper
+}
+
+#[test]
+fn a_criu_failing_after_its_restore_leaves_no_tree_and_the_wake_can_be_retried() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = w.workload(64, 0, &[]);
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "f"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+
+    for eager in [false, true] {
+        let criu = criu_failing_after_restore(&w);
+        let mut args = vec!["--criu", criu.to_str().unwrap(), "wake", "f", "--no-guard", "--wait", "10"];
+        if eager {
+            args.push("--eager");
+        }
+        let r = w.json(&args);
+        assert_ne!(r.code, 0, "eager {eager}: {}", r.stdout);
+        // The tree CRIU restored before failing was ended: its pid is free
+        // for the retry, nothing of it is on the GPU.
+        wait_for(Duration::from_secs(30), || !pid_exists(pid));
+        assert_eq!(w.json(&["images", "verify", "f"]).code, 0);
+    }
+    let r = w.json(&["wake", "f", "--no-guard", "--wait", "10"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
+}

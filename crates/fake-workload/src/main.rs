@@ -106,6 +106,10 @@ struct Args {
     /// (itself asked of `cuGetProcAddress`), as the CUDA runtime does.
     #[arg(long)]
     proc_address: bool,
+    /// With --http: `GET /` answers `ok <pid> <request> <intact> <TAG>`, so
+    /// that a client can tell which server answered (the soak's check).
+    #[arg(long)]
+    tag: Option<String>,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -339,6 +343,7 @@ fn run(args: &Args) -> Result<(), String> {
             served: std::sync::atomic::AtomicU64::new(0),
             kv_bytes: args.kv_mib * 1024 * 1024,
             kv: std::sync::Mutex::new(None),
+            tag: args.tag.clone(),
         };
         gpu.wake_up()?;
         return serve_http(std::sync::Arc::new(gpu), port, args.print_ready);
@@ -522,6 +527,8 @@ struct Gpu {
     /// The "KV cache": its size, and its allocation while awake.
     kv_bytes: u64,
     kv: std::sync::Mutex<Option<u64>>,
+    /// --tag: appended to the answer of `GET /`.
+    tag: Option<String>,
 }
 
 impl Gpu {
@@ -680,7 +687,10 @@ fn serve_conn(gpu: &Gpu, conn: std::net::TcpStream) -> Result<(), String> {
                     .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
                 format!("{h:016x} {}\n", u8::from(intact))
             } else {
-                format!("ok {pid} {n} {}\n", u8::from(intact))
+                match &gpu.tag {
+                    Some(tag) => format!("ok {pid} {n} {} {tag}\n", u8::from(intact)),
+                    None => format!("ok {pid} {n} {}\n", u8::from(intact)),
+                }
             };
             reply(&mut out, "200 OK", &text)?;
         }

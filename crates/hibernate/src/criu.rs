@@ -128,7 +128,10 @@ impl Criu {
         // With --shell-job a tree restored without its session leader joins
         // CRIU's session: it must be one the woken tree can be dumped in again.
         gpusnap_core::target::own_session_where_needed(&mut cmd);
-        self.run("restore", cmd, &work.join("restore.log"))?;
+        if let Err(e) = self.run("restore", cmd, &work.join("restore.log")) {
+            end_left_tree(&pidfile);
+            return Err(e);
+        }
         let pid =
             std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse().ok()).ok_or_else(|| {
                 CriuError::Failed {
@@ -163,6 +166,34 @@ impl Criu {
             }
             return Err(CriuError::Failed { op, line, log: log.display().to_string() });
         }
+    }
+}
+
+/// A restore that CRIU reports failed after writing its pidfile (the tree
+/// was restored and detached, then CRIU, or what ran it, failed) leaves a
+/// tree that nobody resumes and that holds the image's pids, so every retry
+/// would be refused: it is ended here, and the failure leaves nothing
+/// behind. Its CUDA processes are still checkpointed (the driver's restore
+/// comes after CRIU's), so killing them is safe.
+fn end_left_tree(pidfile: &Path) {
+    use nix::sys::signal::{kill, Signal};
+    let Some(root) = std::fs::read_to_string(pidfile).ok().and_then(|s| s.trim().parse::<i32>().ok()) else {
+        return;
+    };
+    let _ = std::fs::remove_file(pidfile);
+    let tree = gpusnap_core::tree::process_tree(root);
+    tracing::warn!(root, processes = tree.len(), "criu restored a tree and then failed: ending the tree");
+    for &(pid, _) in tree.iter().rev() {
+        let _ = kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+    }
+    // Reaped by their new parent (init or a subreaper); bounded.
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while tree.iter().any(|&(pid, _)| gpusnap_core::target::resolve(pid).is_ok()) {
+        if std::time::Instant::now() > end {
+            tracing::error!(root, "the tree a failed restore left did not exit within 30 s");
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
 

@@ -325,6 +325,15 @@ impl Agent {
                 (g.process.clone().ok_or((1, "no process".to_string()))?, g.image.clone())
             };
             let pids = cuda_pids_in(Some(&mut e), root.pid);
+            // None found (the driver cannot be asked about a stopped
+            // process): nothing is resumed, so nothing may be said to be.
+            // A suspend refuses the same way.
+            if pids.is_empty() {
+                return Err((
+                    1,
+                    format!("no CUDA process in the tree of {} (stopped?): it stays suspended", root.pid),
+                ));
+            }
             // Room for what the after_resume hook will allocate too: two
             // woken servers must never both grow into one GPU.
             let margin = svc.cfg.margin.saturating_add(self.growth(svc, &mut e, &pids));

@@ -1,0 +1,36 @@
+//! The short soak of CI: a fixed seed, a few cycles of every fault kind the
+//! host can inject, and no violation allowed. The same run by hand:
+//! `target/debug/gpusnap-soak --seed 7 --cycles 5 --max-secs 45 --services 4 --clients 2`.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// Builds what the soak runs: gpusnap, the fakes and the guard's preload
+/// (next to gpusnap, where `run --light` finds it).
+fn build() -> PathBuf {
+    let gpusnap = PathBuf::from(env!("CARGO_BIN_EXE_gpusnap-soak")).with_file_name("gpusnap");
+    // scripts/test.sh has just built the whole workspace.
+    if std::env::var_os("GPUSNAP_TEST_PREBUILT").is_some() {
+        return gpusnap;
+    }
+    let st = Command::new(env!("CARGO"))
+        .args(["build", "-q", "-p", "gpusnap", "-p", "gpusnap-fake-cuda", "-p", "gpusnap-fake-nvml"])
+        .args(["-p", "gpusnap-fake-workload", "-p", "gpusnap-preload"])
+        .status()
+        .expect("cargo build");
+    assert!(st.success(), "building gpusnap and the fakes failed");
+    gpusnap
+}
+
+#[test]
+fn a_short_seeded_soak_finds_no_violation() {
+    let bin = build();
+    let out = Command::new(env!("CARGO_BIN_EXE_gpusnap-soak"))
+        .args(["--seed", "7", "--cycles", "5", "--max-secs", "45", "--services", "4", "--clients", "2"])
+        .env("GPUSNAP_BIN", &bin)
+        .output()
+        .expect("run gpusnap-soak");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "the soak found violations (or failed):\n{stdout}\n{stderr}");
+    assert!(stdout.contains("| violations | 0 |"), "{stdout}");
+}
