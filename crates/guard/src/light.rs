@@ -278,7 +278,9 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
         // one else can swap it meanwhile; it is checked again after.
         let listener = UnixListener::bind(path).map_err(fail)?;
         if !(path.parent().is_some_and(|p| dir.is(p)) && dir.is_socket(&name)) {
-            return Err(fail(std::io::Error::other("the guards directory changed while its socket was bound")));
+            return Err(fail(std::io::Error::other(
+                "the guards directory changed while its socket was bound",
+            )));
         }
         dir.chmod(&name, 0o600).map_err(fail)?;
         let ino = dir.stat(&name).map_err(fail)?.st_ino;
