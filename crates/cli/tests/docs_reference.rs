@@ -96,7 +96,7 @@ fn every_agent_metric_is_in_the_reference() {
 
 #[test]
 fn every_agent_toml_key_is_in_the_reference() {
-    let src = read("crates/agent/src/config.rs");
+    let src = read("crates/agent/src/config/mod.rs");
     let code = &src[..src.find("#[cfg(test)]").unwrap_or(src.len())];
     let keys: Vec<String> = code
         .lines()
