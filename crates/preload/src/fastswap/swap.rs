@@ -51,8 +51,14 @@ fn set(p: Phase) {
 
 /// How long in-flight calls may take to drain before an offload gives up.
 const DRAIN: Duration = Duration::from_secs(30);
-/// Copy threads.
-const THREADS: usize = 4;
+/// Copy threads at most: each pins its own host buffers (the kernel's
+/// pinning and zeroing of pages, not the link, bounds an offload), so as
+/// many as the host has cores, up to this.
+const THREADS: usize = 16;
+
+fn threads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(2, THREADS)
+}
 
 /// Whether contents are checksummed on the way out and checked on the way
 /// back (`GPUSNAP_FAST_SWAP_VERIFY=1`).
@@ -79,7 +85,7 @@ fn parallel(
     let next = AtomicUsize::new(0);
     let first: Mutex<Option<String>> = Mutex::new(None);
     std::thread::scope(|s| {
-        for _ in 0..THREADS.min(n) {
+        for _ in 0..threads().min(n) {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::SeqCst);
                 if i >= n || first.lock().map(|f| f.is_some()).unwrap_or(true) {
@@ -279,14 +285,14 @@ pub fn restore() -> Result<u64, Failure> {
         return Err(fail("driver", e));
     }
     let mut moved = 0;
+    let mut copies: Vec<(usize, usize)> = Vec::new();
     {
         let mut g = table::table();
         if let Some(t) = g.as_mut() {
             for (va, _) in &away {
                 if let Some(e) = t.served.get_mut(va) {
                     if e.host != 0 {
-                        // SAFETY: the pinned copy, no longer needed.
-                        unsafe { cu::free_host(e.host as *mut c_void) };
+                        copies.push((e.ctx, e.host));
                     }
                     e.host = 0;
                     e.sum = None;
@@ -297,7 +303,41 @@ pub fn restore() -> Result<u64, Failure> {
     }
     set(Phase::Resident);
     gate::open();
+    // The pinned copies are no longer needed; giving them back (the kernel
+    // unpins every page) takes seconds for tens of GB, so it happens after
+    // the program runs again, off its path.
+    release_copies(copies);
     Ok(moved)
+}
+
+/// Frees pinned copies `(context, pointer)` on a thread of its own (inline
+/// if no thread can be had).
+fn release_copies(copies: Vec<(usize, usize)>) {
+    if copies.is_empty() {
+        return;
+    }
+    let free = move || {
+        for (ctx, p) in copies {
+            // SAFETY: a context the program holds, and a pinned copy this
+            // library allocated that nothing refers to any more.
+            unsafe {
+                cu::ctx_set_current(ctx);
+                cu::free_host(p as *mut c_void);
+            }
+        }
+    };
+    let spare = std::sync::Arc::new(Mutex::new(Some(free)));
+    let other = std::sync::Arc::clone(&spare);
+    let spawned = std::thread::Builder::new().name("gpusnap-swap-free".into()).spawn(move || {
+        if let Some(f) = other.lock().ok().and_then(|mut f| f.take()) {
+            f();
+        }
+    });
+    if spawned.is_err() {
+        if let Some(f) = spare.lock().ok().and_then(|mut f| f.take()) {
+            f();
+        }
+    }
 }
 
 /// Milliseconds since `t`.
