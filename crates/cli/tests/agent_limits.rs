@@ -465,6 +465,11 @@ fn an_agent_killed_after_a_before_suspend_hook_wakes_the_server_when_it_adopts_i
     // (the hook answers after 25 s: time enough on a loaded machine).
     let rec = a.w.state_dir().join("agent").join("services.json");
     wait_for(LONG, || std::fs::read_to_string(&rec).is_ok_and(|t| t.contains("hooked suspend")));
+    // And the hook's request is on its way: the agent's connection to the
+    // backend is up (the record is written just before it connects; a kill
+    // in between would leave the server awake, nothing to test).
+    let backend = a.ports[0].1;
+    wait_for(LONG, || established_to(backend));
     let n = a.agent.take().unwrap();
     a.w.children[n].kill();
     a.w.children[n].wait();
@@ -473,7 +478,6 @@ fn an_agent_killed_after_a_before_suspend_hook_wakes_the_server_when_it_adopts_i
     // port). The server answers one connection at a time: each ask waits
     // for its answer (a client that gave up would leave it writing to a
     // closed connection).
-    let backend = a.ports[0].1;
     wait_for(LONG, || {
         let Ok(mut s) = TcpStream::connect(("127.0.0.1", backend)) else { return false };
         s.set_read_timeout(Some(LONG)).unwrap();
@@ -685,4 +689,17 @@ fn a_server_runs_as_the_user_and_group_its_service_names() {
     let r = w.gpusnap(&["run", "--light", "--user", "no-such-user-here", "--", "true"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("no user \"no-such-user-here\""), "{}", r.stderr);
+}
+
+/// Whether a TCP connection to local port `port` is established (the
+/// kernel's table, IPv4 and IPv6).
+fn established_to(port: u16) -> bool {
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|t| {
+        std::fs::read_to_string(t).unwrap_or_default().lines().skip(1).any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3
+                && f[3] == "01"
+                && f[1].rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok()) == Some(port)
+        })
+    })
 }
