@@ -5,6 +5,7 @@
 //! running wait until it is back (resumed, woken or started).
 
 use crate::control::{Control, Refusal};
+use crate::frontdoor::wait::{waited, Waiting};
 use crate::limits;
 use crate::listen::Bounds;
 use crate::metrics::ServiceLabels;
@@ -79,15 +80,6 @@ impl Drop for Registered {
     }
 }
 
-/// Counts a connection as waiting for its service (bounded by max_waiting).
-struct Waiting<'a>(&'a Service);
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.lock().waiting -= 1;
-    }
-}
-
 impl Service {
     /// Marks a request in flight, if the service is running: under the same
     /// lock the policy decides to suspend under, so it can never suspend
@@ -151,32 +143,11 @@ async fn closing(svc: Arc<Service>, id: u64) {
 /// Returns the trace of the wake this connection waited for, if it is the
 /// first to see it done (the trace then goes on to its first byte).
 async fn wait_for(agent: &Arc<dyn Control>, svc: &Arc<Service>) -> Result<Option<WakeTrace>, String> {
-    {
-        let mut g = svc.lock();
-        if g.waiting >= svc.cfg.max_waiting {
-            return Err(format!("{}: {} connections already wait", svc.name, g.waiting));
-        }
-        g.waiting += 1;
-    }
-    let _w = Waiting(svc);
+    let _w = Waiting::take(svc).map_err(|n| format!("{}: {n} connections already wait", svc.name))?;
     let t0 = Instant::now();
     let r = Arc::clone(agent).wait_running(Arc::clone(svc), t0 + svc.cfg.wake_timeout, Some(t0)).await;
     if let Ok(true) = r {
-        agent
-            .metrics()
-            .wait
-            .get_or_create(&ServiceLabels { service: svc.name.clone() })
-            .observe(t0.elapsed().as_secs_f64());
-        tracing::info!(
-            service = svc.name,
-            waited_ms = t0.elapsed().as_millis() as u64,
-            "connection waited for its service"
-        );
-        let mut t = svc.lock().trace.take();
-        if let Some(t) = t.as_mut() {
-            t.mark_now("ready");
-        }
-        return Ok(t);
+        return Ok(waited(agent, svc, t0, "connection"));
     }
     r.map(|_| None).map_err(|e| e.0)
 }

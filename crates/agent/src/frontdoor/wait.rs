@@ -108,8 +108,43 @@ pub async fn admit(agent: &Arc<dyn Control>, svc: &Arc<Service>) -> Result<InFli
     Ok(f)
 }
 
-/// Counts a request as waiting for its service (bounded by max_waiting).
-struct Waiting<'a>(&'a Service);
+/// Counts a request or connection as waiting for its service (bounded by
+/// max_waiting); the front door's waits and the port proxy's share it.
+pub(crate) struct Waiting<'a>(&'a Service);
+
+impl<'a> Waiting<'a> {
+    /// Counts one more waiter, or gives how many already wait when
+    /// `max_waiting` is reached.
+    pub(crate) fn take(svc: &'a Service) -> Result<Self, usize> {
+        let mut g = svc.lock();
+        if g.waiting >= svc.cfg.max_waiting {
+            return Err(g.waiting);
+        }
+        g.waiting += 1;
+        Ok(Waiting(svc))
+    }
+}
+
+/// A wait that ended with `svc` running: observed and logged (`who`: what
+/// waited); the trace of the wake, if this waiter is the first to see it
+/// done.
+pub(crate) fn waited(agent: &Arc<dyn Control>, svc: &Service, t0: Instant, who: &str) -> Option<WakeTrace> {
+    agent
+        .metrics()
+        .wait
+        .get_or_create(&ServiceLabels { service: svc.name.clone() })
+        .observe(t0.elapsed().as_secs_f64());
+    tracing::info!(
+        service = svc.name,
+        waited_ms = t0.elapsed().as_millis() as u64,
+        "{who} waited for its service"
+    );
+    let mut t = svc.lock().trace.take();
+    if let Some(t) = t.as_mut() {
+        t.mark_now("ready");
+    }
+    t
+}
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
@@ -126,39 +161,18 @@ pub async fn wait(agent: &Arc<dyn Control>, svc: &Arc<Service>) -> Result<Option
     if let Some(r) = agent.hopeless(svc) {
         return Err(r);
     }
-    {
-        let mut g = svc.lock();
-        if g.waiting >= svc.cfg.max_waiting {
-            return Err(Refusal {
-                reason: format!("{}: {} requests already wait (max_waiting)", svc.name, g.waiting),
-                retry_after: Duration::from_secs(1),
-            });
-        }
-        g.waiting += 1;
-    }
-    let _w = Waiting(svc);
+    let _w = Waiting::take(svc).map_err(|n| Refusal {
+        reason: format!("{}: {n} requests already wait (max_waiting)", svc.name),
+        retry_after: Duration::from_secs(1),
+    })?;
     let t0 = Instant::now();
-    let waited = Arc::clone(agent).wait_running(Arc::clone(svc), t0 + svc.cfg.wake_timeout, Some(t0));
+    let running = Arc::clone(agent).wait_running(Arc::clone(svc), t0 + svc.cfg.wake_timeout, Some(t0));
     let r = tokio::select! {
-        r = waited => r.map_err(|e| Refusal { reason: e.0, retry_after: RETRY_AFTER }),
+        r = running => r.map_err(|e| Refusal { reason: e.0, retry_after: RETRY_AFTER }),
         r = failed(agent, svc, rx) => Err(r),
     };
     if let Ok(true) = r {
-        agent
-            .metrics()
-            .wait
-            .get_or_create(&ServiceLabels { service: svc.name.clone() })
-            .observe(t0.elapsed().as_secs_f64());
-        tracing::info!(
-            service = svc.name,
-            waited_ms = t0.elapsed().as_millis() as u64,
-            "request waited for its service"
-        );
-        let mut t = svc.lock().trace.take();
-        if let Some(t) = t.as_mut() {
-            t.mark_now("ready");
-        }
-        return Ok(t);
+        return Ok(waited(agent, svc, t0, "request"));
     }
     r.map(|_| None)
 }
