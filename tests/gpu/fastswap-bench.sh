@@ -6,6 +6,10 @@
 # and after each round; NVML's view of the process after the suspend. Also
 # PyTorch with expandable_segments (VMM-mapped memory) through the driver
 # path alone. Prints a markdown table; logs go to $OUT (or /tmp).
+# CASES selects (default: all but the pinning variants): torch-fast,
+# torch-fast-keep (pinned copies kept between rounds), torch-fast-alloc
+# (pinned with cuMemHostAlloc), cupy-fast, torch-driver, cupy-driver,
+# torch-vmm-driver.
 #
 #   tests/gpu/fastswap-bench.sh [GB] [CUPY_GB]      (GB default 26)
 #
@@ -89,6 +93,8 @@ CASES=${CASES:-torch-fast cupy-fast torch-driver cupy-driver torch-vmm-driver}
 for c in $CASES; do
     case $c in
         torch-fast) run_case torch-fast fast tests/gpu/fastswap_torch.py "$GB" ;;
+        torch-fast-keep) run_case torch-fast-keep fast tests/gpu/fastswap_torch.py "$GB" GPUSNAP_FAST_SWAP_KEEP=1 ;;
+        torch-fast-alloc) run_case torch-fast-alloc fast tests/gpu/fastswap_torch.py "$GB" GPUSNAP_FAST_SWAP_PIN=alloc ;;
         torch-driver) run_case torch-driver driver tests/gpu/fastswap_torch.py "$GB" ;;
         cupy-fast) run_case cupy-fast fast tests/gpu/fastswap_cupy.py "$CUPY_GB" ;;
         cupy-driver) run_case cupy-driver driver tests/gpu/fastswap_cupy.py "$CUPY_GB" ;;

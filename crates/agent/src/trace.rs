@@ -14,7 +14,10 @@ pub const PHASES: &[(&str, &str)] = &[
     ("pick", "choosing the service to evict"),
     ("evict_prep", "the eviction's own bookkeeping (journal, process tree, driver state, footprint)"),
     ("hook_suspend", "the evicted service's before_suspend hook (it gives back its KV cache)"),
-    ("suspend", "the driver's lock and checkpoint of the evicted service"),
+    (
+        "suspend",
+        "the evicted service's suspend: its fast-swap offload, then the driver's lock and checkpoint",
+    ),
     ("release_wait", "checkpoint returned -> NVML shows the evicted process's memory released"),
     ("memory_wait", "waiting for free GPU memory with nothing to evict"),
     ("resume_prep", "the admitted attempt before the driver's restore (tree, state, NVML, reservation)"),

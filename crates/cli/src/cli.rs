@@ -275,6 +275,12 @@ pub enum Cmd {
         /// only the rest (docs/design/fast-swap.md).
         #[arg(long, requires = "light")]
         fast_swap: bool,
+        /// With --fast-swap: keep the pinned host copies after each resume.
+        /// Host memory as large as the moved device memory stays taken
+        /// while the program runs; in return every suspend after the first
+        /// copies at the link's speed without pinning memory anew.
+        #[arg(long, requires = "fast_swap")]
+        keep_pinned: bool,
         /// The program and its arguments, after `--`.
         #[arg(required = true, last = true, value_name = "PROGRAM")]
         cmd: Vec<OsString>,

@@ -98,6 +98,8 @@ pub struct LightOptions<'a> {
     pub preload: Option<&'a Path>,
     /// `--fast-swap`: the library serves allocations from the VMM API.
     pub fast_swap: bool,
+    /// `--keep-pinned`: the pinned copies stay after each resume.
+    pub keep_pinned: bool,
 }
 
 /// `gpusnap run --light`: the program carries the preload library and asks
@@ -140,6 +142,9 @@ pub fn run_light(
     }
     if light_opts.fast_swap {
         command.env(gpusnap_core::swap::FAST_SWAP_ENV, "1");
+        if light_opts.keep_pinned {
+            command.env(gpusnap_core::swap::KEEP_PINNED_ENV, "1");
+        }
     }
     // The same session rule as the traced `run` (see guard::launch).
     gpusnap_core::target::own_session_where_needed(&mut command);

@@ -101,6 +101,49 @@ fn served_memory_leaves_and_comes_back_at_the_same_addresses_and_managed_memory_
 }
 
 #[test]
+fn allocations_of_several_chunks_move_intact_with_either_pinning_and_with_kept_copies() {
+    // 600 MiB: two full 256 MiB chunks and a shorter last one, each pinned,
+    // copied and checked on its own.
+    for (pin, keep) in [("alloc", "0"), ("register", "1")] {
+        let mut w = World::new(&[16_384]);
+        let st = status_file(&w, "fs");
+        let wl = fake_workload_bin();
+        let args = [
+            "run",
+            "--light",
+            "--fast-swap",
+            "--",
+            wl.to_str().unwrap(),
+            "--status",
+            st.to_str().unwrap(),
+            "--mib",
+            "600",
+        ];
+        w.spawn_gpusnap_env(
+            &args,
+            &[
+                ("GPUSNAP_FAST_SWAP_VERIFY", "1"),
+                ("GPUSNAP_FAST_SWAP_PIN", pin),
+                ("GPUSNAP_FAST_SWAP_KEEP", keep),
+            ],
+        );
+        let pid = pid_in(&st);
+        assert_progressing_at(&st);
+        for round in 0..2 {
+            let r = w.json(&["suspend", &pid.to_string()]);
+            assert_eq!(r.code, 0, "{pin} round {round}: {}", r.stderr);
+            assert_eq!(count(&fake_proc(&w, pid)["handles"]), 0, "{pin} round {round}");
+            let r = w.json(&["resume", &pid.to_string()]);
+            assert_eq!(r.code, 0, "{pin} round {round}: {}", r.stderr);
+            assert_eq!(fast_swap_of(&w, pid)["phase"], "resident");
+            // The workload checks its own data as it runs.
+            assert_progressing_at(&st);
+        }
+        assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
+    }
+}
+
+#[test]
 fn a_resume_without_room_for_every_allocation_takes_none_and_a_later_one_succeeds() {
     let mut w = World::new(&[2048]);
     let st = status_file(&w, "aon");

@@ -268,6 +268,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     already: true,
                     footprint_bytes: fp.values().sum(),
                     gpus: to_list(&fp),
+                    offload_ms: 0,
                     lock_ms: 0,
                     checkpoint_ms: 0,
                     release_ms: 0,
@@ -288,7 +289,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
         // Fast swap: the library moves what it serves first; the driver
         // then checkpoints what is left.
+        let t_offload = Instant::now();
         let offloaded = st == ProcessState::Running && self.offload(&t)?;
+        let offload_ms = ms(t_offload);
         let t_lock = Instant::now();
         if st == ProcessState::Running {
             let locked = target::resolve_callable(pid)
@@ -344,6 +347,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             already: false,
             footprint_bytes: total,
             gpus: to_list(&fp),
+            offload_ms,
             lock_ms,
             checkpoint_ms,
             release_ms,

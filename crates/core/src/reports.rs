@@ -44,6 +44,9 @@ pub struct SuspendReport {
     pub already: bool,
     pub footprint_bytes: u64,
     pub gpus: Vec<GpuBytes>,
+    /// Fast swap: the program's library moving its memory to host memory
+    /// (0 without fast swap).
+    pub offload_ms: u64,
     pub lock_ms: u64,
     pub checkpoint_ms: u64,
     /// From the checkpoint's return until NVML showed the process's device

@@ -14,6 +14,9 @@ use std::time::Duration;
 
 /// The environment variable `run --light --fast-swap` sets for the library.
 pub const FAST_SWAP_ENV: &str = "GPUSNAP_FAST_SWAP";
+/// Set beside `FAST_SWAP_ENV` by `run --keep-pinned`: the library keeps its
+/// pinned host copies after each resume.
+pub const KEEP_PINNED_ENV: &str = "GPUSNAP_FAST_SWAP_KEEP";
 
 /// How long an offload or restore may take (55 GB at 2 GB/s, with room).
 const WORK_LIMIT: Duration = Duration::from_secs(600);

@@ -16,6 +16,8 @@ pub const CUDA_ERROR_ILLEGAL_STATE: CuResult = 401;
 pub const CUDA_ERROR_NOT_FOUND: CuResult = 500;
 pub const CUDA_ERROR_NOT_READY: CuResult = 600;
 pub const CUDA_ERROR_ILLEGAL_ADDRESS: CuResult = 700;
+pub const CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: CuResult = 712;
+pub const CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: CuResult = 713;
 pub const CUDA_ERROR_UNKNOWN: CuResult = 999;
 
 /// `(code, cuGetErrorName, cuGetErrorString)`, NUL-terminated so the C side
@@ -28,6 +30,16 @@ const TABLE: &[(CuResult, &str, &str)] = &[
     (CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE\0", "no CUDA-capable device is detected\0"),
     (CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE\0", "invalid device ordinal\0"),
     (CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT\0", "invalid device context\0"),
+    (
+        CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+        "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED\0",
+        "part or all of the requested memory range is already mapped\0",
+    ),
+    (
+        CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
+        "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED\0",
+        "pointer does not correspond to a registered memory region\0",
+    ),
     (
         CUDA_ERROR_OPERATING_SYSTEM,
         "CUDA_ERROR_OPERATING_SYSTEM\0",

@@ -231,6 +231,50 @@ pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
     })
 }
 
+/// Host ranges page-locked with `cuMemHostRegister`, by address (lengths).
+static REGISTERED: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+
+/// `cuMemHostRegister_v2`: the range must be mapped (the real driver pins
+/// its pages) and not overlap one registered already.
+#[no_mangle]
+pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, bytes: usize, _flags: c_uint) -> CUresult {
+    ffi(|| {
+        if p.is_null() || bytes == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        current_device()?;
+        let start = p as usize;
+        let mut reg = REGISTERED.lock().map_err(|_| CUDA_ERROR_UNKNOWN)?;
+        if reg.range(..start + bytes).next_back().is_some_and(|(a, l)| a + l > start) {
+            return Err(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+        }
+        // Every page must be mapped: touching one that is not would fault,
+        // so ask the kernel (mincore fails with ENOMEM on a hole).
+        let page = 4096;
+        let first = start & !(page - 1);
+        let pages = (start + bytes - first).div_ceil(page);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: a buffer of one byte per page of the range.
+        if unsafe { libc::mincore(first as *mut c_void, pages * page, vec.as_mut_ptr()) } != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        reg.insert(start, bytes);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
+    ffi(|| {
+        REGISTERED
+            .lock()
+            .map_err(|_| CUDA_ERROR_UNKNOWN)?
+            .remove(&(p as usize))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+    })
+}
+
 /// # Safety
 /// `ptr` must be NULL or writable.
 #[no_mangle]

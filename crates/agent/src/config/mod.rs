@@ -256,6 +256,15 @@ pub struct ServiceConfig {
     /// ends it).
     #[serde(default)]
     pub on_fault: OnFault,
+    /// Fast swap (`gpusnap run --light --fast-swap`): the server's library
+    /// moves its device memory itself at the host link's speed on each
+    /// suspend and resume (docs/design/fast-swap.md).
+    #[serde(default)]
+    pub fast_swap: Option<Spanned<bool>>,
+    /// With `fast_swap`: the pinned host copies stay after each resume
+    /// (`--keep-pinned`), so every suspend after the first copies at once.
+    #[serde(default)]
+    pub keep_pinned: Option<Spanned<bool>>,
 }
 
 /// When the agent starts a service it starts itself.
@@ -455,6 +464,22 @@ impl Config {
                     return Err(invalid(
                         v.span().start,
                         format!("service {name:?}: {what} {:?}: no such {what} on this host", v.get_ref()),
+                    ));
+                }
+            }
+            if let Some(f) = s.fast_swap.as_ref().filter(|f| *f.get_ref()) {
+                if s.command.is_none() {
+                    return Err(invalid(
+                        f.span().start,
+                        format!("service {name:?}: fast_swap is for a server the agent starts (command)"),
+                    ));
+                }
+            }
+            if let Some(k) = s.keep_pinned.as_ref().filter(|k| *k.get_ref()) {
+                if !s.fast_swap.as_ref().is_some_and(|f| *f.get_ref()) {
+                    return Err(invalid(
+                        k.span().start,
+                        format!("service {name:?}: keep_pinned needs fast_swap = true"),
                     ));
                 }
             }

@@ -163,3 +163,14 @@ fn out_of_range_numbers_name_their_key_and_line() {
     assert!(e.starts_with("x.toml:16:") && e.contains("service \"b\""), "{e}");
     assert!(Config::parse(&format!("{BASE}max_waiting = 1\nrequest_timeout = \"never\"\n"), "x").is_ok());
 }
+
+#[test]
+fn fast_swap_keys() {
+    let c = Config::parse(&format!("{GOOD}fast_swap = true\nkeep_pinned = true\n"), "x.toml").unwrap();
+    assert!(c.service[0].fast_swap.as_ref().is_some_and(|f| *f.get_ref()));
+    let e = err(&format!("{GOOD}keep_pinned = true\n"));
+    assert!(e.contains("keep_pinned needs fast_swap = true"), "{e}");
+    let adopted = GOOD.replace("command = [\"serve\"]", "pid_file = \"/run/x.pid\"");
+    let e = err(&format!("{adopted}fast_swap = true\n"));
+    assert!(e.contains("fast_swap is for a server the agent starts"), "{e}");
+}

@@ -214,7 +214,7 @@ impl Agent {
                                     let max = |f: fn(&SuspendReport) -> u64| {
                                         Duration::from_millis(reports.iter().map(f).max().unwrap_or(0))
                                     };
-                                    let driver = max(|r| r.lock_ms + r.checkpoint_ms);
+                                    let driver = max(|r| r.offload_ms + r.lock_ms + r.checkpoint_ms);
                                     let release = max(|r| r.release_ms);
                                     let polls: u32 = reports.iter().map(|r| r.release_polls).sum();
                                     svc.trace(|t| {

@@ -80,6 +80,7 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             user,
             group,
             fast_swap,
+            keep_pinned,
             cmd,
             ..
         } => {
@@ -89,7 +90,11 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
                 oom_watch: *oom_watch,
                 on_fault: (*on_fault).into(),
             };
-            let light = guarded::LightOptions { preload: preload.as_deref(), fast_swap: *fast_swap };
+            let light = guarded::LightOptions {
+                preload: preload.as_deref(),
+                fast_swap: *fast_swap,
+                keep_pinned: *keep_pinned,
+            };
             guarded::run_light(cli, name.clone(), &o, &light, who, cmd)
         }
         Cmd::Run { name, lock_timeout, no_keeper, oom_watch, on_fault, cmd, .. } => {

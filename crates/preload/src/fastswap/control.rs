@@ -95,10 +95,12 @@ pub fn status_line() -> String {
     let (n, bytes, kept, kept_bytes, why) = table::summary();
     let why = if why.is_empty() { "-".to_string() } else { why.join(",").replace(' ', "_") };
     format!(
-        "phase={} gate={} movable={n} movable_bytes={bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={}",
+        "phase={} gate={} movable={n} movable_bytes={bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={} pin={} keep={}",
         swap::phase().name(),
         if super::gate::is_closed() { "closed" } else { "open" },
-        super::gate::UNGATED.load(Ordering::Relaxed)
+        super::gate::UNGATED.load(Ordering::Relaxed),
+        super::hostmem::how().name(),
+        u8::from(swap::KEEP.load(Ordering::Relaxed))
     )
 }
 

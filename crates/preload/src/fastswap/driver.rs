@@ -145,6 +145,8 @@ calls! {
     granularity = c"cuMemGetAllocationGranularity" (g: *mut usize, prop: *const AllocationProp, option: c_int);
     host_alloc = c"cuMemHostAlloc" (p: *mut *mut c_void, bytes: usize, flags: c_uint);
     free_host = c"cuMemFreeHost" (p: *mut c_void);
+    host_register = c"cuMemHostRegister_v2" (p: *mut c_void, bytes: usize, flags: c_uint);
+    host_unregister = c"cuMemHostUnregister" (p: *mut c_void);
     copy_dtoh = c"cuMemcpyDtoH_v2" (dst: *mut c_void, src: u64, bytes: usize);
     copy_htod = c"cuMemcpyHtoD_v2" (dst: u64, src: *const c_void, bytes: usize);
     ctx_get_current = c"cuCtxGetCurrent" (ctx: *mut usize);

@@ -14,6 +14,7 @@
 //!   CUDA runtime), `cuGetProcAddress` for what the runtime asks the driver;
 //! - `gate`: the quiescence gate in front of every work-submitting call;
 //! - `table`: the served allocations and those left with the driver;
+//! - `hostmem`: pinned host memory for the copies;
 //! - `swap`: offload and restore;
 //! - `control`: the socket gpusnap asks on.
 
@@ -21,6 +22,7 @@ mod control;
 mod driver;
 pub mod entry;
 mod gate;
+mod hostmem;
 mod swap;
 mod table;
 
@@ -36,6 +38,8 @@ extern "C" fn init() {
         return;
     }
     swap::VERIFY.store(std::env::var("GPUSNAP_FAST_SWAP_VERIFY").as_deref() == Ok("1"), Ordering::Relaxed);
+    swap::KEEP.store(std::env::var("GPUSNAP_FAST_SWAP_KEEP").as_deref() == Ok("1"), Ordering::Relaxed);
+    hostmem::set_how(hostmem::How::from_env());
     driver::real_dlsym();
     table::SERVING.store(true, Ordering::SeqCst);
     entry::ACTIVE.store(true, Ordering::SeqCst);

@@ -5,7 +5,7 @@
 //! offload to the end of the restore: no kernel runs meanwhile.
 
 use super::driver as cu;
-use super::{gate, table};
+use super::{gate, hostmem, table};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -51,9 +51,9 @@ fn set(p: Phase) {
 
 /// How long in-flight calls may take to drain before an offload gives up.
 const DRAIN: Duration = Duration::from_secs(30);
-/// Copy threads at most: each pins its own host buffers (the kernel's
-/// pinning and zeroing of pages, not the link, bounds an offload), so as
-/// many as the host has cores, up to this.
+/// Copy threads at most: each pins its own chunks (the kernel's zeroing
+/// and pinning of pages, not the link, bounds an offload), so as many as
+/// the host has cores, up to this.
 const THREADS: usize = 16;
 
 fn threads() -> usize {
@@ -115,6 +115,29 @@ fn checksum(p: usize, len: u64) -> [u8; 32] {
     *blake3::hash(bytes).as_bytes()
 }
 
+/// Whether the pinned copies stay after a restore, for the next offload
+/// (`GPUSNAP_FAST_SWAP_KEEP=1`): the host memory stays taken while the
+/// program runs, and an offload copies at once, without pinning anew.
+pub static KEEP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// One chunk of one allocation: (entry index, offset, length).
+type Item = (usize, u64, u64);
+
+fn items(entries: &[(u64, table::Entry)]) -> Vec<Item> {
+    let mut out = Vec::new();
+    for (i, (_, e)) in entries.iter().enumerate() {
+        out.extend(hostmem::chunks(e.bytes).map(|(off, len)| (i, off, len)));
+    }
+    // The largest chunks first, so that the threads finish together.
+    out.sort_by_key(|it| std::cmp::Reverse(it.2));
+    out
+}
+
+/// The chunk index of an item.
+fn chunk_index(off: u64) -> usize {
+    (off / hostmem::CHUNK) as usize
+}
+
 /// Moves every served allocation to pinned host memory and gives its
 /// physical memory back. Returns the bytes moved. On failure nothing has
 /// been given back and the gate is open again.
@@ -156,37 +179,52 @@ pub fn offload() -> Result<u64, Failure> {
             return Err(undo(fail("driver", format!("cuCtxSynchronize: {rc}"))));
         }
     }
-    let hosts: Vec<AtomicUsize> = entries.iter().map(|_| AtomicUsize::new(0)).collect();
-    let sums: Vec<Mutex<Option<[u8; 32]>>> = entries.iter().map(|_| Mutex::new(None)).collect();
+    let how = hostmem::how();
+    // Each allocation's chunks: pinned copies kept from an earlier swap,
+    // or filled in by the copy threads.
+    let hosts: Vec<Vec<AtomicUsize>> = entries
+        .iter()
+        .map(|(_, e)| {
+            let n = hostmem::chunks(e.bytes).count();
+            (0..n).map(|k| AtomicUsize::new(e.host.get(k).copied().unwrap_or(0))).collect()
+        })
+        .collect();
+    let sums: Vec<Vec<Mutex<[u8; 32]>>> =
+        hosts.iter().map(|h| h.iter().map(|_| Mutex::new([0; 32])).collect()).collect();
     let verify = VERIFY.load(Ordering::Relaxed);
-    let copied = parallel(entries.len(), &|i| entries[i].1.ctx, &|i| {
-        let (va, e) = &entries[i];
-        let mut host: *mut c_void = std::ptr::null_mut();
-        // SAFETY: an out-pointer to a local.
-        let rc = unsafe { cu::host_alloc(&mut host, e.bytes as usize, 0) };
-        if rc != cu::SUCCESS {
-            return Err(format!("cuMemHostAlloc of {} bytes: {rc}", e.bytes));
+    let work = items(&entries);
+    let copied = parallel(work.len(), &|n| entries[work[n].0].1.ctx, &|n| {
+        let (i, off, len) = work[n];
+        let (va, _) = &entries[i];
+        let slot = &hosts[i][chunk_index(off)];
+        let mut host = slot.load(Ordering::SeqCst);
+        if host == 0 {
+            host = hostmem::pin(how, len)?;
+            slot.store(host, Ordering::SeqCst);
         }
-        hosts[i].store(host as usize, Ordering::SeqCst);
-        // SAFETY: `bytes` of pinned host memory and of the served range.
-        let rc = unsafe { cu::copy_dtoh(host, *va, e.bytes as usize) };
+        // SAFETY: `len` bytes of pinned host memory and of the served range.
+        let rc = unsafe { cu::copy_dtoh(host as *mut c_void, va + off, len as usize) };
         if rc != cu::SUCCESS {
-            return Err(format!("cuMemcpyDtoH of {:#x}: {rc}", va));
+            return Err(format!("cuMemcpyDtoH of {:#x}: {rc}", va + off));
         }
         if verify {
-            if let Ok(mut s) = sums[i].lock() {
-                *s = Some(checksum(host as usize, e.bytes));
+            if let Ok(mut s) = sums[i][chunk_index(off)].lock() {
+                *s = checksum(host, len);
             }
         }
         Ok(())
     });
+    let host_of = |i: usize| -> Vec<usize> { hosts[i].iter().map(|h| h.load(Ordering::SeqCst)).collect() };
     if let Err(e) = copied {
-        for h in &hosts {
-            let p = h.load(Ordering::SeqCst);
-            if p != 0 {
-                // SAFETY: pinned memory this offload allocated.
-                unsafe { cu::free_host(p as *mut c_void) };
-            }
+        // Copies kept from an earlier swap stay; those pinned now go.
+        for (i, (_, en)) in entries.iter().enumerate() {
+            let mut fresh = en.clone();
+            fresh.host = host_of(i)
+                .into_iter()
+                .enumerate()
+                .map(|(k, p)| if en.host.get(k).copied() == Some(p) { 0 } else { p })
+                .collect();
+            hostmem::unpin_all(&fresh.host, fresh.bytes);
         }
         return Err(undo(fail("driver", e)));
     }
@@ -197,8 +235,12 @@ pub fn offload() -> Result<u64, Failure> {
     for (i, (va, e)) in entries.iter().enumerate() {
         let rc = table::unback(*va, e.size, e.handle);
         if let Some(entry) = t.served.get_mut(va) {
-            entry.host = hosts[i].load(Ordering::SeqCst);
-            entry.sum = sums[i].lock().ok().and_then(|s| *s);
+            entry.host = host_of(i);
+            entry.sum = if verify {
+                sums[i].iter().map(|s| s.lock().map(|s| *s).unwrap_or([0; 32])).collect()
+            } else {
+                Vec::new()
+            };
             if rc == cu::SUCCESS {
                 entry.handle = 0;
             }
@@ -250,19 +292,25 @@ pub fn restore() -> Result<u64, Failure> {
         }
     }
     let verify = VERIFY.load(Ordering::Relaxed);
-    let copied = parallel(away.len(), &|i| away[i].1.ctx, &|i| {
+    let work = items(&away);
+    let copied = parallel(work.len(), &|n| away[work[n].0].1.ctx, &|n| {
+        let (i, off, len) = work[n];
         let (va, e) = &away[i];
-        // SAFETY: the pinned copy and the range just mapped, `bytes` each.
-        let rc = unsafe { cu::copy_htod(*va, e.host as *const c_void, e.bytes as usize) };
+        let k = chunk_index(off);
+        let Some(&host) = e.host.get(k) else {
+            return Err(format!("no host copy of {:#x}", va + off));
+        };
+        // SAFETY: the pinned chunk and the range just mapped, `len` each.
+        let rc = unsafe { cu::copy_htod(va + off, host as *const c_void, len as usize) };
         if rc != cu::SUCCESS {
-            return Err(format!("cuMemcpyHtoD of {va:#x}: {rc}"));
+            return Err(format!("cuMemcpyHtoD of {:#x}: {rc}", va + off));
         }
-        if let (true, Some(want)) = (verify, e.sum) {
-            let mut back = vec![0u8; e.bytes as usize];
-            // SAFETY: a buffer of `bytes`.
-            let rc = unsafe { cu::copy_dtoh(back.as_mut_ptr().cast(), *va, e.bytes as usize) };
-            if rc != cu::SUCCESS || *blake3::hash(&back).as_bytes() != want {
-                return Err(format!("contents of {va:#x} differ after the copy back"));
+        if let (true, Some(want)) = (verify, e.sum.get(k)) {
+            let mut back = vec![0u8; len as usize];
+            // SAFETY: a buffer of `len` bytes.
+            let rc = unsafe { cu::copy_dtoh(back.as_mut_ptr().cast(), va + off, len as usize) };
+            if rc != cu::SUCCESS || blake3::hash(&back).as_bytes() != want {
+                return Err(format!("contents of {:#x} differ after the copy back", va + off));
             }
         }
         Ok(())
@@ -284,18 +332,19 @@ pub fn restore() -> Result<u64, Failure> {
         set(Phase::Offloaded);
         return Err(fail("driver", e));
     }
+    let keep = KEEP.load(Ordering::Relaxed);
     let mut moved = 0;
-    let mut copies: Vec<(usize, usize)> = Vec::new();
+    let mut copies: Vec<table::Entry> = Vec::new();
     {
         let mut g = table::table();
         if let Some(t) = g.as_mut() {
             for (va, _) in &away {
                 if let Some(e) = t.served.get_mut(va) {
-                    if e.host != 0 {
-                        copies.push((e.ctx, e.host));
+                    if !keep && !e.host.is_empty() {
+                        copies.push(e.clone());
+                        e.host = Vec::new();
                     }
-                    e.host = 0;
-                    e.sum = None;
+                    e.sum = Vec::new();
                     moved += e.bytes;
                 }
             }
@@ -303,27 +352,24 @@ pub fn restore() -> Result<u64, Failure> {
     }
     set(Phase::Resident);
     gate::open();
-    // The pinned copies are no longer needed; giving them back (the kernel
-    // unpins every page) takes seconds for tens of GB, so it happens after
-    // the program runs again, off its path.
+    // The pinned copies are no longer needed; giving them back (unpinning
+    // every page) takes seconds for tens of GB, so it happens after the
+    // program runs again, off its path.
     release_copies(copies);
     Ok(moved)
 }
 
-/// Frees pinned copies `(context, pointer)` on a thread of its own (inline
-/// if no thread can be had).
-fn release_copies(copies: Vec<(usize, usize)>) {
-    if copies.is_empty() {
+/// Unpins the copies of `entries` on a thread of its own (inline if no
+/// thread can be had).
+fn release_copies(entries: Vec<table::Entry>) {
+    if entries.is_empty() {
         return;
     }
     let free = move || {
-        for (ctx, p) in copies {
-            // SAFETY: a context the program holds, and a pinned copy this
-            // library allocated that nothing refers to any more.
-            unsafe {
-                cu::ctx_set_current(ctx);
-                cu::free_host(p as *mut c_void);
-            }
+        for e in entries {
+            // SAFETY: a context the program holds (cuMemFreeHost wants one).
+            unsafe { cu::ctx_set_current(e.ctx) };
+            hostmem::unpin_all(&e.host, e.bytes);
         }
     };
     let spare = std::sync::Arc::new(Mutex::new(Some(free)));

@@ -22,10 +22,12 @@ pub struct Entry {
     pub ctx: usize,
     /// The physical allocation; 0 while the memory is away.
     pub handle: u64,
-    /// The pinned host copy while the memory is away, else 0.
-    pub host: usize,
-    /// blake3 of the contents when they left (verification only).
-    pub sum: Option<[u8; 32]>,
+    /// The pinned host copy, chunk by chunk (`hostmem::chunks`), while the
+    /// memory is away (and, when copies are kept, while it is back); empty
+    /// when there is none.
+    pub host: Vec<usize>,
+    /// blake3 of each chunk's contents when they left (verification only).
+    pub sum: Vec<[u8; 32]>,
 }
 
 /// An allocation left with the driver, and why.
@@ -153,7 +155,15 @@ fn serve(bytes: usize) -> Option<Result<u64, c_int>> {
     }
     match back(va, size, dev) {
         Ok(handle) => {
-            let e = Entry { bytes: bytes as u64, size, device: dev, ctx, handle, host: 0, sum: None };
+            let e = Entry {
+                bytes: bytes as u64,
+                size,
+                device: dev,
+                ctx,
+                handle,
+                host: Vec::new(),
+                sum: Vec::new(),
+            };
             with(|t| t.served.insert(va, e));
             Some(Ok(va))
         }
@@ -217,10 +227,7 @@ pub extern "C" fn mem_free(ptr: u64) -> c_int {
             if e.handle != 0 {
                 rc = unback(ptr, e.size, e.handle);
             }
-            if e.host != 0 {
-                // SAFETY: the pinned copy this library made.
-                unsafe { cu::free_host(e.host as *mut std::ffi::c_void) };
-            }
+            super::hostmem::unpin_all(&e.host, e.bytes);
             // SAFETY: the reservation this library made, now empty.
             let rc2 = unsafe { cu::address_free(ptr, e.size as usize) };
             if rc != cu::SUCCESS {
