@@ -9,7 +9,7 @@
 # CASES selects (default: all but the pinning variants): torch-fast,
 # torch-fast-keep (pinned copies kept between rounds), torch-fast-alloc
 # (pinned with cuMemHostAlloc), cupy-fast, torch-driver, cupy-driver,
-# torch-vmm-driver.
+# torch-vmm-driver, jax-fast, jax-driver (XLA's allocator, CUPY_GB).
 #
 #   tests/gpu/fastswap-bench.sh [GB] [CUPY_GB]      (GB default 26)
 #
@@ -97,6 +97,8 @@ for c in $CASES; do
         torch-fast-alloc) run_case torch-fast-alloc fast tests/gpu/fastswap_torch.py "$GB" GPUSNAP_FAST_SWAP_PIN=alloc ;;
         torch-driver) run_case torch-driver driver tests/gpu/fastswap_torch.py "$GB" ;;
         cupy-fast) run_case cupy-fast fast tests/gpu/fastswap_cupy.py "$CUPY_GB" ;;
+        jax-fast) run_case jax-fast fast tests/gpu/fastswap_jax.py "$CUPY_GB" ;;
+        jax-driver) run_case jax-driver driver tests/gpu/fastswap_jax.py "$CUPY_GB" ;;
         cupy-driver) run_case cupy-driver driver tests/gpu/fastswap_cupy.py "$CUPY_GB" ;;
         torch-vmm-driver) run_case torch-vmm-driver driver tests/gpu/fastswap_torch.py "$CUPY_GB" \
             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ;;

@@ -228,3 +228,22 @@ fn targets_are_checked_before_the_driver_is_loaded() {
     let _ = done_tx.send(());
     th.join().unwrap();
 }
+
+#[test]
+fn the_guard_and_fast_swap_options_refuse_nonsense() {
+    let w = World::new(&[8192]);
+    // A guard with a fault policy, for a pid that does not exist.
+    let r = w.gpusnap(&["guard", "--on-fault", "hold", "999999999"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("no process 999999999"), "{}", r.stderr);
+    assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+    // Options that need others, and a policy that does not exist.
+    for args in [
+        &["run", "--fast-swap", "--", "true"][..],
+        &["run", "--light", "--keep-pinned", "--", "true"][..],
+        &["run", "--light", "--on-fault", "sometimes", "--", "true"][..],
+    ] {
+        let r = w.gpusnap(args);
+        assert_eq!(r.code, 2, "{args:?}: {}", r.stderr);
+    }
+}

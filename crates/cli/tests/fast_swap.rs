@@ -295,3 +295,80 @@ fn a_hibernated_fast_swap_program_wakes_with_its_memory_and_its_control_socket()
     assert_progressing_at(&st);
     std::fs::write(format!("{}.exit", st.display()), b"").unwrap();
 }
+
+/// Opens `n` connections to the library's control socket of `pid` as
+/// `uid` (python3, dropped to that user), sends `send` on each, prints the
+/// answers read within a second, one per line, then holds every
+/// connection open until its standard input closes.
+fn hold_connections(pid: i32, uid: u32, n: usize, send: &str) -> std::process::Child {
+    use std::os::unix::process::CommandExt;
+    let script = format!(
+        r#"
+import socket, sys
+conns = []
+for _ in range({n}):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect("\0gpusnap-swap-{pid}")
+    s.sendall({send:?}.encode())
+    conns.append(s)
+for s in conns:
+    s.settimeout(1.0)
+    try:
+        print(s.recv(200).decode().strip() or "closed", flush=True)
+    except socket.timeout:
+        print("waiting", flush=True)
+sys.stdin.read()
+"#
+    );
+    std::process::Command::new("python3")
+        .args(["-c", &script])
+        .uid(uid)
+        .gid(uid)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3")
+}
+
+fn answers(child: &mut std::process::Child, n: usize) -> Vec<String> {
+    use std::io::BufRead;
+    let out = child.stdout.take().unwrap();
+    std::io::BufReader::new(out).lines().take(n).map(|l| l.unwrap()).collect()
+}
+
+#[test]
+fn strangers_and_nonsense_on_the_control_socket_never_keep_gpusnap_from_it() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root (a peer of another user)");
+        return;
+    }
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "fs");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "256"]);
+    assert_progressing_at(&st);
+
+    // Another user's connections are refused at once and take no place
+    // from gpusnap, however many it holds open.
+    let mut strangers = hold_connections(pid, 65534, 20, "");
+    let got = answers(&mut strangers, 20);
+    assert!(got.iter().all(|a| a.starts_with("error denied")), "{got:?}");
+    // The program's own user: a line past the bound, and silent peers
+    // (each dropped after the read's time limit).
+    let mut own = hold_connections(pid, 0, 1, &"x".repeat(300));
+    assert_eq!(answers(&mut own, 1), vec!["error unknown: unknown request".to_string()]);
+
+    let r = w.json(&["suspend", &pid.to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        history_notes(&w, pid).iter().any(|n| n.contains("moved to pinned host memory")),
+        "the library did the offload: {:?}",
+        history_notes(&w, pid)
+    );
+    assert_eq!(w.json(&["resume", &pid.to_string()]).code, 0);
+    assert_progressing_at(&st);
+    for mut c in [strangers, own] {
+        drop(c.stdin.take());
+        let _ = c.wait();
+    }
+    assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
+}

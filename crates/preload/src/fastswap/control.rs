@@ -27,6 +27,12 @@ pub fn serve() {
     let Some(listener) = bind(&name(pid)) else { return };
     let _ = std::thread::Builder::new().name("gpusnap-swap".into()).spawn(move || {
         for conn in listener.incoming().flatten() {
+            // Who asks is known at once: a stranger never takes one of the
+            // few places below (they would hold them for the read's time).
+            if !allowed(&conn) {
+                let _ = (&conn).write_all(b"error denied: not allowed\n");
+                continue;
+            }
             // A thread per request (a status is answered while an offload
             // runs), at most a few at once.
             if ANSWERING.fetch_add(1, Ordering::SeqCst) >= MAX_ANSWERING {
@@ -104,13 +110,14 @@ pub fn status_line() -> String {
     )
 }
 
-fn answer(conn: UnixStream) {
+/// Only the program's own user or root may ask.
+fn allowed(conn: &UnixStream) -> bool {
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
-    if !peer_uid(&conn).is_some_and(|u| u == 0 || u == me) {
-        let _ = (&conn).write_all(b"error denied: not allowed\n");
-        return;
-    }
+    peer_uid(conn).is_some_and(|u| u == 0 || u == me)
+}
+
+fn answer(conn: UnixStream) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
     let mut line = String::new();
     if BufReader::new((&conn).take(256)).read_line(&mut line).is_err() {
