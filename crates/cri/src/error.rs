@@ -33,7 +33,11 @@ impl CriError {
             Code::DeadlineExceeded => {
                 CriError::Call { call, code: "deadline exceeded".into(), message: s.message().to_string() }
             }
-            c => CriError::Call { call, code: format!("{c:?}").to_lowercase(), message: s.message().to_string() },
+            c => CriError::Call {
+                call,
+                code: format!("{c:?}").to_lowercase(),
+                message: s.message().to_string(),
+            },
         }
     }
 

@@ -36,9 +36,7 @@ impl Cri {
     pub fn new(socket: &Path, timeout: Duration) -> Result<Self, CriError> {
         let path = socket.to_path_buf();
         // The URI is a placeholder: the connector dials the socket.
-        let endpoint = Endpoint::from_static("http://cri.invalid")
-            .connect_timeout(timeout)
-            .timeout(timeout);
+        let endpoint = Endpoint::from_static("http://cri.invalid").connect_timeout(timeout).timeout(timeout);
         let channel = endpoint.connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
             let path = path.clone();
             async move {
@@ -87,7 +85,9 @@ impl Cri {
     /// Every pod sandbox the runtime knows, ready or not (`ListPodSandbox`).
     pub async fn pods(&self) -> Result<Vec<Pod>, CriError> {
         let mut c = self.runtime();
-        let r = self.bounded("ListPodSandbox", c.list_pod_sandbox(api::ListPodSandboxRequest { filter: None })).await?;
+        let r = self
+            .bounded("ListPodSandbox", c.list_pod_sandbox(api::ListPodSandboxRequest { filter: None }))
+            .await?;
         Ok(r.items.into_iter().map(Pod::from).collect())
     }
 
@@ -97,16 +97,19 @@ impl Cri {
         let mut c = self.runtime();
         let req = api::PodSandboxStatusRequest { pod_sandbox_id: pod_id.into(), verbose: true };
         let r = self.bounded("PodSandboxStatus", c.pod_sandbox_status(req)).await?;
-        let status =
-            r.status.ok_or_else(|| CriError::Malformed { call: "PodSandboxStatus", what: "no status".into() })?;
+        let status = r
+            .status
+            .ok_or_else(|| CriError::Malformed { call: "PodSandboxStatus", what: "no status".into() })?;
         Ok(PodStatus::new(status, &r.info))
     }
 
     /// The containers of one pod (all pods: None), running or not (`ListContainers`).
     pub async fn containers(&self, pod_id: Option<&str>) -> Result<Vec<Container>, CriError> {
         let mut c = self.runtime();
-        let filter = pod_id.map(|id| api::ContainerFilter { pod_sandbox_id: id.into(), ..Default::default() });
-        let r = self.bounded("ListContainers", c.list_containers(api::ListContainersRequest { filter })).await?;
+        let filter =
+            pod_id.map(|id| api::ContainerFilter { pod_sandbox_id: id.into(), ..Default::default() });
+        let r =
+            self.bounded("ListContainers", c.list_containers(api::ListContainersRequest { filter })).await?;
         Ok(r.containers.into_iter().map(Container::from).collect())
     }
 
@@ -116,8 +119,9 @@ impl Cri {
         let mut c = self.runtime();
         let req = api::ContainerStatusRequest { container_id: container_id.into(), verbose: true };
         let r = self.bounded("ContainerStatus", c.container_status(req)).await?;
-        let status =
-            r.status.ok_or_else(|| CriError::Malformed { call: "ContainerStatus", what: "no status".into() })?;
+        let status = r
+            .status
+            .ok_or_else(|| CriError::Malformed { call: "ContainerStatus", what: "no status".into() })?;
         Ok(ContainerStatus::new(status, &r.info))
     }
 }

@@ -96,7 +96,10 @@ pub struct ContainerStatus {
 
 impl ContainerStatus {
     pub(crate) fn new(s: api::ContainerStatus, info: &HashMap<String, String>) -> Self {
-        ContainerStatus { running: s.state == api::ContainerState::ContainerRunning as i32, pid: info_pid(info) }
+        ContainerStatus {
+            running: s.state == api::ContainerState::ContainerRunning as i32,
+            pid: info_pid(info),
+        }
     }
 }
 
