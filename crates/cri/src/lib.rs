@@ -32,7 +32,8 @@ pub struct Cri {
 impl Cri {
     /// Connects to the runtime at `socket`; each later call gives up after
     /// `timeout`. The connection is made lazily: a runtime that is down
-    /// fails the first call, not this.
+    /// fails the first call, not this. Called within a tokio runtime, on
+    /// which the connection lives.
     pub fn new(socket: &Path, timeout: Duration) -> Result<Self, CriError> {
         let path = socket.to_path_buf();
         // The URI is a placeholder: the connector dials the socket.

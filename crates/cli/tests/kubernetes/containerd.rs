@@ -132,7 +132,14 @@ state = "{d}/state"
             ),
         )
         .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        // The client's connection lives on the runtime it was made in.
+        let cri = {
+            let _in = rt.enter();
+            Cri::new(&socket, Duration::from_secs(60)).unwrap()
+        };
         let log = std::fs::File::create(dir.join("containerd.log")).unwrap();
+        // Owned by the value at once: a failure from here on still ends it.
         let child = Command::new("containerd")
             .arg("--config")
             .arg(dir.join("config.toml"))
@@ -141,8 +148,6 @@ state = "{d}/state"
             .stderr(log)
             .spawn()
             .expect("start containerd");
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let cri = Cri::new(&socket, Duration::from_secs(60)).unwrap();
         let c = Containerd { dir, _tmp: tmp, child: Some(child), socket, rt, cri, shared, bridge };
         wait_for(LONG, || c.rt.block_on(c.cri.version()).is_ok());
         c.import_images();
