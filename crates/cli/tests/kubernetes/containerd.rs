@@ -29,6 +29,8 @@ pub struct Containerd {
     /// Mounted into the pods: the workloads' status files.
     pub shared: PathBuf,
     bridge: String,
+    /// Its network's index (the claim file's).
+    net: u32,
 }
 
 /// A pod the test runs: its sandbox, its one container and that
@@ -61,10 +63,31 @@ fn which(p: &str) -> bool {
     std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).any(|d| d.join(p).is_file())
 }
 
-/// A network of its own for each containerd: tests run side by side.
+/// A network of its own for each containerd (tests run side by side, in
+/// processes of their own): the first index 1..=250 whose claim file this
+/// test creates, or takes over from a test process that is gone.
 fn net_index() -> u32 {
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    (std::process::id().wrapping_mul(7) + NEXT.fetch_add(1, Ordering::Relaxed)) % 250 + 1
+    let start = std::process::id().wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed));
+    for i in 0..250 {
+        let n = (start + i) % 250 + 1;
+        let claim = net_claim(n);
+        let me = std::process::id().to_string();
+        if std::fs::OpenOptions::new().write(true).create_new(true).open(&claim).is_ok() {
+            std::fs::write(&claim, &me).unwrap();
+            return n;
+        }
+        let owner = std::fs::read_to_string(&claim).ok().and_then(|s| s.trim().parse::<i32>().ok());
+        if owner.is_some_and(|p| p > 0 && !Path::new(&format!("/proc/{p}")).exists()) {
+            std::fs::write(&claim, &me).unwrap();
+            return n;
+        }
+    }
+    panic!("no free test network: 250 claims in /tmp/gsnap-ctd-net.*");
+}
+
+fn net_claim(n: u32) -> PathBuf {
+    PathBuf::from(format!("/tmp/gsnap-ctd-net.{n}"))
 }
 
 impl Containerd {
@@ -84,6 +107,7 @@ impl Containerd {
         std::fs::create_dir_all(&shared).unwrap();
         let n = net_index();
         let bridge = format!("gsnap{n}");
+        let net = n;
         std::fs::write(
             dir.join("net.d/10-gpusnap-test.conflist"),
             serde_json::to_vec_pretty(&serde_json::json!({
@@ -148,7 +172,7 @@ state = "{d}/state"
             .stderr(log)
             .spawn()
             .expect("start containerd");
-        let c = Containerd { dir, _tmp: tmp, child: Some(child), socket, rt, cri, shared, bridge };
+        let c = Containerd { dir, _tmp: tmp, child: Some(child), socket, rt, cri, shared, bridge, net };
         wait_for(LONG, || c.rt.block_on(c.cri.version()).is_ok());
         c.import_images();
         Some(c)
@@ -399,5 +423,6 @@ impl Drop for Containerd {
             }
         }
         let _ = Command::new("ip").args(["link", "del", &self.bridge]).stderr(Stdio::null()).status();
+        let _ = std::fs::remove_file(net_claim(self.net));
     }
 }

@@ -233,3 +233,24 @@ fn a_killed_agent_adopts_the_pods_as_they_were() {
         assert_progressing_at(&p.status);
     }
 }
+
+#[test]
+fn a_pod_resumed_on_a_full_gpu_takes_the_place_of_an_idle_one() {
+    let mut w = World::new(&[1024]);
+    let Some(ctd) = Containerd::new() else { return };
+    let never = [("gpusnap.io/suspend-after", "never")];
+    let first = ctd.run_pod(&w, "test", "first", &enabled(&never), 600);
+    let mut agent = Agent::new(&w, &ctd);
+    agent.start(&mut w);
+    wait_for(LONG, || agent.state("test.first") == "running");
+    agent.act("test.first", "suspend");
+    // The GPU holds one of them: the second runs in the first's room.
+    let second = ctd.run_pod(&w, "test", "second", &enabled(&never), 600);
+    wait_for(LONG, || agent.state("test.second") == "running");
+    agent.act("test.first", "resume");
+    assert_eq!(agent.state("test.first"), "running");
+    assert_eq!(agent.state("test.second"), "suspended");
+    assert_eq!(driver_state(&w, first.pid), "running");
+    assert_eq!(driver_state(&w, second.pid), "checkpointed");
+    assert_progressing_at(&first.status);
+}
