@@ -38,6 +38,9 @@ pub struct Containerd {
 pub struct TestPod {
     pub id: String,
     pub pid: i32,
+    container_id: String,
+    sandbox: api::PodSandboxConfig,
+    container: api::ContainerConfig,
     pub status: PathBuf,
 }
 
@@ -313,20 +316,46 @@ state = "{d}/state"
             }),
             ..Default::default()
         };
+        let mut pod = TestPod { id, pid: 0, status, container_id: String::new(), sandbox: config, container };
+        self.start_container(&mut pod);
+        pod
+    }
+
+    /// Creates and starts the pod's container; returns once its workload
+    /// has done its first intact iteration.
+    fn start_container(&self, pod: &mut TestPod) {
+        let mut c = self.cri.runtime();
         let req = api::CreateContainerRequest {
-            pod_sandbox_id: id.clone(),
-            config: Some(container),
-            sandbox_config: Some(config),
+            pod_sandbox_id: pod.id.clone(),
+            config: Some(pod.container.clone()),
+            sandbox_config: Some(pod.sandbox.clone()),
         };
         let cid = self.call("CreateContainer", c.create_container(req)).container_id;
         self.call(
             "StartContainer",
             c.start_container(api::StartContainerRequest { container_id: cid.clone() }),
         );
-        wait_for(LONG, || read_status(&status).is_some_and(|s| s.1 >= 1));
         let pid =
             self.rt.block_on(self.cri.container_status(&cid)).unwrap().pid.expect("the container's pid");
-        TestPod { id, pid, status }
+        wait_for(LONG, || read_status(&pod.status).is_some_and(|s| s.0 == pid && s.1 >= 1));
+        pod.container_id = cid;
+        pod.pid = pid;
+    }
+
+    /// The pod's container ended and started anew, as the kubelet restarts
+    /// a container that died: a new process in the same pod.
+    pub fn restart_container(&self, pod: &mut TestPod) {
+        let mut c = self.cri.runtime();
+        let id = pod.container_id.clone();
+        self.call(
+            "StopContainer",
+            c.stop_container(api::StopContainerRequest { container_id: id.clone(), timeout: 0 }),
+        );
+        self.call("RemoveContainer", c.remove_container(api::RemoveContainerRequest { container_id: id }));
+        if let Some(m) = pod.container.metadata.as_mut() {
+            m.attempt += 1;
+        }
+        self.start_container(pod);
     }
 
     /// Stops and removes a pod, as the kubelet does once it is deleted.

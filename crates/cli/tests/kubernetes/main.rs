@@ -254,3 +254,25 @@ fn a_pod_resumed_on_a_full_gpu_takes_the_place_of_an_idle_one() {
     assert_eq!(driver_state(&w, second.pid), "checkpointed");
     assert_progressing_at(&first.status);
 }
+
+#[test]
+fn a_restarted_container_is_adopted_anew() {
+    let mut w = World::new(&[8192]);
+    let Some(ctd) = Containerd::new() else { return };
+    let mut pod =
+        ctd.run_pod(&w, "test", "restarts", &enabled(&[("gpusnap.io/suspend-after", "never")]), 256);
+    let mut agent = Agent::new(&w, &ctd);
+    agent.start(&mut w);
+    wait_for(LONG, || agent.state("test.restarts") == "running");
+    let old = pod.pid;
+    ctd.restart_container(&mut pod);
+    assert_ne!(old, pod.pid);
+    // Its old process ended (exited), the runtime says which is new: adopted.
+    wait_for(LONG, || {
+        agent.service("test.restarts").is_some_and(|s| s["pid"] == pod.pid && s["state"] == "running")
+    });
+    agent.act("test.restarts", "suspend");
+    assert_eq!(driver_state(&w, pod.pid), "checkpointed");
+    agent.act("test.restarts", "resume");
+    assert_progressing_at(&pod.status);
+}
