@@ -1,4 +1,5 @@
-//! Following the node's pods: each poll lists the sandboxes and containers,
+//! Following the node's pods: each poll lists the sandboxes and containers
+//! (two calls; a container's pid is asked once, when it is first seen),
 //! serves the enabled pods not yet served, follows the pid of their
 //! container, and closes the record of the pods gone. A failed listing
 //! changes nothing: a pod is gone only when the runtime says so.
@@ -10,7 +11,7 @@ use crate::metrics::PodKeyLabels;
 use crate::service::Service;
 use crate::state::Agent;
 use gpusnap_core::target;
-use gpusnap_cri::{Cri, CriError, Pod};
+use gpusnap_cri::{Container, Cri, CriError, Pod};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -26,6 +27,8 @@ pub struct Follower {
     cri: Cri,
     /// The bad annotations already reported, by pod sandbox: each once.
     reported: HashMap<String, BTreeSet<String>>,
+    /// The host pid of each running container seen, by container id.
+    pids: HashMap<String, i32>,
 }
 
 /// A pod to serve: its listing, and the container chosen.
@@ -37,7 +40,11 @@ struct Found {
 
 impl Follower {
     pub fn new(cfg: &crate::config::KubernetesConfig) -> Result<Self, CriError> {
-        Ok(Self { cri: Cri::new(&cfg.cri_socket, cfg.cri_timeout)?, reported: HashMap::new() })
+        Ok(Self {
+            cri: Cri::new(&cfg.cri_socket, cfg.cri_timeout)?,
+            reported: HashMap::new(),
+            pids: HashMap::new(),
+        })
     }
 
     /// Follows the pods for ever, each `poll_interval`.
@@ -75,10 +82,17 @@ impl Follower {
         let pods = self.cri.pods().await?;
         let listed: HashSet<String> = pods.iter().map(|p| p.id.clone()).collect();
         self.reported.retain(|id, _| listed.contains(id));
+        // One listing of every container, when a pod asks to be served.
+        let containers = match pods.iter().any(|p| p.ready && annotations::enabled(&p.annotations)) {
+            true => self.cri.containers(None).await?,
+            false => Vec::new(),
+        };
+        let running: HashSet<&str> = containers.iter().filter(|c| c.running).map(|c| c.id.as_str()).collect();
+        self.pids.retain(|id, _| running.contains(id.as_str()));
         let mut keep = HashSet::new();
         for pod in pods.into_iter().filter(|p| p.ready && annotations::enabled(&p.annotations)) {
             let name = annotations::service_name(&pod.namespace, &pod.name);
-            let found = match self.container_of(&pod).await {
+            let found = match self.container_of(&pod, &containers).await {
                 Ok(f) => f,
                 // Gone between the two calls: the next poll says so.
                 Err(e) if e.is_not_found() => None,
@@ -130,15 +144,27 @@ impl Follower {
 
     /// The pod's container to serve (`gpusnap.io/container`, else the
     /// first running one by name) and its pid; None when none runs.
-    async fn container_of(&self, pod: &Pod) -> Result<Option<Found>, CriError> {
-        let mut list = self.cri.containers(Some(&pod.id)).await?;
+    /// The pid of a container is asked once (a verbose `ContainerStatus`):
+    /// a container's first process never changes, a restart is a new container.
+    async fn container_of(&mut self, pod: &Pod, all: &[Container]) -> Result<Option<Found>, CriError> {
+        let mut list: Vec<&Container> = all.iter().filter(|c| c.pod_id == pod.id && c.running).collect();
         list.sort_by(|a, b| a.name.cmp(&b.name));
         let wanted = annotations::container(&pod.annotations);
-        let Some(c) = list.into_iter().find(|c| c.running && wanted.is_none_or(|w| w == c.name)) else {
+        let Some(c) = list.into_iter().find(|c| wanted.is_none_or(|w| w == c.name)) else {
             return Ok(None);
         };
-        let st = self.cri.container_status(&c.id).await?;
-        Ok(st.pid.filter(|_| st.running).map(|pid| Found { pod: pod.clone(), container: c.name, pid }))
+        let pid = match self.pids.get(&c.id) {
+            Some(pid) => Some(*pid),
+            None => {
+                let st = self.cri.container_status(&c.id).await?;
+                let pid = st.pid.filter(|_| st.running);
+                if let Some(pid) = pid {
+                    self.pids.insert(c.id.clone(), pid);
+                }
+                pid
+            }
+        };
+        Ok(pid.map(|pid| Found { pod: pod.clone(), container: c.name.clone(), pid }))
     }
 
     /// Serves a pod: its service made from its annotations, its process

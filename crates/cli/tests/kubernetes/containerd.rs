@@ -267,6 +267,30 @@ state = "{d}/state"
         }
     }
 
+    /// Runs pod `ns/name` with one container that sleeps (no CUDA): a pod
+    /// for the runtime to list. Returns the sandbox's id.
+    pub fn run_sleeper(&self, ns: &str, name: &str) -> String {
+        let config = self.sandbox_config(ns, name, &[]);
+        let mut c = self.cri.runtime();
+        let req = api::RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: String::new() };
+        let id = self.call("RunPodSandbox", c.run_pod_sandbox(req)).pod_sandbox_id;
+        let container = api::ContainerConfig {
+            metadata: Some(api::ContainerMetadata { name: "sleeper".into(), attempt: 0 }),
+            image: Some(api::ImageSpec { image: WORKLOAD.into(), ..Default::default() }),
+            command: vec!["/bin/sleep".into(), "1000000".into()],
+            log_path: "sleeper.log".into(),
+            ..Default::default()
+        };
+        let req = api::CreateContainerRequest {
+            pod_sandbox_id: id.clone(),
+            config: Some(container),
+            sandbox_config: Some(config),
+        };
+        let cid = self.call("CreateContainer", c.create_container(req)).container_id;
+        self.call("StartContainer", c.start_container(api::StartContainerRequest { container_id: cid }));
+        id
+    }
+
     /// Runs pod `ns/name` with `annotations` and one container `server`: a
     /// fake CUDA program holding `mib` of world `w`'s fake GPU; returns once
     /// it has done its first intact iteration.

@@ -276,3 +276,44 @@ fn a_restarted_container_is_adopted_anew() {
     agent.act("test.restarts", "resume");
     assert_progressing_at(&pod.status);
 }
+
+/// What one poll of the agent asks the runtime, timed with N pods on the
+/// node: `ListPodSandbox` and `ListContainers` every poll, and a verbose
+/// `ContainerStatus` once per container when it is first seen. Not a check:
+/// scripts/bench-kubernetes-poll.sh runs it and prints the table
+/// (`cargo test ... -- --ignored`).
+#[test]
+#[ignore]
+fn bench_cri_poll() {
+    let Some(ctd) = Containerd::new() else { return };
+    let rounds: usize = std::env::var("ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(20);
+    println!("| pods | a poll: ListPodSandbox + ListContainers, ms (median) | (max) | first sight: ContainerStatus of every pod, ms (median) |");
+    println!("|---|---|---|---|");
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e3;
+    let mut started = 0;
+    for n in [1usize, 8, 32] {
+        while started < n {
+            ctd.run_sleeper("bench", &format!("pod-{started}"));
+            started += 1;
+        }
+        let (mut poll, mut first) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let t = std::time::Instant::now();
+            let pods = ctd.rt.block_on(ctd.cri.pods()).unwrap();
+            let all = ctd.rt.block_on(ctd.cri.containers(None)).unwrap();
+            poll.push(ms(t));
+            assert_eq!(pods.len(), n);
+            let t = std::time::Instant::now();
+            for c in all.iter().filter(|c| c.running) {
+                ctd.rt.block_on(ctd.cri.container_status(&c.id)).unwrap();
+            }
+            first.push(ms(t));
+        }
+        let max = poll.iter().cloned().fold(0.0, f64::max);
+        println!("| {n} | {:.2} | {:.2} | {:.2} |", median(&mut poll), max, median(&mut first));
+    }
+}
