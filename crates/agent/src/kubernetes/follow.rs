@@ -66,7 +66,19 @@ impl Follower {
         let end = tokio::time::Instant::now() + FIRST_POLL;
         loop {
             match self.poll(agent, false).await {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    if let Ok(v) = self.cri.version().await {
+                        tracing::info!(
+                            socket = %self.cri.socket().display(),
+                            runtime = v.runtime_name,
+                            version = v.runtime_version,
+                            api = v.runtime_api_version,
+                            pods = agent.services().iter().filter(|s| s.cfg.pod.is_some()).count(),
+                            "kubernetes: following the node's pods"
+                        );
+                    }
+                    return Ok(());
+                }
                 Err(e) if tokio::time::Instant::now() >= end => return Err(e),
                 Err(e) => {
                     crate::warn_every!(LIST_FAILED, "kubernetes: {e}; trying again");
