@@ -80,6 +80,9 @@ pub struct ServiceView {
     /// What the policy does next if nothing changes, and when:
     /// `{"action": "suspend", "in_ms": 240000}`. None: nothing planned.
     pub next: Option<NextStep>,
+    /// A pod's service (`[kubernetes]`): the pod, `NAMESPACE/NAME`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -128,6 +131,7 @@ pub fn view(s: &Service) -> ServiceView {
         last_error: g.last_error.clone(),
         gpu_memory: g.full_footprint.or(g.footprint).or(s.cfg.gpu_memory),
         next: next_step(s, &g),
+        pod: s.cfg.pod.as_ref().map(|p| format!("{}/{}", p.namespace, p.name)),
     }
 }
 
@@ -146,7 +150,7 @@ async fn one_service(AxState(agent): AxState<Ctl>, name: Result<Path<String>, Pa
         Err(e) => return bad_request(e.body_text()),
     };
     match agent.service(&name) {
-        Some(s) => Json(view(s)).into_response(),
+        Some(s) => Json(view(&s)).into_response(),
         None => error(StatusCode::NOT_FOUND, format!("no service {name:?}"), 2),
     }
 }
@@ -159,7 +163,7 @@ async fn action(
         Ok(p) => p,
         Err(e) => return bad_request(e.body_text()),
     };
-    let Some(svc) = agent.service(&name).cloned() else {
+    let Some(svc) = agent.service(&name) else {
         return error(StatusCode::NOT_FOUND, format!("no service {name:?}"), 2);
     };
     let Some(act) = Action::parse(&action) else {

@@ -59,10 +59,11 @@ pub trait Control: Send + Sync + 'static {
     /// The group whose members may use the API besides root.
     fn api_group(&self) -> Option<&str>;
 
-    fn services(&self) -> &[Arc<Service>];
+    /// The services now (a snapshot).
+    fn services(&self) -> Arc<Vec<Arc<Service>>>;
 
-    fn service(&self, name: &str) -> Option<&Arc<Service>> {
-        self.services().iter().find(|s| s.name == name)
+    fn service(&self, name: &str) -> Option<Arc<Service>> {
+        self.services().iter().find(|s| s.name == name).cloned()
     }
 
     fn metrics(&self) -> &Metrics;

@@ -50,7 +50,7 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         // Bind every listen address before anything else: a taken port is a
         // setup error now, not a silent hole later.
         let mut proxies = Vec::new();
-        for svc in agent.services() {
+        for svc in agent.services().iter() {
             let addr = *svc.cfg.listen.get_ref();
             let l = tokio::net::TcpListener::bind(addr)
                 .await
@@ -71,6 +71,19 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
                     .await
                     .map_err(|e| AgentError::Setup(format!("metrics_listen {a}: {e}")))?,
             ),
+            None => None,
+        };
+        // The node's pods are listed before the adoption, which finds them
+        // again as it finds the file's services.
+        let follower = match agent.kubernetes() {
+            Some(k) => {
+                let mut f = crate::kubernetes::Follower::new(k)
+                    .map_err(|e| AgentError::Setup(format!("[kubernetes] {e}")))?;
+                f.first_poll(&agent)
+                    .await
+                    .map_err(|e| AgentError::Setup(format!("[kubernetes] the runtime did not answer: {e}")))?;
+                Some((f, k.poll_interval))
+            }
             None => None,
         };
         {
@@ -117,6 +130,9 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
                     a.tick().await;
                 }
             });
+        }
+        if let Some((f, every)) = follower {
+            tokio::spawn(f.run(Arc::clone(&agent), every));
         }
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
         tracing::info!(socket = %agent.cfg().socket.display(), services = agent.services().len(), "agent ready");

@@ -8,6 +8,8 @@
 //! - [`control`] is what the API and the proxies may ask of the agent;
 //! - [`proxy`] is a TCP proxy per service, which wakes it on demand;
 //! - [`frontdoor`] is one HTTP listener for all, routing by model;
+//! - [`kubernetes`] serves the node's annotated pods, found through the
+//!   runtime's CRI socket;
 //! - [`api`] serves HTTP/JSON on a unix socket to the peers [`peer`] lets
 //!   in, [`client`] is the CLI's side;
 //! - [`daemon`] starts it all and tells systemd it is ready;
@@ -33,6 +35,7 @@ pub mod environ;
 pub mod error;
 pub mod frontdoor;
 pub mod hooks;
+pub mod kubernetes;
 pub mod limits;
 pub mod listen;
 pub mod logs;

@@ -31,6 +31,13 @@ pub struct ServiceLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PodKeyLabels {
+    /// `NAMESPACE/NAME`.
+    pub pod: String,
+    pub key: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PhaseLabels {
     pub phase: String,
 }
@@ -65,6 +72,7 @@ pub struct Metrics {
     pub swap: Histograms<KindLabels>,
     pub swap_events: Family<EventLabels, Counter>,
     pub faults: Family<ServiceLabels, Counter>,
+    pub annotation_errors: Family<PodKeyLabels, Counter>,
 }
 
 /// A histogram family whose buckets come from `fn() -> Histogram`.
@@ -177,6 +185,13 @@ impl Metrics {
                 r,
                 "faults",
                 "Processes of a service whose CUDA context faulted (the guard could not suspend them)",
+                None,
+                Family::default(),
+            ),
+            annotation_errors: register(
+                r,
+                "kubernetes_annotation_errors",
+                "Bad gpusnap.io annotations of the node's pods, by pod and key (each pod left alone)",
                 None,
                 Family::default(),
             ),

@@ -157,6 +157,9 @@ pub struct Service {
     /// Backend connections the front door holds open (kept or in use): a
     /// hibernation waits for them to be closed before CRIU's dump.
     pub backend_conns: tokio::sync::watch::Sender<usize>,
+    /// A pod's service: the host pid of its container's first process, as
+    /// the runtime last said (0: none running).
+    pod_pid: std::sync::atomic::AtomicI32,
 }
 
 impl Service {
@@ -188,7 +191,17 @@ impl Service {
             }),
             changed: tokio::sync::watch::channel(0).0,
             backend_conns: tokio::sync::watch::channel(0).0,
+            pod_pid: std::sync::atomic::AtomicI32::new(0),
         }
+    }
+
+    /// A pod's service: its container's pid, as the runtime last said.
+    pub fn pod_pid(&self) -> Option<i32> {
+        Some(self.pod_pid.load(std::sync::atomic::Ordering::Relaxed)).filter(|p| *p > 0)
+    }
+
+    pub fn set_pod_pid(&self, pid: Option<i32>) {
+        self.pod_pid.store(pid.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {

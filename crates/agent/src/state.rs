@@ -34,7 +34,11 @@ pub struct Setup {
 
 pub struct Agent {
     cfg: AgentConfig,
-    services: Vec<Arc<Service>>,
+    kubernetes: Option<crate::config::KubernetesConfig>,
+    /// The services: the file's, then the pods found on the node as they
+    /// come and go. Readers take a snapshot (the `Arc`), which a change
+    /// replaces.
+    services: std::sync::RwLock<Arc<Vec<Arc<Service>>>>,
     metrics: Metrics,
     state_dir: PathBuf,
     images: ImageStore,
@@ -70,7 +74,8 @@ impl Agent {
         let services = s.config.service.into_iter().map(|c| Arc::new(Service::new(c))).collect();
         Ok(Self {
             cfg: s.config.agent,
-            services,
+            kubernetes: s.config.kubernetes,
+            services: std::sync::RwLock::new(Arc::new(services)),
             metrics: Metrics::new(),
             images,
             state_dir: s.state_dir,
@@ -87,12 +92,39 @@ impl Agent {
         &self.cfg
     }
 
-    pub fn services(&self) -> &[Arc<Service>] {
-        &self.services
+    /// `[kubernetes]`, when the agent follows the node's pods.
+    pub fn kubernetes(&self) -> Option<&crate::config::KubernetesConfig> {
+        self.kubernetes.as_ref()
     }
 
-    pub fn service(&self, name: &str) -> Option<&Arc<Service>> {
-        self.services.iter().find(|s| s.name == name)
+    /// The services now (a snapshot: a pod may come or go meanwhile).
+    pub fn services(&self) -> Arc<Vec<Arc<Service>>> {
+        Arc::clone(&self.services.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub fn service(&self, name: &str) -> Option<Arc<Service>> {
+        self.services().iter().find(|s| s.name == name).cloned()
+    }
+
+    /// Adds a service (a pod found on the node); false when the name is taken.
+    pub fn add_service(&self, svc: Arc<Service>) -> bool {
+        let mut all = self.services.write().unwrap_or_else(|e| e.into_inner());
+        if all.iter().any(|s| s.name == svc.name) {
+            return false;
+        }
+        let mut next = Vec::clone(&all);
+        next.push(svc);
+        *all = Arc::new(next);
+        true
+    }
+
+    /// Removes a service (a pod gone from the node); its record goes with
+    /// the next write of the records.
+    pub fn remove_service(&self, name: &str) -> Option<Arc<Service>> {
+        let mut all = self.services.write().unwrap_or_else(|e| e.into_inner());
+        let gone = all.iter().find(|s| s.name == name).cloned()?;
+        *all = Arc::new(all.iter().filter(|s| s.name != name).cloned().collect());
+        Some(gone)
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -168,7 +200,7 @@ impl Agent {
     fn persist_with(&self, doing: Option<(&str, &str)>) {
         let _g = self.persist_lock.lock().unwrap_or_else(|e| e.into_inner());
         let mut all = BTreeMap::new();
-        for s in &self.services {
+        for s in self.services().iter() {
             let mut p = Self::persisted_of(s);
             if let Some((name, what)) = doing {
                 if name == s.name {
@@ -198,6 +230,14 @@ impl Agent {
         }
     }
 
+    /// Journals `what` on a process that is no service's (yet): a pod the
+    /// agent does not serve.
+    pub fn note_on(&self, t: &Target, op: &str, what: &str) {
+        if let Err(err) = Store::open(&self.state_dir).and_then(|mut s| s.note(t, op, None, what)) {
+            tracing::warn!(pid = t.pid, "could not journal: {err}");
+        }
+    }
+
     /// The CUDA processes of a service: those of its tree that map libcuda or
     /// that the driver knows (a driver library installed under another name).
     pub fn cuda_pids(&self, root: i32) -> Vec<i32> {
@@ -210,7 +250,7 @@ impl Agent {
         let mut host = 0u64;
         let mut images = 0u64;
         let store = Store::open(&self.state_dir).ok();
-        for s in &self.services {
+        for s in self.services().iter() {
             let g = s.lock();
             *by_state.entry(g.state).or_insert(0i64) += 1;
             if g.state == State::Suspended {

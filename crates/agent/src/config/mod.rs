@@ -8,8 +8,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 use toml::Spanned;
 
+mod kubernetes;
+
 use crate::units::{duration, duration_or_never, size, size_opt};
 pub use crate::units::{parse_duration, parse_size};
+pub use kubernetes::{KubernetesConfig, PodRef};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -26,6 +29,8 @@ pub struct Config {
     pub agent: AgentConfig,
     #[serde(default)]
     pub service: Vec<ServiceConfig>,
+    /// The pods of this node, found through the runtime's CRI socket.
+    pub kubernetes: Option<KubernetesConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -265,6 +270,9 @@ pub struct ServiceConfig {
     /// (`--keep-pinned`), so every suspend after the first copies at once.
     #[serde(default)]
     pub keep_pinned: Option<Spanned<bool>>,
+    /// Made for a pod of the node (`[kubernetes]`), not read from the file.
+    #[serde(skip)]
+    pub(crate) pod: Option<PodRef>,
 }
 
 /// When the agent starts a service it starts itself.
@@ -616,6 +624,16 @@ fn check(cfg: &Config, text: &str) -> Result<(), (usize, String)> {
     }
     for s in &cfg.service {
         check_service(s, text)?;
+    }
+    if let Some(k) = &cfg.kubernetes {
+        let table = section_start(text, "[kubernetes]").unwrap_or(0);
+        let at = |key: &str| key_offset(text, table, key).unwrap_or(table);
+        within("poll_interval", k.poll_interval, 100 * MS, 600 * SEC)
+            .map_err(|e| (at("poll_interval"), e))?;
+        within("cri_timeout", k.cri_timeout, 100 * MS, 600 * SEC).map_err(|e| (at("cri_timeout"), e))?;
+        if !k.cri_socket.is_absolute() {
+            return Err((at("cri_socket"), "[kubernetes] cri_socket must be an absolute path".into()));
+        }
     }
     Ok(())
 }

@@ -138,7 +138,8 @@ async fn handle(
             return error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("request body: {e}"))
         }
     };
-    let (svc, path) = match route::route(agent.services(), &parts, &body) {
+    let services = agent.services();
+    let (svc, path) = match route::route(&services, &parts, &body) {
         Ok(r) => r,
         Err(resp) => return *resp,
     };

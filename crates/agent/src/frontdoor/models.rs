@@ -62,7 +62,8 @@ pub fn readyz(agent: &Arc<dyn Control>) -> Response<Body> {
         .iter()
         .filter_map(|s| agent.hopeless(s).map(|r| j!({ "service": s.name, "reason": r.reason })))
         .collect();
-    let ready = down.len() < agent.services().len() || agent.services().is_empty();
+    let all = agent.services().len();
+    let ready = down.len() < all || all == 0;
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     json(status, &j!({ "ready": ready, "unavailable": down }))
 }

@@ -34,98 +34,95 @@ impl Agent {
             tracing::warn!(path = %stale.path.display(), "removed the temporary image of an interrupted hibernate");
         }
         let old = self.load_persisted();
-        for svc in self.services() {
+        for svc in self.services().iter() {
             let rec = old.get(&svc.name).cloned().unwrap_or_default();
-            let found = self.find_process(svc, &rec);
-            let mut g = svc.lock();
-            g.runner = rec.runner;
-            g.full_footprint = rec.full_footprint;
-            match found {
-                Some(t) => {
-                    let pids = self.cuda_pids(t.pid);
-                    g.process = Some(t.clone());
-                    drop(g);
-                    let woken = rec.image.as_ref().filter(|_| {
-                        rec.doing.as_deref() == Some("wake")
-                            && rec.start_time.is_some_and(|st| st != t.start_time)
-                    });
-                    // A process its guard holds with a faulted context stays held.
-                    let state = if self.faulted(svc) { State::Faulted } else { self.adopted_state(&pids) };
-                    let mut g = svc.lock();
-                    svc.set_state(&mut g, state);
-                    drop(g);
-                    self.journal(svc, Some(&t), &format!("adopted as {} (pid {})", state.as_str(), t.pid));
-                    if rec.doing.as_deref() == Some(super::suspend::HOOKED_SUSPEND) && state == State::Running
-                    {
-                        self.undo_hook(svc);
-                    }
-                    if let Some(image) = woken {
-                        // The previous agent died mid-wake, after CRIU had
-                        // restored the tree and before the driver's restore
-                        // was recorded: the live process is the service now
-                        // (a second wake would find its pids taken). Its
-                        // image stays until it runs again: it holds the
-                        // footprint the resume needs, and nothing is deleted
-                        // before its replacement is verified.
-                        self.start_guard(&pids, svc.cfg.on_fault);
-                        self.journal(
-                            svc,
-                            Some(&t),
-                            &format!(
-                                "woken from {image} by the previous agent; the image is kept until it runs"
-                            ),
-                        );
-                    }
-                    // A woken process not yet resumed keeps its image (above,
-                    // or an agent ago); one that runs has replaced it.
-                    if state == State::Suspended {
-                        svc.lock().image = rec.image.clone().filter(|i| self.images().manifest(i).is_ok());
-                    } else if let Some(image) = woken {
-                        if let Err(err) = self.images().remove(image) {
-                            tracing::warn!(
-                                service = svc.name,
-                                image,
-                                "could not remove the woken image: {err}"
-                            );
-                        }
-                    }
-                }
-                None => match rec.image.filter(|i| self.images().manifest(i).is_ok()) {
-                    Some(image) => {
-                        g.image = Some(image.clone());
-                        g.process = rec.pid.zip(rec.start_time).map(|(pid, start_time)| Target {
-                            pid,
-                            start_time,
-                            comm: rec.comm.clone().unwrap_or_default(),
-                            uid: 0,
-                        });
-                        svc.set_state(&mut g, State::Hibernated);
-                        drop(g);
-                        self.journal(svc, None, &format!("adopted as hibernated (image {image})"));
-                    }
-                    None if svc.cfg.start == crate::config::Start::OnDemand => {
-                        // Started (or woken from its remote) by its first request.
-                        g.process = None;
-                        svc.set_state(&mut g, State::Idle);
-                    }
-                    None if svc.cfg.command.is_some() => {
-                        svc.set_state(&mut g, State::Starting);
-                        drop(g);
-                        self.spawn_start(svc, "the agent started and found no process for it");
-                    }
-                    None => {
-                        // A refused pid file said why already.
-                        let why = g
-                            .last_error
-                            .take()
-                            .unwrap_or_else(|| "no process found (pid_file/cgroup)".into());
-                        g.last_error = Some(why);
-                        svc.set_state(&mut g, State::Exited);
-                    }
-                },
-            }
+            self.adopt_one(svc, &rec);
         }
         self.persist();
+    }
+
+    /// Finds one service again from its record `rec` (empty: none).
+    pub(crate) fn adopt_one(self: &Arc<Self>, svc: &Arc<Service>, rec: &Persisted) {
+        let rec = rec.clone();
+        let found = self.find_process(svc, &rec);
+        let mut g = svc.lock();
+        g.runner = rec.runner;
+        g.full_footprint = rec.full_footprint;
+        match found {
+            Some(t) => {
+                let pids = self.cuda_pids(t.pid);
+                g.process = Some(t.clone());
+                drop(g);
+                let woken = rec.image.as_ref().filter(|_| {
+                    rec.doing.as_deref() == Some("wake")
+                        && rec.start_time.is_some_and(|st| st != t.start_time)
+                });
+                // A process its guard holds with a faulted context stays held.
+                let state = if self.faulted(svc) { State::Faulted } else { self.adopted_state(&pids) };
+                let mut g = svc.lock();
+                svc.set_state(&mut g, state);
+                drop(g);
+                self.journal(svc, Some(&t), &format!("adopted as {} (pid {})", state.as_str(), t.pid));
+                if rec.doing.as_deref() == Some(super::suspend::HOOKED_SUSPEND) && state == State::Running {
+                    self.undo_hook(svc);
+                }
+                if let Some(image) = woken {
+                    // The previous agent died mid-wake, after CRIU had
+                    // restored the tree and before the driver's restore
+                    // was recorded: the live process is the service now
+                    // (a second wake would find its pids taken). Its
+                    // image stays until it runs again: it holds the
+                    // footprint the resume needs, and nothing is deleted
+                    // before its replacement is verified.
+                    self.start_guard(&pids, svc.cfg.on_fault);
+                    self.journal(
+                        svc,
+                        Some(&t),
+                        &format!("woken from {image} by the previous agent; the image is kept until it runs"),
+                    );
+                }
+                // A woken process not yet resumed keeps its image (above,
+                // or an agent ago); one that runs has replaced it.
+                if state == State::Suspended {
+                    svc.lock().image = rec.image.clone().filter(|i| self.images().manifest(i).is_ok());
+                } else if let Some(image) = woken {
+                    if let Err(err) = self.images().remove(image) {
+                        tracing::warn!(service = svc.name, image, "could not remove the woken image: {err}");
+                    }
+                }
+            }
+            None => match rec.image.filter(|i| self.images().manifest(i).is_ok()) {
+                Some(image) => {
+                    g.image = Some(image.clone());
+                    g.process = rec.pid.zip(rec.start_time).map(|(pid, start_time)| Target {
+                        pid,
+                        start_time,
+                        comm: rec.comm.clone().unwrap_or_default(),
+                        uid: 0,
+                    });
+                    svc.set_state(&mut g, State::Hibernated);
+                    drop(g);
+                    self.journal(svc, None, &format!("adopted as hibernated (image {image})"));
+                }
+                None if svc.cfg.start == crate::config::Start::OnDemand => {
+                    // Started (or woken from its remote) by its first request.
+                    g.process = None;
+                    svc.set_state(&mut g, State::Idle);
+                }
+                None if svc.cfg.command.is_some() => {
+                    svc.set_state(&mut g, State::Starting);
+                    drop(g);
+                    self.spawn_start(svc, "the agent started and found no process for it");
+                }
+                None => {
+                    // A refused pid file said why already.
+                    let why =
+                        g.last_error.take().unwrap_or_else(|| "no process found (pid_file/cgroup)".into());
+                    g.last_error = Some(why);
+                    svc.set_state(&mut g, State::Exited);
+                }
+            },
+        }
     }
 
     /// The previous agent ran the before_suspend hook and died before the
@@ -195,6 +192,10 @@ impl Agent {
                 return None;
             }
             return Some(t);
+        }
+        if svc.cfg.pod.is_some() {
+            // The pid of the pod's container, as the runtime last said.
+            return svc.pod_pid().and_then(|p| target::resolve(p).ok());
         }
         if let Some(cg) = &svc.cfg.cgroup {
             let pids = target::cgroup_processes(cg).ok()?;

@@ -45,7 +45,7 @@ impl Control for Agent {
         self.cfg().group.as_ref().map(|g| g.get_ref().as_str())
     }
 
-    fn services(&self) -> &[Arc<Service>] {
+    fn services(&self) -> Arc<Vec<Arc<Service>>> {
         Agent::services(self)
     }
 

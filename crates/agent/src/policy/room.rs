@@ -137,7 +137,7 @@ impl Agent {
         let needed = self.footprint_gpus(&mut e, for_svc);
         let mut nvml: Option<Vec<gpusnap_gpu::ProcessUsage>> = None;
         let mut best: Option<(i64, i64, Arc<Service>)> = None;
-        for s in self.services() {
+        for s in self.services().iter() {
             if s.name == for_svc.name {
                 continue;
             }

@@ -12,7 +12,7 @@
 use crate::common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub const IMAGE: &str = "localhost/gpusnap-fake-cuda:test";
 
@@ -275,35 +275,6 @@ conmon_env_vars = ["PATH={path}"]
     pub fn status(&self, name: &str) -> String {
         self.ok(&["inspect", "--format", "{{.State.Status}}", name])
     }
-}
-
-/// Runs `cmd` to completion within `limit` (killed and failing the test
-/// past it), its output.
-pub fn bounded(mut cmd: Command, limit: Duration) -> Output {
-    use std::io::Read;
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
-    let drain = |mut r: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut v = Vec::new();
-            let _ = r.read_to_end(&mut v);
-            v
-        })
-    };
-    let out = drain(Box::new(child.stdout.take().unwrap()));
-    let err = drain(Box::new(child.stderr.take().unwrap()));
-    let end = Instant::now() + limit;
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if Instant::now() > end {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{cmd:?} did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Output { status, stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() }
 }
 
 impl Drop for Podman {

@@ -1,0 +1,481 @@
+//! A containerd of the test's own, driven as a kubelet drives it: its root,
+//! state, socket, configuration and CNI network under the test's temporary
+//! directory (nothing of the machine's containers or images seen or
+//! touched), the CRI plugin with the `native` snapshotter, a bridge network
+//! of its own from Debian's CNI plugins, a pause image and a workload image
+//! made from a rootfs and imported (no registry); everything removed on drop.
+
+use crate::common::*;
+use crate::image::oci_archive;
+use gpusnap_cri::api;
+use gpusnap_cri::Cri;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+pub const PAUSE: &str = "localhost/gpusnap-pause:test";
+pub const WORKLOAD: &str = "localhost/gpusnap-workload:test";
+const CNI_BIN: &str = "/usr/lib/cni";
+const LONG: Duration = Duration::from_secs(120);
+
+pub struct Containerd {
+    pub dir: PathBuf,
+    _tmp: tempfile::TempDir,
+    child: Option<Child>,
+    pub socket: PathBuf,
+    pub rt: tokio::runtime::Runtime,
+    pub cri: Cri,
+    /// Mounted into the pods: the workloads' status files.
+    pub shared: PathBuf,
+    bridge: String,
+    /// Its network's index (the claim file's).
+    net: u32,
+}
+
+/// A pod the test runs: its sandbox, its one container and that
+/// container's host pid, and the status file its workload writes.
+pub struct TestPod {
+    pub id: String,
+    pub pid: i32,
+    container_id: String,
+    sandbox: api::PodSandboxConfig,
+    container: api::ContainerConfig,
+    pub status: PathBuf,
+}
+
+/// Whether this test can run a containerd: root, containerd, ctr, runc and
+/// the CNI plugins. `false` skips the test, saying why, except in CI
+/// (CI=true), which installs them and must run it.
+pub fn containerd_present() -> bool {
+    let why = if !nix::unistd::geteuid().is_root() {
+        "not root (containerd and its CRI plugin need root)"
+    } else if !["containerd", "ctr", "runc"].iter().all(|p| which(p)) {
+        "containerd, ctr or runc is not installed (apt-get install containerd runc)"
+    } else if !Path::new(CNI_BIN).join("bridge").is_file() {
+        "the CNI plugins are not in /usr/lib/cni (apt-get install containernetworking-plugins)"
+    } else {
+        return true;
+    };
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}; CI must run this test");
+    eprintln!("skipped: {why}");
+    false
+}
+
+fn which(p: &str) -> bool {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).any(|d| d.join(p).is_file())
+}
+
+/// A network of its own for each containerd (tests run side by side, in
+/// processes of their own): the first index 1..=250 whose claim file this
+/// test creates, or takes over from a test process that is gone.
+fn net_index() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed));
+    for i in 0..250 {
+        let n = (start + i) % 250 + 1;
+        let claim = net_claim(n);
+        let me = std::process::id().to_string();
+        if std::fs::OpenOptions::new().write(true).create_new(true).open(&claim).is_ok() {
+            std::fs::write(&claim, &me).unwrap();
+            return n;
+        }
+        let owner = std::fs::read_to_string(&claim).ok().and_then(|s| s.trim().parse::<i32>().ok());
+        if owner.is_some_and(|p| p > 0 && !Path::new(&format!("/proc/{p}")).exists()) {
+            std::fs::write(&claim, &me).unwrap();
+            return n;
+        }
+    }
+    panic!("no free test network: 250 claims in /tmp/gsnap-ctd-net.*");
+}
+
+fn net_claim(n: u32) -> PathBuf {
+    PathBuf::from(format!("/tmp/gsnap-ctd-net.{n}"))
+}
+
+impl Containerd {
+    /// A running containerd with both images imported; None when this
+    /// machine cannot run one (outside CI).
+    pub fn new() -> Option<Containerd> {
+        if !containerd_present() {
+            return None;
+        }
+        // Short: the socket's path must fit a sockaddr_un.
+        let tmp = tempfile::Builder::new().prefix("gsnap-ctd").tempdir_in("/tmp").unwrap();
+        let dir = tmp.path().to_path_buf();
+        let shared = dir.join("shared");
+        for d in ["root", "state", "net.d", "ipam", "logs"] {
+            std::fs::create_dir_all(dir.join(d)).unwrap();
+        }
+        std::fs::create_dir_all(&shared).unwrap();
+        let n = net_index();
+        let bridge = format!("gsnap{n}");
+        let net = n;
+        std::fs::write(
+            dir.join("net.d/10-gpusnap-test.conflist"),
+            serde_json::to_vec_pretty(&serde_json::json!({
+                "cniVersion": "1.0.0",
+                "name": format!("gpusnap-test-{n}"),
+                "plugins": [
+                    {
+                        "type": "bridge", "bridge": bridge, "isGateway": true, "ipMasq": false,
+                        "ipam": {
+                            "type": "host-local",
+                            "dataDir": dir.join("ipam"),
+                            "ranges": [[{ "subnet": format!("10.89.{n}.0/24") }]],
+                            "routes": [{ "dst": "0.0.0.0/0" }],
+                        },
+                    },
+                    { "type": "loopback" },
+                ],
+            }))
+            .unwrap(),
+        )
+        .unwrap();
+        let socket = dir.join("containerd.sock");
+        let d = dir.display();
+        std::fs::write(
+            dir.join("config.toml"),
+            format!(
+                r#"version = 2
+root = "{d}/root"
+state = "{d}/state"
+[grpc]
+  address = "{d}/containerd.sock"
+[ttrpc]
+  address = "{d}/containerd.sock.ttrpc"
+[debug]
+  address = "{d}/debug.sock"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE}"
+  disable_apparmor = true
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "native"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{CNI_BIN}"
+    conf_dir = "{d}/net.d"
+"#
+            ),
+        )
+        .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        // The client's connection lives on the runtime it was made in.
+        let cri = {
+            let _in = rt.enter();
+            Cri::new(&socket, Duration::from_secs(60)).unwrap()
+        };
+        let log = std::fs::File::create(dir.join("containerd.log")).unwrap();
+        // Owned by the value at once: a failure from here on still ends it.
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(dir.join("config.toml"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start containerd");
+        let c = Containerd { dir, _tmp: tmp, child: Some(child), socket, rt, cri, shared, bridge, net };
+        wait_for(LONG, || c.rt.block_on(c.cri.version()).is_ok());
+        c.import_images();
+        Some(c)
+    }
+
+    /// The test's images: the dynamic loader and the libraries the fake
+    /// workload and gpusnap need, busybox, and `/pause` (the sandbox's
+    /// process: sleeps until stopped). The binaries and the fake driver
+    /// come in by read-only bind mounts of the build directory.
+    fn import_images(&self) {
+        let root = self.dir.join("rootfs");
+        for d in ["proc", "sys", "dev", "tmp", "etc", "bin", "run"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/:/bin/sh\n").unwrap();
+        let target = fake_workload_bin().parent().unwrap().to_path_buf();
+        let mut libs: Vec<PathBuf> = Vec::new();
+        for b in [target.join("fake-workload"), PathBuf::from(env!("CARGO_BIN_EXE_gpusnap"))] {
+            let o = Command::new("ldd").arg(&b).output().expect("ldd");
+            for l in String::from_utf8_lossy(&o.stdout).lines() {
+                let p = l.split("=>").last().unwrap_or("").split_whitespace().next().unwrap_or("");
+                if p.starts_with('/') && !libs.iter().any(|x| x == Path::new(p)) {
+                    libs.push(PathBuf::from(p));
+                }
+            }
+        }
+        for l in &libs {
+            let dst = root.join(l.strip_prefix("/").unwrap());
+            std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+            std::fs::copy(l, &dst).unwrap();
+        }
+        let bb = ["/bin/busybox", "/usr/bin/busybox"]
+            .into_iter()
+            .find(|p| Path::new(p).is_file())
+            .expect("busybox-static (apt-get install busybox-static)");
+        std::fs::copy(bb, root.join("bin/busybox")).unwrap();
+        for a in ["sh", "sleep", "cat", "kill", "ps"] {
+            std::os::unix::fs::symlink("busybox", root.join("bin").join(a)).unwrap();
+        }
+        let pause = root.join("pause");
+        std::fs::write(&pause, "#!/bin/sh\ntrap 'exit 0' TERM INT\nwhile :; do sleep 3600 & wait $!; done\n")
+            .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&pause, std::fs::Permissions::from_mode(0o755)).unwrap();
+        for (name, entry, file) in [(PAUSE, "/pause", "pause.tar"), (WORKLOAD, "/bin/sh", "workload.tar")] {
+            let out = self.dir.join(file);
+            oci_archive(&root, name, &[entry], &out);
+            let mut cmd = Command::new("ctr");
+            cmd.arg("--address").arg(&self.socket).args([
+                "-n",
+                "k8s.io",
+                "images",
+                "import",
+                "--snapshotter",
+                "native",
+            ]);
+            cmd.arg(&out);
+            let o = bounded(cmd, LONG);
+            assert!(o.status.success(), "ctr import {name}: {}", String::from_utf8_lossy(&o.stderr));
+        }
+    }
+
+    fn sandbox_config(&self, ns: &str, name: &str, annotations: &[(&str, &str)]) -> api::PodSandboxConfig {
+        let logs = self.dir.join("logs").join(format!("{ns}_{name}"));
+        std::fs::create_dir_all(&logs).unwrap();
+        api::PodSandboxConfig {
+            metadata: Some(api::PodSandboxMetadata {
+                name: name.into(),
+                namespace: ns.into(),
+                uid: format!("uid-{ns}-{name}-{}", std::process::id()),
+                attempt: 0,
+            }),
+            hostname: name.into(),
+            log_directory: logs.display().to_string(),
+            annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            linux: Some(api::LinuxPodSandboxConfig {
+                security_context: Some(api::LinuxSandboxSecurityContext {
+                    // The fake driver, as the real one, knows a process by
+                    // its host pid: the pods share the node's pid namespace.
+                    namespace_options: Some(api::NamespaceOption {
+                        pid: api::NamespaceMode::Node as i32,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// Runs pod `ns/name` with one container that sleeps (no CUDA): a pod
+    /// for the runtime to list. Returns the sandbox's id.
+    pub fn run_sleeper(&self, ns: &str, name: &str) -> String {
+        let config = self.sandbox_config(ns, name, &[]);
+        let mut c = self.cri.runtime();
+        let req = api::RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: String::new() };
+        let id = self.call("RunPodSandbox", c.run_pod_sandbox(req)).pod_sandbox_id;
+        let container = api::ContainerConfig {
+            metadata: Some(api::ContainerMetadata { name: "sleeper".into(), attempt: 0 }),
+            image: Some(api::ImageSpec { image: WORKLOAD.into(), ..Default::default() }),
+            command: vec!["/bin/sleep".into(), "1000000".into()],
+            log_path: "sleeper.log".into(),
+            ..Default::default()
+        };
+        let req = api::CreateContainerRequest {
+            pod_sandbox_id: id.clone(),
+            config: Some(container),
+            sandbox_config: Some(config),
+        };
+        let cid = self.call("CreateContainer", c.create_container(req)).container_id;
+        self.call("StartContainer", c.start_container(api::StartContainerRequest { container_id: cid }));
+        id
+    }
+
+    /// Runs pod `ns/name` with `annotations` and one container `server`: a
+    /// fake CUDA program holding `mib` of world `w`'s fake GPU; returns once
+    /// it has done its first intact iteration.
+    pub fn run_pod(
+        &self,
+        w: &World,
+        ns: &str,
+        name: &str,
+        annotations: &[(&str, &str)],
+        mib: u64,
+    ) -> TestPod {
+        let config = self.sandbox_config(ns, name, annotations);
+        let mut c = self.cri.runtime();
+        let req = api::RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: String::new() };
+        let id = self.call("RunPodSandbox", c.run_pod_sandbox(req)).pod_sandbox_id;
+        let status = self.shared.join(format!("status-{ns}-{name}"));
+        let target = fake_workload_bin().parent().unwrap().display().to_string();
+        let mount = |p: &str, ro: bool| api::Mount {
+            container_path: p.into(),
+            host_path: p.into(),
+            readonly: ro,
+            ..Default::default()
+        };
+        let fake = w.fake_dir().display().to_string();
+        let shared = self.shared.display().to_string();
+        let env = |k: &str, v: String| api::KeyValue { key: k.into(), value: v };
+        let container = api::ContainerConfig {
+            metadata: Some(api::ContainerMetadata { name: "server".into(), attempt: 0 }),
+            image: Some(api::ImageSpec { image: WORKLOAD.into(), ..Default::default() }),
+            command: vec![fake_workload_bin().display().to_string()],
+            args: vec!["--mib".into(), mib.to_string(), "--status".into(), status.display().to_string()],
+            envs: vec![
+                env("LD_LIBRARY_PATH", fake_libdir().display().to_string()),
+                env("GPUSNAP_FAKE_DIR", fake.clone()),
+            ],
+            mounts: vec![mount(&fake, false), mount(&shared, false), mount(&target, true)],
+            log_path: "server.log".into(),
+            linux: Some(api::LinuxContainerConfig {
+                security_context: Some(api::LinuxContainerSecurityContext {
+                    namespace_options: Some(api::NamespaceOption {
+                        pid: api::NamespaceMode::Node as i32,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut pod = TestPod { id, pid: 0, status, container_id: String::new(), sandbox: config, container };
+        self.start_container(&mut pod);
+        pod
+    }
+
+    /// Creates and starts the pod's container; returns once its workload
+    /// has done its first intact iteration.
+    fn start_container(&self, pod: &mut TestPod) {
+        let mut c = self.cri.runtime();
+        let req = api::CreateContainerRequest {
+            pod_sandbox_id: pod.id.clone(),
+            config: Some(pod.container.clone()),
+            sandbox_config: Some(pod.sandbox.clone()),
+        };
+        let cid = self.call("CreateContainer", c.create_container(req)).container_id;
+        self.call(
+            "StartContainer",
+            c.start_container(api::StartContainerRequest { container_id: cid.clone() }),
+        );
+        let pid =
+            self.rt.block_on(self.cri.container_status(&cid)).unwrap().pid.expect("the container's pid");
+        wait_for(LONG, || read_status(&pod.status).is_some_and(|s| s.0 == pid && s.1 >= 1));
+        pod.container_id = cid;
+        pod.pid = pid;
+    }
+
+    /// The pod's container ended and started anew, as the kubelet restarts
+    /// a container that died: a new process in the same pod.
+    pub fn restart_container(&self, pod: &mut TestPod) {
+        let mut c = self.cri.runtime();
+        let id = pod.container_id.clone();
+        self.call(
+            "StopContainer",
+            c.stop_container(api::StopContainerRequest { container_id: id.clone(), timeout: 0 }),
+        );
+        self.call("RemoveContainer", c.remove_container(api::RemoveContainerRequest { container_id: id }));
+        if let Some(m) = pod.container.metadata.as_mut() {
+            m.attempt += 1;
+        }
+        self.start_container(pod);
+    }
+
+    /// Stops and removes a pod, as the kubelet does once it is deleted.
+    pub fn remove_pod(&self, id: &str) {
+        let mut c = self.cri.runtime();
+        self.call(
+            "StopPodSandbox",
+            c.stop_pod_sandbox(api::StopPodSandboxRequest { pod_sandbox_id: id.into() }),
+        );
+        self.call(
+            "RemovePodSandbox",
+            c.remove_pod_sandbox(api::RemovePodSandboxRequest { pod_sandbox_id: id.into() }),
+        );
+    }
+
+    fn call<T>(
+        &self,
+        what: &'static str,
+        f: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> T {
+        self.rt.block_on(self.cri.bounded(what, f)).unwrap_or_else(|e| {
+            let log = std::fs::read_to_string(self.dir.join("containerd.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(30).collect();
+            panic!("{e}\ncontainerd's log, last lines first:\n{}", tail.join("\n"))
+        })
+    }
+
+    /// The `[kubernetes]` table of an agent following this containerd.
+    pub fn agent_config(&self) -> String {
+        format!(
+            "[kubernetes]\ncri_socket = {:?}\npoll_interval = \"200ms\"\n",
+            self.socket.display().to_string()
+        )
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        // Every pod stopped and removed: their shims end, their network goes.
+        if let Ok(pods) = self.rt.block_on(self.cri.pods()) {
+            let mut c = self.cri.runtime();
+            for p in pods {
+                let id = p.id.clone();
+                let _ = self.rt.block_on(self.cri.bounded(
+                    "StopPodSandbox",
+                    c.stop_pod_sandbox(api::StopPodSandboxRequest { pod_sandbox_id: id.clone() }),
+                ));
+                let _ = self.rt.block_on(self.cri.bounded(
+                    "RemovePodSandbox",
+                    c.remove_pod_sandbox(api::RemovePodSandboxRequest { pod_sandbox_id: id }),
+                ));
+            }
+        }
+        if let Some(mut child) = self.child.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            let end = std::time::Instant::now() + Duration::from_secs(30);
+            while child.try_wait().ok().flatten().is_none() && std::time::Instant::now() < end {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        // A shim the removal missed (a failed test): it names our socket.
+        let sock = self.socket.display().to_string();
+        if let Ok(rd) = std::fs::read_dir("/proc") {
+            for e in rd.flatten() {
+                let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+                let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+                if String::from_utf8_lossy(&cmd).contains(&sock) {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+            }
+        }
+        // What containerd left mounted under its directory, deepest first.
+        let dir = self.dir.display().to_string();
+        let mut mounts: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(4).map(str::to_string))
+            .filter(|m| m.starts_with(&dir))
+            .collect();
+        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in mounts {
+            let c = std::ffi::CString::new(m).unwrap();
+            // SAFETY: a NUL-terminated path; umount2 reads it and nothing else.
+            unsafe {
+                libc::umount2(c.as_ptr(), libc::MNT_DETACH);
+            }
+        }
+        let _ = Command::new("ip").args(["link", "del", &self.bridge]).stderr(Stdio::null()).status();
+        let _ = std::fs::remove_file(net_claim(self.net));
+    }
+}
