@@ -73,8 +73,8 @@ pub fn findings(root: &Path, pid: i32) -> Vec<Finding> {
         out.push(f(
             "shm",
             Severity::Warn,
-            "holds deleted /dev/shm files: CRIU restores them through link_remap, which fails inside a container's /dev/shm (a known CRIU limitation, seen with vLLM and SGLang)".into(),
-            Some("checkpoint it before it unlinks them, or have it keep them linked; gpusnap's own suspend (no CRIU) is not affected"),
+            "holds deleted /dev/shm files (POSIX semaphores of vLLM and SGLang): CRIU dumps them as ghost files, or with link-remap as link_remap files left in that /dev/shm, which a restore whose /dev/shm is not the one dumped (a Kubernetes pod's, from its sandbox) cannot relink (CRIU issue 2980)".into(),
+            Some("podman carries a container's own /dev/shm in its checkpoint; elsewhere leave link-remap out of CRIU's configuration (ghost files need no /dev/shm of the dump's); gpusnap's own suspend (no CRIU) is not affected"),
         ));
     }
     out
@@ -89,7 +89,7 @@ pub fn host() -> Option<Finding> {
             .map(|d| d.join(name))
             .find(|p| p.is_file())
     };
-    let runtime = ["podman", "runc"].into_iter().find(|r| on_path(r).is_some())?;
+    let runtime = ["podman", "runc", "crun"].into_iter().find(|r| on_path(r).is_some())?;
     let mut problems: Vec<String> = Vec::new();
     match on_path("cuda-checkpoint") {
         None => problems.push(
@@ -106,13 +106,34 @@ pub fn host() -> Option<Finding> {
             }
         }
     }
-    let conf = std::fs::read_to_string("/etc/criu/runc.conf").unwrap_or_default();
-    let libdir = conf
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("libdir"))
-        .map(|d| d.trim().trim_matches('"').to_string());
-    if !libdir.is_some_and(|d| Path::new(&d).join("cuda_plugin.so").is_file()) {
-        problems.push("/etc/criu/runc.conf names no libdir holding cuda_plugin.so: runc's CRIU loads no CUDA plugin (unless a container's org.criu.config names a configuration that does)".into());
+    // crun reads crun.conf, else runc.conf; runc reads runc.conf.
+    let libdir = |file: &str| {
+        std::fs::read_to_string(file)
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("libdir").map(|d| d.trim().trim_matches('"').to_string()))
+            .filter(|d| Path::new(d).join("cuda_plugin.so").is_file())
+    };
+    if libdir("/etc/criu/runc.conf").is_none() && libdir("/etc/criu/crun.conf").is_none() {
+        problems.push("neither /etc/criu/runc.conf nor /etc/criu/crun.conf names a libdir holding cuda_plugin.so: the runtime's CRIU loads no CUDA plugin (unless a container's org.criu.config names a configuration that does)".into());
+    }
+    if let Some(crun) = on_path("crun") {
+        let version = std::process::Command::new(&crun)
+            .arg("--version")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+            .unwrap_or_default();
+        if !version.contains("+CRIU") {
+            problems.push(format!(
+                "{} is built without CRIU: a container run by it cannot be checkpointed (scripts/install-criu.sh --crun installs one that can; or use runc)",
+                crun.display()
+            ));
+        } else if std::fs::read_to_string("/sys/fs/cgroup/unified/cgroup.controllers")
+            .is_ok_and(|c| !c.trim().is_empty())
+        {
+            problems.push("cgroups are hybrid with a controller on the v2 hierarchy: crun refuses every container here (\"cgroups in hybrid mode not supported\"); use runc".into());
+        }
     }
     Some(if problems.is_empty() {
         f(

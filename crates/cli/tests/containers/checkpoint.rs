@@ -1,5 +1,6 @@
 //! `podman container checkpoint` / `restore` of a fake CUDA container:
-//! runc calls CRIU, CRIU's CUDA plugin calls gpusnap as `cuda-checkpoint`.
+//! runc or crun calls CRIU, CRIU's CUDA plugin calls gpusnap as
+//! `cuda-checkpoint`. Each flow runs with both runtimes.
 
 use crate::common::*;
 use crate::podman::*;
@@ -11,9 +12,18 @@ fn gpu(mib: u64) -> serde_json::Value {
 
 #[test]
 fn a_container_checkpointed_through_gpusnap_comes_back_checkpointed_when_memory_is_short() {
+    short_restore(Oci::Runc);
+}
+
+#[test]
+fn a_container_checkpointed_through_gpusnap_comes_back_checkpointed_when_memory_is_short_with_crun() {
+    short_restore(Oci::Crun);
+}
+
+fn short_restore(oci: Oci) {
     criu_present();
     let w = World::new(&[8192]);
-    let Some(pm) = Podman::new(&w) else { return };
+    let Some(pm) = Podman::with(&w, oci) else { return };
     if cuda_plugin_dir().is_none() {
         return;
     }
@@ -53,9 +63,18 @@ fn a_container_checkpointed_through_gpusnap_comes_back_checkpointed_when_memory_
 
 #[test]
 fn a_container_exported_to_a_tarball_is_restored_under_another_name() {
+    export_import(Oci::Runc);
+}
+
+#[test]
+fn a_container_exported_to_a_tarball_is_restored_under_another_name_with_crun() {
+    export_import(Oci::Crun);
+}
+
+fn export_import(oci: Oci) {
     criu_present();
     let w = World::new(&[8192]);
-    let Some(pm) = Podman::new(&w) else { return };
+    let Some(pm) = Podman::with(&w, oci) else { return };
     if cuda_plugin_dir().is_none() {
         return;
     }
