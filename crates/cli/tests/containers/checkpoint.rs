@@ -29,6 +29,8 @@ fn short_restore(oci: Oci) {
     }
     let (pid, status) = pm.workload(&w, "ckpt", 1024);
     let p = pid.to_string();
+    let runtime = if oci == Oci::Crun { "crun" } else { "runc" };
+    assert_eq!(pm.ok(&["inspect", "--format", "{{.OCIRuntime}}", "ckpt"]), runtime);
 
     pm.ok(&["container", "checkpoint", "ckpt"]);
     assert_eq!(pm.status("ckpt"), "exited");
