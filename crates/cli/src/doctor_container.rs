@@ -73,7 +73,7 @@ pub fn findings(root: &Path, pid: i32) -> Vec<Finding> {
         out.push(f(
             "shm",
             Severity::Warn,
-            "holds deleted /dev/shm files (POSIX semaphores of vLLM and SGLang): CRIU dumps them as ghost files, or with link-remap as link_remap files left in that /dev/shm, which a restore whose /dev/shm is not the one dumped (a Kubernetes pod's, from its sandbox) cannot relink (CRIU issue 2980)".into(),
+            "holds deleted /dev/shm files (POSIX semaphores of vLLM and SGLang): CRIU dumps them as ghost files, or with link-remap as link_remap files left in that /dev/shm, which a restore whose /dev/shm is not the one dumped (a Kubernetes pod's, from its sandbox) cannot relink (checkpoint-restore/criu#2980)".into(),
             Some("podman carries a container's own /dev/shm in its checkpoint; elsewhere leave link-remap out of CRIU's configuration (ghost files need no /dev/shm of the dump's); gpusnap's own suspend (no CRIU) is not affected"),
         ));
     }
