@@ -43,7 +43,7 @@ fi
 # (docs/guides/containers.md, "crun and hybrid cgroups").
 unified=/sys/fs/cgroup/unified/cgroup.controllers
 hide=0
-if [[ -s $unified ]]; then hide=1; fi
+if [[ -n $(cat "$unified" 2>/dev/null) ]]; then hide=1; fi
 flag=()
 [[ $PROFILE == release ]] && flag=(--release)
 cargo build "${flag[@]}" --quiet -p gpusnap -p gpusnap-fake-cuda -p gpusnap-fake-nvml -p gpusnap-fake-workload
