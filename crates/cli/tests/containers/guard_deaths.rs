@@ -8,10 +8,11 @@ use crate::podman::*;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Container `name`, PID 1 `gpusnap run --light` of `sh -c SCRIPT` whose
+/// Container `name`, PID 1 `gpusnap run --light` (the traced guard where
+/// not `light`, with CAP_SYS_PTRACE) of `sh -c SCRIPT` whose
 /// `{wl}` is the fake workload, `{status}` its status file; the status file
 /// and the guard's state directory.
-fn pid1(pm: &Podman, w: &World, name: &str, script: &str) -> (PathBuf, PathBuf) {
+fn pid1(pm: &Podman, w: &World, name: &str, light: bool, script: &str) -> (PathBuf, PathBuf) {
     let status = pm.shared.join(format!("status-{name}"));
     let state = pm.shared.join(format!("state-{name}"));
     let script = script
@@ -20,8 +21,15 @@ fn pid1(pm: &Podman, w: &World, name: &str, script: &str) -> (PathBuf, PathBuf) 
     let mut args: Vec<String> =
         vec!["run".into(), "-d".into(), "--init=false".into(), "--name".into(), name.into()];
     args.extend(pm.mounts(w));
+    if !light {
+        args.extend(["--cap-add".into(), "SYS_PTRACE".into()]);
+    }
     args.extend([IMAGE.into(), env!("CARGO_BIN_EXE_gpusnap").into(), "--state-dir".into()]);
-    args.extend([state.display().to_string(), "run".into(), "--light".into(), "--".into()]);
+    args.extend([state.display().to_string(), "run".into()]);
+    if light {
+        args.push("--light".into());
+    }
+    args.push("--".into());
     args.extend(["/bin/sh".into(), "-c".into(), script]);
     pm.ok(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
     (status, state)
@@ -58,6 +66,7 @@ fn a_crash_of_the_program_under_the_guard_as_pid_1_is_suspended_and_the_containe
             &pm,
             &w,
             name,
+            true,
             &format!("exec {{wl}} --mib 256 --status {{status}} --die {die} --after-ms 3000"),
         );
         let code_seen = exited(&pm, name);
@@ -78,7 +87,7 @@ fn a_fatal_cuda_error_under_the_guard_as_pid_1_is_recorded_and_the_container_exi
     let w = World::new(&[8192]);
     let Some(pm) = Podman::new(&w) else { return };
     let (status, state) =
-        pid1(&pm, &w, "fault", "exec {wl} --mib 256 --status {status} --die fault --after-ms 3000");
+        pid1(&pm, &w, "fault", true, "exec {wl} --mib 256 --status {status} --die fault --after-ms 3000");
     let code = exited(&pm, "fault");
     let (pid, _, _) = read_status(&status).expect("the program ran an iteration before it faulted");
     let h = history(&w, &state, pid);
@@ -94,9 +103,18 @@ fn a_fatal_cuda_error_under_the_guard_as_pid_1_is_recorded_and_the_container_exi
 /// comes, before the SIGKILL can.
 #[test]
 fn a_program_ignoring_sigterm_is_suspended_before_the_stop_timeout_kills_the_container() {
+    ignoring_sigterm(true);
+}
+
+#[test]
+fn a_program_ignoring_sigterm_under_the_traced_guard_is_suspended_before_the_stop_timeout() {
+    ignoring_sigterm(false);
+}
+
+fn ignoring_sigterm(light: bool) {
     let w = World::new(&[8192]);
     let Some(pm) = Podman::new(&w) else { return };
-    let (status, state) = pid1(&pm, &w, "deaf", "trap '' TERM; exec {wl} --mib 256 --status {status}");
+    let (status, state) = pid1(&pm, &w, "deaf", light, "trap '' TERM; exec {wl} --mib 256 --status {status}");
     wait_for(Duration::from_secs(60), || read_status(&status).is_some_and(|s| s.1 >= 1));
     let (pid, _, _) = read_status(&status).unwrap();
     pm.ok(&["stop", "-t", "5", "deaf"]);
