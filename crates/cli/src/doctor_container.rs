@@ -64,17 +64,38 @@ pub fn findings(root: &Path, pid: i32) -> Vec<Finding> {
             Some("the restore host must mount the same driver version at the same path; CRIU refuses a restore whose mapped files differ"),
         ));
     }
+    // Deleted /dev/shm files, by the links their inodes still have: none
+    // (a ghost file for CRIU) or some (a named semaphore's other name).
+    use std::os::unix::fs::MetadataExt;
     let deleted = |p: &str| p.starts_with("/dev/shm/") && p.ends_with("(deleted)");
-    let deleted_shm = fds.iter().any(|p| deleted(p))
-        || maps
-            .lines()
-            .any(|l| l.split_once(" /dev/shm/").is_some_and(|(_, r)| deleted(&format!("/dev/shm/{r}"))));
-    if deleted_shm {
+    let links = |p: std::path::PathBuf| std::fs::metadata(p).map(|m| m.nlink()).unwrap_or(1);
+    let mut shm_links: Vec<u64> = std::fs::read_dir(dir.join("fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|p| deleted(&p.display().to_string())))
+        .map(|e| links(e.path()))
+        .collect();
+    for l in maps.lines() {
+        if let (Some(range), Some((_, r))) = (l.split_whitespace().next(), l.split_once(" /dev/shm/")) {
+            if deleted(&format!("/dev/shm/{}", r.trim())) {
+                shm_links.push(links(dir.join("map_files").join(range)));
+            }
+        }
+    }
+    if shm_links.iter().any(|&n| n > 0) {
         out.push(f(
             "shm",
             Severity::Warn,
-            "holds deleted /dev/shm files (POSIX semaphores of vLLM and SGLang): CRIU dumps them as ghost files, or with link-remap as link_remap files left in that /dev/shm, which a restore whose /dev/shm is not the one dumped (a Kubernetes pod's, from its sandbox) cannot relink (checkpoint-restore/criu#2980)".into(),
-            Some("podman carries a container's own /dev/shm in its checkpoint; elsewhere leave link-remap out of CRIU's configuration (ghost files need no /dev/shm of the dump's); gpusnap's own suspend (no CRIU) is not affected"),
+            "holds /dev/shm files under removed names that another name still links (named POSIX semaphores, as vLLM's and SGLang's Python leave them): CRIU dumps them only with link-remap, as link_remap files left in that /dev/shm; without it the container's checkpoint fails (the container runs on), and a restore whose /dev/shm is not the one dumped (a Kubernetes pod's, from its sandbox) cannot relink them (checkpoint-restore/criu#2980)".into(),
+            Some("link-remap in CRIU's configuration for the runtime (/etc/criu/runc.conf, crun.conf); podman carries a container's own /dev/shm in its checkpoint; a pod's restore needs the /dev/shm the dump left its link_remap files in; gpusnap's own suspend (no CRIU) is not affected"),
+        ));
+    } else if !shm_links.is_empty() {
+        out.push(f(
+            "shm",
+            Severity::Info,
+            "holds deleted /dev/shm files that no name links: CRIU dumps their contents as ghost files (up to its ghost limit, 1 MiB by default), whatever /dev/shm the restore has".into(),
+            None,
         ));
     }
     out

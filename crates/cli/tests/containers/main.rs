@@ -40,5 +40,6 @@ fn a_fake_cuda_container_runs_and_is_suspended_from_the_host() {
 mod checkpoint;
 mod guard;
 mod guard_deaths;
+mod shm;
 mod targets;
 mod targets_containerd;
