@@ -1,9 +1,9 @@
 //! A containerd of the test's own: its root, state and sockets under the
-//! test's temporary directory (CRI plugin off), tasks run with `ctr run
-//! --rootfs` of a root file system the test makes (no registry, no
-//! snapshotter), in the host's pid namespace as the podman tests run theirs
-//! (the fake driver knows a process by its host pid). Every task and the
-//! daemon are ended on drop.
+//! test's temporary directory (CRI plugin off), an image imported from an
+//! archive the test makes of a root file system (no registry; `native`
+//! snapshotter), tasks run with `ctr run` in the host's pid namespace as the
+//! podman tests run theirs (the fake driver knows a process by its host
+//! pid). Every task and the daemon are ended on drop.
 
 use crate::common::*;
 use crate::podman::{bounded, build_rootfs};
@@ -13,12 +13,13 @@ use std::time::Duration;
 
 /// The namespace the tests' tasks run in.
 pub const NS: &str = "gpusnap-test";
+/// The image the tasks run.
+pub const IMAGE: &str = "localhost/gpusnap-fake-cuda:test";
 
 pub struct Containerd {
     pub dir: PathBuf,
     _tmp: tempfile::TempDir,
     daemon: Child,
-    rootfs: PathBuf,
     /// Mounted into the tasks: their status files.
     pub shared: PathBuf,
 }
@@ -66,12 +67,38 @@ impl Containerd {
             .stderr(log)
             .spawn()
             .expect("containerd");
-        let rootfs = dir.join("rootfs");
-        build_rootfs(&rootfs, fake_workload_bin().parent().unwrap());
-        let c = Containerd { dir, _tmp: tmp, daemon, rootfs, shared };
+        let c = Containerd { dir, _tmp: tmp, daemon, shared };
         let up = wait_until(Duration::from_secs(60), || c.ctr(&["version"]).status.success());
         assert!(up, "containerd did not start: {}", c.log());
+        c.import_image();
         Some(c)
+    }
+
+    /// The test image, as a docker-save archive (one uncompressed layer of
+    /// the root file system) imported into containerd's `native` snapshotter.
+    fn import_image(&self) {
+        let img = self.dir.join("image");
+        build_rootfs(&self.dir.join("rootfs"), fake_workload_bin().parent().unwrap());
+        std::fs::create_dir_all(&img).unwrap();
+        let tar = |dir: &std::path::Path, out: &std::path::Path, what: &[&str]| {
+            let st = Command::new("tar").arg("-C").arg(dir).arg("-cf").arg(out).args(what).status().unwrap();
+            assert!(st.success(), "tar {}", out.display());
+        };
+        tar(&self.dir.join("rootfs"), &img.join("layer.tar"), &["."]);
+        let sum = Command::new("sha256sum").arg(img.join("layer.tar")).output().expect("sha256sum");
+        let sum = String::from_utf8_lossy(&sum.stdout).split_whitespace().next().unwrap_or("").to_string();
+        assert_eq!(sum.len(), 64, "sha256sum of the layer");
+        let config = serde_json::json!({
+            "architecture": "amd64", "os": "linux", "config": {},
+            "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{sum}")] },
+        });
+        std::fs::write(img.join("config.json"), config.to_string()).unwrap();
+        let manifest =
+            serde_json::json!([{ "Config": "config.json", "RepoTags": [IMAGE], "Layers": ["layer.tar"] }]);
+        std::fs::write(img.join("manifest.json"), manifest.to_string()).unwrap();
+        let archive = self.dir.join("image.tar");
+        tar(&img, &archive, &["manifest.json", "config.json", "layer.tar"]);
+        self.ok(&["images", "import", "--snapshotter", "native", archive.to_str().unwrap()]);
     }
 
     fn log(&self) -> String {
@@ -102,7 +129,7 @@ impl Containerd {
         String::from_utf8_lossy(&o.stdout).trim().to_string()
     }
 
-    /// Runs task `id`: `cmd` in the test's root file system, with the fake
+    /// Runs task `id`: `cmd` in the test's image, with the fake
     /// world mounted (the build directory read-only) and its environment.
     pub fn run(&self, w: &World, id: &str, cmd: &[&str]) {
         let fake = w.fake_dir().display().to_string();
@@ -121,7 +148,7 @@ impl Containerd {
         for (p, o) in [(&fake, "rw"), (&shared, "rw"), (&target, "ro")] {
             args.extend(["--mount".into(), format!("type=bind,src={p},dst={p},options=rbind:{o}")]);
         }
-        args.extend(["--rootfs".into(), self.rootfs.display().to_string(), id.into()]);
+        args.extend(["--snapshotter".into(), "native".into(), IMAGE.into(), id.into()]);
         args.extend(cmd.iter().map(|s| s.to_string()));
         self.ok(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
     }
@@ -166,6 +193,7 @@ impl Drop for Containerd {
         for id in String::from_utf8_lossy(&list.stdout).split_whitespace() {
             let _ = self.ctr(&["container", "rm", id]);
         }
+        let _ = self.ctr(&["images", "rm", IMAGE]);
         let _ = self.daemon.kill();
         let _ = self.daemon.wait();
     }
