@@ -106,11 +106,13 @@ fn alive(pid: i32) -> bool {
             .is_some_and(|c| c != 'Z' && c != 'X')
 }
 
-/// The processes in the cgroup of `pid` or below it, on every hierarchy
-/// where that cgroup is not the root: a container's processes when its
-/// runtime names the cgroup its own way (`/NAMESPACE/ID` for `ctr run`).
-/// Only `pid` itself when all its cgroups are the root.
-pub fn cgroup_members(pid: i32) -> Vec<i32> {
+/// The processes of a container whose first process is `pid` and whose id
+/// is `id`: those in that process's cgroup or below it, on every hierarchy
+/// where that cgroup names the id (`/NAMESPACE/ID` for `ctr run`,
+/// `cri-containerd-ID.scope`); where none does (no cgroup of the
+/// container's own: the cgroup would hold other processes), the tree of
+/// `pid`.
+pub fn cgroup_members(pid: i32, id: &str) -> Vec<i32> {
     let lines = |p: i32| -> Vec<(String, String)> {
         std::fs::read_to_string(format!("/proc/{p}/cgroup"))
             .unwrap_or_default()
@@ -122,9 +124,15 @@ pub fn cgroup_members(pid: i32) -> Vec<i32> {
             })
             .collect()
     };
-    let own: Vec<(String, String)> = lines(pid).into_iter().filter(|(_, path)| path != "/").collect();
+    // A part that is the id, or holds a long one (`cri-containerd-ID.scope`).
+    let names = |part: &str, id: &str| part == id || (id.len() >= 12 && part.contains(id));
+    if !alive(pid) {
+        return Vec::new();
+    }
+    let own: Vec<(String, String)> =
+        lines(pid).into_iter().filter(|(_, path)| path.split('/').any(|part| names(part, id))).collect();
     if own.is_empty() {
-        return if alive(pid) { vec![pid] } else { Vec::new() };
+        return crate::tree::process_tree(pid).into_iter().map(|(p, _)| p).collect();
     }
     let under = |path: &str, top: &str| path == top || path.starts_with(&format!("{top}/"));
     all_pids()
@@ -411,5 +419,18 @@ mod tests {
         assert_eq!(f("/libpod_parent/libpod-abc"), None);
         let file = format!("12:memory:/process_api/x\n0::/libpod_parent/libpod-{ID}\n");
         assert_eq!(of_cgroup_file(&file).map(|c| c.runtime), Some("podman"));
+    }
+
+    #[test]
+    fn a_cgroup_that_does_not_name_the_container_gives_the_tree() {
+        // This test's cgroups name no container "gpusnap-none": its tree.
+        let me = std::process::id() as i32;
+        let mut kid = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+        let members = cgroup_members(me, "gpusnap-none");
+        let _ = kid.kill();
+        let _ = kid.wait();
+        assert!(members.contains(&me) && members.contains(&(kid.id() as i32)), "{members:?}");
+        assert!(!members.contains(&1), "{members:?}");
+        assert!(cgroup_members(i32::MAX, "x").is_empty());
     }
 }

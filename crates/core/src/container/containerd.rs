@@ -2,7 +2,8 @@
 //! (`STATE/io.containerd.runtime.v2.task/NAMESPACE/ID/` with the bundle's
 //! `config.json` and the task's `init.pid`): no gRPC, no socket. A task's
 //! processes are those in its first process's cgroup, which `ctr run`
-//! names `/NAMESPACE/ID` and the CRI plugin `cri-containerd-ID.scope`.
+//! names `/NAMESPACE/ID` and the CRI plugin `cri-containerd-ID.scope` (the
+//! first process's tree where no cgroup names it).
 
 use super::{alive, cgroup_members, frozen, pick, ContainerRef, Found, Runtime};
 use crate::error::Error;
@@ -122,7 +123,7 @@ impl Runtime for Containerd {
     }
 
     fn members(&self, found: &Found) -> Vec<i32> {
-        cgroup_members(found.pid)
+        cgroup_members(found.pid, &found.id)
     }
 
     fn running(&self) -> Vec<(ContainerRef, Vec<i32>)> {
@@ -131,7 +132,7 @@ impl Runtime for Containerd {
             .map(|t| self.found(t))
             .filter(|f| f.status == "running" || f.status == "paused")
             .map(|f| {
-                let pids = cgroup_members(f.pid);
+                let pids = cgroup_members(f.pid, &f.id);
                 (ContainerRef { runtime: "containerd", id: f.id, name: Some(f.name) }, pids)
             })
             .collect()
