@@ -1,6 +1,6 @@
 //! `--container` for containerd's tasks, resolved from the shims' task
 //! state (no gRPC): by id, unique prefix or `NAMESPACE/ID`; `ps` names
-//! them; unknown, ambiguous and stopped ones refused with exit 2.
+//! them; unknown, ambiguous, paused and stopped ones refused with exit 2.
 
 use crate::common::*;
 use crate::containerd::*;
@@ -41,7 +41,7 @@ fn a_containerd_task_is_a_target_by_id_prefix_or_namespace_and_ps_names_it() {
 }
 
 #[test]
-fn unknown_ambiguous_and_stopped_containerd_tasks_are_refused_with_the_reason() {
+fn unknown_ambiguous_paused_and_stopped_containerd_tasks_are_refused_with_the_reason() {
     let w = World::new(&[8192]);
     let Some(cd) = Containerd::new(&w) else { return };
     cd.run(&w, "idle-a", &["/bin/sleep", "100000"]);
@@ -62,6 +62,13 @@ fn unknown_ambiguous_and_stopped_containerd_tasks_are_refused_with_the_reason() 
     let (code, _, err) = cd.gpusnap(&w, &["suspend", "--container", "idle-b"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("idle-b is stopped, not running"), "{err}");
+
+    // A paused task: its cgroup is frozen, refused.
+    cd.ok(&["task", "pause", "idle-a"]);
+    let (code, _, err) = cd.gpusnap(&w, &["suspend", "--container", "idle-a"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("is paused"), "{err}");
+    cd.ok(&["task", "resume", "idle-a"]);
 
     // The running one resolves, and holds no CUDA process.
     let (code, out, err) = cd.gpusnap(&w, &["ps", "--container", "idle-a"]);
