@@ -6,7 +6,8 @@
 #   sudo scripts/bench-container-cpu.sh        REPS=5 MIB=1024 PROFILE=debug sudo scripts/bench-container-cpu.sh
 #
 # container = `podman container checkpoint` / `podman container restore`
-# (runc calling CRIU; the runtime's own work: its state, the container's
+# (runc calling CRIU, and crun where a crun with CRIU support is found:
+# $CRUN, else /opt/gpusnap/criu/bin/crun from scripts/install-criu.sh --crun; the runtime's own work: its state, the container's
 # rootfs changes and /dev/shm, conmon); process = `criu dump --tree` /
 # `criu restore -d` of the same program started bare. The fake driver
 # (docs/design/fakes.md) copies at 100 GB/s, so what differs is what the
@@ -32,12 +33,24 @@ command -v podman >/dev/null && command -v runc >/dev/null || {
 	echo "podman and runc are needed (apt-get install podman runc)" >&2
 	exit 2
 }
+CRUN=${CRUN:-/opt/gpusnap/criu/bin/crun}
+if ! "$CRUN" --version 2>/dev/null | grep -q '+CRIU'; then
+	echo "no crun with CRIU support at $CRUN: measuring runc only" >&2
+	CRUN=
+fi
+# crun refuses hybrid cgroups whose v2 half holds a controller: podman
+# runs it in a mount namespace of its own where that list is empty
+# (docs/guides/containers.md, "crun and hybrid cgroups").
+unified=/sys/fs/cgroup/unified/cgroup.controllers
+hide=0
+if [[ -n $(cat "$unified" 2>/dev/null) ]]; then hide=1; fi
 flag=()
 [[ $PROFILE == release ]] && flag=(--release)
 cargo build "${flag[@]}" --quiet -p gpusnap -p gpusnap-fake-cuda -p gpusnap-fake-nvml -p gpusnap-fake-workload
 target=$PWD/target/$PROFILE
 work=$(mktemp -d /var/tmp/gpusnap-cbench.XXXXXX)
 mkdir -p "$work"/{fake,fakelib,bin,shared,rootfs/{proc,sys,dev,tmp,etc}}
+: >"$work/no-controllers"
 ln -s "$target/libgpusnap_fake_cuda.so" "$work/fakelib/libcuda.so.1"
 ln -s "$target/libgpusnap_fake_nvml.so" "$work/fakelib/libnvidia-ml.so.1"
 export GPUSNAP_FAKE_DIR=$work/fake GPUSNAP_STATE_DIR=$work/state
@@ -103,21 +116,35 @@ ready() {
 tsv=$work/runs.tsv
 : >"$tsv"
 
+# pod RUNTIME ARGS: podman with runc or crun.
+pod() {
+	local rt=$1
+	shift
+	if [[ $rt == runc ]]; then
+		podman "$@"
+	elif ((hide)); then
+		unshare --mount --propagation private sh -c 'mount --bind "$0" "$1" && shift && exec podman "$@"' \
+			"$work/no-controllers" "$unified" --runtime "$CRUN" "$@"
+	else
+		podman --runtime "$CRUN" "$@"
+	fi
+}
+
 container() {
-	local rep=$1 t0 t1 t2
+	local rep=$1 rt=$2 t0 t1 t2
 	rm -f "$status"
-	podman run -d --name "c$rep" --pid=host --annotation "org.criu.config=$work/criu.conf" \
+	pod "$rt" run -d --name "c$rep" --pid=host --annotation "org.criu.config=$work/criu.conf" \
 		-v "$work/fake:$work/fake" -v "$work/shared:$work/shared" -v "$target:$target:ro" -v "$work/fakelib:$work/fakelib:ro" \
 		-e "LD_LIBRARY_PATH=$work/fakelib" -e "GPUSNAP_FAKE_DIR=$work/fake" \
 		localhost/gpusnap-bench:latest "$target/fake-workload" --mib "$MIB" --status "$status" >/dev/null
 	ready
 	t0=$(now)
-	podman container checkpoint "c$rep" >/dev/null
+	pod "$rt" container checkpoint "c$rep" >/dev/null
 	t1=$(now)
-	podman container restore "c$rep" >/dev/null
+	pod "$rt" container restore "c$rep" >/dev/null
 	t2=$(now)
-	printf 'container\t%s\t%s\n' "$(secs "$t0" "$t1")" "$(secs "$t1" "$t2")" >>"$tsv"
-	podman rm --force --time 0 "c$rep" >/dev/null
+	printf 'container-%s\t%s\t%s\n' "$rt" "$(secs "$t0" "$t1")" "$(secs "$t1" "$t2")" >>"$tsv"
+	pod "$rt" rm --force --time 0 "c$rep" >/dev/null
 }
 
 process() {
@@ -144,11 +171,12 @@ process() {
 }
 
 for rep in $(seq 1 "$REPS"); do
-	if ((rep % 2)); then container "$rep"; process "$rep"; else process "$rep"; container "$rep"; fi
+	if ((rep % 2)); then container "$rep" runc; process "$rep"; else process "$rep"; container "$rep" runc; fi
+	if [[ -n $CRUN ]]; then container "$rep" crun; fi
 done
 
 printf '%s MiB of fake GPU memory, %s runs each way (medians, seconds); CRIU %s, %s, %s\n\n' \
-	"$MIB" "$REPS" "$(criu --version | head -1 | awk '{print $2}')" "$(podman --version)" "$(runc --version | head -1)"
+	"$MIB" "$REPS" "$(criu --version | head -1 | awk '{print $2}')" "$(podman --version)" "$(runc --version | head -1)${CRUN:+, $("$CRUN" --version | head -1)}"
 python3 - "$tsv" <<'PY'
 import statistics, sys
 rows = {}
@@ -157,7 +185,7 @@ for line in open(sys.argv[1]):
     rows.setdefault(way, []).append((float(c), float(r)))
 print("| way | checkpoint | restore |")
 print("|---|---|---|")
-for way in ("process", "container"):
+for way in ("process", "container-runc", "container-crun"):
     v = rows.get(way, [])
     if v:
         print(f"| {way} | {statistics.median(x[0] for x in v):.3f} | {statistics.median(x[1] for x in v):.3f} |")

@@ -26,6 +26,15 @@
 # libbsd-dev uuid-dev python3 (bookworm has them all; about 2 minutes on 2
 # cores). A plugin already built for this criu version is kept.
 #
+# --crun also unpacks Debian $SUITE's crun (built with CRIU support, which
+# it loads at run time as libcriu.so.2) and libcriu2, with their own glibc,
+# into PREFIX/crun-root, and writes PREFIX/bin/crun, the command a container
+# engine names as its crun (`[engine.runtimes] crun = [...]` in podman's
+# containers.conf). Debian bookworm's crun 1.8.1 is built without CRIU and
+# answers that it does not support checkpoint/restore. As root,
+# /usr/local/bin/crun links to it unless a crun is there already. A crun
+# already installed there (`crun --version` says +CRIU) is kept.
+#
 # Environment:
 #   CRIU_DEBIAN_MIRROR  archive URI to fetch from (default: the URI this
 #                       machine's apt sources use for its own release)
@@ -44,19 +53,21 @@ die() {
 }
 
 CUDA_PLUGIN=0
+CRUN=0
 args=()
 for a in "$@"; do
 	case $a in
 		--cuda-plugin) CUDA_PLUGIN=1 ;;
+		--crun) CRUN=1 ;;
 		-h | --help)
 			sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
 			exit 0
 			;;
-		-*) die "unknown option $a (--cuda-plugin, --help)" ;;
+		-*) die "unknown option $a (--cuda-plugin, --crun, --help)" ;;
 		*) args+=("$a") ;;
 	esac
 done
-((${#args[@]} <= 1)) || die "usage: $0 [--cuda-plugin] [PREFIX]"
+((${#args[@]} <= 1)) || die "usage: $0 [--cuda-plugin] [--crun] [PREFIX]"
 PREFIX=$(realpath -m -- "${args[0]:-/opt/gpusnap/criu}")
 WRAPPER=$PREFIX/bin/criu
 PLUGIN_DIR=$PREFIX/lib/criu
@@ -108,6 +119,9 @@ link_into_path() {
 finish() {
 	if ((CUDA_PLUGIN)); then
 		cuda_plugin
+	fi
+	if ((CRUN)); then
+		crun_install
 	fi
 	link_into_path
 	log "criu $(criu_version "$WRAPPER") ready at $WRAPPER ($((SECONDS - started)) s)"
@@ -310,6 +324,82 @@ cuda_plugin() {
 	else
 		log "warning: installed $PLUGIN_DIR/cuda_plugin.so, but a probe dump could not show that criu loads it here: $(grep -m 1 Error "$work/probe/dump.log" 2>/dev/null | grep -v RLIMIT || echo 'no log')"
 	fi
+}
+
+# crun_install: PREFIX/bin/crun, Debian $SUITE's crun with CRIU support and
+# libcriu2, unpacked with their whole dependency closure into
+# PREFIX/crun-root and run through its own loader (as criu is).
+crun_install() {
+	local w=$PREFIX/bin/crun croot=$PREFIX/crun-root stage loader_rel='' crun_rel='' libs='' d listing
+	local -a cpkgs
+	if [[ -x $w ]] && "$w" --version 2>/dev/null | grep -q '+CRIU'; then
+		log "crun with CRIU support already at $w"
+		crun_link
+		return 0
+	fi
+	exec 8>"$PREFIX/.install-crun.lock"
+	flock 8 2>/dev/null || true
+	if [[ -x $w ]] && "$w" --version 2>/dev/null | grep -q '+CRIU'; then
+		crun_link
+		return 0
+	fi
+	private_apt
+	mapfile -t cpkgs < <(apt-cache "${apt_opts[@]}" depends --recurse --important crun libcriu2 |
+		grep -v -e '^ ' -e '^<' | sort -u)
+	((${#cpkgs[@]} > 2)) || die "could not resolve the dependencies of crun in $SUITE"
+	((${#cpkgs[@]} < 80)) || die "crun's dependency closure in $SUITE has ${#cpkgs[@]} packages; refusing"
+	mkdir -p "$work/crun-debs"
+	if ((EUID == 0)) && id _apt >/dev/null 2>&1; then chown _apt "$work/crun-debs"; fi
+	log "downloading ${#cpkgs[@]} packages (crun, libcriu2 and what they need)"
+	(cd "$work/crun-debs" && apt-get "${apt_opts[@]}" -qq download "${cpkgs[@]}" >&2) ||
+		die "apt-get download of crun from $mirror failed"
+	stage=$croot.new
+	rm -rf -- "$stage"
+	mkdir -p "$stage"
+	for deb in "$work"/crun-debs/*.deb; do
+		dpkg-deb -x "$deb" "$stage"
+	done
+	for d in usr/lib64/ld-linux-x86-64.so.2 lib64/ld-linux-x86-64.so.2 usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2; do
+		if [[ -e $stage/$d ]]; then loader_rel=$d && break; fi
+	done
+	[[ -n $loader_rel ]] || die "no ld-linux-x86-64.so.2 in the unpacked libc6 (crun)"
+	for d in usr/bin/crun bin/crun usr/sbin/crun; do
+		if [[ -x $stage/$d ]]; then crun_rel=$d && break; fi
+	done
+	[[ -n $crun_rel ]] || die "no crun binary in the unpacked crun package"
+	[[ -e $stage/usr/lib/x86_64-linux-gnu/libcriu.so.2 ]] || die "no libcriu.so.2 in the unpacked libcriu2"
+	listing=$("$stage/$loader_rel" --inhibit-cache --library-path "$stage/usr/lib/x86_64-linux-gnu" \
+		--list "$stage/$crun_rel" 2>&1) || die "the unpacked crun does not load: $listing"
+	if grep -q 'not found' <<<"$listing"; then
+		die "the unpacked crun misses libraries: $(grep 'not found' <<<"$listing" | tr -s ' \t\n' ' ')"
+	fi
+	rm -rf -- "$croot"
+	mv -- "$stage" "$croot"
+	libs=$croot/usr/lib/x86_64-linux-gnu
+	cat >"$w.new" <<-EOF
+		#!/bin/sh
+		# Written by gpusnap's scripts/install-criu.sh --crun: Debian $SUITE's crun
+		# (CRIU support through libcriu.so.2), run through its own glibc in $croot.
+		exec $(printf '%q' "$croot/$loader_rel") --inhibit-cache --library-path $(printf '%q' "$libs") --argv0 "\$0" $(printf '%q' "$croot/$crun_rel") "\$@"
+	EOF
+	chmod 0755 "$w.new"
+	mv -f -- "$w.new" "$w"
+	"$w" --version 2>/dev/null | grep -q '+CRIU' ||
+		die "$w does not report CRIU support: $("$w" --version 2>&1 | tr '\n' ' ')"
+	log "installed crun $("$w" --version | sed -n 's/^crun version //p') with CRIU support at $w"
+	crun_link
+}
+
+# As root, /usr/local/bin/crun links to PREFIX/bin/crun unless another
+# file is there.
+crun_link() {
+	local link=/usr/local/bin/crun
+	((EUID == 0)) || return 0
+	[[ -e $link && ! -L $link ]] && return 0
+	[[ -L $link && $(readlink -- "$link") == "$PREFIX/bin/crun" ]] && return 0
+	[[ -L $link ]] && return 0
+	ln -sfn -- "$PREFIX/bin/crun" "$link"
+	log "linked $link -> $PREFIX/bin/crun"
 }
 
 # 1. Already installed.

@@ -386,9 +386,10 @@ pub struct Select {
     /// /sys/fs/cgroup, or absolute.
     #[arg(long, value_name = "PATH")]
     pub cgroup: Option<PathBuf>,
-    /// Every CUDA process in a running container, by name or id, resolved
-    /// through its runtime (podman; a container of another runtime is
-    /// refused: name its cgroup with --cgroup).
+    /// Every CUDA process in a running container, by name, id or unique id
+    /// prefix, resolved through its runtime's state (podman; containerd's
+    /// tasks, NAMESPACE/ID too; CRI-O; a docker container is refused: name
+    /// its cgroup with --cgroup).
     #[arg(long, value_name = "NAME|ID")]
     pub container: Option<String>,
     /// The --container, once resolved.

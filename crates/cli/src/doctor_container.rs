@@ -64,17 +64,38 @@ pub fn findings(root: &Path, pid: i32) -> Vec<Finding> {
             Some("the restore host must mount the same driver version at the same path; CRIU refuses a restore whose mapped files differ"),
         ));
     }
+    // Deleted /dev/shm files, by the links their inodes still have: none
+    // (a ghost file for CRIU) or some (a named semaphore's other name).
+    use std::os::unix::fs::MetadataExt;
     let deleted = |p: &str| p.starts_with("/dev/shm/") && p.ends_with("(deleted)");
-    let deleted_shm = fds.iter().any(|p| deleted(p))
-        || maps
-            .lines()
-            .any(|l| l.split_once(" /dev/shm/").is_some_and(|(_, r)| deleted(&format!("/dev/shm/{r}"))));
-    if deleted_shm {
+    let links = |p: std::path::PathBuf| std::fs::metadata(p).map(|m| m.nlink()).unwrap_or(1);
+    let mut shm_links: Vec<u64> = std::fs::read_dir(dir.join("fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|p| deleted(&p.display().to_string())))
+        .map(|e| links(e.path()))
+        .collect();
+    for l in maps.lines() {
+        if let (Some(range), Some((_, r))) = (l.split_whitespace().next(), l.split_once(" /dev/shm/")) {
+            if deleted(&format!("/dev/shm/{}", r.trim())) {
+                shm_links.push(links(dir.join("map_files").join(range)));
+            }
+        }
+    }
+    if shm_links.iter().any(|&n| n > 0) {
         out.push(f(
             "shm",
             Severity::Warn,
-            "holds deleted /dev/shm files: CRIU restores them through link_remap, which fails inside a container's /dev/shm (a known CRIU limitation, seen with vLLM and SGLang)".into(),
-            Some("checkpoint it before it unlinks them, or have it keep them linked; gpusnap's own suspend (no CRIU) is not affected"),
+            "holds /dev/shm files under removed names that another name still links (named POSIX semaphores, as vLLM's and SGLang's Python leave them): CRIU dumps them only with link-remap, as link_remap files left in that /dev/shm; without it the container's checkpoint fails (the container runs on), and a restore whose /dev/shm is not the one dumped (a Kubernetes pod's, from its sandbox) cannot relink them (checkpoint-restore/criu#2980)".into(),
+            Some("link-remap in CRIU's configuration for the runtime (/etc/criu/runc.conf, crun.conf); podman carries a container's own /dev/shm in its checkpoint; a pod's restore needs the /dev/shm the dump left its link_remap files in; gpusnap's own suspend (no CRIU) is not affected"),
+        ));
+    } else if !shm_links.is_empty() {
+        out.push(f(
+            "shm",
+            Severity::Info,
+            "holds deleted /dev/shm files that no name links: CRIU dumps their contents as ghost files (up to its ghost limit, 1 MiB by default), whatever /dev/shm the restore has".into(),
+            None,
         ));
     }
     out
@@ -89,7 +110,7 @@ pub fn host() -> Option<Finding> {
             .map(|d| d.join(name))
             .find(|p| p.is_file())
     };
-    let runtime = ["podman", "runc"].into_iter().find(|r| on_path(r).is_some())?;
+    let runtime = ["podman", "runc", "crun"].into_iter().find(|r| on_path(r).is_some())?;
     let mut problems: Vec<String> = Vec::new();
     match on_path("cuda-checkpoint") {
         None => problems.push(
@@ -106,13 +127,34 @@ pub fn host() -> Option<Finding> {
             }
         }
     }
-    let conf = std::fs::read_to_string("/etc/criu/runc.conf").unwrap_or_default();
-    let libdir = conf
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("libdir"))
-        .map(|d| d.trim().trim_matches('"').to_string());
-    if !libdir.is_some_and(|d| Path::new(&d).join("cuda_plugin.so").is_file()) {
-        problems.push("/etc/criu/runc.conf names no libdir holding cuda_plugin.so: runc's CRIU loads no CUDA plugin (unless a container's org.criu.config names a configuration that does)".into());
+    // crun reads crun.conf, else runc.conf; runc reads runc.conf.
+    let libdir = |file: &str| {
+        std::fs::read_to_string(file)
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("libdir").map(|d| d.trim().trim_matches('"').to_string()))
+            .filter(|d| Path::new(d).join("cuda_plugin.so").is_file())
+    };
+    if libdir("/etc/criu/runc.conf").is_none() && libdir("/etc/criu/crun.conf").is_none() {
+        problems.push("neither /etc/criu/runc.conf nor /etc/criu/crun.conf names a libdir holding cuda_plugin.so: the runtime's CRIU loads no CUDA plugin (unless a container's org.criu.config names a configuration that does)".into());
+    }
+    if let Some(crun) = on_path("crun") {
+        let version = std::process::Command::new(&crun)
+            .arg("--version")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+            .unwrap_or_default();
+        if !version.contains("+CRIU") {
+            problems.push(format!(
+                "{} is built without CRIU: a container run by it cannot be checkpointed (scripts/install-criu.sh --crun installs one that can; or use runc)",
+                crun.display()
+            ));
+        } else if std::fs::read_to_string("/sys/fs/cgroup/unified/cgroup.controllers")
+            .is_ok_and(|c| !c.trim().is_empty())
+        {
+            problems.push("cgroups are hybrid with a controller on the v2 hierarchy: crun refuses every container here (\"cgroups in hybrid mode not supported\"); use runc".into());
+        }
     }
     Some(if problems.is_empty() {
         f(

@@ -189,7 +189,7 @@ pub fn run_light(
         socket: socket.clone(),
     };
     file.save(&record)?;
-    forward_signals(leader);
+    forward_signals(leader, &cli.state_dir, lock_timeout);
     // Every child is reaped as it ends, not only the program: as a
     // container's PID 1 (or a subreaper) `run` is handed the program's
     // orphans, which would otherwise stay zombies while the program runs.
@@ -269,7 +269,7 @@ pub fn run(
     g.attach(launched.pid)?;
     let leader = launched.pid;
     launched.release();
-    forward_signals(leader);
+    forward_signals(leader, &cli.state_dir, opts.lock_timeout);
     let ending = g.run_loop()?;
     finish(ending, g.faulted())
 }
@@ -277,7 +277,12 @@ pub fn run(
 /// Signals sent to `gpusnap run` by other processes go on to the program, as
 /// from an init such as tini. Signals from the terminal (Ctrl-C) already
 /// reach the program directly: its process group is the same.
-fn forward_signals(leader: i32) {
+///
+/// As a container's PID 1, a SIGTERM (the runtime's stop) to a program that
+/// ignores it ends only with the runtime's SIGKILL once its stop timeout
+/// has passed, which nothing can intercept: the program is suspended at
+/// once, while it still can be.
+fn forward_signals(leader: i32, state_dir: &Path, lock_timeout: u32) {
     use signal_hook::consts::*;
     use signal_hook::iterator::exfiltrator::WithOrigin;
     use signal_hook::iterator::SignalsInfo;
@@ -287,14 +292,45 @@ fn forward_signals(leader: i32) {
         tracing::warn!("cannot forward signals to the program");
         return;
     };
+    let state_dir = state_dir.to_path_buf();
     std::thread::spawn(move || {
         for info in signals.forever() {
             if info.process.is_some_and(|p| p.pid != leader) {
                 // SAFETY: kill with a valid signal number.
                 unsafe { libc::kill(leader, info.signal) };
+                if info.signal == SIGTERM && std::process::id() == 1 && ignores(leader, SIGTERM) {
+                    suspend_before_kill(leader, &state_dir, lock_timeout);
+                }
             }
         }
     });
+}
+
+/// Whether process `pid` ignores signal `sig` (`SigIgn` in its status).
+fn ignores(pid: i32, sig: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("SigIgn:").map(|m| m.trim().to_string())))
+        .and_then(|m| u64::from_str_radix(&m, 16).ok())
+        .is_some_and(|mask| mask & (1 << (sig - 1)) != 0)
+}
+
+/// Suspends the program a SIGKILL will end (see [`forward_signals`]).
+fn suspend_before_kill(pid: i32, state_dir: &Path, lock_timeout: u32) {
+    let done = crate::setup::engine_at(state_dir).and_then(|mut e| Ok(e.suspend(pid, lock_timeout)?));
+    match done {
+        Ok(_) => {
+            if let (Ok(mut store), Ok(t)) = (Store::open(state_dir), gpusnap_core::target::resolve(pid)) {
+                let _ = store.note(
+                    &t,
+                    "guard",
+                    None,
+                    "suspended: it ignores the SIGTERM of the container's stop, whose SIGKILL follows",
+                );
+            }
+        }
+        Err(e) => eprintln!("gpusnap run: could not suspend {pid} before the container's SIGKILL: {e:#}"),
+    }
 }
 
 /// Ends `gpusnap run` the way the program ended; 7 when a guarded

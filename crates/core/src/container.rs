@@ -1,9 +1,17 @@
 //! Containers as targets: which container a process belongs to (from its
-//! cgroup path, where every runtime names the container's id), and a
-//! container's name or id resolved through its runtime's own state to the
-//! processes in it. One [`Runtime`] per runtime gpusnap can ask (podman
-//! now); a runtime it cannot ask is still recognised by its cgroups, so
-//! that a container of it is refused with a reason rather than not found.
+//! cgroup path, where most runtimes name the container's id, or from a
+//! runtime's task state), and a container's name or id resolved through its
+//! runtime's own state to the processes in it. One [`Runtime`] per runtime
+//! gpusnap can ask (podman through its command line, containerd and CRI-O
+//! through the state they keep under `/run`, no gRPC); a runtime it cannot
+//! ask (docker) is still recognised by its cgroups, so that a container of
+//! it is refused with a reason rather than not found.
+
+mod containerd;
+mod crio;
+
+pub use containerd::Containerd;
+pub use crio::Crio;
 
 use crate::error::Error;
 use serde::Serialize;
@@ -16,7 +24,8 @@ use std::time::{Duration, Instant};
 pub struct ContainerRef {
     /// `podman`, `docker`, `containerd` or `cri-o`: whose cgroup names it.
     pub runtime: &'static str,
-    /// The full id (64 hex digits).
+    /// The full id (64 hex digits, or the name a containerd task was
+    /// given: `ctr run IMAGE ID`).
     pub id: String,
     /// Its name, where the runtime was asked (`ps` asks podman).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -45,11 +54,94 @@ pub trait Runtime {
     /// The names of its containers, by full id (for `ps`); empty when it
     /// cannot say.
     fn names(&self) -> Vec<(String, String)>;
+    /// The processes (host pids) of a running container it found: those
+    /// whose cgroups name its id.
+    fn members(&self, found: &Found) -> Vec<i32> {
+        members(&found.id)
+    }
+    /// Its running containers and their processes, where its cgroups do not
+    /// name them (containerd's `ctr run`): for `ps`.
+    fn running(&self) -> Vec<(ContainerRef, Vec<i32>)> {
+        Vec::new()
+    }
 }
 
 /// The runtimes gpusnap asks, in order.
 pub fn runtimes() -> Vec<Box<dyn Runtime>> {
-    vec![Box::new(Podman)]
+    vec![Box::new(Podman), Box::new(Containerd::from_env()), Box::new(Crio::from_env())]
+}
+
+/// Picks the one of `ids` that `want` names: the id itself, else the only
+/// id it begins; `Ok(None)` when none; an error naming them when several.
+fn pick<'a>(runtime: &str, want: &str, ids: &'a [String]) -> Result<Option<&'a String>, Error> {
+    let exact: Vec<&String> = ids.iter().filter(|i| *i == want).collect();
+    let found: Vec<&String> =
+        if exact.is_empty() { ids.iter().filter(|i| i.starts_with(want)).collect() } else { exact };
+    match found.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some(one)),
+        many => {
+            let mut shown: Vec<String> = many.iter().take(4).map(|i| i.chars().take(16).collect()).collect();
+            if many.len() > 4 {
+                shown.push("...".into());
+            }
+            Err(Error::Container {
+                name: want.into(),
+                reason: format!(
+                    "ambiguous: it names {} {runtime} containers ({}); give more of the id",
+                    many.len(),
+                    shown.join(", ")
+                ),
+            })
+        }
+    }
+}
+
+/// Whether process `pid` runs (exists and is not a zombie).
+fn alive(pid: i32) -> bool {
+    pid > 0
+        && std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(')').and_then(|(_, r)| r.trim_start().chars().next()))
+            .is_some_and(|c| c != 'Z' && c != 'X')
+}
+
+/// The processes of a container whose first process is `pid` and whose id
+/// is `id`: those in that process's cgroup or below it, on every hierarchy
+/// where that cgroup names the id (`/NAMESPACE/ID` for `ctr run`,
+/// `cri-containerd-ID.scope`); where none does (no cgroup of the
+/// container's own: the cgroup would hold other processes), the tree of
+/// `pid`.
+pub fn cgroup_members(pid: i32, id: &str) -> Vec<i32> {
+    let lines = |p: i32| -> Vec<(String, String)> {
+        std::fs::read_to_string(format!("/proc/{p}/cgroup"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.splitn(3, ':');
+                let (_, ctrl, path) = (f.next()?, f.next()?, f.next()?);
+                Some((ctrl.to_string(), path.to_string()))
+            })
+            .collect()
+    };
+    // A part that is the id, or holds a long one (`cri-containerd-ID.scope`).
+    let names = |part: &str, id: &str| part == id || (id.len() >= 12 && part.contains(id));
+    if !alive(pid) {
+        return Vec::new();
+    }
+    let own: Vec<(String, String)> =
+        lines(pid).into_iter().filter(|(_, path)| path.split('/').any(|part| names(part, id))).collect();
+    if own.is_empty() {
+        return crate::tree::process_tree(pid).into_iter().map(|(p, _)| p).collect();
+    }
+    let under = |path: &str, top: &str| path == top || path.starts_with(&format!("{top}/"));
+    all_pids()
+        .into_iter()
+        .filter(|&p| {
+            let theirs = lines(p);
+            own.iter().all(|(ctrl, top)| theirs.iter().any(|(c, path)| c == ctrl && under(path, top)))
+        })
+        .collect()
 }
 
 /// podman, through its command line (`podman container inspect`), with the
@@ -269,7 +361,7 @@ pub fn resolve(name_or_id: &str) -> Result<Resolved, Error> {
         if f.status != "running" || f.pid <= 0 {
             return Err(bad(format!("the {} container {} is {}, not running", rt.name(), f.name, f.status)));
         }
-        let pids = members(&f.id);
+        let pids = rt.members(&f);
         return Ok(Resolved { runtime: rt.name(), id: f.id, name: f.name, pids });
     }
     // A container of another runtime, recognised by its processes' cgroups.
@@ -327,5 +419,18 @@ mod tests {
         assert_eq!(f("/libpod_parent/libpod-abc"), None);
         let file = format!("12:memory:/process_api/x\n0::/libpod_parent/libpod-{ID}\n");
         assert_eq!(of_cgroup_file(&file).map(|c| c.runtime), Some("podman"));
+    }
+
+    #[test]
+    fn a_cgroup_that_does_not_name_the_container_gives_the_tree() {
+        // This test's cgroups name no container "gpusnap-none": its tree.
+        let me = std::process::id() as i32;
+        let mut kid = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+        let members = cgroup_members(me, "gpusnap-none");
+        let _ = kid.kill();
+        let _ = kid.wait();
+        assert!(members.contains(&me) && members.contains(&(kid.id() as i32)), "{members:?}");
+        assert!(!members.contains(&1), "{members:?}");
+        assert!(cgroup_members(i32::MAX, "x").is_empty());
     }
 }

@@ -6,6 +6,8 @@
 //! It dlopens `libcuda.so.1` like any CUDA program, so `LD_LIBRARY_PATH`
 //! decides which driver it gets, and uses only the fake's workload API.
 
+mod shm;
+
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -94,6 +96,14 @@ struct Args {
     /// `cuda-restore`, registered as the driver's restore thread.
     #[arg(long, default_value_t = 0)]
     host_copy_mib: u64,
+    /// Hold a /dev/shm file mapped shared under a name since removed while
+    /// another name still links it, as glibc's `sem_open` leaves a named
+    /// POSIX semaphore (created as `sem.XXXXXX`, linked to `sem.NAME`, the
+    /// first name unlinked; vLLM's and SGLang's Python hold such): what
+    /// CRIU can dump only with `link-remap`, as a `link_remap.N` link in
+    /// that /dev/shm.
+    #[arg(long)]
+    shm_semaphore: bool,
     /// Also hold N MiB of managed memory (`cuMemAllocManaged`), which
     /// gpusnap's fast swap leaves with the driver.
     #[arg(long, default_value_t = 0)]
@@ -321,6 +331,9 @@ fn run(args: &Args) -> Result<(), String> {
 
     if args.host_copy_mib > 0 {
         host_copy(&cuda, args.host_copy_mib)?;
+    }
+    if args.shm_semaphore {
+        shm::semaphore()?;
     }
     if args.churn_us > 0 {
         let every = Duration::from_micros(args.churn_us);

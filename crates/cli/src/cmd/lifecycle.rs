@@ -23,11 +23,24 @@ pub fn ps(cli: &Cli, out: &Out, container: Option<&str>) -> anyhow::Result<()> {
     if let Some(c) = &only {
         rows.retain(|r| c.pids.contains(&r.pid));
     }
-    if rows.iter().any(|r| r.container.is_some()) {
-        for rt in gpusnap_core::container::runtimes() {
+    for rt in gpusnap_core::container::runtimes() {
+        // A runtime whose cgroups do not name its containers: from its state.
+        if rows.iter().any(|r| r.container.is_none()) {
+            for (c, pids) in rt.running() {
+                for r in rows.iter_mut().filter(|r| r.container.is_none() && pids.contains(&r.pid)) {
+                    r.container = Some(c.clone());
+                }
+            }
+        }
+        if rows
+            .iter()
+            .any(|r| r.container.as_ref().is_some_and(|c| c.runtime == rt.name() && c.name.is_none()))
+        {
             let names = rt.names();
             for c in rows.iter_mut().filter_map(|r| r.container.as_mut()).filter(|c| c.runtime == rt.name()) {
-                c.name = names.iter().find(|(id, _)| *id == c.id).map(|(_, n)| n.clone());
+                if c.name.is_none() {
+                    c.name = names.iter().find(|(id, _)| *id == c.id).map(|(_, n)| n.clone());
+                }
             }
         }
     }

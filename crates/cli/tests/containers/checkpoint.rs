@@ -1,5 +1,6 @@
 //! `podman container checkpoint` / `restore` of a fake CUDA container:
-//! runc calls CRIU, CRIU's CUDA plugin calls gpusnap as `cuda-checkpoint`.
+//! runc or crun calls CRIU, CRIU's CUDA plugin calls gpusnap as
+//! `cuda-checkpoint`. Each flow runs with both runtimes.
 
 use crate::common::*;
 use crate::podman::*;
@@ -11,14 +12,25 @@ fn gpu(mib: u64) -> serde_json::Value {
 
 #[test]
 fn a_container_checkpointed_through_gpusnap_comes_back_checkpointed_when_memory_is_short() {
+    short_restore(Oci::Runc);
+}
+
+#[test]
+fn a_container_checkpointed_through_gpusnap_comes_back_checkpointed_when_memory_is_short_with_crun() {
+    short_restore(Oci::Crun);
+}
+
+fn short_restore(oci: Oci) {
     criu_present();
     let w = World::new(&[8192]);
-    let Some(pm) = Podman::new(&w) else { return };
+    let Some(pm) = Podman::with(&w, oci) else { return };
     if cuda_plugin_dir().is_none() {
         return;
     }
     let (pid, status) = pm.workload(&w, "ckpt", 1024);
     let p = pid.to_string();
+    let runtime = if oci == Oci::Crun { "crun" } else { "runc" };
+    assert_eq!(pm.ok(&["inspect", "--format", "{{.OCIRuntime}}", "ckpt"]), runtime);
 
     pm.ok(&["container", "checkpoint", "ckpt"]);
     assert_eq!(pm.status("ckpt"), "exited");
@@ -53,9 +65,18 @@ fn a_container_checkpointed_through_gpusnap_comes_back_checkpointed_when_memory_
 
 #[test]
 fn a_container_exported_to_a_tarball_is_restored_under_another_name() {
+    export_import(Oci::Runc);
+}
+
+#[test]
+fn a_container_exported_to_a_tarball_is_restored_under_another_name_with_crun() {
+    export_import(Oci::Crun);
+}
+
+fn export_import(oci: Oci) {
     criu_present();
     let w = World::new(&[8192]);
-    let Some(pm) = Podman::new(&w) else { return };
+    let Some(pm) = Podman::with(&w, oci) else { return };
     if cuda_plugin_dir().is_none() {
         return;
     }

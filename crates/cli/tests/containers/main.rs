@@ -1,9 +1,11 @@
 //! gpusnap with a real container stack: podman, runc and the project's
 //! CRIU, a local image built from a rootfs tarball (no registry), the fake
-//! driver and NVML bind-mounted into the containers.
+//! driver and NVML bind-mounted into the containers; a containerd of the
+//! test's own for `--container` of its tasks.
 
 #[path = "../common/mod.rs"]
 mod common;
+mod containerd;
 mod podman;
 
 use common::*;
@@ -37,4 +39,7 @@ fn a_fake_cuda_container_runs_and_is_suspended_from_the_host() {
 
 mod checkpoint;
 mod guard;
+mod guard_deaths;
+mod shm;
 mod targets;
+mod targets_containerd;

@@ -4,10 +4,11 @@
 //! containers or images is seen or touched; an image built from a rootfs
 //! tarball the test makes (no registry); everything removed on drop.
 //!
-//! The configuration is the one docs/guides/containers.md gives: runc (Debian's
-//! crun 1.8.1 cannot checkpoint), default ulimits that an unprivileged-ish
-//! root (no CAP_SYS_RESOURCE) may set, no network, and a PATH for conmon that
-//! holds the `cuda-checkpoint` CRIU's plugin runs.
+//! The configuration is the one docs/guides/containers.md gives: runc, or the
+//! crun `scripts/install-criu.sh --crun` installs (Debian's crun 1.8.1 cannot
+//! checkpoint), default ulimits that an unprivileged-ish root (no
+//! CAP_SYS_RESOURCE) may set, no network, and a PATH for conmon that holds
+//! the `cuda-checkpoint` CRIU's plugin runs.
 
 use crate::common::*;
 use std::path::{Path, PathBuf};
@@ -24,9 +25,46 @@ pub struct Podman {
     /// Mounted into the containers (with the fake driver's directory): the
     /// workloads' status files.
     pub shared: PathBuf,
-    /// CRIU's configuration for runc (`--annotation org.criu.config=...`).
+    /// CRIU's configuration for runc and crun (`--annotation org.criu.config=...`).
     pub criu_conf: PathBuf,
     path: String,
+    /// crun on a host of hybrid cgroups whose v2 hierarchy holds a
+    /// controller: every podman runs in a mount namespace of its own where
+    /// that hierarchy shows none (crun refuses such a host otherwise).
+    hide_v2_controllers: bool,
+}
+
+/// The OCI runtime podman runs the containers with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Oci {
+    Runc,
+    Crun,
+}
+
+/// The hybrid hierarchy's v2 half, where crun looks for controllers.
+const UNIFIED_CONTROLLERS: &str = "/sys/fs/cgroup/unified/cgroup.controllers";
+
+/// A crun that can checkpoint (`crun --version` says +CRIU):
+/// GPUSNAP_TEST_CRUN, the one `scripts/install-criu.sh --crun` installs, or
+/// crun on PATH; None skips the test, saying why, except in CI.
+pub fn crun_with_criu() -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> =
+        std::env::var_os("GPUSNAP_TEST_CRUN").map(PathBuf::from).into_iter().collect();
+    candidates.push(PathBuf::from("/opt/gpusnap/criu/bin/crun"));
+    candidates
+        .extend(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()).map(|d| d.join("crun")));
+    let found = candidates.into_iter().find(|c| {
+        Command::new(c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("+CRIU"))
+    });
+    if found.is_none() {
+        let why = "no crun with CRIU support (scripts/install-criu.sh --crun, or GPUSNAP_TEST_CRUN=PATH)";
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}; CI must run this test");
+        eprintln!("skipped: {why}");
+    }
+    found
 }
 
 /// Whether podman and runc are installed; `false` skips the test, saying
@@ -80,9 +118,23 @@ impl Podman {
     /// A podman for world `w`, with the test image imported; None when
     /// podman is not installed (outside CI).
     pub fn new(w: &World) -> Option<Podman> {
+        Self::with(w, Oci::Runc)
+    }
+
+    /// A podman running its containers with `oci`.
+    pub fn with(w: &World, oci: Oci) -> Option<Podman> {
         if !podman_present() {
             return None;
         }
+        let runtime = match oci {
+            Oci::Runc => "runtime = \"runc\"".to_string(),
+            Oci::Crun => {
+                let crun = crun_with_criu()?;
+                format!("runtime = \"crun\"\n[engine.runtimes]\ncrun = [\"{}\"]", crun.display())
+            }
+        };
+        let hide_v2_controllers = oci == Oci::Crun
+            && std::fs::read_to_string(UNIFIED_CONTROLLERS).is_ok_and(|c| !c.trim().is_empty());
         let tmp = tempfile::Builder::new().prefix("gpusnap-podman").tempdir().unwrap();
         let dir = tmp.path().to_path_buf();
         let shared = w.tmp.path().join("shared");
@@ -133,18 +185,19 @@ impl Podman {
 default_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]
 netns = "none"
 [engine]
-runtime = "runc"
 cgroup_manager = "cgroupfs"
 events_logger = "file"
 tmp_dir = "{dir}/tmp"
 volume_path = "{dir}/volumes"
 conmon_env_vars = ["PATH={path}"]
+{runtime}
 "#,
                 dir = dir.display(),
             ),
         )
         .unwrap();
-        let p = Podman { dir, _tmp: tmp, shared, criu_conf, path };
+        std::fs::write(dir.join("no-controllers"), "").unwrap();
+        let p = Podman { dir, _tmp: tmp, shared, criu_conf, path, hide_v2_controllers };
         p.build_image(&target);
         Some(p)
     }
@@ -158,7 +211,17 @@ conmon_env_vars = ["PATH={path}"]
 
     /// `podman ARGS`, bounded (two minutes), its output.
     pub fn podman(&self, args: &[&str]) -> Output {
-        let mut cmd = Command::new("podman");
+        let mut cmd = if self.hide_v2_controllers {
+            let mut c = Command::new("unshare");
+            c.args(["--mount", "--propagation", "private", "sh", "-c"]).arg(format!(
+                "mount --bind '{}' {UNIFIED_CONTROLLERS} && exec podman \"$@\"",
+                self.dir.join("no-controllers").display()
+            ));
+            c.arg("podman");
+            c
+        } else {
+            Command::new("podman")
+        };
         self.env(&mut cmd);
         cmd.args(args).stdin(Stdio::null());
         bounded(cmd, Duration::from_secs(120))
@@ -177,34 +240,7 @@ conmon_env_vars = ["PATH={path}"]
     /// directory, as the NVIDIA container toolkit mounts the driver's.
     fn build_image(&self, target: &Path) {
         let root = self.dir.join("rootfs");
-        for d in ["proc", "sys", "dev", "tmp", "etc", "bin"] {
-            std::fs::create_dir_all(root.join(d)).unwrap();
-        }
-        std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/:/bin/sh\n").unwrap();
-        let mut libs: Vec<PathBuf> = Vec::new();
-        for b in [target.join("fake-workload"), PathBuf::from(env!("CARGO_BIN_EXE_gpusnap"))] {
-            let o = Command::new("ldd").arg(&b).output().expect("ldd");
-            for l in String::from_utf8_lossy(&o.stdout).lines() {
-                let p = l.split("=>").last().unwrap_or("").split_whitespace().next().unwrap_or("");
-                if p.starts_with('/') && !libs.iter().any(|x| x == Path::new(p)) {
-                    libs.push(PathBuf::from(p));
-                }
-            }
-        }
-        for l in &libs {
-            let dst = root.join(l.strip_prefix("/").unwrap());
-            std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
-            std::fs::copy(l, &dst).unwrap();
-        }
-        for bb in ["/bin/busybox", "/usr/bin/busybox"] {
-            if Path::new(bb).is_file() {
-                std::fs::copy(bb, root.join("bin/busybox")).unwrap();
-                for a in ["sh", "sleep", "cat", "kill", "ps"] {
-                    std::os::unix::fs::symlink("busybox", root.join("bin").join(a)).unwrap();
-                }
-                break;
-            }
-        }
+        build_rootfs(&root, target);
         let tar = self.dir.join("rootfs.tar");
         let st = Command::new("tar").arg("-C").arg(&root).arg("-cf").arg(&tar).arg(".").status().unwrap();
         assert!(st.success(), "tar of the rootfs");
@@ -274,6 +310,40 @@ conmon_env_vars = ["PATH={path}"]
 
     pub fn status(&self, name: &str) -> String {
         self.ok(&["inspect", "--format", "{{.State.Status}}", name])
+    }
+}
+
+/// A container's root file system at `root`: the dynamic loader and
+/// libraries the fake workload and gpusnap need (from the build directory
+/// `target`), busybox where the host has a static one.
+pub fn build_rootfs(root: &Path, target: &Path) {
+    for d in ["proc", "sys", "dev", "tmp", "etc", "bin"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/:/bin/sh\n").unwrap();
+    let mut libs: Vec<PathBuf> = Vec::new();
+    for b in [target.join("fake-workload"), PathBuf::from(env!("CARGO_BIN_EXE_gpusnap"))] {
+        let o = Command::new("ldd").arg(&b).output().expect("ldd");
+        for l in String::from_utf8_lossy(&o.stdout).lines() {
+            let p = l.split("=>").last().unwrap_or("").split_whitespace().next().unwrap_or("");
+            if p.starts_with('/') && !libs.iter().any(|x| x == Path::new(p)) {
+                libs.push(PathBuf::from(p));
+            }
+        }
+    }
+    for l in &libs {
+        let dst = root.join(l.strip_prefix("/").unwrap());
+        std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+        std::fs::copy(l, &dst).unwrap();
+    }
+    for bb in ["/bin/busybox", "/usr/bin/busybox"] {
+        if Path::new(bb).is_file() {
+            std::fs::copy(bb, root.join("bin/busybox")).unwrap();
+            for a in ["sh", "sleep", "cat", "kill", "ps"] {
+                std::os::unix::fs::symlink("busybox", root.join("bin").join(a)).unwrap();
+            }
+            break;
+        }
     }
 }
 
