@@ -6,7 +6,8 @@
 //! pid). Every task and the daemon are ended on drop.
 
 use crate::common::*;
-use crate::podman::{bounded, build_rootfs};
+use crate::common::bounded;
+use crate::podman::build_rootfs;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
