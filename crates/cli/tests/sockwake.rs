@@ -20,7 +20,6 @@ struct SockWorld {
     socket: PathBuf,
     config: PathBuf,
     agent: Option<usize>,
-    port: u16,
     _sockdir: tempfile::TempDir,
 }
 
@@ -32,18 +31,15 @@ impl SockWorld {
         let sockdir = tempfile::Builder::new().prefix("gpusnap-sockwake-test").tempdir_in("/tmp").unwrap();
         let socket = sockdir.path().join("agent.sock");
         let mut cmd: Vec<String> = wrap.iter().map(|s| s.to_string()).collect();
-        cmd.extend(
-            [
-                fake_workload_bin().display().to_string(),
-                "--mib".into(),
-                "300".into(),
-                "--http".into(),
-                port.to_string(),
-                "--http-host".into(),
-                host.into(),
-            ]
-            .into_iter(),
-        );
+        cmd.extend([
+            fake_workload_bin().display().to_string(),
+            "--mib".into(),
+            "300".into(),
+            "--http".into(),
+            port.to_string(),
+            "--http-host".into(),
+            host.into(),
+        ]);
         let text = format!(
             "[agent]\nsocket = {:?}\n\n[[service]]\nname = \"m\"\nwake_on = \"socket\"\nbackend = \"{host}:{port}\"\n\
              command = {cmd:?}\nwake_timeout = \"60s\"\n{extra}\n",
@@ -51,7 +47,7 @@ impl SockWorld {
         );
         let config = w.tmp.path().join("agent.toml");
         std::fs::write(&config, text).unwrap();
-        let mut s = Self { w, socket, config, agent: None, port, _sockdir: sockdir };
+        let mut s = Self { w, socket, config, agent: None, _sockdir: sockdir };
         s.start();
         s
     }
