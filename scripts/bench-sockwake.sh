@@ -39,7 +39,7 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
     esac
 fi
 work=$(mktemp -d /tmp/gpusnap-sockwake.XXXXXX)
-trap 'rm -rf -- "$work"' EXIT
+trap '[ "${KEEP:-0}" = 1 ] || rm -rf -- "$work"' EXIT
 PROFILE=$PROFILE scripts/fakes.sh "$work/lib" >/dev/null
 
 python3 - "$work" "$RUNS" "$GPUSNAP" "$PROFILE" "$POLL" <<'PY'
@@ -96,7 +96,10 @@ def api(method, path):
 
 
 def state_of(name):
-    code, body = api("GET", f"/v1/services/{name}")
+    try:
+        code, body = api("GET", f"/v1/services/{name}")
+    except OSError:  # the agent is not up yet
+        return None
     if code != 200:
         return None
     return json.loads(body)["state"]
@@ -124,10 +127,7 @@ def starts(name):
 
 
 def one(name, port):
-    code, body = api("POST", f"/v1/services/{name}/suspend")
-    if code != 200:
-        raise SystemExit(f"suspend {name}: {code} {body[:200]!r}")
-    wait_state(name, "suspended")
+    suspend(name)
     # Let the watch settle on its fast interval before the client comes.
     time.sleep(0.05)
     before = len(starts(name))
@@ -153,6 +153,27 @@ def one(name, port):
     return starts(name)[before] / 1e6 - t0, total
 
 
+def suspend(name):
+    """Suspended through the API (again, if a late connection resumed it)."""
+    for _ in range(20):
+        code, body = api("POST", f"/v1/services/{name}/suspend")
+        if code == 409:  # a request still in flight: it ends
+            time.sleep(0.05)
+            continue
+        if code != 200:
+            raise SystemExit(f"suspend {name}: {code} {body[:200]!r}")
+        end = time.time() + 10
+        while time.time() < end:
+            st = state_of(name)
+            if st == "suspended":
+                return
+            if st == "running":
+                break
+            time.sleep(0.01)
+    view = api("GET", f"/v1/services/{name}")[1][:400]
+    raise SystemExit(f"{name} never stayed suspended: {view!r} (see {logpath})")
+
+
 def cpu_s(pid):
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -161,8 +182,7 @@ def cpu_s(pid):
 
 def idle_cpu(name, secs=2.0):
     """The agent's CPU (share of one core) while `name` sits suspended."""
-    code, body = api("POST", f"/v1/services/{name}/suspend")
-    wait_state(name, "suspended")
+    suspend(name)
     c0, t0 = cpu_s(agent.pid), time.time()
     time.sleep(secs)
     return (cpu_s(agent.pid) - c0) / (time.time() - t0)
@@ -186,8 +206,7 @@ try:
                 if time.time() > end:
                     raise SystemExit(f"port {port} never answered (see {logpath})")
                 time.sleep(0.1)
-    api("POST", "/v1/services/proxy/suspend")
-    wait_state("proxy", "suspended")
+    suspend("proxy")
     cpu = idle_cpu("socket")
     res = {"socket": [], "proxy": []}
     for i in range(runs):

@@ -5,12 +5,15 @@
 //!
 //! - [`netns`] opens the netlink socket inside a namespace (a thread that
 //!   enters it, opens the socket and ends; the socket stays bound to it);
+//! - [`counters`] reads a namespace's TCP counters, a cheap sign that
+//!   something happened there before a dump is asked;
 //! - [`diag`] asks one dump and reads its answer, bounded in bytes and time;
 //! - [`Sockets`] is what a user of the crate sees, so that its logic can be
 //!   tested against snapshots it makes up.
 //!
 //! Nothing here decides anything: what counts as a request is the agent's.
 
+pub mod counters;
 pub mod diag;
 pub mod netns;
 
@@ -103,7 +106,17 @@ pub struct Watcher {
     limits: Limits,
     seq: u32,
     buf: Vec<u8>,
+    /// The address families of the port's listeners at the last full
+    /// look: a dump walks the kernel's whole table of connections (shared
+    /// by every namespace unless `tcp_child_ehash_entries` gives one its
+    /// own), so a family no listener has is not asked about. An IPv4
+    /// client of a dual-stack listener is an IPv6 socket.
+    families: Vec<u8>,
+    last_full: Option<std::time::Instant>,
 }
+
+/// Every family is asked about at least this often (a new listener).
+const FULL_EVERY: Duration = Duration::from_secs(1);
 
 impl Watcher {
     /// In the caller's own network namespace.
@@ -118,16 +131,30 @@ impl Watcher {
     }
 
     fn with(socket: netlink_sys::Socket, limits: Limits) -> Self {
-        Self { socket, limits, seq: 0, buf: vec![0; 64 << 10] }
+        Self { socket, limits, seq: 0, buf: vec![0; 64 << 10], families: Vec::new(), last_full: None }
     }
 }
 
 impl Sockets for Watcher {
     fn look(&mut self, port: u16) -> Result<Snapshot, Error> {
+        let all = [libc::AF_INET as u8, libc::AF_INET6 as u8];
+        let full = self.families.is_empty() || self.last_full.is_none_or(|t| t.elapsed() >= FULL_EVERY);
+        let families = if full { all.to_vec() } else { self.families.clone() };
         let mut snap = Snapshot::default();
-        for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
+        for family in families {
             self.seq = self.seq.wrapping_add(1);
             diag::dump(&self.socket, &mut self.buf, self.seq, family, port, &self.limits, &mut snap)?;
+        }
+        if full {
+            self.last_full = Some(std::time::Instant::now());
+            self.families = all
+                .into_iter()
+                .filter(|f| {
+                    snap.listeners
+                        .iter()
+                        .any(|l| (l.local.is_ipv4() && *f == all[0]) || (l.local.is_ipv6() && *f == all[1]))
+                })
+                .collect();
         }
         Ok(snap)
     }

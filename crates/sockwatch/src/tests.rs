@@ -113,3 +113,24 @@ fn a_watcher_opened_in_its_own_namespace_sees_the_same() {
     let e = Watcher::open_in(Path::new("/nonexistent/ns"), Limits::default()).err().unwrap();
     assert!(e.to_string().starts_with("network namespace /nonexistent/ns: "), "{e}");
 }
+
+#[test]
+fn the_namespaces_tcp_counters_move_with_a_connection_and_its_bytes() {
+    let me = std::process::id() as i32;
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let before = counters::tcp(me).expect("/proc/PID/net/snmp");
+    let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let (_s, _) = l.accept().unwrap();
+    c.write_all(b"x").unwrap();
+    let end = Instant::now() + Duration::from_secs(60);
+    loop {
+        let now = counters::tcp(me).unwrap();
+        if now.passive_opens > before.passive_opens && now.in_segs > before.in_segs {
+            break;
+        }
+        assert!(Instant::now() < end, "{before:?} -> {now:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(counters::tcp(i32::MAX), None);
+}

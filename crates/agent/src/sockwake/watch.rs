@@ -46,6 +46,9 @@ struct Watch {
     /// (suspending): acted on once it is suspended.
     pending: Option<(Instant, Why)>,
     waking: Arc<AtomicBool>,
+    /// The namespace's TCP counters at the last dump, and when it was.
+    counters: Option<gpusnap_sockwatch::counters::Tcp>,
+    last_dump: Option<Instant>,
 }
 
 fn ns_id(path: &std::path::Path) -> Option<(u64, u64)> {
@@ -63,18 +66,19 @@ impl Watch {
             own_ns: ns_id(std::path::Path::new("/proc/self/ns/net")),
             pending: None,
             waking: Arc::new(AtomicBool::new(false)),
+            counters: None,
+            last_dump: None,
         }
     }
 
     fn run(mut self) {
         let port = self.svc.cfg.backend.port();
         loop {
-            let (state, pid) = {
+            let (before, pid) = {
                 let g = self.svc.lock();
                 (g.state, g.process.as_ref().map(|t| t.pid))
             };
-            let off = matches!(state, State::Suspended | State::Hibernated | State::Suspending);
-            std::thread::sleep(if off { self.svc.cfg.socket_poll } else { self.svc.cfg.socket_poll_running });
+            self.sleep(before);
             let Some(path) = self
                 .svc
                 .cfg
@@ -85,6 +89,13 @@ impl Watch {
                 continue;
             };
             if !self.reopen(&path) {
+                continue;
+            }
+            // Off the GPU, a dump (it walks the kernel's whole connection
+            // table) only when the namespace's TCP counters moved, or every
+            // socket_poll_running; read before the dump, so that nothing
+            // that moves them after is missed.
+            if !self.worth_a_look(before, pid) {
                 continue;
             }
             let Some(open) = self.open.as_mut() else { continue };
@@ -103,20 +114,62 @@ impl Watch {
             let seen = Instant::now();
             let ch = self.tracker.see(&snap, &open.ignore);
             self.book(&ch);
-            if let Some(why) = ch.wake {
-                if state != State::Running {
-                    self.pending.get_or_insert((seen, why));
+            // The state now, after the look: a service still running now
+            // was running when the look saw the request, and serves it.
+            // One that is not (a suspend began during the look, or during
+            // the sleep before it) must come back for it.
+            let state = self.svc.lock().state;
+            if state == State::Running {
+                self.pending = None;
+            } else if let Some(why) = ch.wake {
+                self.pending.get_or_insert((seen, why));
+            }
+            if matches!(state, State::Suspended | State::Hibernated) && !self.waking.load(Ordering::SeqCst) {
+                if let Some((seen, why)) = self.pending.take() {
+                    self.wake(seen, why);
                 }
             }
-            let state = self.svc.lock().state;
-            match state {
-                State::Running => self.pending = None,
-                State::Suspended | State::Hibernated => {
-                    if let Some((seen, why)) = self.pending.take() {
-                        self.wake(seen, why);
-                    }
-                }
-                _ => {}
+        }
+    }
+
+    /// Whether to dump now: always while the service runs (looks are
+    /// `socket_poll_running` apart then); off the GPU, when the TCP
+    /// counters of the server's namespace moved since the last dump (a
+    /// connection accepted, a segment received), when they cannot be read
+    /// there (a `netns` the server's process is not in), or every
+    /// `socket_poll_running` all the same.
+    fn worth_a_look(&mut self, state: State, pid: Option<i32>) -> bool {
+        let off = matches!(state, State::Suspended | State::Hibernated | State::Suspending);
+        let same_ns = |p: i32| {
+            self.open
+                .as_ref()
+                .is_some_and(|o| ns_id(std::path::Path::new(&format!("/proc/{p}/ns/net"))) == Some(o.ns))
+        };
+        let now = pid.filter(|p| same_ns(*p)).and_then(gpusnap_sockwatch::counters::tcp);
+        let due = self.last_dump.is_none_or(|t| t.elapsed() >= self.svc.cfg.socket_poll_running);
+        let look = !off || due || now.is_none() || now != self.counters;
+        if look {
+            self.counters = now;
+            self.last_dump = Some(Instant::now());
+        }
+        look
+    }
+
+    /// Until the next look: `socket_poll` while the service is off the GPU
+    /// (or going off it), else `socket_poll_running`, cut short as soon as
+    /// it starts going off (a look at once, not up to 100 ms later).
+    fn sleep(&self, state: State) {
+        let off = |s: State| matches!(s, State::Suspended | State::Hibernated | State::Suspending);
+        if off(state) {
+            std::thread::sleep(self.svc.cfg.socket_poll);
+            return;
+        }
+        let end = Instant::now() + self.svc.cfg.socket_poll_running;
+        let step = self.svc.cfg.socket_poll.min(self.svc.cfg.socket_poll_running);
+        while Instant::now() < end {
+            std::thread::sleep(step.min(end.saturating_duration_since(Instant::now())));
+            if off(self.svc.lock().state) {
+                return;
             }
         }
     }
@@ -202,11 +255,9 @@ impl Watch {
     }
 
     /// Asks for the service back, as a proxied connection does; one wake at
-    /// a time.
+    /// a time (a reason seen meanwhile waits in `pending`).
     fn wake(&self, seen: Instant, why: Why) {
-        if self.waking.swap(true, Ordering::SeqCst) {
-            return;
-        }
+        self.waking.store(true, Ordering::SeqCst);
         let (ctl, svc, waking) = (Arc::clone(&self.ctl), Arc::clone(&self.svc), Arc::clone(&self.waking));
         self.rt.spawn(async move {
             let labels = ServiceLabels { service: svc.name.clone() };
