@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 
 const LONG: Duration = Duration::from_secs(60);
 
+/// A socket-woken service: name, port, host, command prefix, MiB, more keys.
+type Svc<'a> = (&'a str, u16, &'a str, &'a [&'a str], u64, &'a str);
+
 struct SockWorld {
     w: World,
     socket: PathBuf,
@@ -27,24 +30,32 @@ impl SockWorld {
     /// One socket-woken service `m` on `port` (127.0.0.1 unless `host`),
     /// its command prefixed by `wrap` (`ip netns exec NS`), `extra` keys.
     fn new(port: u16, host: &str, wrap: &[&str], extra: &str) -> Self {
-        let w = World::new(&[1000]);
+        Self::with(1000, &[("m", port, host, wrap, 300, extra)])
+    }
+
+    /// Socket-woken services (name, port, host, wrap, MiB, extra) on one
+    /// fake GPU of `gpu_mib`.
+    fn with(gpu_mib: u64, svcs: &[Svc]) -> Self {
+        let w = World::new(&[gpu_mib]);
         let sockdir = tempfile::Builder::new().prefix("gpusnap-sockwake-test").tempdir_in("/tmp").unwrap();
         let socket = sockdir.path().join("agent.sock");
-        let mut cmd: Vec<String> = wrap.iter().map(|s| s.to_string()).collect();
-        cmd.extend([
-            fake_workload_bin().display().to_string(),
-            "--mib".into(),
-            "300".into(),
-            "--http".into(),
-            port.to_string(),
-            "--http-host".into(),
-            host.into(),
-        ]);
-        let text = format!(
-            "[agent]\nsocket = {:?}\n\n[[service]]\nname = \"m\"\nwake_on = \"socket\"\nbackend = \"{host}:{port}\"\n\
-             command = {cmd:?}\nwake_timeout = \"60s\"\n{extra}\n",
-            socket.display().to_string()
-        );
+        let mut text = format!("[agent]\nsocket = {:?}\n", socket.display().to_string());
+        for (name, port, host, wrap, mib, extra) in svcs {
+            let mut cmd: Vec<String> = wrap.iter().map(|s| s.to_string()).collect();
+            cmd.extend([
+                fake_workload_bin().display().to_string(),
+                "--mib".into(),
+                mib.to_string(),
+                "--http".into(),
+                port.to_string(),
+                "--http-host".into(),
+                host.to_string(),
+            ]);
+            text += &format!(
+                "\n[[service]]\nname = \"{name}\"\nwake_on = \"socket\"\nbackend = \"{host}:{port}\"\n\
+                 command = {cmd:?}\nwake_timeout = \"60s\"\n{extra}\n"
+            );
+        }
         let config = w.tmp.path().join("agent.toml");
         std::fs::write(&config, text).unwrap();
         let mut s = Self { w, socket, config, agent: None, _sockdir: sockdir };
@@ -81,15 +92,23 @@ impl SockWorld {
     }
 
     fn service(&self) -> Value {
-        let (code, body) = self.api("GET", "/v1/services/m");
+        self.service_of("m")
+    }
+
+    fn service_of(&self, name: &str) -> Value {
+        let (code, body) = self.api("GET", &format!("/v1/services/{name}"));
         assert_eq!(code, 200, "{body}");
         serde_json::from_str(&body).unwrap()
     }
 
     fn wait_state(&mut self, state: &str) -> Value {
+        self.wait_state_of("m", state)
+    }
+
+    fn wait_state_of(&mut self, name: &str, state: &str) -> Value {
         let end = Instant::now() + LONG;
         loop {
-            let s = self.service();
+            let s = self.service_of(name);
             if s["state"] == state {
                 for k in ["runner", "pid"] {
                     if let Some(p) = s[k].as_i64() {
@@ -98,7 +117,11 @@ impl SockWorld {
                 }
                 return s;
             }
-            assert!(Instant::now() < end, "not {state} within {LONG:?}: {s}\nagent log: {}", self.log());
+            assert!(
+                Instant::now() < end,
+                "{name} not {state} within {LONG:?}: {s}\nagent log: {}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -259,6 +282,40 @@ fn connections_from_ignored_peers_neither_wake_nor_keep_the_server_up() {
     assert_eq!(a.socket_wakes(), 1);
 }
 
+#[test]
+fn a_request_to_a_suspended_socket_woken_server_evicts_an_idle_one_from_a_full_gpu() {
+    let (pa, pb) = (free_port(), free_port());
+    let keys = "suspend_after = \"never\"\ngpu_memory = \"600MiB\"";
+    let mut a = SockWorld::with(
+        1000,
+        &[("a", pa, "127.0.0.1", &[], 600, keys), ("b", pb, "127.0.0.1", &[], 600, keys)],
+    );
+    // Both started: the second one's start made room by suspending the first.
+    let end = Instant::now() + LONG;
+    let (first, second) = loop {
+        let (sa, sb) = (a.service_of("a")["state"].clone(), a.service_of("b")["state"].clone());
+        if sa == "running" && sb == "suspended" {
+            break ((pb, "b"), (pa, "a"));
+        }
+        if sa == "suspended" && sb == "running" {
+            break ((pa, "a"), (pb, "b"));
+        }
+        assert!(Instant::now() < end, "a {sa}, b {sb}\n{}", a.log());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let ((port_s, suspended), (_, running)) = (first, second);
+    let pid = a.wait_state_of(suspended, "suspended")["pid"].as_i64().unwrap();
+    a.wait_state_of(running, "running");
+    // A request to the suspended one's own port: it is resumed, the other
+    // (idle) evicted to make room, and the answer comes from its process.
+    let body = get(format!("127.0.0.1:{port_s}").parse().unwrap());
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
+    a.wait_state_of(suspended, "running");
+    a.wait_state_of(running, "suspended");
+    let notes = a.w.json(&["history", &pid.to_string()]).stdout;
+    assert!(notes.contains("evict"), "{notes}");
+}
+
 /// A connection to `to` (IPv4) from the local address `from`.
 fn socket2_from(from: &str, to: SocketAddr) -> TcpStream {
     use std::os::fd::FromRawFd;
@@ -342,7 +399,9 @@ fn a_killed_agent_adopts_a_suspended_socket_woken_server_and_a_request_still_wak
     assert_eq!(s["pid"].as_i64(), Some(pid), "adopted, not started again");
     // The new agent learns the kept-alive connection without waking for
     // it; its next request wakes the server.
-    let body = request(&mut kept);
+    let mut copy = kept.try_clone().unwrap();
+    let body = std::panic::catch_unwind(move || request(&mut copy))
+        .unwrap_or_else(|_| panic!("no answer; agent log:\n{}", a.log()));
     assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
     // Answered once its driver state is restored, maybe a moment before
     // the agent records it running.

@@ -20,6 +20,9 @@ const TCP_LISTEN: u8 = 10;
 /// Offsets of `tcpi_bytes_acked` and `tcpi_bytes_received` in `struct
 /// tcp_info` (since Linux 4.1; a shorter one from an older kernel has none).
 const BYTES_ACKED: usize = 120;
+/// `tcpi_last_data_sent` and `tcpi_last_data_recv` (milliseconds ago).
+const LAST_DATA_SENT: usize = 44;
+const LAST_DATA_RECV: usize = 52;
 const BYTES_RECEIVED: usize = 128;
 
 /// A `NETLINK_SOCK_DIAG` socket in the calling thread's namespace, each
@@ -151,6 +154,8 @@ fn add(r: &netlink_packet_sock_diag::inet::InetResponse, port: u16, into: &mut S
         _ => None,
     });
     let (acked, received) = info.map_or((0, 0), |b| (u64_at(b, BYTES_ACKED), u64_at(b, BYTES_RECEIVED)));
+    let (since_sent, since_recv) =
+        info.map_or((u32::MAX, u32::MAX), |b| (u32_at(b, LAST_DATA_SENT), u32_at(b, LAST_DATA_RECV)));
     into.connections.push(Connection {
         local,
         peer: SocketAddr::new(unmapped(id.destination_address), id.destination_port),
@@ -158,7 +163,13 @@ fn add(r: &netlink_packet_sock_diag::inet::InetResponse, port: u16, into: &mut S
         bytes_received: received,
         bytes_acked: acked,
         unread: r.header.recv_queue,
+        since_recv_ms: since_recv,
+        since_sent_ms: since_sent,
     });
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    b.get(at..at + 4).and_then(|s| s.try_into().ok()).map_or(u32::MAX, u32::from_ne_bytes)
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {

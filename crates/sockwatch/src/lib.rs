@@ -61,6 +61,19 @@ pub struct Connection {
     pub bytes_acked: u64,
     /// Bytes received that the server has not read yet.
     pub unread: u32,
+    /// Milliseconds since the last data received, and since the last data
+    /// sent (`tcp_info.last_data_recv`, `last_data_sent`; never sent: as
+    /// long as the host's uptime): received more recently than sent, the
+    /// client waits for an answer.
+    pub since_recv_ms: u32,
+    pub since_sent_ms: u32,
+}
+
+impl Connection {
+    /// The client sent data after the server's last: a request unanswered.
+    pub fn awaits_answer(&self) -> bool {
+        self.bytes_received > 0 && self.since_recv_ms < self.since_sent_ms
+    }
 }
 
 /// What one look at a port found.

@@ -57,11 +57,15 @@ fn byte_counters_of_a_connection_move_with_its_bytes() {
     assert_eq!(s.connections[0].cookie, first.cookie, "the same socket");
     assert_eq!(s.connections[0].unread, 5, "the server has not read them");
 
+    assert!(s.connections[0].awaits_answer(), "{s:?}");
     let mut got = [0u8; 5];
     server.read_exact(&mut got).unwrap();
     server.write_all(b"answer").unwrap();
     let s = look_until(&mut w, port, |s| s.connections[0].bytes_acked == 6);
     assert_eq!(s.connections[0].unread, 0);
+    // Answered in the same millisecond as asked reads as answered only
+    // from the next: the counters say so at once, the clocks a moment later.
+    look_until(&mut w, port, |s| !s.connections[0].awaits_answer());
 }
 
 #[test]

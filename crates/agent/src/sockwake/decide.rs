@@ -88,10 +88,15 @@ impl Tracker {
                         ch.wake.get_or_insert(Why::Connection);
                     }
                     // Bytes it already carries are a request in flight; on
-                    // the first look only those the server has not read yet
-                    // (a kept-alive connection carried earlier requests).
-                    if (self.primed && c.bytes_received > 0) || c.unread > 0 {
+                    // the first look (a kept-alive connection carried
+                    // earlier requests) only if the client sent after the
+                    // server's last answer: a request that came just
+                    // before the look, while suspended, must wake.
+                    if self.primed && c.bytes_received > 0 {
                         ch.sent.push(c.cookie);
+                    } else if !self.primed && (c.unread > 0 || c.awaits_answer()) {
+                        ch.sent.push(c.cookie);
+                        ch.wake.get_or_insert(Why::Bytes);
                     }
                 }
                 Some(old) => {
@@ -134,6 +139,9 @@ mod tests {
             bytes_received: received,
             bytes_acked: acked,
             unread: 0,
+            // Answered after the last request (or nothing received yet).
+            since_recv_ms: 5000,
+            since_sent_ms: if acked > 0 { 1000 } else { u32::MAX },
         }
     }
 
@@ -184,6 +192,16 @@ mod tests {
         let ch = t.see(&snap(1, vec![conn(3, "10.88.0.1", 90, 400), conn(4, "10.0.0.9", 0, 0)]), &ignore);
         assert_eq!(ch.wake, Some(Why::Connection));
         assert_eq!(ch.opened, vec![4]);
+    }
+
+    #[test]
+    fn the_first_look_wakes_for_a_request_the_server_read_but_did_not_answer() {
+        let mut t = Tracker::default();
+        let mut c = conn(5, "10.0.0.5", 180, 400);
+        c.since_recv_ms = 3;
+        c.since_sent_ms = 9000;
+        let ch = t.see(&snap(0, vec![c]), &[]);
+        assert_eq!((ch.wake, ch.sent.clone()), (Some(Why::Bytes), vec![5]));
     }
 
     #[test]
