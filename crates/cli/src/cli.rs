@@ -16,6 +16,7 @@ Exit status:
   4  a driver call failed; the process was put back as it was
   5  the process cannot be restored in place (see `gpusnap recover`)
   6  a remote could not be reached or refused access
+  8, 9, 10  `gpusnap probe`: the server is dead, does not listen, is stuck
 `gpusnap run` exits as the program did.";
 
 #[derive(Parser)]
