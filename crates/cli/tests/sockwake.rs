@@ -268,7 +268,25 @@ fn connections_from_ignored_peers_neither_wake_nor_keep_the_server_up() {
     let pid = a.wait_state("running")["pid"].as_i64().unwrap();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     wait_for(LONG, || TcpStream::connect(addr).is_ok());
+    // Probes from the ignored address every 100 ms, answered while it runs:
+    // they do not keep it up.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = {
+        let stop = std::sync::Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut s = socket2_from("127.0.0.2", addr);
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                if write!(s, "GET / HTTP/1.1\r\nHost: x\r\n\r\n").is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
     a.wait_state("suspended");
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    prober.join().unwrap();
+    assert_eq!(a.socket_wakes(), 0, "{}", a.log());
     // A probe from the ignored address: connected, its request sent (the
     // server takes it and waits for its GPU), and nothing wakes. The watch
     // looks every millisecond: a second is a thousand looks.
