@@ -36,10 +36,15 @@ impl SockWorld {
     /// Socket-woken services (name, port, host, wrap, MiB, extra) on one
     /// fake GPU of `gpu_mib`.
     fn with(gpu_mib: u64, svcs: &[Svc]) -> Self {
+        Self::with_agent(gpu_mib, "", svcs)
+    }
+
+    /// As [`Self::with`], with more `[agent]` keys.
+    fn with_agent(gpu_mib: u64, agent: &str, svcs: &[Svc]) -> Self {
         let w = World::new(&[gpu_mib]);
         let sockdir = tempfile::Builder::new().prefix("gpusnap-sockwake-test").tempdir_in("/tmp").unwrap();
         let socket = sockdir.path().join("agent.sock");
-        let mut text = format!("[agent]\nsocket = {:?}\n", socket.display().to_string());
+        let mut text = format!("[agent]\nsocket = {:?}\n{agent}\n", socket.display().to_string());
         for (name, port, host, wrap, mib, extra) in svcs {
             let mut cmd: Vec<String> = wrap.iter().map(|s| s.to_string()).collect();
             cmd.extend([
@@ -332,6 +337,26 @@ fn a_request_to_a_suspended_socket_woken_server_evicts_an_idle_one_from_a_full_g
     a.wait_state_of(running, "suspended");
     let notes = a.w.json(&["history", &pid.to_string()]).stdout;
     assert!(notes.contains("evict"), "{notes}");
+}
+
+#[test]
+fn host_memory_pressure_never_hibernates_a_socket_woken_server() {
+    let port = free_port();
+    // Always below: every tick looks for a suspended service to hibernate.
+    let mut a = SockWorld::with_agent(
+        1000,
+        "min_host_available = \"1PiB\"\ntick = \"50ms\"",
+        &[("m", port, "127.0.0.1", &[], 300, "suspend_after = \"700ms\"")],
+    );
+    let pid = a.wait_state("running")["pid"].as_i64().unwrap();
+    a.wait_state("suspended");
+    // Forty ticks.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(a.service()["state"], "suspended", "{}", a.log());
+    let notes = a.w.json(&["history", &pid.to_string()]).stdout;
+    assert!(!notes.contains("hibernate"), "{notes}");
+    // Still woken by a request.
+    assert!(get(format!("127.0.0.1:{port}").parse().unwrap()).starts_with(&format!("ok {pid} ")));
 }
 
 /// A connection to `to` (IPv4) from the local address `from`.
