@@ -478,6 +478,20 @@ impl Config {
                 }
                 _ => {}
             }
+            if s.wake_on == WakeOn::Socket {
+                // Nothing listens before the first start, and no proxy
+                // answers for the server.
+                for (key, given) in
+                    [("start = \"on-demand\"", s.start == Start::OnDemand), ("fail_fast", s.fail_fast)]
+                {
+                    if given {
+                        return Err(invalid(
+                            at,
+                            format!("service {name:?}: {key} needs wake_on = \"proxy\" (a proxy that listens for the server)"),
+                        ));
+                    }
+                }
+            }
             if s.wake_on == WakeOn::Proxy {
                 for (key, given) in [("netns", s.netns.is_some()), ("ignore_peers", s.ignore_peers.is_some())]
                 {

@@ -202,6 +202,9 @@ fn wake_on_keys_are_checked() {
     assert!(err(&format!("{socket}ignore_peers = [\"node\"]\n"))
         .contains("ignore_peers: \"node\" is not an address"));
     assert!(err(&format!("{socket}socket_poll = \"0ms\"\n")).contains("socket_poll"));
+    assert!(err(&format!("{socket}start = \"on-demand\"\n"))
+        .contains("start = \"on-demand\" needs wake_on = \"proxy\""));
+    assert!(err(&format!("{socket}fail_fast = true\n")).contains("fail_fast needs wake_on = \"proxy\""));
     let proxy = "[[service]]\nname = \"a\"\nbackend = \"127.0.0.1:8000\"\ncommand = [\"s\"]\n";
     assert!(err(proxy).contains("listen is missing"));
     assert!(err(&format!("{proxy}listen = \"127.0.0.1:9000\"\nnetns = \"/run/netns/x\"\n"))
