@@ -70,9 +70,11 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// The client sent data after the server's last: a request unanswered.
+    /// The client sent data and the server never answered, or the client
+    /// sent after the server's last data (to the millisecond: within one,
+    /// it counts as answered): a request unanswered.
     pub fn awaits_answer(&self) -> bool {
-        self.bytes_received > 0 && self.since_recv_ms < self.since_sent_ms
+        self.bytes_received > 0 && (self.bytes_acked == 0 || self.since_recv_ms < self.since_sent_ms)
     }
 }
 
