@@ -48,6 +48,8 @@ import torch
 
 p = argparse.ArgumentParser()
 p.add_argument("--port", type=int, default=None)
+# A server in a network namespace of its own listens on its interface.
+p.add_argument("--host", default="127.0.0.1")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--weights-gb", type=float, default=float(os.environ.get("AGENT_WEIGHTS_GB", "16")))
 p.add_argument("--kv-gb", type=float, default=float(os.environ.get("AGENT_KV_GB", "59")))
@@ -312,7 +314,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 # --ref-n 0 (a cold-start measurement): no reference, the port opens sooner.
 REFERENCE = (" ".join(map(str, generate(tokenize(args.ref_prompt), args.ref_n))) + "\n") if args.ref_n > 0 else ""
-srv = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+srv = http.server.ThreadingHTTPServer((args.host, args.port), Handler)
 held = torch.cuda.memory_allocated() / 1e9
 print(
     f"ready pid={os.getpid()} backend={backend} init={init} weights={args.weights or 'random'} "

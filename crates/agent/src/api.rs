@@ -61,6 +61,8 @@ pub struct ServiceView {
     pub name: String,
     pub state: &'static str,
     pub listen: String,
+    /// `proxy` or `socket`: what brings it back when suspended.
+    pub wake_on: &'static str,
     pub backend: String,
     pub pid: Option<i32>,
     /// The `gpusnap run --light` the agent started it under.
@@ -117,7 +119,8 @@ pub fn view(s: &Service) -> ServiceView {
     ServiceView {
         name: s.name.clone(),
         state: g.state.as_str(),
-        listen: s.cfg.listen.get_ref().to_string(),
+        listen: s.cfg.client_addr().to_string(),
+        wake_on: s.cfg.wake_on.as_str(),
         backend: s.cfg.backend.to_string(),
         pid: g.process.as_ref().map(|t| t.pid),
         runner: g.runner,

@@ -51,7 +51,8 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         // setup error now, not a silent hole later.
         let mut proxies = Vec::new();
         for svc in agent.services().iter() {
-            let addr = *svc.cfg.listen.get_ref();
+            // A socket-woken service has no proxy: its server keeps its port.
+            let Some(addr) = svc.cfg.listen.as_ref().map(|l| *l.get_ref()) else { continue };
             let l = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|e| AgentError::Setup(format!("service {}: listen {addr}: {e}", svc.name)))?;
@@ -112,6 +113,9 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         for (svc, l) in proxies {
             let b = bounds(svc.cfg.max_connections, &total);
             tokio::spawn(crate::proxy::serve(Arc::clone(&ctl), svc, l, b));
+        }
+        for svc in agent.services().iter().filter(|s| s.cfg.wake_on == crate::config::WakeOn::Socket) {
+            crate::sockwake::spawn(Arc::clone(&ctl), Arc::clone(svc), tokio::runtime::Handle::current());
         }
         if let Some(l) = front_door {
             tokio::spawn(crate::frontdoor::serve(Arc::clone(&ctl), l, agent.cfg().http.clone()));

@@ -73,6 +73,8 @@ pub struct Metrics {
     pub swap_events: Family<EventLabels, Counter>,
     pub faults: Family<ServiceLabels, Counter>,
     pub annotation_errors: Family<PodKeyLabels, Counter>,
+    pub socket_wakes: Family<ServiceLabels, Counter>,
+    pub socket_wake_delay: Histograms<ServiceLabels>,
 }
 
 /// A histogram family whose buckets come from `fn() -> Histogram`.
@@ -194,6 +196,19 @@ impl Metrics {
                 "Bad gpusnap.io annotations of the node's pods, by pod and key (each pod left alone)",
                 None,
                 Family::default(),
+            ),
+            socket_wakes: register(
+                r,
+                "socket_wakes",
+                "Resumes asked by the socket watch (wake_on = \"socket\"): a connection or bytes seen on the server's port",
+                None,
+                Family::default(),
+            ),
+            socket_wake_delay: seconds(
+                r,
+                "socket_wake_delay",
+                "From the socket watch's first sight of a request to the start of the resume it asks",
+                phase_buckets,
             ),
             registry,
         }

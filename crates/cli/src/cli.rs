@@ -16,6 +16,7 @@ Exit status:
   4  a driver call failed; the process was put back as it was
   5  the process cannot be restored in place (see `gpusnap recover`)
   6  a remote could not be reached or refused access
+  8, 9, 10  `gpusnap probe`: the server is dead, does not listen, is stuck
 `gpusnap run` exits as the program did.";
 
 #[derive(Parser)]
@@ -328,6 +329,26 @@ pub enum Cmd {
         /// The agent's configuration (docs/design/agent.md).
         #[arg(long, value_name = "FILE", default_value = "/etc/gpusnap/agent.toml")]
         config: PathBuf,
+    },
+    /// Whether a server can answer, for a Kubernetes exec probe: exit 0 for
+    /// a running or suspended (wakeable) one listening on --port, without
+    /// waking it.
+    ///
+    /// Not ready, each with its exit code and a one-line reason: 8 dead, 9
+    /// nothing listens on the port (in the process's network namespace),
+    /// 10 stuck (a process of its tree stopped), 5 cannot be restored in
+    /// place (a failed restore). With --json, one object: {"ready",
+    /// "state", "pid", "port", "reason", "exit_code"}.
+    Probe {
+        /// The server's process (its tree is judged).
+        #[arg(long, value_name = "PID", required_unless_present = "container", conflicts_with = "container")]
+        pid: Option<i32>,
+        /// A running container, by name or id, resolved through its runtime.
+        #[arg(long, value_name = "NAME|ID")]
+        container: Option<String>,
+        /// The TCP port the server listens on.
+        #[arg(long, value_name = "N")]
+        port: u16,
     },
     /// The agent's services and their states.
     Services {

@@ -80,6 +80,10 @@ struct Args {
     /// `GET /generate?...` answers a hash of its query (the same every time).
     #[arg(long, value_name = "PORT")]
     http: Option<u16>,
+    /// With --http: the address it listens on (a server in a network
+    /// namespace of its own listens on its interface's address).
+    #[arg(long, default_value = "127.0.0.1")]
+    http_host: std::net::IpAddr,
     /// With --http: also hold a "KV cache" of N MiB, which `POST /sleep`
     /// frees and `POST /wake_up` allocates again (vLLM's sleep level 1,
     /// weights kept); asleep, `/` and `/generate` answer 503. Both take
@@ -359,7 +363,7 @@ fn run(args: &Args) -> Result<(), String> {
             tag: args.tag.clone(),
         };
         gpu.wake_up()?;
-        return serve_http(std::sync::Arc::new(gpu), port, args.print_ready);
+        return serve_http(std::sync::Arc::new(gpu), (args.http_host, port), args.print_ready);
     }
     if args.print_ready {
         let mut out = std::io::stdout().lock();
@@ -590,9 +594,13 @@ impl Gpu {
     }
 }
 
-fn serve_http(gpu: std::sync::Arc<Gpu>, port: u16, print_ready: bool) -> Result<(), String> {
+fn serve_http(
+    gpu: std::sync::Arc<Gpu>,
+    (host, port): (std::net::IpAddr, u16),
+    print_ready: bool,
+) -> Result<(), String> {
     let listener =
-        std::net::TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind {port}: {e}"))?;
+        std::net::TcpListener::bind((host, port)).map_err(|e| format!("bind {host}:{port}: {e}"))?;
     if print_ready {
         println!("ready {}", std::process::id());
     }

@@ -19,7 +19,8 @@ pub struct KubernetesConfig {
     #[serde(default = "default_cri_timeout", deserialize_with = "duration")]
     pub cri_timeout: Duration,
     /// The node's own addresses: connections from them (the kubelet's
-    /// probes) are not requests. Kept for the socket watcher.
+    /// probes) neither wake a pod nor count as its traffic. Empty: the
+    /// addresses of the agent's own network namespace.
     #[serde(default)]
     pub node_addresses: Vec<IpAddr>,
 }

@@ -187,8 +187,28 @@ fn default_header_timeout() -> Duration {
 #[serde(deny_unknown_fields)]
 pub struct ServiceConfig {
     pub name: Spanned<String>,
-    pub listen: Spanned<SocketAddr>,
+    /// The proxy's address (`wake_on = "proxy"`); none with `"socket"`.
+    pub listen: Option<Spanned<SocketAddr>>,
     pub backend: SocketAddr,
+    /// How a request brings the service back: through the agent's proxy on
+    /// `listen`, or seen on the server's own port (`backend`) in the kernel.
+    #[serde(default)]
+    pub wake_on: WakeOn,
+    /// `wake_on = "socket"`: the network namespace the server listens in
+    /// (`/run/netns/NAME`, `/proc/PID/ns/net`); unset: its process's own.
+    pub netns: Option<PathBuf>,
+    /// `wake_on = "socket"`: peers (addresses or CIDRs) whose connections
+    /// neither wake the service nor count as traffic (a kubelet's httpGet
+    /// probes). Unset: the node's own addresses but loopback when the server
+    /// has a namespace of its own, none when it shares the agent's.
+    pub ignore_peers: Option<Vec<Spanned<String>>>,
+    /// `wake_on = "socket"`: how often the port is looked at while the
+    /// service is off the GPU (suspended, hibernated).
+    #[serde(default = "default_socket_poll", deserialize_with = "duration")]
+    pub socket_poll: Duration,
+    /// `wake_on = "socket"`: how often while it runs (idleness only).
+    #[serde(default = "default_socket_poll_running", deserialize_with = "duration")]
+    pub socket_poll_running: Duration,
     pub command: Option<Vec<String>>,
     pub pid_file: Option<PathBuf>,
     pub cgroup: Option<PathBuf>,
@@ -275,6 +295,27 @@ pub struct ServiceConfig {
     pub(crate) pod: Option<PodRef>,
 }
 
+/// `wake_on`: what brings a suspended service back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WakeOn {
+    /// A connection to the agent's proxy on `listen`.
+    #[default]
+    Proxy,
+    /// A connection or bytes on the server's own port, seen through the
+    /// kernel's sock_diag; no proxy.
+    Socket,
+}
+
+impl WakeOn {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WakeOn::Proxy => "proxy",
+            WakeOn::Socket => "socket",
+        }
+    }
+}
+
 /// When the agent starts a service it starts itself.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -357,8 +398,26 @@ impl ServiceConfig {
     pub fn adopted(&self) -> bool {
         self.command.is_none()
     }
+
+    /// Where clients connect: the proxy, or the server itself.
+    pub fn client_addr(&self) -> SocketAddr {
+        self.listen.as_ref().map_or(self.backend, |l| *l.get_ref())
+    }
+
+    /// The parsed `ignore_peers`, if given (checked when the file was read).
+    pub fn ignore_peers(&self) -> Option<Vec<crate::peers::Cidr>> {
+        self.ignore_peers
+            .as_ref()
+            .map(|v| v.iter().filter_map(|p| crate::peers::Cidr::parse(p.get_ref()).ok()).collect())
+    }
 }
 
+fn default_socket_poll() -> Duration {
+    Duration::from_millis(1)
+}
+fn default_socket_poll_running() -> Duration {
+    Duration::from_millis(100)
+}
 fn default_suspend_after() -> Option<Duration> {
     Some(Duration::from_secs(300))
 }
@@ -424,16 +483,61 @@ impl Config {
             if let Some(first) = names.insert(name.clone(), line_of(text, at)) {
                 return Err(invalid(at, format!("duplicate service name {name:?} (first on line {first})")));
             }
-            let listen = *s.listen.get_ref();
-            let lat = s.listen.span().start;
-            if let Some((other, _)) = ports.get(&listen.port()) {
-                return Err(invalid(
-                    lat,
-                    format!("service {name:?} listens on port {} as {other:?} does", listen.port()),
-                ));
+            match (s.wake_on, &s.listen) {
+                (WakeOn::Proxy, None) => {
+                    return Err(invalid(at, format!("service {name:?}: listen is missing (the proxy's address)")))
+                }
+                (WakeOn::Socket, Some(l)) => {
+                    return Err(invalid(
+                        l.span().start,
+                        format!("service {name:?}: listen is for wake_on = \"proxy\"; with \"socket\" clients connect to backend"),
+                    ))
+                }
+                _ => {}
             }
-            ports.insert(listen.port(), (name.clone(), lat));
-            if listen == s.backend {
+            if s.wake_on == WakeOn::Socket {
+                // Nothing listens before the first start, and no proxy
+                // answers for the server.
+                for (key, given) in
+                    [("start = \"on-demand\"", s.start == Start::OnDemand), ("fail_fast", s.fail_fast)]
+                {
+                    if given {
+                        return Err(invalid(
+                            at,
+                            format!("service {name:?}: {key} needs wake_on = \"proxy\" (a proxy that listens for the server)"),
+                        ));
+                    }
+                }
+            }
+            if s.wake_on == WakeOn::Proxy {
+                for (key, given) in [("netns", s.netns.is_some()), ("ignore_peers", s.ignore_peers.is_some())]
+                {
+                    if given {
+                        return Err(invalid(
+                            at,
+                            format!("service {name:?}: {key} is for wake_on = \"socket\""),
+                        ));
+                    }
+                }
+            }
+            for p in s.ignore_peers.iter().flatten() {
+                if let Err(e) = crate::peers::Cidr::parse(p.get_ref()) {
+                    return Err(invalid(p.span().start, format!("service {name:?}: ignore_peers: {e}")));
+                }
+            }
+            let listen = s.client_addr();
+            let lat = s.listen.as_ref().map_or(at, |l| l.span().start);
+            // Servers in namespaces of their own may all use one port.
+            if s.netns.is_none() {
+                if let Some((other, _)) = ports.get(&listen.port()) {
+                    return Err(invalid(
+                        lat,
+                        format!("service {name:?} listens on port {} as {other:?} does", listen.port()),
+                    ));
+                }
+                ports.insert(listen.port(), (name.clone(), lat));
+            }
+            if s.wake_on == WakeOn::Proxy && listen == s.backend {
                 return Err(invalid(
                     lat,
                     format!("service {name:?}: listen and backend are the same address"),
@@ -573,7 +677,7 @@ impl Config {
         // Two services on one backend: one's requests would be answered by
         // the other's server (the one that bound the port first).
         let mut backends = std::collections::HashMap::new();
-        for s in &cfg.service {
+        for s in cfg.service.iter().filter(|s| s.netns.is_none()) {
             if let Some(other) = backends.insert(s.backend, s.name.get_ref().clone()) {
                 return Err(invalid(
                     s.name.span().start,
@@ -583,7 +687,7 @@ impl Config {
         }
         // A backend of one service that another listens on would loop.
         for s in &cfg.service {
-            if let Some((other, at)) = ports.get(&s.backend.port()) {
+            if let Some((other, at)) = ports.get(&s.backend.port()).filter(|(o, _)| o != s.name.get_ref()) {
                 if s.backend.ip().is_loopback() || s.backend.ip().is_unspecified() {
                     return Err(invalid(
                         *at,
@@ -654,6 +758,8 @@ fn check_service(s: &ServiceConfig, text: &str) -> Result<(), (usize, String)> {
         ("max_waiting", count("max_waiting", s.max_waiting, 1, MAX_CONNECTIONS)),
         ("max_connections", count("max_connections", s.max_connections, 1, MAX_CONNECTIONS)),
         ("margin", bytes("margin", s.margin, 0, TIB)),
+        ("socket_poll", within("socket_poll", s.socket_poll, MS, 10 * SEC)),
+        ("socket_poll_running", within("socket_poll_running", s.socket_poll_running, MS, 60 * SEC)),
         ("gpu_memory", s.gpu_memory.map_or(Ok(()), |n| bytes("gpu_memory", n, 1, 64 * TIB))),
         (
             "priority",

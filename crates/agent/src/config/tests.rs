@@ -174,3 +174,53 @@ fn fast_swap_keys() {
     let e = err(&format!("{adopted}fast_swap = true\n"));
     assert!(e.contains("fast_swap is for a server the agent starts"), "{e}");
 }
+
+#[test]
+fn wake_on_socket_has_no_listen_and_may_share_a_port_across_namespaces() {
+    let text = r#"
+[[service]]
+name = "a"
+wake_on = "socket"
+backend = "10.0.0.2:8000"
+netns = "/run/netns/a"
+ignore_peers = ["10.0.0.1", "fd00::/8"]
+pid_file = "/run/a.pid"
+
+[[service]]
+name = "b"
+wake_on = "socket"
+backend = "10.0.0.2:8000"
+netns = "/run/netns/b"
+pid_file = "/run/b.pid"
+"#;
+    let c = Config::parse(text, "x.toml").unwrap();
+    let a = &c.service[0];
+    assert_eq!(a.wake_on, WakeOn::Socket);
+    assert_eq!(a.client_addr(), "10.0.0.2:8000".parse().unwrap());
+    assert_eq!(a.ignore_peers().unwrap().len(), 2);
+    assert_eq!(a.socket_poll, Duration::from_millis(1));
+    assert_eq!(c.service[1].ignore_peers(), None);
+    assert_eq!(Config::parse(GOOD, "x.toml").unwrap().service[0].wake_on, WakeOn::Proxy);
+}
+
+#[test]
+fn wake_on_keys_are_checked() {
+    let socket =
+        "[[service]]\nname = \"a\"\nwake_on = \"socket\"\nbackend = \"127.0.0.1:8000\"\ncommand = [\"s\"]\n";
+    assert!(
+        err(&format!("{socket}listen = \"127.0.0.1:9000\"\n")).contains("listen is for wake_on = \"proxy\"")
+    );
+    assert!(err(&format!("{socket}ignore_peers = [\"node\"]\n"))
+        .contains("ignore_peers: \"node\" is not an address"));
+    assert!(err(&format!("{socket}socket_poll = \"0ms\"\n")).contains("socket_poll"));
+    assert!(err(&format!("{socket}start = \"on-demand\"\n"))
+        .contains("start = \"on-demand\" needs wake_on = \"proxy\""));
+    assert!(err(&format!("{socket}fail_fast = true\n")).contains("fail_fast needs wake_on = \"proxy\""));
+    let proxy = "[[service]]\nname = \"a\"\nbackend = \"127.0.0.1:8000\"\ncommand = [\"s\"]\n";
+    assert!(err(proxy).contains("listen is missing"));
+    assert!(err(&format!("{proxy}listen = \"127.0.0.1:9000\"\nnetns = \"/run/netns/x\"\n"))
+        .contains("netns is for wake_on = \"socket\""));
+    assert!(
+        err(&proxy.replace("backend", "wake_on = \"pigeon\"\nbackend")).contains("unknown variant `pigeon`")
+    );
+}

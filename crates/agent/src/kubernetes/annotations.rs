@@ -3,7 +3,7 @@
 //! the agent adopts. Every bad key is reported, none guessed at.
 
 use crate::bounds::{bytes, within, DAY, MS, TIB};
-use crate::config::{Hook, Hooks, OnFault, PodRef, ServiceConfig, Start};
+use crate::config::{Hook, Hooks, OnFault, PodRef, ServiceConfig, Start, WakeOn};
 use crate::units::{parse_duration, parse_size};
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -166,8 +166,14 @@ pub fn service(
     let addr = SocketAddr::new(ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)), port);
     Ok(ServiceConfig {
         name: toml::Spanned::new(0..0, service_name(&pod.namespace, &pod.name)),
-        // Clients reach the pod at its own address: no proxy stands between.
-        listen: toml::Spanned::new(0..0, addr),
+        // Clients reach the pod at its own address: no proxy stands between;
+        // a watch of the pod's port in its network namespace wakes it.
+        listen: None,
+        wake_on: WakeOn::Socket,
+        netns: None,
+        ignore_peers: None,
+        socket_poll: Duration::from_millis(1),
+        socket_poll_running: Duration::from_millis(100),
         backend: addr,
         command: None,
         pid_file: None,

@@ -29,6 +29,8 @@ pub struct Follower {
     reported: HashMap<String, BTreeSet<String>>,
     /// The host pid of each running container seen, by container id.
     pids: HashMap<String, i32>,
+    /// `node_addresses`: the peers a pod's watch ignores (the kubelet's probes).
+    nodes: Vec<std::net::IpAddr>,
 }
 
 /// A pod to serve: its listing, and the container chosen.
@@ -44,6 +46,7 @@ impl Follower {
             cri: Cri::new(&cfg.cri_socket, cfg.cri_timeout)?,
             reported: HashMap::new(),
             pids: HashMap::new(),
+            nodes: cfg.node_addresses.clone(),
         })
     }
 
@@ -192,7 +195,14 @@ impl Follower {
             container: f.container.clone(),
         };
         let cfg = match annotations::service(&f.pod.annotations, ip, pod) {
-            Ok(c) => c,
+            Ok(mut c) => {
+                // The kubelet's probes come from the node's addresses: set,
+                // they are the ones the watch ignores (else the node's own).
+                if !self.nodes.is_empty() {
+                    c.ignore_peers = Some(self.nodes.iter().map(|a| toml::Spanned::new(0..0, a.to_string())).collect());
+                }
+                c
+            }
             Err(bad) => {
                 self.report(agent, &f, &bad);
                 return Ok(false);

@@ -38,13 +38,18 @@ pub struct PodEndpoint {
 }
 
 impl Agent {
-    /// Called once for each pod the agent starts serving: where a watcher
-    /// of the pod's sockets (in its network namespace, on its port) plugs
-    /// in to count its traffic and wake it on a new connection. Until one
-    /// does, a pod's idleness counts from its adoption or its last resume,
-    /// and it is resumed through the API. The watcher ends when
-    /// `self.service(&svc.name)` is no longer `svc` (the pod is gone).
+    /// Called once for each pod the agent starts serving: a watch of the
+    /// pod's port in its network namespace (the server's own, found from
+    /// its pid) counts its traffic and wakes it on a new connection or
+    /// bytes on a kept-alive one (`wake_on = "socket"`, sockwake). The
+    /// watch ends once `self.service(&svc.name)` is no longer `svc` (the
+    /// pod is gone).
     pub fn watch_pod_sockets(self: &Arc<Self>, svc: &Arc<Service>, endpoint: &PodEndpoint) {
-        tracing::debug!(service = svc.name, ?endpoint, "pod served without a socket watcher");
+        tracing::debug!(service = svc.name, ?endpoint, "watching the pod's port");
+        let ctl: Arc<dyn crate::control::Control> = Arc::clone(self) as _;
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => crate::sockwake::spawn(ctl, Arc::clone(svc), rt),
+            Err(_) => tracing::warn!(service = svc.name, "no runtime to wake the pod on: its port is not watched"),
+        }
     }
 }

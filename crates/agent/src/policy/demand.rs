@@ -53,6 +53,9 @@ impl Agent {
                     State::Running => return Ok(waited),
                     State::Suspended => {
                         svc.set_state(&mut g, State::Resuming);
+                        // With its wall-clock time: what a client's connect()
+                        // is measured against (scripts/bench-sockwake.sh).
+                        tracing::info!(service = svc.name, at_unix_us = unix_us(), "resume started");
                         g.trace = trace("resume");
                         drop(g);
                         self.spawn_bring_back(svc, "a connection arrived");
@@ -398,4 +401,8 @@ impl Agent {
             .max_by_key(|g| g.free_bytes)
             .map(|g| (old, g.uuid))
     }
+}
+
+fn unix_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }

@@ -71,7 +71,11 @@ impl Agent {
                         });
                         continue;
                     }
-                    if hibernate_one.as_ref().is_none_or(|(t, _)| since < *t) {
+                    // A socket-woken server hibernated would have no
+                    // listener, its clients refused: host memory pressure
+                    // never picks one (its own hibernate_after may).
+                    let socket = svc.cfg.wake_on == crate::config::WakeOn::Socket;
+                    if !socket && hibernate_one.as_ref().is_none_or(|(t, _)| since < *t) {
                         hibernate_one = Some((since, Arc::clone(&svc)));
                     }
                 }

@@ -6,6 +6,7 @@ mod hibernate;
 mod images;
 mod lifecycle;
 mod manual;
+mod probe;
 
 use crate::cli::{Cli, Cmd};
 use crate::output::Out;
@@ -25,6 +26,7 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Ps { container } => lifecycle::ps(cli, out, container.as_deref()),
         Cmd::State { select } => lifecycle::state(cli, out, select),
         Cmd::History { pid } => lifecycle::history(cli, out, *pid),
+        Cmd::Probe { pid, container, port } => probe::probe(cli, *pid, container.as_deref(), *port),
         Cmd::Suspend { select, lock_timeout, thp } => {
             lifecycle::suspend(cli, out, select, *lock_timeout, *thp)
         }

@@ -302,6 +302,19 @@ state = "{d}/state"
         annotations: &[(&str, &str)],
         mib: u64,
     ) -> TestPod {
+        self.run_pod_with(w, ns, name, annotations, mib, &[])
+    }
+
+    /// `run_pod`, the workload given `extra` arguments too.
+    pub fn run_pod_with(
+        &self,
+        w: &World,
+        ns: &str,
+        name: &str,
+        annotations: &[(&str, &str)],
+        mib: u64,
+        extra: &[&str],
+    ) -> TestPod {
         let config = self.sandbox_config(ns, name, annotations);
         let mut c = self.cri.runtime();
         let req = api::RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: String::new() };
@@ -321,7 +334,10 @@ state = "{d}/state"
             metadata: Some(api::ContainerMetadata { name: "server".into(), attempt: 0 }),
             image: Some(api::ImageSpec { image: WORKLOAD.into(), ..Default::default() }),
             command: vec![fake_workload_bin().display().to_string()],
-            args: vec!["--mib".into(), mib.to_string(), "--status".into(), status.display().to_string()],
+            args: ["--mib".to_string(), mib.to_string(), "--status".into(), status.display().to_string()]
+                .into_iter()
+                .chain(extra.iter().map(|a| a.to_string()))
+                .collect(),
             envs: vec![
                 env("LD_LIBRARY_PATH", fake_libdir().display().to_string()),
                 env("GPUSNAP_FAKE_DIR", fake.clone()),
@@ -361,7 +377,9 @@ state = "{d}/state"
         );
         let pid =
             self.rt.block_on(self.cri.container_status(&cid)).unwrap().pid.expect("the container's pid");
-        wait_for(LONG, || read_status(&pod.status).is_some_and(|s| s.0 == pid && s.1 >= 1));
+        // A fake server (--http) counts its requests, not iterations.
+        let serves = pod.container.args.iter().any(|a| a == "--http");
+        wait_for(LONG, || read_status(&pod.status).is_some_and(|s| s.0 == pid && (serves || s.1 >= 1)));
         pod.container_id = cid;
         pod.pid = pid;
     }

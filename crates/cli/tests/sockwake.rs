@@ -1,0 +1,539 @@
+//! Wake on request without a proxy (`wake_on = "socket"`): the fake model
+//! server (`fake-workload --http`, a fake CUDA process that touches its
+//! device memory before it answers) keeps its own port, and the agent
+//! watches that port through sock_diag; `gpusnap probe` for exec probes.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// A socket-woken service: name, port, host, command prefix, MiB, more keys.
+type Svc<'a> = (&'a str, u16, &'a str, &'a [&'a str], u64, &'a str);
+
+struct SockWorld {
+    w: World,
+    socket: PathBuf,
+    config: PathBuf,
+    agent: Option<usize>,
+    _sockdir: tempfile::TempDir,
+}
+
+impl SockWorld {
+    /// One socket-woken service `m` on `port` (127.0.0.1 unless `host`),
+    /// its command prefixed by `wrap` (`ip netns exec NS`), `extra` keys.
+    fn new(port: u16, host: &str, wrap: &[&str], extra: &str) -> Self {
+        Self::with(1000, &[("m", port, host, wrap, 300, extra)])
+    }
+
+    /// Socket-woken services (name, port, host, wrap, MiB, extra) on one
+    /// fake GPU of `gpu_mib`.
+    fn with(gpu_mib: u64, svcs: &[Svc]) -> Self {
+        Self::with_agent(gpu_mib, "", svcs)
+    }
+
+    /// As [`Self::with`], with more `[agent]` keys.
+    fn with_agent(gpu_mib: u64, agent: &str, svcs: &[Svc]) -> Self {
+        let w = World::new(&[gpu_mib]);
+        let sockdir = tempfile::Builder::new().prefix("gpusnap-sockwake-test").tempdir_in("/tmp").unwrap();
+        let socket = sockdir.path().join("agent.sock");
+        let mut text = format!("[agent]\nsocket = {:?}\n{agent}\n", socket.display().to_string());
+        for (name, port, host, wrap, mib, extra) in svcs {
+            let mut cmd: Vec<String> = wrap.iter().map(|s| s.to_string()).collect();
+            cmd.extend([
+                fake_workload_bin().display().to_string(),
+                "--mib".into(),
+                mib.to_string(),
+                "--http".into(),
+                port.to_string(),
+                "--http-host".into(),
+                host.to_string(),
+            ]);
+            text += &format!(
+                "\n[[service]]\nname = \"{name}\"\nwake_on = \"socket\"\nbackend = \"{host}:{port}\"\n\
+                 command = {cmd:?}\nwake_timeout = \"60s\"\n{extra}\n"
+            );
+        }
+        let config = w.tmp.path().join("agent.toml");
+        std::fs::write(&config, text).unwrap();
+        let mut s = Self { w, socket, config, agent: None, _sockdir: sockdir };
+        s.start();
+        s
+    }
+
+    fn start(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+        let cfg = self.config.display().to_string();
+        self.agent = Some(self.w.spawn_gpusnap(&["agent", "--config", &cfg]));
+        let sock = self.socket.clone();
+        wait_for(LONG, || UnixStream::connect(&sock).is_ok());
+    }
+
+    fn kill9(&mut self) {
+        let n = self.agent.take().unwrap();
+        self.w.children[n].kill();
+        self.w.children[n].wait();
+    }
+
+    fn api(&self, method: &str, path: &str) -> (u16, String) {
+        let mut s = UnixStream::connect(&self.socket).unwrap();
+        s.set_read_timeout(Some(LONG)).unwrap();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+        )
+        .unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        (code, text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string())
+    }
+
+    fn service(&self) -> Value {
+        self.service_of("m")
+    }
+
+    fn service_of(&self, name: &str) -> Value {
+        let (code, body) = self.api("GET", &format!("/v1/services/{name}"));
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    fn wait_state(&mut self, state: &str) -> Value {
+        self.wait_state_of("m", state)
+    }
+
+    fn wait_state_of(&mut self, name: &str, state: &str) -> Value {
+        let end = Instant::now() + LONG;
+        loop {
+            let s = self.service_of(name);
+            if s["state"] == state {
+                for k in ["runner", "pid"] {
+                    if let Some(p) = s[k].as_i64() {
+                        self.w.adopt(p as i32);
+                    }
+                }
+                return s;
+            }
+            assert!(
+                Instant::now() < end,
+                "{name} not {state} within {LONG:?}: {s}\nagent log: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn log(&self) -> String {
+        let n = self.agent.unwrap_or(0);
+        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default()
+    }
+
+    fn metrics(&self) -> String {
+        let (code, body) = self.api("GET", "/metrics");
+        assert_eq!(code, 200);
+        body
+    }
+
+    fn socket_wakes(&self) -> u64 {
+        let m = self.metrics();
+        m.lines()
+            .find(|l| l.starts_with("gpusnap_agent_socket_wakes_total{service=\"m\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn driver_state(&self, pid: i64) -> String {
+        let r = self.w.json(&["state", &pid.to_string()]);
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        r.json()["state"].as_str().unwrap().to_string()
+    }
+
+    fn probe(&self, pid: i64, port: u16) -> (i32, Value) {
+        let r = self.w.json(&["probe", "--pid", &pid.to_string(), "--port", &port.to_string()]);
+        let v = serde_json::from_str(r.stdout.lines().last().unwrap_or("null")).unwrap_or(Value::Null);
+        (r.code, v)
+    }
+}
+
+impl Drop for SockWorld {
+    fn drop(&mut self) {
+        if let Some(n) = self.agent.take() {
+            self.w.children[n].kill();
+        }
+        let path = self.w.state_dir().join("agent").join("services.json");
+        let v: Value =
+            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
+        for rec in v.as_object().into_iter().flat_map(|o| o.values()) {
+            for k in ["runner", "pid"] {
+                if let Some(p) = rec[k].as_i64() {
+                    self.w.adopt(p as i32);
+                }
+            }
+        }
+    }
+}
+
+/// One request on `s`, kept alive; the answer's body.
+fn request(s: &mut TcpStream) -> String {
+    s.set_read_timeout(Some(LONG)).unwrap();
+    write!(s, "GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "closed before the answer: {:?}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&got);
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap())
+                })
+                .unwrap_or(0);
+            if body.len() >= len {
+                assert!(head.starts_with("HTTP/1.1 200"), "{text}");
+                return body[..len].trim_end().to_string();
+            }
+        }
+    }
+}
+
+fn get(addr: SocketAddr) -> String {
+    request(&mut TcpStream::connect(addr).unwrap())
+}
+
+#[test]
+fn an_idle_server_is_suspended_and_a_new_connection_to_its_own_port_wakes_it() {
+    let port = free_port();
+    let mut a = SockWorld::new(port, "127.0.0.1", &[], "suspend_after = \"700ms\"");
+    let s = a.wait_state("running");
+    assert_eq!(s["wake_on"], "socket");
+    assert_eq!(s["listen"], format!("127.0.0.1:{port}"));
+    let pid = s["pid"].as_i64().unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_for(LONG, || TcpStream::connect(addr).is_ok());
+    assert!(get(addr).starts_with(&format!("ok {pid} ")));
+
+    // No traffic: suspended, the server's process still there, its port too.
+    a.wait_state("suspended");
+    assert_eq!(a.driver_state(pid), "checkpointed");
+
+    // A request waits in the server (its CUDA call blocks) while the agent
+    // resumes it; answered by the same process, its memory intact.
+    let body = get(addr);
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
+    // Answered once its driver state is restored, maybe a moment before
+    // the agent records it running.
+    a.wait_state("running");
+    assert_eq!(a.socket_wakes(), 1, "{}", a.metrics());
+    let m = a.metrics();
+    assert!(m.contains("gpusnap_agent_socket_wake_delay_seconds_count{service=\"m\"} 1"), "{m}");
+    let notes = a.w.json(&["history", &pid.to_string()]).stdout;
+    assert!(notes.contains("resume: a connection arrived"), "{notes}");
+}
+
+#[test]
+fn bytes_on_a_kept_alive_connection_wake_the_server() {
+    let port = free_port();
+    let mut a = SockWorld::new(port, "127.0.0.1", &[], "suspend_after = \"700ms\"");
+    let pid = a.wait_state("running")["pid"].as_i64().unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_for(LONG, || TcpStream::connect(addr).is_ok());
+    let mut kept = TcpStream::connect(addr).unwrap();
+    assert!(request(&mut kept).starts_with(&format!("ok {pid} ")));
+    // An open connection with no request does not keep it up.
+    a.wait_state("suspended");
+    assert_eq!(a.socket_wakes(), 0);
+    let body = request(&mut kept);
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
+    // Answered once its driver state is restored, maybe a moment before
+    // the agent records it running.
+    a.wait_state("running");
+    assert_eq!(a.socket_wakes(), 1, "{}", a.metrics());
+}
+
+#[test]
+fn connections_from_ignored_peers_neither_wake_nor_keep_the_server_up() {
+    let port = free_port();
+    let mut a = SockWorld::new(
+        port,
+        "127.0.0.1",
+        &[],
+        "suspend_after = \"700ms\"\nignore_peers = [\"127.0.0.2/32\"]",
+    );
+    let pid = a.wait_state("running")["pid"].as_i64().unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_for(LONG, || TcpStream::connect(addr).is_ok());
+    // Probes from the ignored address every 100 ms, answered while it runs:
+    // they do not keep it up.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = {
+        let stop = std::sync::Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut s = socket2_from("127.0.0.2", addr);
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                if write!(s, "GET / HTTP/1.1\r\nHost: x\r\n\r\n").is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    a.wait_state("suspended");
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    prober.join().unwrap();
+    assert_eq!(a.socket_wakes(), 0, "{}", a.log());
+    // A probe from the ignored address: connected, its request sent (the
+    // server takes it and waits for its GPU), and nothing wakes. The watch
+    // looks every millisecond: a second is a thousand looks.
+    let mut probe = socket2_from("127.0.0.2", addr);
+    write!(probe, "GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(a.service()["state"], "suspended", "{}", a.log());
+    assert_eq!(a.socket_wakes(), 0);
+    // A counted client wakes it; the probe is answered too.
+    assert!(get(addr).starts_with(&format!("ok {pid} ")));
+    assert_eq!(a.socket_wakes(), 1);
+}
+
+#[test]
+fn a_request_to_a_suspended_socket_woken_server_evicts_an_idle_one_from_a_full_gpu() {
+    let (pa, pb) = (free_port(), free_port());
+    let keys = "suspend_after = \"never\"\ngpu_memory = \"600MiB\"";
+    let mut a = SockWorld::with(
+        1000,
+        &[("a", pa, "127.0.0.1", &[], 600, keys), ("b", pb, "127.0.0.1", &[], 600, keys)],
+    );
+    // Both started: the second one's start made room by suspending the first.
+    let end = Instant::now() + LONG;
+    let (first, second) = loop {
+        let (sa, sb) = (a.service_of("a")["state"].clone(), a.service_of("b")["state"].clone());
+        if sa == "running" && sb == "suspended" {
+            break ((pb, "b"), (pa, "a"));
+        }
+        if sa == "suspended" && sb == "running" {
+            break ((pa, "a"), (pb, "b"));
+        }
+        assert!(Instant::now() < end, "a {sa}, b {sb}\n{}", a.log());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let ((port_s, suspended), (_, running)) = (first, second);
+    let pid = a.wait_state_of(suspended, "suspended")["pid"].as_i64().unwrap();
+    a.wait_state_of(running, "running");
+    // A request to the suspended one's own port: it is resumed, the other
+    // (idle) evicted to make room, and the answer comes from its process.
+    let body = get(format!("127.0.0.1:{port_s}").parse().unwrap());
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
+    a.wait_state_of(suspended, "running");
+    a.wait_state_of(running, "suspended");
+    let notes = a.w.json(&["history", &pid.to_string()]).stdout;
+    assert!(notes.contains("evict"), "{notes}");
+}
+
+#[test]
+fn host_memory_pressure_never_hibernates_a_socket_woken_server() {
+    let port = free_port();
+    // Always below: every tick looks for a suspended service to hibernate.
+    let mut a = SockWorld::with_agent(
+        1000,
+        "min_host_available = \"1PiB\"\ntick = \"50ms\"",
+        &[("m", port, "127.0.0.1", &[], 300, "suspend_after = \"700ms\"")],
+    );
+    let pid = a.wait_state("running")["pid"].as_i64().unwrap();
+    a.wait_state("suspended");
+    // Forty ticks.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(a.service()["state"], "suspended", "{}", a.log());
+    let notes = a.w.json(&["history", &pid.to_string()]).stdout;
+    assert!(!notes.contains("hibernate"), "{notes}");
+    // Still woken by a request.
+    assert!(get(format!("127.0.0.1:{port}").parse().unwrap()).starts_with(&format!("ok {pid} ")));
+}
+
+/// A connection to `to` (IPv4) from the local address `from`.
+fn socket2_from(from: &str, to: SocketAddr) -> TcpStream {
+    use std::os::fd::FromRawFd;
+    let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
+        sin_zero: [0; 8],
+    };
+    let SocketAddr::V4(to) = to else { panic!("IPv4 only") };
+    let (a, b) = (sin(from.parse().unwrap(), 0), sin(*to.ip(), to.port()));
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: a new socket; the addresses are valid sockaddr_in values
+    // that outlive the calls, with their size; the descriptor is owned by
+    // the TcpStream made of it, and by nothing else.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let s = TcpStream::from_raw_fd(fd);
+        assert_eq!(libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len), 0, "bind {from}");
+        assert_eq!(libc::connect(fd, (&b as *const libc::sockaddr_in).cast(), len), 0, "connect {to}");
+        s
+    }
+}
+
+#[test]
+fn gpusnap_probe_answers_for_running_suspended_stopped_and_dead_servers_without_waking() {
+    let port = free_port();
+    let mut a = SockWorld::new(port, "127.0.0.1", &[], "suspend_after = \"700ms\"\nrestart = false");
+    let pid = a.wait_state("running")["pid"].as_i64().unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_for(LONG, || TcpStream::connect(addr).is_ok());
+
+    let (code, v) = a.probe(pid, port);
+    assert_eq!((code, v["state"].as_str()), (0, Some("running")), "{v}");
+    assert_eq!(v["ready"], true);
+
+    a.wait_state("suspended");
+    let (code, v) = a.probe(pid, port);
+    assert_eq!((code, v["state"].as_str()), (0, Some("suspended")), "{v}");
+    assert_eq!(a.service()["state"], "suspended", "the probe woke nothing");
+    assert_eq!(a.socket_wakes(), 0);
+
+    // Nothing on another port.
+    let (code, v) = a.probe(pid, free_port());
+    assert_eq!((code, v["state"].as_str()), (9, Some("not_listening")), "{v}");
+    let r = a.w.gpusnap(&["probe", "--pid", &pid.to_string(), "--port", &free_port().to_string()]);
+    assert_eq!(r.code, 9);
+    assert!(r.stderr.starts_with("gpusnap: not ready: nothing listens on port "), "{}", r.stderr);
+    assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+
+    // Stopped: stuck.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGSTOP)
+        .unwrap();
+    wait_for(LONG, || a.probe(pid, port).0 == 10);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGCONT)
+        .unwrap();
+    wait_for(LONG, || a.probe(pid, port).0 == 0);
+
+    // Dead.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL)
+        .unwrap();
+    wait_for(LONG, || !pid_exists(pid as i32) || a.probe(pid, port).0 == 8);
+    let (code, v) = a.probe(pid, port);
+    assert_eq!((code, v["state"].as_str()), (8, Some("dead")), "{v}");
+}
+
+#[test]
+fn a_killed_agent_adopts_a_suspended_socket_woken_server_and_a_request_still_wakes_it() {
+    let port = free_port();
+    let mut a = SockWorld::new(port, "127.0.0.1", &[], "suspend_after = \"700ms\"");
+    let pid = a.wait_state("running")["pid"].as_i64().unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_for(LONG, || TcpStream::connect(addr).is_ok());
+    let mut kept = TcpStream::connect(addr).unwrap();
+    assert!(request(&mut kept).starts_with(&format!("ok {pid} ")));
+    a.wait_state("suspended");
+    a.kill9();
+    a.start();
+    let s = a.wait_state("suspended");
+    assert_eq!(s["pid"].as_i64(), Some(pid), "adopted, not started again");
+    // The new agent learns the kept-alive connection without waking for
+    // it; its next request wakes the server.
+    let mut copy = kept.try_clone().unwrap();
+    let body = std::panic::catch_unwind(move || request(&mut copy))
+        .unwrap_or_else(|_| panic!("no answer; agent log:\n{}", a.log()));
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
+    // Answered once its driver state is restored, maybe a moment before
+    // the agent records it running.
+    a.wait_state("running");
+    assert_eq!(a.socket_wakes(), 1, "{}", a.metrics());
+}
+
+/// A network namespace with a veth pair to this one: `gsw-N` holds
+/// 10.231.N.2/24, this side 10.231.N.1/24. Removed on drop.
+struct Netns {
+    name: String,
+    host_if: String,
+}
+
+impl Netns {
+    /// None (the test is skipped, saying why) where `ip netns` cannot be
+    /// used, except in CI (CI=true), which runs as root and must prove it.
+    fn new(n: u8) -> Option<Self> {
+        let name = format!("gsw-{}-{n}", std::process::id() % 10000);
+        let host_if = format!("gswh{}{n}", std::process::id() % 10000);
+        let ip = |args: &[&str]| {
+            std::process::Command::new("ip").args(args).status().map(|s| s.success()).unwrap_or(false)
+        };
+        let ok = nix::unistd::geteuid().is_root()
+            && ip(&["netns", "add", &name])
+            && ip(&["link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &name])
+            && ip(&["addr", "add", &format!("10.231.{n}.1/24"), "dev", &host_if])
+            && ip(&["link", "set", &host_if, "up"])
+            && ip(&["-n", &name, "addr", "add", &format!("10.231.{n}.2/24"), "dev", "eth0"])
+            && ip(&["-n", &name, "link", "set", "eth0", "up"])
+            && ip(&["-n", &name, "link", "set", "lo", "up"]);
+        let ns = Self { name, host_if };
+        if !ok {
+            let why = "ip netns is not usable here (needs root and iproute2)";
+            assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}; CI must run this test");
+            eprintln!("skipped: {why}");
+            return None;
+        }
+        Some(ns)
+    }
+
+    /// Runs `f` on a thread inside the namespace (its sockets stay there).
+    fn inside<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            let ns = std::fs::File::open(path).unwrap();
+            nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            f()
+        })
+        .join()
+        .unwrap()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["link", "del", &self.host_if]).status();
+        let _ = std::process::Command::new("ip").args(["netns", "del", &self.name]).status();
+    }
+}
+
+#[test]
+fn a_server_in_its_own_network_namespace_is_woken_by_a_client_there_not_by_the_nodes_probes() {
+    let Some(ns) = Netns::new(7) else { return };
+    let port = 18080;
+    let host = "10.231.7.2";
+    let mut a =
+        SockWorld::new(port, host, &["ip", "netns", "exec", &ns.name.clone()], "suspend_after = \"700ms\"");
+    let pid = a.wait_state("running")["pid"].as_i64().unwrap();
+    let addr: SocketAddr = format!("{host}:{port}").parse().unwrap();
+    wait_for(LONG, || TcpStream::connect(addr).is_ok());
+    a.wait_state("suspended");
+
+    // From the node (10.231.7.1, one of its own addresses): a kubelet's
+    // httpGet probe. Ignored by default.
+    let mut probe = TcpStream::connect(addr).unwrap();
+    write!(probe, "GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(a.service()["state"], "suspended", "{}", a.log());
+    assert_eq!(a.socket_wakes(), 0);
+    let (code, v) = a.probe(pid, port);
+    assert_eq!((code, v["state"].as_str()), (0, Some("suspended")), "{v}");
+
+    // From inside the namespace (a client beside the server): wakes it.
+    let body = ns.inside(move || get(addr));
+    assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
+    // Answered once its driver state is restored, maybe a moment before
+    // the agent records it running.
+    a.wait_state("running");
+    assert_eq!(a.socket_wakes(), 1, "{}", a.metrics());
+    drop(probe);
+}
