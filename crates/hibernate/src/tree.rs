@@ -38,7 +38,10 @@ fn threads(pid: i32) -> Vec<(i32, char, i32)> {
 /// thread stopped (state T) or traced. Taken before CRIU runs, so that
 /// [`release_tree`] leaves them as they were.
 pub(crate) fn held_now(pids: &[i32]) -> Vec<i32> {
-    pids.iter().copied().filter(|&p| threads(p).iter().any(|&(_, st, tracer)| st == 'T' || tracer != 0)).collect()
+    pids.iter()
+        .copied()
+        .filter(|&p| threads(p).iter().any(|&(_, st, tracer)| st == 'T' || tracer != 0))
+        .collect()
 }
 
 /// After a CRIU dump that failed, whatever CRIU did (failed at once, was
@@ -81,7 +84,12 @@ pub(crate) fn release_tree(root: i32, known: &[i32], held: &[i32], limit: Durati
             }
         }
         if Instant::now() >= end {
-            tracing::error!(root, ?traced, ?stopped, "the tree a failed criu dump left is still held after {limit:?}");
+            tracing::error!(
+                root,
+                ?traced,
+                ?stopped,
+                "the tree a failed criu dump left is still held after {limit:?}"
+            );
             return false;
         }
         std::thread::sleep(Duration::from_millis(20));

@@ -95,7 +95,8 @@ fn main() -> ExitCode {
     let Some(root) = std::env::var_os(supervise::ROOT_ENV) else {
         // The supervisor: runs the soak in a worker and ends whatever it
         // left, on every way the worker ends.
-        let hard = std::time::Duration::from_secs(args.hard_secs.unwrap_or(args.max_secs.saturating_add(600)));
+        let hard =
+            std::time::Duration::from_secs(args.hard_secs.unwrap_or(args.max_secs.saturating_add(600)));
         return match supervise::supervise(hard, args.keep) {
             Ok(code) => ExitCode::from(code),
             Err(e) => {
