@@ -36,8 +36,9 @@
 #   SOAK_SEED        the seed of every choice (default 1); the run prints it
 #   SOAK_SERVICES    servers behind the agent, 3-4 (default 3)
 #   SOAK_SERVER_GB   the most one server holds (default 12): sized down to
-#                    45% of the free memory and to what host RAM allows; a
-#                    filler then leaves room for two servers only
+#                    the free memory / 2.8 and to what host RAM allows; a
+#                    filler then leaves 2.8 servers' worth free: two fit
+#                    (with the lane), three never do
 #   SOAK_CLIENTS     client threads (default 2); SOAK_TOKENS tokens per answer (8)
 #   SOAK_SERVER=fake a dry run without a GPU: fake-workload --http servers
 #                    against the fake driver (FAKE_WORKLOAD, the fakes on
@@ -119,17 +120,20 @@ sleep_ms() { sleep "$(calc %.3f 'm / 1000' m="$1")"; }
 
 FREE_MIB=$(smi_free_mib)
 [ -n "$FREE_MIB" ] || { echo "soak: nvidia-smi gave no free memory" >&2 && exit 2; }
-LANE_MIB=$([ "$SERVER" = fake ] && echo 64 || echo 1024)
+# worker.py of 1 GiB holds about 3.2 GB of device memory.
+LANE_MIB=$([ "$SERVER" = fake ] && echo 64 || echo 3400)
 CAP_MIB=$(calc %d 'g * 1e9 / 1048576' g="${SOAK_SERVER_GB:-12}")
-S_MIB=$(calc %d '(c < (f - l) * 0.45) ? c : (f - l) * 0.45' c="$CAP_MIB" f="$FREE_MIB" l="$LANE_MIB")
+# Two servers, their margins, the lane and its resume's margin (256 MiB)
+# fit in 2.8 servers; a third server never does.
+S_MIB=$(calc %d '(c < (f - l) / 2.8) ? c : (f - l) / 2.8' c="$CAP_MIB" f="$FREE_MIB" l="$LANE_MIB")
 if [ "$SERVER" != fake ]; then
     # A swap holds two servers in host memory for a moment, and one or two
     # more stay suspended: (N - 1) servers + 24 GB of host RAM.
     RAM_MIB=$(calc %d '(a - 24 * 1024) / (n - 1)' a="$(mem_avail_mib)" n="$N")
     [ "$RAM_MIB" -lt "$S_MIB" ] && S_MIB=$RAM_MIB
 fi
-# Two servers and the lane fit the GPU, three servers never do.
-LEAVE_MIB=$(calc %d 's * 2.2 + l' s="$S_MIB" l="$LANE_MIB")
+# A filler leaves that much free.
+LEAVE_MIB=$(calc %d 's * 2.8 + l' s="$S_MIB" l="$LANE_MIB")
 log "soak: seed $SEED, $N servers of $S_MIB MiB ($SERVER), free $FREE_MIB MiB, leave $LEAVE_MIB MiB; faults: $FAULTS; $MINUTES min"
 
 server_cmd() { # INDEX -> a TOML array
@@ -162,8 +166,8 @@ export GPUSNAP_CRIU=$WORK/criu
     printf '[agent]\nsocket = "%s"\ntick = "200ms"\n' "$SOCK"
     for i in $(seq 0 $((N - 1))); do
         printf '\n[[service]]\nname = "s%s"\nlisten = "127.0.0.1:%s"\nbackend = "127.0.0.1:%s"\n' "$i" "$(port_of "s$i")" "$((18531 + i))"
-        printf 'command = %s\nsuspend_after = "%ss"\nwake_timeout = "300s"\ngpu_memory = "%sMiB"\nmargin = "512MiB"\n' \
-            "$(server_cmd "$i")" "$((15 + 10 * i))" "$S_MIB"
+        printf 'command = %s\nsuspend_after = "%ss"\nwake_timeout = "300s"\ngpu_memory = "%sMiB"\nmargin = "%sMiB"\n' \
+            "$(server_cmd "$i")" "$((15 + 10 * i))" "$S_MIB" "$((S_MIB / 25))"
         [ "$i" = 0 ] && printf 'hibernate_after = "30s"\n'
     done
 } >"$WORK/agent.toml"
@@ -216,9 +220,9 @@ on_exit() {
 
 # shellcheck disable=SC2317 # called from on_exit
 report() {
-    python3 - "$REQS" "$VIOL" "$FAULTS_DONE" "$SEED" "$FAULTS" "$((SECONDS - START))" "$CYCLES" "$SWAPS_BEFORE" "$COMMANDS" >"$REPORT" <<'PY'
+    python3 - "$REQS" "$VIOL" "$FAULTS_DONE" "$SEED" "$FAULTS" "$((SECONDS - START))" "$CYCLES" "$SWAPS_BEFORE" "$COMMANDS" "$SERVER" "$N" "$S_MIB" >"$REPORT" <<'PY'
 import collections, sys
-reqs, viol, faults, seed, kinds, secs, cycles, swaps, commands = sys.argv[1:]
+reqs, viol, faults, seed, kinds, secs, cycles, swaps, commands, server, n, mib = sys.argv[1:]
 rows = [l.rstrip("\n").split("\t") for l in open(reqs) if l.strip()]
 v = [l.rstrip("\n").split("\t", 1) for l in open(viol) if l.strip()]
 f = [l.strip() for l in open(faults) if l.strip()]
@@ -230,7 +234,7 @@ vk = collections.Counter(k for k, _ in v)
 for r in rows:
     if r[3] in ("wrong", "past_bound"):
         vk["wrong_answer" if r[3] == "wrong" else "request_past_bound"] += 1
-print(f"Seed {seed}, faults `{kinds}`, {secs} s, on the GPU.\n")
+print(f"Seed {seed}, faults `{kinds}`, {secs} s; {n} {server} servers of {mib} MiB.\n")
 print("| measure | value |\n|---|---|")
 print(f"| cycles | {cycles} |")
 print(f"| requests | {len(rows)} ({right} answered right, {refused} refused clearly) |")
@@ -383,7 +387,8 @@ lane_back() {
     [ "$(pstate "$LANE_PID")" = T ] && kill -CONT "$LANE_PID"
     "$GPUSNAP" --json --state-dir "$STATE_DIR" state "$LANE_PID" >"$WORK/lane.state" 2>>"$LOG"
     st=$(jget "$WORK/lane.state" 'd["state"]')
-    [ "$st" = running ] || lane_cmd resume "$LANE_PID"
+    # The agent's swaps share the GPU: admission waits (bounded) for room.
+    [ "$st" = running ] || lane_cmd resume --wait 120 "$LANE_PID"
     read_status "$WORK/lane.status"
     local before=$ST_ITER
     if ! wait_iter_gt lane "${before:-0}" 120; then
@@ -430,6 +435,7 @@ settle_and_check() { # KIND
 end=$((SECONDS + MINUTES * 60))
 while [ "$SECONDS" -lt "$end" ]; do
     kind=${FAULT_LIST[RANDOM % ${#FAULT_LIST[@]}]}
+    injected=1
     log "cycle $CYCLES: $kind (replay: SOAK_SEED=$SEED SOAK_FAULTS=\"$FAULTS\")"
     case $kind in
         agent-kill-swap)
@@ -439,7 +445,7 @@ while [ "$SECONDS" -lt "$end" ]; do
             agent_kill9
             sleep_ms "$(rand_ms 500)"
             agent_up
-            wait "$ASK_PID" 2>/dev/null
+            wait "$ASK_PID" 2>/dev/null || true
             ;;
         agent-kill-wake)
             if [ "$(svc_field s0 state)" != hibernated ]; then
@@ -452,9 +458,10 @@ while [ "$SECONDS" -lt "$end" ]; do
                 agent_kill9
                 sleep_ms "$(rand_ms 500)"
                 agent_up
-                wait "$ASK_PID" 2>/dev/null
+                wait "$ASK_PID" 2>/dev/null || true
             else
                 log "s0 could not be hibernated this cycle"
+                injected=0
             fi
             ;;
         kill-suspend)
@@ -482,7 +489,7 @@ while [ "$SECONDS" -lt "$end" ]; do
             FILLERS=()
             [ "$SERVER" != fake ] && [ -n "$LEAVE_MIB" ] && [ "$(calc %d 'f > l' f="$(smi_free_mib)" l="$LEAVE_MIB")" = 1 ] &&
                 start_filler "$LEAVE_MIB" 300
-            wait "$ASK_PID" 2>/dev/null
+            wait "$ASK_PID" 2>/dev/null || true
             ;;
         criu-dump-fail)
             flag=$([ $((RANDOM % 2)) = 0 ] && echo fail-dump || echo fail-after-dump)
@@ -498,10 +505,11 @@ while [ "$SECONDS" -lt "$end" ]; do
                 fi
             else
                 log "criu-dump-fail: s0 is $st; not injected this cycle"
+                injected=0
             fi
             ;;
     esac
-    printf '%s\n' "$kind" >>"$FAULTS_DONE"
+    [ "$injected" = 1 ] && printf '%s\n' "$kind" >>"$FAULTS_DONE"
     CYCLES=$((CYCLES + 1))
     alive "$AGENT_PID" || { violation agent_died "after $kind" && agent_up; }
     settle_and_check "$kind"
