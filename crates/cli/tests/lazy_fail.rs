@@ -122,3 +122,42 @@ fn a_criu_failing_after_its_restore_leaves_no_tree_and_the_wake_can_be_retried()
     w.assert_progressing(pid);
     assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
 }
+
+/// A CRIU whose restore restores the tree and then kills the gpusnap that
+/// ran it, as a `kill -9` of a wake just after CRIU's restore does (the
+/// soak's `kill-wake`, seed 2): the woken process lives, suspended, and
+/// nothing recorded it.
+fn criu_killing_the_wake_after_restore(w: &World) -> std::path::PathBuf {
+    let wrapper = w.state_dir().with_file_name("criu-kill-the-wake");
+    std::fs::write(
+        &wrapper,
+        "#!/bin/sh\nif [ \"$1\" = restore ]; then criu \"$@\"; rc=$?; kill -9 $PPID; exit $rc; fi\nexec criu \"$@\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    wrapper
+}
+
+#[test]
+fn a_wake_killed_once_criu_restored_the_tree_is_finished_by_resume() {
+    criu_present();
+    let mut w = World::new(&[16_384]);
+    let pid = w.workload(64, 0, &[]);
+    let p = pid.to_string();
+    let r = w.json(&["hibernate", &p, "--image", "k"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.reap(pid);
+    wait_for(Duration::from_secs(10), || !pid_exists(pid));
+
+    let criu = criu_killing_the_wake_after_restore(&w);
+    let r = w.json(&["--criu", criu.to_str().unwrap(), "wake", "k", "--no-guard", "--eager", "--wait", "10"]);
+    assert_ne!(r.code, 0, "the wake was killed: {}", r.stdout);
+    // The tree CRIU restored lives, suspended; resume takes its footprint
+    // from the image and brings it back.
+    wait_for(Duration::from_secs(30), || pid_exists(pid));
+    let r = w.json(&["resume", &p]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.adopt(pid);
+    w.assert_progressing(pid);
+    assert_eq!(w.json(&["stop", &p, "--grace", "2"]).code, 0);
+}

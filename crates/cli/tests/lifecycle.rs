@@ -342,3 +342,29 @@ fn resume_onto_another_gpu() {
     assert_eq!(st["gpus"][0]["uuid"], "GPU-00000001-0000-0000-0000-000000000000", "{st}");
     stop(&mut w, pid);
 }
+
+#[test]
+fn a_resume_killed_inside_the_drivers_restore_is_finished_by_the_next_resume() {
+    // Restores at 0.2 GB/s: the driver's restore of 1 GiB takes about 5 s.
+    let mut w = World::with_config(&[16_384], json!({ "restore_gbps": 0.2 }));
+    let pid = w.workload(1024, 0, &[]);
+    let p = pid.to_string();
+    assert_eq!(w.json(&["suspend", &p]).code, 0);
+    let restoring = |w: &World| {
+        std::fs::read(w.fake_dir().join("state.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .is_some_and(|s| s["procs"][&p]["restoring_until_ms"].is_u64())
+    };
+    let idx = w.spawn_gpusnap(&["resume", &p]);
+    wait_for(Duration::from_secs(30), || restoring(&w));
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(w.child_pid(idx)), nix::sys::signal::Signal::SIGKILL)
+        .unwrap();
+    w.wait_child(idx);
+    // The driver's restore is the process's own work and goes on without
+    // its caller: the next resume waits for it and finishes the resume.
+    let r = w.json(&["resume", &p]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
+    w.assert_progressing(pid);
+}

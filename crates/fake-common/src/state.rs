@@ -106,6 +106,11 @@ pub struct Proc {
     /// Physical allocations made with `cuMemCreate`, by handle.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub handles: BTreeMap<u64, crate::vmm::Phys>,
+    /// A restore under way: its copy is done then (unix ms). The copy is the
+    /// process's own restore thread's work, so it goes on when the caller
+    /// that asked for it dies (see `driver::restore`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restoring_until_ms: Option<u64>,
 }
 
 /// A range of the process's own anonymous memory that holds its "device
@@ -143,6 +148,7 @@ impl Proc {
             restore_tid: None,
             reservations: BTreeMap::new(),
             handles: BTreeMap::new(),
+            restoring_until_ms: None,
         }
     }
 
@@ -214,11 +220,27 @@ impl Proc {
     }
 
     pub fn finish_restore(&mut self) -> Result<(), CuResult> {
+        self.restoring_until_ms = None;
         if self.poisoned || self.state != ProcState::Checkpointed || !self.resident {
             return Err(CUDA_ERROR_ILLEGAL_STATE);
         }
         self.state = ProcState::Locked;
         Ok(())
+    }
+
+    /// A restore whose caller is gone (the calls on a process are
+    /// serialised, so one found under way by the next call has lost its
+    /// caller): the process's restore thread finishes it. How many ms are
+    /// left of its copy (0: finished now, or none was under way).
+    pub fn finish_orphaned_restore(&mut self, now_ms: u64) -> u64 {
+        match self.restoring_until_ms {
+            Some(until) if until > now_ms => until - now_ms,
+            Some(_) => {
+                let _ = self.finish_restore();
+                0
+            }
+            None => 0,
+        }
     }
 
     pub fn unlock(&mut self) -> Result<(), CuResult> {
@@ -327,6 +349,7 @@ impl State {
             }
             if p.state == ProcState::Checkpointed {
                 p.resident = false;
+                p.restoring_until_ms = None;
                 return true;
             }
             gone.push(pid);
@@ -675,6 +698,27 @@ mod tests {
         // A later process with the same pid starts afresh.
         assert_eq!(st.create_context(&cfg, 1, 6, 0), Ok(true));
         assert!(st.procs[&1].allocs.is_empty());
+    }
+
+    #[test]
+    fn a_restore_whose_caller_died_is_finished_by_the_process() {
+        let cfg = config(&[1000]);
+        let mut st = State::default();
+        with_proc(&mut st, &cfg, 1, 0, 100);
+        lock_and_checkpoint(&mut st, &cfg, 1);
+        st.begin_restore(&cfg, 1, None).unwrap();
+        let p = st.procs.get_mut(&1).unwrap();
+        p.restoring_until_ms = Some(5000);
+        // The caller is gone mid-copy: the next call waits for the copy,
+        // then finds the process restored (LOCKED), ready to unlock.
+        assert_eq!(p.finish_orphaned_restore(4000), 1000);
+        assert_eq!(p.reported_state(), ProcState::Checkpointed);
+        assert_eq!(p.finish_orphaned_restore(5000), 0);
+        assert_eq!(p.reported_state(), ProcState::Locked);
+        assert_eq!(p.restoring_until_ms, None);
+        assert_eq!(p.unlock(), Ok(()));
+        assert_eq!(p.finish_orphaned_restore(6000), 0);
+        assert_eq!(p.reported_state(), ProcState::Running);
     }
 
     #[test]

@@ -140,7 +140,33 @@ fn run_checkpoint_call<A, T>(
         }
     }
     let _serialised = store.lock_target(process).map_err(io_fail)?;
+    finish_orphaned_restore(store, process)?;
     body(store, process, args)
+}
+
+/// A restore under way whose caller died (calls on a process are
+/// serialised: holding the process's lock, one still under way has lost its
+/// caller) goes on in the process, whose restore thread does the copy (as
+/// on the real driver; assumed, not measured): this call waits for the copy
+/// to end and then finds the process restored (LOCKED).
+fn finish_orphaned_restore(store: &Store, pid: i32) -> Result<(), CuResult> {
+    loop {
+        let left = transact(store, |t| {
+            let Some(p) = t.state.procs.get_mut(&pid) else { return Ok(0) };
+            if p.restoring_until_ms.is_none() {
+                return Ok(0);
+            }
+            let left = p.finish_orphaned_restore(now_ms());
+            if left == 0 && p.state == gpusnap_fake_common::state::ProcState::Locked {
+                store.move_data(pid, false).map_err(io_fail)?;
+            }
+            Ok(left)
+        })?;
+        if left == 0 {
+            return Ok(());
+        }
+        sleep(Duration::from_millis(left).min(POLL * 10));
+    }
 }
 
 /// Runs `f` on the entry of `pid` under the directory lock; a process that has
@@ -164,6 +190,7 @@ fn on_process<T>(
             // before anything that happened to the old process: a restore
             // that stranded the old one does not strand this one.
             p.poisoned = false;
+            p.restoring_until_ms = None;
             p.start_time = stat.start_time;
         }
         f(t)
@@ -217,6 +244,7 @@ pub fn restore(store: &Store, pid: i32, pairs: Option<Vec<GpuPair>>) -> Result<(
         let bytes = t.state.begin_restore(&t.config, pid, pairs.as_deref())?;
         let gbps = t.config.restore_gbps;
         let p = entry(t, pid)?;
+        p.restoring_until_ms = Some(now_ms() + copy_time(bytes, gbps).as_millis() as u64);
         Ok((bytes, gbps, p.host_copy, p.restore_tid))
     })?;
     let started = Instant::now();

@@ -5,7 +5,7 @@
 use crate::criu::{Criu, DumpOptions};
 use crate::ms;
 use crate::options::{HibernateOptions, HibernateReport, HibernateStages};
-use crate::tree::{continue_tree, kill_tree};
+use crate::tree::{continue_tree, held_now, kill_tree, release_tree};
 use crate::Error;
 use gpusnap_core::engine::Engine;
 use gpusnap_core::progress::{observe, Progress};
@@ -31,6 +31,9 @@ pub(crate) struct Dumped {
     pub(crate) suspended: Vec<i32>,
     pub(crate) journal: Vec<(i64, Target)>,
 }
+
+/// How long a failed dump waits for CRIU to let go of the tree.
+const RELEASE_LIMIT: Duration = Duration::from_secs(30);
 
 fn dir_bytes(p: &Path) -> u64 {
     std::fs::read_dir(p)
@@ -170,6 +173,9 @@ impl<A: CheckpointApi, G: GpuInventory> Dump for Engine<A, G> {
             }
         }
         let members = self.cuda_members(&mut tree)?;
+        // Stopped or traced by something else before gpusnap acts: a failed
+        // dump leaves those as they are, and continues the rest.
+        let held = held_now(&tree.iter().map(|(p, _)| *p).collect::<Vec<_>>());
         let name =
             opts.name.clone().unwrap_or_else(|| format!("{}-{}-{}", sanitize(&root_t.comm), root, now_ms()));
         let pending = images.begin(&name)?;
@@ -322,8 +328,14 @@ impl<A: CheckpointApi, G: GpuInventory> Dump for Engine<A, G> {
             if let Some(r) = receiver {
                 r.abandon();
             }
-            // CRIU leaves the tree running when a dump fails. Its log is
-            // kept outside the partial image, which is removed.
+            // CRIU may have left the tree stopped (a dump that completed,
+            // leaving it stopped, and then failed) or been killed while it
+            // held it: whatever it did, the tree runs again before its CUDA
+            // processes are resumed. Its log is kept outside the partial
+            // image, which is removed.
+            if !release_tree(root, &tree_pids, &held, RELEASE_LIMIT) {
+                tracing::error!(root, "a process of the tree is still stopped after the failed dump");
+            }
             let e = e.keep_log(images.state_dir(), &format!("dump-{name}"));
             drop(tmpfs);
             return Err(undo(self, e.into()));

@@ -32,7 +32,8 @@ impl Outcome {
 }
 
 pub struct Host {
-    pub root: tempfile::TempDir,
+    /// The scratch directory (the supervisor's: it removes it).
+    pub root: PathBuf,
     pub bin: PathBuf,
     pub bindir: PathBuf,
     pub libdir: PathBuf,
@@ -110,7 +111,7 @@ fn find_criu() -> Option<PathBuf> {
 }
 
 impl Host {
-    pub fn new(bin: PathBuf, gpu_mib: u64, deadline: Duration) -> Result<Host> {
+    pub fn new(root: PathBuf, bin: PathBuf, gpu_mib: u64, deadline: Duration) -> Result<Host> {
         let bindir = bin.parent().context("the gpusnap binary's directory")?.to_path_buf();
         for lib in ["libgpusnap_fake_cuda.so", "libgpusnap_fake_nvml.so", "fake-workload"] {
             if !bindir.join(lib).exists() {
@@ -120,8 +121,7 @@ impl Host {
                 );
             }
         }
-        let root = tempfile::Builder::new().prefix("gpusnap-soak").tempdir()?;
-        let libdir = root.path().join("lib");
+        let libdir = root.join("lib");
         std::fs::create_dir_all(&libdir)?;
         for (src, dst) in [
             ("libgpusnap_fake_cuda.so", "libcuda.so.1"),
@@ -130,12 +130,12 @@ impl Host {
         ] {
             std::os::unix::fs::symlink(bindir.join(src), libdir.join(dst))?;
         }
-        let fake = root.path().join("fake");
-        let faultdir = root.path().join("faults");
+        let fake = root.join("fake");
+        let faultdir = root.join("faults");
         std::fs::create_dir_all(&fake)?;
         std::fs::create_dir_all(&faultdir)?;
         let real = find_criu().context("criu is not on PATH (scripts/install-criu.sh)")?;
-        let criu = root.path().join("criu");
+        let criu = root.join("criu");
         // `fail-ACTION`: this CRIU action fails before doing anything;
         // `fail-after-ACTION`: it runs and then reports a failure anyway.
         std::fs::write(
@@ -186,7 +186,7 @@ impl Host {
     }
 
     pub fn path(&self, name: &str) -> PathBuf {
-        self.root.path().join(name)
+        self.root.join(name)
     }
 
     pub fn fault_flag(&self, name: &str, on: bool) {

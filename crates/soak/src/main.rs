@@ -13,6 +13,7 @@ mod host;
 mod infra;
 mod lone;
 mod stats;
+mod supervise;
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -82,11 +83,29 @@ struct Args {
     /// Keep the scratch directory (logs, state) for a look after the run.
     #[arg(long)]
     keep: bool,
+    /// End the whole run, whatever it is doing, after this many seconds
+    /// (default: `--max-secs` plus 600, room for the last cycle and the
+    /// final checks); everything it started is ended with it.
+    #[arg(long)]
+    hard_secs: Option<u64>,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(&args) {
+    let Some(root) = std::env::var_os(supervise::ROOT_ENV) else {
+        // The supervisor: runs the soak in a worker and ends whatever it
+        // left, on every way the worker ends.
+        let hard =
+            std::time::Duration::from_secs(args.hard_secs.unwrap_or(args.max_secs.saturating_add(600)));
+        return match supervise::supervise(hard, args.keep) {
+            Ok(code) => ExitCode::from(code),
+            Err(e) => {
+                eprintln!("gpusnap-soak: {e:#}");
+                ExitCode::from(2)
+            }
+        };
+    };
+    match run(&args, PathBuf::from(root)) {
         Ok(0) => ExitCode::SUCCESS,
         Ok(_) => ExitCode::from(1),
         Err(e) => {
@@ -96,7 +115,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: &Args) -> Result<u64> {
+fn run(args: &Args, root: PathBuf) -> Result<u64> {
     let kinds: Vec<&str> = if args.faults == "all" {
         KINDS.to_vec()
     } else {
@@ -116,14 +135,13 @@ fn run(args: &Args) -> Result<u64> {
         None => std::env::current_exe()?.with_file_name("gpusnap"),
     };
     let start = Instant::now();
-    let host = host::Host::new(bin, args.gpu_mib, Duration::from_secs(150))?;
+    let host = host::Host::new(root, bin, args.gpu_mib, Duration::from_secs(150))?;
     eprintln!(
-        "gpusnap-soak: seed {} faults {} cycles {} max {} s; scratch {}",
+        "gpusnap-soak: seed {} faults {} cycles {} max {} s",
         args.seed,
         kinds.join(","),
         args.cycles,
         args.max_secs,
-        host.root.path().display()
     );
     let stats = Arc::new(stats::Stats::default());
     let agent = agent::Agent::configure(&host, args.services.clamp(2, 8), 2)?;
@@ -183,7 +201,7 @@ fn run(args: &Args) -> Result<u64> {
     check::at_rest(&host, &stats, &agent.state);
     check::at_rest(&host, &stats, &lone.state);
     host.end_all(&leftover);
-    let m = check::mounts_under(host.root.path());
+    let m = check::mounts_under(&host.root);
     if !m.is_empty() {
         stats.violation("mount_left", format!("{m:?}"));
     }
@@ -191,15 +209,6 @@ fn run(args: &Args) -> Result<u64> {
     println!("{table}");
     if let Some(out) = &args.out {
         std::fs::write(out, &table)?;
-    }
-    if args.keep {
-        let kept = host.root.path().to_path_buf();
-        drop(lone);
-        drop(lane);
-        // The processes are ended (above); the files stay.
-        let host = std::mem::ManuallyDrop::new(host);
-        let _ = &host;
-        eprintln!("gpusnap-soak: kept {}", kept.display());
     }
     result?;
     Ok(stats.violations())

@@ -209,6 +209,27 @@ pub fn has_image(store: &ImageStore, pid: i32) -> bool {
     gpusnap_core::target::resolve(pid).is_ok_and(|t| store.find_for(pid, t.start_time).is_some())
 }
 
+/// For a process CRIU restored from an image by a wake that ended (killed)
+/// before it recorded the process: the footprint the newest image holding
+/// a CUDA process of this pid and name recorded for it, and that image's
+/// name. (CRIU restores a process with its pid, under a new start time.)
+pub fn footprint_from_image(
+    store: &ImageStore,
+    pid: i32,
+) -> Option<(String, std::collections::BTreeMap<String, u64>)> {
+    let t = gpusnap_core::target::resolve(pid).ok()?;
+    store
+        .list()
+        .into_iter()
+        .filter_map(Result::ok)
+        .filter_map(|(name, m)| {
+            let p = m.processes.iter().find(|p| p.pid == pid && p.cuda && p.comm == t.comm)?;
+            (!p.footprint.is_empty()).then(|| (m.created_ms, name, p.footprint.clone()))
+        })
+        .max_by_key(|(created, _, _)| *created)
+        .map(|(_, name, fp)| (name, fp))
+}
+
 /// `resume --snapshot-first`: an image of the process while it is suspended
 /// (and so holds no GPU memory), kept until the next snapshot replaces it.
 pub fn snapshot_if_suspended(

@@ -1,7 +1,7 @@
 //! `ps`, `state`, `suspend`, `resume`, `stop`, `history`: a CUDA process's
 //! GPU state taken off the GPU and brought back, in place.
 
-use super::hibernate::{has_image, snapshot_if_suspended};
+use super::hibernate::{footprint_from_image, has_image, snapshot_if_suspended};
 use crate::cli::{Cli, DeviceMap, Select};
 use crate::doctor;
 use crate::output::{self, Out};
@@ -146,7 +146,29 @@ pub fn resume(cli: &Cli, out: &Out, select: &Select, a: &Resume) -> anyhow::Resu
             if let Some(c) = &criu {
                 snapshot_if_suspended(&mut e, c, &store, pid)?;
             }
-            match e.resume(pid, &opts) {
+            let resumed = match e.resume(pid, &opts) {
+                // Woken by a wake that ended before it recorded the process:
+                // its footprint is the image's.
+                Err(CoreError::NoFootprint { .. }) if opts.footprint_bytes.is_none() => {
+                    match footprint_from_image(&store, pid) {
+                        Some((image, fp)) => {
+                            tracing::warn!(pid, image, "no footprint recorded: the one its image recorded");
+                            let t = gpusnap_core::target::resolve(pid)?;
+                            e.store_mut().record(&t, "checkpointed", Some(&fp))?;
+                            e.store_mut().note(
+                                &t,
+                                "resume",
+                                None,
+                                &format!("footprint from image {image} (a wake ended before it recorded it)"),
+                            )?;
+                            e.resume(pid, &opts)
+                        }
+                        None => Err(CoreError::NoFootprint { pid }),
+                    }
+                }
+                other => other,
+            };
+            match resumed {
                 // Stuck, but an image of it exists: wake it from that.
                 Err(CoreError::Unrecoverable { reason, .. }) if has_image(&store, pid) => {
                     tracing::warn!(pid, "{reason}; recovering from its image");
