@@ -102,16 +102,9 @@ impl Agent {
     }
 
     fn api(&self, method: &str, path: &str) -> (u16, String) {
-        let mut s = UnixStream::connect(&self.socket).unwrap();
-        s.set_read_timeout(Some(LONG)).unwrap();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-        )
-        .unwrap();
-        let mut text = String::new();
-        s.read_to_string(&mut text).unwrap();
-        split(&text)
+        let (text, read) = http::unix_request(&self.socket, method, path, LONG);
+        read.unwrap();
+        http::split(&text)
     }
 
     fn service(&self, name: &str) -> Value {
@@ -162,35 +155,13 @@ impl Drop for Agent {
         if let Some(n) = self.agent.take() {
             self.w.children[n].kill();
         }
-        let path = self.w.state_dir().join("agent").join("services.json");
-        let v: Value =
-            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-        for rec in v.as_object().into_iter().flat_map(|o| o.values()) {
-            for k in ["runner", "pid"] {
-                if let Some(p) = rec[k].as_i64() {
-                    self.w.adopt(p as i32);
-                }
-            }
-        }
+        adopt_recorded_services(&mut self.w);
     }
-}
-
-fn split(text: &str) -> (u16, String) {
-    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let (_, body) = text.split_once("\r\n\r\n").unwrap_or((text, ""));
-    (code, body.to_string())
 }
 
 /// One request through a port: its status (0: closed without an answer).
 fn get(port: u16, path: &str) -> (u16, String) {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return (0, String::new()) };
-    s.set_read_timeout(Some(LONG)).unwrap();
-    if write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").is_err() {
-        return (0, String::new());
-    }
-    let mut text = String::new();
-    let _ = s.read_to_string(&mut text);
-    split(&text)
+    http::tcp_get(port, path, LONG).map_or((0, String::new()), |text| http::split(&text))
 }
 
 /// Polls `get` until it answers 200 (bounded).
@@ -484,7 +455,7 @@ fn an_agent_killed_after_a_before_suspend_hook_wakes_the_server_when_it_adopts_i
         let _ = s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
         let mut t = String::new();
         let _ = s.read_to_string(&mut t);
-        split(&t).0 == 503
+        http::split(&t).0 == 503
     });
     a.start(None);
     let v = a.wait_state("a", "running");

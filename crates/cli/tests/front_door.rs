@@ -120,17 +120,9 @@ impl Door {
     }
 
     fn api(&self, method: &str, path: &str) -> (u16, String) {
-        let mut s = UnixStream::connect(&self.socket).unwrap();
-        s.set_read_timeout(Some(LONG)).unwrap();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-        )
-        .unwrap();
-        let mut text = String::new();
-        s.read_to_string(&mut text).unwrap();
-        let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-        (code, text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string())
+        let (text, read) = http::unix_request(&self.socket, method, path, LONG);
+        read.unwrap();
+        http::split(&text)
     }
 
     fn service(&self, name: &str) -> Value {
@@ -200,16 +192,7 @@ impl Drop for Door {
         if let Some(n) = self.agent.take() {
             self.w.children[n].kill();
         }
-        let path = self.w.state_dir().join("agent").join("services.json");
-        let v: Value =
-            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-        for rec in v.as_object().into_iter().flat_map(|o| o.values()) {
-            for k in ["runner", "pid"] {
-                if let Some(p) = rec[k].as_i64() {
-                    self.w.adopt(p as i32);
-                }
-            }
-        }
+        adopt_recorded_services(&mut self.w);
     }
 }
 

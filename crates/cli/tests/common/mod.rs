@@ -3,6 +3,14 @@
 
 #![allow(dead_code)]
 
+mod agent;
+pub mod http;
+mod rootfs;
+
+#[allow(unused_imports)] // each test binary uses what it needs
+pub use agent::*;
+#[allow(unused_imports)]
+pub use rootfs::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};

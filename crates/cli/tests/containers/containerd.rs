@@ -6,7 +6,6 @@
 //! pid). Every task and the daemon are ended on drop.
 
 use crate::common::*;
-use crate::podman::{bounded, build_rootfs};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;

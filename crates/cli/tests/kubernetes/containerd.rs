@@ -187,34 +187,10 @@ state = "{d}/state"
     /// come in by read-only bind mounts of the build directory.
     fn import_images(&self) {
         let root = self.dir.join("rootfs");
-        for d in ["proc", "sys", "dev", "tmp", "etc", "bin", "run"] {
-            std::fs::create_dir_all(root.join(d)).unwrap();
-        }
-        std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/:/bin/sh\n").unwrap();
+        std::fs::create_dir_all(root.join("run")).unwrap();
         let target = fake_workload_bin().parent().unwrap().to_path_buf();
-        let mut libs: Vec<PathBuf> = Vec::new();
-        for b in [target.join("fake-workload"), PathBuf::from(env!("CARGO_BIN_EXE_gpusnap"))] {
-            let o = Command::new("ldd").arg(&b).output().expect("ldd");
-            for l in String::from_utf8_lossy(&o.stdout).lines() {
-                let p = l.split("=>").last().unwrap_or("").split_whitespace().next().unwrap_or("");
-                if p.starts_with('/') && !libs.iter().any(|x| x == Path::new(p)) {
-                    libs.push(PathBuf::from(p));
-                }
-            }
-        }
-        for l in &libs {
-            let dst = root.join(l.strip_prefix("/").unwrap());
-            std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
-            std::fs::copy(l, &dst).unwrap();
-        }
-        let bb = ["/bin/busybox", "/usr/bin/busybox"]
-            .into_iter()
-            .find(|p| Path::new(p).is_file())
-            .expect("busybox-static (apt-get install busybox-static)");
-        std::fs::copy(bb, root.join("bin/busybox")).unwrap();
-        for a in ["sh", "sleep", "cat", "kill", "ps"] {
-            std::os::unix::fs::symlink("busybox", root.join("bin").join(a)).unwrap();
-        }
+        let busybox = build_rootfs(&root, &target);
+        assert!(busybox, "busybox-static (apt-get install busybox-static)");
         let pause = root.join("pause");
         std::fs::write(&pause, "#!/bin/sh\ntrap 'exit 0' TERM INT\nwhile :; do sleep 3600 & wait $!; done\n")
             .unwrap();
