@@ -666,6 +666,21 @@ row() {
     log "ROW $1 [$5] $2 | expected: $3 | got: $4 | ${6:-}"
 }
 
+# budget_need BUDGET SECONDS ID CHECK: true if SECONDS of the soft budget
+# BUDGET (seconds from the script's start) are left; otherwise records a
+# SKIP row for ID.
+budget_need() {
+    local left=$(($1 - SECONDS))
+    if [ "$left" -ge "$2" ]; then return 0; fi
+    row "$3" "$4" "runs" "skipped: ${left}s of budget left, needs $2s" SKIP
+    return 1
+}
+
+# torch_seen: the torch version the first worker log of this run names (torch=...).
+torch_seen() {
+    grep -ho 'torch=[^ ]*' "$WORK"/*.log 2>/dev/null | head -n 1 | cut -d= -f2
+}
+
 # rows_md HEADER...: the rows as a markdown table under those six headers.
 rows_md() {
     local id c e g r f
