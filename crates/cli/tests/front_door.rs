@@ -439,62 +439,13 @@ fn front_door_fails_fast_with_an_answer_and_drops_clients_that_hang_up() {
     assert_eq!((code, json(&body)["served"].as_u64()), (200, Some(0)), "{body}");
 }
 
-/// A moto S3 server on a free loopback port, ended on drop.
-struct Moto {
-    child: std::process::Child,
-    port: u16,
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// moto_server with a bucket `models`; without it the test is skipped here
 /// and fails on CI (.ci/run installs it).
-fn moto() -> Option<Moto> {
-    let found =
-        Command::new("moto_server").arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    if !found.is_ok_and(|s| s.success()) {
-        assert_ne!(
-            std::env::var("CI").as_deref(),
-            Ok("true"),
-            "moto_server is missing (pip install 'moto[server]')"
-        );
-        eprintln!("skipped: moto_server is not installed (pip install 'moto[server]')");
-        return None;
-    }
-    let port = free_port();
-    let child = Command::new("moto_server")
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut m = Moto { child, port };
-    let up = wait_until(Duration::from_secs(120), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() || !matches!(m.child.try_wait(), Ok(None))
-    });
-    assert!(up && matches!(m.child.try_wait(), Ok(None)), "moto_server on port {port} did not start");
-    let (code, _, _) = curl_at(port, &["-X", "PUT", "/models"]);
+fn moto_models() -> Option<Moto> {
+    let m = moto(&[])?;
+    let (code, _, _) = curl_at(m.port, &["-X", "PUT", "/models"]);
     assert_eq!(code, 200, "bucket created");
     Some(m)
-}
-
-fn s3_env(port: u16) -> Vec<(String, String)> {
-    [
-        ("AWS_ACCESS_KEY_ID", "testing".to_string()),
-        ("AWS_SECRET_ACCESS_KEY", "testing".to_string()),
-        ("AWS_REGION", "us-east-1".to_string()),
-        ("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}")),
-        ("AWS_ALLOW_HTTP", "true".to_string()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect()
 }
 
 /// fake-workload's answer: (pid, requests served, memory intact).
@@ -508,7 +459,7 @@ fn served_by(r: &(u16, String, String)) -> (i64, u64, bool) {
 #[test]
 fn front_door_swaps_models_and_a_lost_image_comes_back_from_the_remote_or_cold() {
     criu_present();
-    let Some(m) = moto() else { return };
+    let Some(m) = moto_models() else { return };
     macro_rules! gpu {
         ($more:literal) => {
             concat!("suspend_after = \"1h\"\ngpu_memory = \"600MiB\"\nwake_timeout = \"60s\"\n", $more)
@@ -620,7 +571,7 @@ fn front_door_bounds_connections_header_time_and_size() {
 #[test]
 fn front_door_wakes_another_nodes_image_from_the_remote_only_if_its_key_is_trusted() {
     criu_present();
-    let Some(m) = moto() else { return };
+    let Some(m) = moto_models() else { return };
     const ON_DEMAND: &str = "models = [\"a-model\"]\nsuspend_after = \"1h\"\ngpu_memory = \"600MiB\"\n\
                              wake_timeout = \"60s\"\nremote = \"s3://models/shared\"\nstart = \"on-demand\"";
     let a_svc = |extra| [S { name: "a", kind: Kind::Gpu { mib: 600 }, extra }];

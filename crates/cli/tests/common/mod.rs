@@ -5,10 +5,13 @@
 
 mod agent;
 pub mod http;
+mod moto;
 mod rootfs;
 
 #[allow(unused_imports)] // each test binary uses what it needs
 pub use agent::*;
+#[allow(unused_imports)]
+pub use moto::*;
 #[allow(unused_imports)]
 pub use rootfs::*;
 use serde_json::Value;
