@@ -634,6 +634,61 @@ install_traps() {
     trap on_exit EXIT
 }
 
+# ---------------------------------------------------------------- benches
+# bench.sh and bench-hibernate.sh: each keeps NOTES (the report's notes) and
+# ERRORS (what went wrong), and measures one worker per size.
+
+# note TEXT: a line for the report's notes (and the log).
+note() {
+    printf '%s\n' "$*" >>"$NOTES"
+    log "NOTE: $*"
+}
+
+# size_fits GIB GBE LEFT NEED: whether a size of GIB GiB (~GBE GB on the GPU)
+# fits NEED seconds in the LEFT left of the budget and its suspended copy in
+# host memory; otherwise a note and an error.
+size_fits() {
+    if [ "$3" -lt "$4" ]; then
+        note "size $1 GiB skipped: ${3}s of budget left, one rep needs ~${4}s with start and stop"
+        ERRORS=$((ERRORS + 1))
+        return 1
+    fi
+    if [ "$(mem_avail_mib)" -lt "$(calc %d 'g * 1024 * 1.1 + 4096' g="$2")" ]; then
+        note "size $1 GiB skipped: host MemAvailable $(mem_avail_mib) MiB cannot hold its suspended copy"
+        ERRORS=$((ERRORS + 1))
+        return 1
+    fi
+}
+
+# size_worker NAME GIB: starts the size's worker (LAST_PID) and waits until it
+# is ready; otherwise a note, an error, and the worker stopped safely.
+size_worker() {
+    start_worker "$1" "$2"
+    if ! wait_ready "$1" "$LAST_PID" 300; then
+        note "size $2 GiB: the worker did not start"
+        ERRORS=$((ERRORS + 1))
+        stop_safely "$LAST_PID" "bench start failed" || true
+        return 1
+    fi
+}
+
+# size_stop GIB PID: ends the size's worker with `gpusnap stop`, noted (and
+# stopped safely when that left it alive).
+size_stop() {
+    local sus rel
+    gs 300 stop "$2"
+    sus=$(jget "$GS_OUT" 'd["results"][0]["suspended"]')
+    rel=$(jget "$GS_OUT" 'd["results"][0]["released_before_kill"]')
+    if wait_gone "$2" "$([ "$GS_RC" = 0 ] && echo 60 || echo 2)"; then
+        note "size $1 GiB: gpusnap stop exit $GS_RC in ${GS_S} s (suspended $sus, released_before_kill $rel)"
+        if [ "$GS_RC" != 0 ]; then ERRORS=$((ERRORS + 1)); fi
+    else
+        note "size $1 GiB: gpusnap stop exit $GS_RC left pid $2 alive; stopping it safely"
+        ERRORS=$((ERRORS + 1))
+        stop_safely "$2" "bench stop failed" || true
+    fi
+}
+
 # A dry run against the fakes (docs/design/fakes.md) replaces the PyTorch workers,
 # the filler and nvidia-smi here; see the end of tests/gpu/README.md.
 if [ -n "${GPU_TEST_HOOK:-}" ]; then
