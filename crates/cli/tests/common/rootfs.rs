@@ -1,5 +1,5 @@
-//! The root file system of the containers tests run: built from the host's
-//! own files, no registry.
+//! The file systems of the containers tests run: a root built from the
+//! host's own files (no registry), and the mounts a runtime leaves behind.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -37,4 +37,24 @@ pub fn build_rootfs(root: &Path, target: &Path) -> bool {
         }
     }
     false
+}
+
+/// Detaches every mount under `dir` (what a runtime left mounted there, such
+/// as a container's /dev/shm), deepest first, so that `dir` can be removed.
+pub fn unmount_under(dir: &Path) {
+    let dir = dir.display().to_string();
+    let mut mounts: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(4).map(str::to_string))
+        .filter(|m| m.starts_with(&dir))
+        .collect();
+    mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
+    for m in mounts {
+        let c = std::ffi::CString::new(m).unwrap();
+        // SAFETY: a NUL-terminated path; umount2 reads it and nothing else.
+        unsafe {
+            libc::umount2(c.as_ptr(), libc::MNT_DETACH);
+        }
+    }
 }

@@ -317,22 +317,7 @@ impl Drop for Podman {
     fn drop(&mut self) {
         let _ = self.podman(&["rm", "--all", "--force", "--time", "0"]);
         let _ = self.podman(&["rmi", "--all", "--force"]);
-        // Whatever podman left mounted under its directory (a container's
-        // /dev/shm), deepest first, so that the directory can be removed.
-        let dir = self.dir.display().to_string();
-        let mut mounts: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.split_whitespace().nth(4).map(str::to_string))
-            .filter(|m| m.starts_with(&dir))
-            .collect();
-        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
-        for m in mounts {
-            let c = std::ffi::CString::new(m).unwrap();
-            // SAFETY: a NUL-terminated path; umount2 reads it and nothing else.
-            unsafe {
-                libc::umount2(c.as_ptr(), libc::MNT_DETACH);
-            }
-        }
+        // Whatever podman left mounted under its directory.
+        unmount_under(&self.dir);
     }
 }

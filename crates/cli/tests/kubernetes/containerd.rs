@@ -435,22 +435,8 @@ impl Drop for Containerd {
                 }
             }
         }
-        // What containerd left mounted under its directory, deepest first.
-        let dir = self.dir.display().to_string();
-        let mut mounts: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.split_whitespace().nth(4).map(str::to_string))
-            .filter(|m| m.starts_with(&dir))
-            .collect();
-        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
-        for m in mounts {
-            let c = std::ffi::CString::new(m).unwrap();
-            // SAFETY: a NUL-terminated path; umount2 reads it and nothing else.
-            unsafe {
-                libc::umount2(c.as_ptr(), libc::MNT_DETACH);
-            }
-        }
+        // What containerd left mounted under its directory.
+        unmount_under(&self.dir);
         let _ = Command::new("ip").args(["link", "del", &self.bridge]).stderr(Stdio::null()).status();
         let _ = std::fs::remove_file(net_claim(self.net));
     }
