@@ -148,18 +148,11 @@ guard_cleanup() {
 
 # shellcheck disable=SC2317 # the EXIT trap
 on_exit() {
-    local rc=$? p gone m
+    local rc=$? p m
     trap - ERR
-    if [ "$FINISHED" != 1 ]; then
-        row z0 "run completes" "all sections ran" "interrupted (exit $rc) at +${SECONDS}s" FAIL
-    fi
+    row_interrupted "$rc"
     guard_cleanup
-    gone=yes
-    for p in ${WORKERS[@]+"${WORKERS[@]}"} ${HELPERS[@]+"${HELPERS[@]}"}; do
-        if alive "$p"; then gone="no: $p alive"; fi
-    done
-    row z1 "cleanup: every process of this run ended safely" "all gone" "$gone${LEFT_ALIVE:+; not stopped:$LEFT_ALIVE}" \
-        "$([ "$gone" = yes ] && [ -z "$LEFT_ALIVE" ] && echo PASS || echo FAIL)"
+    row_all_gone ${WORKERS[@]+"${WORKERS[@]}"} ${HELPERS[@]+"${HELPERS[@]}"}
     m=""
     for p in ${WORKERS[@]+"${WORKERS[@]}"}; do
         if [ -n "$(smi_pid_mib "$p")" ]; then m="$m $p"; fi

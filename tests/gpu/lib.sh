@@ -748,6 +748,25 @@ rows_md() {
     done <"$ROWS"
 }
 
+# row_interrupted RC: from an e2e script's EXIT trap (RC: its exit status): a
+# FAIL row z0 when it did not get to FINISHED=1.
+row_interrupted() {
+    if [ "$FINISHED" != 1 ]; then
+        row z0 "run completes" "all sections ran" "interrupted (exit $1) at +${SECONDS}s" FAIL
+    fi
+}
+
+# row_all_gone PID...: after the cleanup, row z1: every process of the run
+# (PID...) gone and none left alive by the cleanup (LEFT_ALIVE).
+row_all_gone() {
+    local p gone=yes
+    for p in "$@"; do
+        if alive "$p"; then gone="no: $p alive"; fi
+    done
+    row z1 "cleanup: every process of this run ended safely" "all gone" "$gone${LEFT_ALIVE:+; not stopped:$LEFT_ALIVE}" \
+        "$([ "$gone" = yes ] && [ -z "$LEFT_ALIVE" ] && echo PASS || echo FAIL)"
+}
+
 # rows_end RC: from a script's EXIT trap (RC: its exit status): a FAIL row if
 # the script did not get to FINISHED=1, then the cleanup and its row.
 rows_end() {
