@@ -102,53 +102,14 @@ impl AgentWorld {
         self.w.children[n].wait();
     }
 
-    fn api(&self, method: &str, path: &str) -> (u16, String) {
-        api_call(&self.socket, method, path)
-    }
-
     fn services(&self) -> Vec<Value> {
         let (code, body) = self.api("GET", "/v1/services");
         assert_eq!(code, 200, "{body}");
         serde_json::from_str::<Value>(&body).unwrap().as_array().unwrap().clone()
     }
 
-    fn service(&self, name: &str) -> Value {
-        let (code, body) = self.api("GET", &format!("/v1/services/{name}"));
-        assert_eq!(code, 200, "{body}");
-        serde_json::from_str(&body).unwrap()
-    }
-
     fn state(&self, name: &str) -> String {
         self.service(name)["state"].as_str().unwrap().to_string()
-    }
-
-    /// Waits for a state; registers the service's processes for cleanup.
-    fn wait_state(&mut self, name: &str, state: &str) -> Value {
-        let mut last;
-        let end = Instant::now() + LONG;
-        loop {
-            last = self.service(name);
-            if last["state"] == state {
-                break;
-            }
-            assert!(
-                Instant::now() < end,
-                "{name} not {state} within {LONG:?}: {last}\nagent log: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        for k in ["runner", "pid"] {
-            if let Some(p) = last[k].as_i64() {
-                self.w.adopt(p as i32);
-            }
-        }
-        last
-    }
-
-    fn log(&self) -> String {
-        let n = self.agent.unwrap_or(0);
-        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default()
     }
 
     fn port(&self, i: usize) -> u16 {
@@ -167,6 +128,21 @@ impl AgentWorld {
         let (code, body) = self.api("GET", "/metrics");
         assert_eq!(code, 200);
         body
+    }
+}
+
+impl AgentClient for AgentWorld {
+    fn api(&self, method: &str, path: &str) -> (u16, String) {
+        api_call(&self.socket, method, path)
+    }
+
+    fn log(&self) -> String {
+        let n = self.agent.unwrap_or(0);
+        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default()
+    }
+
+    fn world(&mut self) -> &mut World {
+        &mut self.w
     }
 }
 

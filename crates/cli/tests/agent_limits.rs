@@ -12,7 +12,6 @@
 mod common;
 
 use common::*;
-use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
@@ -92,49 +91,6 @@ impl Agent {
         self.w.child_pid(self.agent.unwrap())
     }
 
-    fn log(&self) -> String {
-        let n = self.agent.unwrap_or(0);
-        let a =
-            std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default();
-        let b =
-            std::fs::read_to_string(self.w.tmp.path().join(format!("spawned-{n}.log"))).unwrap_or_default();
-        a + &b
-    }
-
-    fn api(&self, method: &str, path: &str) -> (u16, String) {
-        let (text, read) = http::unix_request(&self.socket, method, path, LONG);
-        read.unwrap();
-        http::split(&text)
-    }
-
-    fn service(&self, name: &str) -> Value {
-        let (code, body) = self.api("GET", &format!("/v1/services/{name}"));
-        assert_eq!(code, 200, "{body}");
-        serde_json::from_str(&body).unwrap()
-    }
-
-    /// Waits for a state; registers the service's processes for cleanup.
-    fn wait_state(&mut self, name: &str, state: &str) -> Value {
-        let end = Instant::now() + LONG;
-        loop {
-            let last = self.service(name);
-            if last["state"] == state {
-                for k in ["runner", "pid"] {
-                    if let Some(p) = last[k].as_i64() {
-                        self.w.adopt(p as i32);
-                    }
-                }
-                return last;
-            }
-            assert!(
-                Instant::now() < end,
-                "{name} not {state} within {LONG:?}: {last}\nagent log: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
     fn port(&self, i: usize) -> u16 {
         self.ports[i].0
     }
@@ -147,6 +103,27 @@ impl Agent {
     /// The agent itself (under prlimit, prlimit execs it: the same pid).
     fn agent_process(&self) -> i32 {
         self.pid()
+    }
+}
+
+impl AgentClient for Agent {
+    fn api(&self, method: &str, path: &str) -> (u16, String) {
+        let (text, read) = http::unix_request(&self.socket, method, path, LONG);
+        read.unwrap();
+        http::split(&text)
+    }
+
+    fn log(&self) -> String {
+        let n = self.agent.unwrap_or(0);
+        let a =
+            std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default();
+        let b =
+            std::fs::read_to_string(self.w.tmp.path().join(format!("spawned-{n}.log"))).unwrap_or_default();
+        a + &b
+    }
+
+    fn world(&mut self) -> &mut World {
+        &mut self.w
     }
 }
 

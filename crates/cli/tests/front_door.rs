@@ -114,38 +114,6 @@ impl Door {
         d
     }
 
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{}.err", self.agent.unwrap_or(0))))
-            .unwrap_or_default()
-    }
-
-    fn api(&self, method: &str, path: &str) -> (u16, String) {
-        let (text, read) = http::unix_request(&self.socket, method, path, LONG);
-        read.unwrap();
-        http::split(&text)
-    }
-
-    fn service(&self, name: &str) -> Value {
-        let (code, body) = self.api("GET", &format!("/v1/services/{name}"));
-        assert_eq!(code, 200, "{body}");
-        serde_json::from_str(&body).unwrap()
-    }
-
-    fn wait_state(&mut self, name: &str, state: &str) -> Value {
-        let mut last = Value::Null;
-        let ok = wait_until(LONG, || {
-            last = self.service(name);
-            last["state"] == state
-        });
-        assert!(ok, "{name} not {state} within {LONG:?}: {last}\nagent log: {}", self.log());
-        for k in ["runner", "pid"] {
-            if let Some(p) = last[k].as_i64() {
-                self.w.adopt(p as i32);
-            }
-        }
-        last
-    }
-
     fn secret(&self, name: &str) -> &str {
         &self.svcs[name].2
     }
@@ -184,6 +152,23 @@ impl Door {
     fn wait_note(&self, what: &str) {
         let found = wait_until(LONG, || self.notes().contains(what));
         assert!(found, "no note {what:?}:\n{}\nagent log: {}", self.notes(), self.log());
+    }
+}
+
+impl AgentClient for Door {
+    fn api(&self, method: &str, path: &str) -> (u16, String) {
+        let (text, read) = http::unix_request(&self.socket, method, path, LONG);
+        read.unwrap();
+        http::split(&text)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{}.err", self.agent.unwrap_or(0))))
+            .unwrap_or_default()
+    }
+
+    fn world(&mut self) -> &mut World {
+        &mut self.w
     }
 }
 

@@ -1,7 +1,45 @@
-//! What tests of the agent share about its state on disk.
+//! What tests of the agent share: its API as a client sees it, and its
+//! state on disk.
 
-use super::World;
+use super::{wait_until, World};
 use serde_json::Value;
+use std::time::Duration;
+
+/// A test's handle on a running agent: the requests its API answers, built
+/// on the one call each test makes in its own way.
+pub trait AgentClient {
+    /// One request to the agent's API: status and body.
+    fn api(&self, method: &str, path: &str) -> (u16, String);
+    /// What the agent logged so far, for failure messages.
+    fn log(&self) -> String;
+    /// The world the agent runs in.
+    fn world(&mut self) -> &mut World;
+
+    /// The service's record (`GET /v1/services/NAME`, which must answer 200).
+    fn service(&self, name: &str) -> Value {
+        let (code, body) = self.api("GET", &format!("/v1/services/{name}"));
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    /// Waits (a minute at most) for the service's state; registers its
+    /// processes for cleanup.
+    fn wait_state(&mut self, name: &str, state: &str) -> Value {
+        let limit = Duration::from_secs(60);
+        let mut last = Value::Null;
+        let ok = wait_until(limit, || {
+            last = self.service(name);
+            last["state"] == state
+        });
+        assert!(ok, "{name} not {state} within {limit:?}: {last}\nagent log: {}", self.log());
+        for k in ["runner", "pid"] {
+            if let Some(p) = last[k].as_i64() {
+                self.world().adopt(p as i32);
+            }
+        }
+        last
+    }
+}
 
 /// The agent's service records (`agent/services.json` in the state
 /// directory); `null` when there are none or they do not parse.
