@@ -1022,16 +1022,10 @@ PY
 on_exit() {
     local rc=$?
     trap - ERR
-    if [ "$FINISHED" != 1 ]; then
-        note "run interrupted (exit $rc) at +${SECONDS}s"
-        ERRORS=$((ERRORS + 1))
-    fi
+    note_interrupted "$rc"
     cleanup_all
     rm -rf "$WORK/bare-img"
-    if [ -n "$LEFT_ALIVE" ]; then
-        note "cleanup could not stop safely:$LEFT_ALIVE"
-        ERRORS=$((ERRORS + 1))
-    fi
+    note_left_alive
     HDR_DATE=$HDR_DATE HDR_HOST=$HDR_HOST HDR_KERNEL=$HDR_KERNEL HDR_GPU=$HDR_GPU HDR_GPU_MEM=$HDR_GPU_MEM \
         HDR_DRIVER=$HDR_DRIVER HDR_VERSION=$HDR_VERSION HDR_THP=$HDR_THP HDR_THP_DEFRAG=$HDR_THP_DEFRAG \
         HDR_HOSTMEM=$HDR_HOSTMEM GPUSNAP=$GPUSNAP B_SIZES="${SIZES[*]}" B_REPS=$REPS B_WALL=$SECONDS \

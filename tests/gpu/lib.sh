@@ -644,6 +644,24 @@ note() {
     log "NOTE: $*"
 }
 
+# note_interrupted RC: from a bench's EXIT trap (RC: its exit status): a note
+# and an error when it did not get to FINISHED=1.
+note_interrupted() {
+    if [ "$FINISHED" != 1 ]; then
+        note "run interrupted (exit $1) at +${SECONDS}s"
+        ERRORS=$((ERRORS + 1))
+    fi
+}
+
+# note_left_alive: after the cleanup, a note and an error for what it could
+# not stop safely.
+note_left_alive() {
+    if [ -n "$LEFT_ALIVE" ]; then
+        note "cleanup could not stop safely:$LEFT_ALIVE"
+        ERRORS=$((ERRORS + 1))
+    fi
+}
+
 # size_fits GIB GBE LEFT NEED: whether a size of GIB GiB (~GBE GB on the GPU)
 # fits NEED seconds in the LEFT left of the budget and its suspended copy in
 # host memory; otherwise a note and an error.

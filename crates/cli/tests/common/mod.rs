@@ -4,12 +4,15 @@
 #![allow(dead_code)]
 
 mod agent;
+mod fake_criu;
 pub mod http;
 mod moto;
 mod rootfs;
 
 #[allow(unused_imports)] // each test binary uses what it needs
 pub use agent::*;
+#[allow(unused_imports)]
+pub use fake_criu::*;
 #[allow(unused_imports)]
 pub use moto::*;
 #[allow(unused_imports)]
