@@ -33,15 +33,8 @@ import time
 bytecode = sys.dont_write_bytecode
 sys.dont_write_bytecode = True  # no __pycache__ in the checkout
 from worker import idle, write_status  # noqa: E402 (worker.py's helpers, from this directory)
+from nccl_worker import nccl_maps  # noqa: E402
 sys.dont_write_bytecode = bytecode
-
-
-def nccl_maps():
-    try:
-        with open("/proc/self/maps") as f:
-            return sorted({ln.split()[-1] for ln in f if "libnccl" in ln})
-    except OSError:
-        return []
 
 
 def main():
