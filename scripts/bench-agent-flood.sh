@@ -25,21 +25,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/bench-lib.sh
 record_self agent-flood "$@"
 
-PROFILE=${PROFILE:-debug}
-GPUSNAP=${GPUSNAP:-target/$PROFILE/gpusnap}
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-    case $PROFILE in
-        release) cargo build --release --quiet -p gpusnap ;;
-        *) cargo build --quiet -p gpusnap ;;
-    esac
-fi
-work=$(mktemp -d /tmp/gpusnap-floodbench.XXXXXX)
-trap 'rm -rf -- "$work"' EXIT
-PROFILE=$PROFILE scripts/fakes.sh "$work/lib" >/dev/null
+agent_bench_setup floodbench
 
 python3 - "$work" "$GPUSNAP" "${NOFILE:-1024}" "${SILENT:-700}" "${HALF:-1100}" "${CONCURRENT:-80}" \
     "${SECONDS_EACH:-10}" <<'PY'
-import json, os, resource, signal, socket, subprocess, sys, threading, time
+import json, os, resource, socket, subprocess, sys, threading, time
+
+sys.path.insert(0, "scripts")
+from bench_agent import api_raw, free_port, stop_agent
 
 work, binary, nofile, silent, half, concurrent, each = sys.argv[1:8]
 nofile, silent, half, concurrent, each = int(nofile), int(silent), int(half), int(concurrent), float(each)
@@ -48,26 +41,8 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 fw = os.path.join(work, "lib", "fake-workload")
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 def api(sock, path):
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(10)
-    s.connect(sock)
-    s.sendall(f"GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n".encode())
-    data = b""
-    while True:
-        b = s.recv(65536)
-        if not b:
-            break
-        data += b
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, body = api_raw(sock, path, 10)
     return int(head.split()[1]), body
 
 
@@ -203,19 +178,7 @@ try:
         now = {n: (s["pid"], s["restarts"]) for n, s in services().items()}
         rows.append((name, size, tally, peak, warned, now == before, agent.poll() is None))
 finally:
-    agent.send_signal(signal.SIGTERM)
-    agent.wait()
-    try:
-        recs = json.load(open(os.path.join(state, "agent", "services.json")))
-    except (OSError, ValueError):
-        recs = {}
-    for r in recs.values():
-        for k in ("runner", "pid"):
-            if r.get(k):
-                try:
-                    os.kill(r[k], signal.SIGKILL)
-                except OSError:
-                    pass
+    stop_agent(agent, state)
 
 
 def cell(t):

@@ -31,28 +31,20 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/bench-lib.sh
 record_self agent-swap "$@"
 
-PROFILE=${PROFILE:-debug}
 SWAPS=${SWAPS:-10}
 MIB=${MIB:-600}
 CKPT_GBPS=${CKPT_GBPS:-2}
 RESTORE_GBPS=${RESTORE_GBPS:-6}
 PLAG=${NVML_PROCESS_LAG_MS:-0}
 MLAG=${NVML_MEMORY_LAG_MS:-0}
-GPUSNAP=${GPUSNAP:-target/$PROFILE/gpusnap}
 BASE=${BASE:-}
-
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-    case $PROFILE in
-        release) cargo build --release --quiet -p gpusnap ;;
-        *) cargo build --quiet -p gpusnap ;;
-    esac
-fi
-work=$(mktemp -d /tmp/gpusnap-swapbench.XXXXXX)
-trap 'rm -rf -- "$work"' EXIT
-PROFILE=$PROFILE scripts/fakes.sh "$work/lib" >/dev/null
+agent_bench_setup swapbench
 
 python3 - "$work" "$SWAPS" "$MIB" "$CKPT_GBPS" "$RESTORE_GBPS" "$PLAG" "$MLAG" "$GPUSNAP" "$BASE" <<'PY'
-import json, os, signal, socket, statistics, subprocess, sys, time
+import json, os, socket, statistics, subprocess, sys, time
+
+sys.path.insert(0, "scripts")
+from bench_agent import api_raw, dechunk, free_port, stop_agent
 
 work, swaps, mib, cg, rg, plag, mlag, after, base = sys.argv[1:10]
 swaps, mib, plag, mlag = int(swaps), int(mib), int(plag), int(mlag)
@@ -61,35 +53,10 @@ PHASES = ["decide", "admission", "pick", "evict_prep", "suspend", "release_wait"
           "resume_prep", "wake", "resume", "ready", "connect", "first_byte"]
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 def api(sock, path):
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(30)
-    s.connect(sock)
-    s.sendall(f"GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n".encode())
-    data = b""
-    while True:
-        b = s.recv(65536)
-        if not b:
-            break
-        data += b
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, body = api_raw(sock, path, 30)
     if b"chunked" in head.lower():
-        out, rest = b"", body
-        while rest:
-            size, _, rest = rest.partition(b"\r\n")
-            n = int(size.strip() or b"0", 16)
-            if n == 0:
-                break
-            out, rest = out + rest[:n], rest[n + 2:]
-        body = out
+        body = dechunk(body)
     return body.decode()
 
 
@@ -161,20 +128,7 @@ def run(label, binary):
         time.sleep(0.5)  # the last trace is observed just after its first byte
         m1 = api(sock, "/metrics")
     finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait()
-        # The servers outlive the agent (their own sessions): fakes, ended.
-        try:
-            recs = json.load(open(os.path.join(state, "agent", "services.json")))
-        except (OSError, ValueError):
-            recs = {}
-        for r in recs.values():
-            for k in ("runner", "pid"):
-                if r.get(k):
-                    try:
-                        os.kill(r[k], signal.SIGKILL)
-                    except OSError:
-                        pass
+        stop_agent(agent, state)
 
     def delta(prefix):
         return metric(m1, prefix) - metric(m0, prefix)

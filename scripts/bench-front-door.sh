@@ -23,34 +23,17 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/bench-lib.sh
 record_self front-door "$@"
 
-PROFILE=${PROFILE:-debug}
 REQS=${REQS:-2000}
-GPUSNAP=${GPUSNAP:-target/$PROFILE/gpusnap}
-
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-    case $PROFILE in
-        release) cargo build --release --quiet -p gpusnap ;;
-        *) cargo build --quiet -p gpusnap ;;
-    esac
-fi
-work=$(mktemp -d /tmp/gpusnap-doorbench.XXXXXX)
-trap 'rm -rf -- "$work"' EXIT
-PROFILE=$PROFILE scripts/fakes.sh "$work/lib" >/dev/null
+agent_bench_setup doorbench
 
 python3 - "$work" "$REQS" "$GPUSNAP" "$PROFILE" <<'PY'
-import http.client, json, os, signal, socket, subprocess, sys, time
+import http.client, json, os, socket, subprocess, sys, time
+
+sys.path.insert(0, "scripts")
+from bench_agent import free_port, stop_agent
 
 work, reqs, binary, profile = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 fw = os.path.join(work, "lib", "fake-workload")
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
 
 fake, state = os.path.join(work, "fake"), os.path.join(work, "state")
 os.makedirs(fake)
@@ -108,19 +91,7 @@ try:
     rows = [("direct (the server's port)", measure(backend)), ("the service's own port (TCP proxy)", measure(listen)),
             ("the front door (routed by model)", measure(door))]
 finally:
-    agent.send_signal(signal.SIGTERM)
-    agent.wait()
-    try:
-        recs = json.load(open(os.path.join(state, "agent", "services.json")))
-    except (OSError, ValueError):
-        recs = {}
-    for r in recs.values():
-        for k in ("runner", "pid"):
-            if r.get(k):
-                try:
-                    os.kill(r[k], signal.SIGKILL)
-                except OSError:
-                    pass
+    stop_agent(agent, state)
 
 d50, d99 = rows[0][1]
 print(f"Front door latency: {reqs} POSTs per path, one keep-alive client, {profile} build, "

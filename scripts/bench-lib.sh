@@ -67,3 +67,22 @@ end_holder() {
     gone "$holder"
     holder=
 }
+
+# agent_bench_setup TAG: for the agent benches against the fakes. Builds
+# gpusnap for PROFILE (debug unless set; no build with SKIP_BUILD=1), sets
+# GPUSNAP (unless set: target/$PROFILE/gpusnap) and work (a fresh directory
+# /tmp/gpusnap-TAG.*, removed on exit) with the fakes in $work/lib. The
+# scripts' Python imports scripts/bench_agent.py.
+agent_bench_setup() {
+    PROFILE=${PROFILE:-debug}
+    GPUSNAP=${GPUSNAP:-target/$PROFILE/gpusnap}
+    if [ "${SKIP_BUILD:-0}" != 1 ]; then
+        case $PROFILE in
+            release) cargo build --release --quiet -p gpusnap ;;
+            *) cargo build --quiet -p gpusnap ;;
+        esac
+    fi
+    work=$(mktemp -d "/tmp/gpusnap-$1.XXXXXX")
+    trap 'rm -rf -- "$work"' EXIT
+    PROFILE=$PROFILE scripts/fakes.sh "$work/lib" >/dev/null
+}

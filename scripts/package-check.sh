@@ -31,16 +31,9 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
-log() { printf 'package-check: %s\n' "$*" >&2; }
-die() {
-	log "error: $*"
-	exit 1
-}
-# Bad usage: exit 2, apart from the failures above.
-usage() {
-	log "error: $*"
-	exit 2
-}
+SCRIPT_NAME=package-check
+# shellcheck source=scripts/package-lib.sh
+. scripts/package-lib.sh
 say() { printf '\n== %s\n' "$*"; }
 
 out=${CARGO_TARGET_DIR:-$root/target}/package/out
@@ -60,7 +53,7 @@ while (($#)); do
 			;;
 		--prepare) prepare=1 ;;
 		-h | --help)
-			sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+			print_help
 			exit 0
 			;;
 		*) usage "unknown argument $1 (--out DIR, --cache DIR, --prepare, --help)" ;;

@@ -37,16 +37,9 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
-log() { printf 'package: %s\n' "$*" >&2; }
-die() {
-	log "error: $*"
-	exit 1
-}
-# Bad usage: exit 2, apart from the failures above.
-usage() {
-	log "error: $*"
-	exit 2
-}
+SCRIPT_NAME=package
+# shellcheck source=scripts/package-lib.sh
+. scripts/package-lib.sh
 
 MAX_GLIBC=2.31
 TRIPLE=x86_64-unknown-linux-gnu
@@ -64,7 +57,7 @@ while (($#)); do
 		--deb) deb=1 ;;
 		--native) native=1 ;;
 		-h | --help)
-			sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+			print_help
 			exit 0
 			;;
 		*) usage "unknown argument $1 (--out DIR, --deb, --native, --help)" ;;

@@ -195,11 +195,6 @@ WAKE_ARGS=()
 read -r -a CRIU_ARGS <<<"${HB_CRIU_ARGS:---shell-job}"
 CRIU_BIN="" CRIU_VERSION="" CRIU_CHECK="" CRIU_CHECK_RC="" CRIU_WHY=""
 
-note() {
-    printf '%s\n' "$*" >>"$NOTES"
-    log "NOTE: $*"
-}
-
 # jv VALUE: a JSON number, or null when empty / not a number.
 jv() {
     case ${1:-} in
@@ -691,7 +686,7 @@ matrix_cycle() {
 
 # bench_size GIB
 bench_size() {
-    local gib=$1 name="h$1" pid fp smi gbe est_rep est_stop est_drv est_mw left rep mode order t_rep failed=0 done_reps=0 rc sus rel
+    local gib=$1 name="h$1" pid fp smi gbe est_rep est_stop est_drv est_mw left rep mode order t_rep failed=0 done_reps=0 rc
     local k
     # The worker's footprint (worker.py --fill): a pattern's float64 sum
     # leaves a copy twice the tensor in PyTorch's cache (8 GiB: 26.4 GB).
@@ -710,25 +705,10 @@ bench_size() {
     est_mw=$(calc %d 'g / 4 + 10 + c * g / 1.6' g="$gbe" c="$HB_COLD")
     left=$((HBENCH_BUDGET_S - SECONDS))
     log "size $gib GiB (~$gbe GB image): $REPS reps of ${MODES[*]} planned; estimates: rep ${est_rep}s, stop ${est_stop}s, driver alone ${est_drv}s, matrix wake ${est_mw}s; ${left}s left"
-    if [ "$left" -lt $((45 + est_rep + est_stop)) ]; then
-        note "size $gib GiB skipped: ${left}s of budget left, one rep needs ~$((45 + est_rep + est_stop))s with start and stop"
-        ERRORS=$((ERRORS + 1))
-        return 0
-    fi
-    if [ "$(mem_avail_mib)" -lt "$(calc %d 'g * 1024 * 1.1 + 4096' g="$gbe")" ]; then
-        note "size $gib GiB skipped: host MemAvailable $(mem_avail_mib) MiB cannot hold its suspended copy"
-        ERRORS=$((ERRORS + 1))
-        return 0
-    fi
+    size_fits "$gib" "$gbe" "$left" $((45 + est_rep + est_stop)) || return 0
 
-    start_worker "$name" "$gib"
+    size_worker "$name" "$gib" || return 0
     pid=$LAST_PID
-    if ! wait_ready "$name" "$pid" 300; then
-        note "size $gib GiB: the worker did not start"
-        ERRORS=$((ERRORS + 1))
-        stop_safely "$pid" "bench start failed" || true
-        return 0
-    fi
     gs 30 state "$pid"
     fp=$(jget "$GS_OUT" 'd["footprint_bytes"]')
     smi=$(smi_pid_mib "$pid")
@@ -793,17 +773,7 @@ bench_size() {
         note "size $gib GiB: the worker (pid $pid) is gone"
         return 0
     fi
-    gs 300 stop "$pid"
-    sus=$(jget "$GS_OUT" 'd["results"][0]["suspended"]')
-    rel=$(jget "$GS_OUT" 'd["results"][0]["released_before_kill"]')
-    if wait_gone "$pid" "$([ "$GS_RC" = 0 ] && echo 60 || echo 2)"; then
-        note "size $gib GiB: gpusnap stop exit $GS_RC in ${GS_S} s (suspended $sus, released_before_kill $rel)"
-        if [ "$GS_RC" != 0 ]; then ERRORS=$((ERRORS + 1)); fi
-    else
-        note "size $gib GiB: gpusnap stop exit $GS_RC left pid $pid alive; stopping it safely"
-        ERRORS=$((ERRORS + 1))
-        stop_safely "$pid" "bench stop failed" || true
-    fi
+    size_stop "$gib" "$pid"
     return 0
 }
 
@@ -1052,16 +1022,10 @@ PY
 on_exit() {
     local rc=$?
     trap - ERR
-    if [ "$FINISHED" != 1 ]; then
-        note "run interrupted (exit $rc) at +${SECONDS}s"
-        ERRORS=$((ERRORS + 1))
-    fi
+    note_interrupted "$rc"
     cleanup_all
     rm -rf "$WORK/bare-img"
-    if [ -n "$LEFT_ALIVE" ]; then
-        note "cleanup could not stop safely:$LEFT_ALIVE"
-        ERRORS=$((ERRORS + 1))
-    fi
+    note_left_alive
     HDR_DATE=$HDR_DATE HDR_HOST=$HDR_HOST HDR_KERNEL=$HDR_KERNEL HDR_GPU=$HDR_GPU HDR_GPU_MEM=$HDR_GPU_MEM \
         HDR_DRIVER=$HDR_DRIVER HDR_VERSION=$HDR_VERSION HDR_THP=$HDR_THP HDR_THP_DEFRAG=$HDR_THP_DEFRAG \
         HDR_HOSTMEM=$HDR_HOSTMEM GPUSNAP=$GPUSNAP B_SIZES="${SIZES[*]}" B_REPS=$REPS B_WALL=$SECONDS \

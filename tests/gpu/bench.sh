@@ -47,12 +47,6 @@ NOTES=$WORK/notes.txt
 ERRORS=0
 FINISHED=0
 
-# note TEXT: a line for the report's notes (and the log).
-note() {
-    printf '%s\n' "$*" >>"$NOTES"
-    log "NOTE: $*"
-}
-
 sample() {
     printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$SAMPLES"
     log "SAMPLE size=$1 GiB rep=$3 $4 $5: wall $6 s, inner $7 ms, rc $8, rss ${9:--} MiB"
@@ -128,7 +122,7 @@ cycle() {
 
 # bench_size GIB
 bench_size() {
-    local gib=$1 name="w$1" reps pid fp smi gbe est_susp est_res est_rep est_stop left rep mode order t_rep failed=0 done_reps=0 sus rel
+    local gib=$1 name="w$1" reps pid fp smi gbe est_susp est_res est_rep est_stop left rep mode order t_rep failed=0 done_reps=0
     reps=${REPS:-$(calc %d '(g >= 30) ? 2 : 3' g="$gib")}
     gbe=$(calc %.2f 'g * 1.073741824 + 0.6' g="$gib")
     # Model from shared/gpu-facts.md (THP madvise): checkpoint 1.6 GB/s, restore 4 GB/s.
@@ -138,25 +132,10 @@ bench_size() {
     est_stop=$((est_susp + 20))
     left=$((BENCH_BUDGET_S - SECONDS))
     log "size $gib GiB (~$gbe GB on the GPU): $reps reps planned; estimates: rep ${est_rep}s, stop ${est_stop}s; ${left}s left"
-    if [ "$left" -lt $((45 + est_rep + est_stop)) ]; then
-        note "size $gib GiB skipped: ${left}s of budget left, one rep needs ~$((45 + est_rep + est_stop))s with start and stop"
-        ERRORS=$((ERRORS + 1))
-        return 0
-    fi
-    if [ "$(mem_avail_mib)" -lt "$(calc %d 'g * 1024 * 1.1 + 4096' g="$gbe")" ]; then
-        note "size $gib GiB skipped: host MemAvailable $(mem_avail_mib) MiB cannot hold its suspended copy"
-        ERRORS=$((ERRORS + 1))
-        return 0
-    fi
+    size_fits "$gib" "$gbe" "$left" $((45 + est_rep + est_stop)) || return 0
 
-    start_worker "$name" "$gib"
+    size_worker "$name" "$gib" || return 0
     pid=$LAST_PID
-    if ! wait_ready "$name" "$pid" 300; then
-        note "size $gib GiB: the worker did not start"
-        ERRORS=$((ERRORS + 1))
-        stop_safely "$pid" "bench start failed" || true
-        return 0
-    fi
     gs 30 state "$pid"
     fp=$(jget "$GS_OUT" 'd["footprint_bytes"]')
     smi=$(smi_pid_mib "$pid")
@@ -182,17 +161,7 @@ bench_size() {
         log "size $gib GiB: rep $rep took ${est_rep}s"
     done
 
-    gs 300 stop "$pid"
-    sus=$(jget "$GS_OUT" 'd["results"][0]["suspended"]')
-    rel=$(jget "$GS_OUT" 'd["results"][0]["released_before_kill"]')
-    if wait_gone "$pid" "$([ "$GS_RC" = 0 ] && echo 60 || echo 2)"; then
-        note "size $gib GiB: gpusnap stop exit $GS_RC in ${GS_S} s (suspended $sus, released_before_kill $rel)"
-        if [ "$GS_RC" != 0 ]; then ERRORS=$((ERRORS + 1)); fi
-    else
-        note "size $gib GiB: gpusnap stop exit $GS_RC left pid $pid alive; stopping it safely"
-        ERRORS=$((ERRORS + 1))
-        stop_safely "$pid" "bench stop failed" || true
-    fi
+    size_stop "$gib" "$pid"
     return 0
 }
 
@@ -324,15 +293,9 @@ PY
 on_exit() {
     local rc=$?
     trap - ERR
-    if [ "$FINISHED" != 1 ]; then
-        note "run interrupted (exit $rc) at +${SECONDS}s"
-        ERRORS=$((ERRORS + 1))
-    fi
+    note_interrupted "$rc"
     cleanup_all
-    if [ -n "$LEFT_ALIVE" ]; then
-        note "cleanup could not stop safely:$LEFT_ALIVE"
-        ERRORS=$((ERRORS + 1))
-    fi
+    note_left_alive
     HDR_DATE=$HDR_DATE HDR_HOST=$HDR_HOST HDR_KERNEL=$HDR_KERNEL HDR_GPU=$HDR_GPU HDR_GPU_MEM=$HDR_GPU_MEM \
         HDR_DRIVER=$HDR_DRIVER HDR_VERSION=$HDR_VERSION HDR_THP=$HDR_THP HDR_THP_DEFRAG=$HDR_THP_DEFRAG \
         HDR_HOSTMEM=$HDR_HOSTMEM GPUSNAP=$GPUSNAP B_SIZES="${SIZES[*]}" B_WALL=$SECONDS \

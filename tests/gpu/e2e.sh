@@ -80,17 +80,12 @@ selected() {
 
 # need SECONDS ID SECTION: true if that much of the soft budget is left;
 # otherwise records a SKIP row for the section.
-need() {
-    local left=$((E2E_BUDGET_S - SECONDS))
-    if [ "$left" -ge "$1" ]; then return 0; fi
-    row "$2" "$3" "runs" "skipped: ${left}s of budget left, needs $1s" SKIP
-    return 1
-}
+need() { budget_need "$E2E_BUDGET_S" "$@"; }
 
 # shellcheck disable=SC2317 # runs from the EXIT trap
 write_table() {
     local md=$OUT/gpu-e2e.md id c e g r f torch
-    torch=$(grep -ho 'torch=[^ ]*' "$WORK"/*.log 2>/dev/null | head -n 1 | cut -d= -f2)
+    torch=$(torch_seen)
     {
         echo "# gpusnap GPU end-to-end"
         echo
@@ -105,11 +100,7 @@ write_table() {
         echo "- workers: big $BIG_GIB GiB, stuck $STUCK_GIB GiB, thr $SMALL_GIB GiB (+2 threads); hib $HIB_GIB GiB, rec $REC_GIB GiB"
         echo "- result: $NPASS passed, $NFAIL failed, $NSKIP skipped, $NINFO info; wall ${SECONDS} s (budget $E2E_BUDGET_S s)"
         echo
-        echo "| # | check | expected | got | result | figure |"
-        echo "|---|---|---|---|---|---|"
-        while IFS=$'\t' read -r id c e g r f; do
-            printf '| %s | %s | %s | %s | %s | %s |\n' "$id" "$c" "$e" "$g" "$r" "$f"
-        done <"$ROWS"
+        rows_md "#" check expected got result figure
     } >"$md"
     cat "$md"
     HDR_DATE=$HDR_DATE HDR_HOST=$HDR_HOST HDR_KERNEL=$HDR_KERNEL HDR_GPU=$HDR_GPU HDR_GPU_MEM=$HDR_GPU_MEM \
@@ -155,18 +146,11 @@ PY
 
 # shellcheck disable=SC2317 # the EXIT trap
 on_exit() {
-    local rc=$? p gone m
+    local rc=$? p m
     trap - ERR
-    if [ "$FINISHED" != 1 ]; then
-        row z0 "run completes" "all sections ran" "interrupted (exit $rc) at +${SECONDS}s" FAIL
-    fi
+    row_interrupted "$rc"
     cleanup_all
-    gone=yes
-    for p in ${WORKERS[@]+"${WORKERS[@]}"} ${FILLERS[@]+"${FILLERS[@]}"} ${HELPERS[@]+"${HELPERS[@]}"}; do
-        if alive "$p"; then gone="no: $p alive"; fi
-    done
-    row z1 "cleanup: every process of this run ended safely" "all gone" "$gone${LEFT_ALIVE:+; not stopped:$LEFT_ALIVE}" \
-        "$([ "$gone" = yes ] && [ -z "$LEFT_ALIVE" ] && echo PASS || echo FAIL)"
+    row_all_gone ${WORKERS[@]+"${WORKERS[@]}"} ${FILLERS[@]+"${FILLERS[@]}"} ${HELPERS[@]+"${HELPERS[@]}"}
     m=""
     for p in ${WORKERS[@]+"${WORKERS[@]}"} ${FILLERS[@]+"${FILLERS[@]}"}; do
         if [ -n "$(smi_pid_mib "$p")" ]; then m="$m $p"; fi

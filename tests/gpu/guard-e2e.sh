@@ -92,17 +92,12 @@ READY_FAILED=""       # keys whose worker did not get ready
 
 # need SECONDS ID CHECK: true if that much of the soft budget is left;
 # otherwise records a SKIP row.
-need() {
-    local left=$((GUARD_BUDGET_S - SECONDS))
-    if [ "$left" -ge "$1" ]; then return 0; fi
-    row "$2" "$3" "runs" "skipped: ${left}s of budget left, needs $1s" SKIP
-    return 1
-}
+need() { budget_need "$GUARD_BUDGET_S" "$@"; }
 
 # shellcheck disable=SC2317 # runs from the EXIT trap
 write_table() {
     local md=$OUT/guard-e2e.md id c e g r f torch
-    torch=$(grep -ho 'torch=[^ ]*' "$WORK"/*.log 2>/dev/null | head -n 1 | cut -d= -f2)
+    torch=$(torch_seen)
     {
         echo "# gpusnap guard: GPU end-to-end"
         echo
@@ -115,11 +110,7 @@ write_table() {
         echo "- death-to-suspended: from writing STATUS.die to the guard's checkpoint ok event (the worker polls the file every 5 ms)"
         echo "- result: $NPASS passed, $NFAIL failed, $NSKIP skipped, $NINFO info; wall ${SECONDS} s (budget $GUARD_BUDGET_S s)"
         echo
-        echo "| # | check | expected | got | result | figure |"
-        echo "|---|---|---|---|---|---|"
-        while IFS=$'\t' read -r id c e g r f; do
-            printf '| %s | %s | %s | %s | %s | %s |\n' "$id" "$c" "$e" "$g" "$r" "$f"
-        done <"$ROWS"
+        rows_md "#" check expected got result figure
     } >"$md"
     cat "$md"
 }
@@ -157,18 +148,11 @@ guard_cleanup() {
 
 # shellcheck disable=SC2317 # the EXIT trap
 on_exit() {
-    local rc=$? p gone m
+    local rc=$? p m
     trap - ERR
-    if [ "$FINISHED" != 1 ]; then
-        row z0 "run completes" "all sections ran" "interrupted (exit $rc) at +${SECONDS}s" FAIL
-    fi
+    row_interrupted "$rc"
     guard_cleanup
-    gone=yes
-    for p in ${WORKERS[@]+"${WORKERS[@]}"} ${HELPERS[@]+"${HELPERS[@]}"}; do
-        if alive "$p"; then gone="no: $p alive"; fi
-    done
-    row z1 "cleanup: every process of this run ended safely" "all gone" "$gone${LEFT_ALIVE:+; not stopped:$LEFT_ALIVE}" \
-        "$([ "$gone" = yes ] && [ -z "$LEFT_ALIVE" ] && echo PASS || echo FAIL)"
+    row_all_gone ${WORKERS[@]+"${WORKERS[@]}"} ${HELPERS[@]+"${HELPERS[@]}"}
     m=""
     for p in ${WORKERS[@]+"${WORKERS[@]}"}; do
         if [ -n "$(smi_pid_mib "$p")" ]; then m="$m $p"; fi

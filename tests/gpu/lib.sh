@@ -634,6 +634,79 @@ install_traps() {
     trap on_exit EXIT
 }
 
+# ---------------------------------------------------------------- benches
+# bench.sh and bench-hibernate.sh: each keeps NOTES (the report's notes) and
+# ERRORS (what went wrong), and measures one worker per size.
+
+# note TEXT: a line for the report's notes (and the log).
+note() {
+    printf '%s\n' "$*" >>"$NOTES"
+    log "NOTE: $*"
+}
+
+# note_interrupted RC: from a bench's EXIT trap (RC: its exit status): a note
+# and an error when it did not get to FINISHED=1.
+note_interrupted() {
+    if [ "$FINISHED" != 1 ]; then
+        note "run interrupted (exit $1) at +${SECONDS}s"
+        ERRORS=$((ERRORS + 1))
+    fi
+}
+
+# note_left_alive: after the cleanup, a note and an error for what it could
+# not stop safely.
+note_left_alive() {
+    if [ -n "$LEFT_ALIVE" ]; then
+        note "cleanup could not stop safely:$LEFT_ALIVE"
+        ERRORS=$((ERRORS + 1))
+    fi
+}
+
+# size_fits GIB GBE LEFT NEED: whether a size of GIB GiB (~GBE GB on the GPU)
+# fits NEED seconds in the LEFT left of the budget and its suspended copy in
+# host memory; otherwise a note and an error.
+size_fits() {
+    if [ "$3" -lt "$4" ]; then
+        note "size $1 GiB skipped: ${3}s of budget left, one rep needs ~${4}s with start and stop"
+        ERRORS=$((ERRORS + 1))
+        return 1
+    fi
+    if [ "$(mem_avail_mib)" -lt "$(calc %d 'g * 1024 * 1.1 + 4096' g="$2")" ]; then
+        note "size $1 GiB skipped: host MemAvailable $(mem_avail_mib) MiB cannot hold its suspended copy"
+        ERRORS=$((ERRORS + 1))
+        return 1
+    fi
+}
+
+# size_worker NAME GIB: starts the size's worker (LAST_PID) and waits until it
+# is ready; otherwise a note, an error, and the worker stopped safely.
+size_worker() {
+    start_worker "$1" "$2"
+    if ! wait_ready "$1" "$LAST_PID" 300; then
+        note "size $2 GiB: the worker did not start"
+        ERRORS=$((ERRORS + 1))
+        stop_safely "$LAST_PID" "bench start failed" || true
+        return 1
+    fi
+}
+
+# size_stop GIB PID: ends the size's worker with `gpusnap stop`, noted (and
+# stopped safely when that left it alive).
+size_stop() {
+    local sus rel
+    gs 300 stop "$2"
+    sus=$(jget "$GS_OUT" 'd["results"][0]["suspended"]')
+    rel=$(jget "$GS_OUT" 'd["results"][0]["released_before_kill"]')
+    if wait_gone "$2" "$([ "$GS_RC" = 0 ] && echo 60 || echo 2)"; then
+        note "size $1 GiB: gpusnap stop exit $GS_RC in ${GS_S} s (suspended $sus, released_before_kill $rel)"
+        if [ "$GS_RC" != 0 ]; then ERRORS=$((ERRORS + 1)); fi
+    else
+        note "size $1 GiB: gpusnap stop exit $GS_RC left pid $2 alive; stopping it safely"
+        ERRORS=$((ERRORS + 1))
+        stop_safely "$2" "bench stop failed" || true
+    fi
+}
+
 # A dry run against the fakes (docs/design/fakes.md) replaces the PyTorch workers,
 # the filler and nvidia-smi here; see the end of tests/gpu/README.md.
 if [ -n "${GPU_TEST_HOOK:-}" ]; then
@@ -666,6 +739,21 @@ row() {
     log "ROW $1 [$5] $2 | expected: $3 | got: $4 | ${6:-}"
 }
 
+# budget_need BUDGET SECONDS ID CHECK: true if SECONDS of the soft budget
+# BUDGET (seconds from the script's start) are left; otherwise records a
+# SKIP row for ID.
+budget_need() {
+    local left=$(($1 - SECONDS))
+    if [ "$left" -ge "$2" ]; then return 0; fi
+    row "$3" "$4" "runs" "skipped: ${left}s of budget left, needs $2s" SKIP
+    return 1
+}
+
+# torch_seen: the torch version the first worker log of this run names (torch=...).
+torch_seen() {
+    grep -ho 'torch=[^ ]*' "$WORK"/*.log 2>/dev/null | head -n 1 | cut -d= -f2
+}
+
 # rows_md HEADER...: the rows as a markdown table under those six headers.
 rows_md() {
     local id c e g r f
@@ -676,6 +764,25 @@ rows_md() {
     while IFS=$'\t' read -r id c e g r f; do
         printf '| %s | %s | %s | %s | %s | %s |\n' "$id" "$c" "$e" "$g" "$r" "$f"
     done <"$ROWS"
+}
+
+# row_interrupted RC: from an e2e script's EXIT trap (RC: its exit status): a
+# FAIL row z0 when it did not get to FINISHED=1.
+row_interrupted() {
+    if [ "$FINISHED" != 1 ]; then
+        row z0 "run completes" "all sections ran" "interrupted (exit $1) at +${SECONDS}s" FAIL
+    fi
+}
+
+# row_all_gone PID...: after the cleanup, row z1: every process of the run
+# (PID...) gone and none left alive by the cleanup (LEFT_ALIVE).
+row_all_gone() {
+    local p gone=yes
+    for p in "$@"; do
+        if alive "$p"; then gone="no: $p alive"; fi
+    done
+    row z1 "cleanup: every process of this run ended safely" "all gone" "$gone${LEFT_ALIVE:+; not stopped:$LEFT_ALIVE}" \
+        "$([ "$gone" = yes ] && [ -z "$LEFT_ALIVE" ] && echo PASS || echo FAIL)"
 }
 
 # rows_end RC: from a script's EXIT trap (RC: its exit status): a FAIL row if

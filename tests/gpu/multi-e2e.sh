@@ -117,12 +117,7 @@ selected() {
 
 # need SECONDS ID CHECK: true if that much of the soft budget is left;
 # otherwise records a SKIP row.
-need() {
-    local left=$((MULTI_BUDGET_S - SECONDS))
-    if [ "$left" -ge "$1" ]; then return 0; fi
-    row "$2" "$3" "runs" "skipped: ${left}s of budget left, needs $1s" SKIP
-    return 1
-}
+need() { budget_need "$MULTI_BUDGET_S" "$@"; }
 
 # mean "X Y ...": their mean (%.3f), nothing for an empty list.
 mean() {
@@ -132,7 +127,7 @@ mean() {
 # shellcheck disable=SC2317 # runs from the EXIT trap
 write_table() {
     local md=$OUT/multi-e2e.md id c e g r f torch nccl gpus="" i rep mode s rs ms
-    torch=$(grep -ho 'torch=[^ ]*' "$WORK"/*.log 2>/dev/null | head -n 1 | cut -d= -f2)
+    torch=$(torch_seen)
     nccl=$(grep -ho 'nccl=[^ ]*' "$WORK"/nccl.log 2>/dev/null | head -n 1 | cut -d= -f2)
     for i in "${!GPU_UUID[@]}"; do gpus="$gpus${gpus:+; }GPU$i ${GPU_NAME[i]} ${GPU_UUID[i]}"; done
     {
@@ -150,11 +145,7 @@ write_table() {
         echo "- m2 parallel / sequential (planned repetitions of each: $PAR_REPS; runs timed: $(grep -c . "$BENCH")): $(grep -h '^m2\.ratio' "$FIGS" | tr '\t' '=' | tr '\n' ' ')"
         echo "- result: $NPASS passed, $NFAIL failed, $NSKIP skipped, $NINFO info; wall ${SECONDS} s (budget $MULTI_BUDGET_S s)"
         echo
-        echo "| # | check | expected | got | result | figure |"
-        echo "|---|---|---|---|---|---|"
-        while IFS=$'\t' read -r id c e g r f; do
-            printf '| %s | %s | %s | %s | %s | %s |\n' "$id" "$c" "$e" "$g" "$r" "$f"
-        done <"$ROWS"
+        rows_md "#" check expected got result figure
         if [ -s "$BENCH" ]; then
             echo
             echo "## m2: two ${PAR_GIB} GiB workers, one per GPU"
@@ -218,18 +209,11 @@ PY
 
 # shellcheck disable=SC2317 # the EXIT trap
 on_exit() {
-    local rc=$? p gone m
+    local rc=$? p m
     trap - ERR
-    if [ "$FINISHED" != 1 ]; then
-        row z0 "run completes" "all sections ran" "interrupted (exit $rc) at +${SECONDS}s" FAIL
-    fi
+    row_interrupted "$rc"
     cleanup_all
-    gone=yes
-    for p in ${WORKERS[@]+"${WORKERS[@]}"} ${FILLERS[@]+"${FILLERS[@]}"} ${HELPERS[@]+"${HELPERS[@]}"}; do
-        if alive "$p"; then gone="no: $p alive"; fi
-    done
-    row z1 "cleanup: every process of this run ended safely" "all gone" "$gone${LEFT_ALIVE:+; not stopped:$LEFT_ALIVE}" \
-        "$([ "$gone" = yes ] && [ -z "$LEFT_ALIVE" ] && echo PASS || echo FAIL)"
+    row_all_gone ${WORKERS[@]+"${WORKERS[@]}"} ${FILLERS[@]+"${FILLERS[@]}"} ${HELPERS[@]+"${HELPERS[@]}"}
     m=""
     for p in ${WORKERS[@]+"${WORKERS[@]}"}; do
         if [ -n "$(smi_pid_mib "$p")" ]; then m="$m $p"; fi

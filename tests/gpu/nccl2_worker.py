@@ -30,24 +30,11 @@ import sys
 import time
 
 
-def write_status(path, line):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(line)
-    os.replace(tmp, path)
-
-
-def idle():
-    while True:
-        time.sleep(1.0)
-
-
-def nccl_maps():
-    try:
-        with open("/proc/self/maps") as f:
-            return sorted({ln.split()[-1] for ln in f if "libnccl" in ln})
-    except OSError:
-        return []
+bytecode = sys.dont_write_bytecode
+sys.dont_write_bytecode = True  # no __pycache__ in the checkout
+from worker import idle, write_status  # noqa: E402 (worker.py's helpers, from this directory)
+from nccl_worker import nccl_maps  # noqa: E402
+sys.dont_write_bytecode = bytecode
 
 
 def main():

@@ -20,16 +20,10 @@ import sys
 import time
 
 
-def write_status(path, line):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(line)
-    os.replace(tmp, path)
-
-
-def idle():
-    while True:
-        time.sleep(1.0)
+bytecode = sys.dont_write_bytecode
+sys.dont_write_bytecode = True  # no __pycache__ in the checkout
+from worker import idle, write_status  # noqa: E402 (worker.py's helpers, from this directory)
+sys.dont_write_bytecode = bytecode
 
 
 def main():

@@ -102,53 +102,14 @@ impl AgentWorld {
         self.w.children[n].wait();
     }
 
-    fn api(&self, method: &str, path: &str) -> (u16, String) {
-        api_call(&self.socket, method, path)
-    }
-
     fn services(&self) -> Vec<Value> {
         let (code, body) = self.api("GET", "/v1/services");
         assert_eq!(code, 200, "{body}");
         serde_json::from_str::<Value>(&body).unwrap().as_array().unwrap().clone()
     }
 
-    fn service(&self, name: &str) -> Value {
-        let (code, body) = self.api("GET", &format!("/v1/services/{name}"));
-        assert_eq!(code, 200, "{body}");
-        serde_json::from_str(&body).unwrap()
-    }
-
     fn state(&self, name: &str) -> String {
         self.service(name)["state"].as_str().unwrap().to_string()
-    }
-
-    /// Waits for a state; registers the service's processes for cleanup.
-    fn wait_state(&mut self, name: &str, state: &str) -> Value {
-        let mut last;
-        let end = Instant::now() + LONG;
-        loop {
-            last = self.service(name);
-            if last["state"] == state {
-                break;
-            }
-            assert!(
-                Instant::now() < end,
-                "{name} not {state} within {LONG:?}: {last}\nagent log: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        for k in ["runner", "pid"] {
-            if let Some(p) = last[k].as_i64() {
-                self.w.adopt(p as i32);
-            }
-        }
-        last
-    }
-
-    fn log(&self) -> String {
-        let n = self.agent.unwrap_or(0);
-        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default()
     }
 
     fn port(&self, i: usize) -> u16 {
@@ -170,6 +131,21 @@ impl AgentWorld {
     }
 }
 
+impl AgentClient for AgentWorld {
+    fn api(&self, method: &str, path: &str) -> (u16, String) {
+        api_call(&self.socket, method, path)
+    }
+
+    fn log(&self) -> String {
+        let n = self.agent.unwrap_or(0);
+        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default()
+    }
+
+    fn world(&mut self) -> &mut World {
+        &mut self.w
+    }
+}
+
 impl Drop for AgentWorld {
     /// The services run in sessions of their own and outlive the agent (on
     /// purpose): end what the agent last recorded, even after a failure.
@@ -177,69 +153,25 @@ impl Drop for AgentWorld {
         if let Some(n) = self.agent.take() {
             self.w.children[n].kill();
         }
-        let path = self.w.state_dir().join("agent").join("services.json");
-        let v: Value =
-            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-        for rec in v.as_object().into_iter().flat_map(|o| o.values()) {
-            for k in ["runner", "pid"] {
-                if let Some(p) = rec[k].as_i64() {
-                    self.w.adopt(p as i32);
-                }
-            }
-        }
+        adopt_recorded_services(&mut self.w);
     }
 }
 
 fn api_call(socket: &Path, method: &str, path: &str) -> (u16, String) {
-    let mut s = UnixStream::connect(socket).unwrap();
-    s.set_read_timeout(Some(LONG)).unwrap();
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
-        .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    split_response(&text)
-}
-
-fn split_response(text: &str) -> (u16, String) {
-    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text, ""));
-    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
-        return (code, dechunk(body));
-    }
-    (code, body.to_string())
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
-    }
-    out
+    let (text, read) = http::unix_request(socket, method, path, LONG);
+    read.unwrap();
+    http::split_dechunked(&text)
 }
 
 /// One HTTP request through the agent's proxy: its status and body.
 fn get_any(port: u16, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(LONG)).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut text = String::new();
-    let _ = s.read_to_string(&mut text);
-    split_response(&text)
+    http::split_dechunked(&http::tcp_get(port, path, LONG).unwrap())
 }
 
 /// One HTTP request through the agent's proxy; the body of its answer.
 fn get(port: u16, path: &str) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(LONG)).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut text = String::new();
-    let _ = s.read_to_string(&mut text);
-    let (code, body) = split_response(&text);
+    let text = http::tcp_get(port, path, LONG).unwrap();
+    let (code, body) = http::split_dechunked(&text);
     assert_eq!(code, 200, "GET {path} on {port}: {text:?}");
     body
 }

@@ -12,7 +12,6 @@
 mod common;
 
 use common::*;
-use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
@@ -92,56 +91,6 @@ impl Agent {
         self.w.child_pid(self.agent.unwrap())
     }
 
-    fn log(&self) -> String {
-        let n = self.agent.unwrap_or(0);
-        let a =
-            std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default();
-        let b =
-            std::fs::read_to_string(self.w.tmp.path().join(format!("spawned-{n}.log"))).unwrap_or_default();
-        a + &b
-    }
-
-    fn api(&self, method: &str, path: &str) -> (u16, String) {
-        let mut s = UnixStream::connect(&self.socket).unwrap();
-        s.set_read_timeout(Some(LONG)).unwrap();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-        )
-        .unwrap();
-        let mut text = String::new();
-        s.read_to_string(&mut text).unwrap();
-        split(&text)
-    }
-
-    fn service(&self, name: &str) -> Value {
-        let (code, body) = self.api("GET", &format!("/v1/services/{name}"));
-        assert_eq!(code, 200, "{body}");
-        serde_json::from_str(&body).unwrap()
-    }
-
-    /// Waits for a state; registers the service's processes for cleanup.
-    fn wait_state(&mut self, name: &str, state: &str) -> Value {
-        let end = Instant::now() + LONG;
-        loop {
-            let last = self.service(name);
-            if last["state"] == state {
-                for k in ["runner", "pid"] {
-                    if let Some(p) = last[k].as_i64() {
-                        self.w.adopt(p as i32);
-                    }
-                }
-                return last;
-            }
-            assert!(
-                Instant::now() < end,
-                "{name} not {state} within {LONG:?}: {last}\nagent log: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
     fn port(&self, i: usize) -> u16 {
         self.ports[i].0
     }
@@ -157,40 +106,39 @@ impl Agent {
     }
 }
 
+impl AgentClient for Agent {
+    fn api(&self, method: &str, path: &str) -> (u16, String) {
+        let (text, read) = http::unix_request(&self.socket, method, path, LONG);
+        read.unwrap();
+        http::split(&text)
+    }
+
+    fn log(&self) -> String {
+        let n = self.agent.unwrap_or(0);
+        let a =
+            std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default();
+        let b =
+            std::fs::read_to_string(self.w.tmp.path().join(format!("spawned-{n}.log"))).unwrap_or_default();
+        a + &b
+    }
+
+    fn world(&mut self) -> &mut World {
+        &mut self.w
+    }
+}
+
 impl Drop for Agent {
     fn drop(&mut self) {
         if let Some(n) = self.agent.take() {
             self.w.children[n].kill();
         }
-        let path = self.w.state_dir().join("agent").join("services.json");
-        let v: Value =
-            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-        for rec in v.as_object().into_iter().flat_map(|o| o.values()) {
-            for k in ["runner", "pid"] {
-                if let Some(p) = rec[k].as_i64() {
-                    self.w.adopt(p as i32);
-                }
-            }
-        }
+        adopt_recorded_services(&mut self.w);
     }
-}
-
-fn split(text: &str) -> (u16, String) {
-    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let (_, body) = text.split_once("\r\n\r\n").unwrap_or((text, ""));
-    (code, body.to_string())
 }
 
 /// One request through a port: its status (0: closed without an answer).
 fn get(port: u16, path: &str) -> (u16, String) {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return (0, String::new()) };
-    s.set_read_timeout(Some(LONG)).unwrap();
-    if write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").is_err() {
-        return (0, String::new());
-    }
-    let mut text = String::new();
-    let _ = s.read_to_string(&mut text);
-    split(&text)
+    http::tcp_get(port, path, LONG).map_or((0, String::new()), |text| http::split(&text))
 }
 
 /// Polls `get` until it answers 200 (bounded).
@@ -484,7 +432,7 @@ fn an_agent_killed_after_a_before_suspend_hook_wakes_the_server_when_it_adopts_i
         let _ = s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
         let mut t = String::new();
         let _ = s.read_to_string(&mut t);
-        split(&t).0 == 503
+        http::split(&t).0 == 503
     });
     a.start(None);
     let v = a.wait_state("a", "running");

@@ -113,12 +113,11 @@ fn a_criu_failure_mid_dump_with_the_follower_running_leaves_nothing() {
     // A criu that writes more than a segment of pages, waits until the
     // follower has staged chunks of it, and fails.
     let fake = w.tmp.path().join("criu-fails");
-    std::fs::write(
+    fake_criu(
         &fake,
-        format!(
-            "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version: 4.2.1'; exit 0; fi\n\
-             for a; do case $prev in --images-dir) d=$a;; esac; prev=$a; done\n\
-             head -c 300M /dev/urandom > \"$d/pages-1.img\"\n\
+        "--images-dir",
+        &format!(
+            "head -c 300M /dev/urandom > \"$d/pages-1.img\"\n\
              i=0; while [ $i -lt 1200 ]; do\n\
                if find '{store}' -name '*.tmp-*' | grep -q .; then echo yes > '{seen}'; break; fi\n\
                sleep 0.1; i=$((i+1)); done\n\
@@ -127,9 +126,7 @@ fn a_criu_failure_mid_dump_with_the_follower_running_leaves_nothing() {
             store = state.join("store").display(),
             seen = seen.display()
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    );
     let r = w.json(&["--criu", fake.to_str().unwrap(), "hibernate", &p, "--image", "x"]);
     assert_eq!(r.code, 1, "{}", r.stderr);
     assert!(r.stderr.contains("disk on fire"), "{}", r.stderr);
@@ -277,17 +274,14 @@ fn a_criu_failure_on_tmpfs_leaves_no_directory() {
     let state = w.state_dir();
     let seen = w.tmp.path().join("seen");
     let fake = w.tmp.path().join("criu-fails");
-    std::fs::write(
+    fake_criu(
         &fake,
-        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version: 4.2.1'; exit 0; fi\n\
-         for a; do case $prev in --images-dir) d=$a;; esac; prev=$a; done\n\
-         echo \"$d\" > {seen}\n\
-         head -c 3M /dev/urandom > \"$d/pages-1.img\"\n\
-         echo '(00.1) Error (criu/cr-dump.c:1): tmpfs on fire' > \"$d/dump.log\"\nexit 1\n"
+        "--images-dir",
+        &"echo \"$d\" > {seen}\n\
+          head -c 3M /dev/urandom > \"$d/pages-1.img\"\n\
+          echo '(00.1) Error (criu/cr-dump.c:1): tmpfs on fire' > \"$d/dump.log\"\nexit 1\n"
             .replace("{seen}", &seen.display().to_string()),
-    )
-    .unwrap();
-    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    );
     let r = w.json(&["--criu", fake.to_str().unwrap(), "hibernate", &p, "--image", "x"]);
     assert_eq!(r.code, 1, "{}", r.stderr);
     assert!(r.stderr.contains("tmpfs on fire"), "{}", r.stderr);

@@ -114,46 +114,6 @@ impl Door {
         d
     }
 
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{}.err", self.agent.unwrap_or(0))))
-            .unwrap_or_default()
-    }
-
-    fn api(&self, method: &str, path: &str) -> (u16, String) {
-        let mut s = UnixStream::connect(&self.socket).unwrap();
-        s.set_read_timeout(Some(LONG)).unwrap();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-        )
-        .unwrap();
-        let mut text = String::new();
-        s.read_to_string(&mut text).unwrap();
-        let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-        (code, text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string())
-    }
-
-    fn service(&self, name: &str) -> Value {
-        let (code, body) = self.api("GET", &format!("/v1/services/{name}"));
-        assert_eq!(code, 200, "{body}");
-        serde_json::from_str(&body).unwrap()
-    }
-
-    fn wait_state(&mut self, name: &str, state: &str) -> Value {
-        let mut last = Value::Null;
-        let ok = wait_until(LONG, || {
-            last = self.service(name);
-            last["state"] == state
-        });
-        assert!(ok, "{name} not {state} within {LONG:?}: {last}\nagent log: {}", self.log());
-        for k in ["runner", "pid"] {
-            if let Some(p) = last[k].as_i64() {
-                self.w.adopt(p as i32);
-            }
-        }
-        last
-    }
-
     fn secret(&self, name: &str) -> &str {
         &self.svcs[name].2
     }
@@ -195,21 +155,29 @@ impl Door {
     }
 }
 
+impl AgentClient for Door {
+    fn api(&self, method: &str, path: &str) -> (u16, String) {
+        let (text, read) = http::unix_request(&self.socket, method, path, LONG);
+        read.unwrap();
+        http::split(&text)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{}.err", self.agent.unwrap_or(0))))
+            .unwrap_or_default()
+    }
+
+    fn world(&mut self) -> &mut World {
+        &mut self.w
+    }
+}
+
 impl Drop for Door {
     fn drop(&mut self) {
         if let Some(n) = self.agent.take() {
             self.w.children[n].kill();
         }
-        let path = self.w.state_dir().join("agent").join("services.json");
-        let v: Value =
-            std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-        for rec in v.as_object().into_iter().flat_map(|o| o.values()) {
-            for k in ["runner", "pid"] {
-                if let Some(p) = rec[k].as_i64() {
-                    self.w.adopt(p as i32);
-                }
-            }
-        }
+        adopt_recorded_services(&mut self.w);
     }
 }
 
@@ -456,62 +424,13 @@ fn front_door_fails_fast_with_an_answer_and_drops_clients_that_hang_up() {
     assert_eq!((code, json(&body)["served"].as_u64()), (200, Some(0)), "{body}");
 }
 
-/// A moto S3 server on a free loopback port, ended on drop.
-struct Moto {
-    child: std::process::Child,
-    port: u16,
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// moto_server with a bucket `models`; without it the test is skipped here
 /// and fails on CI (.ci/run installs it).
-fn moto() -> Option<Moto> {
-    let found =
-        Command::new("moto_server").arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    if !found.is_ok_and(|s| s.success()) {
-        assert_ne!(
-            std::env::var("CI").as_deref(),
-            Ok("true"),
-            "moto_server is missing (pip install 'moto[server]')"
-        );
-        eprintln!("skipped: moto_server is not installed (pip install 'moto[server]')");
-        return None;
-    }
-    let port = free_port();
-    let child = Command::new("moto_server")
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut m = Moto { child, port };
-    let up = wait_until(Duration::from_secs(120), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() || !matches!(m.child.try_wait(), Ok(None))
-    });
-    assert!(up && matches!(m.child.try_wait(), Ok(None)), "moto_server on port {port} did not start");
-    let (code, _, _) = curl_at(port, &["-X", "PUT", "/models"]);
+fn moto_models() -> Option<Moto> {
+    let m = moto(&[])?;
+    let (code, _, _) = curl_at(m.port, &["-X", "PUT", "/models"]);
     assert_eq!(code, 200, "bucket created");
     Some(m)
-}
-
-fn s3_env(port: u16) -> Vec<(String, String)> {
-    [
-        ("AWS_ACCESS_KEY_ID", "testing".to_string()),
-        ("AWS_SECRET_ACCESS_KEY", "testing".to_string()),
-        ("AWS_REGION", "us-east-1".to_string()),
-        ("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}")),
-        ("AWS_ALLOW_HTTP", "true".to_string()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect()
 }
 
 /// fake-workload's answer: (pid, requests served, memory intact).
@@ -525,7 +444,7 @@ fn served_by(r: &(u16, String, String)) -> (i64, u64, bool) {
 #[test]
 fn front_door_swaps_models_and_a_lost_image_comes_back_from_the_remote_or_cold() {
     criu_present();
-    let Some(m) = moto() else { return };
+    let Some(m) = moto_models() else { return };
     macro_rules! gpu {
         ($more:literal) => {
             concat!("suspend_after = \"1h\"\ngpu_memory = \"600MiB\"\nwake_timeout = \"60s\"\n", $more)
@@ -637,7 +556,7 @@ fn front_door_bounds_connections_header_time_and_size() {
 #[test]
 fn front_door_wakes_another_nodes_image_from_the_remote_only_if_its_key_is_trusted() {
     criu_present();
-    let Some(m) = moto() else { return };
+    let Some(m) = moto_models() else { return };
     const ON_DEMAND: &str = "models = [\"a-model\"]\nsuspend_after = \"1h\"\ngpu_memory = \"600MiB\"\n\
                              wake_timeout = \"60s\"\nremote = \"s3://models/shared\"\nstart = \"on-demand\"";
     let a_svc = |extra| [S { name: "a", kind: Kind::Gpu { mib: 600 }, extra }];

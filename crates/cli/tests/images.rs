@@ -138,15 +138,11 @@ fn a_failed_dump_brings_the_tree_back_and_leaves_no_image() {
     let p = pid.to_string();
     // A criu that is new enough but fails every dump mid-way.
     let fake = w.tmp.path().join("criu-fails");
-    std::fs::write(
+    fake_criu(
         &fake,
-        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version: 4.2.1'; exit 0; fi\n\
-         for a; do case $prev in --images-dir) d=$a;; esac; prev=$a; done\n\
-         echo partial > \"$d/pages-1.img\"\necho '(00.1) Error (criu/cr-dump.c:1): disk on fire' > \"$d/dump.log\"\nexit 1\n",
-    )
-    .unwrap();
-    std::os::unix::fs::PermissionsExt::set_mode(&mut std::fs::metadata(&fake).unwrap().permissions(), 0o755);
-    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        "--images-dir",
+        "echo partial > \"$d/pages-1.img\"\necho '(00.1) Error (criu/cr-dump.c:1): disk on fire' > \"$d/dump.log\"\nexit 1\n",
+    );
     let r = w.json(&["--criu", fake.to_str().unwrap(), "hibernate", &p, "--image", "x"]);
     assert_eq!(r.code, 1, "{}", r.stderr);
     assert!(r.stderr.contains("disk on fire"), "{}", r.stderr);

@@ -7,56 +7,8 @@ mod common;
 use common::*;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
-
-/// A moto S3 server on a free loopback port, ended on drop.
-struct Moto {
-    child: Child,
-    port: u16,
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts moto_server; without it the test is skipped here and fails on CI
-/// (.ci/run installs it).
-fn moto(extra_env: &[(&str, &str)]) -> Option<Moto> {
-    let found =
-        Command::new("moto_server").arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    if !found.is_ok_and(|s| s.success()) {
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!(
-                "moto_server is missing (pip install 'moto[server]'); the remote tests need a real S3 server"
-            );
-        }
-        eprintln!("skipped: moto_server is not installed (pip install 'moto[server]')");
-        return None;
-    }
-    let port = free_port();
-    let mut cmd = Command::new("moto_server");
-    cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    for (k, v) in extra_env {
-        cmd.env(k, v);
-    }
-    let mut m = Moto { child: cmd.spawn().expect("start moto_server"), port };
-    // Up when the port answers while this server still runs: one that
-    // could not bind it (taken meanwhile) exits, and what answers is not it.
-    wait_for(Duration::from_secs(120), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() || !matches!(m.child.try_wait(), Ok(None))
-    });
-    if let Ok(Some(st)) = m.child.try_wait() {
-        panic!("moto_server on port {port} exited at its start ({st}): was the port taken?");
-    }
-    Some(m)
-}
 
 /// One plain HTTP request to moto (its S3 API takes unsigned requests unless
 /// auth is turned on); returns the status line.
@@ -68,16 +20,9 @@ fn http(port: u16, method: &str, path: &str) -> String {
     out.lines().next().unwrap_or("").to_string()
 }
 
-fn s3_env(w: &mut World, port: u16) {
-    for (k, v) in [
-        ("AWS_ACCESS_KEY_ID", "testing"),
-        ("AWS_SECRET_ACCESS_KEY", "testing"),
-        ("AWS_REGION", "us-east-1"),
-        ("AWS_ENDPOINT_URL", &format!("http://127.0.0.1:{port}")),
-        ("AWS_ALLOW_HTTP", "true"),
-    ] {
-        w.env_extra.push((k.into(), v.to_string()));
-    }
+/// Points gpusnap in `w` at moto on `port`.
+fn s3_world(w: &mut World, port: u16) {
+    w.env_extra.extend(s3_env(port));
 }
 
 /// A python process holding `shared_mib` of bytes that are the same in every
@@ -155,7 +100,7 @@ fn a_plain_process_is_pushed_pulled_and_woken_through_s3() {
     let Some(m) = moto(&[]) else { return };
     assert!(http(m.port, "PUT", "/snaps").contains("200"), "bucket created");
     let mut w = World::new(&[8192]);
-    s3_env(&mut w, m.port);
+    s3_world(&mut w, m.port);
     let (pid, out) = w.cpu_tree();
     let p = pid.to_string();
     let r = w.json(&["hibernate", &p, "--image", "cpu"]);
@@ -176,7 +121,7 @@ fn a_plain_process_is_pushed_pulled_and_woken_through_s3() {
 
     // Another host (its own key) refuses the image until told to trust it.
     let mut other = World::new(&[8192]);
-    s3_env(&mut other, m.port);
+    s3_world(&mut other, m.port);
     let r = other.json(&["images", "pull", "s3://snaps/fleet/cpu"]);
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("--trust"), "{}", r.stderr);
@@ -212,7 +157,7 @@ fn a_cuda_process_is_woken_from_s3() {
     let Some(m) = moto(&[]) else { return };
     assert!(http(m.port, "PUT", "/gpu").contains("200"));
     let mut w = World::new(&[16_384]);
-    s3_env(&mut w, m.port);
+    s3_world(&mut w, m.port);
     let pid = w.workload(2048, 0, &[]);
     let p = pid.to_string();
     let r = w.json(&["hibernate", &p, "--image", "gpu"]);
@@ -437,7 +382,7 @@ fn an_unreachable_endpoint_and_wrong_credentials_are_clear_errors_and_nothing_is
     // beside this one takes it. (The error's text holds the chunks' hex
     // names: "403" in one of them once made a refused connection "denied";
     // refusals are now matched as whole words.)
-    s3_env(&mut w, 1);
+    s3_world(&mut w, 1);
     let r = w.json(&["images", "push", "cpu", "s3://snaps/x"]);
     assert_eq!(r.code, 6, "{}", r.stderr);
     assert!(r.stderr.contains("remote s3://snaps/x"), "{}", r.stderr);
@@ -451,7 +396,7 @@ fn an_unreachable_endpoint_and_wrong_credentials_are_clear_errors_and_nothing_is
     // moto with IAM auth on: the keys it issued work, others are refused.
     let Some(m) = moto(&[("INITIAL_NO_AUTH_ACTION_COUNT", "0")]) else { return };
     w.env_extra.clear();
-    s3_env(&mut w, m.port);
+    s3_world(&mut w, m.port);
     let r = w.json(&["images", "push", "cpu", "s3://snaps/x"]);
     assert_eq!(r.code, 6, "{}", r.stderr);
     assert!(r.stderr.contains("access denied"), "{}", r.stderr);
@@ -492,7 +437,7 @@ fn a_manifest_copied_over_another_or_rolled_back_is_refused() {
     let Some(m) = moto(&[]) else { return };
     assert!(http(m.port, "PUT", "/snaps").contains("200"), "bucket created");
     let mut w = World::new(&[8192]);
-    s3_env(&mut w, m.port);
+    s3_world(&mut w, m.port);
     for name in ["prod", "dev"] {
         let (pid, _) = w.cpu_tree();
         let r = w.json(&["hibernate", &pid.to_string(), "--image", name]);
@@ -508,7 +453,7 @@ fn a_manifest_copied_over_another_or_rolled_back_is_refused() {
 
     let key = w.json(&["images", "key"]).json()["key"].as_str().unwrap().to_string();
     let mut other = World::new(&[8192]);
-    s3_env(&mut other, m.port);
+    s3_world(&mut other, m.port);
     let pull = |o: &World, extra: &[&str]| {
         let mut args = vec!["--trust", &key, "images", "pull", "s3://snaps/fleet/prod"];
         args.extend_from_slice(extra);
@@ -532,7 +477,7 @@ fn a_manifest_copied_over_another_or_rolled_back_is_refused() {
     // refused here and on a host that saw no version of it.
     copy_manifest(m.port, dev, prod);
     let mut fresh = World::new(&[8192]);
-    s3_env(&mut fresh, m.port);
+    s3_world(&mut fresh, m.port);
     for o in [&other, &fresh] {
         let r = pull(o, &["--as", "copied"]);
         assert_eq!(r.code, 2, "{}", r.stderr);
@@ -551,7 +496,7 @@ fn a_manifest_copied_over_another_or_rolled_back_is_refused() {
 fn a_missing_bucket_says_so_with_the_fix_in_one_line() {
     let Some(m) = moto(&[]) else { return };
     let mut w = World::new(&[1000]);
-    s3_env(&mut w, m.port);
+    s3_world(&mut w, m.port);
     let r = w.json(&["images", "pull", "s3://nobucket/fleet/cpu"]);
     assert_eq!(r.code, 6, "{}", r.stderr);
     let line = r.stderr.trim();

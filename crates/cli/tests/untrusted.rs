@@ -533,14 +533,11 @@ fn a_failed_dump_names_criu_s_first_error_and_keeps_its_log() {
     let mut w = World::new(&[8192]);
     let pid = w.workload(512, 0, &[]);
     let fake = w.tmp.path().join("criu-broken");
-    std::fs::write(
+    fake_criu(
         &fake,
-        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version: 4.2.1'; exit 0; fi\n\
-         for a; do case $prev in --images-dir) d=$a;; esac; prev=$a; done\n\
-         printf '(00.1) Error (criu/plugin.c:1): Unable to open directory /usr/lib/criu: No such file\\n(00.2) Error (criu/cr-dump.c:2): Unable to detach from 1098: No such process\\n' > \"$d/dump.log\"\nexit 1\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        "--images-dir",
+        "printf '(00.1) Error (criu/plugin.c:1): Unable to open directory /usr/lib/criu: No such file\\n(00.2) Error (criu/cr-dump.c:2): Unable to detach from 1098: No such process\\n' > \"$d/dump.log\"\nexit 1\n",
+    );
     let r = w.json(&["--criu", fake.to_str().unwrap(), "hibernate", &pid.to_string(), "--image", "x"]);
     assert_eq!(r.code, 1, "{}", r.stderr);
     assert!(r.stderr.contains("Unable to open directory /usr/lib/criu"), "{}", r.stderr);
@@ -631,14 +628,11 @@ fn a_failed_restore_names_criu_s_first_error_and_a_log_that_exists() {
     assert_eq!(w.json(&["hibernate", &pid.to_string(), "--image", "fr"]).code, 0);
     w.reap(pid);
     let fake = w.tmp.path().join("criu-restore-fails");
-    std::fs::write(
+    fake_criu(
         &fake,
-        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version: 4.2.1'; exit 0; fi\n\
-         for a; do case $prev in --work-dir) d=$a;; esac; prev=$a; done\n\
-         printf '(00.1) Error (criu/files.c:1): cause of it all\\n(00.2) Error (criu/cr-restore.c:2): what followed\\n' > \"$d/restore.log\"\nexit 1\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        "--work-dir",
+        "printf '(00.1) Error (criu/files.c:1): cause of it all\\n(00.2) Error (criu/cr-restore.c:2): what followed\\n' > \"$d/restore.log\"\nexit 1\n",
+    );
     let r = w.json(&["--criu", fake.to_str().unwrap(), "wake", "fr"]);
     assert_eq!(r.code, 1, "{}", r.stderr);
     // The lazy restore fails first (a notice: waking eagerly), then the

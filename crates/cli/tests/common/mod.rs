@@ -3,6 +3,20 @@
 
 #![allow(dead_code)]
 
+mod agent;
+mod fake_criu;
+pub mod http;
+mod moto;
+mod rootfs;
+
+#[allow(unused_imports)] // each test binary uses what it needs
+pub use agent::*;
+#[allow(unused_imports)]
+pub use fake_criu::*;
+#[allow(unused_imports)]
+pub use moto::*;
+#[allow(unused_imports)]
+pub use rootfs::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};

@@ -6,8 +6,6 @@
 //! pid). Every task and the daemon are ended on drop.
 
 use crate::common::*;
-use crate::common::bounded;
-use crate::podman::build_rootfs;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;

@@ -187,34 +187,10 @@ state = "{d}/state"
     /// come in by read-only bind mounts of the build directory.
     fn import_images(&self) {
         let root = self.dir.join("rootfs");
-        for d in ["proc", "sys", "dev", "tmp", "etc", "bin", "run"] {
-            std::fs::create_dir_all(root.join(d)).unwrap();
-        }
-        std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/:/bin/sh\n").unwrap();
+        std::fs::create_dir_all(root.join("run")).unwrap();
         let target = fake_workload_bin().parent().unwrap().to_path_buf();
-        let mut libs: Vec<PathBuf> = Vec::new();
-        for b in [target.join("fake-workload"), PathBuf::from(env!("CARGO_BIN_EXE_gpusnap"))] {
-            let o = Command::new("ldd").arg(&b).output().expect("ldd");
-            for l in String::from_utf8_lossy(&o.stdout).lines() {
-                let p = l.split("=>").last().unwrap_or("").split_whitespace().next().unwrap_or("");
-                if p.starts_with('/') && !libs.iter().any(|x| x == Path::new(p)) {
-                    libs.push(PathBuf::from(p));
-                }
-            }
-        }
-        for l in &libs {
-            let dst = root.join(l.strip_prefix("/").unwrap());
-            std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
-            std::fs::copy(l, &dst).unwrap();
-        }
-        let bb = ["/bin/busybox", "/usr/bin/busybox"]
-            .into_iter()
-            .find(|p| Path::new(p).is_file())
-            .expect("busybox-static (apt-get install busybox-static)");
-        std::fs::copy(bb, root.join("bin/busybox")).unwrap();
-        for a in ["sh", "sleep", "cat", "kill", "ps"] {
-            std::os::unix::fs::symlink("busybox", root.join("bin").join(a)).unwrap();
-        }
+        let busybox = build_rootfs(&root, &target);
+        assert!(busybox, "busybox-static (apt-get install busybox-static)");
         let pause = root.join("pause");
         std::fs::write(&pause, "#!/bin/sh\ntrap 'exit 0' TERM INT\nwhile :; do sleep 3600 & wait $!; done\n")
             .unwrap();
@@ -477,22 +453,8 @@ impl Drop for Containerd {
                 }
             }
         }
-        // What containerd left mounted under its directory, deepest first.
-        let dir = self.dir.display().to_string();
-        let mut mounts: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.split_whitespace().nth(4).map(str::to_string))
-            .filter(|m| m.starts_with(&dir))
-            .collect();
-        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
-        for m in mounts {
-            let c = std::ffi::CString::new(m).unwrap();
-            // SAFETY: a NUL-terminated path; umount2 reads it and nothing else.
-            unsafe {
-                libc::umount2(c.as_ptr(), libc::MNT_DETACH);
-            }
-        }
+        // What containerd left mounted under its directory.
+        unmount_under(&self.dir);
         let _ = Command::new("ip").args(["link", "del", &self.bridge]).stderr(Stdio::null()).status();
         let _ = std::fs::remove_file(net_claim(self.net));
     }

@@ -11,7 +11,6 @@ mod image;
 use common::*;
 use containerd::*;
 use serde_json::Value;
-use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -53,18 +52,7 @@ impl Agent {
     }
 
     fn api(&self, method: &str, path: &str) -> (u16, String) {
-        let mut s = UnixStream::connect(&self.socket).unwrap();
-        s.set_read_timeout(Some(LONG)).unwrap();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-        )
-        .unwrap();
-        let mut text = String::new();
-        let _ = s.read_to_string(&mut text);
-        let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-        let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
-        (code, body)
+        http::split(&http::unix_request(&self.socket, method, path, LONG).0)
     }
 
     /// The service named `name`, if the agent serves it.
@@ -102,11 +90,6 @@ fn driver_state(w: &World, pid: i32) -> String {
     let r = w.json(&["state", &pid.to_string()]);
     assert_eq!(r.code, 0, "{}", r.stderr);
     r.json()["state"].as_str().unwrap().to_string()
-}
-
-fn records(w: &World) -> Value {
-    let path = w.state_dir().join("agent").join("services.json");
-    std::fs::read(path).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default()
 }
 
 #[test]
@@ -194,10 +177,10 @@ fn a_pod_deleted_while_suspended_has_its_record_closed_and_nothing_touched() {
     agent.start(&mut w);
     wait_for(LONG, || agent.state("test.gone") == "running");
     agent.act("test.gone", "suspend");
-    assert!(records(&w).get("test.gone").is_some());
+    assert!(agent_records(&w).get("test.gone").is_some());
     ctd.remove_pod(&pod.id);
     wait_for(LONG, || agent.service("test.gone").is_none());
-    wait_for(LONG, || records(&w).get("test.gone").is_none());
+    wait_for(LONG, || agent_records(&w).get("test.gone").is_none());
     // Journaled as it was when let go: suspended, or exited if the policy
     // saw the runtime end its process first.
     let events = agent.events();

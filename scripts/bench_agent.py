@@ -1,0 +1,60 @@
+"""Helpers of the agent bench scripts (bench-agent-flood.sh, bench-agent-swap.sh,
+bench-front-door.sh): their Python, run from the repository root, imports
+this file as `bench_agent` (scripts/ on sys.path)."""
+
+import json, os, signal, socket
+
+
+def free_port():
+    """A loopback port free now."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def api_raw(sock, path, timeout):
+    """GET `path` on the agent's unix socket `sock`: the answer's head and body (bytes)."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    s.connect(sock)
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n".encode())
+    data = b""
+    while True:
+        b = s.recv(65536)
+        if not b:
+            break
+        data += b
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head, body
+
+
+def dechunk(body):
+    """The data of a chunked body (bytes)."""
+    out, rest = b"", body
+    while rest:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size.strip() or b"0", 16)
+        if n == 0:
+            break
+        out, rest = out + rest[:n], rest[n + 2:]
+    return out
+
+
+def stop_agent(agent, state):
+    """Ends the agent (SIGTERM) and then the servers it last recorded in the
+    state directory `state`: they run in sessions of their own and outlive it."""
+    agent.send_signal(signal.SIGTERM)
+    agent.wait()
+    try:
+        recs = json.load(open(os.path.join(state, "agent", "services.json")))
+    except (OSError, ValueError):
+        recs = {}
+    for r in recs.values():
+        for k in ("runner", "pid"):
+            if r.get(k):
+                try:
+                    os.kill(r[k], signal.SIGKILL)
+                except OSError:
+                    pass
