@@ -24,10 +24,15 @@
 #           holds lock and checkpoint); runc restore -d under another id
 #           (exit 0, gpusnap state running, the status advances with ok=1,
 #           nvidia-smi lists the pid again)
+#   c.a     gpusnap knew the restored process (its record and footprint,
+#           kept by pid, moved to it): not so in a pid namespace of the
+#           container's own, where the restored process has another host pid
 #   f.*     (RUNC_FILL=1) the same container checkpointed, a filler holding
 #           the GPU, runc restore: the container is back with its CUDA state
 #           checkpointed (gpusnap refused the plugin's restore), resume
-#           refused (3) until the filler is gone, then resumed and computing
+#           refused (3) until the filler is gone, then resumed and computing;
+#           in the host's pid namespace unless c.a passed (a restore that
+#           does not fit, without admission, would leave the process stuck)
 #   fig.*   checkpoint and restore seconds against the bare `criu dump` /
 #           `criu restore -d` of container-e2e.sh (RUNC_BARE_MD, the
 #           Steps table of its container-e2e.md; device.sh's runc stage runs
@@ -70,6 +75,7 @@ ST=$WORK/st             # status files and logs, bound read-write into the conta
 mkdir -p "$R/state" "$R/bin" "$R/bundle/rootfs" "$ST/tmp" "$ST/home"
 CONTAINERS=()           # every id run or restored: `runc delete -f` at the end
 CKPT_S="" RESTORE_S=""  # the figures of the first cycle
+KNOWN=0                 # gpusnap found the record of the cycle's restored process
 
 step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(cell "${4:-}")" >>"$STEPS"; }
 
@@ -419,6 +425,14 @@ cycle() {
         "$([ -n "$mib" ] && [ "$mib" != 0 ] && echo PASS || echo FAIL)"
     o=$(ops "$RPID")
     row c.k "gpusnap's journal of the restored pid $RPID" "the plugin's restore (INFO)" "${o:-none}" INFO
+    # Admission needs the footprint recorded at the checkpoint, which gpusnap
+    # keeps by pid: in a pid namespace of the container's own the restored
+    # process has another host pid.
+    if [[ " $o " == *" lock "* ]]; then KNOWN=1; fi
+    row c.a "gpusnap knew the restored process (the checkpoint's record and footprint: admission)" \
+        "the journal of pid $RPID holds the checkpoint's lock" \
+        "host pid $CPID -> $RPID$([ "$CPID" != "$RPID" ] && echo " (a pid namespace of its own)"); journal: ${o:-none}" \
+        "$([ "$KNOWN" = 1 ] && echo PASS || echo FAIL)"
     row c.q "the plugin ran at restore" "cuda_plugin: resuming devices" "$(plugin_lines "$R/work-c-r/restore.log")" \
         "$(grep -q 'cuda_plugin: resuming devices' "$R/work-c-r/restore.log" && echo PASS || echo FAIL)"
     t0=$(now)
@@ -431,6 +445,19 @@ cycle() {
 fill_cycle() {
     local name=f id=gpusnap-runc-f i0 t0 mib o leave v
     need_s 120 f || return 0
+    # A restore without admission that does not fit would leave the process
+    # stuck: where gpusnap did not know the restored pid, the container
+    # shares the host's pids (the restore keeps them) for this flow.
+    if [ "$KNOWN" != 1 ] && [[ " $RUNC_NAMESPACES " == *" pid "* ]]; then
+        python3 - "$R/bundle/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["linux"]["namespaces"] = [n for n in c["linux"]["namespaces"] if n["type"] != "pid"]
+json.dump(c, open(sys.argv[1], "w"), indent=1)
+PY
+        row f.ns "fill: the container's namespaces" "as the cycle's (INFO)" \
+            "the host's pid namespace: gpusnap did not know the cycle's restored pid (c.a), a restore that does not fit would go without admission" INFO
+    fi
     if ! start "$id" "$name"; then
         row f.0 "fill: runc run -d" "ready, ok=1" "exit $RC_RC, pid ${CPID:-none}; $(rc_err)" FAIL
         return 0
