@@ -33,6 +33,13 @@
 #           fit beside a filler; then tests/gpu/podman-e2e.sh: podman
 #           from .dev/debs, checkpoint/restore of a CuPy container; ~4 min;
 #           CONT_*, PODMAN_* pass through)
+#   runc    tests/gpu/runc-e2e.sh (a CuPy container run by runc from .dev/runc,
+#           no image: runc checkpoint with CRIU's CUDA plugin and gpusnap as
+#           its cuda-checkpoint, runc restore under another id, then a
+#           restore that does not fit beside a filler; ~2 min), after
+#           container-e2e.sh's bare mode alone (CONT_MODES=bare, RUNC_BARE=0
+#           leaves it out), whose criu dump / restore seconds the runc
+#           figures are set against; RUNC_*, CONT_GIB, CONT_WORKER pass through
 #   timing  tests/gpu/init-timing.sh (cuInit and nvmlInit bare, alone and on
 #           two threads, and the wall of gpusnap ps / doctor / state / a plain
 #           wake, 3 samples each; < 20 s; REPS passes through)
@@ -63,7 +70,8 @@
 # Files in $OUT (those of the stages run): device.log (this script's log,
 # then the logs of bench, hbench, multi, guard, keeper and rescue), gpu-e2e.md,
 # e2e.log, bench.md, bench-hibernate.md, multi-e2e.md, guard-e2e.md,
-# guard-e2e-light.md, guard-bench.md, agent-bench.md, keeper-e2e.md, rescue-e2e.md, container-e2e.md, init-timing.md, results.json (host, CRIU, every stage's
+# guard-e2e-light.md, guard-bench.md, agent-bench.md, keeper-e2e.md, rescue-e2e.md, container-e2e.md,
+# runc-e2e.md, runc-bare.md, init-timing.md, results.json (host, CRIU, every stage's
 # exit status and time, and the JSON of each stage), and bench/results/ with
 # one numbered, dated file per stage run (bench/results/README.md): copy
 # those into the repository's bench/results. Exit 0 when every stage ran and
@@ -95,14 +103,14 @@ say() {
 }
 
 usage() {
-    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|fault|agent|keeper|rescue|contend|container|timing]..." >&2
+    echo "usage: OUT=DIR tests/gpu/device.sh [e2e|bench|hbench|multi|guard|fault|agent|keeper|rescue|contend|container|runc|timing]..." >&2
     exit 2
 }
 
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(e2e)
 for s in "${STAGES[@]}"; do
-    case $s in e2e | bench | hbench | multi | guard | fault | agent | keeper | rescue | contend | container | timing) ;; *) usage ;; esac
+    case $s in e2e | bench | hbench | multi | guard | fault | agent | keeper | rescue | contend | container | runc | timing) ;; *) usage ;; esac
 done
 if [ ! -f tests/gpu/e2e.sh ]; then
     echo "run tests/gpu/device.sh from the repository root" >&2
@@ -190,16 +198,16 @@ host_info() {
 
 # weight STAGE: the wall it wants; shares of the time left go by these.
 weight() {
-    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; fault) echo 240 ;; agent) echo 480 ;; keeper) echo 200 ;; rescue) echo 180 ;; contend) echo 360 ;; container) echo 240 ;; timing) echo 40 ;; esac
+    case $1 in e2e) echo 540 ;; bench) echo 240 ;; hbench | multi | guard) echo 300 ;; fault) echo 240 ;; agent) echo 480 ;; keeper) echo 200 ;; rescue) echo 180 ;; contend) echo 360 ;; container) echo 240 ;; runc) echo 300 ;; timing) echo 40 ;; esac
 }
 # slack STAGE: its watchdog fires this long after its soft budget, and its
 # cleanup runs after that.
 slack() {
-    case $1 in e2e | multi) echo 90 ;; rescue | container) echo 45 ;; contend) echo 60 ;; timing) echo 10 ;; *) echo 75 ;; esac
+    case $1 in e2e | multi) echo 90 ;; rescue | container | runc) echo 45 ;; contend) echo 60 ;; timing) echo 10 ;; *) echo 75 ;; esac
 }
 # floor STAGE: below this soft budget the stage cannot do anything useful.
 floor_s() {
-    case $1 in e2e | multi | guard) echo 150 ;; bench | fault) echo 100 ;; hbench | keeper) echo 120 ;; rescue) echo 90 ;; contend) echo 100 ;; container) echo 90 ;; agent) echo 240 ;; timing) echo 15 ;; esac
+    case $1 in e2e | multi | guard) echo 150 ;; bench | fault) echo 100 ;; hbench | keeper) echo 120 ;; rescue) echo 90 ;; contend) echo 100 ;; container) echo 90 ;; runc) echo 120 ;; agent) echo 240 ;; timing) echo 15 ;; esac
 }
 
 stage_row() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$STAGES_TSV"; }
@@ -282,6 +290,17 @@ run_stage() {
                 if [ "${PODMAN:-1}" = 1 ]; then env OUT="$1" PODMAN_BUDGET_S="$3" tests/gpu/podman-e2e.sh || rc=1; fi
                 exit $rc' _ "$dir" "$((soft * 2 / 3))" "$((soft / 3))")
             ;;
+        runc)
+            # The same worker bare through CRIU first (its figures are the
+            # ones runc's are set against), then the container through runc
+            # with what is left.
+            cmd=(bash -c 'rc=0 t=$SECONDS
+                if [ "${RUNC_BARE:-1}" = 1 ]; then
+                    env OUT="$1/bare" CONT_MODES=bare CONT_FILL=0 CONT_BUDGET_S=120 tests/gpu/container-e2e.sh || rc=1
+                fi
+                env OUT="$1" RUNC_BUDGET_S=$(($2 - (SECONDS - t))) RUNC_BARE_MD="$1/bare/container-e2e.md" tests/gpu/runc-e2e.sh || rc=1
+                exit $rc' _ "$dir" "$soft")
+            ;;
         timing) cmd=(env OUT="$dir" tests/gpu/init-timing.sh) ;;
         fault) cmd=(env OUT="$dir" FAULT_BUDGET_S="$soft" tests/gpu/fault-e2e.sh) ;;
         guard)
@@ -345,6 +364,14 @@ run_stage() {
             done
             append_log "container stderr" "$dir/stderr.txt"
             ;;
+        runc)
+            cp -f "$dir/runc-e2e.md" "$OUT/" 2>/dev/null || say "runc wrote no runc-e2e.md"
+            cp -f "$dir/bare/container-e2e.md" "$OUT/runc-bare.md" 2>/dev/null || say "runc's bare run wrote no container-e2e.md"
+            for f in bare/container-e2e.log runc-e2e.log; do
+                if [ -s "$dir/$f" ]; then append_log "$f" "$dir/$f"; fi
+            done
+            append_log "runc stderr" "$dir/stderr.txt"
+            ;;
         keeper | rescue | fault)
             cp -f "$dir/$name-e2e.md" "$OUT/" 2>/dev/null || say "$name wrote no $name-e2e.md"
             if [ -s "$dir/$name-e2e.log" ]; then append_log "$name-e2e.log" "$dir/$name-e2e.log"; else append_log "$name stderr" "$dir/stderr.txt"; fi
@@ -378,6 +405,7 @@ record_stage() {
         agent) md=(agent-bench.md) ;;
         contend) md=(contend.md) ;;
         container) md=(container-e2e.md podman-e2e.md) ;;
+        runc) md=(runc-e2e.md runc-bare.md) ;;
         timing) md=(init-timing.md) ;;
     esac
     tmp=$SCR/$name.result.md
@@ -452,6 +480,10 @@ summary() {
     if [ -s "$SCR/container/podman-e2e.md" ]; then
         echo
         grep -E '^(- |\| )' "$SCR/container/podman-e2e.md" | cut -c1-400
+    fi
+    if [ -s "$SCR/runc/runc-e2e.md" ]; then
+        echo
+        grep -E '^(- |\| )' "$SCR/runc/runc-e2e.md" | cut -c1-400
     fi
     if [ -s "$SCR/timing/init-timing.md" ]; then
         echo
