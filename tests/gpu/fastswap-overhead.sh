@@ -8,6 +8,7 @@
 #
 #   tests/gpu/fastswap-overhead.sh [SECONDS] [REPS]     (defaults 8, 3)
 #
+# OVERHEAD_CASES selects (default "train nocache infer").
 # Needs .dev/gpusnap and .dev/libgpusnap_preload.so (a release build).
 set -uo pipefail
 SECS=${1:-8}
@@ -30,9 +31,9 @@ one() { # KIND HOW [ENV...]
 }
 for ((r = 0; r < REPS; r++)); do
     for how in bare light fast; do
-        one train "$how"
-        one train "$how" PYTORCH_NO_CUDA_MEMORY_CACHING=1
-        one infer "$how"
+        case " ${OVERHEAD_CASES:-train nocache infer} " in *" train "*) one train "$how" ;; esac
+        case " ${OVERHEAD_CASES:-train nocache infer} " in *" nocache "*) one train "$how" PYTORCH_NO_CUDA_MEMORY_CACHING=1 ;; esac
+        case " ${OVERHEAD_CASES:-train nocache infer} " in *" infer "*) one infer "$how" ;; esac
     done
 done
 python3 - "$R" <<'PY'

@@ -77,7 +77,7 @@ mkdir -p "$FAULTDIR"
 : >"$VIOL"
 : >"$FAULTS_DONE"
 AGENT_PID="" LANE_PID="" CYCLES=0 SWAPS_BEFORE=0 COMMANDS=0 START=$SECONDS
-PROMPT="the+quick+brown+fox"
+PROMPT="the+quick+brown+fox+jumps+over+the+lazy+dog" # model_server.py's --ref-prompt: /reference answers it
 
 violation() { # KIND DETAIL
     printf '%s\t%s\n' "$1" "$2" >>"$VIOL"
