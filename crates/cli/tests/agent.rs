@@ -165,7 +165,12 @@ fn api_call(socket: &Path, method: &str, path: &str) -> (u16, String) {
 
 /// One HTTP request through the agent's proxy: its status and body.
 fn get_any(port: u16, path: &str) -> (u16, String) {
-    http::split_dechunked(&http::tcp_get(port, path, LONG).unwrap())
+    // A connection the agent closes unanswered may do so before the request
+    // is written (a broken pipe) or after: either way, no answer (code 0).
+    match http::tcp_get(port, path, LONG) {
+        Ok(text) => http::split_dechunked(&text),
+        Err(e) => (0, e.to_string()),
+    }
 }
 
 /// One HTTP request through the agent's proxy; the body of its answer.
