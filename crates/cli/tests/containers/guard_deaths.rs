@@ -117,7 +117,8 @@ fn ignoring_sigterm(light: bool) {
     let (status, state) = pid1(&pm, &w, "deaf", light, "trap '' TERM; exec {wl} --mib 256 --status {status}");
     wait_for(Duration::from_secs(60), || read_status(&status).is_some_and(|s| s.1 >= 1));
     let (pid, _, _) = read_status(&status).unwrap();
-    pm.ok(&["stop", "-t", "5", "deaf"]);
+    // Room for the suspend on a loaded machine before the runtime's SIGKILL.
+    pm.ok(&["stop", "-t", "20", "deaf"]);
     let code = exited(&pm, "deaf");
     let h = history(&w, &state, pid);
     assert_eq!(code, "137", "the runtime's SIGKILL; history:\n{h}");
