@@ -71,8 +71,8 @@ end_holder() {
 # agent_bench_setup TAG: for the agent benches against the fakes. Builds
 # gpusnap for PROFILE (debug unless set; no build with SKIP_BUILD=1), sets
 # GPUSNAP (unless set: target/$PROFILE/gpusnap) and work (a fresh directory
-# /tmp/gpusnap-TAG.*, removed on exit) with the fakes in $work/lib. The
-# scripts' Python imports scripts/bench_agent.py.
+# /tmp/gpusnap-TAG.*, removed on exit unless KEEP=1) with the fakes in
+# $work/lib. The scripts' Python imports scripts/bench_agent.py.
 agent_bench_setup() {
     PROFILE=${PROFILE:-debug}
     GPUSNAP=${GPUSNAP:-target/$PROFILE/gpusnap}
@@ -83,6 +83,6 @@ agent_bench_setup() {
         esac
     fi
     work=$(mktemp -d "/tmp/gpusnap-$1.XXXXXX")
-    trap 'rm -rf -- "$work"' EXIT
+    trap '[ "${KEEP:-0}" = 1 ] || rm -rf -- "$work"' EXIT
     PROFILE=$PROFILE scripts/fakes.sh "$work/lib" >/dev/null
 }

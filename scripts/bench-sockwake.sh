@@ -27,34 +27,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/bench-lib.sh
 record_self sockwake "$@"
 
-PROFILE=${PROFILE:-debug}
 RUNS=${RUNS:-50}
 POLL=${POLL:-1ms}
-GPUSNAP=${GPUSNAP:-target/$PROFILE/gpusnap}
-
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-    case $PROFILE in
-        release) cargo build --release --quiet -p gpusnap ;;
-        *) cargo build --quiet -p gpusnap ;;
-    esac
-fi
-work=$(mktemp -d /tmp/gpusnap-sockwake.XXXXXX)
-trap '[ "${KEEP:-0}" = 1 ] || rm -rf -- "$work"' EXIT
-PROFILE=$PROFILE scripts/fakes.sh "$work/lib" >/dev/null
+agent_bench_setup sockwake
 
 python3 - "$work" "$RUNS" "$GPUSNAP" "$PROFILE" "$POLL" <<'PY'
-import json, os, re, signal, socket, subprocess, sys, time
+import json, os, re, socket, subprocess, sys, time
+
+sys.path.insert(0, "scripts")
+from bench_agent import free_port, stop_agent
 
 work, runs, binary, profile, poll = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 fw = os.path.join(work, "lib", "fake-workload")
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 fake, state = os.path.join(work, "fake"), os.path.join(work, "state")
@@ -216,19 +200,7 @@ try:
         for name, port in order:
             res[name].append(one(name, port))
 finally:
-    agent.send_signal(signal.SIGTERM)
-    agent.wait()
-    try:
-        recs = json.load(open(os.path.join(state, "agent", "services.json")))
-    except (OSError, ValueError):
-        recs = {}
-    for r in recs.values():
-        for k in ("runner", "pid"):
-            if r.get(k):
-                try:
-                    os.kill(r[k], signal.SIGKILL)
-                except OSError:
-                    pass
+    stop_agent(agent, state)
 
 print(f"Socket wake: {runs} wakes per mode of a suspended fake server (64 MiB), one client, {profile} build, "
       f"{os.cpu_count()} CPUs, socket_poll {poll}; target: connect() to resume start p50 <= 5 ms "
