@@ -2,25 +2,14 @@
 //! (SIGTERM, as a test runner's timeout does), its worker dying (SIGKILL, as
 //! a panic or the OOM killer ends it), or past its own hard deadline.
 
+mod common;
+
+use common::build;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
-
-fn build() -> PathBuf {
-    let gpusnap = PathBuf::from(env!("CARGO_BIN_EXE_gpusnap-soak")).with_file_name("gpusnap");
-    if std::env::var_os("GPUSNAP_TEST_PREBUILT").is_some() {
-        return gpusnap;
-    }
-    let st = Command::new(env!("CARGO"))
-        .args(["build", "-q", "-p", "gpusnap", "-p", "gpusnap-fake-cuda", "-p", "gpusnap-fake-nvml"])
-        .args(["-p", "gpusnap-fake-workload", "-p", "gpusnap-preload"])
-        .status()
-        .expect("cargo build");
-    assert!(st.success(), "building gpusnap and the fakes failed");
-    gpusnap
-}
 
 /// Starts a soak that would run for minutes; its stderr, line by line.
 fn start(bin: &Path, extra: &[&str]) -> (Child, Receiver<String>) {

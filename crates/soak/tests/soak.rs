@@ -5,25 +5,10 @@
 //! `agent-kill-wake`). The same run by hand:
 //! `target/debug/gpusnap-soak --seed 178 --cycles 8 --max-secs 90 --services 4 --clients 2 --faults FAULTS`.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-/// Builds what the soak runs: gpusnap, the fakes and the guard's preload
-/// (next to gpusnap, where `run --light` finds it).
-fn build() -> PathBuf {
-    let gpusnap = PathBuf::from(env!("CARGO_BIN_EXE_gpusnap-soak")).with_file_name("gpusnap");
-    // scripts/test.sh has just built the whole workspace.
-    if std::env::var_os("GPUSNAP_TEST_PREBUILT").is_some() {
-        return gpusnap;
-    }
-    let st = Command::new(env!("CARGO"))
-        .args(["build", "-q", "-p", "gpusnap", "-p", "gpusnap-fake-cuda", "-p", "gpusnap-fake-nvml"])
-        .args(["-p", "gpusnap-fake-workload", "-p", "gpusnap-preload"])
-        .status()
-        .expect("cargo build");
-    assert!(st.success(), "building gpusnap and the fakes failed");
-    gpusnap
-}
+use common::build;
+use std::process::Command;
 
 /// The kinds of the CI run.
 const FAULTS: &str = "tenant,nvml-late,crash-guarded,corrupt-chunk,kill-suspend,kill-push,kill-resume,criu-dump-fail,agent-kill-swap,agent-kill-wake";
