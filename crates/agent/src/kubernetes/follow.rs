@@ -199,7 +199,8 @@ impl Follower {
                 // The kubelet's probes come from the node's addresses: set,
                 // they are the ones the watch ignores (else the node's own).
                 if !self.nodes.is_empty() {
-                    c.ignore_peers = Some(self.nodes.iter().map(|a| toml::Spanned::new(0..0, a.to_string())).collect());
+                    c.ignore_peers =
+                        Some(self.nodes.iter().map(|a| toml::Spanned::new(0..0, a.to_string())).collect());
                 }
                 c
             }

@@ -49,7 +49,9 @@ impl Agent {
         let ctl: Arc<dyn crate::control::Control> = Arc::clone(self) as _;
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => crate::sockwake::spawn(ctl, Arc::clone(svc), rt),
-            Err(_) => tracing::warn!(service = svc.name, "no runtime to wake the pod on: its port is not watched"),
+            Err(_) => {
+                tracing::warn!(service = svc.name, "no runtime to wake the pod on: its port is not watched")
+            }
         }
     }
 }

@@ -218,13 +218,12 @@ pub fn offload() -> Result<u64, Failure> {
     if let Err(e) = copied {
         // Copies kept from an earlier swap stay; those pinned now go.
         for (i, (_, en)) in entries.iter().enumerate() {
-            let mut fresh = en.clone();
-            fresh.host = host_of(i)
+            let fresh: Vec<usize> = host_of(i)
                 .into_iter()
                 .enumerate()
                 .map(|(k, p)| if en.host.get(k).copied() == Some(p) { 0 } else { p })
                 .collect();
-            hostmem::unpin_all(&fresh.host, fresh.bytes);
+            hostmem::unpin_all(&fresh, en.bytes);
         }
         return Err(undo(fail("driver", e)));
     }
