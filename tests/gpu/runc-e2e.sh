@@ -24,9 +24,9 @@
 #           holds lock and checkpoint); runc restore -d under another id
 #           (exit 0, gpusnap state running, the status advances with ok=1,
 #           nvidia-smi lists the pid again)
-#   c.a     gpusnap knew the restored process (its record and footprint,
-#           kept by pid, moved to it): not so in a pid namespace of the
-#           container's own, where the restored process has another host pid
+#   c.a     gpusnap knew the restored process (its record and footprint
+#           moved to it: under the same pid, or in a pid namespace of the
+#           container's own under another host pid, the same pid inside)
 #   f.*     (RUNC_FILL=1) the same container checkpointed, a filler holding
 #           the GPU, runc restore: the container is back with its CUDA state
 #           checkpointed (gpusnap refused the plugin's restore), resume
@@ -425,12 +425,12 @@ cycle() {
         "$([ -n "$mib" ] && [ "$mib" != 0 ] && echo PASS || echo FAIL)"
     o=$(ops "$RPID")
     row c.k "gpusnap's journal of the restored pid $RPID" "the plugin's restore (INFO)" "${o:-none}" INFO
-    # Admission needs the footprint recorded at the checkpoint, which gpusnap
-    # keeps by pid: in a pid namespace of the container's own the restored
-    # process has another host pid.
-    if [[ " $o " == *" lock "* ]]; then KNOWN=1; fi
+    # Admission needs the footprint recorded at the checkpoint: in a pid
+    # namespace of the container's own the restored process has another host
+    # pid, and gpusnap moves the record to it (adopt).
+    if [[ " $o " == *" lock "* || " $o " == *" adopt "* ]]; then KNOWN=1; fi
     row c.a "gpusnap knew the restored process (the checkpoint's record and footprint: admission)" \
-        "the journal of pid $RPID holds the checkpoint's lock" \
+        "the journal of pid $RPID holds the checkpoint's lock, or the record's move to it (adopt)" \
         "host pid $CPID -> $RPID$([ "$CPID" != "$RPID" ] && echo " (a pid namespace of its own)"); journal: ${o:-none}" \
         "$([ "$KNOWN" = 1 ] && echo PASS || echo FAIL)"
     row c.q "the plugin ran at restore" "cuda_plugin: resuming devices" "$(plugin_lines "$R/work-c-r/restore.log")" \

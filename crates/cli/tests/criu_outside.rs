@@ -243,3 +243,105 @@ fn criu_cuda_plugin_through_gpusnap_with_too_little_memory_on_restore() {
     let r = w.json(&["stop", &p, "--grace", "2"]);
     assert_eq!(r.code, 0, "{}", r.stderr);
 }
+
+/// The host pid of the only child of `parent`.
+fn child_of(parent: i32) -> Option<i32> {
+    let s = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).ok()?;
+    s.split_whitespace().next()?.parse().ok()
+}
+
+/// A container's restore: the process lives in a pid namespace of its own
+/// (as pid 1 there, /proc the host's), CRIU's CUDA plugin checkpoints it
+/// through gpusnap, and CRIU restores the tree into a new pid namespace,
+/// where it has the same pid inside and a new host pid. gpusnap knows it
+/// there (the checkpoint's record and footprint move to the new pid), so a
+/// restore that does not fit is refused by admission, and a plain
+/// `gpusnap resume` of the new pid finishes it once there is room.
+#[test]
+fn a_container_restored_into_a_new_pid_namespace_keeps_its_record() {
+    criu_present();
+    let Some(plugins) = cuda_plugin_dir() else { return };
+    let mut w = World::new(&[8192]);
+    let status = w.tmp.path().join("status-ns");
+    let mut cmd = Command::new("unshare");
+    w.env(&mut cmd);
+    // The program's own output goes to a file of its own: unshare writes to
+    // its stderr when its child ends, which would change a file CRIU
+    // restores with the tree.
+    let wl_log = w.tmp.path().join("workload-ns.log");
+    cmd.args(["--pid", "--fork", "sh", "-c", r#"exec setsid "$0" --mib 1024 --status "$1" 2>"$2""#])
+        .arg(fake_workload_bin())
+        .arg(&status)
+        .arg(&wl_log)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let unshare = w.spawn_cmd(cmd);
+    let mut pid = 0;
+    wait_for(Duration::from_secs(30), || {
+        pid = child_of(unshare).unwrap_or(0);
+        pid > 0 && read_status(&status).is_some()
+    });
+    w.adopt(pid);
+    assert_progressing_at(&status);
+    let bin = w.tmp.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_gpusnap"), bin.join("cuda-checkpoint")).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let env = [("PATH", path.as_str()), ("CRIU_FAULT", "138"), ("CRIU_LIBS_DIR", plugins.to_str().unwrap())];
+
+    let img = w.tmp.path().join("img");
+    std::fs::create_dir_all(&img).unwrap();
+    let d = img.to_str().unwrap();
+    criu(
+        &w,
+        &["dump", "--tree", &pid.to_string(), "--images-dir", d, "--file-locks"],
+        &img.join("dump.log"),
+        &env,
+    );
+    w.reap(unshare);
+    wait_for(Duration::from_secs(30), || !pid_exists(pid));
+    let h = w.json(&["history", &pid.to_string()]).stdout;
+    assert!(h.contains("\"lock\"") && h.contains("\"checkpoint\""), "{h}");
+
+    // Restored with less GPU memory than the process needs.
+    let gpu = |mib: u64| serde_json::json!([{ "uuid": "GPU-00000000-0000-0000-0000-000000000000", "total_mib": mib }]);
+    w.set_config("gpus", gpu(600));
+    let pidfile = img.join("restored.pid");
+    criu(
+        &w,
+        &[
+            "restore",
+            "--restore-detached",
+            "--images-dir",
+            d,
+            "--file-locks",
+            "--pidfile",
+            pidfile.to_str().unwrap(),
+        ],
+        &img.join("restore.log"),
+        &env,
+    );
+    let new_pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    w.adopt(new_pid);
+    assert_ne!(new_pid, pid, "a new pid namespace gives the tree another host pid");
+    let log = std::fs::read_to_string(img.join("restore.log")).unwrap();
+    assert!(log.contains("not enough GPU memory"), "admission refused the plugin's restore:\n{log}");
+
+    let np = new_pid.to_string();
+    let r = w.json(&["state", &np]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v = r.json();
+    assert_eq!(v["state"], "checkpointed");
+    assert_eq!(v["footprint_bytes"], 1024 * MIB, "the footprint recorded at the checkpoint's lock");
+    let h = w.json(&["history", &np]).stdout;
+    assert!(h.contains("new pid namespace") && h.contains(&format!("from pid {pid} ")), "{h}");
+    assert_eq!(w.json(&["resume", &np]).code, 3, "still no room");
+
+    w.set_config("gpus", gpu(8192));
+    let r = w.json(&["resume", &np]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_progressing_at(&status);
+    let r = w.json(&["stop", &np, "--grace", "2"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+}

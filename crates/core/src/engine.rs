@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 mod fastswap;
+mod records;
 mod stop;
 
 const MIB: u64 = 1 << 20;
@@ -354,64 +355,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             release_polls,
             total_ms: ms(started),
         })
-    }
-
-    /// Looks up what gpusnap recorded of `t`, refusing a pid that now belongs
-    /// to another program than the one that was suspended there.
-    ///
-    /// A process that CRIU restored outside gpusnap (`criu dump` + `criu
-    /// restore`, a container runtime's checkpoint) comes back under its old
-    /// pid with a new start time: it is recognised as the recorded one when
-    /// the driver has it locked or checkpointed (a program that merely got
-    /// the pid cannot be: a fresh process starts running), and it runs the
-    /// same executable with the same command line, from another time
-    /// namespace ([`target::Fingerprint::restored_as`]). Its record then
-    /// moves to the new start time (journaled, `adopt`).
-    pub fn record_of(&mut self, t: &Target) -> Result<Option<Record>, Error> {
-        if let Some(r) = self.store.get(t)? {
-            return Ok(Some(r));
-        }
-        let old = match self.store.latest_for_pid(t.pid)? {
-            Some(old) if old.state == "checkpointed" || old.state == "locked" => old,
-            _ => return Ok(None),
-        };
-        let reused = |why: String| {
-            tracing::info!(pid = t.pid, "not the process gpusnap recorded: {why}");
-            Err(Error::Reused { pid: t.pid, comm: t.comm.clone() })
-        };
-        if old.start_time >= t.start_time {
-            return reused("it started before the recorded one".into());
-        }
-        let Some(was) = self.store.identity(t.pid, old.start_time)? else {
-            return reused("nothing but the pid was recorded".into());
-        };
-        if let Err(why) = was.restored_as(&target::fingerprint(t.pid)) {
-            return reused(why);
-        }
-        match self.driver_state(t) {
-            Ok(st @ (ProcessState::Locked | ProcessState::Checkpointed)) => {
-                let detail = format!(
-                    "restored outside gpusnap (same program, driver state {st}): record moved from start time {}",
-                    old.start_time
-                );
-                tracing::info!(pid = t.pid, "{detail}");
-                self.store.adopt(&old, t, &detail)?;
-                self.store.get(t)
-            }
-            Ok(st) => reused(format!("the driver reports it {st}")),
-            Err(Error::NotCuda { .. }) => reused("it has no CUDA context".into()),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// [`Self::record_of`] for commands that act on whatever process holds
-    /// the pid now (state, ps, suspend, stop): a reused pid simply has no
-    /// record.
-    pub fn record_now(&mut self, t: &Target) -> Result<Option<Record>, Error> {
-        match self.record_of(t) {
-            Err(Error::Reused { .. }) => Ok(None),
-            other => other,
-        }
     }
 
     pub fn resume(&mut self, pid: i32, opts: &ResumeOptions) -> Result<ResumeReport, Error> {

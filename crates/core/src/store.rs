@@ -9,18 +9,20 @@
 use crate::error::Error;
 pub use crate::statedir::check_state_dir;
 use crate::statedir::check_state_dir_only;
-use crate::target::{Fingerprint, Target};
+use crate::target::Target;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+mod identity;
 mod ledger;
 
 // 2: the identities table (what a recorded process ran, to know it again
-// after a CRIU restore outside gpusnap).
-const SCHEMA_VERSION: i32 = 2;
+// after a CRIU restore outside gpusnap). 3: ns_pids (its pid inside a pid
+// namespace of its own, to know it again under a new host pid).
+const SCHEMA_VERSION: i32 = 3;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS processes (
@@ -63,6 +65,16 @@ CREATE TABLE IF NOT EXISTS identities (
     timens TEXT,
     PRIMARY KEY (pid, start_time)
 );
+-- The pid a recorded process has inside a pid namespace of its own (a
+-- container's): CRIU restores such a tree under new host pids, the same
+-- pids inside.
+CREATE TABLE IF NOT EXISTS ns_pids (
+    pid INTEGER NOT NULL,
+    start_time INTEGER NOT NULL,
+    ns_pid INTEGER NOT NULL,
+    PRIMARY KEY (pid, start_time)
+);
+CREATE INDEX IF NOT EXISTS ns_pids_inner ON ns_pids (ns_pid);
 CREATE TABLE IF NOT EXISTS reservations (
     id INTEGER PRIMARY KEY,
     gpu_uuid TEXT NOT NULL,
@@ -307,11 +319,7 @@ impl Store {
                 params![t.pid, t.start_time as i64, t.comm, state, now_ms()],
             )?;
             if let Some(id) = &identity {
-                tx.execute(
-                    "INSERT OR REPLACE INTO identities (pid, start_time, exe, cmdline, timens)
-                     VALUES (?1, ?2, ?3, ?4, ?5)",
-                    params![t.pid, t.start_time as i64, id.exe, id.cmdline, id.timens],
-                )?;
+                identity::insert(&tx, t, id)?;
             }
             if let Some(fp) = footprint {
                 tx.execute(
@@ -325,63 +333,6 @@ impl Store {
                     )?;
                 }
             }
-            tx.commit()
-        })();
-        res.map_err(|e| self.err(e))
-    }
-
-    /// What `pid` at `start` ran, when it was recorded.
-    pub fn identity(&self, pid: i32, start: u64) -> Result<Option<Fingerprint>, Error> {
-        self.conn
-            .query_row(
-                "SELECT exe, cmdline, timens FROM identities WHERE pid = ?1 AND start_time = ?2",
-                params![pid, start as i64],
-                |r| Ok(Fingerprint { exe: r.get(0)?, cmdline: r.get(1)?, timens: r.get(2)? }),
-            )
-            .optional()
-            .or_else(|e| match &e {
-                // An older store opened read-only (not migrated): no identities yet.
-                rusqlite::Error::SqliteFailure(_, Some(m)) if m.contains("no such table") => Ok(None),
-                _ => Err(e),
-            })
-            .map_err(|e| self.err(e))
-    }
-
-    /// Moves the record of `old` (its state, footprint and identity) to `t`,
-    /// the same process brought back by CRIU under a new start time, and
-    /// journals the move, all in one transaction. The journal of the old
-    /// start time stays where it is (`history` shows both). A stuck mark is
-    /// not carried over: the restored process's state is the image's, taken
-    /// before whatever stranded the old one, and the driver judges it anew.
-    pub fn adopt(&mut self, old: &Record, t: &Target, detail: &str) -> Result<(), Error> {
-        let identity = crate::target::fingerprint(t.pid);
-        let me = self.me.0;
-        let tx = self
-            .conn
-            .transaction()
-            .map_err(|e| Error::Store { path: self.path.display().to_string(), reason: e.to_string() })?;
-        let res = (|| {
-            let (pid, from, to) = (t.pid, old.start_time as i64, t.start_time as i64);
-            tx.execute(
-                "UPDATE processes SET start_time = ?3, comm = ?4, unrecoverable = NULL, updated_ms = ?5
-                 WHERE pid = ?1 AND start_time = ?2",
-                params![pid, from, to, t.comm, now_ms()],
-            )?;
-            tx.execute(
-                "UPDATE footprints SET start_time = ?3 WHERE pid = ?1 AND start_time = ?2",
-                params![pid, from, to],
-            )?;
-            tx.execute("DELETE FROM identities WHERE pid = ?1 AND start_time = ?2", params![pid, from])?;
-            tx.execute(
-                "INSERT OR REPLACE INTO identities (pid, start_time, exe, cmdline, timens)
-                 VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![pid, to, identity.exe, identity.cmdline, identity.timens],
-            )?;
-            tx.execute(
-                "INSERT INTO events (ts_ms, pid, start_time, op, phase, state, detail, actor)
-                 VALUES (?1, ?2, ?3, 'adopt', 'note', ?4, ?5, ?6)",
-                params![now_ms(), pid, to, old.state, detail, me],
-            )?;
             tx.commit()
         })();
         res.map_err(|e| self.err(e))
@@ -407,7 +358,7 @@ impl Store {
         self.get_by(pid, None)
     }
 
-    fn get_by(&self, pid: i32, start: Option<u64>) -> Result<Option<Record>, Error> {
+    pub(crate) fn get_by(&self, pid: i32, start: Option<u64>) -> Result<Option<Record>, Error> {
         let row = self
             .conn
             .query_row(

@@ -191,6 +191,21 @@ impl Fingerprint {
     }
 }
 
+/// The pid `pid` has inside its own pid namespace, when that namespace is
+/// below the one gpusnap sees it from (a container's): the last field of
+/// `NSpid` in /proc/PID/status. CRIU restores a container's tree into a new
+/// pid namespace with the same pids inside it, while the host pid changes.
+pub fn ns_pid(pid: i32) -> Option<i32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_ns_pid(&status)
+}
+
+fn parse_ns_pid(status: &str) -> Option<i32> {
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    let pids: Vec<i32> = line.split_whitespace().filter_map(|p| p.parse().ok()).collect();
+    (pids.len() > 1).then(|| pids.last().copied()).flatten()
+}
+
 /// Resident memory in bytes (VmRSS), used to show checkpoint progress: the
 /// driver copies device memory into the target's own address space.
 pub fn rss_bytes(pid: i32) -> Option<u64> {
@@ -218,13 +233,6 @@ fn maps_libcuda(p: &Process) -> bool {
             _ => false,
         })
     })
-}
-
-/// The pid the process has in its own (innermost) pid namespace: the last
-/// field of NSpid in /proc/PID/status.
-pub fn ns_pid(pid: i32) -> Option<i32> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().last()?.parse().ok()
 }
 
 /// Whether the leader of `pid`'s session is visible in `pid`'s own pid
@@ -297,6 +305,13 @@ mod tests {
         let t = resolve(me).unwrap();
         assert_eq!(t.pid, me);
         assert!(is_alive(&t));
+    }
+
+    #[test]
+    fn the_pid_inside_a_namespace_is_the_last_of_nspid() {
+        assert_eq!(parse_ns_pid("Name:\tx\nNSpid:\t4242\t17\t1\n"), Some(1));
+        assert_eq!(parse_ns_pid("NSpid:\t4242\n"), None);
+        assert_eq!(parse_ns_pid("Name:\tx\n"), None);
     }
 
     #[test]

@@ -72,6 +72,15 @@ pub fn self_pid() -> i32 {
         .unwrap_or(std::process::id() as i32)
 }
 
+/// Whether /proc shows the calling process in a pid namespace below the one
+/// /proc belongs to (NSpid has more than one pid): a container whose /proc
+/// is the host's.
+pub fn in_child_pid_namespace() -> bool {
+    fs::read_to_string("/proc/self/status").ok().and_then(|s| {
+        s.lines().find_map(|l| l.strip_prefix("NSpid:")).map(|v| v.split_whitespace().count() > 1)
+    }) == Some(true)
+}
+
 /// The calling thread's id as /proc sees it (see [`self_pid`]), from
 /// `/proc/thread-self` (`PID/task/TID`).
 pub fn self_tid() -> i32 {

@@ -111,6 +111,12 @@ pub struct Proc {
     /// that asked for it dies (see `driver::restore`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restoring_until_ms: Option<u64>,
+    /// The name of the mark a process in a pid namespace of its own holds
+    /// open (`ids/TOKEN`, see the driver's `moved`): how a call naming its
+    /// new host pid after a CRIU restore into a new namespace finds this
+    /// entry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 /// A range of the process's own anonymous memory that holds its "device
@@ -148,6 +154,7 @@ impl Proc {
             restore_tid: None,
             reservations: BTreeMap::new(),
             handles: BTreeMap::new(),
+            token: None,
             restoring_until_ms: None,
         }
     }

@@ -236,6 +236,24 @@ impl Store {
     }
 
     /// Deletes everything stored for `pid` (its process is gone).
+    /// Where processes in a pid namespace of their own keep their marks.
+    pub fn ids_dir(&self) -> PathBuf {
+        self.dir.join("ids")
+    }
+
+    /// Gives the data of `from` (on the device and on the host) to `to`.
+    pub fn rename_data(&self, from: i32, to: i32) -> io::Result<()> {
+        for on_host in [false, true] {
+            let a = self.data_dir(from, on_host);
+            if a.exists() {
+                let b = self.data_dir(to, on_host);
+                let _ = fs::remove_dir_all(&b);
+                fs::rename(&a, &b)?;
+            }
+        }
+        Ok(())
+    }
+
     pub fn remove_data(&self, pid: i32) {
         for on_host in [false, true] {
             let _ = fs::remove_dir_all(self.data_dir(pid, on_host));

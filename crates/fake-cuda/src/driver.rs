@@ -181,6 +181,9 @@ fn on_process<T>(
         if stat.is_dead() {
             return Err(CUDA_ERROR_NOT_INITIALIZED);
         }
+        if !t.state.procs.contains_key(&pid) {
+            crate::moved::follow(store, t, pid);
+        }
         let p = t.state.procs.get_mut(&pid).ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
         // The start times differ only for a checkpointed entry, the one kind
         // that outlives its process (see `collect_garbage`): a CRIU-restored
@@ -336,6 +339,9 @@ pub(crate) fn as_workload<T>(
         }
         let done = store
             .transact(|t| {
+                if !t.state.procs.contains_key(&me) {
+                    crate::moved::follow(&store, t, me);
+                }
                 let blocked = t.state.procs.get(&me).is_some_and(|p| !p.accepts_work() && !stale_for_me(p));
                 if blocked {
                     return None;
@@ -379,6 +385,7 @@ pub fn ctx_create(device: i32) -> Result<(), CuResult> {
         if t.state.create_context(&t.config, me, start, gpu)? {
             store.remove_data(me);
         }
+        crate::moved::mark(store, t, me);
         Ok(())
     })?;
     CURRENT_DEVICE.store(device, Ordering::SeqCst);

@@ -8,6 +8,7 @@
 //! cross into C (`CUDA_ERROR_UNKNOWN` instead).
 
 mod driver;
+mod moved;
 mod vmm;
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
