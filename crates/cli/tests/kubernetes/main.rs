@@ -7,12 +7,11 @@
 mod common;
 mod containerd;
 mod image;
+mod wake;
 
 use common::*;
 use containerd::*;
 use serde_json::Value;
-use std::io::Write;
-use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -271,78 +270,6 @@ fn a_restarted_container_is_adopted_anew() {
     assert_eq!(driver_state(&w, pod.pid), "checkpointed");
     agent.act("test.restarts", "resume");
     assert_progressing_at(&pod.status);
-}
-
-/// The value of the metric line that starts with `prefix` (0 when none).
-fn metric(agent: &Agent, prefix: &str) -> u64 {
-    let (code, m) = agent.api("GET", "/metrics");
-    assert_eq!(code, 200);
-    m.lines().find(|l| l.starts_with(prefix)).and_then(|l| l.rsplit(' ').next()?.parse().ok()).unwrap_or(0)
-}
-
-#[test]
-fn an_idle_pod_is_woken_by_a_connection_to_its_ip_and_port_not_by_the_nodes_probes() {
-    let mut w = World::new(&[8192]);
-    let Some(ctd) = Containerd::new() else { return };
-    let annotations = enabled(&[("gpusnap.io/suspend-after", "1s")]);
-    let pod = ctd.run_server_pod(&w, "test", "web", &annotations, 256, 8000);
-    let addr = SocketAddr::new(ctd.pod_ip(&pod), 8000);
-    let ok = format!("ok {} ", pod.pid);
-    // Reached from the node through the pod network: the server's own answer.
-    let body = http::get_kept_alive(&mut TcpStream::connect(addr).unwrap());
-    assert!(body.starts_with(&ok) && body.ends_with(" 1"), "{body}");
-    // The kubelet's probes come from the gateway, the node's address on the
-    // pod network; a client from another address of the node.
-    let (node, client) = (ctd.gateway().to_string(), ctd.client_address().to_string());
-    let mut agent = Agent::with(&w, &ctd, &format!("node_addresses = [\"{node}\"]"));
-    agent.start(&mut w);
-    wait_for(LONG, || !agent.state("test.web").is_empty());
-    // Its port watched in its network namespace, by one watch.
-    let watching = |l: &&str| l.contains("watching the server's port") && l.contains("test.web");
-    wait_for(LONG, || agent.log(&w).lines().any(|l| watching(&l)));
-
-    // Probes from the node every 100 ms, answered while it runs: they do not
-    // keep it up.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let prober = {
-        let (stop, node) = (std::sync::Arc::clone(&stop), node.clone());
-        std::thread::spawn(move || {
-            let mut s = http::connect_from(&node, addr);
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                if write!(s, "GET / HTTP/1.1\r\nHost: x\r\n\r\n").is_err() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        })
-    };
-    wait_for(LONG, || agent.state("test.web") == "suspended");
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    prober.join().unwrap();
-    assert_eq!(driver_state(&w, pod.pid), "checkpointed");
-    // A probe's request waits in the suspended server; nothing wakes. The
-    // watch looks every millisecond: a second is a thousand looks.
-    let mut probe = http::connect_from(&node, addr);
-    write!(probe, "GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    std::thread::sleep(Duration::from_secs(1));
-    assert_eq!(agent.state("test.web"), "suspended");
-    let wakes = "gpusnap_agent_socket_wakes_total{service=\"test.web\"}";
-    assert_eq!(metric(&agent, wakes), 0);
-
-    // A client's request: it waits in the server while the agent resumes
-    // the pod, and is answered by the same process, its memory intact.
-    let body = http::get_kept_alive(&mut http::connect_from(&client, addr));
-    assert!(body.starts_with(&ok) && body.ends_with(" 1"), "{body}");
-    wait_for(LONG, || agent.state("test.web") == "running");
-    assert_eq!(driver_state(&w, pod.pid), "running");
-    assert_eq!(metric(&agent, wakes), 1, "{}", agent.events());
-    let log = agent.log(&w);
-    assert_eq!(log.lines().filter(watching).count(), 1, "{log}");
-    // Journaled: a resume by request, asked by the socket watch.
-    let events = agent.events();
-    let woke = |l: &&str| l.contains("resume by request") && l.contains("(a new connection)");
-    assert_eq!(events.lines().filter(woke).count(), 1, "{events}");
-    drop(probe);
 }
 
 /// What one poll of the agent asks the runtime, timed with N pods on the
