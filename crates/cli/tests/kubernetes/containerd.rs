@@ -312,6 +312,8 @@ state = "{d}/state"
             ..Default::default()
         };
         let fake = w.fake_dir().display().to_string();
+        let state = w.state_dir().display().to_string();
+        std::fs::create_dir_all(&state).unwrap();
         let shared = self.shared.display().to_string();
         let env = |k: &str, v: String| api::KeyValue { key: k.into(), value: v };
         let container = api::ContainerConfig {
@@ -325,8 +327,15 @@ state = "{d}/state"
             envs: vec![
                 env("LD_LIBRARY_PATH", fake_libdir().display().to_string()),
                 env("GPUSNAP_FAKE_DIR", fake.clone()),
+                // For `gpusnap probe` run in the container: the node's state.
+                env("GPUSNAP_STATE_DIR", state.clone()),
             ],
-            mounts: vec![mount(&fake, false), mount(&shared, false), mount(&target, true)],
+            mounts: vec![
+                mount(&fake, false),
+                mount(&state, true),
+                mount(&shared, false),
+                mount(&target, true),
+            ],
             log_path: "server.log".into(),
             linux: Some(api::LinuxContainerConfig {
                 security_context: Some(api::LinuxContainerSecurityContext {
@@ -420,6 +429,20 @@ state = "{d}/state"
         }
         pod.container_id = cid;
         pod.pid = pid;
+    }
+
+    /// `cmd` run in the pod's container as the kubelet runs an exec probe
+    /// (ExecSync, the container's environment): its exit code and output.
+    pub fn exec(&self, pod: &TestPod, cmd: &[&str]) -> (i32, String) {
+        let mut c = self.cri.runtime();
+        let req = api::ExecSyncRequest {
+            container_id: pod.container_id.clone(),
+            cmd: cmd.iter().map(|a| a.to_string()).collect(),
+            timeout: 60,
+        };
+        let r = self.call("ExecSync", c.exec_sync(req));
+        let text = String::from_utf8_lossy(&r.stdout).to_string() + &String::from_utf8_lossy(&r.stderr);
+        (r.exit_code, text)
     }
 
     /// The pod's container ended and started anew, as the kubelet restarts

@@ -46,7 +46,7 @@ fn watched_once(agent: &Agent, w: &World, service: &str) {
 }
 
 #[test]
-fn an_idle_pod_is_woken_by_a_connection_to_its_ip_and_port_not_by_the_nodes_probes() {
+fn an_idle_pod_is_woken_by_a_connection_to_its_ip_and_port_not_by_the_kubelets_probes() {
     let mut w = World::new(&[8192]);
     let Some(ctd) = Containerd::new() else { return };
     let pod =
@@ -86,6 +86,19 @@ fn an_idle_pod_is_woken_by_a_connection_to_its_ip_and_port_not_by_the_nodes_prob
     assert_eq!(agent.state("test.web"), "suspended");
     let wakes = &format!("{WAKES}\"test.web\"}}");
     assert_eq!(metric(&agent, wakes), 0);
+    // The kubelet's exec probe, run in the pod's container: ready (it is
+    // suspended, so wakeable), and nothing woken.
+    let probe_state = || {
+        let pid = pod.pid.to_string();
+        let cmd = [env!("CARGO_BIN_EXE_gpusnap"), "--json", "probe", "--pid", &pid, "--port", "8000"];
+        let (code, out) = ctd.exec(&pod, &cmd);
+        assert_eq!(code, 0, "{out}");
+        let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or("")).expect(&out);
+        v["state"].as_str().unwrap_or_default().to_string()
+    };
+    assert_eq!(probe_state(), "suspended");
+    assert_eq!(agent.state("test.web"), "suspended");
+    assert_eq!(metric(&agent, wakes), 0);
 
     // A client's request: it waits in the server while the agent resumes
     // the pod, and is answered by the same process, its memory intact.
@@ -93,6 +106,7 @@ fn an_idle_pod_is_woken_by_a_connection_to_its_ip_and_port_not_by_the_nodes_prob
     assert!(body.starts_with(&e.ok) && body.ends_with(" 1"), "{body}");
     wait_for(LONG, || agent.state("test.web") == "running");
     assert_eq!(driver_state(&w, pod.pid), "running");
+    assert_eq!(probe_state(), "running");
     // One wake (one watch of the port), journaled as a resume by request.
     let events = agent.events();
     assert_eq!(metric(&agent, wakes), 1, "{events}");
