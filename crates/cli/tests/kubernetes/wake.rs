@@ -36,8 +36,9 @@ fn ends(ctd: &Containerd, pod: &TestPod) -> Ends {
     }
 }
 
-/// One `watching the server's port` line of `agent` for `service`, now and
-/// for good: the port is watched, by one watch.
+/// Waits for `agent` to log that it watches `service`'s port, and asserts
+/// it did once: one watch of the port (each watch logs as it opens; called
+/// again once the pod was woken, when a second watch would have opened).
 fn watched_once(agent: &Agent, w: &World, service: &str) {
     let watching = |l: &&str| l.contains("watching the server's port") && l.contains(service);
     wait_for(LONG, || agent.log(w).lines().any(|l| watching(&l)));
