@@ -114,7 +114,12 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
             let b = bounds(svc.cfg.max_connections, &total);
             tokio::spawn(crate::proxy::serve(Arc::clone(&ctl), svc, l, b));
         }
-        for svc in agent.services().iter().filter(|s| s.cfg.wake_on == crate::config::WakeOn::Socket) {
+        // A pod's watch was started by the follower when it served the pod
+        // (the first poll above): one watch a service, one wake a connection.
+        let socket_woken = |s: &&Arc<crate::service::Service>| {
+            s.cfg.wake_on == crate::config::WakeOn::Socket && s.cfg.pod.is_none()
+        };
+        for svc in agent.services().iter().filter(socket_woken) {
             crate::sockwake::spawn(Arc::clone(&ctl), Arc::clone(svc), tokio::runtime::Handle::current());
         }
         if let Some(l) = front_door {

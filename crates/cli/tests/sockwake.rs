@@ -181,34 +181,8 @@ impl Drop for SockWorld {
     }
 }
 
-/// One request on `s`, kept alive; the answer's body.
-fn request(s: &mut TcpStream) -> String {
-    s.set_read_timeout(Some(LONG)).unwrap();
-    write!(s, "GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        let n = s.read(&mut buf).unwrap();
-        assert!(n > 0, "closed before the answer: {:?}", String::from_utf8_lossy(&got));
-        got.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&got);
-        if let Some((head, body)) = text.split_once("\r\n\r\n") {
-            let len: usize = head
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap())
-                })
-                .unwrap_or(0);
-            if body.len() >= len {
-                assert!(head.starts_with("HTTP/1.1 200"), "{text}");
-                return body[..len].trim_end().to_string();
-            }
-        }
-    }
-}
-
 fn get(addr: SocketAddr) -> String {
-    request(&mut TcpStream::connect(addr).unwrap())
+    http::get_kept_alive(&mut TcpStream::connect(addr).unwrap())
 }
 
 #[test]
@@ -249,11 +223,11 @@ fn bytes_on_a_kept_alive_connection_wake_the_server() {
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     wait_for(LONG, || TcpStream::connect(addr).is_ok());
     let mut kept = TcpStream::connect(addr).unwrap();
-    assert!(request(&mut kept).starts_with(&format!("ok {pid} ")));
+    assert!(http::get_kept_alive(&mut kept).starts_with(&format!("ok {pid} ")));
     // An open connection with no request does not keep it up.
     a.wait_state("suspended");
     assert_eq!(a.socket_wakes(), 0);
-    let body = request(&mut kept);
+    let body = http::get_kept_alive(&mut kept);
     assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
     // Answered once its driver state is restored, maybe a moment before
     // the agent records it running.
@@ -279,7 +253,7 @@ fn connections_from_ignored_peers_neither_wake_nor_keep_the_server_up() {
     let prober = {
         let stop = std::sync::Arc::clone(&stop);
         std::thread::spawn(move || {
-            let mut s = socket2_from("127.0.0.2", addr);
+            let mut s = http::connect_from("127.0.0.2", addr);
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
                 if write!(s, "GET / HTTP/1.1\r\nHost: x\r\n\r\n").is_err() {
                     break;
@@ -295,7 +269,7 @@ fn connections_from_ignored_peers_neither_wake_nor_keep_the_server_up() {
     // A probe from the ignored address: connected, its request sent (the
     // server takes it and waits for its GPU), and nothing wakes. The watch
     // looks every millisecond: a second is a thousand looks.
-    let mut probe = socket2_from("127.0.0.2", addr);
+    let mut probe = http::connect_from("127.0.0.2", addr);
     write!(probe, "GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(a.service()["state"], "suspended", "{}", a.log());
@@ -359,31 +333,6 @@ fn host_memory_pressure_never_hibernates_a_socket_woken_server() {
     assert!(get(format!("127.0.0.1:{port}").parse().unwrap()).starts_with(&format!("ok {pid} ")));
 }
 
-/// A connection to `to` (IPv4) from the local address `from`.
-fn socket2_from(from: &str, to: SocketAddr) -> TcpStream {
-    use std::os::fd::FromRawFd;
-    let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
-        sin_zero: [0; 8],
-    };
-    let SocketAddr::V4(to) = to else { panic!("IPv4 only") };
-    let (a, b) = (sin(from.parse().unwrap(), 0), sin(*to.ip(), to.port()));
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: a new socket; the addresses are valid sockaddr_in values
-    // that outlive the calls, with their size; the descriptor is owned by
-    // the TcpStream made of it, and by nothing else.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-        let s = TcpStream::from_raw_fd(fd);
-        assert_eq!(libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len), 0, "bind {from}");
-        assert_eq!(libc::connect(fd, (&b as *const libc::sockaddr_in).cast(), len), 0, "connect {to}");
-        s
-    }
-}
-
 #[test]
 fn gpusnap_probe_answers_for_running_suspended_stopped_and_dead_servers_without_waking() {
     let port = free_port();
@@ -434,7 +383,7 @@ fn a_killed_agent_adopts_a_suspended_socket_woken_server_and_a_request_still_wak
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     wait_for(LONG, || TcpStream::connect(addr).is_ok());
     let mut kept = TcpStream::connect(addr).unwrap();
-    assert!(request(&mut kept).starts_with(&format!("ok {pid} ")));
+    assert!(http::get_kept_alive(&mut kept).starts_with(&format!("ok {pid} ")));
     a.wait_state("suspended");
     a.kill9();
     a.start();
@@ -443,7 +392,7 @@ fn a_killed_agent_adopts_a_suspended_socket_woken_server_and_a_request_still_wak
     // The new agent learns the kept-alive connection without waking for
     // it; its next request wakes the server.
     let mut copy = kept.try_clone().unwrap();
-    let body = std::panic::catch_unwind(move || request(&mut copy))
+    let body = std::panic::catch_unwind(move || http::get_kept_alive(&mut copy))
         .unwrap_or_else(|_| panic!("no answer; agent log:\n{}", a.log()));
     assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
     // Answered once its driver state is restored, maybe a moment before

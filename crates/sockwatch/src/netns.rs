@@ -4,15 +4,24 @@
 //! it later; the caller's threads never change namespace.
 
 use crate::Error;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-/// Runs `open` on a new thread that has entered the network namespace `ns`.
+/// Runs `open` on a new thread that has entered the network namespace `ns`;
+/// in the caller's own namespace, runs it there without entering anything
+/// (entering needs CAP_SYS_ADMIN, which a probe run in a pod's container
+/// lacks, and gives nothing).
 pub fn inside<T: Send + 'static>(
     ns: &Path,
     open: impl FnOnce() -> Result<T, Error> + Send + 'static,
 ) -> Result<T, Error> {
     let fail = |source: std::io::Error| Error::Namespace { path: ns.display().to_string(), source };
     let file = std::fs::File::open(ns).map_err(fail)?;
+    let id = |m: std::fs::Metadata| (m.dev(), m.ino());
+    let own = std::fs::metadata("/proc/thread-self/ns/net").map(id).ok();
+    if own.is_some() && file.metadata().map(id).ok() == own {
+        return open();
+    }
     tracing::debug!(ns = %ns.display(), "entering the network namespace to open a socket");
     let t = std::thread::Builder::new()
         .name("sockwatch-netns".into())

@@ -138,3 +138,52 @@ fn the_namespaces_tcp_counters_move_with_a_connection_and_its_bytes() {
     }
     assert_eq!(counters::tcp(i32::MAX), None);
 }
+
+/// Drops CAP_SYS_ADMIN from the calling thread's effective set (a thread's
+/// capabilities are its own; threads it starts inherit them).
+fn drop_sys_admin() {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Default, Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    const CAP_SYS_ADMIN: u32 = 21;
+    let mut h = Header { version: VERSION_3, pid: 0 };
+    let mut d = [Data::default(); 2];
+    // SAFETY: capget with a version 3 header and the two data structs it
+    // fills, both alive for the call; pid 0 is the calling thread.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut h as *mut Header, d.as_mut_ptr()) };
+    assert_eq!(rc, 0, "capget: {}", std::io::Error::last_os_error());
+    d[0].effective &= !(1 << CAP_SYS_ADMIN);
+    // SAFETY: as above; capset only reads the structs. Dropping an
+    // effective capability is always allowed.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut h as *mut Header, d.as_ptr()) };
+    assert_eq!(rc, 0, "capset: {}", std::io::Error::last_os_error());
+}
+
+#[test]
+fn a_watcher_opened_in_its_own_namespace_needs_no_capability() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    // As a probe run in a pod's container: no CAP_SYS_ADMIN, so no setns,
+    // not even into its own namespace.
+    let seen = std::thread::spawn(move || {
+        drop_sys_admin();
+        let own = std::fs::File::open("/proc/thread-self/ns/net").unwrap();
+        let entered = nix::sched::setns(&own, nix::sched::CloneFlags::CLONE_NEWNET);
+        assert_eq!(entered, Err(nix::errno::Errno::EPERM));
+        let mut w = Watcher::open_in(Path::new("/proc/self/ns/net"), Limits::default()).unwrap();
+        w.look(port).unwrap().listening()
+    })
+    .join()
+    .unwrap();
+    assert!(seen);
+}

@@ -9,6 +9,7 @@ use crate::common::*;
 use crate::image::oci_archive;
 use gpusnap_cri::api;
 use gpusnap_cri::Cri;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -34,7 +35,8 @@ pub struct Containerd {
 }
 
 /// A pod the test runs: its sandbox, its one container and that
-/// container's host pid, and the status file its workload writes.
+/// container's host pid, the status file its workload writes (a fake
+/// server writes none) and the container's log.
 pub struct TestPod {
     pub id: String,
     pub pid: i32,
@@ -42,6 +44,7 @@ pub struct TestPod {
     sandbox: api::PodSandboxConfig,
     container: api::ContainerConfig,
     pub status: PathBuf,
+    pub log: PathBuf,
 }
 
 /// Whether this test can run a containerd: root, containerd, ctr, runc and
@@ -122,7 +125,12 @@ impl Containerd {
                         "ipam": {
                             "type": "host-local",
                             "dataDir": dir.join("ipam"),
-                            "ranges": [[{ "subnet": format!("10.89.{n}.0/24") }]],
+                            // Up to .200: the addresses above are the node's
+                            // (`client_address`).
+                            "ranges": [[{
+                                "subnet": format!("10.89.{n}.0/24"),
+                                "rangeEnd": format!("10.89.{n}.200"),
+                            }]],
                             "routes": [{ "dst": "0.0.0.0/0" }],
                         },
                     },
@@ -304,6 +312,8 @@ state = "{d}/state"
             ..Default::default()
         };
         let fake = w.fake_dir().display().to_string();
+        let state = w.state_dir().display().to_string();
+        std::fs::create_dir_all(&state).unwrap();
         let shared = self.shared.display().to_string();
         let env = |k: &str, v: String| api::KeyValue { key: k.into(), value: v };
         let container = api::ContainerConfig {
@@ -317,8 +327,15 @@ state = "{d}/state"
             envs: vec![
                 env("LD_LIBRARY_PATH", fake_libdir().display().to_string()),
                 env("GPUSNAP_FAKE_DIR", fake.clone()),
+                // For `gpusnap probe` run in the container: the node's state.
+                env("GPUSNAP_STATE_DIR", state.clone()),
             ],
-            mounts: vec![mount(&fake, false), mount(&shared, false), mount(&target, true)],
+            mounts: vec![
+                mount(&fake, false),
+                mount(&state, true),
+                mount(&shared, false),
+                mount(&target, true),
+            ],
             log_path: "server.log".into(),
             linux: Some(api::LinuxContainerConfig {
                 security_context: Some(api::LinuxContainerSecurityContext {
@@ -332,13 +349,56 @@ state = "{d}/state"
             }),
             ..Default::default()
         };
-        let mut pod = TestPod { id, pid: 0, status, container_id: String::new(), sandbox: config, container };
+        let log = PathBuf::from(&config.log_directory).join(&container.log_path);
+        let mut pod =
+            TestPod { id, pid: 0, status, log, container_id: String::new(), sandbox: config, container };
         self.start_container(&mut pod);
         pod
     }
 
+    /// Runs pod `ns/name` as [`Self::run_pod`], its container a fake model
+    /// server (`fake-workload --http`) on `port` of every address of the
+    /// pod; returns once it listens.
+    pub fn run_server_pod(
+        &self,
+        w: &World,
+        ns: &str,
+        name: &str,
+        annotations: &[(&str, &str)],
+        mib: u64,
+        port: u16,
+    ) -> TestPod {
+        let port = port.to_string();
+        let args = ["--http", &port, "--http-host", "0.0.0.0", "--print-ready"];
+        self.run_pod_with(w, ns, name, annotations, mib, &args)
+    }
+
+    /// The pod's IP on the test's network, as the runtime reports it.
+    pub fn pod_ip(&self, pod: &TestPod) -> IpAddr {
+        let st = self.rt.block_on(self.cri.pod_status(&pod.id)).unwrap();
+        st.ip.parse().unwrap_or_else(|_| panic!("pod {}: no IP ({:?})", pod.id, st.ip))
+    }
+
+    /// The node's address on the pod network (its bridge's, the gateway):
+    /// where the kubelet's probes of a pod come from.
+    pub fn gateway(&self) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::new(10, 89, self.net as u8, 1))
+    }
+
+    /// Another address of the node on the pod network (outside the pods'
+    /// range), added to the bridge: a client that is not the kubelet. The
+    /// bridge exists once a pod has run.
+    pub fn client_address(&self) -> IpAddr {
+        let ip = Ipv4Addr::new(10, 89, self.net as u8, 254);
+        let mut cmd = Command::new("ip");
+        cmd.args(["addr", "replace", &format!("{ip}/32"), "dev", &self.bridge]);
+        let o = bounded(cmd, LONG);
+        assert!(o.status.success(), "ip addr replace {ip}: {}", String::from_utf8_lossy(&o.stderr));
+        IpAddr::V4(ip)
+    }
+
     /// Creates and starts the pod's container; returns once its workload
-    /// has done its first intact iteration.
+    /// has done its first intact iteration (a fake server: once it listens).
     fn start_container(&self, pod: &mut TestPod) {
         let mut c = self.cri.runtime();
         let req = api::CreateContainerRequest {
@@ -353,11 +413,36 @@ state = "{d}/state"
         );
         let pid =
             self.rt.block_on(self.cri.container_status(&cid)).unwrap().pid.expect("the container's pid");
-        // A fake server (--http) counts its requests, not iterations.
-        let serves = pod.container.args.iter().any(|a| a == "--http");
-        wait_for(LONG, || read_status(&pod.status).is_some_and(|s| s.0 == pid && (serves || s.1 >= 1)));
+        if pod.container.args.iter().any(|a| a == "--http") {
+            // A fake server writes no status file: it says `ready PID` on
+            // its stdout, which the runtime writes to the container's log.
+            let ready = format!(" ready {pid}");
+            let listens =
+                || std::fs::read_to_string(&pod.log).is_ok_and(|l| l.lines().any(|l| l.ends_with(&ready)));
+            if !wait_until(LONG, listens) {
+                let st = self.rt.block_on(self.cri.container_status(&cid));
+                let log = std::fs::read_to_string(&pod.log).unwrap_or_default();
+                panic!("the server of pod {} does not listen: {st:?}\nits log:\n{log}", pod.id);
+            }
+        } else {
+            wait_for(LONG, || read_status(&pod.status).is_some_and(|s| s.0 == pid && s.1 >= 1));
+        }
         pod.container_id = cid;
         pod.pid = pid;
+    }
+
+    /// `cmd` run in the pod's container as the kubelet runs an exec probe
+    /// (ExecSync, the container's environment): its exit code and output.
+    pub fn exec(&self, pod: &TestPod, cmd: &[&str]) -> (i32, String) {
+        let mut c = self.cri.runtime();
+        let req = api::ExecSyncRequest {
+            container_id: pod.container_id.clone(),
+            cmd: cmd.iter().map(|a| a.to_string()).collect(),
+            timeout: 60,
+        };
+        let r = self.call("ExecSync", c.exec_sync(req));
+        let text = String::from_utf8_lossy(&r.stdout).to_string() + &String::from_utf8_lossy(&r.stderr);
+        (r.exit_code, text)
     }
 
     /// The pod's container ended and started anew, as the kubelet restarts

@@ -7,6 +7,7 @@
 mod common;
 mod containerd;
 mod image;
+mod wake;
 
 use common::*;
 use containerd::*;
@@ -26,10 +27,15 @@ struct Agent {
 
 impl Agent {
     fn new(w: &World, ctd: &Containerd) -> Agent {
+        Self::with(w, ctd, "")
+    }
+
+    /// An agent whose `[kubernetes]` table has `more` keys too.
+    fn with(w: &World, ctd: &Containerd, more: &str) -> Agent {
         let socket = w.tmp.path().join("agent.sock");
         let config = w.tmp.path().join("agent.toml");
         let text = format!(
-            "[agent]\nsocket = {:?}\ntick = \"50ms\"\n\n{}",
+            "[agent]\nsocket = {:?}\ntick = \"50ms\"\n\n{}{more}\n",
             socket.display().to_string(),
             ctd.agent_config()
         );
@@ -70,6 +76,12 @@ impl Agent {
     fn act(&self, name: &str, action: &str) {
         let (code, body) = self.api("POST", &format!("/v1/services/{name}/{action}"));
         assert_eq!(code, 200, "{action} {name}: {body}");
+    }
+
+    /// What the agent has logged so far.
+    fn log(&self, w: &World) -> String {
+        let n = self.child.expect("a started agent");
+        std::fs::read_to_string(w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default()
     }
 
     /// The journal's entries so far (as `/v1/events?follow=false` gives them).
