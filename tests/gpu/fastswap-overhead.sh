@@ -27,7 +27,8 @@ one() { # KIND HOW [ENV...]
         light) out=$(env "$@" timeout 300 "$G" run --light -- python3 "$PY" "$kind" "$SECS" 2>/dev/null) ;;
         fast) out=$(env "$@" timeout 300 "$G" run --light --fast-swap -- python3 "$PY" "$kind" "$SECS" 2>/dev/null) ;;
     esac
-    echo "$kind${*:+ $*} $how $(awk '{print $4}' <<<"$out")" >>"$R"
+    # Each sample on stderr as it comes, so a run cut short still says something.
+    echo "$kind${*:+ $*} $how $(awk '{print $4}' <<<"$out")" | tee -a "$R" >&2
 }
 for ((r = 0; r < REPS; r++)); do
     for how in bare light fast; do
