@@ -9,8 +9,9 @@
 
 use super::{Engine, MIB};
 use crate::error::Error;
+use crate::progress::observe;
 use crate::swap::{self, Answer};
-use crate::target::Target;
+use crate::target::{self, Target};
 use gpusnap_cuda::CheckpointApi;
 use gpusnap_gpu::GpuInventory;
 
@@ -25,7 +26,19 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             return Ok(true);
         }
         let id = self.store.begin(t, "offload")?;
-        match swap::request(t.pid, "offload") {
+        // The copies land in the program's own pinned host memory: its
+        // resident size grows with them (copies kept from an earlier
+        // suspend are resident already, and that offload is quick).
+        let pid = t.pid;
+        let rss0 = target::rss_bytes(pid).unwrap_or(0);
+        let answer = observe(
+            &*self.progress,
+            &format!("offload {pid}"),
+            st.movable_bytes,
+            || target::rss_bytes(pid).map(|r| r.saturating_sub(rss0)),
+            || swap::request(pid, "offload"),
+        );
+        match answer {
             Some(Ok(Answer::Done { bytes, ms, status })) => {
                 self.store.end(id, t, "offload", Ok("running"))?;
                 let kept = if status.kept > 0 {
