@@ -190,6 +190,15 @@ fn cuda_plugin_dir() -> Option<std::path::PathBuf> {
     None
 }
 
+/// A PATH with gpusnap linked as `cuda-checkpoint` first, for CRIU's CUDA
+/// plugin.
+fn plugin_path(w: &World) -> String {
+    let bin = w.tmp.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_gpusnap"), bin.join("cuda-checkpoint")).unwrap();
+    format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default())
+}
+
 /// CRIU's own CUDA plugin, with gpusnap linked as `cuda-checkpoint` on its
 /// PATH and the plugin turned on without a GPU (CRIU_FAULT=138): `criu dump`
 /// locks and checkpoints the process through gpusnap; `criu restore` while
@@ -203,10 +212,7 @@ fn criu_cuda_plugin_through_gpusnap_with_too_little_memory_on_restore() {
     let mut w = World::new(&[8192]);
     let pid = w.workload(1024, 0, &[]);
     let p = pid.to_string();
-    let bin = w.tmp.path().join("bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_gpusnap"), bin.join("cuda-checkpoint")).unwrap();
-    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let path = plugin_path(&w);
     let env = [("PATH", path.as_str()), ("CRIU_FAULT", "138"), ("CRIU_LIBS_DIR", plugins.to_str().unwrap())];
 
     let img = w.tmp.path().join("img");
@@ -284,10 +290,7 @@ fn a_container_restored_into_a_new_pid_namespace_keeps_its_record() {
     });
     w.adopt(pid);
     assert_progressing_at(&status);
-    let bin = w.tmp.path().join("bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_gpusnap"), bin.join("cuda-checkpoint")).unwrap();
-    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let path = plugin_path(&w);
     let env = [("PATH", path.as_str()), ("CRIU_FAULT", "138"), ("CRIU_LIBS_DIR", plugins.to_str().unwrap())];
 
     let img = w.tmp.path().join("img");
