@@ -40,7 +40,9 @@ pub struct Settle {
 /// settled state in between: the agent enters `suspending` and
 /// `hibernating` only from `running` or `suspended`, `waking` only from
 /// `hibernated` (or `idle`), and `resuming` from `suspended`, or straight
-/// from `waking` within one wake (that one is no sign of an end).
+/// from `waking` within one wake (that one is no sign of an end). (A
+/// failed `after_resume` hook goes from `resuming` to `suspending`; the
+/// soak's services have no hooks.)
 fn through_settled(prev: &str, next: &str) -> bool {
     match next {
         "suspending" | "hibernating" | "waking" => true,
