@@ -597,6 +597,76 @@ fn a_killed_agent_is_restarted_and_adopts_every_service_as_it_was() {
     assert!(body.starts_with(&format!("ok {idle} ")), "{body}");
 }
 
+/// A request in the background: the agent may die under it.
+fn get_in_background(port: u16) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let _ = get_any(port, "/");
+    })
+}
+
+/// Polls the agent (bounded) until `f` holds for its services' listing.
+fn wait_services(a: &AgentWorld, what: &str, f: impl Fn(&[Value]) -> bool) {
+    let end = Instant::now() + LONG;
+    loop {
+        let list = a.services();
+        if f(&list) {
+            return;
+        }
+        assert!(Instant::now() < end, "{what}: not within {LONG:?}: {list:?}\n{}", a.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn state_of<'a>(list: &'a [Value], name: &str) -> &'a str {
+    list.iter().find(|s| s["name"] == name).and_then(|s| s["state"].as_str()).unwrap_or("")
+}
+
+#[test]
+fn an_agent_killed_mid_swap_is_restarted_and_every_service_settles_and_answers() {
+    // Two servers on a GPU that holds one: a request to the suspended one
+    // (a) evicts the other (b: a checkpoint), then resumes it (a restore),
+    // each slow enough here to kill the agent inside it.
+    let extra = "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"";
+    let mut a = AgentWorld::new(
+        1000,
+        "",
+        &[Svc { name: "a", mib: 600, gpu: 0, extra }, Svc { name: "b", mib: 600, gpu: 0, extra }],
+    );
+    a.settle_one_resident();
+    get(a.port(1), "/");
+    a.wait_state("a", "suspended");
+    a.w.set_config("checkpoint_gbps", serde_json::json!(0.3));
+    a.w.set_config("restore_gbps", serde_json::json!(0.3));
+    // Killed while b is being suspended, then while a is being resumed
+    // after b was.
+    for kill_when in ["suspending", "resuming"] {
+        let t = get_in_background(a.port(0));
+        wait_services(&a, "a asked for", |l| match kill_when {
+            "suspending" => state_of(l, "b") == "suspending",
+            _ => state_of(l, "b") == "suspended" && state_of(l, "a") == "resuming",
+        });
+        a.kill9();
+        let _ = t.join();
+        a.start();
+        // Every service settles: the new agent found each as the driver
+        // has it, and nothing of the killed swap stays in transition ...
+        wait_services(&a, "every service settled", |l| {
+            l.iter().all(|s| ["running", "suspended"].contains(&s["state"].as_str().unwrap_or("")))
+        });
+        // ... as the driver says, and each answers right (a, then b: b
+        // ends running and a suspended, as before).
+        for s in a.services() {
+            let want = if s["state"] == "running" { "running" } else { "checkpointed" };
+            assert_eq!(driver_state(&a.w, s["pid"].as_i64().unwrap()), want, "{s}\n{}", a.log());
+        }
+        for i in 0..2 {
+            let body = get(a.port(i), "/");
+            assert!(body.trim_end().ends_with(" 1"), "{body}");
+        }
+        a.wait_state("a", "suspended");
+    }
+}
+
 #[test]
 fn a_service_that_dies_is_restarted() {
     let mut a =

@@ -3,51 +3,56 @@
 //! image, and answering right; nothing of a killed gpusnap left unfinished
 //! in the journal; no temporary files or mounts left.
 
-use serde_json::Value;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::agent::Agent;
 use crate::clients::ask;
 use crate::host::{alive, Host};
+use crate::settle::{Settle, SETTLED};
 use crate::stats::Stats;
 
-const SETTLED: [&str; 3] = ["running", "suspended", "hibernated"];
-
-/// Waits (bounded) until every service is in a settled state; the list.
-fn settle(agent: &Agent, stats: &Stats, limit: Duration) -> Option<Vec<Value>> {
+/// Waits (bounded) until every service has been seen settled, each at a
+/// poll of its own (see [`crate::settle`]); false after a violation.
+fn settle(agent: &Agent, stats: &Stats, limit: Duration, context: &str) -> bool {
     let end = Instant::now() + limit;
-    let mut last = Vec::new();
+    let mut seen = Settle::default();
     loop {
         match agent.list() {
             Ok(l) => {
-                if l.iter().all(|s| SETTLED.iter().any(|st| s["state"] == *st)) {
-                    return Some(l);
+                seen.observe(&l);
+                if seen.done() {
+                    return true;
                 }
-                last = l;
             }
             Err(e) => {
                 if Instant::now() >= end {
-                    stats.violation("agent_unanswering", format!("{e:#}"));
-                    return None;
+                    stats.violation("agent_unanswering", format!("after {context}: {e:#}"));
+                    return false;
                 }
             }
         }
         if Instant::now() >= end {
-            let states: Vec<String> = last.iter().map(|s| format!("{}={}", s["name"], s["state"])).collect();
-            stats.violation("not_settled", format!("within {limit:?}: {}", states.join(" ")));
-            return None;
+            let held = seen.held().join(" ");
+            stats.violation("not_settled", format!("after {context}, within {limit:?}: {held}"));
+            return false;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
 }
 
-/// Each settled service's process and image agree with its state. A
-/// service that moved meanwhile (the clients run) is looked at next time.
+/// Every service settles, and each settled service's process and image
+/// agree with its state. A service that is moving (the clients run) is
+/// looked at next time.
 pub fn services(host: &Host, agent: &Agent, stats: &Stats, context: &str) {
-    let Some(list) = settle(agent, stats, Duration::from_secs(150)) else { return };
-    for s in &list {
-        let name = s["name"].as_str().unwrap_or("?").to_string();
+    if !settle(agent, stats, Duration::from_secs(150), context) {
+        return;
+    }
+    for svc in &agent.services {
+        let name = svc.name.clone();
+        let Some(s) = agent.service(&name).filter(|s| SETTLED.iter().any(|st| s["state"] == *st)) else {
+            continue;
+        };
         let pid = s["pid"].as_i64().unwrap_or(0) as i32;
         let state = s["state"].as_str().unwrap_or("").to_string();
         let problem = match state.as_str() {
@@ -73,9 +78,11 @@ pub fn services(host: &Host, agent: &Agent, stats: &Stats, context: &str) {
             }
         };
         if let Some(p) = problem {
-            // Still the same? (It may have moved since it was listed.)
+            // Still the same, never left since? (It may have moved since it
+            // was listed: its time in the state would have gone back.)
             let now = agent.service(&name).unwrap_or_default();
-            if now["state"] == state && now["pid"].as_i64().unwrap_or(0) as i32 == pid {
+            let stayed = now["in_state_ms"].as_u64().unwrap_or(0) >= s["in_state_ms"].as_u64().unwrap_or(0);
+            if now["state"] == state && now["pid"].as_i64().unwrap_or(0) as i32 == pid && stayed {
                 stats.violation("inconsistent_service", format!("after {context}: {name}: {p}"));
             }
         }

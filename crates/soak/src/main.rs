@@ -12,6 +12,7 @@ mod freezer;
 mod host;
 mod infra;
 mod lone;
+mod settle;
 mod stats;
 mod supervise;
 
@@ -59,6 +60,11 @@ struct Args {
     /// Fault cycles to run at most.
     #[arg(long, default_value_t = 20)]
     cycles: u64,
+    /// Start at this cycle, with the fault the whole run would draw there
+    /// (the cycles before it are drawn and not run): a quick replay of a
+    /// long run's later cycles.
+    #[arg(long, default_value_t = 0)]
+    from_cycle: u64,
     /// Stop starting cycles after this many seconds.
     #[arg(long, default_value_t = 600)]
     max_secs: u64,
@@ -155,8 +161,12 @@ fn run(args: &Args, root: PathBuf) -> Result<u64> {
         agent_faults::Lane { host: &host, agent: &agent, stats: Arc::clone(&stats), swaps_before: 0 };
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    // The kinds of the cycles skipped, drawn as the whole run draws them.
+    for _ in 0..args.from_cycle {
+        rng.gen_range(0..kinds.len());
+    }
     let mut result = Ok(());
-    for cycle in 0..args.cycles {
+    for cycle in args.from_cycle..args.from_cycle.saturating_add(args.cycles) {
         if start.elapsed() >= Duration::from_secs(args.max_secs) {
             break;
         }
@@ -165,7 +175,7 @@ fn run(args: &Args, root: PathBuf) -> Result<u64> {
         // choices do not depend on how the ones before it went.
         let mut crng = rand::rngs::StdRng::seed_from_u64(args.seed.wrapping_mul(7919).wrapping_add(cycle));
         eprintln!(
-            "gpusnap-soak: cycle {cycle}: {kind} (replay: --seed {} --faults {})",
+            "gpusnap-soak: cycle {cycle}: {kind} (replay: --seed {} --faults {} --from-cycle {cycle})",
             args.seed, args.faults
         );
         let r = (|| -> Result<()> {
@@ -184,8 +194,9 @@ fn run(args: &Args, root: PathBuf) -> Result<u64> {
             stats.violation("agent_died", format!("after {kind}"));
             let _ = agent.start(&host);
         }
-        check::services(&host, &agent, &stats, kind);
-        check::answers(&agent, &stats, kind);
+        let context = format!("cycle {cycle} ({kind})");
+        check::services(&host, &agent, &stats, &context);
+        check::answers(&agent, &stats, &context);
     }
 
     stop.store(true, Ordering::SeqCst);
