@@ -183,6 +183,26 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         self.report(&t, st, rec.as_ref())
     }
 
+    /// [`Self::state`] read only, for a probe: nothing is recorded,
+    /// reconciled or adopted, so that it works on a read-only state
+    /// directory and changes nothing. A pid whose record says suspended but
+    /// belongs to an earlier program, while the driver does not hold this
+    /// one suspended (a fresh program, not a restored one), is refused.
+    pub fn look(&self, pid: i32) -> Result<StateReport, Error> {
+        let t = target::resolve_callable(pid)?;
+        let st = self.driver_state(&t)?;
+        let rec = self.store.get(&t)?;
+        if rec.is_none() && !matches!(st, ProcessState::Checkpointed | ProcessState::Locked) {
+            let old = self.store.latest_for_pid(t.pid)?;
+            if old.is_some_and(|o| {
+                o.start_time != t.start_time && matches!(o.state.as_str(), "checkpointed" | "locked")
+            }) {
+                return Err(Error::Reused { pid, comm: t.comm.clone() });
+            }
+        }
+        self.report(&t, st, rec.as_ref())
+    }
+
     fn report(&self, t: &Target, st: ProcessState, rec: Option<&Record>) -> Result<StateReport, Error> {
         let live = self.live_usage(t.pid)?;
         let fp = if live.values().any(|b| *b > 0) {
