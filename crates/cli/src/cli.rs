@@ -336,7 +336,8 @@ pub enum Cmd {
     ///
     /// Not ready, each with its exit code and a one-line reason: 8 dead, 9
     /// nothing listens on the port (in the process's network namespace),
-    /// 10 stuck (a process of its tree stopped), 5 cannot be restored in
+    /// 10 stuck (a process of its tree stopped, or frozen in its cgroup as
+    /// the agent or the driver sees it), 5 cannot be restored in
     /// place (a failed restore). Bad input (a thread id, a process tree
     /// without CUDA, a pid reused by another program) is 2. Whether it is
     /// suspended or cannot be restored comes from the agent on --socket

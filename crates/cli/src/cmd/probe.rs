@@ -136,6 +136,10 @@ fn judge(cli: &Cli, root: i32, port: u16, socket: &Path) -> anyhow::Result<Verdi
                 let why = format!("process {} cannot be restored: {why}", r.pid);
                 return Ok(verdict("unrecoverable", UNRECOVERABLE, Some(why), source));
             }
+            if let Some(r) = rows.iter().find(|r| r.state == "stopped" || r.state == "frozen") {
+                let why = format!("process {} is {}", r.pid, r.state);
+                return Ok(verdict("stuck", STUCK, Some(why), source));
+            }
             if rows.iter().any(|r| r.state == "checkpointed") {
                 "suspended"
             } else {
