@@ -202,21 +202,23 @@ async fn processes(
     let r = match q.tree {
         None => tokio::task::spawn_blocking(move || agent.processes()).await,
         Some(pid) => {
-            let Some(host) =
-                peer.pid.filter(|p| *p > 0).and_then(|caller| gpusnap_core::pidns::translate(caller, pid))
-            else {
+            // /proc is read off the runtime's threads.
+            let caller = peer.pid.filter(|p| *p > 0);
+            let found = tokio::task::spawn_blocking(move || {
+                let host = caller.and_then(|c| gpusnap_core::pidns::translate(c, pid))?;
+                let tree: Vec<i32> =
+                    gpusnap_core::tree::process_tree(host).into_iter().map(|(p, _)| p).collect();
+                Some(agent.look(&tree))
+            })
+            .await;
+            let Ok(Some(r)) = found else {
                 return error(
                     StatusCode::NOT_FOUND,
                     format!("no process {pid} in the caller's pid namespace"),
                     2,
                 );
             };
-            tokio::task::spawn_blocking(move || {
-                let tree: Vec<i32> =
-                    gpusnap_core::tree::process_tree(host).into_iter().map(|(p, _)| p).collect();
-                agent.look(&tree)
-            })
-            .await
+            Ok(r)
         }
     };
     match r {

@@ -161,8 +161,8 @@ fn judge(cli: &Cli, root: i32, port: u16, socket: &Path) -> anyhow::Result<Verdi
 
 /// The agent's view of `root`'s tree (`GET /v1/processes?tree=ROOT`, read
 /// only), or `None` when no agent answers for it: none listens on
-/// `socket`, it does not know the process, it fails or is too slow. Its
-/// refusal of bad input (a reused pid) is the probe's.
+/// `socket`, it refuses this caller or does not know the process, it fails
+/// or is too slow. Its refusal of bad input (a reused pid) is the probe's.
 fn from_agent(root: i32, socket: &Path) -> anyhow::Result<Option<Vec<Row>>> {
     if !socket.exists() {
         return Ok(None);
@@ -175,7 +175,9 @@ fn from_agent(root: i32, socket: &Path) -> anyhow::Result<Option<Vec<Row>>> {
                 Ok(None)
             }
         },
-        Err(e @ ClientError::Api { exit_code: 2, status, .. }) if status != 404 => Err(e.into()),
+        // Bad input the agent found (a reused pid); a refused peer (403) or
+        // an unknown process (404) only means the agent cannot say.
+        Err(e @ ClientError::Api { exit_code: 2, status: 500, .. }) => Err(e.into()),
         Err(e) => {
             tracing::info!("no answer from the agent ({e}); judging without it");
             Ok(None)
