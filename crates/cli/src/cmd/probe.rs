@@ -119,8 +119,9 @@ fn judge(cli: &Cli, root: i32, port: u16, socket: &Path) -> anyhow::Result<Verdi
             source = "agent";
             Some(rows)
         }
-        // The driver and the store know processes by their pids in the
-        // host's pid namespace: only there are they this process's pids.
+        // The store keys its records by host pid (and the driver is asked
+        // with them): only in the host's pid namespace are they this
+        // process's pids.
         None if pidns::in_initial() => {
             source = "driver";
             Some(from_driver(cli, &tree)?)
