@@ -179,8 +179,48 @@ async fn action(
     }
 }
 
-async fn processes(AxState(agent): AxState<Ctl>) -> Response {
-    let r = tokio::task::spawn_blocking(move || agent.processes()).await;
+#[derive(serde::Deserialize)]
+struct ProcessesQuery {
+    /// Only the CUDA processes of this process's tree, read only; the pid
+    /// as the caller sees it (in its own pid namespace).
+    tree: Option<i32>,
+}
+
+/// Every CUDA process of the host, or (`?tree=PID`) those of one process's
+/// tree, `PID` read in the caller's pid namespace: a probe in a container
+/// with a pid namespace of its own names its server as it sees it (pid 1),
+/// and the kernel gives the agent the caller's pid in its own namespace.
+async fn processes(
+    AxState(agent): AxState<Ctl>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    q: Result<Query<ProcessesQuery>, QueryRejection>,
+) -> Response {
+    let Query(q) = match q {
+        Ok(q) => q,
+        Err(e) => return bad_request(e.body_text()),
+    };
+    let r = match q.tree {
+        None => tokio::task::spawn_blocking(move || agent.processes()).await,
+        Some(pid) => {
+            // /proc is read off the runtime's threads.
+            let caller = peer.pid.filter(|p| *p > 0);
+            let found = tokio::task::spawn_blocking(move || {
+                let host = caller.and_then(|c| gpusnap_core::pidns::translate(c, pid))?;
+                let tree: Vec<i32> =
+                    gpusnap_core::tree::process_tree(host).into_iter().map(|(p, _)| p).collect();
+                Some(agent.look(&tree))
+            })
+            .await;
+            let Ok(Some(r)) = found else {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    format!("no process {pid} in the caller's pid namespace"),
+                    2,
+                );
+            };
+            Ok(r)
+        }
+    };
     match r {
         Ok(Ok(ps)) => Json(ps).into_response(),
         Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), e.exit_code()),

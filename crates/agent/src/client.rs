@@ -27,38 +27,59 @@ impl ClientError {
 
 /// Sends `method path` and returns the body of a 2xx answer.
 pub fn request(socket: &Path, method: &str, path: &str) -> Result<String, ClientError> {
-    let rt = tokio::runtime::Builder::new_current_thread()
+    let rt = runtime()?;
+    rt.block_on(exchange(socket, method, path))
+}
+
+/// [`request`], given up after `limit` (a probe must answer within the
+/// kubelet's timeout whatever the agent does).
+pub fn request_within(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    limit: std::time::Duration,
+) -> Result<String, ClientError> {
+    let rt = runtime()?;
+    rt.block_on(async {
+        tokio::time::timeout(limit, exchange(socket, method, path))
+            .await
+            .map_err(|_| ClientError::Protocol(format!("no answer within {limit:?}")))?
+    })
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, ClientError> {
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
+        .map_err(|e| ClientError::Protocol(e.to_string()))
+}
+
+async fn exchange(socket: &Path, method: &str, path: &str) -> Result<String, ClientError> {
+    let connect = |e: std::io::Error| ClientError::Connect {
+        path: socket.display().to_string(),
+        reason: e.to_string(),
+    };
+    let stream = tokio::net::UnixStream::connect(socket).await.map_err(connect)?;
+    let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
         .map_err(|e| ClientError::Protocol(e.to_string()))?;
-    rt.block_on(async {
-        let connect = |e: std::io::Error| ClientError::Connect {
-            path: socket.display().to_string(),
-            reason: e.to_string(),
-        };
-        let stream = tokio::net::UnixStream::connect(socket).await.map_err(connect)?;
-        let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| ClientError::Protocol(e.to_string()))?;
-        tokio::spawn(conn);
-        let req = hyper::Request::builder()
-            .method(method)
-            .uri(path)
-            .header("host", "gpusnap-agent")
-            .body(Empty::<Bytes>::new())
-            .map_err(|e| ClientError::Protocol(e.to_string()))?;
-        let resp = tx.send_request(req).await.map_err(|e| ClientError::Protocol(e.to_string()))?;
-        let status = resp.status().as_u16();
-        let body =
-            resp.into_body().collect().await.map_err(|e| ClientError::Protocol(e.to_string()))?.to_bytes();
-        let text = String::from_utf8_lossy(&body).into_owned();
-        if (200..300).contains(&status) {
-            return Ok(text);
-        }
-        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-        let message =
-            v["error"]["message"].as_str().map_or_else(|| format!("HTTP {status}: {text}"), str::to_string);
-        let exit_code = v["error"]["exit_code"].as_i64().unwrap_or(1) as i32;
-        Err(ClientError::Api { status, message, exit_code })
-    })
+    tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "gpusnap-agent")
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| ClientError::Protocol(e.to_string()))?;
+    let resp = tx.send_request(req).await.map_err(|e| ClientError::Protocol(e.to_string()))?;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.map_err(|e| ClientError::Protocol(e.to_string()))?.to_bytes();
+    let text = String::from_utf8_lossy(&body).into_owned();
+    if (200..300).contains(&status) {
+        return Ok(text);
+    }
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    let message =
+        v["error"]["message"].as_str().map_or_else(|| format!("HTTP {status}: {text}"), str::to_string);
+    let exit_code = v["error"]["exit_code"].as_i64().unwrap_or(1) as i32;
+    Err(ClientError::Api { status, message, exit_code })
 }

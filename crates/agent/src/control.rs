@@ -89,6 +89,11 @@ pub trait Control: Send + Sync + 'static {
     /// Every CUDA process of the host, as `gpusnap ps` (blocks).
     fn processes(&self) -> Result<Vec<StateReport>, gpusnap_hibernate::Error>;
 
+    /// The CUDA processes among `pids`, each as `gpusnap state` reports it,
+    /// read only: nothing recorded or changed, for a probe (blocks). A pid
+    /// that is gone or has no CUDA context is left out.
+    fn look(&self, pids: &[i32]) -> Result<Vec<StateReport>, gpusnap_hibernate::Error>;
+
     /// The journal, to read its entries (blocks).
     fn journal_store(&self) -> Result<gpusnap_core::Store, gpusnap_core::Error>;
 

@@ -336,9 +336,16 @@ pub enum Cmd {
     ///
     /// Not ready, each with its exit code and a one-line reason: 8 dead, 9
     /// nothing listens on the port (in the process's network namespace),
-    /// 10 stuck (a process of its tree stopped), 5 cannot be restored in
-    /// place (a failed restore). With --json, one object: {"ready",
-    /// "state", "pid", "port", "reason", "exit_code"}.
+    /// 10 stuck (a process of its tree stopped, or frozen in its cgroup as
+    /// the agent or the driver sees it), 5 cannot be restored in
+    /// place (a failed restore). Bad input (a thread id, a process tree
+    /// without CUDA, a pid reused by another program) is 2. Whether it is
+    /// suspended or cannot be restored comes from the agent on --socket
+    /// (which reads --pid in the probe's own pid namespace, as a container
+    /// sees it), else from the driver and the state directory when the
+    /// probe runs in the host's pid namespace; with neither, a server that
+    /// lives and listens is ready, "alive". With --json, one object:
+    /// {"ready", "state", "pid", "port", "source", "reason", "exit_code"}.
     Probe {
         /// The server's process (its tree is judged).
         #[arg(long, value_name = "PID", required_unless_present = "container", conflicts_with = "container")]
@@ -349,6 +356,10 @@ pub enum Cmd {
         /// The TCP port the server listens on.
         #[arg(long, value_name = "N")]
         port: u16,
+        /// The agent's control socket (asked, read only, whether the server
+        /// is suspended; absent or silent, the probe judges without it).
+        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
+        socket: PathBuf,
     },
     /// The agent's services and their states.
     Services {

@@ -85,6 +85,14 @@ pub fn engine_at(dir: &Path) -> anyhow::Result<DynEngine> {
     Ok(Engine::new(Deadline::new(api, Timeouts::default()), gpus, store))
 }
 
+/// An engine that only reads, for a probe: the state directory opened
+/// read-only (none there reads as empty), nothing written to it.
+pub fn engine_read_only(dir: &Path) -> anyhow::Result<DynEngine> {
+    let store = Store::open_read_only(dir)?;
+    let (api, gpus) = driver_and_gpus(Load::Strict)?;
+    Ok(Engine::new(Deadline::new(api, Timeouts::default()), gpus, store))
+}
+
 /// The image store, trusting this host's key and those of `--trust`.
 pub fn images(cli: &Cli) -> Result<ImageStore, Error> {
     gpusnap_core::store::check_state_dir(&cli.state_dir)?;

@@ -350,6 +350,16 @@ fn gpusnap_probe_answers_for_running_suspended_stopped_and_dead_servers_without_
     assert_eq!((code, v["state"].as_str()), (0, Some("suspended")), "{v}");
     assert_eq!(a.service()["state"], "suspended", "the probe woke nothing");
     assert_eq!(a.socket_wakes(), 0);
+    // The same from the agent, which the probe asks first when it answers.
+    let sock = a.socket.display().to_string();
+    let r = a.w.json(&["probe", "--pid", &pid.to_string(), "--port", &port.to_string(), "--socket", &sock]);
+    let v: Value = serde_json::from_str(r.stdout.lines().last().unwrap_or("null")).unwrap_or(Value::Null);
+    assert_eq!(
+        (r.code, v["state"].as_str(), v["source"].as_str()),
+        (0, Some("suspended"), Some("agent")),
+        "{v}"
+    );
+    assert_eq!(a.service()["state"], "suspended", "the probe woke nothing");
 
     // Nothing on another port.
     let (code, v) = a.probe(pid, free_port());
@@ -485,4 +495,60 @@ fn a_server_in_its_own_network_namespace_is_woken_by_a_client_there_not_by_the_n
     a.wait_state("running");
     assert_eq!(a.socket_wakes(), 1, "{}", a.metrics());
     drop(probe);
+}
+
+#[test]
+fn gpusnap_probe_refuses_bad_input_with_one_line_and_its_exit_code() {
+    let mut w = World::new(&[8192]);
+    let threads = w.workload(512, 0, &["--threads", "2"]);
+    let reused = w.workload(512, 0, &[]);
+    let mut sleep = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+    let tid: i32 = std::fs::read_dir(format!("/proc/{threads}/task"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .find(|t| *t != threads)
+        .expect("a second thread");
+    // The probe's answer on stderr for `pid`: (exit code, its one line).
+    let probe = |pid: i32| {
+        let r = w.gpusnap(&[
+            "probe",
+            "--pid",
+            &pid.to_string(),
+            "--port",
+            "1",
+            "--socket",
+            "/nonexistent/agent.sock",
+        ]);
+        assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+        assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+        (r.code, r.stderr.trim().to_string())
+    };
+    let (code, err) = probe(tid);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains(&format!("{tid} is a thread of {threads}")), "{err}");
+
+    let (code, err) = probe(sleep.id() as i32);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("has no CUDA context"), "{err}");
+
+    let (code, err) = probe(999_999_999);
+    assert_eq!((code, err.as_str()), (8, "gpusnap: not ready: no process 999999999"));
+
+    // The record of a suspended process under the pid, the process there
+    // now another one (as if the suspended one died and its pid was given
+    // to a new program).
+    let p = reused.to_string();
+    assert_eq!(w.json(&["suspend", &p]).code, 0);
+    assert_eq!(w.json(&["resume", &p]).code, 0);
+    let db = rusqlite::Connection::open(w.state_dir().join("gpusnap.db")).unwrap();
+    for table in ["processes", "footprints"] {
+        let sql = format!("UPDATE {table} SET start_time = start_time - 1 WHERE pid = ?1");
+        db.execute(&sql, [reused]).unwrap();
+    }
+    db.execute("UPDATE processes SET state = 'checkpointed' WHERE pid = ?1", [reused]).unwrap();
+    let (code, err) = probe(reused);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("now belongs to another program"), "{err}");
+    let _ = sleep.kill();
+    let _ = sleep.wait();
 }

@@ -183,6 +183,38 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         self.report(&t, st, rec.as_ref())
     }
 
+    /// [`Self::state`] read only, for a probe: nothing is recorded,
+    /// reconciled or adopted, so that it works on a read-only state
+    /// directory and changes nothing. A pid whose record says suspended but
+    /// belongs to an earlier program, while the driver does not hold this
+    /// one suspended (a fresh program, not a restored one), is refused.
+    /// A stopped process, or one in a frozen cgroup, is not asked (the
+    /// driver would hang): its state is `stopped` or `frozen`.
+    pub fn look(&self, pid: i32) -> Result<StateReport, Error> {
+        let t = match target::resolve_callable(pid) {
+            Ok(t) => t,
+            Err(e @ (Error::Stopped { .. } | Error::Frozen { .. })) => {
+                let t = target::resolve(pid)?;
+                let rec = self.store.get(&t)?;
+                let mut r = self.report(&t, ProcessState::Unknown(-1), rec.as_ref())?;
+                r.state = if matches!(e, Error::Stopped { .. }) { "stopped" } else { "frozen" }.into();
+                return Ok(r);
+            }
+            Err(e) => return Err(e),
+        };
+        let st = self.driver_state(&t)?;
+        let rec = self.store.get(&t)?;
+        if rec.is_none() && !matches!(st, ProcessState::Checkpointed | ProcessState::Locked) {
+            let old = self.store.latest_for_pid(t.pid)?;
+            if old.is_some_and(|o| {
+                o.start_time != t.start_time && matches!(o.state.as_str(), "checkpointed" | "locked")
+            }) {
+                return Err(Error::Reused { pid, comm: t.comm.clone() });
+            }
+        }
+        self.report(&t, st, rec.as_ref())
+    }
+
     fn report(&self, t: &Target, st: ProcessState, rec: Option<&Record>) -> Result<StateReport, Error> {
         let live = self.live_usage(t.pid)?;
         let fp = if live.values().any(|b| *b > 0) {

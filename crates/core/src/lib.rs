@@ -12,6 +12,7 @@ pub mod engine;
 pub mod error;
 pub mod group;
 pub mod hostknob;
+pub mod pidns;
 pub mod remap;
 pub mod reports;
 pub mod statedir;

@@ -3,6 +3,17 @@
 //! process from a later one that got the same pid).
 
 use std::fs;
+use std::sync::OnceLock;
+
+/// Where the fakes read the kernel's view of the processes: `/proc`, or
+/// `$GPUSNAP_FAKE_PROC` (the host's /proc mounted into a container with a
+/// pid namespace of its own, whose own /proc shows only its processes). The
+/// real driver is in the kernel and knows every process by its host pid;
+/// with the host's /proc the fake does too.
+pub fn root() -> &'static str {
+    static ROOT: OnceLock<String> = OnceLock::new();
+    ROOT.get_or_init(|| std::env::var("GPUSNAP_FAKE_PROC").unwrap_or_else(|_| "/proc".into()))
+}
 
 /// What `/proc/PID/stat` says about a task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,7 +46,7 @@ pub fn stat(pid: i32) -> Option<Stat> {
     if pid <= 0 {
         return None;
     }
-    parse_stat(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+    parse_stat(&fs::read_to_string(format!("{}/{pid}/stat", root())).ok()?)
 }
 
 /// Parses a stat line. The command name (field 2) may hold spaces and
@@ -55,7 +66,7 @@ pub fn tgid(tid: i32) -> Option<i32> {
     if tid <= 0 {
         return None;
     }
-    let status = fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    let status = fs::read_to_string(format!("{}/{tid}/status", root())).ok()?;
     status.lines().find_map(|l| l.strip_prefix("Tgid:")).and_then(|v| v.trim().parse().ok())
 }
 
@@ -66,7 +77,7 @@ pub fn tgid(tid: i32) -> Option<i32> {
 /// namespace's pid while the driver is called with the host's; the kernel
 /// driver knows its processes by task, so the fake follows /proc.
 pub fn self_pid() -> i32 {
-    std::fs::read_link("/proc/self")
+    std::fs::read_link(format!("{}/self", root()))
         .ok()
         .and_then(|p| p.to_str()?.parse().ok())
         .unwrap_or(std::process::id() as i32)
@@ -76,7 +87,7 @@ pub fn self_pid() -> i32 {
 /// /proc belongs to (NSpid has more than one pid): a container whose /proc
 /// is the host's.
 pub fn in_child_pid_namespace() -> bool {
-    fs::read_to_string("/proc/self/status").ok().and_then(|s| {
+    fs::read_to_string(format!("{}/self/status", root())).ok().and_then(|s| {
         s.lines().find_map(|l| l.strip_prefix("NSpid:")).map(|v| v.split_whitespace().count() > 1)
     }) == Some(true)
 }
@@ -84,7 +95,7 @@ pub fn in_child_pid_namespace() -> bool {
 /// The calling thread's id as /proc sees it (see [`self_pid`]), from
 /// `/proc/thread-self` (`PID/task/TID`).
 pub fn self_tid() -> i32 {
-    std::fs::read_link("/proc/thread-self")
+    std::fs::read_link(format!("{}/thread-self", root()))
         .ok()
         .and_then(|p| p.file_name()?.to_str()?.parse().ok())
         .unwrap_or_else(|| nix::unistd::gettid().as_raw())

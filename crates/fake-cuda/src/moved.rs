@@ -40,7 +40,7 @@ pub(crate) fn mark(store: &Store, t: &mut Txn, pid: i32) {
 /// The mark `pid` holds open, if any.
 fn token_of(store: &Store, pid: i32) -> Option<String> {
     let ids = store.ids_dir();
-    std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.flatten().find_map(|fd| {
+    std::fs::read_dir(format!("{}/{pid}/fd", procfs::root())).ok()?.flatten().find_map(|fd| {
         let target = std::fs::read_link(fd.path()).ok()?;
         let rel = target.strip_prefix(&ids).ok()?;
         (rel.parent() == Some(Path::new(""))).then(|| rel.to_str().map(str::to_owned)).flatten()

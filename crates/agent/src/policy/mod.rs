@@ -90,6 +90,20 @@ impl Control for Agent {
         self.engine().and_then(|mut e| e.ps().map_err(Into::into))
     }
 
+    fn look(&self, pids: &[i32]) -> Result<Vec<StateReport>, gpusnap_hibernate::Error> {
+        use gpusnap_core::Error as E;
+        let e = self.engine()?;
+        let mut out = Vec::new();
+        for &pid in pids {
+            match e.look(pid) {
+                Ok(r) => out.push(r),
+                Err(E::NotCuda { .. } | E::NoProcess { .. } | E::Zombie { .. }) => {}
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Ok(out)
+    }
+
     fn journal_store(&self) -> Result<gpusnap_core::Store, gpusnap_core::Error> {
         gpusnap_core::Store::open(self.state_dir())
     }

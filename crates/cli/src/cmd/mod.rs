@@ -26,7 +26,9 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Ps { container } => lifecycle::ps(cli, out, container.as_deref()),
         Cmd::State { select } => lifecycle::state(cli, out, select),
         Cmd::History { pid } => lifecycle::history(cli, out, *pid),
-        Cmd::Probe { pid, container, port } => probe::probe(cli, *pid, container.as_deref(), *port),
+        Cmd::Probe { pid, container, port, socket } => {
+            probe::probe(cli, *pid, container.as_deref(), *port, socket)
+        }
         Cmd::Suspend { select, lock_timeout, thp } => {
             lifecycle::suspend(cli, out, select, *lock_timeout, *thp)
         }

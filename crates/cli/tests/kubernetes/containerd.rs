@@ -47,6 +47,18 @@ pub struct TestPod {
     pub log: PathBuf,
 }
 
+/// How a test pod's container sees the node.
+pub enum Sight {
+    /// The node's pid namespace, and the node's state directory mounted
+    /// read-only (`GPUSNAP_STATE_DIR`).
+    Node,
+    /// A pid namespace of its own, as a pod's container has by default: its
+    /// server is pid 1 there. `state_dir`: the node's state directory
+    /// mounted read-only too; `run_dir`: mounted at `/run/gpusnap` (where
+    /// the agent's socket is).
+    OwnPids { state_dir: bool, run_dir: Option<PathBuf> },
+}
+
 /// Whether this test can run a containerd: root, containerd, ctr, runc and
 /// the CNI plugins. `false` skips the test, saying why, except in CI
 /// (CI=true), which installs them and must run it.
@@ -299,7 +311,28 @@ state = "{d}/state"
         mib: u64,
         extra: &[&str],
     ) -> TestPod {
-        let config = self.sandbox_config(ns, name, annotations);
+        self.run_pod_seeing(w, ns, name, annotations, mib, extra, &Sight::Node)
+    }
+
+    /// `run_pod_with`, the pod seeing the node as `sight` says.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_pod_seeing(
+        &self,
+        w: &World,
+        ns: &str,
+        name: &str,
+        annotations: &[(&str, &str)],
+        mib: u64,
+        extra: &[&str],
+        sight: &Sight,
+    ) -> TestPod {
+        let mut config = self.sandbox_config(ns, name, annotations);
+        let own = matches!(sight, Sight::OwnPids { .. });
+        if own {
+            // The kubelet's default: the sandbox and each container a pid
+            // namespace of its own.
+            config.linux = None;
+        }
         let mut c = self.cri.runtime();
         let req = api::RunPodSandboxRequest { config: Some(config.clone()), runtime_handler: String::new() };
         let id = self.call("RunPodSandbox", c.run_pod_sandbox(req)).pod_sandbox_id;
@@ -327,20 +360,14 @@ state = "{d}/state"
             envs: vec![
                 env("LD_LIBRARY_PATH", fake_libdir().display().to_string()),
                 env("GPUSNAP_FAKE_DIR", fake.clone()),
-                // For `gpusnap probe` run in the container: the node's state.
-                env("GPUSNAP_STATE_DIR", state.clone()),
             ],
-            mounts: vec![
-                mount(&fake, false),
-                mount(&state, true),
-                mount(&shared, false),
-                mount(&target, true),
-            ],
+            mounts: vec![mount(&fake, false), mount(&shared, false), mount(&target, true)],
             log_path: "server.log".into(),
             linux: Some(api::LinuxContainerConfig {
                 security_context: Some(api::LinuxContainerSecurityContext {
                     namespace_options: Some(api::NamespaceOption {
-                        pid: api::NamespaceMode::Node as i32,
+                        pid: if own { api::NamespaceMode::Container } else { api::NamespaceMode::Node }
+                            as i32,
                         ..Default::default()
                     }),
                     ..Default::default()
@@ -349,6 +376,36 @@ state = "{d}/state"
             }),
             ..Default::default()
         };
+        let mut container = container;
+        let state_dir = match sight {
+            Sight::Node => true,
+            Sight::OwnPids { state_dir, .. } => *state_dir,
+        };
+        if state_dir {
+            // For `gpusnap probe` run in the container: the node's state.
+            container.envs.push(env("GPUSNAP_STATE_DIR", state.clone()));
+            container.mounts.push(mount(&state, true));
+        }
+        if let Sight::OwnPids { run_dir, .. } = sight {
+            // The fake driver, as the real one in the kernel, knows the
+            // server by its host pid: it reads the host's /proc, mounted
+            // beside the container's own.
+            container.mounts.push(api::Mount {
+                container_path: "/host/proc".into(),
+                host_path: "/proc".into(),
+                readonly: true,
+                ..Default::default()
+            });
+            container.envs.push(env("GPUSNAP_FAKE_PROC", "/host/proc".into()));
+            if let Some(run) = run_dir {
+                std::fs::create_dir_all(run).unwrap();
+                container.mounts.push(api::Mount {
+                    container_path: "/run/gpusnap".into(),
+                    host_path: run.display().to_string(),
+                    ..Default::default()
+                });
+            }
+        }
         let log = PathBuf::from(&config.log_directory).join(&container.log_path);
         let mut pod =
             TestPod { id, pid: 0, status, log, container_id: String::new(), sandbox: config, container };
@@ -371,6 +428,23 @@ state = "{d}/state"
         let port = port.to_string();
         let args = ["--http", &port, "--http-host", "0.0.0.0", "--print-ready"];
         self.run_pod_with(w, ns, name, annotations, mib, &args)
+    }
+
+    /// [`Self::run_server_pod`] in a pid namespace of its own, as `sight`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_server_pod_seeing(
+        &self,
+        w: &World,
+        ns: &str,
+        name: &str,
+        annotations: &[(&str, &str)],
+        mib: u64,
+        port: u16,
+        sight: &Sight,
+    ) -> TestPod {
+        let port = port.to_string();
+        let args = ["--http", &port, "--http-host", "0.0.0.0", "--print-ready"];
+        self.run_pod_seeing(w, ns, name, annotations, mib, &args, sight)
     }
 
     /// The pod's IP on the test's network, as the runtime reports it.
@@ -416,9 +490,17 @@ state = "{d}/state"
         if pod.container.args.iter().any(|a| a == "--http") {
             // A fake server writes no status file: it says `ready PID` on
             // its stdout, which the runtime writes to the container's log.
+            // In a pid namespace of its own it says its pid there (1).
             let ready = format!(" ready {pid}");
-            let listens =
-                || std::fs::read_to_string(&pod.log).is_ok_and(|l| l.lines().any(|l| l.ends_with(&ready)));
+            let own = pod
+                .container
+                .linux
+                .as_ref()
+                .and_then(|l| l.security_context.as_ref())
+                .and_then(|c| c.namespace_options.as_ref())
+                .is_some_and(|n| n.pid == api::NamespaceMode::Container as i32);
+            let said = |l: &str| l.ends_with(&ready) || (own && l.ends_with(" ready 1"));
+            let listens = || std::fs::read_to_string(&pod.log).is_ok_and(|l| l.lines().any(said));
             if !wait_until(LONG, listens) {
                 let st = self.rt.block_on(self.cri.container_status(&cid));
                 let log = std::fs::read_to_string(&pod.log).unwrap_or_default();
@@ -429,6 +511,21 @@ state = "{d}/state"
         }
         pod.container_id = cid;
         pod.pid = pid;
+    }
+
+    /// [`Self::exec`], or the runtime's refusal (a container whose process
+    /// is gone cannot exec).
+    pub fn exec_status(&self, pod: &TestPod, cmd: &[&str]) -> Result<(i32, String), String> {
+        let mut c = self.cri.runtime();
+        let req = api::ExecSyncRequest {
+            container_id: pod.container_id.clone(),
+            cmd: cmd.iter().map(|a| a.to_string()).collect(),
+            timeout: 60,
+        };
+        let r =
+            self.rt.block_on(self.cri.bounded("ExecSync", c.exec_sync(req))).map_err(|e| e.to_string())?;
+        let text = String::from_utf8_lossy(&r.stdout).to_string() + &String::from_utf8_lossy(&r.stderr);
+        Ok((r.exit_code, text))
     }
 
     /// `cmd` run in the pod's container as the kubelet runs an exec probe

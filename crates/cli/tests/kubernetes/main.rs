@@ -7,6 +7,7 @@
 mod common;
 mod containerd;
 mod image;
+mod probe;
 mod wake;
 
 use common::*;
@@ -32,7 +33,11 @@ impl Agent {
 
     /// An agent whose `[kubernetes]` table has `more` keys too.
     fn with(w: &World, ctd: &Containerd, more: &str) -> Agent {
-        let socket = w.tmp.path().join("agent.sock");
+        Self::at(w, ctd, w.tmp.path().join("agent.sock"), more)
+    }
+
+    /// An agent whose API socket is `socket`.
+    fn at(w: &World, ctd: &Containerd, socket: PathBuf, more: &str) -> Agent {
         let config = w.tmp.path().join("agent.toml");
         let text = format!(
             "[agent]\nsocket = {:?}\ntick = \"50ms\"\n\n{}{more}\n",
