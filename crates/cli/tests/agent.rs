@@ -712,6 +712,45 @@ fn a_full_gpu_sends_the_resume_to_another_gpu_of_the_same_model() {
     );
 }
 
+/// A fast-swap server's memory comes back on the GPU it left: with that GPU
+/// full, the agent does not send it to another one; it comes back there
+/// once there is room.
+#[test]
+fn a_fast_swap_server_is_not_sent_to_another_gpu() {
+    let mut a = AgentWorld::on_gpus(
+        &[1000, 1000],
+        "",
+        &[Svc {
+            name: "r",
+            mib: 400,
+            gpu: 0,
+            extra: "suspend_after = \"500ms\"\nwake_timeout = \"3s\"\nfast_swap = true",
+        }],
+    );
+    let pid = a.wait_state("r", "suspended")["pid"].as_i64().unwrap();
+    let hog = a.w.workload(700, 0, &[]);
+    let mut s = TcpStream::connect(("127.0.0.1", a.port(0))).unwrap();
+    s.set_read_timeout(Some(LONG)).unwrap();
+    write!(s, "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    assert_eq!(text, "", "no GPU of its own to come back to, and no other one for it");
+    a.w.kill(hog);
+    // The resume the first request started may still be waiting for memory
+    // (a request that joins it ends with it): ask until one is answered.
+    let mut body = String::new();
+    wait_for(LONG, || {
+        let (code, b) = get_any(a.port(0), "/");
+        body = b;
+        code == 200
+    });
+    let f: Vec<&str> = body.split_whitespace().collect();
+    assert_eq!((f[0], f[1], f[3]), ("ok", pid.to_string().as_str(), "1"), "{body}");
+    let text = std::fs::read_to_string(a.w.fake_dir().join("state.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["procs"][pid.to_string()]["contexts"], serde_json::json!([0]), "{text}");
+}
+
 #[test]
 fn only_services_on_the_full_gpu_are_evicted_and_a_late_one_is_closed() {
     // x runs on GPU 0 (no room left there for y), y was suspended from GPU 1,

@@ -174,6 +174,29 @@ fn a_resume_without_room_for_every_allocation_takes_none_and_a_later_one_succeed
     assert_progressing_at(&st);
 }
 
+/// The library maps its memory back on the GPU it took it from: a resume
+/// onto another GPU is refused before anything is touched (the agent, whose
+/// resume of a full GPU goes to another one, keeps a fast-swap server on its
+/// own), and the resume on its own GPU goes through.
+#[test]
+fn a_fast_swap_program_resumes_on_its_own_gpu_not_another() {
+    let mut w = World::new(&[2048, 2048]);
+    let st = status_file(&w, "own");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "256"]);
+    assert_progressing_at(&st);
+    let p = pid.to_string();
+    assert_eq!(w.json(&["suspend", &p]).code, 0);
+    let r = w.json(&["resume", &p, "--device-map", "0=1"]);
+    assert_eq!(r.code, 2, "{} {}", r.stdout, r.stderr);
+    assert!(r.stderr.contains("fast swap") && r.stderr.lines().count() == 1, "{}", r.stderr);
+    assert_eq!(fast_swap_of(&w, pid)["phase"], "offloaded");
+    assert_eq!(w.json(&["state", &p]).json()["state"], "checkpointed");
+    let r = w.json(&["resume", &p]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(fake_proc(&w, pid)["contexts"], serde_json::json!([0]));
+    assert_progressing_at(&st);
+}
+
 #[test]
 fn a_gpusnap_killed_in_each_phase_is_reconciled_by_the_next_command() {
     // Copies at 0.1 GB/s: an offload or restore of 512 MiB takes seconds.

@@ -436,6 +436,12 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         let need = self.needed(&t, &footprint, opts)?;
         let (pairs, need) = if opts.device_map.is_empty() {
             (Vec::new(), need)
+        } else if opts.device_map.iter().any(|(a, b)| a != b) && self.is_offloaded(&t) {
+            // The library maps its allocations back on the GPU it took them
+            // from; the driver would put the context elsewhere.
+            return Err(Error::BadMap(format!(
+                "pid {pid} runs with fast swap and its memory waits in host memory for its own GPU: it resumes there, not on another"
+            )));
         } else {
             let host = self.host_gpus()?;
             let visible = crate::remap::visible_to(pid, &host);

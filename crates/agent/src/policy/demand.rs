@@ -383,7 +383,12 @@ impl Agent {
 
     /// For a service suspended from one GPU: another GPU of the same model
     /// with room for its footprint (and the margin), as (old, new) uuids.
+    /// None for a fast-swap server whose memory is offloaded: its library
+    /// maps it back on the GPU it came from.
     fn other_gpu(&self, e: &mut DynEngine, pids: &[i32], margin: u64) -> Option<(String, String)> {
+        if pids.iter().any(|&pid| gpusnap_core::swap::status(pid).is_some_and(|s| s.away())) {
+            return None;
+        }
         let mut fp: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
         for pid in pids {
             for (u, b) in e.store().latest_for_pid(*pid).ok()??.footprint {
