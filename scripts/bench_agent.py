@@ -1,8 +1,8 @@
 """Helpers of the agent bench scripts (bench-agent-flood.sh, bench-agent-swap.sh,
-bench-front-door.sh): their Python, run from the repository root, imports
+bench-front-door.sh, bench-sockwake.sh): their Python, run from the repository root, imports
 this file as `bench_agent` (scripts/ on sys.path)."""
 
-import json, os, signal, socket
+import json, os, signal, socket, subprocess
 
 
 def free_port():
@@ -58,3 +58,25 @@ def stop_agent(agent, state):
                     os.kill(r[k], signal.SIGKILL)
                 except OSError:
                     pass
+
+
+def start_fake_agent(work, binary, config):
+    """Starts `gpusnap agent` (`binary`) against the fakes of bench-lib.sh's
+    agent_bench_setup (`work`/lib), a fake GPU of 1000 MiB (`work`/fake) and
+    the state directory `work`/state; its configuration `work`/agent.toml is
+    `[agent]`, its socket `work`/agent.sock, then `config` (the rest of the
+    file); its output goes to `work`/agent.log. Returns (the agent's Popen,
+    the socket's path, the state directory)."""
+    fake, state = os.path.join(work, "fake"), os.path.join(work, "state")
+    os.makedirs(fake)
+    os.makedirs(state)
+    with open(os.path.join(fake, "config.json"), "w") as f:
+        json.dump({"gpus": [{"name": "NVIDIA H200 (fake)", "total_mib": 1000}]}, f)
+    sock = os.path.join(work, "agent.sock")
+    with open(os.path.join(work, "agent.toml"), "w") as f:
+        f.write(f'[agent]\nsocket = "{sock}"\n' + config)
+    env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(work, "lib"), GPUSNAP_FAKE_DIR=fake)
+    log = open(os.path.join(work, "agent.log"), "w")
+    agent = subprocess.Popen([binary, "--state-dir", state, "agent", "--config", os.path.join(work, "agent.toml")],
+                             env=env, stdout=log, stderr=subprocess.STDOUT)
+    return agent, sock, state
