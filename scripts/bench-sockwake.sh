@@ -35,7 +35,7 @@ python3 - "$work" "$RUNS" "$GPUSNAP" "$PROFILE" "$POLL" <<'PY'
 import json, os, re, socket, sys, time
 
 sys.path.insert(0, "scripts")
-from bench_agent import free_port, start_fake_agent, stop_agent
+from bench_agent import free_port, recv_all, start_fake_agent, stop_agent
 
 work, runs, binary, profile, poll = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 fw = os.path.join(work, "lib", "fake-workload")
@@ -56,12 +56,7 @@ def api(method, path):
     s.settimeout(120)
     s.connect(sock)
     s.sendall(f"{method} {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\nContent-Length: 0\r\n\r\n".encode())
-    data = b""
-    while True:
-        b = s.recv(65536)
-        if not b:
-            break
-        data += b
+    data = recv_all(s)
     s.close()
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
@@ -107,12 +102,7 @@ def one(name, port):
     c = socket.create_connection(("127.0.0.1", port), timeout=120)
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    data = b""
-    while True:
-        b = c.recv(65536)
-        if not b:
-            break
-        data += b
+    data = recv_all(c)
     total = time.time() - t0
     c.close()
     if not data.startswith(b"HTTP/1.1 200"):

@@ -14,19 +14,23 @@ def free_port():
     return p
 
 
+def recv_all(s):
+    """Everything socket `s` receives until its peer closes (bytes)."""
+    data = b""
+    while True:
+        b = s.recv(65536)
+        if not b:
+            return data
+        data += b
+
+
 def api_raw(sock, path, timeout):
     """GET `path` on the agent's unix socket `sock`: the answer's head and body (bytes)."""
     s = socket.socket(socket.AF_UNIX)
     s.settimeout(timeout)
     s.connect(sock)
     s.sendall(f"GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n".encode())
-    data = b""
-    while True:
-        b = s.recv(65536)
-        if not b:
-            break
-        data += b
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, _, body = recv_all(s).partition(b"\r\n\r\n")
     return head, body
 
 
