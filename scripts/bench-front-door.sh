@@ -27,31 +27,21 @@ REQS=${REQS:-2000}
 agent_bench_setup doorbench
 
 python3 - "$work" "$REQS" "$GPUSNAP" "$PROFILE" <<'PY'
-import http.client, json, os, socket, subprocess, sys, time
+import http.client, json, os, socket, sys, time
 
 sys.path.insert(0, "scripts")
-from bench_agent import free_port, stop_agent
+from bench_agent import free_port, start_fake_agent, stop_agent
 
 work, reqs, binary, profile = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 fw = os.path.join(work, "lib", "fake-workload")
 
-fake, state = os.path.join(work, "fake"), os.path.join(work, "state")
-os.makedirs(fake)
-os.makedirs(state)
-with open(os.path.join(fake, "config.json"), "w") as f:
-    json.dump({"gpus": [{"name": "NVIDIA H200 (fake)", "total_mib": 1000}]}, f)
-sock = os.path.join(work, "agent.sock")
 door, listen, backend = free_port(), free_port(), free_port()
-cfg = (f'[agent]\nsocket = "{sock}"\nhttp_listen = "127.0.0.1:{door}"\n'
-       f'\n[[service]]\nname = "m"\nmodels = ["bench-model"]\nlisten = "127.0.0.1:{listen}"\n'
-       f'backend = "127.0.0.1:{backend}"\ncommand = ["{fw}", "--mib", "1", "--http", "{backend}"]\n'
-       f'suspend_after = "never"\n')
-with open(os.path.join(work, "agent.toml"), "w") as f:
-    f.write(cfg)
-env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(work, "lib"), GPUSNAP_FAKE_DIR=fake)
-log = open(os.path.join(work, "agent.log"), "w")
-agent = subprocess.Popen([binary, "--state-dir", state, "agent", "--config", os.path.join(work, "agent.toml")],
-                         env=env, stdout=log, stderr=subprocess.STDOUT)
+agent, sock, state = start_fake_agent(
+    work, binary,
+    f'http_listen = "127.0.0.1:{door}"\n'
+    f'\n[[service]]\nname = "m"\nmodels = ["bench-model"]\nlisten = "127.0.0.1:{listen}"\n'
+    f'backend = "127.0.0.1:{backend}"\ncommand = ["{fw}", "--mib", "1", "--http", "{backend}"]\n'
+    f'suspend_after = "never"\n')
 body = json.dumps({"model": "bench-model", "prompt": "hello", "max_tokens": 1})
 headers = {"Content-Type": "application/json"}
 

@@ -32,35 +32,23 @@ POLL=${POLL:-1ms}
 agent_bench_setup sockwake
 
 python3 - "$work" "$RUNS" "$GPUSNAP" "$PROFILE" "$POLL" <<'PY'
-import json, os, re, socket, subprocess, sys, time
+import json, os, re, socket, sys, time
 
 sys.path.insert(0, "scripts")
-from bench_agent import free_port, stop_agent
+from bench_agent import free_port, recv_all, start_fake_agent, stop_agent
 
 work, runs, binary, profile, poll = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 fw = os.path.join(work, "lib", "fake-workload")
 
-
-fake, state = os.path.join(work, "fake"), os.path.join(work, "state")
-os.makedirs(fake)
-os.makedirs(state)
-with open(os.path.join(fake, "config.json"), "w") as f:
-    json.dump({"gpus": [{"name": "NVIDIA H200 (fake)", "total_mib": 1000}]}, f)
-sock = os.path.join(work, "agent.sock")
 sport, listen, backend = free_port(), free_port(), free_port()
-cfg = (f'[agent]\nsocket = "{sock}"\n'
-       f'\n[[service]]\nname = "socket"\nwake_on = "socket"\nbackend = "127.0.0.1:{sport}"\n'
-       f'command = ["{fw}", "--mib", "64", "--http", "{sport}"]\nsuspend_after = "never"\n'
-       f'socket_poll = "{poll}"\n'
-       f'\n[[service]]\nname = "proxy"\nlisten = "127.0.0.1:{listen}"\nbackend = "127.0.0.1:{backend}"\n'
-       f'command = ["{fw}", "--mib", "64", "--gpu", "0", "--http", "{backend}"]\nsuspend_after = "never"\n')
-with open(os.path.join(work, "agent.toml"), "w") as f:
-    f.write(cfg)
-env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(work, "lib"), GPUSNAP_FAKE_DIR=fake)
+agent, sock, state = start_fake_agent(
+    work, binary,
+    f'\n[[service]]\nname = "socket"\nwake_on = "socket"\nbackend = "127.0.0.1:{sport}"\n'
+    f'command = ["{fw}", "--mib", "64", "--http", "{sport}"]\nsuspend_after = "never"\n'
+    f'socket_poll = "{poll}"\n'
+    f'\n[[service]]\nname = "proxy"\nlisten = "127.0.0.1:{listen}"\nbackend = "127.0.0.1:{backend}"\n'
+    f'command = ["{fw}", "--mib", "64", "--gpu", "0", "--http", "{backend}"]\nsuspend_after = "never"\n')
 logpath = os.path.join(work, "agent.log")
-log = open(logpath, "w")
-agent = subprocess.Popen([binary, "--state-dir", state, "agent", "--config", os.path.join(work, "agent.toml")],
-                         env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def api(method, path):
@@ -68,12 +56,7 @@ def api(method, path):
     s.settimeout(120)
     s.connect(sock)
     s.sendall(f"{method} {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\nContent-Length: 0\r\n\r\n".encode())
-    data = b""
-    while True:
-        b = s.recv(65536)
-        if not b:
-            break
-        data += b
+    data = recv_all(s)
     s.close()
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
@@ -119,12 +102,7 @@ def one(name, port):
     c = socket.create_connection(("127.0.0.1", port), timeout=120)
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    data = b""
-    while True:
-        b = c.recv(65536)
-        if not b:
-            break
-        data += b
+    data = recv_all(c)
     total = time.time() - t0
     c.close()
     if not data.startswith(b"HTTP/1.1 200"):

@@ -31,6 +31,8 @@
 NAME=container-e2e
 # shellcheck source=tests/gpu/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+# shellcheck source=tests/gpu/plugin-lib.sh
+. "$GPU_DIR/plugin-lib.sh"
 
 CONT_GIB=${CONT_GIB:-2}
 CONT_MODES=${CONT_MODES:-bare ns pidns}
@@ -45,21 +47,14 @@ STEPS=$WORK/steps.tsv # mode step seconds note
 NPASS=0 NFAIL=0 NSKIP=0 NINFO=0
 FINISHED=0
 NS_OK="" # first namespace mode whose cycle went through
-
-step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(cell "${4:-}")" >>"$STEPS"; }
+FLOW_ST="" FLOW_BUDGET_S=$CONT_BUDGET_S FLOW_PROGRESS_S=60 FLOW_WORKER_WHAT="the worker"
 
 # ---------------------------------------------------------------- setup
 
 BIN=$WORK/bin
 mkdir -p "$BIN"
 ln -sfn "$GPUSNAP" "$BIN/cuda-checkpoint"
-CRIU_BIN=$(command -v criu 2>/dev/null || true)
-PLUGINS=${CONT_PLUGINS:-}
-if [ -z "$PLUGINS" ] && [ -n "$CRIU_BIN" ]; then
-    for d in "$(dirname "$(dirname "$CRIU_BIN")")/lib/criu" "$(dirname "$(dirname "$(readlink -f "$CRIU_BIN")")")/lib/criu"; do
-        if [ -f "$d/cuda_plugin.so" ]; then PLUGINS=$d; break; fi
-    done
-fi
+find_plugins
 
 # ccriu ID WHAT LOG ARGS...: criu with the CUDA plugin and gpusnap as its
 # cuda-checkpoint, in a session of its own; sets CR_RC, CR_S, CR_ERR.
@@ -76,15 +71,12 @@ ccriu() {
     CR_S=$(fsub "$t0" "$t1")
     CR_ERR=""
     if [ "$CR_RC" != 0 ]; then
-        CR_ERR=$(grep -E 'Error|rror \(' "$lg" 2>/dev/null | grep -v RLIMIT_NOFILE | head -n 2 | cut -c1-240 | tr '\n' ' ')
+        CR_ERR=$(crit_err "$lg")
         tail -n 40 "$lg" >"$WORK/tail.txt" 2>/dev/null; log_file "criu log (last lines)" "$WORK/tail.txt"
     fi
     log "  -> exit $CR_RC in ${CR_S}s ${CR_ERR:+($CR_ERR)}"
     row "$id" "$what" "exit 0" "exit $CR_RC${CR_ERR:+; $CR_ERR}" "$([ "$CR_RC" = 0 ] && echo PASS || echo FAIL)" "$CR_S s"
 }
-
-# plugin_lines LOG: what the CUDA plugin said (one line).
-plugin_lines() { grep -o 'cuda_plugin: .*' "$1" 2>/dev/null | cut -c1-90 | sort | uniq -c | sort -rn | head -n 4 | tr -s ' ' | tr '\n' ';'; }
 
 # start_mode MODE NAME: the worker in MODE; sets WPID (the worker's pid as
 # seen here) and UPID (unshare's, or empty).
@@ -116,42 +108,6 @@ start_mode() {
 if ! declare -F worker_cmd >/dev/null; then
     worker_cmd() { printf '%s\n' python3 "$GPU_DIR/$CONT_WORKER" "$CONT_GIB" "$1"; }
 fi
-
-# ready NAME PID TIMEOUT: like wait_ready, but the status pid is the one the
-# worker sees (1 in its own pid namespace).
-ready() {
-    local end=$((SECONDS + $3))
-    while [ "$SECONDS" -lt "$end" ]; do
-        alive "$2" || { log_file "$1 log" "$WORK/$1.log"; return 1; }
-        if read_status "$WORK/$1.status" && [ "$ST_ITER" -ge 2 ]; then [ "$ST_OK" = 1 ]; return; fi
-        sleep 0.5
-    done
-    log_file "$1 log" "$WORK/$1.log"
-    return 1
-}
-
-# progress ID NAME PID I0 T0: the status line advances past I0 with ok=1;
-# the seconds since T0 (now) until it did are a step.
-progress() {
-    local id=$1 name=$2 pid=$3 i0=$4 t0=$5 got v=FAIL s=""
-    if ! alive "$pid"; then
-        got="no process $pid"
-    elif wait_iter_gt "$name" "$i0" 60; then
-        s=$(fsub "$t0" "$(now)")
-        got="iteration $i0 -> $ST_ITER, ok=$ST_OK"
-        [ "$ST_OK" = 1 ] && v=PASS
-    else
-        got="no progress in 60 s (iteration ${ST_ITER:-?}, ok=${ST_OK:-?})"
-    fi
-    row "$id" "the worker computes again, checksum intact" "iteration > $i0, ok=1" "$got" "$v" "${s:+$s s}"
-    [ "$v" = PASS ]
-}
-
-# ops PID: the operations of gpusnap's journal for PID ("lock checkpoint ...").
-ops() {
-    gs 30 history "$1"
-    jget "$GS_OUT" '" ".join(e["op"] for e in d["events"])'
-}
 
 # dump_mode MODE NAME PID DIR: criu dump, for the ns modes retried with
 # CONT_DUMP_ARGS after a failure (a failed dump leaves the worker running).
@@ -235,7 +191,7 @@ cycle() {
 # fill_cycle MODE: the restore meets a filler; the process must come back
 # checkpointed, and resume once the filler is gone.
 fill_cycle() {
-    local mode=$1 name=f-$1 dir=$WORK/img-f-$1 i0 t0 mib o leave v
+    local mode=$1 name=f-$1 dir=$WORK/img-f-$1 i0 mib
     need_s 120 "fill" || return 0
     rm -rf "$dir" && mkdir -p "$dir"
     if ! start_mode "$mode" "$name" || ! ready "$name" "$WPID" 120; then
@@ -251,60 +207,21 @@ fill_cycle() {
     [ -n "$UPID" ] && { wait_gone "$UPID" 30 || true; reap "$UPID"; }
     read_status "$WORK/$name.status"
     i0=$ST_ITER
-    leave=$(((${mib:-2048}) / 3))
-    if ! start_filler "$leave" 120; then
-        row f.1 "fill ($mode): a filler leaves $leave MiB (the worker held ${mib:-?} MiB)" "ready" "filler failed" FAIL
-        return 0
-    fi
-    row f.1 "fill ($mode): a filler leaves $leave MiB (the worker held ${mib:-?} MiB)" "ready" "free $(smi_free_mib) MiB" PASS
+    fill_start "fill ($mode)" "$mib" || return 0
     restore_mode "fill-$mode" "$dir"
     if [ -z "$RPID" ] || ! alive "$RPID"; then
         row f.2 "fill ($mode): the process is back" "alive" "no process (criu exit $CR_RC)" FAIL
         kill_fillers
         return 0
     fi
-    row f.2 "fill ($mode): the plugin's restore at dump-time size" "RESUME_DEVICES failed, gpusnap's refusal in the log" \
-        "$(grep -oE 'RESUME_DEVICES[^"]*|not enough GPU memory[^"]{0,80}' "$dir/restore.log" | head -n 2 | tr '\n' ' ' | cut -c1-240)" \
-        "$(grep -q 'not enough GPU memory' "$dir/restore.log" && echo PASS || echo FAIL)"
-    gs_state "$RPID"
-    v=FAIL; [[ $S_STATE == checkpointed ]] && v=PASS
-    row f.3 "fill ($mode): gpusnap state of pid $RPID" "checkpointed (recoverable), no GPU memory" \
-        "exit $GS_RC, ${S_STATE:-?}, footprint $(gb "$S_FP") GB; nvidia-smi $(smi_pid_mib "$RPID") MiB${GS_MSG:+; $GS_MSG}" "$v"
-    gs 60 resume "$RPID"
-    row f.4 "fill ($mode): gpusnap resume while the filler holds the GPU" "exit 3 (no room)" "exit $GS_RC${GS_MSG:+; $GS_MSG}" \
-        "$([ "$GS_RC" = 3 ] && echo PASS || echo FAIL)"
-    kill_fillers
-    t0=$(now)
-    gs 180 resume "$RPID" --wait 60
-    row f.5 "fill ($mode): gpusnap resume once the filler is gone" "exit 0, running" \
-        "exit $GS_RC, $(gs_result state)${GS_MSG:+; $GS_MSG}" "$([ "$GS_RC" = 0 ] && echo PASS || echo FAIL)" "$GS_S s"
-    step "fill-$mode" "gpusnap resume after the filler" "$GS_S" "exit $GS_RC"
-    progress f.6 "$name" "$RPID" "$i0" "$t0" || true
-    o=$(ops "$RPID")
-    row f.7 "fill ($mode): gpusnap's journal of pid $RPID" "the refused restore and the resume (INFO)" "${o:-none}" INFO
-    stop_safely "$RPID" "end of fill" || true
+    fill_refused "fill ($mode)" dump "$dir/restore.log"
+    fill_resume "fill ($mode)" "fill-$mode" "$name" "$RPID" "$i0"
     rm -rf "$dir"
-}
-
-# gs_state PID: S_STATE, S_FP.
-gs_state() {
-    gs 30 state "$1"
-    S_STATE=$(jget "$GS_OUT" 'd["state"]')
-    S_FP=$(jget "$GS_OUT" 'd.get("footprint_bytes")')
-}
-gs_result() { jget "$GS_OUT" "d[\"results\"][0][\"$1\"]"; }
-
-need_s() {
-    if [ "$SECONDS" -ge $((CONT_BUDGET_S - $1)) ]; then
-        row "$2" "$2" "within the budget" "skipped: ${SECONDS}s of ${CONT_BUDGET_S}s used" SKIP
-        return 1
-    fi
 }
 
 # ---------------------------------------------------------------- report
 
 write_table() {
-    local m
     {
         echo "# CRIU's CUDA plugin through gpusnap, in namespaces and outside"
         echo
@@ -316,11 +233,7 @@ write_table() {
         echo
         rows_md id check expected got result figure
         echo
-        echo "## Steps (seconds)"
-        echo
-        echo "| mode | step | seconds | note |"
-        echo "|---|---|---|---|"
-        while IFS=$'\t' read -r m s t n; do printf '| %s | %s | %s | %s |\n' "$m" "$s" "$t" "$n"; done <"$STEPS"
+        steps_md mode
     } >"$OUT/$NAME.md"
 }
 

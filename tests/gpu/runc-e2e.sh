@@ -57,6 +57,8 @@
 NAME=runc-e2e
 # shellcheck source=tests/gpu/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+# shellcheck source=tests/gpu/plugin-lib.sh
+. "$GPU_DIR/plugin-lib.sh"
 
 RUNC_GIB=${RUNC_GIB:-${CONT_GIB:-2}}
 RUNC_WORKER=${RUNC_WORKER:-${CONT_WORKER:-worker_cupy.py}}
@@ -76,8 +78,7 @@ mkdir -p "$R/state" "$R/bin" "$R/bundle/rootfs" "$ST/tmp" "$ST/home"
 CONTAINERS=()           # every id run or restored: `runc delete -f` at the end
 CKPT_S="" RESTORE_S=""  # the figures of the first cycle
 KNOWN=0                 # gpusnap found the record of the cycle's restored process
-
-step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(cell "${4:-}")" >>"$STEPS"; }
+FLOW_ST=st/ FLOW_BUDGET_S=$RUNC_BUDGET_S FLOW_PROGRESS_S=90 FLOW_WORKER_WHAT="the worker in the container"
 
 # worker_cmd STATUS: the worker's command line (a dry run's hook replaces it).
 if ! declare -F worker_cmd >/dev/null; then
@@ -124,13 +125,7 @@ setup() {
     row r0 "runc $RUNC starts${RUNC_LD:+ (LD_LIBRARY_PATH=$RUNC_LD)}" "runc --version exit 0" \
         "exit $v: $(printf '%s' "$out" | tr '\n' ' ' | cut -c1-200)${missing:+; libraries not found: $missing}" "$([ "$v" = 0 ] && echo PASS || echo FAIL)"
     [ "$v" = 0 ] || return 1
-    CRIU_BIN=$(command -v criu 2>/dev/null || true)
-    PLUGINS=${CONT_PLUGINS:-}
-    if [ -z "$PLUGINS" ] && [ -n "$CRIU_BIN" ]; then
-        for d in "$(dirname "$(dirname "$CRIU_BIN")")/lib/criu" "$(dirname "$(dirname "$(readlink -f "$CRIU_BIN")")")/lib/criu"; do
-            if [ -f "$d/cuda_plugin.so" ]; then PLUGINS=$d; break; fi
-        done
-    fi
+    find_plugins
     if [ -z "$CRIU_BIN" ] || [ -z "$PLUGINS" ]; then
         row pre "criu and CRIU's cuda_plugin.so" "found" "criu '${CRIU_BIN:-none}', plugins '${PLUGINS:-none}'" FAIL
         return 1
@@ -306,48 +301,7 @@ start() {
     [ "$RC_RC" = 0 ] && [ -n "$CPID" ] && ready "$name" "$CPID" 180 && START_S=$(fsub "$t0" "$(now)")
 }
 
-# ready NAME PID TIMEOUT: 2 passes with ok=1 (the pid in the status line is
-# the one the worker sees: 1 in its own pid namespace).
-ready() {
-    local end=$((SECONDS + $3))
-    while [ "$SECONDS" -lt "$end" ]; do
-        alive "$2" || { log_file "$1 log" "$ST/$1.log"; return 1; }
-        if read_status "$ST/$1.status" && [ "$ST_ITER" -ge 2 ]; then [ "$ST_OK" = 1 ]; return; fi
-        sleep 0.5
-    done
-    log_file "$1 log" "$ST/$1.log"
-    return 1
-}
-
-# progress ID NAME PID I0 T0: the status advances past I0 with ok=1.
-progress() {
-    local id=$1 name=$2 pid=$3 i0=$4 t0=$5 got v=FAIL s=""
-    if ! alive "$pid"; then
-        got="no process $pid"
-    elif wait_iter_gt "st/$name" "$i0" 90; then
-        s=$(fsub "$t0" "$(now)")
-        got="iteration $i0 -> $ST_ITER, ok=$ST_OK"
-        [ "$ST_OK" = 1 ] && v=PASS
-    else
-        got="no progress in 90 s (iteration ${ST_ITER:-?}, ok=${ST_OK:-?})"
-    fi
-    row "$id" "the worker in the container computes again, checksum intact" "iteration > $i0, ok=1" "$got" "$v" "${s:+$s s}"
-    [ "$v" = PASS ]
-}
-
-ops() {
-    gs 30 history "$1"
-    jget "$GS_OUT" '" ".join(e["op"] for e in d["events"])'
-}
-plugin_lines() { grep -o 'cuda_plugin: .*' "$1" 2>/dev/null | cut -c1-90 | sort | uniq -c | sort -rn | head -n 4 | tr -s ' ' | tr '\n' ';'; }
-gs_state() {
-    gs 30 state "$1"
-    S_STATE=$(jget "$GS_OUT" 'd["state"]')
-    S_FP=$(jget "$GS_OUT" 'd.get("footprint_bytes")')
-}
-gs_result() { jget "$GS_OUT" "d[\"results\"][0][\"$1\"]"; }
 log_tail() { tail -n "${2:-30}" "$1" >"$WORK/tail.txt" 2>/dev/null && log_file "$1 (last lines)" "$WORK/tail.txt"; }
-crit_err() { grep -E 'Error|rror \(' "$1" 2>/dev/null | grep -v RLIMIT_NOFILE | head -n 2 | cut -c1-240 | tr '\n' ' '; }
 
 # checkpoint P ID PID IMG WORKDIR: runc checkpoint and its rows (P: row prefix).
 checkpoint() {
@@ -443,7 +397,7 @@ cycle() {
 # fill_cycle: the restore meets a filler; the container must come back with
 # its CUDA state checkpointed, and resume once the filler is gone.
 fill_cycle() {
-    local name=f id=gpusnap-runc-f i0 t0 mib o leave v
+    local name=f id=gpusnap-runc-f i0 mib
     need_s 120 f || return 0
     # A restore without admission that does not fit would leave the process
     # stuck: where gpusnap did not know the restored pid, the container
@@ -466,38 +420,15 @@ PY
     checkpoint f "$id" "$CPID" "$R/img-f" "$R/work-f" || return 0
     read_status "$ST/$name.status"
     i0=$ST_ITER
-    leave=$(((${mib:-2048}) / 3))
-    if ! start_filler "$leave" 120; then
-        row f.1 "fill: a filler leaves $leave MiB (the worker held ${mib:-?} MiB)" "ready" "filler failed" FAIL
-        return 0
-    fi
-    row f.1 "fill: a filler leaves $leave MiB (the worker held ${mib:-?} MiB)" "ready" "free $(smi_free_mib) MiB" PASS
+    fill_start fill "$mib" || return 0
     restore f "$id-r" "$R/img-f" "$R/work-f-r"
     if [ -z "$RPID" ] || ! alive "$RPID"; then
         row f.2 "fill: the container is back" "alive" "no process (runc exit $RS_RC)" FAIL
         kill_fillers
         return 0
     fi
-    row f.2 "fill: the plugin's restore at checkpoint-time size" "RESUME_DEVICES failed, gpusnap's refusal in the log" \
-        "$(grep -oE 'RESUME_DEVICES[^"]*|not enough GPU memory[^"]{0,80}' "$R/work-f-r/restore.log" | head -n 2 | tr '\n' ' ' | cut -c1-240)" \
-        "$(grep -q 'not enough GPU memory' "$R/work-f-r/restore.log" && echo PASS || echo FAIL)"
-    gs_state "$RPID"
-    v=FAIL; [[ $S_STATE == checkpointed ]] && v=PASS
-    row f.3 "fill: gpusnap state of pid $RPID" "checkpointed (recoverable), no GPU memory" \
-        "exit $GS_RC, ${S_STATE:-?}, footprint $(gb "$S_FP") GB; nvidia-smi $(smi_pid_mib "$RPID") MiB${GS_MSG:+; $GS_MSG}" "$v"
-    gs 60 resume "$RPID"
-    row f.4 "fill: gpusnap resume while the filler holds the GPU" "exit 3 (no room)" "exit $GS_RC${GS_MSG:+; $GS_MSG}" \
-        "$([ "$GS_RC" = 3 ] && echo PASS || echo FAIL)"
-    kill_fillers
-    t0=$(now)
-    gs 180 resume "$RPID" --wait 60
-    row f.5 "fill: gpusnap resume once the filler is gone" "exit 0, running" \
-        "exit $GS_RC, $(gs_result state)${GS_MSG:+; $GS_MSG}" "$([ "$GS_RC" = 0 ] && echo PASS || echo FAIL)" "$GS_S s"
-    step f "gpusnap resume after the filler" "$GS_S" "exit $GS_RC"
-    progress f.6 "$name" "$RPID" "$i0" "$t0" || true
-    o=$(ops "$RPID")
-    row f.7 "fill: gpusnap's journal of pid $RPID" "the refused restore and the resume (INFO)" "${o:-none}" INFO
-    stop_safely "$RPID" "end of fill" || true
+    fill_refused fill checkpoint "$R/work-f-r/restore.log"
+    fill_resume fill f "$name" "$RPID" "$i0"
     rm -rf "$R/img-f"
 }
 
@@ -517,17 +448,9 @@ figures() {
         "runc ${RESTORE_S:-?} s; bare ${br:-not measured}${br:+ s}$([ -n "$br" ] && [ -n "$RESTORE_S" ] && calc ' (x%.2f)' 'a / b' a="$RESTORE_S" b="$br")" INFO
 }
 
-need_s() {
-    if [ "$SECONDS" -ge $((RUNC_BUDGET_S - $1)) ]; then
-        row "$2" "$2" "within the budget" "skipped: ${SECONDS}s of ${RUNC_BUDGET_S}s used" SKIP
-        return 1
-    fi
-}
-
 # ---------------------------------------------------------------- report
 
 write_table() {
-    local m s t n
     {
         echo "# A CUDA container through runc, CRIU's CUDA plugin and gpusnap"
         echo
@@ -540,11 +463,7 @@ write_table() {
         echo
         rows_md id check expected got result figure
         echo
-        echo "## Steps (seconds)"
-        echo
-        echo "| flow | step | seconds | note |"
-        echo "|---|---|---|---|"
-        while IFS=$'\t' read -r m s t n; do printf '| %s | %s | %s | %s |\n' "$m" "$s" "$t" "$n"; done <"$STEPS"
+        steps_md flow
     } >"$OUT/$NAME.md"
 }
 

@@ -9,25 +9,82 @@ use common::*;
 use std::path::Path;
 use std::time::Duration;
 
+/// The entries of the store's chunks directory (named or temporary).
+fn chunk_entries(state: &Path) -> impl Iterator<Item = std::fs::DirEntry> {
+    let dirs = std::fs::read_dir(state.join("store").join("chunks")).into_iter().flatten().flatten();
+    dirs.flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten())
+}
+
 /// Every file under the store's chunks directory (named or temporary).
 fn store_files(state: &Path) -> Vec<String> {
-    let mut out = Vec::new();
-    for d in std::fs::read_dir(state.join("store").join("chunks")).into_iter().flatten().flatten() {
-        for f in std::fs::read_dir(d.path()).into_iter().flatten().flatten() {
-            out.push(f.file_name().to_string_lossy().into_owned());
-        }
-    }
-    out
+    chunk_entries(state).map(|f| f.file_name().to_string_lossy().into_owned()).collect()
 }
 
 fn store_bytes(state: &Path) -> u64 {
-    let mut n = 0;
-    for d in std::fs::read_dir(state.join("store").join("chunks")).into_iter().flatten().flatten() {
-        for f in std::fs::read_dir(d.path()).into_iter().flatten().flatten() {
-            n += f.metadata().map(|m| m.len()).unwrap_or(0);
-        }
-    }
-    n
+    chunk_entries(state).map(|f| f.metadata().map(|m| m.len()).unwrap_or(0)).sum()
+}
+
+/// `gpusnap --json ARGS`, which must exit 0.
+fn ok(w: &World, args: &[&str]) -> Run {
+    let r = w.json(args);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    r
+}
+
+/// A world whose hibernates write pages files (`GPUSNAP_DUMP_FIFO=0`)
+/// rather than FIFOs.
+fn world_without_fifos() -> World {
+    let mut w = World::new(&[8192]);
+    w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
+    w
+}
+
+/// Hibernates `pid` as `x` with a criu that runs `script` (its images
+/// directory in `$d`) and fails: exit 1, CRIU's error (`says`) in the
+/// message.
+fn hibernate_with_failing_criu(w: &World, pid: i32, script: &str, says: &str) {
+    let fake = w.tmp.path().join("criu-fails");
+    fake_criu(&fake, "--images-dir", script);
+    let r = w.json(&["--criu", fake.to_str().unwrap(), "hibernate", &pid.to_string(), "--image", "x"]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(r.stderr.contains(says), "{}", r.stderr);
+}
+
+/// What a failed hibernate of `pid` must leave: the process running on as
+/// before, no image, not one chunk (named or temporary).
+fn assert_undone(w: &World, pid: i32) {
+    let state = w.state_dir();
+    assert_eq!(w.json(&["state", &pid.to_string()]).json()["state"], "running");
+    w.assert_progressing(pid);
+    assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
+    assert_eq!(store_files(&state), Vec::<String>::new());
+}
+
+/// Image `name`'s manifest.
+fn manifest(state: &Path, name: &str) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(state.join("images").join(name).join("manifest.json")).unwrap())
+        .unwrap()
+}
+
+/// Hibernates `p` as `image`, its pages through FIFOs.
+fn hibernate_through_fifos(w: &World, p: &str, image: &str) {
+    let r = ok(w, &["hibernate", p, "--image", image]);
+    assert_eq!(r.json()["stages"]["dump_dir"], "fifo");
+}
+
+/// `pid`, hibernated as `image`, woken from it and computing again.
+fn wake_back(w: &mut World, pid: i32, image: &str) {
+    w.reap(pid);
+    ok(w, &["wake", image, "--wait", "10"]);
+    w.adopt(pid);
+    w.assert_progressing(pid);
+}
+
+/// The holder writing `out` checks its memory again, more than twice past
+/// `good` checks, and intact.
+fn assert_checks_intact(out: &Path, good: usize) {
+    wait_for(Duration::from_secs(60), || checks(out).0 > good + 2);
+    assert_eq!(checks(out).1, 0, "the memory came back intact");
 }
 
 /// A python process holding `mib` MiB of random bytes, checking them.
@@ -41,8 +98,7 @@ fn holder(w: &mut World, mib: u64) -> (i32, std::path::PathBuf) {
 /// stored again in chunks the store had, no temporary chunk left.
 fn two_snapshots_share_their_chunks(w: &World, p: &str, dump_dir: Option<&str>) {
     let state = w.state_dir();
-    let r = w.json(&["snapshot", p, "--image", "one"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = ok(w, &["snapshot", p, "--image", "one"]);
     let s = &r.json()["stages"];
     if let Some(d) = dump_dir {
         assert_eq!(s["dump_dir"], d, "{s}");
@@ -65,8 +121,7 @@ fn two_snapshots_share_their_chunks(w: &World, p: &str, dump_dir: Option<&str>) 
     let once = store_bytes(&state);
     assert!(once > 300 << 20, "{once}");
     // The same memory again: its chunks are in the store already.
-    let r = w.json(&["snapshot", p, "--image", "two"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    ok(w, &["snapshot", p, "--image", "two"]);
     let twice = store_bytes(&state);
     assert!(twice - once < 32 << 20, "stored again: {once} then {twice}");
     assert!(store_files(&state).iter().all(|f| !f.contains(".tmp-")));
@@ -75,8 +130,7 @@ fn two_snapshots_share_their_chunks(w: &World, p: &str, dump_dir: Option<&str>) 
 #[test]
 fn memory_larger_than_a_segment_is_followed_deduplicated_and_wakes_intact() {
     criu_present();
-    let mut w = World::new(&[8192]);
-    w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
+    let mut w = world_without_fifos();
     w.run_limit = Duration::from_secs(300);
     // More than one 256 MiB segment: some of it is chunked while CRIU dumps.
     let (pid, out) = holder(&mut w, 300);
@@ -85,8 +139,7 @@ fn memory_larger_than_a_segment_is_followed_deduplicated_and_wakes_intact() {
     two_snapshots_share_their_chunks(&w, &p, None);
     // Both images are whole; the pages files are gone from them.
     for name in ["one", "two"] {
-        let r = w.json(&["images", "verify", name]);
-        assert_eq!(r.code, 0, "{}", r.stderr);
+        ok(&w, &["images", "verify", name]);
         let pages = std::fs::read_dir(state.join("images").join(name).join("criu"))
             .unwrap()
             .flatten()
@@ -95,27 +148,23 @@ fn memory_larger_than_a_segment_is_followed_deduplicated_and_wakes_intact() {
         assert_eq!(pages, 0, "{name}");
     }
 
-    let r = w.json(&["hibernate", &p, "--image", "three"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    ok(&w, &["hibernate", &p, "--image", "three"]);
     wake_intact(&mut w, pid, "three", &out);
 }
 
 #[test]
 fn a_criu_failure_mid_dump_with_the_follower_running_leaves_nothing() {
     criu_present();
-    let mut w = World::new(&[8192]);
-    w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
+    let mut w = world_without_fifos();
     w.run_limit = Duration::from_secs(300);
     let pid = w.workload(256, 0, &[]);
-    let p = pid.to_string();
     let state = w.state_dir();
     let seen = w.tmp.path().join("seen");
     // A criu that writes more than a segment of pages, waits until the
     // follower has staged chunks of it, and fails.
-    let fake = w.tmp.path().join("criu-fails");
-    fake_criu(
-        &fake,
-        "--images-dir",
+    hibernate_with_failing_criu(
+        &w,
+        pid,
         &format!(
             "head -c 300M /dev/urandom > \"$d/pages-1.img\"\n\
              i=0; while [ $i -lt 1200 ]; do\n\
@@ -126,16 +175,11 @@ fn a_criu_failure_mid_dump_with_the_follower_running_leaves_nothing() {
             store = state.join("store").display(),
             seen = seen.display()
         ),
+        "disk on fire",
     );
-    let r = w.json(&["--criu", fake.to_str().unwrap(), "hibernate", &p, "--image", "x"]);
-    assert_eq!(r.code, 1, "{}", r.stderr);
-    assert!(r.stderr.contains("disk on fire"), "{}", r.stderr);
     assert!(seen.exists(), "the follower staged chunks while the dump ran");
     // Back as it was, no image, and not one chunk (named or temporary).
-    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
-    w.assert_progressing(pid);
-    assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
-    assert_eq!(store_files(&state), Vec::<String>::new());
+    assert_undone(&w, pid);
     assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
 }
 
@@ -150,10 +194,7 @@ fn hibernate_fails_and_is_undone(w: &mut World, pid: i32, hook: &str) {
     w.env_extra.retain(|(k, _)| k != hook);
     assert_eq!(r.code, 1, "{}", r.stderr);
     assert!(r.stderr.contains("test hook"), "{}", r.stderr);
-    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
-    w.assert_progressing(pid);
-    assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
-    assert_eq!(store_files(&state), Vec::<String>::new());
+    assert_undone(w, pid);
     assert_eq!(fifos_under(&state), Vec::<String>::new());
     assert_eq!(w.calls_on(pid), ["lock=0", "checkpoint=0", "restore=0", "unlock=0"]);
 }
@@ -161,22 +202,16 @@ fn hibernate_fails_and_is_undone(w: &mut World, pid: i32, hook: &str) {
 #[test]
 fn a_follower_that_fails_after_the_dump_undoes_the_hibernate() {
     criu_present();
-    let mut w = World::new(&[8192]);
-    w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
+    let mut w = world_without_fifos();
     let pid = w.workload(512, 0, &[]);
     let p = pid.to_string();
     hibernate_fails_and_is_undone(&mut w, pid, "GPUSNAP_TEST_FOLLOW_FAIL_AFTER");
     // Following off: the same hibernate, chunked after the dump as before.
     w.env_extra.push(("GPUSNAP_FOLLOW".into(), "0".into()));
-    let r = w.json(&["hibernate", &p, "--image", "x"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = ok(&w, &["hibernate", &p, "--image", "x"]);
     assert_eq!(r.json()["stages"]["follow_after_bytes"], 0);
-    w.reap(pid);
     w.env_extra.retain(|(k, _)| k == "GPUSNAP_DUMP_FIFO");
-    let r = w.json(&["wake", "x", "--wait", "10"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
-    w.assert_progressing(pid);
+    wake_back(&mut w, pid, "x");
 }
 
 /// A tmpfs base of this test's own under /dev/shm (removed at the end).
@@ -208,8 +243,7 @@ impl Drop for ShmBase {
 #[test]
 fn a_dump_on_tmpfs_is_punched_as_chunked_wakes_intact_and_leaves_no_directory() {
     criu_present();
-    let mut w = World::new(&[8192]);
-    w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
+    let mut w = world_without_fifos();
     w.run_limit = Duration::from_secs(300);
     let base = ShmBase::new("ok");
     // A directory left by a gpusnap that is gone (a pid above pid_max),
@@ -226,8 +260,7 @@ fn a_dump_on_tmpfs_is_punched_as_chunked_wakes_intact_and_leaves_no_directory() 
     let (pid, out) = holder(&mut w, 300);
     let p = pid.to_string();
     let state = w.state_dir();
-    let r = w.json(&["hibernate", &p, "--image", "t"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = ok(&w, &["hibernate", &p, "--image", "t"]);
     let s = &r.json()["stages"];
     assert_eq!(s["dump_dir"], "tmpfs", "{s}");
     assert!(s["follow_punched_bytes"].as_u64().unwrap() >= 256 << 20, "{s}");
@@ -240,58 +273,45 @@ fn a_dump_on_tmpfs_is_punched_as_chunked_wakes_intact_and_leaves_no_directory() 
         .collect();
     assert!(names.iter().any(|n| n.starts_with("core-")), "{names:?}");
     assert!(!names.iter().any(|n| n.starts_with("pages-")), "{names:?}");
-    let r = w.json(&["images", "verify", "t"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    ok(&w, &["images", "verify", "t"]);
     wake_intact(&mut w, pid, "t", &out);
     // Forced off: the disk, as before.
     w.env_extra.retain(|(k, _)| k != "GPUSNAP_DUMP_TMPFS");
     w.env_extra.push(("GPUSNAP_DUMP_TMPFS".into(), "0".into()));
-    let r = w.json(&["snapshot", &p, "--image", "d"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = ok(&w, &["snapshot", &p, "--image", "d"]);
     assert_eq!(r.json()["stages"]["dump_dir"], "disk");
     // The tmpfs without punching (the default): the same, nothing punched.
     w.env_extra.retain(|(k, _)| k != "GPUSNAP_DUMP_TMPFS" && k != "GPUSNAP_FOLLOW_PUNCH");
     w.env_extra.push(("GPUSNAP_DUMP_TMPFS".into(), "1".into()));
-    let r = w.json(&["snapshot", &p, "--image", "n"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = ok(&w, &["snapshot", &p, "--image", "n"]);
     assert_eq!(r.json()["stages"]["dump_dir"], "tmpfs");
     assert_eq!(r.json()["stages"]["follow_punched_bytes"], 0);
-    let r = w.json(&["images", "verify", "n"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    ok(&w, &["images", "verify", "n"]);
     assert_eq!(base.entries(), vec![live]);
 }
 
 #[test]
 fn a_criu_failure_on_tmpfs_leaves_no_directory() {
     criu_present();
-    let mut w = World::new(&[8192]);
-    w.env_extra.push(("GPUSNAP_DUMP_FIFO".into(), "0".into()));
+    let mut w = world_without_fifos();
     let base = ShmBase::new("fail");
     w.env_extra.push(("GPUSNAP_DUMP_TMPFS".into(), "1".into()));
     w.env_extra.push(("GPUSNAP_DUMP_TMPFS_DIR".into(), base.0.display().to_string()));
     let pid = w.workload(256, 0, &[]);
-    let p = pid.to_string();
-    let state = w.state_dir();
     let seen = w.tmp.path().join("seen");
-    let fake = w.tmp.path().join("criu-fails");
-    fake_criu(
-        &fake,
-        "--images-dir",
+    hibernate_with_failing_criu(
+        &w,
+        pid,
         &"echo \"$d\" > {seen}\n\
           head -c 3M /dev/urandom > \"$d/pages-1.img\"\n\
           echo '(00.1) Error (criu/cr-dump.c:1): tmpfs on fire' > \"$d/dump.log\"\nexit 1\n"
             .replace("{seen}", &seen.display().to_string()),
+        "tmpfs on fire",
     );
-    let r = w.json(&["--criu", fake.to_str().unwrap(), "hibernate", &p, "--image", "x"]);
-    assert_eq!(r.code, 1, "{}", r.stderr);
-    assert!(r.stderr.contains("tmpfs on fire"), "{}", r.stderr);
     let used = std::fs::read_to_string(&seen).unwrap();
     assert!(used.starts_with(&format!("{}/gpusnap-", base.0.display())), "{used}");
     assert_eq!(base.entries(), Vec::<String>::new());
-    assert_eq!(w.json(&["state", &p]).json()["state"], "running");
-    w.assert_progressing(pid);
-    assert_eq!(std::fs::read_dir(state.join("images")).map(|d| d.count()).unwrap_or(0), 0);
-    assert_eq!(store_files(&state), Vec::<String>::new());
+    assert_undone(&w, pid);
 }
 
 /// Every file under the image directories (FIFOs left behind included).
@@ -320,12 +340,8 @@ fn pages_through_fifos_are_deduplicated_leave_no_pages_file_and_wake_intact() {
     two_snapshots_share_their_chunks(&w, &p, Some("fifo"));
     assert_eq!(fifos_under(&state), Vec::<String>::new());
     for name in ["one", "two"] {
-        let r = w.json(&["images", "verify", name]);
-        assert_eq!(r.code, 0, "{}", r.stderr);
-        let m: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(state.join("images").join(name).join("manifest.json")).unwrap(),
-        )
-        .unwrap();
+        ok(&w, &["images", "verify", name]);
+        let m = manifest(&state, name);
         let pages: Vec<_> = m["files"]
             .as_array()
             .unwrap()
@@ -335,9 +351,7 @@ fn pages_through_fifos_are_deduplicated_leave_no_pages_file_and_wake_intact() {
         assert!(pages.iter().any(|f| f["size"].as_u64().unwrap() > 300 << 20), "{name}: {pages:?}");
         assert!(pages.iter().all(|f| !f["chunks"].as_array().unwrap().is_empty() || f["size"] == 0));
     }
-    let r = w.json(&["hibernate", &p, "--image", "three"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    assert_eq!(r.json()["stages"]["dump_dir"], "fifo");
+    hibernate_through_fifos(&w, &p, "three");
     wake_intact(&mut w, pid, "three", &out);
 }
 
@@ -372,14 +386,9 @@ while True:
         pids.len() == 2
     });
     let p = pid.to_string();
-    let r = w.json(&["hibernate", &p, "--image", "tree"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    assert_eq!(r.json()["stages"]["dump_dir"], "fifo");
+    hibernate_through_fifos(&w, &p, "tree");
     let state = w.state_dir();
-    let m: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(state.join("images").join("tree").join("manifest.json")).unwrap(),
-    )
-    .unwrap();
+    let m = manifest(&state, "tree");
     let pages =
         m["files"].as_array().unwrap().iter().filter(|f| f["path"].as_str().unwrap().contains("pages-"));
     assert!(pages.count() >= 3, "shared memory, parent and child: {m}");
@@ -427,9 +436,7 @@ while True:
     let pid = w.child_pid(n);
     wait_for(Duration::from_secs(30), || std::fs::read_to_string(&out).is_ok_and(|s| s.contains(" ok")));
     let p = pid.to_string();
-    let r = w.json(&["hibernate", &p, "--image", "kinds"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    assert_eq!(r.json()["stages"]["dump_dir"], "fifo");
+    hibernate_through_fifos(&w, &p, "kinds");
     assert_eq!(fifos_under(&w.state_dir()), Vec::<String>::new());
     wake_intact(&mut w, pid, "kinds", &out);
 }
@@ -441,13 +448,8 @@ fn a_fifo_receiver_that_fails_undoes_the_hibernate() {
     let pid = w.workload(512, 0, &[]);
     let p = pid.to_string();
     hibernate_fails_and_is_undone(&mut w, pid, "GPUSNAP_TEST_FIFO_FAIL_AFTER");
-    let r = w.json(&["hibernate", &p, "--image", "x"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.reap(pid);
-    let r = w.json(&["wake", "x", "--wait", "10"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
-    w.adopt(pid);
-    w.assert_progressing(pid);
+    ok(&w, &["hibernate", &p, "--image", "x"]);
+    wake_back(&mut w, pid, "x");
 }
 
 #[test]
@@ -472,12 +474,10 @@ fn a_gpusnap_killed_mid_dump_leaves_criu_unblocked_and_the_tree_running() {
     });
     // CRIU finished its dump into the keeper: the tree is stopped, without
     // an image. The next gpusnap that reconciles continues it.
-    let r = w.json(&["images", "gc"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = ok(&w, &["images", "gc"]);
     assert!(r.stderr.contains("reconciling a hibernate interrupted"), "{}", r.stderr);
     let good = checks(&out).0;
-    wait_for(Duration::from_secs(60), || checks(&out).0 > good + 2);
-    assert_eq!(checks(&out).1, 0);
+    assert_checks_intact(&out, good);
     assert!(w.json(&["images", "verify", "k"]).code != 0, "no image k");
 }
 
@@ -490,20 +490,17 @@ fn raw_chunks_copied_in_place_from_their_kept_mappings_wake_intact() {
     // page server copies each one from its file's mapping (kept for the
     // whole wake), never through its buffer.
     let (pid, out) = holder(&mut w, 96);
-    let r = w.json(&["hibernate", &pid.to_string(), "--image", "raw"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    ok(&w, &["hibernate", &pid.to_string(), "--image", "raw"]);
     w.reap(pid);
     wait_for(Duration::from_secs(10), || !pid_exists(pid));
     let good = checks(&out).0;
     w.env_extra.push(("GPUSNAP_PAGES_MAP_RAW".into(), "1".into()));
-    let r = w.json(&["wake", "raw", "--wait", "30", "--no-guard"]);
-    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = ok(&w, &["wake", "raw", "--wait", "30", "--no-guard"]);
     w.adopt(pid);
     let v = r.json();
     assert_eq!(v["lazy"], true, "{v}");
     assert!(v["pages"]["in_place_bytes"].as_u64().unwrap() > 64 << 20, "{v}");
-    wait_for(Duration::from_secs(60), || checks(&out).0 > good + 2);
-    assert_eq!(checks(&out).1, 0, "the memory came back intact");
+    assert_checks_intact(&out, good);
 }
 
 #[test]

@@ -33,6 +33,28 @@ impl SockWorld {
         Self::with(1000, &[("m", port, host, wrap, 300, extra)])
     }
 
+    /// One socket-woken service `m` on a free port of 127.0.0.1 with `extra`
+    /// keys, running and taking connections: the world, the server's pid and
+    /// its address.
+    fn running(extra: &str) -> (Self, i64, SocketAddr) {
+        let port = free_port();
+        let mut a = Self::new(port, "127.0.0.1", &[], extra);
+        let pid = a.wait_state("running")["pid"].as_i64().unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        wait_for(LONG, || TcpStream::connect(addr).is_ok());
+        (a, pid, addr)
+    }
+
+    /// `body` answered a request by `pid` after it was woken (its first
+    /// wake: the fake's pass count 1), once, through the socket watch.
+    fn assert_woken(&mut self, pid: i64, body: &str) {
+        assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
+        // Answered once its driver state is restored, maybe a moment before
+        // the agent records it running.
+        self.wait_state("running");
+        assert_eq!(self.socket_wakes(), 1, "{}", self.metrics());
+    }
+
     /// Socket-woken services (name, port, host, wrap, MiB, extra) on one
     /// fake GPU of `gpu_mib`.
     fn with(gpu_mib: u64, svcs: &[Svc]) -> Self {
@@ -187,14 +209,10 @@ fn get(addr: SocketAddr) -> String {
 
 #[test]
 fn an_idle_server_is_suspended_and_a_new_connection_to_its_own_port_wakes_it() {
-    let port = free_port();
-    let mut a = SockWorld::new(port, "127.0.0.1", &[], "suspend_after = \"700ms\"");
-    let s = a.wait_state("running");
+    let (mut a, pid, addr) = SockWorld::running("suspend_after = \"700ms\"");
+    let s = a.service();
     assert_eq!(s["wake_on"], "socket");
-    assert_eq!(s["listen"], format!("127.0.0.1:{port}"));
-    let pid = s["pid"].as_i64().unwrap();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_for(LONG, || TcpStream::connect(addr).is_ok());
+    assert_eq!(s["listen"], addr.to_string());
     assert!(get(addr).starts_with(&format!("ok {pid} ")));
 
     // No traffic: suspended, the server's process still there, its port too.
@@ -203,12 +221,7 @@ fn an_idle_server_is_suspended_and_a_new_connection_to_its_own_port_wakes_it() {
 
     // A request waits in the server (its CUDA call blocks) while the agent
     // resumes it; answered by the same process, its memory intact.
-    let body = get(addr);
-    assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
-    // Answered once its driver state is restored, maybe a moment before
-    // the agent records it running.
-    a.wait_state("running");
-    assert_eq!(a.socket_wakes(), 1, "{}", a.metrics());
+    a.assert_woken(pid, &get(addr));
     let m = a.metrics();
     assert!(m.contains("gpusnap_agent_socket_wake_delay_seconds_count{service=\"m\"} 1"), "{m}");
     let notes = a.w.json(&["history", &pid.to_string()]).stdout;
@@ -217,36 +230,19 @@ fn an_idle_server_is_suspended_and_a_new_connection_to_its_own_port_wakes_it() {
 
 #[test]
 fn bytes_on_a_kept_alive_connection_wake_the_server() {
-    let port = free_port();
-    let mut a = SockWorld::new(port, "127.0.0.1", &[], "suspend_after = \"700ms\"");
-    let pid = a.wait_state("running")["pid"].as_i64().unwrap();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_for(LONG, || TcpStream::connect(addr).is_ok());
+    let (mut a, pid, addr) = SockWorld::running("suspend_after = \"700ms\"");
     let mut kept = TcpStream::connect(addr).unwrap();
     assert!(http::get_kept_alive(&mut kept).starts_with(&format!("ok {pid} ")));
     // An open connection with no request does not keep it up.
     a.wait_state("suspended");
     assert_eq!(a.socket_wakes(), 0);
-    let body = http::get_kept_alive(&mut kept);
-    assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
-    // Answered once its driver state is restored, maybe a moment before
-    // the agent records it running.
-    a.wait_state("running");
-    assert_eq!(a.socket_wakes(), 1, "{}", a.metrics());
+    a.assert_woken(pid, &http::get_kept_alive(&mut kept));
 }
 
 #[test]
 fn connections_from_ignored_peers_neither_wake_nor_keep_the_server_up() {
-    let port = free_port();
-    let mut a = SockWorld::new(
-        port,
-        "127.0.0.1",
-        &[],
-        "suspend_after = \"700ms\"\nignore_peers = [\"127.0.0.2/32\"]",
-    );
-    let pid = a.wait_state("running")["pid"].as_i64().unwrap();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_for(LONG, || TcpStream::connect(addr).is_ok());
+    let (mut a, pid, addr) =
+        SockWorld::running("suspend_after = \"700ms\"\nignore_peers = [\"127.0.0.2/32\"]");
     // Probes from the ignored address every 100 ms, answered while it runs:
     // they do not keep it up.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -335,11 +331,8 @@ fn host_memory_pressure_never_hibernates_a_socket_woken_server() {
 
 #[test]
 fn gpusnap_probe_answers_for_running_suspended_stopped_and_dead_servers_without_waking() {
-    let port = free_port();
-    let mut a = SockWorld::new(port, "127.0.0.1", &[], "suspend_after = \"700ms\"\nrestart = false");
-    let pid = a.wait_state("running")["pid"].as_i64().unwrap();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_for(LONG, || TcpStream::connect(addr).is_ok());
+    let (mut a, pid, addr) = SockWorld::running("suspend_after = \"700ms\"\nrestart = false");
+    let port = addr.port();
 
     let (code, v) = a.probe(pid, port);
     assert_eq!((code, v["state"].as_str()), (0, Some("running")), "{v}");
@@ -370,16 +363,16 @@ fn gpusnap_probe_answers_for_running_suspended_stopped_and_dead_servers_without_
     assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
 
     // Stopped: stuck.
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGSTOP)
-        .unwrap();
+    let signal = |sig: nix::sys::signal::Signal| {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).unwrap()
+    };
+    signal(nix::sys::signal::Signal::SIGSTOP);
     wait_for(LONG, || a.probe(pid, port).0 == 10);
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGCONT)
-        .unwrap();
+    signal(nix::sys::signal::Signal::SIGCONT);
     wait_for(LONG, || a.probe(pid, port).0 == 0);
 
     // Dead.
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL)
-        .unwrap();
+    signal(nix::sys::signal::Signal::SIGKILL);
     wait_for(LONG, || !pid_exists(pid as i32) || a.probe(pid, port).0 == 8);
     let (code, v) = a.probe(pid, port);
     assert_eq!((code, v["state"].as_str()), (8, Some("dead")), "{v}");
@@ -387,11 +380,7 @@ fn gpusnap_probe_answers_for_running_suspended_stopped_and_dead_servers_without_
 
 #[test]
 fn a_killed_agent_adopts_a_suspended_socket_woken_server_and_a_request_still_wakes_it() {
-    let port = free_port();
-    let mut a = SockWorld::new(port, "127.0.0.1", &[], "suspend_after = \"700ms\"");
-    let pid = a.wait_state("running")["pid"].as_i64().unwrap();
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_for(LONG, || TcpStream::connect(addr).is_ok());
+    let (mut a, pid, addr) = SockWorld::running("suspend_after = \"700ms\"");
     let mut kept = TcpStream::connect(addr).unwrap();
     assert!(http::get_kept_alive(&mut kept).starts_with(&format!("ok {pid} ")));
     a.wait_state("suspended");
@@ -404,11 +393,7 @@ fn a_killed_agent_adopts_a_suspended_socket_woken_server_and_a_request_still_wak
     let mut copy = kept.try_clone().unwrap();
     let body = std::panic::catch_unwind(move || http::get_kept_alive(&mut copy))
         .unwrap_or_else(|_| panic!("no answer; agent log:\n{}", a.log()));
-    assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
-    // Answered once its driver state is restored, maybe a moment before
-    // the agent records it running.
-    a.wait_state("running");
-    assert_eq!(a.socket_wakes(), 1, "{}", a.metrics());
+    a.assert_woken(pid, &body);
 }
 
 /// A network namespace with a veth pair to this one: `gsw-N` holds
@@ -488,12 +473,7 @@ fn a_server_in_its_own_network_namespace_is_woken_by_a_client_there_not_by_the_n
     assert_eq!((code, v["state"].as_str()), (0, Some("suspended")), "{v}");
 
     // From inside the namespace (a client beside the server): wakes it.
-    let body = ns.inside(move || get(addr));
-    assert!(body.starts_with(&format!("ok {pid} ")) && body.ends_with(" 1"), "{body}");
-    // Answered once its driver state is restored, maybe a moment before
-    // the agent records it running.
-    a.wait_state("running");
-    assert_eq!(a.socket_wakes(), 1, "{}", a.metrics());
+    a.assert_woken(pid, &ns.inside(move || get(addr)));
     drop(probe);
 }
 
