@@ -318,18 +318,22 @@ pub(crate) fn as_workload<T>(
         return Err(CUDA_ERROR_NOT_INITIALIZED);
     }
     let store = Store::from_env();
-    let me = procfs::self_pid();
-    let fresh_start =
-        procfs::in_initial_time_namespace().then(|| procfs::stat(me).map(|s| s.start_time)).flatten();
-    let stale_for_me = |p: &gpusnap_fake_common::state::Proc| {
-        new_context.is_some_and(|start| p.start_time != start)
-            || fresh_start.is_some_and(|start| p.start_time != start)
-    };
     let mut f = Some(f);
-    let blocked_in = |state: &gpusnap_fake_common::state::State| {
-        state.procs.get(&me).is_some_and(|p| !p.accepts_work() && !stale_for_me(p))
-    };
     loop {
+        // Who the caller is, asked again on every try: a call blocked by a
+        // checkpoint goes on in the process CRIU restored, which may have
+        // another host pid (a new pid namespace) and a time namespace of its
+        // own.
+        let me = procfs::self_pid();
+        let fresh_start =
+            procfs::in_initial_time_namespace().then(|| procfs::stat(me).map(|s| s.start_time)).flatten();
+        let stale_for_me = |p: &gpusnap_fake_common::state::Proc| {
+            new_context.is_some_and(|start| p.start_time != start)
+                || fresh_start.is_some_and(|start| p.start_time != start)
+        };
+        let blocked_in = |state: &gpusnap_fake_common::state::State| {
+            state.procs.get(&me).is_some_and(|p| !p.accepts_work() && !stale_for_me(p))
+        };
         // Looked at without the lock first: a blocked process (locked,
         // checkpointed) polls, and CRIU may freeze it mid-poll; frozen while
         // holding the lock it would stall everyone else.
