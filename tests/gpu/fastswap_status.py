@@ -1,7 +1,8 @@
 """The status protocol of the fast-swap benchmark's programs
 (fastswap_torch.py, fastswap_cupy.py, fastswap_jax.py): STATUS holds
 "ready PID DIGEST" once the program's memory is made; each time STATUS.check
-appears it is removed and STATUS.result gets the digest of that moment.
+appears it is removed and STATUS.result gets the digest of that moment; once
+STATUS.exit appears the program ends with status 0.
 """
 import os
 import time
@@ -20,10 +21,10 @@ def put(path, text):
 
 
 def serve(status, digest, tick):
-    """Writes the ready line, then forever answers checks and runs TICK (a
-    little GPU work) between them."""
+    """Writes the ready line, then answers checks and runs TICK (a little
+    GPU work) between them until asked to end."""
     put(status, "ready %d %s\n" % (os.getpid(), digest()))
-    while True:
+    while not os.path.exists(status + ".exit"):
         if os.path.exists(status + ".check"):
             os.unlink(status + ".check")
             put(status + ".result", digest() + "\n")

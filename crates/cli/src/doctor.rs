@@ -202,6 +202,18 @@ fn fast_swap(s: &gpusnap_core::swap::SwapStatus) -> Finding {
         s.movable_bytes / MIB,
         s.phase
     );
+    if s.ipc_refused > 0 {
+        return f(
+            "fast-swap",
+            Severity::Warn,
+            format!(
+                "{served}; the program asked {} time(s) to share served memory through CUDA IPC \
+                 (cuIpcGetMemHandle), which fast swap's memory cannot do",
+                s.ipc_refused
+            ),
+            Some("run it without --fast-swap (an agent's service: fast_swap = false)"),
+        );
+    }
     if s.kept == 0 {
         return f("fast-swap", Severity::Ok, served, None);
     }

@@ -467,8 +467,10 @@ fn a_swap_waits_out_a_late_nvml_and_traces_the_wait() {
     // the GPU's used memory by 400 ms): the eviction's suspend waits until
     // NVML shows the process released, and admission, refused meanwhile
     // with nothing left to evict, is asked again once NVML shows the memory
-    // free. Every request answered; the waits are in the trace.
-    let extra = "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"";
+    // free. Every request answered; the waits are in the trace. The driver
+    // path: with fast swap the library gives the memory back before the
+    // checkpoint, and NVML has caught up by the suspend's end.
+    let extra = "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"\nfast_swap = false";
     let w = World::new(&[1000]);
     w.set_config("nvml_process_lag_ms", serde_json::json!(40));
     w.set_config("nvml_memory_lag_ms", serde_json::json!(400));
@@ -691,10 +693,17 @@ fn a_service_that_dies_is_restarted() {
 
 #[test]
 fn a_full_gpu_sends_the_resume_to_another_gpu_of_the_same_model() {
+    // The driver path (a fast-swap server comes back on its own GPU: the
+    // next test).
     let mut a = AgentWorld::on_gpus(
         &[1000, 1000],
         "",
-        &[Svc { name: "r", mib: 600, gpu: 0, extra: "suspend_after = \"500ms\"\nwake_timeout = \"60s\"" }],
+        &[Svc {
+            name: "r",
+            mib: 600,
+            gpu: 0,
+            extra: "suspend_after = \"500ms\"\nwake_timeout = \"60s\"\nfast_swap = false",
+        }],
     );
     let pid = a.wait_state("r", "suspended")["pid"].as_i64().unwrap();
     // A tenant outside the agent takes GPU 0: nobody the agent could evict.

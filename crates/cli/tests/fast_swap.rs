@@ -275,6 +275,48 @@ fn calls_reached_through_cu_get_proc_address_are_served_and_gated_too() {
 }
 
 #[test]
+fn cuda_ipc_on_served_memory_is_refused_with_the_way_out_and_named_by_doctor() {
+    let mut w = World::new(&[4096]);
+    let st = status_file(&w, "ipc");
+    let (idx, pid) = run_fast(&mut w, &st, &["--mib", "64", "--ipc"]);
+    assert_progressing_at(&st);
+    let err = std::fs::read_to_string(w.tmp.path().join(format!("gpusnap-{idx}.err"))).unwrap();
+    assert!(err.contains("ipc rc=801"), "CUDA_ERROR_NOT_SUPPORTED: {err}");
+    assert!(err.contains("CUDA IPC") && err.contains("fast_swap = false"), "{err}");
+    assert_eq!(fast_swap_of(&w, pid)["ipc_refused"], 1);
+    let d = w.json(&["doctor", &pid.to_string()]).json();
+    let finding =
+        d["findings"].as_array().unwrap().iter().find(|f| f["check"] == "fast-swap").cloned().unwrap();
+    assert_eq!(finding["severity"], "warn", "{finding}");
+    assert!(finding["fix"].as_str().unwrap().contains("without --fast-swap"), "{finding}");
+    // The program runs on, and swaps as any other.
+    assert_eq!(w.json(&["suspend", &pid.to_string()]).code, 0);
+    assert_eq!(w.json(&["resume", &pid.to_string()]).code, 0);
+    assert_progressing_at(&st);
+    assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
+
+    // Without fast swap the driver's own call answers.
+    let st = status_file(&w, "ipc-driver");
+    let wl = fake_workload_bin();
+    let idx = w.spawn_gpusnap(&[
+        "run",
+        "--light",
+        "--",
+        wl.to_str().unwrap(),
+        "--status",
+        st.to_str().unwrap(),
+        "--mib",
+        "64",
+        "--ipc",
+    ]);
+    let pid = pid_in(&st);
+    assert_progressing_at(&st);
+    let err = std::fs::read_to_string(w.tmp.path().join(format!("gpusnap-{idx}.err"))).unwrap();
+    assert!(err.contains("ipc rc=0") && !err.contains("CUDA IPC"), "{err}");
+    assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
+}
+
+#[test]
 fn a_hibernated_fast_swap_program_wakes_with_its_memory_and_its_control_socket() {
     criu_present();
     let mut w = World::new(&[16_384]);

@@ -36,6 +36,9 @@ pub struct SwapStatus {
     pub kept_bytes: u64,
     /// Why they were left with the driver.
     pub kept_why: Vec<String>,
+    /// `cuIpcGetMemHandle` calls refused on served memory (CUDA IPC cannot
+    /// share it: such a program should run without fast swap).
+    pub ipc_refused: u64,
 }
 
 impl SwapStatus {
@@ -50,6 +53,7 @@ impl SwapStatus {
                 "movable_bytes" => s.movable_bytes = n(),
                 "kept" => s.kept = n(),
                 "kept_bytes" => s.kept_bytes = n(),
+                "ipc_refused" => s.ipc_refused = n(),
                 "kept_why" if v != "-" => s.kept_why = v.split(',').map(|x| x.replace('_', " ")).collect(),
                 _ => {}
             }
@@ -72,8 +76,9 @@ impl SwapStatus {
 /// The answer to an offload or restore.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
-    /// Done: bytes moved, the library's own milliseconds, its status after.
-    Done { bytes: u64, ms: u64, status: SwapStatus },
+    /// Done: bytes moved, the library's own milliseconds, its status after,
+    /// and its phases (`copy_ms`, `release_ms`, `map_ms`: name and ms).
+    Done { bytes: u64, ms: u64, status: SwapStatus, phases: Vec<(String, u64)> },
     /// Refused or failed: a word (`no-memory`, `busy`, `driver`, ...) and
     /// the library's detail; nothing was given back or taken.
     Failed { kind: String, detail: String },
@@ -153,18 +158,31 @@ pub fn request(pid: i32, what: &str) -> Option<Result<Answer, String>> {
         Err(e) => return Some(Err(e)),
     };
     let w: Vec<&str> = words.iter().map(String::as_str).collect();
-    Some(Ok(match w.first() {
+    Some(Ok(answer_of(&w)))
+}
+
+/// The library's one-line answer, in words.
+fn answer_of(w: &[&str]) -> Answer {
+    match w.first() {
         Some(&"ok") => {
             let num = |k: &str| {
                 w.iter().find_map(|x| x.strip_prefix(k)?.strip_prefix('=')?.parse::<u64>().ok()).unwrap_or(0)
             };
-            Answer::Done { bytes: num("bytes"), ms: num("ms"), status: SwapStatus::parse(&w[1..]) }
+            let phases = w[1..]
+                .iter()
+                .filter_map(|x| {
+                    let (k, v) = x.split_once('=')?;
+                    let name = k.strip_suffix("_ms")?;
+                    Some((name.to_string(), v.parse::<u64>().ok()?))
+                })
+                .collect();
+            Answer::Done { bytes: num("bytes"), ms: num("ms"), status: SwapStatus::parse(&w[1..]), phases }
         }
         _ => {
             let kind = w.get(1).map(|k| k.trim_end_matches(':').to_string()).unwrap_or_default();
             Answer::Failed { kind, detail: w.get(2..).map(|d| d.join(" ")).unwrap_or_default() }
         }
-    }))
+    }
 }
 
 #[cfg(test)]
@@ -185,6 +203,17 @@ mod tests {
         assert!(s.offloaded());
         assert_eq!((s.movable, s.movable_bytes, s.kept, s.kept_bytes), (3, 100, 1, 7));
         assert_eq!(s.kept_why, vec!["managed (cuMemAllocManaged)".to_string()]);
+    }
+
+    #[test]
+    fn answers_carry_bytes_time_and_phases() {
+        let a =
+            answer_of(&["ok", "bytes=42", "ms=9", "map_ms=3", "copy_ms=5", "phase=resident", "movable=1"]);
+        let Answer::Done { bytes, ms, status, phases } = a else { panic!("{a:?}") };
+        assert_eq!((bytes, ms, status.phase.as_str()), (42, 9, "resident"));
+        assert_eq!(phases, vec![("map".to_string(), 3), ("copy".to_string(), 5)]);
+        let f = answer_of(&["error", "no-memory:", "mapping", "8", "bytes"]);
+        assert_eq!(f, Answer::Failed { kind: "no-memory".into(), detail: "mapping 8 bytes".into() });
     }
 
     #[test]

@@ -323,6 +323,42 @@ pub unsafe extern "C" fn cuCtxGetDevice(device: *mut CUdevice) -> CUresult {
     })
 }
 
+/// `CUipcMemHandle`: 64 opaque bytes.
+#[repr(C)]
+pub struct CUipcMemHandle {
+    pub reserved: [u8; 64],
+}
+
+/// `cuIpcGetMemHandle`: a handle for memory `cuMemAlloc` made; memory
+/// mapped through the VMM API is refused, as the driver's legacy IPC
+/// refuses it (`CUDA_ERROR_INVALID_VALUE`).
+///
+/// # Safety
+/// `handle` must be NULL or writable for 64 bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut CUipcMemHandle, ptr: CUdeviceptr) -> CUresult {
+    ffi(|| {
+        if handle.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        current_device()?;
+        let base = as_workload(None, |_, t, me| {
+            let p = entry(t, me)?;
+            let (base, _) = p.locate(ptr, 1)?;
+            if p.allocs.get(&base).is_some_and(|a| a.handle.is_some()) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            Ok(base)
+        })?;
+        let mut h = CUipcMemHandle { reserved: [0; 64] };
+        h.reserved[..8].copy_from_slice(&base.to_le_bytes());
+        h.reserved[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+        // SAFETY: checked non-NULL above; the caller promises 64 writable bytes.
+        unsafe { handle.write_unaligned(h) };
+        Ok(())
+    })
+}
+
 /// The fake's functions by the names `cuGetProcAddress` takes (without
 /// version suffixes), for a version at or above the one that introduced
 /// the `_v2` forms.
@@ -333,6 +369,7 @@ fn proc_address(name: &str) -> Option<usize> {
         "cuMemcpyHtoD" => crate::cuMemcpyHtoD_v2 as *const () as usize,
         "cuMemcpyDtoH" => crate::cuMemcpyDtoH_v2 as *const () as usize,
         "cuMemAllocManaged" => cuMemAllocManaged as *const () as usize,
+        "cuIpcGetMemHandle" => cuIpcGetMemHandle as *const () as usize,
         "cuCtxSynchronize" => crate::cuCtxSynchronize as *const () as usize,
         "cuGetProcAddress" => cuGetProcAddress_v2 as *const () as usize,
         "cuInit" => crate::cuInit as *const () as usize,

@@ -112,6 +112,11 @@ struct Args {
     /// gpusnap's fast swap leaves with the driver.
     #[arg(long, default_value_t = 0)]
     managed_mib: u64,
+    /// Ask for a CUDA IPC handle of the first allocation
+    /// (`cuIpcGetMemHandle`, as a server sharing memory with another
+    /// process does) and print `ipc rc=N` on stderr; it runs on either way.
+    #[arg(long)]
+    ipc: bool,
     /// Make N more allocations of --mib each, written and checked like the
     /// first.
     #[arg(long, default_value_t = 0)]
@@ -331,6 +336,15 @@ fn run(args: &Args) -> Result<(), String> {
         let mut p: u64 = 0;
         // SAFETY: an out-pointer to a local; 1 = CU_MEM_ATTACH_GLOBAL.
         cuda.check("cuMemAllocManaged", unsafe { managed(&mut p, (args.managed_mib << 20) as usize, 1) })?;
+    }
+    if args.ipc && ptr != 0 {
+        type Ipc = unsafe extern "C" fn(*mut [u8; 64], u64) -> CUresult;
+        // SAFETY: the symbol has this C signature in cuda.h.
+        let ipc: Ipc = *unsafe { cuda._lib.get(b"cuIpcGetMemHandle\0") }.map_err(|e| e.to_string())?;
+        let mut h = [0u8; 64];
+        // SAFETY: an out-pointer to 64 bytes of a local.
+        let rc = unsafe { ipc(&mut h, ptr) };
+        eprintln!("ipc rc={rc}");
     }
 
     if args.host_copy_mib > 0 {

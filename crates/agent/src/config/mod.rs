@@ -283,7 +283,8 @@ pub struct ServiceConfig {
     pub on_fault: OnFault,
     /// Fast swap (`gpusnap run --light --fast-swap`): the server's library
     /// moves its device memory itself at the host link's speed on each
-    /// suspend and resume (docs/design/fast-swap.md).
+    /// suspend and resume (docs/design/fast-swap.md). On by default for a
+    /// server the agent starts; `false` leaves every byte to the driver.
     #[serde(default)]
     pub fast_swap: Option<Spanned<bool>>,
     /// With `fast_swap`: the pinned host copies stay after each resume
@@ -402,6 +403,17 @@ impl ServiceConfig {
     /// Where clients connect: the proxy, or the server itself.
     pub fn client_addr(&self) -> SocketAddr {
         self.listen.as_ref().map_or(self.backend, |l| *l.get_ref())
+    }
+
+    /// Whether the server runs with fast swap: one the agent starts, unless
+    /// the file says `fast_swap = false`.
+    pub fn fast_swap_on(&self) -> bool {
+        !self.adopted() && self.fast_swap.as_ref().map(|f| *f.get_ref()) != Some(false)
+    }
+
+    /// Whether its pinned host copies stay after each resume.
+    pub fn keep_pinned_on(&self) -> bool {
+        self.fast_swap_on() && self.keep_pinned.as_ref().is_some_and(|k| *k.get_ref())
     }
 
     /// The parsed `ignore_peers`, if given (checked when the file was read).
@@ -588,10 +600,10 @@ impl Config {
                 }
             }
             if let Some(k) = s.keep_pinned.as_ref().filter(|k| *k.get_ref()) {
-                if !s.fast_swap.as_ref().is_some_and(|f| *f.get_ref()) {
+                if !s.fast_swap_on() {
                     return Err(invalid(
                         k.span().start,
-                        format!("service {name:?}: keep_pinned needs fast_swap = true"),
+                        format!("service {name:?}: keep_pinned needs fast swap (a command, and not fast_swap = false)"),
                     ));
                 }
             }

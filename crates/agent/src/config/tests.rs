@@ -167,12 +167,21 @@ fn out_of_range_numbers_name_their_key_and_line() {
 #[test]
 fn fast_swap_keys() {
     let c = Config::parse(&format!("{GOOD}fast_swap = true\nkeep_pinned = true\n"), "x.toml").unwrap();
-    assert!(c.service[0].fast_swap.as_ref().is_some_and(|f| *f.get_ref()));
-    let e = err(&format!("{GOOD}keep_pinned = true\n"));
-    assert!(e.contains("keep_pinned needs fast_swap = true"), "{e}");
+    assert!(c.service[0].fast_swap_on() && c.service[0].keep_pinned_on());
+    // On by default for a server the agent starts; off when the file says so.
+    let c = Config::parse(GOOD, "x.toml").unwrap();
+    assert!(c.service[0].fast_swap_on() && !c.service[0].keep_pinned_on());
+    let c = Config::parse(&format!("{GOOD}keep_pinned = true\n"), "x.toml").unwrap();
+    assert!(c.service[0].keep_pinned_on());
+    let c = Config::parse(&format!("{GOOD}fast_swap = false\n"), "x.toml").unwrap();
+    assert!(!c.service[0].fast_swap_on());
+    let e = err(&format!("{GOOD}fast_swap = false\nkeep_pinned = true\n"));
+    assert!(e.contains("keep_pinned needs fast swap"), "{e}");
     let adopted = GOOD.replace("command = [\"serve\"]", "pid_file = \"/run/x.pid\"");
     let e = err(&format!("{adopted}fast_swap = true\n"));
     assert!(e.contains("fast_swap is for a server the agent starts"), "{e}");
+    let c = Config::parse(&adopted, "x.toml").unwrap();
+    assert!(!c.service[0].fast_swap_on());
 }
 
 #[test]

@@ -98,9 +98,9 @@ impl Agent {
         if let Some(g) = &svc.cfg.group {
             c.args(["--group", g.get_ref()]);
         }
-        if svc.cfg.fast_swap.as_ref().is_some_and(|f| *f.get_ref()) {
+        if svc.cfg.fast_swap_on() {
             c.arg("--fast-swap");
-            if svc.cfg.keep_pinned.as_ref().is_some_and(|k| *k.get_ref()) {
+            if svc.cfg.keep_pinned_on() {
                 c.arg("--keep-pinned");
             }
         }

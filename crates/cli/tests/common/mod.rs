@@ -457,9 +457,16 @@ impl World {
         s["procs"][pid.to_string()]["restore_tid"].as_i64().map(|t| t as i32)
     }
 
+    /// Whether the child still runs: a zombie leader whose other threads
+    /// are still being torn down (not yet reapable) counts as gone.
     pub fn alive(&mut self, pid: i32) -> bool {
         let c = self.children.iter().find(|c| c.pid == pid).expect("child");
-        c.try_wait().is_none()
+        if c.try_wait().is_some() {
+            return false;
+        }
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
+        !matches!(state, None | Some("Z") | Some("X"))
     }
 
     /// Kills a workload that holds no live (restored) CUDA state.

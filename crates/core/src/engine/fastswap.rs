@@ -39,7 +39,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             || swap::request(pid, "offload"),
         );
         match answer {
-            Some(Ok(Answer::Done { bytes, ms, status })) => {
+            Some(Ok(Answer::Done { bytes, ms, status, phases })) => {
                 self.store.end(id, t, "offload", Ok("running"))?;
                 let kept = if status.kept > 0 {
                     format!(
@@ -51,7 +51,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 } else {
                     String::new()
                 };
-                let detail = format!("{} MiB moved to pinned host memory in {ms} ms{kept}", bytes / MIB);
+                let detail = format!(
+                    "{} MiB moved to pinned host memory in {ms} ms{}{kept}",
+                    bytes / MIB,
+                    phase_list(&phases)
+                );
                 tracing::info!(pid = t.pid, "fast swap: {detail}");
                 self.store.note(t, "offload", None, &detail)?;
                 Ok(true)
@@ -85,9 +89,10 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         }
         let id = self.store.begin(t, "restore_offloaded")?;
         match swap::request(t.pid, "restore") {
-            Some(Ok(Answer::Done { bytes, ms, .. })) => {
+            Some(Ok(Answer::Done { bytes, ms, phases, .. })) => {
                 self.store.end(id, t, "restore_offloaded", Ok("running"))?;
-                let detail = format!("{} MiB mapped and copied back in {ms} ms", bytes / MIB);
+                let detail =
+                    format!("{} MiB mapped and copied back in {ms} ms{}", bytes / MIB, phase_list(&phases));
                 tracing::info!(pid = t.pid, "fast swap: {detail}");
                 self.store.note(t, "restore_offloaded", None, &detail)?;
                 Ok(())
@@ -150,4 +155,14 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     pub(super) fn is_offloaded(&self, t: &Target) -> bool {
         swap::status(t.pid).is_some_and(|s| s.away())
     }
+}
+
+/// " (copy 560 ms, release 120 ms)" from the library's phases; empty when
+/// it named none.
+fn phase_list(phases: &[(String, u64)]) -> String {
+    if phases.is_empty() {
+        return String::new();
+    }
+    let parts: Vec<String> = phases.iter().map(|(k, v)| format!("{k} {v} ms")).collect();
+    format!(" ({})", parts.join(", "))
 }

@@ -101,12 +101,13 @@ pub fn status_line() -> String {
     let (n, bytes, kept, kept_bytes, why) = table::summary();
     let why = if why.is_empty() { "-".to_string() } else { why.join(",").replace(' ', "_") };
     format!(
-        "phase={} gate={} movable={n} movable_bytes={bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={} pin={} keep={}",
+        "phase={} gate={} movable={n} movable_bytes={bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={} pin={} keep={} ipc_refused={}",
         swap::phase().name(),
         if super::gate::is_closed() { "closed" } else { "open" },
         super::gate::UNGATED.load(Ordering::Relaxed),
         super::hostmem::how().name(),
-        u8::from(swap::KEEP.load(Ordering::Relaxed))
+        u8::from(swap::KEEP.load(Ordering::Relaxed)),
+        table::IPC_REFUSED.load(Ordering::Relaxed)
     )
 }
 
@@ -127,11 +128,21 @@ fn answer(conn: UnixStream) {
     let reply = match line.trim() {
         "status" => format!("ok {}\n", status_line()),
         "offload" => match swap::offload() {
-            Ok(b) => format!("ok bytes={b} ms={} {}\n", swap::ms(t), status_line()),
+            Ok(b) => format!(
+                "ok bytes={b} ms={} {} {}\n",
+                swap::ms(t),
+                swap::phase_words("offload"),
+                status_line()
+            ),
             Err(f) => format!("error {}: {}\n", f.kind, f.detail),
         },
         "restore" => match swap::restore() {
-            Ok(b) => format!("ok bytes={b} ms={} {}\n", swap::ms(t), status_line()),
+            Ok(b) => format!(
+                "ok bytes={b} ms={} {} {}\n",
+                swap::ms(t),
+                swap::phase_words("restore"),
+                status_line()
+            ),
             Err(f) => format!("error {}: {}\n", f.kind, f.detail),
         },
         _ => "error unknown: unknown request\n".to_string(),

@@ -10,6 +10,8 @@ pub type CuResult = c_int;
 pub const SUCCESS: CuResult = 0;
 pub const OUT_OF_MEMORY: CuResult = 2;
 pub const NOT_INITIALIZED: CuResult = 3;
+/// `CUDA_ERROR_NOT_SUPPORTED`.
+pub const NOT_SUPPORTED: CuResult = 801;
 
 /// `CUmemLocation`.
 #[repr(C)]
@@ -135,6 +137,7 @@ calls! {
     mem_free = c"cuMemFree_v2" (p: u64);
     mem_alloc_pitch = c"cuMemAllocPitch_v2" (p: *mut u64, pitch: *mut usize, w: usize, h: usize, elem: c_uint);
     mem_alloc_managed = c"cuMemAllocManaged" (p: *mut u64, bytes: usize, flags: c_uint);
+    ipc_get_mem_handle = c"cuIpcGetMemHandle" (h: *mut c_void, p: u64);
     address_reserve = c"cuMemAddressReserve" (p: *mut u64, size: usize, align: usize, addr: u64, flags: u64);
     address_free = c"cuMemAddressFree" (p: u64, size: usize);
     create = c"cuMemCreate" (h: *mut u64, size: usize, prop: *const AllocationProp, flags: u64);

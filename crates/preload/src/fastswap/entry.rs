@@ -53,6 +53,7 @@ fn replace(name: &str, real: usize, version: Option<c_int>) -> usize {
         "cuMemAllocPitch" if by_proc && v2 => table::mem_alloc_pitch as *const () as usize,
         "cuMemAllocPitch_v2" if !by_proc => table::mem_alloc_pitch as *const () as usize,
         "cuMemAllocManaged" => table::mem_alloc_managed as *const () as usize,
+        "cuIpcGetMemHandle" => table::ipc_get_mem_handle as *const () as usize,
         n if gate::is_gated(n) => gate::gated(real),
         _ => real,
     }
@@ -259,4 +260,12 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 pub unsafe extern "C" fn cuMemAllocManaged(p: *mut u64, bytes: usize, flags: c_uint) -> c_int {
     // SAFETY: the caller's arguments.
     unsafe { table::mem_alloc_managed(p, bytes, flags) }
+}
+
+/// # Safety
+/// The driver's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuIpcGetMemHandle(h: *mut c_void, ptr: u64) -> c_int {
+    // SAFETY: the caller's arguments.
+    unsafe { table::ipc_get_mem_handle(h, ptr) }
 }

@@ -7,7 +7,7 @@
 use super::driver as cu;
 use super::{gate, hostmem, table};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -133,6 +133,29 @@ fn items(entries: &[(u64, table::Entry)]) -> Vec<Item> {
     out
 }
 
+/// The indexes of `entries`, largest allocation first.
+fn largest_first(entries: &[(u64, table::Entry)]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..entries.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(entries[i].1.size));
+    order
+}
+
+/// The last offload's and restore's phases in milliseconds: offload's
+/// pinning and copying, offload's release of the device memory, restore's
+/// mapping, restore's copying back.
+static LAST_MS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
+
+/// The phases of the last offload (`what` = "offload") or restore, as
+/// words for the control socket's answer.
+pub fn phase_words(what: &str) -> String {
+    let v = |k: usize| LAST_MS[k].load(Ordering::Relaxed);
+    if what == "offload" {
+        format!("copy_ms={} release_ms={}", v(0), v(1))
+    } else {
+        format!("map_ms={} copy_ms={}", v(2), v(3))
+    }
+}
+
 /// The chunk index of an item.
 fn chunk_index(off: u64) -> usize {
     (off / hostmem::CHUNK) as usize
@@ -193,6 +216,7 @@ pub fn offload() -> Result<u64, Failure> {
         hosts.iter().map(|h| h.iter().map(|_| Mutex::new([0; 32])).collect()).collect();
     let verify = VERIFY.load(Ordering::Relaxed);
     let work = items(&entries);
+    let t_copy = Instant::now();
     let copied = parallel(work.len(), &|n| entries[work[n].0].1.ctx, &|n| {
         let (i, off, len) = work[n];
         let (va, _) = &entries[i];
@@ -227,12 +251,21 @@ pub fn offload() -> Result<u64, Failure> {
         }
         return Err(undo(fail("driver", e)));
     }
-    // Every copy is safe on the host: now the device memory goes back.
+    LAST_MS[0].store(ms(t_copy), Ordering::Relaxed);
+    // Every copy is safe on the host: now the device memory goes back, on
+    // the copy threads too (unmapping and releasing tens of GB takes time).
+    let t_release = Instant::now();
+    let rcs: Vec<AtomicI32> = entries.iter().map(|_| AtomicI32::new(cu::SUCCESS)).collect();
+    let order = largest_first(&entries);
+    let _ = parallel(order.len(), &|n| entries[order[n]].1.ctx, &|n| {
+        let (va, e) = &entries[order[n]];
+        rcs[order[n]].store(table::unback(*va, e.size, e.handle), Ordering::SeqCst);
+        Ok(())
+    });
     let mut moved = 0;
     let mut g = table::table();
     let t = g.get_or_insert_with(table::Table::default);
     for (i, (va, e)) in entries.iter().enumerate() {
-        let rc = table::unback(*va, e.size, e.handle);
         if let Some(entry) = t.served.get_mut(va) {
             entry.host = host_of(i);
             entry.sum = if verify {
@@ -240,12 +273,13 @@ pub fn offload() -> Result<u64, Failure> {
             } else {
                 Vec::new()
             };
-            if rc == cu::SUCCESS {
+            if rcs[i].load(Ordering::SeqCst) == cu::SUCCESS {
                 entry.handle = 0;
             }
         }
         moved += e.bytes;
     }
+    LAST_MS[1].store(ms(t_release), Ordering::Relaxed);
     set(Phase::Offloaded);
     Ok(moved)
 }
@@ -267,20 +301,43 @@ pub fn restore() -> Result<u64, Failure> {
             .map(|t| t.served.iter().filter(|(_, e)| e.handle == 0).map(|(a, e)| (*a, e.clone())).collect())
             .unwrap_or_default()
     };
-    let mut taken: Vec<(u64, u64, u64)> = Vec::new();
-    for (va, e) in &away {
+    // Physical memory for every allocation first, on the copy threads (the
+    // driver's creation and mapping of tens of GB is not free); all or
+    // nothing: on the first refusal whatever was mapped goes back.
+    let t_map = Instant::now();
+    let handles: Vec<AtomicU64> = away.iter().map(|_| AtomicU64::new(0)).collect();
+    let refused = AtomicI32::new(cu::SUCCESS);
+    let order = largest_first(&away);
+    let mapped = parallel(order.len(), &|n| away[order[n]].1.ctx, &|n| {
+        let i = order[n];
+        let (va, e) = &away[i];
         match table::back(*va, e.size, e.device) {
-            Ok(h) => taken.push((*va, e.size, h)),
+            Ok(h) => {
+                handles[i].store(h, Ordering::SeqCst);
+                Ok(())
+            }
             Err(rc) => {
-                for (va, size, h) in taken {
-                    table::unback(va, size, h);
-                }
-                set(Phase::Offloaded);
-                let kind = if rc == cu::OUT_OF_MEMORY { "no-memory" } else { "driver" };
-                return Err(fail(kind, format!("mapping {} bytes at {va:#x}: {rc}", e.size)));
+                let _ = refused.compare_exchange(cu::SUCCESS, rc, Ordering::SeqCst, Ordering::SeqCst);
+                Err(format!("mapping {} bytes at {va:#x}: {rc}", e.size))
             }
         }
+    });
+    let taken: Vec<(u64, u64, u64)> = away
+        .iter()
+        .zip(&handles)
+        .filter_map(|((va, e), h)| Some((*va, e.size, h.load(Ordering::SeqCst))).filter(|t| t.2 != 0))
+        .collect();
+    if let Err(detail) = mapped {
+        for (va, size, h) in taken {
+            table::unback(va, size, h);
+        }
+        set(Phase::Offloaded);
+        let rc = refused.load(Ordering::SeqCst);
+        let kind = if rc == cu::OUT_OF_MEMORY { "no-memory" } else { "driver" };
+        return Err(fail(kind, detail));
     }
+    LAST_MS[2].store(ms(t_map), Ordering::Relaxed);
+    let t_copy = Instant::now();
     {
         let mut g = table::table();
         let t = g.get_or_insert_with(table::Table::default);
@@ -349,6 +406,7 @@ pub fn restore() -> Result<u64, Failure> {
             }
         }
     }
+    LAST_MS[3].store(ms(t_copy), Ordering::Relaxed);
     set(Phase::Resident);
     gate::open();
     // The pinned copies are no longer needed; giving them back (unpinning

@@ -6,8 +6,8 @@
 use super::driver as cu;
 use super::gate;
 use std::collections::BTreeMap;
-use std::ffi::{c_int, c_uint};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// One served allocation.
@@ -277,6 +277,34 @@ pub unsafe extern "C" fn mem_alloc_managed(p: *mut u64, bytes: usize, flags: c_u
     }
     rc
 }
+
+/// `cuIpcGetMemHandle`: memory the library serves is VMM memory, which the
+/// driver's legacy IPC cannot share. Refused with `CUDA_ERROR_NOT_SUPPORTED`
+/// and, once per process, a line on stderr naming the way out; memory left
+/// with the driver goes to the driver's own call.
+///
+/// # Safety
+/// The driver's contract.
+pub unsafe extern "C" fn ipc_get_mem_handle(handle: *mut c_void, ptr: u64) -> c_int {
+    let served = with(|t| t.served.range(..=ptr).next_back().is_some_and(|(va, e)| ptr < va + e.size));
+    if !served {
+        // SAFETY: the caller's arguments, passed on.
+        return unsafe { cu::ipc_get_mem_handle(handle, ptr) };
+    }
+    IPC_REFUSED.fetch_add(1, Ordering::Relaxed);
+    if !IPC_SAID.swap(true, Ordering::Relaxed) {
+        eprintln!(
+            "gpusnap: fast swap serves the device memory at {ptr:#x} through the VMM API, which CUDA IPC \
+             (cuIpcGetMemHandle) cannot share: run this program without --fast-swap (an agent's service: \
+             fast_swap = false)"
+        );
+    }
+    cu::NOT_SUPPORTED
+}
+
+/// `cuIpcGetMemHandle` calls refused on served memory.
+pub static IPC_REFUSED: AtomicU64 = AtomicU64::new(0);
+static IPC_SAID: AtomicBool = AtomicBool::new(false);
 
 /// What the table holds: (served count, served bytes, kept count, kept
 /// bytes, kept reasons).
