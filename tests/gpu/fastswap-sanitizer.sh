@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Fast swap under compute-sanitizer: a PyTorch and a CuPy program (the
 # fast-swap benchmark's, SAN_GB each) run by `gpusnap run --light
-# --fast-swap -- compute-sanitizer --tool TOOL python3 ...`, suspended and
-# resumed through gpusnap twice with the library's checksums on
-# (GPUSNAP_FAST_SWAP_VERIFY=1), the program's own digest compared after each
+# --fast-swap -- compute-sanitizer --tool TOOL python3 ...`, with the
+# library's checksums on (GPUSNAP_FAST_SWAP_VERIFY=1). Two rounds of the
+# library's own offload and restore, asked on its control socket (the
+# memory leaves, is mapped again at the same addresses and copied back, the
+# program's kernels run on it after), then two rounds of `gpusnap suspend`
+# and `resume` (the driver's checkpoint of what is left: it refuses a
+# process a sanitizer runs, and the suspend then brings the memory back at
+# once, which is judged too); the program's own digest compared after each
 # round, then asked to end: the sanitizer's ERROR SUMMARY and exit status
 # (--error-exitcode 9) are what this judges. Prints a markdown table; logs go
 # to $OUT (or /tmp).
@@ -44,6 +49,18 @@ wait_file() { # FILE SECS
     done
 }
 
+# ask PID offload|restore: the library's one-line answer on its socket.
+ask() {
+    python3 - "$1" "$2" <<'PY'
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(300)
+s.connect("\0gpusnap-swap-" + sys.argv[1])
+s.sendall((sys.argv[2] + "\n").encode())
+print(s.makefile().readline().strip())
+PY
+}
+
 digest() { # STATUS
     rm -f "$1.result"; touch "$1.check"
     wait_file "$1.result" 180 || { echo timeout; return; }
@@ -67,6 +84,15 @@ one() {
     local pid d0 rounds=""
     read -r _ pid d0 < "$st"
     log "$tag: pid $pid, checksum $d0"
+    local lib=""
+    for round in 1 2; do
+        local o r d1
+        o=$(ask "$pid" offload); r=$(ask "$pid" restore)
+        d1=$(digest "$st")
+        local same=no; [ "$d1" = "$d0" ] && same=yes
+        log "$tag library round $round: offload: $o; restore: $r; data identical: $same"
+        lib="$lib ${o%% *}/${r%% *}/$same"
+    done
     for round in 1 2; do
         local s r d1
         GPUSNAP_LOG=info timeout 300 "$G" --json suspend "$pid" > "$OUT/$tag.suspend$round.json" 2> "$OUT/$tag.suspend$round.err"
@@ -75,7 +101,7 @@ one() {
         r=$?
         d1=$(digest "$st")
         local same=no; [ "$d1" = "$d0" ] && same=yes
-        log "$tag round $round: suspend rc $s, resume rc $r, data identical: $same"
+        log "$tag round $round: suspend rc $s ($(tail -c 300 "$OUT/$tag.suspend$round.err" | tr '\n' ' ')), resume rc $r, data identical: $same"
         rounds="$rounds $s/$r/$same"
     done
     "$G" history "$pid" > "$OUT/$tag.journal.txt" 2>&1 || true
@@ -91,13 +117,13 @@ one() {
     local summary
     summary=$(grep -ho "ERROR SUMMARY: [0-9]* error[s]*" "$OUT/$tag.out" "$OUT/$tag.err" | tail -1)
     log "$tag: exit $rc, ${summary:-no summary}"
-    echo "| $name | $tool |$rounds | $rc | ${summary:-none} | $(grep -c "offload\|restore" "$OUT/$tag.journal.txt") |" >> "$ROWS"
+    echo "| $name | $tool |$lib |$rounds | $rc | ${summary:-none} |" >> "$ROWS"
 }
 
 for tool in $TOOLS; do
     one "$tool" cupy tests/gpu/fastswap_cupy.py
     one "$tool" torch tests/gpu/fastswap_torch.py
 done
-echo "| program | tool | rounds (suspend rc/resume rc/data identical) | exit | sanitizer | journal lines offload/restore |"
+echo "| program | tool | library rounds (offload/restore/data identical) | gpusnap rounds (suspend rc/resume rc/data identical) | exit | sanitizer |"
 echo "|---|---|---|---|---|---|"
 cat "$ROWS"

@@ -623,6 +623,17 @@ fn state_of<'a>(list: &'a [Value], name: &str) -> &'a str {
     list.iter().find(|s| s["name"] == name).and_then(|s| s["state"].as_str()).unwrap_or("")
 }
 
+/// Where a fast-swap process's memory is, as `gpusnap ps` has it.
+fn swap_phase(w: &World, pid: i64) -> String {
+    let ps = w.json(&["ps"]).json();
+    ps["processes"]
+        .as_array()
+        .and_then(|l| l.iter().find(|p| p["pid"] == pid))
+        .and_then(|p| p["fast_swap"]["phase"].as_str())
+        .unwrap_or("")
+        .to_string()
+}
+
 #[test]
 fn an_agent_killed_mid_swap_is_restarted_and_every_service_settles_and_answers() {
     // Two servers on a GPU that holds one: a request to the suspended one
@@ -639,12 +650,22 @@ fn an_agent_killed_mid_swap_is_restarted_and_every_service_settles_and_answers()
     a.wait_state("a", "suspended");
     a.w.set_config("checkpoint_gbps", serde_json::json!(0.3));
     a.w.set_config("restore_gbps", serde_json::json!(0.3));
-    // Killed while b is being suspended, then while a is being resumed
-    // after b was.
-    for kill_when in ["suspending", "resuming"] {
+    // Fast swap's library copies as slowly: killed inside its offload (the
+    // driver still runs b, its memory away) and inside its restore.
+    a.w.set_config("copy_gbps", serde_json::json!(0.3));
+    // Killed while b is being suspended (inside its library's offload: the
+    // driver runs b, its memory on the way out), then while a is being
+    // resumed after b was.
+    for kill_when in ["offloading", "resuming"] {
         let t = get_in_background(a.port(0));
         wait_services(&a, "a asked for", |l| match kill_when {
-            "suspending" => state_of(l, "b") == "suspending",
+            "offloading" => {
+                state_of(l, "b") == "suspending"
+                    && l.iter()
+                        .find(|s| s["name"] == "b")
+                        .and_then(|s| s["pid"].as_i64())
+                        .is_some_and(|p| swap_phase(&a.w, p) == "offloading")
+            }
             _ => state_of(l, "b") == "suspended" && state_of(l, "a") == "resuming",
         });
         a.kill9();
@@ -655,13 +676,14 @@ fn an_agent_killed_mid_swap_is_restarted_and_every_service_settles_and_answers()
         wait_services(&a, "every service settled", |l| {
             l.iter().all(|s| ["running", "suspended"].contains(&s["state"].as_str().unwrap_or("")))
         });
-        // ... as the driver says, and each answers right (a, then b: b
-        // ends running and a suspended, as before).
+        // ... as the driver says, and each answers right: b first (left
+        // running with its memory away, it would never answer), then a,
+        // then b again, which ends running and a suspended, as before.
         for s in a.services() {
             let want = if s["state"] == "running" { "running" } else { "checkpointed" };
             assert_eq!(driver_state(&a.w, s["pid"].as_i64().unwrap()), want, "{s}\n{}", a.log());
         }
-        for i in 0..2 {
+        for i in [1, 0, 1] {
             let body = get(a.port(i), "/");
             assert!(body.trim_end().ends_with(" 1"), "{body}");
         }
@@ -1193,8 +1215,10 @@ fn thp_is_always_for_the_agents_suspends_and_put_back_even_after_a_kill() {
     t.join().unwrap();
     assert!(seen.iter().all(|m| m == "madvise"), "{seen:?}");
 
-    // The agent killed mid-checkpoint: the next one puts the mode back and
-    // finds the service running (the driver left it locked: unlocked).
+    // The agent killed mid-suspend: the next one puts the mode back and
+    // finds the service as the driver and its library have it: running
+    // (killed in the checkpoint, the driver left it locked: unlocked), or
+    // suspended (killed in the fast-swap offload before it: finished).
     let pid = a.service("on")["pid"].as_i64().unwrap();
     get(a.port(0), "/");
     let _t = post_in_background(&a.socket, "/v1/services/on/suspend");
@@ -1204,9 +1228,18 @@ fn thp_is_always_for_the_agents_suspends_and_put_back_even_after_a_kill() {
     a.start();
     assert_eq!(thp_selected(&sysfs), "madvise", "the restarted agent did not put THP back");
     assert!(!thp_json.exists());
-    let s = a.wait_state("on", "running");
+    let end = Instant::now() + LONG;
+    let s = loop {
+        let s = a.service("on");
+        if s["state"] == "running" || s["state"] == "suspended" {
+            break s;
+        }
+        assert!(Instant::now() < end, "on never settled: {s}\n{}", a.log());
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert_eq!(s["pid"].as_i64(), Some(pid));
-    assert_eq!(driver_state(&a.w, pid), "running");
+    let want = if s["state"] == "running" { "running" } else { "checkpointed" };
+    assert_eq!(driver_state(&a.w, pid), want, "{s}");
     let body = get(a.port(0), "/");
     assert!(body.starts_with(&format!("ok {pid} ")) && body.trim_end().ends_with(" 1"), "{body}");
 }

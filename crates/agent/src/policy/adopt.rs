@@ -241,9 +241,28 @@ impl Agent {
         if states.iter().all(|s| s == "checkpointed") {
             return State::Suspended;
         }
+        // One the driver runs while its fast-swap library has its memory
+        // away or on the way out (an agent killed inside the offload that
+        // begins a suspend, or between it and the lock) waits at the
+        // library's gate: the suspend is finished (it waits for the
+        // offload, then locks and checkpoints), which needs no memory; the
+        // next request resumes it. One whose library is copying back (an
+        // agent killed inside a resume's last step) is resumed: that waits
+        // for the copy.
+        let phases: Vec<String> =
+            pids.iter().filter_map(|p| gpusnap_core::swap::status(*p)).map(|s| s.phase).collect();
+        if phases.iter().any(|p| p == "offloading" || p == "offloaded")
+            && !phases.iter().any(|p| p == "restoring")
+        {
+            match e.suspend_group(pids, super::LOCK_TIMEOUT_MS, &super::quiet) {
+                Ok(_) => return State::Suspended,
+                Err(err) => tracing::warn!("could not finish the suspend of an adopted service: {err}"),
+            }
+        }
         // A process left locked (an agent killed between lock and checkpoint)
         // holds its memory: unlock it by resuming, which only unlocks.
-        if states.iter().any(|s| s == "locked" || s == "checkpointed") {
+        let away = phases.iter().any(|p| p != "resident");
+        if away || states.iter().any(|s| s == "locked" || s == "checkpointed") {
             let opts = gpusnap_core::ResumeOptions::default();
             if let Err(err) = e.resume_group(pids, &opts, &|| Box::new(gpusnap_core::Quiet)) {
                 tracing::warn!("could not finish the resume of an adopted service: {err}");
