@@ -545,7 +545,8 @@ fn host_memory_pressure_hibernates_and_a_request_wakes() {
     // One image name per service, stable across its hibernations.
     assert_eq!(image, "agent.h");
     assert!(a.w.state_dir().join("images").join(&image).join("manifest.json").exists());
-    assert!(!pid_exists(pid as i32), "the hibernated server still runs");
+    // Ended with its tree (its runner reaps it a moment later).
+    assert!(wait_until(Duration::from_secs(10), || !pid_exists(pid as i32)), "the hibernated server still runs");
     let notes = a.notes(pid);
     assert!(
         notes.iter().any(|n| n["detail"].as_str().unwrap().contains("< min_host_available")),
@@ -1317,7 +1318,8 @@ fn an_agent_killed_mid_hibernate_or_mid_wake_leaves_one_consistent_state() {
     let (code, body) = a.api("POST", "/v1/services/k/hibernate");
     assert_eq!(code, 200, "{body}");
     let image = a.wait_state("k", "hibernated")["image"].as_str().unwrap().to_string();
-    assert!(!pid_exists(pid as i32));
+    // Ended with its tree (its runner reaps it a moment later).
+    assert!(wait_until(Duration::from_secs(10), || !pid_exists(pid as i32)), "the hibernated server still runs");
     std::fs::write(hooks.join("pause-restore"), "").unwrap();
     let _t = std::thread::spawn({
         let port = a.port(0);
