@@ -35,10 +35,11 @@
 #     counting hook_suspend + suspend + resume + hook_resume, and c5.hooks
 #     against the cold starts (target: <= 0.5x).
 #     Mode fast (AGENT_MODES, first if given): the servers run under fast
-#     swap with their pinned copies kept (`fast_swap = true`, `keep_pinned =
-#     true`), thp = true, no hooks: their library moves the device memory
-#     at the link's speed. Rows c2-c9.fast, c5.fast against the cold starts
-#     (target: <= 0.5x).
+#     swap (the agent's default) with their pinned copies kept (`keep_pinned
+#     = true`), thp = true, no hooks: their library moves the device
+#     memory at the link's speed. Rows c2-c9.fast, c5.fast against the cold
+#     starts (target: <= 0.5x). Without it the services say `fast_swap =
+#     false` (the driver path).
 # (d) the proxy's cost: p50 of /health to the running service through the
 #     agent against straight to the server (target: <= 1 ms added).
 # Environment:
@@ -90,13 +91,14 @@ read -r -a MODE_LIST <<<"$MODES"
 for m in "${MODE_LIST[@]}"; do
     case $m in off | on | hooks | fast) ;; *) echo "agent-bench: AGENT_MODES: unknown mode $m (off, on, hooks, fast)" >&2 && exit 2 ;; esac
 done
-# fast: the servers run with fast_swap and keep_pinned from their start, so
-# that mode comes first (the agent adopts them as they are in later modes).
-FAST_KEYS=""
+# fast: the servers run with fast swap (the agent's default for a server it
+# starts) and keep_pinned from their start, so that mode comes first (the
+# agent adopts them as they are in later modes). Without it they run with
+# fast_swap = false: the driver path.
+FAST_KEYS='fast_swap = false'
 if [[ " $MODES " == *" fast "* ]]; then
     [ "${MODE_LIST[0]}" = fast ] || { echo "agent-bench: AGENT_MODES: fast must come first" >&2 && exit 2; }
-    FAST_KEYS='fast_swap = true
-keep_pinned = true'
+    FAST_KEYS='keep_pinned = true'
 fi
 [ "${#MODE_LIST[@]}" -gt 0 ] || { echo "agent-bench: AGENT_MODES is empty" >&2 && exit 2; }
 PROMPT="the quick brown fox jumps over the lazy dog"

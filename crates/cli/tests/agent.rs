@@ -546,7 +546,10 @@ fn host_memory_pressure_hibernates_and_a_request_wakes() {
     assert_eq!(image, "agent.h");
     assert!(a.w.state_dir().join("images").join(&image).join("manifest.json").exists());
     // Ended with its tree (its runner reaps it a moment later).
-    assert!(wait_until(Duration::from_secs(10), || !pid_exists(pid as i32)), "the hibernated server still runs");
+    assert!(
+        wait_until(Duration::from_secs(10), || !pid_exists(pid as i32)),
+        "the hibernated server still runs"
+    );
     let notes = a.notes(pid);
     assert!(
         notes.iter().any(|n| n["detail"].as_str().unwrap().contains("< min_host_available")),
@@ -1319,7 +1322,10 @@ fn an_agent_killed_mid_hibernate_or_mid_wake_leaves_one_consistent_state() {
     assert_eq!(code, 200, "{body}");
     let image = a.wait_state("k", "hibernated")["image"].as_str().unwrap().to_string();
     // Ended with its tree (its runner reaps it a moment later).
-    assert!(wait_until(Duration::from_secs(10), || !pid_exists(pid as i32)), "the hibernated server still runs");
+    assert!(
+        wait_until(Duration::from_secs(10), || !pid_exists(pid as i32)),
+        "the hibernated server still runs"
+    );
     std::fs::write(hooks.join("pause-restore"), "").unwrap();
     let _t = std::thread::spawn({
         let port = a.port(0);

@@ -155,9 +155,12 @@ impl HostKey {
 #[derive(Debug, Clone, Default)]
 pub struct Trust {
     keys: Vec<VerifyingKey>,
-    /// The state directory whose host key is trusted; read when a check
-    /// needs it (a hibernate in this same run may have just made it).
+    /// The state directory whose host key is trusted; read again when a
+    /// check needs it and it was not there yet (a hibernate in this same
+    /// run may have just made it).
     host: Option<PathBuf>,
+    /// This host's key as read when the trust was made.
+    host_key: Option<VerifyingKey>,
 }
 
 /// Why a signature is not accepted.
@@ -167,6 +170,9 @@ pub enum Untrusted {
     /// Signed by a key that is not trusted here (its hex).
     Foreign(String),
     BadSignature,
+    /// This host's key could not be read to compare (why): not the
+    /// image's fault, and not a verdict on its signer.
+    HostKey(String),
 }
 
 impl std::fmt::Display for Untrusted {
@@ -178,6 +184,9 @@ impl std::fmt::Display for Untrusted {
                 "it is signed by key {k}, which is not this host's (if you trust it, pass --trust {k})"
             ),
             Self::BadSignature => write!(f, "its signature does not match (tampered with)"),
+            Self::HostKey(why) => {
+                write!(f, "this host's key could not be read to check its signature ({why})")
+            }
         }
     }
 }
@@ -195,8 +204,10 @@ impl Trust {
     /// or the path of a file holding them.
     pub fn new(state_dir: &Path, extra: &[String]) -> Result<Self, SignError> {
         let mut keys = Vec::new();
-        // A key that is there must be sound (mode, owner): said now.
-        HostKey::load(state_dir)?;
+        // A key that is there must be sound (mode, owner): said now, and
+        // kept, so that a check needs no file (an agent short of
+        // descriptors must not take its own image for a stranger's).
+        let host_key = HostKey::load(state_dir)?.map(|k| k.key.verifying_key());
         for e in extra {
             let text = if hex::decode(e.trim()).is_ok_and(|b| b.len() == 32) {
                 e.clone()
@@ -211,7 +222,7 @@ impl Trust {
             };
             keys.push(parse_public(&text)?);
         }
-        Ok(Self { keys, host: Some(state_dir.to_path_buf()) })
+        Ok(Self { keys, host: Some(state_dir.to_path_buf()), host_key })
     }
 
     /// Only this host's key.
@@ -225,12 +236,16 @@ impl Trust {
             return Err(Untrusted::Malformed(format!("algorithm {:?}", env.algorithm)));
         }
         let key = parse_public(&env.key).map_err(|_| Untrusted::Malformed("key".into()))?;
-        let host = || {
-            let dir = self.host.as_deref()?;
-            HostKey::load(dir).ok().flatten().map(|k| k.key.verifying_key())
-        };
-        if !self.keys.contains(&key) && host() != Some(key) {
-            return Err(Untrusted::Foreign(hex::encode(key.to_bytes())));
+        if !self.keys.contains(&key) && self.host_key != Some(key) {
+            // Made since this trust was? Read it again; a failure to read
+            // is said as such, never as a foreign signer.
+            let now = match (self.host_key, self.host.as_deref()) {
+                (None, Some(dir)) => HostKey::load(dir).map_err(|e| Untrusted::HostKey(e.to_string()))?,
+                _ => None,
+            };
+            if now.map(|k| k.key.verifying_key()) != Some(key) {
+                return Err(Untrusted::Foreign(hex::encode(key.to_bytes())));
+            }
         }
         let sig: [u8; 64] = hex::decode(&env.signature)
             .ok()
@@ -291,6 +306,20 @@ mod tests {
         let kc = HostKey::load_or_create(c.path()).unwrap();
         assert!(early.check(b"x", &kc.sign(b"x")).is_ok());
         assert!(matches!(Trust::default().check(b"x", &kc.sign(b"x")), Err(Untrusted::Foreign(_))));
+        // Once read, this host's key is checked without its file: a file
+        // that cannot be opened later (no descriptor left) changes nothing.
+        let here = Trust::host_only(a.path()).unwrap();
+        std::fs::rename(a.path().join(KEY_FILE), a.path().join("moved")).unwrap();
+        assert_eq!(here.check(b"body", &env).unwrap(), ka.public_hex());
+        // A key made after the trust that cannot be read is said as such.
+        let d = tempfile::tempdir().unwrap();
+        let early = Trust::host_only(d.path()).unwrap();
+        std::fs::write(d.path().join(KEY_FILE), "not a key").unwrap();
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(d.path().join(KEY_FILE), std::fs::Permissions::from_mode(0o600)).unwrap();
+        let r = early.check(b"body", &env);
+        assert!(matches!(&r, Err(Untrusted::HostKey(_))), "{r:?}");
+        assert!(r.unwrap_err().to_string().contains("could not be read"));
     }
 
     #[test]

@@ -60,3 +60,16 @@ fn seed_21s_agent_killed_mid_swap_leaves_every_service_settled() {
         soak(&["--seed", "21", "--faults", "all", "--from-cycle", "75", "--cycles", "1", "--clients", "5"]);
     assert!(out.contains("| agent-kill-swap | 1 |"), "{out}");
 }
+
+/// The run of seed 43 found, after cycle 5, a service never answering
+/// again: the agent was killed inside the fast-swap offload that began a
+/// swap's suspend, and the next agent adopted the server as running while
+/// its library held its memory away and every request waited at the gate.
+/// The agent now finishes such a suspend; this replays that cycle as the
+/// run drew it (`agent::an_agent_killed_mid_swap_is_restarted_and_every_service_settles_and_answers`
+/// kills the agent inside the offload every time).
+#[test]
+fn seed_43s_agent_killed_in_a_fast_swap_offload_leaves_every_service_answering() {
+    let out = soak(&["--seed", "43", "--faults", "all", "--from-cycle", "5", "--cycles", "1"]);
+    assert!(out.contains("| agent-kill-swap | 1 |"), "{out}");
+}
