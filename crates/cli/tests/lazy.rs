@@ -180,6 +180,11 @@ fn a_removal_that_meets_a_copy_in_flight_fails_the_wake_safely_and_keeps_the_ima
     // that landed after the kernel zapped the range).
     std::fs::write(out.with_extension("go"), "").unwrap();
     w.env_extra.push(("GPUSNAP_TEST_PAGES_REMOVE_RACED".into(), "1".into()));
+    // The fill slowed (one thread, 20 ms a chunk: seconds for this memory),
+    // so that the removal meets it however late a loaded machine runs the
+    // process; a fill done first would leave nothing to race.
+    w.env_extra.push(("GPUSNAP_PAGES_SLOW_US".into(), "20000".into()));
+    w.env_extra.push(("GPUSNAP_PAGES_THREADS".into(), "1".into()));
     let r = w.json(&["wake", "mem", "--no-guard"]);
     assert_eq!(r.code, 1, "{}", r.stderr);
     assert_eq!(r.json()["error"]["kind"], "pages", "{}", r.stderr);

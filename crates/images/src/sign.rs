@@ -315,7 +315,6 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let early = Trust::host_only(d.path()).unwrap();
         std::fs::write(d.path().join(KEY_FILE), "not a key").unwrap();
-        use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(d.path().join(KEY_FILE), std::fs::Permissions::from_mode(0o600)).unwrap();
         let r = early.check(b"body", &env);
         assert!(matches!(&r, Err(Untrusted::HostKey(_))), "{r:?}");
