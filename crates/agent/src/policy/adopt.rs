@@ -241,19 +241,14 @@ impl Agent {
         if states.iter().all(|s| s == "checkpointed") {
             return State::Suspended;
         }
-        // One the driver runs while its fast-swap library has its memory
-        // away or on the way out (an agent killed inside the offload that
-        // begins a suspend, or between it and the lock) waits at the
-        // library's gate: the suspend is finished (it waits for the
-        // offload, then locks and checkpoints), which needs no memory; the
-        // next request resumes it. One whose library is copying back (an
-        // agent killed inside a resume's last step) is resumed: that waits
-        // for the copy.
-        let phases: Vec<String> =
-            pids.iter().filter_map(|p| gpusnap_core::swap::status(*p)).map(|s| s.phase).collect();
-        if phases.iter().any(|p| p == "offloading" || p == "offloaded")
-            && !phases.iter().any(|p| p == "restoring")
-        {
+        // A fast-swap library finishes an offload or a restore on its own
+        // (an agent killed inside the offload that begins a suspend, or
+        // inside a resume's copy back): wait for it. One whose memory is
+        // then away (the driver may run it, locked or not) waits at the
+        // library's gate: its suspend is finished (the lock and the
+        // checkpoint), which needs no memory; the next request resumes it.
+        let phases = settled_phases(pids);
+        if phases.iter().any(|p| p == "offloaded") {
             match e.suspend_group(pids, super::LOCK_TIMEOUT_MS, &super::quiet) {
                 Ok(_) => return State::Suspended,
                 Err(err) => tracing::warn!("could not finish the suspend of an adopted service: {err}"),
@@ -270,5 +265,20 @@ impl Agent {
             }
         }
         State::Running
+    }
+}
+
+/// The fast-swap phases of `pids`' libraries once none is moving memory
+/// (each finishes what it began on its own), waited for up to a minute.
+fn settled_phases(pids: &[i32]) -> Vec<String> {
+    let end = Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let phases: Vec<String> =
+            pids.iter().filter_map(|p| gpusnap_core::swap::status(*p)).map(|s| s.phase).collect();
+        let moving = phases.iter().any(|p| p == "offloading" || p == "restoring");
+        if !moving || Instant::now() >= end {
+            return phases;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
