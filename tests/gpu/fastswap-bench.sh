@@ -31,21 +31,8 @@ ROWS=$OUT/rows.md
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/log.txt" >&2; }
 
 used_mib() { timeout 30 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null | awk -F', ' -v p="$1" '$1==p {print $2}'; }
-jget() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d.get(sys.argv[2], ''))" "$1" "$2" 2>/dev/null; }
-
-wait_file() { # FILE SECS
-    local end=$((SECONDS + $2))
-    while [ ! -s "$1" ]; do
-        [ $SECONDS -ge $end ] && return 1
-        sleep 0.2
-    done
-}
-
-digest() { # STATUS
-    rm -f "$1.result"; touch "$1.check"
-    wait_file "$1.result" 120 || { echo timeout; return; }
-    cat "$1.result"
-}
+# shellcheck source=tests/gpu/fastswap-lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/fastswap-lib.sh"
 
 # case NAME MODE(fast|driver) PROG GB [ENV...]
 run_case() {

@@ -41,13 +41,8 @@ if [ -z "$SAN" ]; then
 fi
 log "compute-sanitizer: $SAN ($("$SAN" --version 2>&1 | tail -1))"
 
-wait_file() { # FILE SECS
-    local end=$((SECONDS + $2))
-    while [ ! -s "$1" ]; do
-        [ $SECONDS -ge $end ] && return 1
-        sleep 0.2
-    done
-}
+# shellcheck source=tests/gpu/fastswap-lib.sh
+. tests/gpu/fastswap-lib.sh
 
 # ask PID offload|restore: the library's one-line answer on its socket.
 ask() {
@@ -59,12 +54,6 @@ s.connect("\0gpusnap-swap-" + sys.argv[1])
 s.sendall((sys.argv[2] + "\n").encode())
 print(s.makefile().readline().strip())
 PY
-}
-
-digest() { # STATUS
-    rm -f "$1.result"; touch "$1.check"
-    wait_file "$1.result" 180 || { echo timeout; return; }
-    cat "$1.result"
 }
 
 # one TOOL NAME PROG
@@ -88,7 +77,7 @@ one() {
     for round in 1 2; do
         local o r d1
         o=$(ask "$pid" offload); r=$(ask "$pid" restore)
-        d1=$(digest "$st")
+        d1=$(digest "$st" 180)
         local same=no; [ "$d1" = "$d0" ] && same=yes
         log "$tag library round $round: offload: $o; restore: $r; data identical: $same"
         lib="$lib ${o%% *}/${r%% *}/$same"
@@ -99,7 +88,7 @@ one() {
         s=$?
         GPUSNAP_LOG=info timeout 300 "$G" --json resume "$pid" > "$OUT/$tag.resume$round.json" 2> "$OUT/$tag.resume$round.err"
         r=$?
-        d1=$(digest "$st")
+        d1=$(digest "$st" 180)
         local same=no; [ "$d1" = "$d0" ] && same=yes
         log "$tag round $round: suspend rc $s ($(tail -c 300 "$OUT/$tag.suspend$round.err" | tr '\n' ' ')), resume rc $r, data identical: $same"
         rounds="$rounds $s/$r/$same"

@@ -127,24 +127,15 @@ fn answer(conn: UnixStream) {
     let t = Instant::now();
     let reply = match line.trim() {
         "status" => format!("ok {}\n", status_line()),
-        "offload" => match swap::offload() {
-            Ok(b) => format!(
-                "ok bytes={b} ms={} {} {}\n",
-                swap::ms(t),
-                swap::phase_words("offload"),
-                status_line()
-            ),
-            Err(f) => format!("error {}: {}\n", f.kind, f.detail),
-        },
-        "restore" => match swap::restore() {
-            Ok(b) => format!(
-                "ok bytes={b} ms={} {} {}\n",
-                swap::ms(t),
-                swap::phase_words("restore"),
-                status_line()
-            ),
-            Err(f) => format!("error {}: {}\n", f.kind, f.detail),
-        },
+        what @ ("offload" | "restore") => {
+            let done = if what == "offload" { swap::offload() } else { swap::restore() };
+            match done {
+                Ok(b) => {
+                    format!("ok bytes={b} ms={} {} {}\n", swap::ms(t), swap::phase_words(what), status_line())
+                }
+                Err(f) => format!("error {}: {}\n", f.kind, f.detail),
+            }
+        }
         _ => "error unknown: unknown request\n".to_string(),
     };
     let _ = (&conn).write_all(reply.as_bytes());
