@@ -12,6 +12,28 @@ cd "$root"
 
 say() { printf '\n== %s\n' "$*"; }
 
+# What the build needs, checked before minutes are spent building: each
+# missing tool is named in one line with how to get it.
+missing=0
+need() {
+    command -v "$1" >/dev/null 2>&1 && return 0
+    echo "quickstart: $1 is missing: $2" >&2
+    missing=1
+}
+if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+    PATH=$HOME/.cargo/bin:$PATH
+fi
+need cargo "install Rust 1.80 or newer (https://rustup.rs), then open a new shell"
+need cc "install a C compiler (Debian/Ubuntu: apt-get install build-essential; Fedora: dnf install gcc)"
+if command -v rustc >/dev/null 2>&1; then
+    v=$(rustc --version | awk '{print $2}')
+    if [ "$(printf '%s\n1.80.0\n' "$v" | sort -V | head -n1)" != 1.80.0 ]; then
+        echo "quickstart: rustc $v is older than 1.80: rustup update" >&2
+        missing=1
+    fi
+fi
+[ "$missing" = 0 ] || exit 2
+
 say "building gpusnap (release)"
 cargo build --release --quiet -p gpusnap -p gpusnap-preload
 bin=$root/target/release/gpusnap

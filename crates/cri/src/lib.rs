@@ -12,8 +12,14 @@ mod error;
 pub mod types;
 
 pub use error::CriError;
-pub use k8s_cri::v1 as api;
 pub use types::{Container, ContainerStatus, Pod, PodStatus, Version};
+
+/// The CRI v1 messages and the runtime service's client, generated from
+/// `proto/api.proto` by the build script.
+#[allow(clippy::all, missing_docs)]
+pub mod api {
+    tonic::include_proto!("runtime.v1");
+}
 
 use api::runtime_service_client::RuntimeServiceClient;
 use std::future::Future;
