@@ -897,7 +897,7 @@ impl Drop for TempGroup {
 #[test]
 fn the_api_lets_in_the_configured_group_and_refuses_others() {
     if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: needs root (groupadd, a peer with other ids)");
+        gpusnap_testkit::skip("needs root (groupadd, a peer with other ids)");
         return;
     }
     let g = TempGroup::new();
@@ -973,11 +973,9 @@ fn metrics_pass_promtool() {
     let mut child = match promtool {
         Ok(c) => c,
         Err(e) => {
-            assert!(
-                std::env::var("CI").is_err(),
-                "promtool is needed in CI (Debian's prometheus package): {e}"
-            );
-            eprintln!("promtool not found ({e}): skipping the check (install Debian's prometheus package)");
+            gpusnap_testkit::skip(format!(
+                "promtool does not run ({e}): apt-get install prometheus; .ci/run installs it"
+            ));
             return;
         }
     };
@@ -1062,7 +1060,7 @@ fn adopted_server_lifecycle(how: &str) {
         match Cgroup::new(1 << 40) {
             Some(c) => Some(c),
             None => {
-                eprintln!("skipped: no cgroup can be created here");
+                gpusnap_testkit::skip("no cgroup can be created here");
                 return;
             }
         }

@@ -532,7 +532,9 @@ fn a_wake_that_needed_an_eviction_traces_criu_as_the_wake() {
 #[test]
 fn a_server_runs_in_a_scope_of_its_own_where_systemd_can_make_one() {
     if !Path::new("/run/systemd/system").is_dir() {
-        eprintln!("skipped: systemd does not run this host (no /run/systemd/system): no scope can be made");
+        gpusnap_testkit::skip(
+            "systemd does not run this host (no /run/systemd/system): no scope can be made",
+        );
         return;
     }
     let mut a = Agent::config("server_scope = \"on\"", &[("a", "suspend_after = \"never\"")]);

@@ -404,7 +404,7 @@ fn answers(child: &mut std::process::Child, n: usize) -> Vec<String> {
 #[test]
 fn strangers_and_nonsense_on_the_control_socket_never_keep_gpusnap_from_it() {
     if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: needs root (a peer of another user)");
+        gpusnap_testkit::skip("needs root (a peer of another user)");
         return;
     }
     let mut w = World::new(&[16_384]);

@@ -200,7 +200,7 @@ fn the_oom_watch_suspends_while_host_memory_can_still_take_it() {
     // Traced, and light (`run --light --oom-watch`).
     for mode in ["--no-keeper", "--light"] {
         let Some(cg) = Cgroup::new(256 << 20) else {
-            eprintln!("skipped: no memory cgroup can be created here");
+            gpusnap_testkit::skip("no memory cgroup can be created here");
             return;
         };
         let w = World::new(&[16_384]);

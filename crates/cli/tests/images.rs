@@ -413,7 +413,7 @@ fn workload_in(w: &mut World, cg: &std::path::Path, name: &str) -> (i32, std::pa
 fn a_cgroup_of_two_trees_hibernates_all_or_nothing() {
     criu_present();
     let Some(cg) = Cgroup::new(1 << 40) else {
-        eprintln!("skipped: no cgroup can be created here");
+        gpusnap_testkit::skip("no cgroup can be created here");
         return;
     };
     let mut w = World::new(&[16_384]);
@@ -469,7 +469,7 @@ fn an_empty_group_hibernates_nothing() {
     criu_present();
     // Not --all: the other tests' fake workloads run beside this one.
     let Some(cg) = Cgroup::new(1 << 40) else {
-        eprintln!("skipped: no cgroup can be created here");
+        gpusnap_testkit::skip("no cgroup can be created here");
         return;
     };
     let w = World::new(&[8192]);

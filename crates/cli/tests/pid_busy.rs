@@ -29,7 +29,7 @@ fn a_pid_held_by_another_program_is_named() {
     let mut squatter = None;
     for _ in 0..50 {
         if std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).is_err() {
-            eprintln!("skipped: cannot set ns_last_pid here");
+            gpusnap_testkit::skip("cannot set ns_last_pid here");
             return;
         }
         let c = std::process::Command::new("sleep").arg("30").spawn().unwrap();
@@ -42,7 +42,7 @@ fn a_pid_held_by_another_program_is_named() {
         let _ = c.wait();
     }
     let Some(mut squatter) = squatter else {
-        eprintln!("skipped: another process took the pid first every time");
+        gpusnap_testkit::skip("another process took the pid first every time");
         return;
     };
     let r = w.json(&["wake", "busy", "--wait", "1"]);
@@ -61,7 +61,7 @@ fn a_pid_held_by_another_program_is_named() {
 fn squat(w: &mut World, pid: i32, prog: &str, args: &[&str]) -> Option<usize> {
     for _ in 0..50 {
         if std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).is_err() {
-            eprintln!("skipped: cannot set ns_last_pid here");
+            gpusnap_testkit::skip("cannot set ns_last_pid here");
             return None;
         }
         let i = w.spawn_env(prog, args);
@@ -71,7 +71,7 @@ fn squat(w: &mut World, pid: i32, prog: &str, args: &[&str]) -> Option<usize> {
         w.children[i].kill();
         w.children[i].wait();
     }
-    eprintln!("skipped: another process took the pid first every time");
+    gpusnap_testkit::skip("another process took the pid first every time");
     None
 }
 

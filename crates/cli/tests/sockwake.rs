@@ -423,8 +423,7 @@ impl Netns {
         let ns = Self { name, host_if };
         if !ok {
             let why = "ip netns is not usable here (needs root and iproute2)";
-            assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}; CI must run this test");
-            eprintln!("skipped: {why}");
+            gpusnap_testkit::skip(&why);
             return None;
         }
         Some(ns)

@@ -146,7 +146,7 @@ fn restore_finished(s: &UnixStream) {
 #[test]
 fn serves_lazy_pages_zero_fills_the_rest_and_skips_what_is_not_lazy() {
     let Ok((uffd, features)) = sys::open(sys::NONCOOP) else {
-        eprintln!("skipped: no userfaultfd here");
+        gpusnap_testkit::skip("no userfaultfd here");
         return;
     };
     assert_eq!(features & sys::NONCOOP, sys::NONCOOP);
@@ -227,7 +227,7 @@ fn serves_lazy_pages_zero_fills_the_rest_and_skips_what_is_not_lazy() {
 #[test]
 fn a_fault_that_waited_for_a_fill_which_gave_its_pieces_back_is_served_at_once() {
     let Ok((uffd, _)) = sys::open(sys::NONCOOP) else {
-        eprintln!("skipped: no userfaultfd here");
+        gpusnap_testkit::skip("no userfaultfd here");
         return;
     };
     // 32 lazy pages; one fill thread that takes 16 at a time and sleeps

@@ -32,8 +32,7 @@ pub fn containerd_present() -> bool {
     }
     let why =
         "containerd, ctr and runc are not installed (apt-get install containerd runc; .ci/run installs them)";
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}; CI must run this test");
-    eprintln!("skipped: {why}");
+    gpusnap_testkit::skip(&why);
     false
 }
 

@@ -218,12 +218,12 @@ fn a_container_of_another_runtime_is_refused() {
             && std::fs::metadata(format!("{r}/cgroup.controllers")).is_ok()
     });
     let Some(root) = root else {
-        eprintln!("skipped: no cgroup v2 hierarchy to make a docker-like cgroup in");
+        gpusnap_testkit::skip("no cgroup v2 hierarchy to make a docker-like cgroup in");
         return;
     };
     let cg = PathBuf::from(root).join(format!("docker-{id}.scope"));
     if std::fs::create_dir(&cg).is_err() {
-        eprintln!("skipped: cannot create a cgroup under {root}");
+        gpusnap_testkit::skip(format!("cannot create a cgroup under {root}"));
         return;
     }
     let mut sleep = std::process::Command::new("sleep").arg("600").spawn().unwrap();

@@ -72,8 +72,7 @@ pub fn containerd_present() -> bool {
     } else {
         return true;
     };
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}; CI must run this test");
-    eprintln!("skipped: {why}");
+    gpusnap_testkit::skip(&why);
     false
 }
 
