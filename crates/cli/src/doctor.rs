@@ -521,7 +521,7 @@ pub fn sandbox() -> Option<Finding> {
             "sandbox",
             Severity::Warn,
             "running inside gVisor: checkpoint goes through nvproxy",
-            Some("use a driver nvproxy supports (runsc nvproxy list-supported-drivers), put a cuda-checkpoint (gpusnap) inside the sandbox, and expose all GPUs to it; a checkpoint that did not run leaves nvproxy memory that runsc cannot save (report 002)"),
+            Some("use a driver nvproxy supports (runsc nvproxy list-supported-drivers), put a cuda-checkpoint (gpusnap) inside the sandbox, and expose all GPUs to it; a checkpoint that did not run leaves nvproxy memory that runsc cannot save"),
         )
     })
 }

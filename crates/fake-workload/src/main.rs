@@ -1,5 +1,5 @@
 //! `fake-workload`: a "CUDA program" for the fake driver, the stand-in for
-//! `../shared/probe/worker.py`. It holds device memory, writes a known pattern
+//! `tests/gpu/worker.py` (a PyTorch worker). It holds device memory, writes a known pattern
 //! into it, and keeps reading it back and checking it, so that a test can see
 //! whether a suspend/resume kept its data and whether it ran meanwhile.
 //!

@@ -1,6 +1,6 @@
 //! Drives the fake `libcuda.so.1` from this process, as gpusnap will, against
 //! `fake-workload` children that use it through `LD_LIBRARY_PATH`: the cases
-//! of `docs/design/fakes.md` (and `../shared/gpu-facts.md`) one by one.
+//! of `docs/design/fakes.md` one by one.
 //!
 //! The fake reads `GPUSNAP_FAKE_DIR` on every call, and it is one library
 //! loaded once into this process, so the tests take turns ([`Env`] holds a

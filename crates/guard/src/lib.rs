@@ -1,7 +1,7 @@
 //! The guard: a dying CUDA process is suspended before it dies.
 //!
-//! Killing a restored CUDA process, or having it crash, can hang a whole host
-//! (report 004); suspending its CUDA state first prevents that. The guard is
+//! Killing a restored CUDA process, or having it crash, can hang a whole
+//! host; suspending its CUDA state first prevents that. The guard is
 //! the tracer of the guarded processes (every thread, every child):
 //! - at a **signal-delivery-stop** of a signal that will kill the process
 //!   (default action terminate or core, no handler installed), it suspends the

@@ -3,7 +3,7 @@
 //!
 //! The driver's restore cannot be cancelled: a fault it waits on blocks it
 //! until the page comes. Killing the process then (its CUDA state half on
-//! the GPU) is what hangs hosts (reports/004), and serving the missing
+//! the GPU) is what hangs hosts, and serving the missing
 //! pages as zeros would let its other threads run on them. So a watch runs
 //! beside the driver's calls; if the page server fails (a chunk that fails
 //! its check, a read error), it stops every thread of the woken tree except
