@@ -1,12 +1,8 @@
 //! The `gpusnap` command line: parses arguments, calls the library, prints.
 
-mod agent;
 mod cli;
 mod cmd;
-mod compat;
-mod doctor;
-mod doctor_container;
-mod guarded;
+mod finding;
 mod output;
 mod reference;
 mod report;
@@ -41,7 +37,7 @@ fn main() -> ExitCode {
     if argv.first().and_then(|a| std::path::Path::new(a).file_name()).is_some_and(|n| n == "cuda-checkpoint")
     {
         init_logging(0);
-        return ExitCode::from(compat::main(&argv[1..]) as u8);
+        return ExitCode::from(cmd::cuda_checkpoint::main(&argv[1..]) as u8);
     }
     // The keeper of a lazy wake (hidden: started by the wake itself).
     if argv.get(1).is_some_and(|a| a == gpusnap_hibernate::lazy::KEEPER_ARG) {

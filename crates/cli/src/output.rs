@@ -1,6 +1,6 @@
 //! Printing: human text on a terminal, one JSON object with `--json`.
 
-use crate::doctor::{Finding, Severity};
+use crate::finding::{Finding, Severity};
 use gpusnap_core::engine::{ResumeReport, StateReport, StopReport, SuspendReport};
 use gpusnap_core::store::Event;
 use gpusnap_core::Progress;

@@ -3,7 +3,7 @@
 //! code that tells the kind of failure apart.
 
 use crate::cmd::doctor::process_findings;
-use crate::doctor::Severity;
+use crate::finding::Severity;
 use crate::output::Out;
 use gpusnap_core::Error as CoreError;
 use gpusnap_hibernate::Error;
@@ -25,7 +25,7 @@ pub fn failure(out: &Out, e: anyhow::Error) -> i32 {
             err.exit_code()
         }
         Err(e) => {
-            let code = crate::agent::exit_code(&e).unwrap_or(1);
+            let code = crate::cmd::agent::exit_code(&e).unwrap_or(1);
             out.error("failed", &format!("{e:#}"), None, code);
             code
         }

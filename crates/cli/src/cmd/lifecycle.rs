@@ -1,9 +1,9 @@
 //! `ps`, `state`, `suspend`, `resume`, `stop`, `history`: a CUDA process's
 //! GPU state taken off the GPU and brought back, in place.
 
+use super::doctor;
 use super::hibernate::{footprint_from_image, has_image, snapshot_if_suspended};
 use crate::cli::{Cli, DeviceMap, Select};
-use crate::doctor;
 use crate::output::{self, Out};
 use crate::select::Check;
 use crate::setup::{criu, engine, engine_with, mib, own_images, reconcile, Load};

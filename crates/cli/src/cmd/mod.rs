@@ -1,16 +1,18 @@
 //! What each command does, one family of commands per module; this file
 //! only dispatches.
 
+pub mod agent;
+pub mod cuda_checkpoint;
 pub mod doctor;
 mod hibernate;
 mod images;
 mod lifecycle;
 mod manual;
 mod probe;
+mod run;
 
 use crate::cli::{Cli, Cmd};
 use crate::output::Out;
-use crate::{agent, compat, guarded};
 
 pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
     // A `--thp` or `--big-pipes` switch whose gpusnap died is put back by
@@ -21,7 +23,7 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         }
     }
     match &cli.cmd {
-        Cmd::CudaCheckpoint { args } => std::process::exit(compat::main(args)),
+        Cmd::CudaCheckpoint { args } => std::process::exit(cuda_checkpoint::main(args)),
         Cmd::Doctor { pid } => doctor::run(cli, out, *pid),
         Cmd::Ps { container } => lifecycle::ps(cli, out, container.as_deref()),
         Cmd::State { select } => lifecycle::state(cli, out, select),
@@ -88,29 +90,29 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             cmd,
             ..
         } => {
-            let who = guarded::RunAs::resolve(user.as_deref(), group.as_deref())?;
-            let o = guarded::Opts {
+            let who = run::RunAs::resolve(user.as_deref(), group.as_deref())?;
+            let o = run::Opts {
                 lock_timeout: *lock_timeout,
                 oom_watch: *oom_watch,
                 on_fault: (*on_fault).into(),
             };
-            let light = guarded::LightOptions {
+            let light = run::LightOptions {
                 preload: preload.as_deref(),
                 fast_swap: *fast_swap,
                 keep_pinned: *keep_pinned,
             };
-            guarded::run_light(cli, name.clone(), &o, &light, who, cmd)
+            run::run_light(cli, name.clone(), &o, &light, who, cmd)
         }
         Cmd::Run { name, lock_timeout, no_keeper, oom_watch, on_fault, cmd, .. } => {
-            let o = guarded::Opts {
+            let o = run::Opts {
                 lock_timeout: *lock_timeout,
                 oom_watch: *oom_watch,
                 on_fault: (*on_fault).into(),
             };
-            guarded::run(cli, name.clone(), &o, !no_keeper, cmd)
+            run::run(cli, name.clone(), &o, !no_keeper, cmd)
         }
         Cmd::Guard { pids, lock_timeout, takeover, daemon, on_fault } => {
-            guarded::guard(cli, pids, *lock_timeout, (*on_fault).into(), *takeover, *daemon)
+            run::guard(cli, pids, *lock_timeout, (*on_fault).into(), *takeover, *daemon)
         }
         Cmd::Agent { config } => agent::run_agent(cli, config),
         Cmd::Services { socket } => agent::services(out, socket),

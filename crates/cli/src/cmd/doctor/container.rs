@@ -3,7 +3,7 @@
 //! device nodes and driver libraries the runtime put there, its /dev/shm,
 //! a frozen cgroup).
 
-use crate::doctor::{Finding, Severity};
+use super::{Finding, Severity};
 use std::path::Path;
 
 fn f(check: &'static str, severity: Severity, message: String, fix: Option<&str>) -> Finding {

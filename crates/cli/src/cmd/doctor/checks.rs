@@ -1,27 +1,9 @@
 //! `gpusnap doctor`: why a host or a process can or cannot be checkpointed.
 
+pub use crate::finding::{Finding, Severity};
 use gpusnap_cuda::{CheckpointApi, CudaDriver};
 use gpusnap_gpu::{GpuInventory, NvmlInventory};
-use serde::Serialize;
 use std::path::Path;
-
-#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq, PartialOrd, Ord)]
-#[serde(rename_all = "lowercase")]
-pub enum Severity {
-    Ok,
-    Info,
-    Warn,
-    Error,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct Finding {
-    pub check: &'static str,
-    pub severity: Severity,
-    pub message: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub fix: Option<String>,
-}
 
 fn f(check: &'static str, severity: Severity, message: impl Into<String>, fix: Option<&str>) -> Finding {
     Finding { check, severity, message: message.into(), fix: fix.map(str::to_string) }
