@@ -185,7 +185,7 @@ fn cuda_plugin_dir() -> Option<std::path::PathBuf> {
     }
     let why = "CRIU's cuda_plugin.so is not installed next to the criu on PATH \
                (scripts/install-criu.sh --cuda-plugin, or GPUSNAP_TEST_CRIU_PLUGINS=DIR)";
-    gpusnap_testkit::skip(&why);
+    gpusnap_testkit::skip(why);
     None
 }
 

@@ -107,7 +107,7 @@ fn helm(args: &[&str]) -> Option<Command> {
         std::env::var("GPUSNAP_TEST_HELM_PYTHON").unwrap_or("/opt/gpusnap/kubeval/bin/python3".into());
     if !quiet(Command::new(&python).args(["-c", "import helm_python"])) {
         let why = "neither helm nor PyPI's helm-python-sdk is installed (GPUSNAP_TEST_HELM_PYTHON names a Python that has it)";
-        gpusnap_testkit::skip(&why);
+        gpusnap_testkit::skip(why);
         return None;
     }
     // The script lints as it renders: `helm lint` is part of its template.

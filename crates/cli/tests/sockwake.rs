@@ -423,7 +423,7 @@ impl Netns {
         let ns = Self { name, host_if };
         if !ok {
             let why = "ip netns is not usable here (needs root and iproute2)";
-            gpusnap_testkit::skip(&why);
+            gpusnap_testkit::skip(why);
             return None;
         }
         Some(ns)

@@ -32,7 +32,7 @@ pub fn containerd_present() -> bool {
     }
     let why =
         "containerd, ctr and runc are not installed (apt-get install containerd runc; .ci/run installs them)";
-    gpusnap_testkit::skip(&why);
+    gpusnap_testkit::skip(why);
     false
 }
 

@@ -61,7 +61,7 @@ pub fn crun_with_criu() -> Option<PathBuf> {
     });
     if found.is_none() {
         let why = "no crun with CRIU support (scripts/install-criu.sh --crun, or GPUSNAP_TEST_CRUN=PATH)";
-        gpusnap_testkit::skip(&why);
+        gpusnap_testkit::skip(why);
     }
     found
 }
@@ -74,7 +74,7 @@ pub fn podman_present() -> bool {
         return true;
     }
     let why = "podman and runc are not installed (apt-get install podman runc; .ci/run installs them)";
-    gpusnap_testkit::skip(&why);
+    gpusnap_testkit::skip(why);
     false
 }
 
@@ -87,7 +87,7 @@ pub fn cuda_plugin_dir() -> Option<PathBuf> {
     }
     let why = "CRIU's cuda_plugin.so is not installed next to the criu on PATH \
                (scripts/install-criu.sh --cuda-plugin, or GPUSNAP_TEST_CRIU_PLUGINS=DIR)";
-    gpusnap_testkit::skip(&why);
+    gpusnap_testkit::skip(why);
     None
 }
 

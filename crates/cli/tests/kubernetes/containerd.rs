@@ -72,7 +72,7 @@ pub fn containerd_present() -> bool {
     } else {
         return true;
     };
-    gpusnap_testkit::skip(&why);
+    gpusnap_testkit::skip(why);
     false
 }
 
