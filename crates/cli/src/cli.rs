@@ -2,6 +2,7 @@
 //! with its help. Parsing only; what a command does lives in `cmd`.
 
 use clap::{Parser, Subcommand};
+use gpusnap_guard::OnFault;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -490,24 +491,6 @@ pub enum ImagesCmd {
     },
     /// This host's public key: what other hosts pass to --trust to wake its images.
     Key,
-}
-
-/// What the guard does with a dying process whose CUDA context faulted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum OnFault {
-    /// Let the death go on: the process tears its faulted context down.
-    Exit,
-    /// Keep the process from dying, for the operator to decide.
-    Hold,
-}
-
-impl From<OnFault> for gpusnap_guard::OnFault {
-    fn from(o: OnFault) -> Self {
-        match o {
-            OnFault::Exit => gpusnap_guard::OnFault::Exit,
-            OnFault::Hold => gpusnap_guard::OnFault::Hold,
-        }
-    }
 }
 
 /// What `gpusnap service NAME ACTION` asks the agent to do.

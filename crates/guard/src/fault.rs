@@ -13,8 +13,12 @@
 use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 
-/// What the guard does with a dying process whose CUDA context faulted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// What the guard does with a dying process whose CUDA context faulted:
+/// `run --on-fault` and `guard --on-fault` (with the `clap` feature) and the
+/// agent's `on_fault` key spell it alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
 pub enum OnFault {
     /// The death goes on: the process tears its context down.
     #[default]

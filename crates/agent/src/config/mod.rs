@@ -327,23 +327,7 @@ pub enum Start {
 }
 
 /// `on_fault`: the guard's policy for a faulted CUDA context.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OnFault {
-    #[default]
-    Exit,
-    Hold,
-}
-
-impl OnFault {
-    /// As `gpusnap run --on-fault` spells it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OnFault::Exit => "exit",
-            OnFault::Hold => "hold",
-        }
-    }
-}
+pub use gpusnap_guard::OnFault;
 
 /// `[service.hooks]` (in a `[[service]]` array: `hooks.before_suspend = {...}`
 /// or a `[service.hooks]` table after the service's keys).

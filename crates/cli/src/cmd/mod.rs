@@ -91,11 +91,7 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             ..
         } => {
             let who = run::RunAs::resolve(user.as_deref(), group.as_deref())?;
-            let o = run::Opts {
-                lock_timeout: *lock_timeout,
-                oom_watch: *oom_watch,
-                on_fault: (*on_fault).into(),
-            };
+            let o = run::Opts { lock_timeout: *lock_timeout, oom_watch: *oom_watch, on_fault: *on_fault };
             let light = run::LightOptions {
                 preload: preload.as_deref(),
                 fast_swap: *fast_swap,
@@ -104,15 +100,11 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             run::run_light(cli, name.clone(), &o, &light, who, cmd)
         }
         Cmd::Run { name, lock_timeout, no_keeper, oom_watch, on_fault, cmd, .. } => {
-            let o = run::Opts {
-                lock_timeout: *lock_timeout,
-                oom_watch: *oom_watch,
-                on_fault: (*on_fault).into(),
-            };
+            let o = run::Opts { lock_timeout: *lock_timeout, oom_watch: *oom_watch, on_fault: *on_fault };
             run::run(cli, name.clone(), &o, !no_keeper, cmd)
         }
         Cmd::Guard { pids, lock_timeout, takeover, daemon, on_fault } => {
-            run::guard(cli, pids, *lock_timeout, (*on_fault).into(), *takeover, *daemon)
+            run::guard(cli, pids, *lock_timeout, *on_fault, *takeover, *daemon)
         }
         Cmd::Agent { config } => agent::run_agent(cli, config),
         Cmd::Services { socket } => agent::services(out, socket),
