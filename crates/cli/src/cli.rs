@@ -356,15 +356,15 @@ pub enum Cmd {
         /// The TCP port the server listens on.
         #[arg(long, value_name = "N")]
         port: u16,
-        /// The agent's control socket (asked, read only, whether the server
+        /// The agent's probe socket (asked, read only, whether the server
         /// is suspended; absent or silent, the probe judges without it).
-        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
+        #[arg(long, env = "GPUSNAP_PROBE_SOCKET", default_value = "/run/gpusnap/probe/probe.sock")]
         socket: PathBuf,
     },
     /// The agent's services and their states.
     Services {
-        /// The agent's control socket.
-        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
+        /// The agent's admin socket.
+        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/admin/agent.sock")]
         socket: PathBuf,
     },
     /// Ask the agent to act on one service.
@@ -374,8 +374,8 @@ pub enum Cmd {
         /// What to do with it.
         #[arg(value_enum)]
         action: Action,
-        /// The agent's control socket.
-        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
+        /// The agent's admin socket.
+        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/admin/agent.sock")]
         socket: PathBuf,
     },
     /// Check this host (and a process) for what checkpointing needs, and explain what is missing.

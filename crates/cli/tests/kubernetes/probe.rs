@@ -2,8 +2,9 @@
 //! the CRI's `ExecSync`), in pods like the example's
 //! (`deploy/kubernetes/examples/vllm.yaml`): the server's container has a
 //! pid namespace of its own (the server is pid 1 there) and the agent's
-//! socket directory mounted at `/run/gpusnap`; one pod without the node's
-//! state directory (the example), one with it mounted read-only.
+//! probe directory mounted read-only at `/run/gpusnap/probe` (the admin
+//! socket stays on the node); one pod without the node's state directory,
+//! one with it mounted read-only.
 
 use super::*;
 
