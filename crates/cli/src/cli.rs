@@ -357,7 +357,9 @@ pub enum Cmd {
         #[arg(long, value_name = "N")]
         port: u16,
         /// The agent's probe socket (asked, read only, whether the server
-        /// is suspended; absent or silent, the probe judges without it).
+        /// is suspended). Where it is not, the endpoint the agent places in
+        /// a served pod's network namespace (`@gpusnap-probe`); no answer
+        /// from either, the probe judges without the agent.
         #[arg(long, env = "GPUSNAP_PROBE_SOCKET", default_value = "/run/gpusnap/probe/probe.sock")]
         socket: PathBuf,
     },
