@@ -193,6 +193,12 @@ fn a_pod_gets_the_probes_answer_about_its_own_processes_and_nothing_else() {
     assert_eq!((probe["state"].as_str(), probe["source"].as_str()), (Some("running"), Some("agent")));
 }
 
+/// Journal entries the store holds about `pid`.
+fn journaled(w: &World, pid: i32) -> i64 {
+    let db = rusqlite::Connection::open(w.state_dir().join("gpusnap.db")).unwrap();
+    db.query_row("SELECT count(*) FROM events WHERE pid = ?1", [pid], |r| r.get(0)).unwrap()
+}
+
 #[test]
 fn the_admin_apis_process_list_records_nothing() {
     if !can_run(&[]) {
@@ -200,13 +206,25 @@ fn the_admin_apis_process_list_records_nothing() {
     }
     let mut a = Agent::new("", "", "");
     a.start();
+    // A process outside the agent, with a driver call that a gpusnap which
+    // died left open in the journal: a reader must not close it.
     let outside = a.w.workload(64, 0, &[]);
-    assert_eq!(recorded(&a.w, outside.into()), 0);
+    let stat = std::fs::read_to_string(format!("/proc/{outside}/stat")).unwrap();
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split_whitespace().collect();
+    let start_time: i64 = fields[19].parse().unwrap();
+    let db = rusqlite::Connection::open(a.w.state_dir().join("gpusnap.db")).unwrap();
+    db.execute(
+        "INSERT INTO events (ts_ms, pid, start_time, op, phase, actor) VALUES (0, ?1, ?2, 'checkpoint', 'begin', 999999999)",
+        rusqlite::params![outside, start_time],
+    )
+    .unwrap();
+    let before = (recorded(&a.w, outside.into()), journaled(&a.w, outside));
     let (code, body) = a.api("GET", "/v1/processes");
     assert_eq!(code, 200, "{body}");
     let rows: Vec<Value> = serde_json::from_str(&body).unwrap();
     assert!(rows.iter().any(|r| r["pid"] == outside), "{body}");
-    assert_eq!(recorded(&a.w, outside.into()), 0, "GET /v1/processes recorded {outside}");
+    let after = (recorded(&a.w, outside.into()), journaled(&a.w, outside));
+    assert_eq!(after, before, "GET /v1/processes wrote about {outside} (records, journal entries)");
 }
 
 /// `gpusnap service NAME suspend` on the admin socket as uid `uid`, gid `gid`.
