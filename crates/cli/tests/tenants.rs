@@ -267,6 +267,58 @@ fn a_service_names_who_may_act_on_it() {
     assert_eq!(code, 200, "root may act on every service: {body}");
 }
 
+/// `GET path` on the probe socket as uid `uid` (python3): the status.
+fn probe_get_as(a: &Agent, uid: u32, path: &str) -> (i32, String) {
+    let code = "import socket, sys\n\
+s = socket.socket(socket.AF_UNIX); s.settimeout(60); s.connect(sys.argv[1])\n\
+s.sendall(('GET ' + sys.argv[2] + ' HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n').encode())\n\
+d = b''\n\
+while True:\n    b = s.recv(65536)\n    if not b: break\n    d += b\n\
+print(d.decode(errors='replace'))\n";
+    let mut cmd = Command::new("setpriv");
+    cmd.arg(format!("--reuid={uid}"))
+        .arg(format!("--regid={uid}"))
+        .arg("--clear-groups")
+        .arg(system_python().unwrap())
+        .args(["-c", code])
+        .arg(a.probe())
+        .arg(path);
+    let out = bounded(cmd, LONG);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, text + &String::from_utf8_lossy(&out.stderr))
+}
+
+/// A python3 that another user may run (not one under root's home).
+fn system_python() -> Option<&'static str> {
+    ["/usr/bin/python3", "/usr/local/bin/python3"].into_iter().find(|p| Path::new(p).exists())
+}
+
+#[test]
+fn a_host_user_gets_from_the_probe_socket_only_its_own_processes() {
+    if !can_run(&["setpriv"]) {
+        return;
+    }
+    if system_python().is_none() {
+        eprintln!("skipped: no python3 in /usr/bin or /usr/local/bin");
+        return;
+    }
+    let mut a = Agent::new("", "", "");
+    std::fs::set_permissions(a.w.tmp.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    a.start();
+    std::fs::set_permissions(&a.run, std::fs::Permissions::from_mode(0o711)).unwrap();
+    let pid_a = a.service("a")["pid"].as_i64().unwrap();
+    // Root's server, asked by uid 1000 in the agent's own pid namespace.
+    let (status, text) = probe_get_as(&a, 1000, &format!("/v1/processes?tree={pid_a}"));
+    assert_eq!(status, 404, "{text}");
+    let (status, text) = probe_get_as(&a, 1000, "/v1/services");
+    assert_eq!(status, 403, "{text}");
+    // Root asks about any.
+    let (status, text) = probe_get_as(&a, 0, &format!("/v1/processes?tree={pid_a}"));
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains(&format!("\"pid\":{pid_a}")), "{text}");
+}
+
 #[test]
 fn the_agent_refuses_an_admin_socket_in_the_probe_directory() {
     let w = World::new(&[4000]);

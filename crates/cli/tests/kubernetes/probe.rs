@@ -67,6 +67,15 @@ fn the_examples_exec_probe_in_a_pod_of_its_own_pid_namespace_answers_without_wak
         assert_eq!(last, (0, "running".into(), "agent".into()), "{svc}");
     }
 
+    // The pod's endpoint answers the probe's question and nothing else.
+    let (_, bare) = &pods[2];
+    let gpusnap = env!("CARGO_BIN_EXE_gpusnap");
+    let act = [gpusnap, "service", "test.plain", "suspend", "--socket", "@gpusnap-probe"];
+    let (code, out) = ctd.exec_status(bare, &act).unwrap();
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("answers only GET /v1/processes?tree=PID"), "{out}");
+    assert_eq!(agent.state("test.plain"), "running");
+
     // Suspended by the agent: ready, and still suspended after.
     for (svc, pod) in &pods {
         agent.act(svc, "suspend");
