@@ -38,7 +38,7 @@ struct ErrorBody {
     exit_code: i32,
 }
 
-fn error(status: StatusCode, message: impl Into<String>, exit_code: i32) -> Response {
+pub(crate) fn error(status: StatusCode, message: impl Into<String>, exit_code: i32) -> Response {
     (status, Json(ApiError { error: ErrorBody { message: message.into(), exit_code } })).into_response()
 }
 
@@ -160,6 +160,7 @@ async fn one_service(AxState(agent): AxState<Ctl>, name: Result<Path<String>, Pa
 
 async fn action(
     AxState(agent): AxState<Ctl>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
     let Path((name, action)) = match path {
@@ -173,6 +174,15 @@ async fn action(
         let all: Vec<&str> = Action::ALL.iter().map(|a| a.as_str()).collect();
         return error(StatusCode::NOT_FOUND, format!("no action {action:?} ({})", all.join(", ")), 2);
     };
+    if !crate::access::may_act(&peer, &svc.cfg) {
+        tracing::warn!(?peer, service = %name, action = act.as_str(), "refused an action");
+        let who = peer.uid.map_or("an unknown peer".to_string(), |u| format!("uid {u}"));
+        return error(
+            StatusCode::FORBIDDEN,
+            format!("{who} may not act on service {name:?} (its allow_users and allow_groups)"),
+            2,
+        );
+    }
     match Arc::clone(&agent).act(Arc::clone(&svc), act).await {
         Ok(()) => Json(view(&svc)).into_response(),
         Err(e) => error(StatusCode::CONFLICT, e, 1),
@@ -186,10 +196,8 @@ struct ProcessesQuery {
     tree: Option<i32>,
 }
 
-/// Every CUDA process of the host, or (`?tree=PID`) those of one process's
-/// tree, `PID` read in the caller's pid namespace: a probe in a container
-/// with a pid namespace of its own names its server as it sees it (pid 1),
-/// and the kernel gives the agent the caller's pid in its own namespace.
+/// Every CUDA process of the host, read only, or (`?tree=PID`) those of
+/// one process's tree (see [`tree`]).
 async fn processes(
     AxState(agent): AxState<Ctl>,
     ConnectInfo(peer): ConnectInfo<Peer>,
@@ -199,33 +207,52 @@ async fn processes(
         Ok(q) => q,
         Err(e) => return bad_request(e.body_text()),
     };
-    let r = match q.tree {
-        None => tokio::task::spawn_blocking(move || agent.processes()).await,
-        Some(pid) => {
-            // /proc is read off the runtime's threads.
-            let caller = peer.pid.filter(|p| *p > 0);
-            let found = tokio::task::spawn_blocking(move || {
-                let host = caller.and_then(|c| gpusnap_core::pidns::translate(c, pid))?;
-                let tree: Vec<i32> =
-                    gpusnap_core::tree::process_tree(host).into_iter().map(|(p, _)| p).collect();
-                Some(agent.look(&tree))
-            })
-            .await;
-            let Ok(Some(r)) = found else {
-                return error(
-                    StatusCode::NOT_FOUND,
-                    format!("no process {pid} in the caller's pid namespace"),
-                    2,
-                );
-            };
-            Ok(r)
-        }
-    };
-    match r {
+    if let Some(pid) = q.tree {
+        return tree(agent, peer, pid).await;
+    }
+    match tokio::task::spawn_blocking(move || agent.processes()).await {
         Ok(Ok(ps)) => Json(ps).into_response(),
         Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), e.exit_code()),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), 1),
     }
+}
+
+/// The CUDA processes of one process's tree, read only, `pid` read in the
+/// caller's pid namespace: a probe in a container with a pid namespace of
+/// its own names its server as it sees it (pid 1). The caller is the
+/// process the kernel pinned at accept (SO_PEERPIDFD); its namespace is read
+/// from /proc and the pin checked after, so a pid reused meanwhile answers
+/// nothing. Only processes of that very namespace are found, and a caller
+/// in the agent's own namespace that is not root only its own (`only_own`:
+/// the probe socket, which anyone may reach).
+pub(crate) async fn tree_of(agent: Ctl, peer: Peer, pid: i32, only_own: bool) -> Response {
+    let uid = peer.uid;
+    // /proc is read off the runtime's threads.
+    let found = tokio::task::spawn_blocking(move || {
+        let (_, ns) = peer.pid_namespace()?;
+        let host = gpusnap_core::pidns::find_in(&ns, pid)?;
+        if only_own
+            && uid != Some(0)
+            && gpusnap_core::pidns::of(std::process::id() as i32).as_deref() == Some(&ns)
+        {
+            let owner = gpusnap_core::target::resolve(host).ok()?.uid;
+            if Some(owner) != uid {
+                return None;
+            }
+        }
+        let tree: Vec<i32> = gpusnap_core::tree::process_tree(host).into_iter().map(|(p, _)| p).collect();
+        Some(agent.look(&tree))
+    })
+    .await;
+    match found {
+        Ok(Some(Ok(ps))) => Json(ps).into_response(),
+        Ok(Some(Err(e))) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), e.exit_code()),
+        _ => error(StatusCode::NOT_FOUND, format!("no process {pid} in the caller's pid namespace"), 2),
+    }
+}
+
+async fn tree(agent: Ctl, peer: Peer, pid: i32) -> Response {
+    tree_of(agent, peer, pid, false).await
 }
 
 /// Without `after`, `/v1/events` starts with this many of the newest entries.

@@ -1,5 +1,6 @@
 //! The CLI's side of the API (as ch-remote is Cloud Hypervisor's): one
-//! request over the unix socket with hyper.
+//! request over a unix socket with hyper: a path, or `@NAME` for an
+//! abstract name.
 
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
@@ -54,12 +55,25 @@ fn runtime() -> Result<tokio::runtime::Runtime, ClientError> {
         .map_err(|e| ClientError::Protocol(e.to_string()))
 }
 
+/// A unix socket of an abstract name (`@NAME`), in this process's network
+/// namespace (where the agent places a pod's probe endpoint).
+fn connect_abstract(name: &str) -> std::io::Result<tokio::net::UnixStream> {
+    use std::os::linux::net::SocketAddrExt;
+    let at = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+    let s = std::os::unix::net::UnixStream::connect_addr(&at)?;
+    s.set_nonblocking(true)?;
+    tokio::net::UnixStream::from_std(s)
+}
+
 async fn exchange(socket: &Path, method: &str, path: &str) -> Result<String, ClientError> {
     let connect = |e: std::io::Error| ClientError::Connect {
         path: socket.display().to_string(),
         reason: e.to_string(),
     };
-    let stream = tokio::net::UnixStream::connect(socket).await.map_err(connect)?;
+    let stream = match socket.to_str().and_then(|s| s.strip_prefix('@')) {
+        Some(name) => connect_abstract(name).map_err(connect)?,
+        None => tokio::net::UnixStream::connect(socket).await.map_err(connect)?,
+    };
     let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| ClientError::Protocol(e.to_string()))?;

@@ -86,7 +86,8 @@ pub trait Control: Send + Sync + 'static {
     /// Does `action` to `svc` now; the error says why it could not.
     fn act(self: Arc<Self>, svc: Arc<Service>, action: Action) -> Pending<Result<(), String>>;
 
-    /// Every CUDA process of the host, as `gpusnap ps` (blocks).
+    /// Every CUDA process of the host, as `gpusnap ps` shows them, read
+    /// only: nothing recorded, reconciled or adopted (blocks).
     fn processes(&self) -> Result<Vec<StateReport>, gpusnap_hibernate::Error>;
 
     /// The CUDA processes among `pids`, each as `gpusnap state` reports it,

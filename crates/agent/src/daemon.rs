@@ -5,33 +5,7 @@
 use crate::control::Control;
 use crate::error::AgentError;
 use crate::state::{Agent, Setup};
-use std::path::Path;
 use std::sync::Arc;
-
-/// Binds the API socket: removes a stale one, refuses when another agent
-/// answers there, then sets mode 0660 and the configured group.
-fn bind_socket(path: &Path, group: Option<&str>) -> Result<tokio::net::UnixListener, AgentError> {
-    let setup =
-        |what: &str, e: &dyn std::fmt::Display| AgentError::Setup(format!("{}: {what}: {e}", path.display()));
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(AgentError::Setup(format!("{}: another agent is serving there", path.display())));
-        }
-        std::fs::remove_file(path).map_err(|e| setup("remove the stale socket", &e))?;
-    }
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| setup("create its directory", &e))?;
-    }
-    let l = tokio::net::UnixListener::bind(path).map_err(|e| setup("bind", &e))?;
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(|e| setup("chmod", &e))?;
-    if let Some(g) = group {
-        let gid = crate::peer::group_id(g).ok_or_else(|| AgentError::Setup(format!("no group {g:?}")))?;
-        nix::unistd::chown(path, None, Some(nix::unistd::Gid::from_raw(gid)))
-            .map_err(|e| setup("chown", &e))?;
-    }
-    Ok(l)
-}
 
 /// Runs the agent until SIGTERM or SIGINT. The services are left as they
 /// are: a later agent adopts them.
@@ -45,8 +19,11 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         .map_err(|e| AgentError::Setup(format!("tokio: {e}")))?;
     rt.block_on(async move {
         let agent = Arc::new(Agent::new(setup)?);
-        let api_listener =
-            bind_socket(&agent.cfg().socket, agent.cfg().group.as_ref().map(|g| g.get_ref().as_str()))?;
+        let (api_listener, probe_listener) = crate::sockets::bind(
+            &agent.cfg().socket,
+            &agent.cfg().probe_path(),
+            agent.cfg().group.as_ref().map(|g| g.get_ref().as_str()),
+        )?;
         // Bind every listen address before anything else: a taken port is a
         // setup error now, not a silent hole later.
         let mut proxies = Vec::new();
@@ -102,7 +79,7 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
             services = total.max(),
             api = budget.api,
             metrics = budget.metrics,
-            "connections allowed (the open-file limit less a reserve)"
+            "connections allowed (the open-file limit less a reserve; the probe socket takes a quarter of the API's)"
         );
         let header_timeout = agent.cfg().header_timeout;
         let bounds = |own: usize, total: &Arc<crate::limits::Cap>| crate::listen::Bounds {
@@ -125,7 +102,12 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         if let Some(l) = front_door {
             tokio::spawn(crate::frontdoor::serve(Arc::clone(&ctl), l, agent.cfg().http.clone()));
         }
-        tokio::spawn(crate::api::serve(Arc::clone(&ctl), api_listener, bounds(budget.api, &crate::limits::Cap::new(budget.api))));
+        // The probe socket takes a quarter of the API's share: pods flooding
+        // it leave the admin socket the rest.
+        let probes = (budget.api / 4).max(1);
+        let admin = budget.api.saturating_sub(probes).max(1);
+        tokio::spawn(crate::api::serve(Arc::clone(&ctl), api_listener, bounds(admin, &crate::limits::Cap::new(admin))));
+        tokio::spawn(crate::probe::serve(Arc::clone(&ctl), probe_listener, bounds(probes, &crate::limits::Cap::new(probes))));
         if let Some(l) = metrics_listener {
             tokio::spawn(crate::api::serve_metrics(ctl, l, bounds(budget.metrics, &crate::limits::Cap::new(budget.metrics))));
         }
@@ -146,9 +128,10 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
         tracing::info!(socket = %agent.cfg().socket.display(), services = agent.services().len(), "agent ready");
         eprintln!(
-            "gpusnap agent: ready ({} services, API on {})",
+            "gpusnap agent: ready ({} services, API on {}, probes on {})",
             agent.services().len(),
-            agent.cfg().socket.display()
+            agent.cfg().socket.display(),
+            agent.cfg().probe_path().display()
         );
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate()).map_err(|e| AgentError::Setup(e.to_string()))?;
@@ -160,6 +143,7 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
         agent.persist();
         let _ = std::fs::remove_file(&agent.cfg().socket);
+        let _ = std::fs::remove_file(agent.cfg().probe_path());
         Ok(())
     })
 }

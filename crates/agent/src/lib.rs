@@ -10,8 +10,10 @@
 //! - [`frontdoor`] is one HTTP listener for all, routing by model;
 //! - [`kubernetes`] serves the node's annotated pods, found through the
 //!   runtime's CRI socket;
-//! - [`api`] serves HTTP/JSON on a unix socket to the peers [`peer`] lets
-//!   in, [`client`] is the CLI's side;
+//! - [`api`] serves HTTP/JSON on the admin socket to the peers [`peer`]
+//!   lets in, [`access`] says who may act on which service, [`probe`]
+//!   answers pods' probes on the probe socket, [`sockets`] binds both,
+//!   [`client`] is the CLI's side;
 //! - [`daemon`] starts it all and tells systemd it is ready;
 //! - [`service`] is one service's state, [`hooks`] its HTTP hooks;
 //! - [`metrics`] holds the Prometheus metrics;
@@ -25,6 +27,7 @@
 //! the agent only through
 //! `control`; `policy` implements `control` on `state`.
 
+pub mod access;
 pub mod api;
 pub mod bounds;
 pub mod client;
@@ -44,10 +47,12 @@ pub mod peer;
 pub mod peers;
 pub mod pidfile;
 pub mod policy;
+pub mod probe;
 pub mod proxy;
 pub mod ratelimit;
 pub mod scope;
 pub mod service;
+pub mod sockets;
 pub mod sockwake;
 pub mod state;
 pub mod trace;

@@ -357,15 +357,17 @@ pub enum Cmd {
         /// The TCP port the server listens on.
         #[arg(long, value_name = "N")]
         port: u16,
-        /// The agent's control socket (asked, read only, whether the server
-        /// is suspended; absent or silent, the probe judges without it).
-        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
+        /// The agent's probe socket (asked, read only, whether the server
+        /// is suspended). Where it is not, the endpoint the agent places in
+        /// a served pod's network namespace (`@gpusnap-probe`); no answer
+        /// from either, the probe judges without the agent.
+        #[arg(long, env = "GPUSNAP_PROBE_SOCKET", default_value = "/run/gpusnap/probe/probe.sock")]
         socket: PathBuf,
     },
     /// The agent's services and their states.
     Services {
-        /// The agent's control socket.
-        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
+        /// The agent's admin socket.
+        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/admin/agent.sock")]
         socket: PathBuf,
     },
     /// Ask the agent to act on one service.
@@ -375,8 +377,8 @@ pub enum Cmd {
         /// What to do with it.
         #[arg(value_enum)]
         action: Action,
-        /// The agent's control socket.
-        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/agent.sock")]
+        /// The agent's admin socket.
+        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/admin/agent.sock")]
         socket: PathBuf,
     },
     /// Check this host (and a process) for what checkpointing needs, and explain what is missing.

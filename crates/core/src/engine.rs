@@ -241,13 +241,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// recorded, and those mapping libcuda (suspended ones hold no GPU memory,
     /// so NVML no longer lists them).
     pub fn ps(&mut self) -> Result<Vec<StateReport>, Error> {
-        let mut pids: BTreeSet<i32> = self.gpus.processes()?.iter().map(|p| p.pid as i32).collect();
-        let recorded: BTreeSet<i32> = self.store.all()?.iter().map(|r| r.pid).collect();
-        pids.extend(recorded.iter().copied());
-        pids.extend(target::processes_mapping_libcuda());
-        pids.remove(&(std::process::id() as i32));
         let mut out = Vec::new();
-        for pid in pids {
+        for pid in self.cuda_pids()? {
             let Ok(t) = target::resolve(pid) else {
                 continue;
             };
@@ -274,6 +269,45 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     out.push(self.report(&t, st, rec.as_ref())?);
                 }
                 Err(Error::NotCuda { .. }) => continue,
+                Err(e) => tracing::warn!(pid, "skipping: {e}"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The pids [`Self::ps`] looks at: those NVML lists, those recorded,
+    /// those mapping libcuda, this process aside.
+    fn cuda_pids(&self) -> Result<BTreeSet<i32>, Error> {
+        let mut pids: BTreeSet<i32> = self.gpus.processes()?.iter().map(|p| p.pid as i32).collect();
+        pids.extend(self.store.all()?.iter().map(|r| r.pid));
+        pids.extend(target::processes_mapping_libcuda());
+        pids.remove(&(std::process::id() as i32));
+        Ok(pids)
+    }
+
+    /// [`Self::ps`] read only, each process as [`Self::look`] reports it:
+    /// nothing is recorded, reconciled or adopted (the agent's
+    /// `GET /v1/processes`). A faulted context is not asked (its record
+    /// says `faulted`); a pid that is gone, reused or not a CUDA process is
+    /// left out.
+    pub fn look_all(&self) -> Result<Vec<StateReport>, Error> {
+        let mut out = Vec::new();
+        for pid in self.cuda_pids()? {
+            let Ok(t) = target::resolve(pid) else { continue };
+            if let Some(rec) = self.store.get(&t)?.filter(|r| r.state == crate::store::FAULTED) {
+                let mut r = self.report(&t, ProcessState::Unknown(-1), Some(&rec))?;
+                r.state = crate::store::FAULTED.into();
+                out.push(r);
+                continue;
+            }
+            match self.look(pid) {
+                Ok(r) => out.push(r),
+                Err(
+                    Error::NotCuda { .. }
+                    | Error::NoProcess { .. }
+                    | Error::Zombie { .. }
+                    | Error::Reused { .. },
+                ) => {}
                 Err(e) => tracing::warn!(pid, "skipping: {e}"),
             }
         }

@@ -29,15 +29,25 @@ pub fn in_initial() -> bool {
 /// it). `None` when there is none, or when `caller`'s namespace cannot be
 /// read. In this process's own namespace, `pid` itself.
 pub fn translate(caller: i32, pid: i32) -> Option<i32> {
-    let ns = of(caller)?;
-    if link("/proc/self/ns/pid").as_deref() == Some(ns.as_str()) {
+    find_in(&of(caller)?, pid)
+}
+
+/// The pid, as this process sees it, of the process that has pid `pid` in
+/// pid namespace `ns` (`pid:[INODE]`, as [`of`] names it), and lives in
+/// that very namespace (not in one nested below it). In this process's own
+/// namespace, `pid` itself.
+pub fn find_in(ns: &str, pid: i32) -> Option<i32> {
+    if pid <= 0 {
+        return None;
+    }
+    if link("/proc/self/ns/pid").as_deref() == Some(ns) {
         return Path::new(&format!("/proc/{pid}")).exists().then_some(pid);
     }
     let entries = std::fs::read_dir("/proc").ok()?;
     entries
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .find(|&p| crate::target::ns_pid(p) == Some(pid) && of(p).as_deref() == Some(ns.as_str()))
+        .find(|&p| crate::target::ns_pid(p) == Some(pid) && of(p).as_deref() == Some(ns))
 }
 
 #[cfg(test)]

@@ -8,10 +8,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 use toml::Spanned;
 
+mod access;
+mod hooks;
 mod kubernetes;
 
 use crate::units::{duration, duration_or_never, size, size_opt};
 pub use crate::units::{parse_duration, parse_size};
+pub use access::sockets_apart;
+pub use hooks::{Hook, Hooks};
 pub use kubernetes::{KubernetesConfig, PodRef};
 
 #[derive(Debug, thiserror::Error)]
@@ -36,9 +40,16 @@ pub struct Config {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
+    /// The admin socket: the whole API, for root and `group`. Never in a
+    /// directory a pod mounts.
     #[serde(default = "default_socket")]
     pub socket: PathBuf,
-    /// Peers allowed on the socket besides root (a name or a numeric gid).
+    /// The probe socket: only `GET /v1/processes?tree=PID`, for anyone,
+    /// about the caller's own pid namespace. Its directory is the agent's
+    /// alone (root's, 0755), the one pods may mount read-only. Unset: see
+    /// [`AgentConfig::probe_path`].
+    pub probe_socket: Option<PathBuf>,
+    /// Peers allowed on the admin socket besides root (a name or a numeric gid).
     pub group: Option<Spanned<String>>,
     pub metrics_listen: Option<SocketAddr>,
     /// Below this much available host memory, suspended services are hibernated.
@@ -86,6 +97,7 @@ impl Default for AgentConfig {
     fn default() -> Self {
         Self {
             socket: default_socket(),
+            probe_socket: None,
             group: None,
             metrics_listen: None,
             min_host_available: None,
@@ -172,7 +184,22 @@ fn default_connection_timeout() -> Duration {
 }
 
 fn default_socket() -> PathBuf {
-    PathBuf::from("/run/gpusnap/agent.sock")
+    PathBuf::from("/run/gpusnap/admin/agent.sock")
+}
+
+impl AgentConfig {
+    /// The probe socket: `probe_socket`, else `/run/gpusnap/probe/probe.sock`
+    /// beside the default admin socket, else `probe/probe.sock` in the
+    /// admin socket's directory (an agent of its own, a test's).
+    pub fn probe_path(&self) -> PathBuf {
+        if let Some(p) = &self.probe_socket {
+            return p.clone();
+        }
+        if self.socket == default_socket() {
+            return PathBuf::from("/run/gpusnap/probe/probe.sock");
+        }
+        self.socket.parent().unwrap_or(Path::new(".")).join("probe").join("probe.sock")
+    }
 }
 
 fn default_tick() -> Duration {
@@ -291,6 +318,12 @@ pub struct ServiceConfig {
     /// (`--keep-pinned`), so every suspend after the first copies at once.
     #[serde(default)]
     pub keep_pinned: Option<Spanned<bool>>,
+    /// Who besides root may act on the service through the API (suspend,
+    /// resume, hibernate, wake, restart): users (names or uids). Unset with
+    /// `allow_groups`: every member of the agent's group.
+    pub allow_users: Option<Vec<Spanned<String>>>,
+    /// The same, by group (names or gids, primary or supplementary).
+    pub allow_groups: Option<Vec<Spanned<String>>>,
     /// Made for a pod of the node (`[kubernetes]`), not read from the file.
     #[serde(skip)]
     pub(crate) pod: Option<PodRef>,
@@ -328,55 +361,6 @@ pub enum Start {
 
 /// `on_fault`: the guard's policy for a faulted CUDA context.
 pub use gpusnap_guard::OnFault;
-
-/// `[service.hooks]` (in a `[[service]]` array: `hooks.before_suspend = {...}`
-/// or a `[service.hooks]` table after the service's keys).
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Hooks {
-    /// Before each suspend (idle, eviction, API): the server gives back what
-    /// need not be saved (its KV cache). Failing or late, the suspend goes on.
-    pub before_suspend: Option<Spanned<Hook>>,
-    /// After each resume or wake, before any request is forwarded: the
-    /// server takes it again. Failing or late: the service is suspended
-    /// again and its waiting connections get a 503.
-    pub after_resume: Option<Spanned<Hook>>,
-}
-
-impl Hooks {
-    pub fn any(&self) -> bool {
-        self.before_suspend.is_some() || self.after_resume.is_some()
-    }
-}
-
-/// One HTTP request to the service's backend; any 2xx answer is success.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Hook {
-    #[serde(default = "default_hook_method")]
-    pub method: String,
-    /// Path and query, e.g. `/sleep?level=1`.
-    pub path: String,
-    /// Request body (sent as `application/json` when it parses as JSON).
-    #[serde(default)]
-    pub body: Option<String>,
-    #[serde(default = "default_hook_timeout", deserialize_with = "duration")]
-    pub timeout: Duration,
-}
-
-impl Hook {
-    /// `POST /sleep?level=1`, for the journal.
-    pub fn describe(&self) -> String {
-        format!("{} {}", self.method, self.path)
-    }
-}
-
-fn default_hook_method() -> String {
-    "POST".into()
-}
-fn default_hook_timeout() -> Duration {
-    Duration::from_secs(30)
-}
 
 impl ServiceConfig {
     /// Whether the agent started it (and may end it) or adopted it.
@@ -465,6 +449,7 @@ impl Config {
                 ));
             }
         }
+        access::check(&cfg).map_err(|(offset, reason)| invalid(offset, reason))?;
         let mut names = std::collections::HashMap::new();
         let mut ports = std::collections::HashMap::new();
         for s in &cfg.service {

@@ -204,6 +204,10 @@ pub fn service(
         on_fault: OnFault::Exit,
         fast_swap: None,
         keep_pinned: None,
+        // Root and the agent's group, on the admin socket: a pod never
+        // reaches it, and its annotations grant nothing.
+        allow_users: None,
+        allow_groups: None,
         pod: Some(pod),
     })
 }

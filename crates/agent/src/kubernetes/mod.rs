@@ -11,10 +11,13 @@
 //!
 //! - [`annotations`] reads a pod's annotations into its service;
 //! - `follow` lists the pods each `poll_interval` and adds, updates and
-//!   removes their services.
+//!   removes their services;
+//! - [`probe`] places a probe endpoint in each served pod's network
+//!   namespace, for `gpusnap probe` in a pod that mounts nothing of the node.
 
 pub mod annotations;
 mod follow;
+pub mod probe;
 
 pub use follow::Follower;
 
@@ -38,7 +41,8 @@ pub struct PodEndpoint {
 }
 
 impl Agent {
-    /// Called once for each pod the agent starts serving: a watch of the
+    /// Called once for each pod the agent starts serving: its probe
+    /// endpoint ([`probe`]), and a watch of the
     /// pod's port in its network namespace (the server's own, found from
     /// its pid) counts its traffic and wakes it on a new connection or
     /// bytes on a kept-alive one (`wake_on = "socket"`, sockwake). The
@@ -48,7 +52,11 @@ impl Agent {
         tracing::debug!(service = svc.name, ?endpoint, "watching the pod's port");
         let ctl: Arc<dyn crate::control::Control> = Arc::clone(self) as _;
         match tokio::runtime::Handle::try_current() {
-            Ok(rt) => crate::sockwake::spawn(ctl, Arc::clone(svc), rt),
+            Ok(rt) => {
+                let netns_of = endpoint.sandbox_pid.unwrap_or(endpoint.pid);
+                probe::spawn(self, svc, netns_of, rt.clone());
+                crate::sockwake::spawn(ctl, Arc::clone(svc), rt)
+            }
             Err(_) => {
                 tracing::warn!(service = svc.name, "no runtime to wake the pod on: its port is not watched")
             }

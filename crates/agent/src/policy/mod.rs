@@ -87,7 +87,7 @@ impl Control for Agent {
     }
 
     fn processes(&self) -> Result<Vec<StateReport>, gpusnap_hibernate::Error> {
-        self.engine().and_then(|mut e| e.ps().map_err(Into::into))
+        self.engine().and_then(|e| e.look_all().map_err(Into::into))
     }
 
     fn look(&self, pids: &[i32]) -> Result<Vec<StateReport>, gpusnap_hibernate::Error> {

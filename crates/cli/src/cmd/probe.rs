@@ -6,8 +6,10 @@
 //!
 //! Its process, its tree and its port it sees itself, in its own pid and
 //! network namespaces (a pod's container). Whether the server is suspended
-//! or cannot come back it asks the agent (which knows it by its host pid
-//! and translates the pid through the caller's pid namespace), else the
+//! or cannot come back it asks the agent, on its probe socket or the
+//! endpoint the agent places in a served pod's network namespace (the
+//! agent knows the server by its host pid and translates the pid through
+//! the caller's pid namespace), else the
 //! driver and the state directory where it shares the host's pid
 //! namespace; with neither it judges from what it sees.
 
@@ -161,13 +163,15 @@ fn judge(cli: &Cli, root: i32, port: u16, socket: &Path) -> anyhow::Result<Verdi
 }
 
 /// The agent's view of `root`'s tree (`GET /v1/processes?tree=ROOT`, read
-/// only), or `None` when no agent answers for it: none listens on
-/// `socket`, it refuses this caller or does not know the process, it fails
-/// or is too slow. Its refusal of bad input (a reused pid) is the probe's.
+/// only) on the probe socket `socket`, or where it is not, on the endpoint
+/// the agent places in a served pod (`@gpusnap-probe`); `None` when no
+/// agent answers for it: none listens, it refuses this caller or does not
+/// know the process, it fails or is too slow. Its refusal of bad input (a reused pid) is the probe's.
 fn from_agent(root: i32, socket: &Path) -> anyhow::Result<Option<Vec<Row>>> {
-    if !socket.exists() {
-        return Ok(None);
-    }
+    // No probe socket mounted (a pod under Pod Security "baseline"): the
+    // endpoint the agent places in the pod's network namespace.
+    let pod_endpoint = std::path::PathBuf::from(format!("@{}", gpusnap_agent::kubernetes::probe::NAME));
+    let socket = if socket.exists() { socket } else { pod_endpoint.as_path() };
     match client::request_within(socket, "GET", &format!("/v1/processes?tree={root}"), AGENT_LIMIT) {
         Ok(body) => match serde_json::from_str(&body) {
             Ok(rows) => Ok(Some(rows)),

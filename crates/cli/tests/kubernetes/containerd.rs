@@ -54,8 +54,8 @@ pub enum Sight {
     Node,
     /// A pid namespace of its own, as a pod's container has by default: its
     /// server is pid 1 there. `state_dir`: the node's state directory
-    /// mounted read-only too; `run_dir`: mounted at `/run/gpusnap` (where
-    /// the agent's socket is).
+    /// mounted read-only too; `run_dir`: its `probe/` (the agent's probe
+    /// socket) mounted read-only at `/run/gpusnap/probe`.
     OwnPids { state_dir: bool, run_dir: Option<PathBuf> },
 }
 
@@ -397,10 +397,14 @@ state = "{d}/state"
             });
             container.envs.push(env("GPUSNAP_FAKE_PROC", "/host/proc".into()));
             if let Some(run) = run_dir {
-                std::fs::create_dir_all(run).unwrap();
+                // The agent's probe directory, read-only, as the manifests
+                // mount it; the admin socket beside it stays on the node.
+                let probe = run.join("probe");
+                std::fs::create_dir_all(&probe).unwrap();
                 container.mounts.push(api::Mount {
-                    container_path: "/run/gpusnap".into(),
-                    host_path: run.display().to_string(),
+                    container_path: "/run/gpusnap/probe".into(),
+                    host_path: probe.display().to_string(),
+                    readonly: true,
                     ..Default::default()
                 });
             }

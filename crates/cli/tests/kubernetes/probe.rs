@@ -2,8 +2,10 @@
 //! the CRI's `ExecSync`), in pods like the example's
 //! (`deploy/kubernetes/examples/vllm.yaml`): the server's container has a
 //! pid namespace of its own (the server is pid 1 there) and the agent's
-//! socket directory mounted at `/run/gpusnap`; one pod without the node's
-//! state directory (the example), one with it mounted read-only.
+//! probe directory mounted read-only at `/run/gpusnap/probe` (the admin
+//! socket stays on the node); one pod without the node's state directory,
+//! one with it mounted read-only, and one that mounts nothing of the node
+//! and finds the endpoint the agent places in its network namespace.
 
 use super::*;
 
@@ -35,14 +37,18 @@ fn the_examples_exec_probe_in_a_pod_of_its_own_pid_namespace_answers_without_wak
     let run = w.tmp.path().join("run");
     // A resume that cannot succeed gives up after its wake-timeout.
     let keys = [("gpusnap.io/suspend-after", "never"), ("gpusnap.io/wake-timeout", "3s")];
-    let pods: Vec<(String, TestPod)> = [("plain", false), ("statedir", true)]
-        .into_iter()
-        .map(|(name, state_dir)| {
-            let sight = Sight::OwnPids { state_dir, run_dir: Some(run.clone()) };
-            let pod = ctd.run_server_pod_seeing(&w, "test", name, &enabled(&keys), 256, 8000, &sight);
-            (format!("test.{name}"), pod)
-        })
-        .collect();
+    // "bare" mounts nothing of the node (Pod Security "baseline", as the
+    // example): its probe finds the endpoint the agent placed in its
+    // network namespace.
+    let pods: Vec<(String, TestPod)> =
+        [("plain", false, true), ("statedir", true, true), ("bare", false, false)]
+            .into_iter()
+            .map(|(name, state_dir, mounted)| {
+                let sight = Sight::OwnPids { state_dir, run_dir: mounted.then(|| run.clone()) };
+                let pod = ctd.run_server_pod_seeing(&w, "test", name, &enabled(&keys), 256, 8000, &sight);
+                (format!("test.{name}"), pod)
+            })
+            .collect();
     let mut agent = Agent::at(&w, &ctd, run.join("agent.sock"), "");
     agent.start(&mut w);
     let host_pid = |svc: &str| agent.service(svc).unwrap()["pid"].as_i64().unwrap() as i32;
@@ -50,8 +56,25 @@ fn the_examples_exec_probe_in_a_pod_of_its_own_pid_namespace_answers_without_wak
         wait_for(LONG, || agent.state(svc) == "running");
         // The agent names the server by its host pid, the probe by pid 1.
         assert_ne!(host_pid(svc), 1);
-        assert_eq!(answer(&ctd, pod), (0, "running".into(), "agent".into()), "{svc}");
+        // The agent places a pod's endpoint as it starts serving the pod;
+        // until then the probe judges without it.
+        let mut last = (0, String::new(), String::new());
+        let asked = wait_until(LONG, || {
+            last = answer(&ctd, pod);
+            last.2 == "agent"
+        });
+        assert!(asked, "{svc}: the probe never reached the agent: {last:?}");
+        assert_eq!(last, (0, "running".into(), "agent".into()), "{svc}");
     }
+
+    // The pod's endpoint answers the probe's question and nothing else.
+    let (_, bare) = &pods[2];
+    let gpusnap = env!("CARGO_BIN_EXE_gpusnap");
+    let act = [gpusnap, "service", "test.plain", "suspend", "--socket", "@gpusnap-probe"];
+    let (code, out) = ctd.exec_status(bare, &act).unwrap();
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("answers only GET /v1/processes?tree=PID"), "{out}");
+    assert_eq!(agent.state("test.plain"), "running");
 
     // Suspended by the agent: ready, and still suspended after.
     for (svc, pod) in &pods {
@@ -76,6 +99,8 @@ fn the_examples_exec_probe_in_a_pod_of_its_own_pid_namespace_answers_without_wak
     // Without the agent (killed, being upgraded) the probe judges from what
     // it sees: the server lives and listens, so it stays ready.
     agent.kill9(&mut w);
+    let (_, bare) = &pods[2];
+    assert_eq!(answer(&ctd, bare), (0, "alive".into(), "process".into()));
     let (_, pod) = &pods[0];
     assert_eq!(answer(&ctd, pod), (0, "alive".into(), "process".into()));
     assert_eq!(driver_state(&w, pod.pid), "checkpointed", "the probe woke nothing");
