@@ -204,6 +204,8 @@ pub fn service(
         on_fault: OnFault::Exit,
         fast_swap: None,
         keep_pinned: None,
+        min_resident: None,
+        park: None,
         pod: Some(pod),
     })
 }

@@ -25,7 +25,7 @@ impl Agent {
     pub(super) async fn hibernate(self: &Arc<Self>, svc: &Arc<Service>, reason: &str) -> Result<(), String> {
         let before = {
             let mut g = svc.lock();
-            if !matches!(g.state, State::Suspended | State::Running) {
+            if !matches!(g.state, State::Suspended | State::Parked | State::Running) {
                 return Err(format!("{} is {}", svc.name, g.state.as_str()));
             }
             // Hibernating ends the process and CRIU brings it back as a
