@@ -8,7 +8,6 @@
 
 use super::{ms, Engine, MIB};
 use crate::error::Error;
-use crate::group::ProgressFactory;
 use crate::reports::{GpuBytes, ParkReport, ParkedBytes, ResumeOptions};
 use crate::store::PARKED;
 use crate::swap::{self, SwapStatus};
@@ -135,30 +134,6 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             .iter()
             .map(|(u, b)| (u.clone(), b.saturating_sub(live.get(u).copied().unwrap_or(0))))
             .collect())
-    }
-
-    /// Parks several processes (a tree, a cgroup), in parallel, all or
-    /// none: a member that cannot be parked has the others unparked.
-    pub fn park_group(
-        &mut self,
-        pids: &[i32],
-        progress: ProgressFactory<'_>,
-    ) -> Result<Vec<ParkReport>, Error> {
-        if pids.len() == 1 {
-            return self.park(pids[0]).map(|r| vec![r]);
-        }
-        let results =
-            self.in_parallel(pids.iter().map(|&p| (p, p)).collect(), progress, |e, pid| e.park(pid));
-        Self::fail_group(results, |done| {
-            let undo: Vec<(i32, i32)> =
-                done.iter().filter(|(_, r)| !r.already).map(|(p, _)| (*p, *p)).collect();
-            let opts = ResumeOptions { wait: Duration::from_secs(30), ..Default::default() };
-            for (pid, r) in self.in_parallel(undo, progress, |e, pid| e.resume(pid, &opts)) {
-                if let Err(e) = r {
-                    tracing::error!(pid, "could not unpark after the group failed: {e}");
-                }
-            }
-        })
     }
 }
 
