@@ -17,6 +17,7 @@ const LONG: Duration = Duration::from_secs(60);
 struct Agent {
     w: World,
     socket: PathBuf,
+    config: PathBuf,
     ports: Vec<u16>,
     agent: usize,
     _sockdir: tempfile::TempDir,
@@ -25,7 +26,7 @@ struct Agent {
 impl Agent {
     /// An agent on one fake GPU of `gpu_mib` with services (name, fake
     /// workload arguments, more TOML lines), fast swap on (the default).
-    fn start(mut w: World, svcs: &[(&str, &str, &str)]) -> Self {
+    fn start(w: World, svcs: &[(&str, &str, &str)]) -> Self {
         let sockdir = tempfile::Builder::new().prefix("gpusnap-park-agent").tempdir_in("/tmp").unwrap();
         let socket = sockdir.path().join("agent.sock");
         let mut text = format!("[agent]\nsocket = {:?}\ntick = \"100ms\"\n", socket.display().to_string());
@@ -43,10 +44,23 @@ impl Agent {
         }
         let config = w.tmp.path().join("agent.toml");
         std::fs::write(&config, text).unwrap();
-        let agent = w.spawn_gpusnap(&["agent", "--config", &config.display().to_string()]);
-        let sock = socket.clone();
+        let mut a = Self { w, socket, config, ports, agent: 0, _sockdir: sockdir };
+        a.spawn();
+        a
+    }
+
+    fn spawn(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+        self.agent = self.w.spawn_gpusnap(&["agent", "--config", &self.config.display().to_string()]);
+        let sock = self.socket.clone();
         wait_for(LONG, || UnixStream::connect(&sock).is_ok());
-        Self { w, socket, ports, agent, _sockdir: sockdir }
+    }
+
+    /// kill -9 of the agent, and a new one on the same configuration.
+    fn kill9_and_restart(&mut self) {
+        self.w.children[self.agent].kill();
+        self.w.children[self.agent].wait();
+        self.spawn();
     }
 
     fn notes(&self, pid: i64) -> Vec<String> {
@@ -237,4 +251,25 @@ fn min_resident_serves_alternating_clients_in_turns() {
     cb.join().unwrap();
     let swaps = evictions(&a) - before;
     assert!(swaps <= 2, "{swaps} swaps for 10 alternating requests:\n{}", a.log());
+}
+
+/// An agent killed while its library parks a server: the library finishes
+/// on its own, the next agent adopts the server as parked, and a request
+/// brings it back intact.
+#[test]
+fn an_agent_killed_while_parking_adopts_the_server_parked() {
+    // Copies at 0.1 GB/s: moving 512 MiB takes seconds.
+    let w = World::with_config(&[2000], serde_json::json!({ "copy_gbps": 0.1 }));
+    let mut a = Agent::start(w, &[("m", "--mib 256 --extra-allocs 1", "suspend_after = \"500ms\"")]);
+    let pid = a.wait_state("m", "running")["pid"].as_i64().unwrap();
+    let phase = |a: &Agent| {
+        a.w.json(&["state", &pid.to_string()]).json()["fast_swap"]["phase"].as_str().unwrap_or("").to_string()
+    };
+    wait_for(LONG, || phase(&a) == "offloading");
+    a.kill9_and_restart();
+    let s = a.wait_state("m", "parked");
+    assert_eq!(a.w.json(&["state", &pid.to_string()]).json()["state"], "parked", "{s}");
+    assert_eq!(a.locks(pid), 0);
+    ask(a.ports[0], pid);
+    assert_eq!(a.service("m")["state"], "running");
 }
