@@ -159,14 +159,22 @@ impl Agent {
             if best.as_ref().is_some_and(|(k, _)| key >= *k) {
                 continue;
             }
-            if let (false, Some(root)) = (needed.is_empty(), root) {
+            // A parked one is worth suspending only for what it still holds.
+            let parked = key.0 == 1;
+            if let (true, Some(root)) = (parked || !needed.is_empty(), root) {
                 let procs = nvml.get_or_insert_with(|| {
                     e.as_ref().and_then(|e| e.gpus().processes().ok()).unwrap_or_default()
                 });
                 let pids = cuda_pids_in(e.as_mut(), root);
-                let on: std::collections::BTreeSet<String> =
-                    procs.iter().filter(|p| pids.contains(&(p.pid as i32))).map(|p| p.uuid.clone()).collect();
-                if !on.is_empty() && on.is_disjoint(&needed) {
+                let on: std::collections::BTreeSet<String> = procs
+                    .iter()
+                    .filter(|p| pids.contains(&(p.pid as i32)) && p.bytes.is_none_or(|b| b > 0))
+                    .map(|p| p.uuid.clone())
+                    .collect();
+                if parked && on.is_empty() {
+                    continue;
+                }
+                if !needed.is_empty() && !on.is_empty() && on.is_disjoint(&needed) {
                     continue;
                 }
             }
