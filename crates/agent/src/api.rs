@@ -99,11 +99,11 @@ fn next_step(s: &Service, g: &crate::service::Inner) -> Option<NextStep> {
         after.saturating_sub(elapsed).as_millis() as u64
     };
     match g.state {
-        State::Running if !Service::has_traffic(g) => s
-            .cfg
-            .suspend_after
-            .map(|d| NextStep { action: "suspend", in_ms: left(d, g.last_activity.elapsed()) }),
-        State::Suspended if !s.cfg.adopted() => {
+        State::Running if !Service::has_traffic(g) => s.cfg.suspend_after.map(|d| NextStep {
+            action: if s.parks() { "park" } else { "suspend" },
+            in_ms: left(d, g.last_activity.elapsed()),
+        }),
+        State::Suspended | State::Parked if !s.cfg.adopted() => {
             s.cfg.hibernate_after.map(|d| NextStep { action: "hibernate", in_ms: left(d, g.since.elapsed()) })
         }
         State::Dead => g.restart_at.map(|t| NextStep {

@@ -17,6 +17,7 @@ pub type Pending<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Action {
     Suspend,
+    Park,
     Resume,
     Hibernate,
     Wake,
@@ -24,12 +25,13 @@ pub enum Action {
 }
 
 impl Action {
-    pub const ALL: [Action; 5] =
-        [Action::Suspend, Action::Resume, Action::Hibernate, Action::Wake, Action::Restart];
+    pub const ALL: [Action; 6] =
+        [Action::Suspend, Action::Park, Action::Resume, Action::Hibernate, Action::Wake, Action::Restart];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Action::Suspend => "suspend",
+            Action::Park => "park",
             Action::Resume => "resume",
             Action::Hibernate => "hibernate",
             Action::Wake => "wake",

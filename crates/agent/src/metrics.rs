@@ -138,7 +138,7 @@ impl Metrics {
             host_bytes: register(
                 r,
                 "host_memory",
-                "Device memory of suspended services, held in host RAM",
+                "Device memory of suspended and parked services, held in host RAM",
                 Some(Unit::Bytes),
                 Gauge::default(),
             ),

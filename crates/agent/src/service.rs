@@ -16,6 +16,9 @@ pub enum State {
     Running,
     Suspending,
     Suspended,
+    /// Its fast-swap library holds its memory in pinned host memory; its
+    /// CUDA context stays on the GPU (`gpusnap park`).
+    Parked,
     Resuming,
     Hibernating,
     Hibernated,
@@ -37,11 +40,12 @@ pub enum State {
 }
 
 impl State {
-    pub const ALL: [State; 13] = [
+    pub const ALL: [State; 14] = [
         State::Starting,
         State::Running,
         State::Suspending,
         State::Suspended,
+        State::Parked,
         State::Resuming,
         State::Hibernating,
         State::Hibernated,
@@ -59,6 +63,7 @@ impl State {
             State::Running => "running",
             State::Suspending => "suspending",
             State::Suspended => "suspended",
+            State::Parked => "parked",
             State::Resuming => "resuming",
             State::Hibernating => "hibernating",
             State::Hibernated => "hibernated",
@@ -162,7 +167,29 @@ pub struct Service {
     pod_pid: std::sync::atomic::AtomicI32,
 }
 
+/// How long a service brought back stays on the GPU before an eviction may
+/// take it off again, unless its `min_resident` says otherwise. Long enough
+/// that two clients alternating between two models on one GPU are served in
+/// turns of a few requests each rather than one swap per request (a parked
+/// model of tens of GB comes back in well under a second, so a turn of 2 s
+/// spends at most about a third of the time moving memory), short enough
+/// that the other model's first request waits little more than a swap.
+pub const MIN_RESIDENT: Duration = Duration::from_secs(2);
+
 impl Service {
+    /// Whether it is parked rather than suspended when idle or evicted: a
+    /// server the agent started with fast swap and no before_suspend hook
+    /// (the hook's server gives its memory back itself: it is suspended),
+    /// unless its `park = false`.
+    pub fn parks(&self) -> bool {
+        self.cfg.park != Some(false) && self.cfg.fast_swap_on() && self.cfg.hooks.before_suspend.is_none()
+    }
+
+    /// See [`MIN_RESIDENT`].
+    pub fn min_resident(&self) -> Duration {
+        self.cfg.min_resident.unwrap_or(MIN_RESIDENT)
+    }
+
     pub fn new(cfg: ServiceConfig) -> Self {
         let name = cfg.name.get_ref().clone();
         Self {

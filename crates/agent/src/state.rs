@@ -262,6 +262,12 @@ impl Agent {
                     }
                 }
             }
+            // Parked: what the fast-swap libraries hold in host memory.
+            if let Some(t) = g.process.as_ref().filter(|_| g.state == State::Parked) {
+                for pid in self.cuda_pids(t.pid) {
+                    host += gpusnap_core::swap::status(pid).map_or(0, |s| s.movable_bytes);
+                }
+            }
             if let Some(image) = g.image.as_ref().filter(|_| g.state == State::Hibernated) {
                 if let Ok((_, m)) = self.images.manifest(image) {
                     images += m.files.iter().map(|f| f.size).sum::<u64>();

@@ -70,6 +70,10 @@ pub(crate) fn duration_or_never<'de, D: Deserializer<'de>>(d: D) -> Result<Optio
     }
 }
 
+pub(crate) fn duration_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    duration(d).map(Some)
+}
+
 pub(crate) fn size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     match NumOrStr::deserialize(d)? {
         NumOrStr::Int(n) => Ok(n),

@@ -59,8 +59,8 @@ pub enum Cmd {
         #[arg(long, value_name = "NAME|ID")]
         container: Option<String>,
     },
-    /// The checkpoint state of processes: running, locked, checkpointed or
-    /// failed, and whether one is stuck.
+    /// The checkpoint state of processes: running, parked, locked,
+    /// checkpointed or failed, and whether one is stuck.
     ///
     /// One line per process. With --json, a single pid named alone gives its
     /// object ({"pid": ..., "state": ...}); several pids or a group give
@@ -83,7 +83,21 @@ pub enum Cmd {
         #[arg(long)]
         thp: bool,
     },
-    /// Bring suspended processes back onto the GPU, only when the memory is there.
+    /// Move a fast-swap program's memory to pinned host memory and keep its
+    /// CUDA context on the GPU (no lock, no checkpoint); `resume` brings
+    /// the memory back.
+    ///
+    /// Only programs started with `gpusnap run --light --fast-swap` (and
+    /// the agent's servers) can be parked; any other process is refused
+    /// (exit 11): `suspend` takes it off the GPU. What the library does
+    /// not serve (the context, modules, graphs, managed memory) stays on
+    /// the GPU: `ps` shows it as the residual. `suspend` of a parked
+    /// process finishes the suspend without moving the memory again.
+    Park {
+        #[command(flatten)]
+        select: Select,
+    },
+    /// Bring suspended or parked processes back onto the GPU, only when the memory is there.
     Resume {
         #[command(flatten)]
         select: Select,
@@ -500,7 +514,10 @@ pub enum ImagesCmd {
 pub enum Action {
     /// Take its GPU state to host RAM.
     Suspend,
-    /// Bring it back, from suspended or hibernated, as a request would.
+    /// Move its memory to pinned host RAM, its CUDA context kept on the
+    /// GPU (a server the agent started with fast swap).
+    Park,
+    /// Bring it back, from parked, suspended or hibernated, as a request would.
     Resume,
     /// Dump it into an image and end it.
     Hibernate,
@@ -515,6 +532,7 @@ impl Action {
     pub fn as_str(self) -> &'static str {
         match self {
             Action::Suspend => "suspend",
+            Action::Park => "park",
             Action::Resume => "resume",
             Action::Hibernate => "hibernate",
             Action::Wake => "wake",

@@ -1,7 +1,7 @@
 //! Printing: human text on a terminal, one JSON object with `--json`.
 
 use crate::finding::{Finding, Severity};
-use gpusnap_core::engine::{ResumeReport, StateReport, StopReport, SuspendReport};
+use gpusnap_core::engine::{ParkReport, ResumeReport, StateReport, StopReport, SuspendReport};
 use gpusnap_core::store::Event;
 use gpusnap_core::Progress;
 use gpusnap_hibernate::{HibernateReport, WakeReport};
@@ -41,6 +41,24 @@ pub fn suspended(r: &SuspendReport) -> String {
         secs(r.total_ms),
         secs(r.lock_ms),
         secs(r.checkpoint_ms)
+    )
+}
+
+pub fn parked(r: &ParkReport) -> String {
+    if r.already {
+        return format!(
+            "{} was already parked ({} in host memory, {} on the GPU)",
+            r.pid,
+            gib(r.host_bytes),
+            gib(r.residual_bytes)
+        );
+    }
+    format!(
+        "parked {}: {} to host memory in {}, {} stays on the GPU",
+        r.pid,
+        gib(r.host_bytes),
+        secs(r.total_ms),
+        gib(r.residual_bytes)
     )
 }
 
@@ -120,8 +138,12 @@ fn state_line(r: &StateReport) -> String {
         Some(why) => format!("; UNRECOVERABLE: {why}"),
         None => String::new(),
     };
+    let host = match &r.parked {
+        Some(p) => format!(", {} in host memory", gib(p.host_bytes)),
+        None => String::new(),
+    };
     format!(
-        "{} ({}): {}, {} on {} GPU(s){stuck}",
+        "{} ({}): {}, {} on {} GPU(s){host}{stuck}",
         r.pid,
         r.comm,
         r.state,
@@ -317,6 +339,7 @@ impl Out {
         }
         let containers = rows.iter().any(|r| r.container.is_some());
         let head = format!("{:>8}  {:<16} {:<13} {:>10}  GPUS", "PID", "COMMAND", "STATE", "MEMORY");
+        let parked = rows.iter().any(|r| r.parked.is_some());
         println!("{head}{}", if containers { "           CONTAINER" } else { "" });
         for r in rows {
             let state = if r.unrecoverable { format!("{}!", r.state) } else { r.state.clone() };
@@ -333,6 +356,11 @@ impl Out {
                 None => gpus.join(","),
             };
             println!("{:>8}  {:<16} {:<13} {:>10}  {gpus}", r.pid, r.comm, state, gib(r.footprint_bytes));
+        }
+        if parked {
+            println!(
+                "parked: MEMORY is what stays on the GPU; `gpusnap state PID` adds the bytes in host memory"
+            );
         }
         if rows.iter().any(|r| r.unrecoverable) {
             println!("! cannot be restored in place: see `gpusnap state PID`");

@@ -14,6 +14,16 @@ use std::time::{Duration, Instant};
 
 const LONG: Duration = Duration::from_secs(60);
 
+/// `park = false` and `min_resident = "0s"` unless `extra` says otherwise:
+/// these tests are about the suspend tier and evictions as soon as a
+/// service is idle (crates/cli/tests/park_agent.rs has the agent's parking
+/// and `min_resident`).
+fn suspends(extra: &str) -> String {
+    let park = if extra.contains("park =") { "" } else { "park = false\n" };
+    let min = if extra.contains("min_resident =") { "" } else { "min_resident = \"0s\"\n" };
+    format!("{park}{min}")
+}
+
 struct Svc {
     name: &'static str,
     mib: u64,
@@ -66,11 +76,12 @@ impl AgentWorld {
                 .collect();
             text += &format!(
                 "\n[[service]]\nname = \"{}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\n\
-                 command = [{:?}, \"--mib\", \"{}\", \"--gpu\", \"{}\", \"--http\", \"{backend}\"{more}]\n{}\n",
+                 command = [{:?}, \"--mib\", \"{}\", \"--gpu\", \"{}\", \"--http\", \"{backend}\"{more}]\n{}{}\n",
                 s.name,
                 fake_workload_bin().display().to_string(),
                 s.mib,
                 s.gpu,
+                suspends(s.extra),
                 s.extra
             );
         }

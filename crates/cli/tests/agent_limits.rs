@@ -55,7 +55,7 @@ impl Agent {
                 .collect();
             text += &format!(
                 "\n[[service]]\nname = \"{name}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\n\
-                 command = [{:?}, \"--mib\", \"{mib}\", \"--gpu\", \"0\", \"--http\", \"{backend}\"{more}]\n{extra}\n",
+                 command = [{:?}, \"--mib\", \"{mib}\", \"--gpu\", \"0\", \"--http\", \"{backend}\"{more}]\n{extra}\npark = false\nmin_resident = \"0s\"\n",
                 fake_workload_bin().display().to_string(),
             );
         }

@@ -91,8 +91,7 @@ fn documents(yaml: &str) -> Option<Vec<serde_json::Value>> {
         |c: &mut Command| c.stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
     if !quiet(Command::new("python3").args(["-c", "import yaml"])) {
         let why = "python3 with PyYAML is not installed (pip install pyyaml)";
-        assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}; CI must run this test");
-        eprintln!("skipped: {why}");
+        gpusnap_testkit::skip(why);
         return None;
     }
     let mut cmd = Command::new("python3");

@@ -97,7 +97,7 @@ impl Door {
                 ),
             };
             text += &format!(
-                "\n[[service]]\nname = \"{}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\ncommand = {command}\n{}\n",
+                "\n[[service]]\nname = \"{}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\ncommand = {command}\npark = false\nmin_resident = \"0s\"\n{}\n",
                 s.name, s.extra
             );
             ports.insert(s.name.to_string(), (listen, backend, secret));

@@ -80,7 +80,7 @@ impl SockWorld {
             ]);
             text += &format!(
                 "\n[[service]]\nname = \"{name}\"\nwake_on = \"socket\"\nbackend = \"{host}:{port}\"\n\
-                 command = {cmd:?}\nwake_timeout = \"60s\"\n{extra}\n"
+                 command = {cmd:?}\nwake_timeout = \"60s\"\npark = false\nmin_resident = \"0s\"\n{extra}\n"
             );
         }
         let config = w.tmp.path().join("agent.toml");

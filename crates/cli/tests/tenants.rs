@@ -23,14 +23,14 @@ const LONG: Duration = Duration::from_secs(60);
 /// Whether this test can run: root, and `tools` on PATH.
 fn can_run(tools: &[&str]) -> bool {
     if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: needs root (namespaces, mounts, other uids)");
+        gpusnap_testkit::skip("needs root (namespaces, mounts, other uids)");
         return false;
     }
     for t in tools {
         let found =
             Command::new("sh").args(["-c", &format!("command -v {t}")]).stdout(Stdio::null()).status();
         if !found.is_ok_and(|s| s.success()) {
-            eprintln!("skipped: {t} is not installed");
+            gpusnap_testkit::skip(format!("{t} is not installed"));
             return false;
         }
     }
@@ -300,7 +300,7 @@ fn a_host_user_gets_from_the_probe_socket_only_its_own_processes() {
         return;
     }
     if system_python().is_none() {
-        eprintln!("skipped: no python3 in /usr/bin or /usr/local/bin");
+        gpusnap_testkit::skip("no python3 in /usr/bin or /usr/local/bin");
         return;
     }
     let mut a = Agent::new("", "", "");

@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 mod fastswap;
+mod park;
 mod records;
 mod stop;
 
@@ -30,7 +31,8 @@ const RELEASE_FAST_TICK: Duration = Duration::from_millis(5);
 const RELEASE_FAST_FOR: Duration = Duration::from_secs(1);
 const RELEASE_SLOW_TICK: Duration = Duration::from_millis(100);
 pub use crate::reports::{
-    GpuBytes, ResumeOptions, ResumeReport, StateReport, StopOptions, StopReport, SuspendReport,
+    GpuBytes, ParkReport, ParkedBytes, ResumeOptions, ResumeReport, StateReport, StopOptions, StopReport,
+    SuspendReport,
 };
 
 pub struct Engine<A: CheckpointApi, G: GpuInventory> {
@@ -217,6 +219,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     fn report(&self, t: &Target, st: ProcessState, rec: Option<&Record>) -> Result<StateReport, Error> {
         let live = self.live_usage(t.pid)?;
+        let fast_swap = crate::swap::status(t.pid);
+        let (state, parked) = park::parked_state(&st, fast_swap.as_ref(), live.values().sum());
         let fp = if live.values().any(|b| *b > 0) {
             live
         } else {
@@ -226,14 +230,15 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             pid: t.pid,
             start_time: t.start_time,
             comm: t.comm.clone(),
-            state: st.to_string(),
+            state,
             unrecoverable: rec.is_some_and(|r| r.unrecoverable.is_some()),
             reason: rec.and_then(|r| r.unrecoverable.clone()),
             footprint_bytes: fp.values().sum(),
             gpus: fp.into_iter().map(|(uuid, bytes)| GpuBytes { uuid, bytes }).collect(),
             ns_pid: target::ns_pid(t.pid).filter(|p| *p != t.pid),
             container: crate::container::of_pid(t.pid),
-            fast_swap: crate::swap::status(t.pid),
+            fast_swap,
+            parked,
         })
     }
 
@@ -467,7 +472,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         if rec.is_none() {
             self.store.record(&t, "checkpointed", None)?;
         }
-        let need = self.needed(&t, &footprint, opts)?;
+        let need = if driver {
+            self.needed(&t, &footprint, opts)?
+        } else {
+            self.needed_to_unpark(&t, &footprint, opts)?
+        };
         let (pairs, need) = if opts.device_map.is_empty() {
             (Vec::new(), need)
         } else if opts.device_map.iter().any(|(a, b)| a != b) && self.is_offloaded(&t) {
@@ -521,6 +530,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             let _serial = self.store.lock_target(p.t.pid)?;
             let t0 = Instant::now();
             self.restore_offloaded(&p.t)?;
+            self.store.record(&p.t, "running", None)?;
             (ms(t0), 0)
         };
         if !p.pairs.is_empty() {

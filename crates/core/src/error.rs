@@ -32,6 +32,10 @@ pub enum Error {
     NotCuda { pid: i32, comm: String },
     #[error("process {pid} is {state}; cannot {op} it")]
     WrongState { pid: i32, state: String, op: &'static str },
+    #[error("process {pid} ({comm}) does not run with fast swap, so it cannot be parked (its memory would stay on the GPU); `gpusnap suspend {pid}` takes it off the GPU, and programs started with `gpusnap run --light --fast-swap` can be parked")]
+    NoFastSwap { pid: i32, comm: String },
+    #[error("process {pid}: fast swap could not park it: {reason}")]
+    ParkFailed { pid: i32, reason: String },
     #[error("no footprint recorded for process {pid} (suspended outside gpusnap?); pass --footprint MIB to resume it")]
     NoFootprint { pid: i32 },
     #[error("not enough GPU memory to resume {pid}: {detail}")]
@@ -77,7 +81,8 @@ impl Error {
     }
 
     /// 0 done; 1 failed; 2 bad usage or bad input; 3 refused, not enough GPU
-    /// memory; 4 the driver failed; 5 cannot be restored in place.
+    /// memory; 4 the driver failed; 5 cannot be restored in place; 11 park
+    /// of a process without fast swap.
     pub fn exit_code(&self) -> i32 {
         match self {
             Self::BadPid { .. }
@@ -98,7 +103,9 @@ impl Error {
             Self::BadMap(_) => 2,
             Self::Driver { .. } | Self::NotReleased { .. } => 4,
             Self::Unrecoverable { .. } => 5,
+            Self::NoFastSwap { .. } => 11,
             Self::Proc { .. }
+            | Self::ParkFailed { .. }
             | Self::StopRefused { .. }
             | Self::DidNotExit { .. }
             | Self::Driverless(_)
@@ -124,6 +131,8 @@ impl Error {
             Self::NotCuda { .. } => "not_cuda",
             Self::WrongState { .. } => "wrong_state",
             Self::NoFootprint { .. } => "no_footprint",
+            Self::NoFastSwap { .. } => "no_fast_swap",
+            Self::ParkFailed { .. } => "park_failed",
             Self::NoMemory { .. } => "no_memory",
             Self::Driver { .. } => "driver",
             Self::NotReleased { .. } => "not_released",

@@ -6,7 +6,9 @@
 //! members already done are returned to their prior state and the error
 //! names the member and why.
 
-use crate::engine::{Engine, Prep, ResumeOptions, ResumeReport, StopOptions, StopReport, SuspendReport};
+use crate::engine::{
+    Engine, ParkReport, Prep, ResumeOptions, ResumeReport, StopOptions, StopReport, SuspendReport,
+};
 use crate::error::Error;
 use crate::progress::Progress;
 use gpusnap_cuda::CheckpointApi;
@@ -135,6 +137,30 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             for (pid, r) in self.in_parallel(undo, progress, |e, pid| e.resume(pid, &opts)) {
                 if let Err(e) = r {
                     tracing::error!(pid, "could not resume after the group failed: {e}");
+                }
+            }
+        })
+    }
+
+    /// Parks several processes (a tree, a cgroup), in parallel, all or
+    /// none: a member that cannot be parked has the others unparked.
+    pub fn park_group(
+        &mut self,
+        pids: &[i32],
+        progress: ProgressFactory<'_>,
+    ) -> Result<Vec<ParkReport>, Error> {
+        if pids.len() == 1 {
+            return self.park(pids[0]).map(|r| vec![r]);
+        }
+        let results =
+            self.in_parallel(pids.iter().map(|&p| (p, p)).collect(), progress, |e, pid| e.park(pid));
+        Self::fail_group(results, |done| {
+            let undo: Vec<(i32, i32)> =
+                done.iter().filter(|(_, r)| !r.already).map(|(p, _)| (*p, *p)).collect();
+            let opts = ResumeOptions { wait: Duration::from_secs(30), ..Default::default() };
+            for (pid, r) in self.in_parallel(undo, progress, |e, pid| e.resume(pid, &opts)) {
+                if let Err(e) = r {
+                    tracing::error!(pid, "could not unpark after the group failed: {e}");
                 }
             }
         })

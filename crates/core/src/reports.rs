@@ -34,6 +34,38 @@ pub struct StateReport {
     /// with the driver (and why).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fast_swap: Option<crate::swap::SwapStatus>,
+    /// Parked (state `parked`, or `parking`/`unparking` while its library
+    /// moves memory): what stays on the GPU and what waits in host memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parked: Option<ParkedBytes>,
+}
+
+/// A parked process's memory: on the GPU (the context, modules, graphs and
+/// what the library does not serve) and in pinned host memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ParkedBytes {
+    /// Device memory it still holds, as NVML shows it now.
+    pub residual_bytes: u64,
+    /// The library's allocations, in pinned host memory.
+    pub host_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ParkReport {
+    pub pid: i32,
+    pub state: String,
+    /// It was parked already: nothing was moved.
+    pub already: bool,
+    /// Device memory before the park (what its unpark's admission asks
+    /// for, less the residual).
+    pub footprint_bytes: u64,
+    /// Device memory it holds now, as NVML shows it.
+    pub residual_bytes: u64,
+    /// Bytes the library moved to pinned host memory.
+    pub host_bytes: u64,
+    pub gpus: Vec<GpuBytes>,
+    pub offload_ms: u64,
+    pub total_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]

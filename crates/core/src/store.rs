@@ -94,6 +94,10 @@ pub fn now_ms() -> i64 {
 /// found its lock answering a sticky error): it cannot be suspended.
 pub const FAULTED: &str = "faulted";
 
+/// The record state of a parked process: its fast-swap library holds its
+/// memory in host memory; the driver runs it, its context on the GPU.
+pub const PARKED: &str = "parked";
+
 /// What gpusnap knows of one process.
 #[derive(Debug, Clone, Serialize)]
 pub struct Record {

@@ -40,6 +40,17 @@ pub(crate) fn suspend_now<A: CheckpointApi, G: GpuInventory + ?Sized>(
     for u in gpus.usage_of(pid as u32)? {
         *fp.entry(u.uuid).or_insert(0u64) += u.bytes.unwrap_or(0);
     }
+    // A parked process (a fast-swap library holding its memory in host
+    // memory) keeps the footprint recorded before its park: that memory
+    // comes back with it too. Only a record that says parked asks the
+    // library (a dying process's library may not answer).
+    if let Some(before) = store.get(&t)?.filter(|r| r.state == gpusnap_core::store::PARKED) {
+        if before.footprint_bytes() > fp.values().sum::<u64>()
+            && gpusnap_core::swap::status(pid).is_some_and(|s| s.away())
+        {
+            fp = before.footprint;
+        }
+    }
     let total: u64 = fp.values().sum();
     store.record(&t, st.as_str(), Some(&fp))?;
     store.note(&t, "guard", None, &format!("dying: {why}"))?;

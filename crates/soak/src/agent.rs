@@ -60,7 +60,7 @@ impl Agent {
             text += &format!(
                 "\n[[service]]\nname = \"{name}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\n\
                  command = [{:?}, \"--mib\", \"{mib}\", \"--gpu\", \"0\", \"--http\", \"{backend}\", \"--tag\", \"{name}\"]\n\
-                 suspend_after = \"{}ms\"\n{hib}wake_timeout = \"30s\"\ngpu_memory = \"{mib}MiB\"\nmargin = \"32MiB\"\n",
+                 park = false\nmin_resident = \"0s\"\nsuspend_after = \"{}ms\"\n{hib}wake_timeout = \"30s\"\ngpu_memory = \"{mib}MiB\"\nmargin = \"32MiB\"\n",
                 host.fake_workload().display().to_string(),
                 700 + 300 * i
             );

@@ -12,7 +12,7 @@ mod access;
 mod hooks;
 mod kubernetes;
 
-use crate::units::{duration, duration_or_never, size, size_opt};
+use crate::units::{duration, duration_opt, duration_or_never, size, size_opt};
 pub use crate::units::{parse_duration, parse_size};
 pub use access::sockets_apart;
 pub use hooks::{Hook, Hooks};
@@ -245,6 +245,11 @@ pub struct ServiceConfig {
     pub hibernate_after: Option<Duration>,
     #[serde(default = "default_wake_timeout", deserialize_with = "duration")]
     pub wake_timeout: Duration,
+    /// See `Service::min_resident` (unset: its default).
+    #[serde(default, deserialize_with = "duration_opt")]
+    pub min_resident: Option<Duration>,
+    /// See `Service::parks` (unset: parked when it can be).
+    pub park: Option<bool>,
     #[serde(default)]
     pub priority: i64,
     #[serde(default = "yes")]
@@ -735,6 +740,7 @@ fn check_service(s: &ServiceConfig, text: &str) -> Result<(), (usize, String)> {
         ("wake_timeout", within("wake_timeout", s.wake_timeout, MS, DAY)),
         ("suspend_after", opt("suspend_after", s.suspend_after, Duration::ZERO, 365 * DAY)),
         ("hibernate_after", opt("hibernate_after", s.hibernate_after, Duration::ZERO, 365 * DAY)),
+        ("min_resident", opt("min_resident", s.min_resident, Duration::ZERO, DAY)),
         ("request_timeout", opt("request_timeout", s.request_timeout, SEC, 7 * DAY)),
         ("max_waiting", count("max_waiting", s.max_waiting, 1, MAX_CONNECTIONS)),
         ("max_connections", count("max_connections", s.max_connections, 1, MAX_CONNECTIONS)),

@@ -201,7 +201,15 @@ async fn failed(
         }
         let bringing_back = matches!(from, State::Starting | State::Waking | State::Resuming);
         if bringing_back
-            && matches!(to, State::Dead | State::Exited | State::Hibernated | State::Suspended | State::Idle)
+            && matches!(
+                to,
+                State::Dead
+                    | State::Exited
+                    | State::Hibernated
+                    | State::Suspended
+                    | State::Parked
+                    | State::Idle
+            )
         {
             return Refusal {
                 reason: format!(

@@ -208,6 +208,8 @@ pub fn service(
         // reaches it, and its annotations grant nothing.
         allow_users: None,
         allow_groups: None,
+        min_resident: None,
+        park: None,
         pod: Some(pod),
     })
 }

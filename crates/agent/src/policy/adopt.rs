@@ -58,7 +58,8 @@ impl Agent {
                         && rec.start_time.is_some_and(|st| st != t.start_time)
                 });
                 // A process its guard holds with a faulted context stays held.
-                let state = if self.faulted(svc) { State::Faulted } else { self.adopted_state(&pids) };
+                let state =
+                    if self.faulted(svc) { State::Faulted } else { self.adopted_state(&pids, svc.parks()) };
                 let mut g = svc.lock();
                 svc.set_state(&mut g, state);
                 drop(g);
@@ -216,7 +217,7 @@ impl Agent {
             return;
         }
         let pids = self.cuda_pids(t.pid);
-        let state = self.adopted_state(&pids);
+        let state = self.adopted_state(&pids, svc.parks());
         {
             let mut g = svc.lock();
             if g.state != State::Exited {
@@ -231,7 +232,10 @@ impl Agent {
         self.journal(svc, Some(&t), &format!("adopted a new process as {} (pid {})", state.as_str(), t.pid));
     }
 
-    fn adopted_state(&self, pids: &[i32]) -> State {
+    /// `parks`: a service that parks is adopted parked when its libraries
+    /// hold its memory and the driver runs it (a park the previous agent
+    /// began and the library finished).
+    fn adopted_state(&self, pids: &[i32], parks: bool) -> State {
         if pids.is_empty() {
             return State::Running;
         }
@@ -248,6 +252,10 @@ impl Agent {
         // library's gate: its suspend is finished (the lock and the
         // checkpoint), which needs no memory; the next request resumes it.
         let phases = settled_phases(pids);
+        let parked = |p: &i32| e.state(*p).is_ok_and(|s| s.state == gpusnap_core::store::PARKED);
+        if parks && !phases.is_empty() && phases.iter().all(|p| p == "offloaded") && pids.iter().all(parked) {
+            return State::Parked;
+        }
         if phases.iter().any(|p| p == "offloaded") {
             match e.suspend_group(pids, super::LOCK_TIMEOUT_MS, &super::quiet) {
                 Ok(_) => return State::Suspended,

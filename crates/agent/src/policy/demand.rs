@@ -7,7 +7,7 @@ use super::quiet;
 use crate::control::Unavailable;
 use crate::service::{Service, State};
 use crate::state::{cuda_pids_in, Agent, DynEngine};
-use gpusnap_core::engine::{ResumeOptions, SuspendReport};
+use gpusnap_core::engine::ResumeOptions;
 use gpusnap_core::target;
 use gpusnap_hibernate::Hibernate;
 use gpusnap_hibernate::WakeOptions;
@@ -51,7 +51,7 @@ impl Agent {
                 }
                 match g.state {
                     State::Running => return Ok(waited),
-                    State::Suspended => {
+                    State::Suspended | State::Parked => {
                         svc.set_state(&mut g, State::Resuming);
                         // With its wall-clock time: what a client's connect()
                         // is measured against (scripts/bench-sockwake.sh).
@@ -212,20 +212,15 @@ impl Agent {
                     match victim {
                         Some(v) => {
                             let reason = format!("evicted to make room for {} ({msg})", svc.name);
-                            match self.suspend_reports(&v, &reason).await {
-                                Ok((reports, hook)) => {
-                                    let max = |f: fn(&SuspendReport) -> u64| {
-                                        Duration::from_millis(reports.iter().map(f).max().unwrap_or(0))
-                                    };
-                                    let driver = max(|r| r.offload_ms + r.lock_ms + r.checkpoint_ms);
-                                    let release = max(|r| r.release_ms);
-                                    let polls: u32 = reports.iter().map(|r| r.release_polls).sum();
+                            match self.evict(&v, &reason).await {
+                                Ok(ev) => {
                                     svc.trace(|t| {
                                         t.counts.evictions += 1;
-                                        t.counts.release_polls += polls;
-                                        let mut parts = vec![("suspend", driver), ("release_wait", release)];
+                                        t.counts.release_polls += ev.polls;
+                                        let mut parts =
+                                            vec![("suspend", ev.driver), ("release_wait", ev.release)];
                                         if v.cfg.hooks.before_suspend.is_some() {
-                                            parts.insert(0, ("hook_suspend", hook));
+                                            parts.insert(0, ("hook_suspend", ev.hook));
                                         }
                                         t.span(Instant::now(), "evict_prep", &parts);
                                     });
@@ -250,12 +245,18 @@ impl Agent {
                 Err((_, msg)) => {
                     self.metrics().transition(&svc.name, kind, false, 0.0);
                     self.journal(svc, None, &format!("{kind} failed: {msg}"));
+                    // A copy back that was refused leaves it parked.
+                    let (a, s) = (Arc::clone(self), Arc::clone(svc));
+                    let parked = tokio::task::spawn_blocking(move || a.parked_now(&s)).await.unwrap_or(false);
                     {
                         let mut g = svc.lock();
                         g.last_error = Some(msg);
                         g.trace = None;
-                        let back =
-                            if g.state == State::Waking { State::Hibernated } else { State::Suspended };
+                        let back = match g.state {
+                            State::Waking => State::Hibernated,
+                            _ if parked => State::Parked,
+                            _ => State::Suspended,
+                        };
                         svc.set_state(&mut g, back);
                     }
                     // Waiters give up at their own deadline; they must not

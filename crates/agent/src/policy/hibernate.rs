@@ -25,7 +25,7 @@ impl Agent {
     pub(super) async fn hibernate(self: &Arc<Self>, svc: &Arc<Service>, reason: &str) -> Result<(), String> {
         let before = {
             let mut g = svc.lock();
-            if !matches!(g.state, State::Suspended | State::Running) {
+            if !matches!(g.state, State::Suspended | State::Parked | State::Running) {
                 return Err(format!("{} is {}", svc.name, g.state.as_str()));
             }
             // Hibernating ends the process and CRIU brings it back as a
@@ -69,6 +69,9 @@ impl Agent {
             .await
             .unwrap_or_else(|e| Err(e.to_string()));
         self.metrics().transition(&svc.name, "hibernate", r.is_ok(), started.elapsed().as_secs_f64());
+        // A parked service whose hibernate failed before its suspend is
+        // parked still.
+        let parked = r.is_err() && before == State::Parked && self.parked_now(svc);
         let mut g = svc.lock();
         match &r {
             Ok(image) => {
@@ -80,6 +83,7 @@ impl Agent {
                 g.last_error = Some(e.clone());
                 g.hibernate_not_before = Some(Instant::now() + HIBERNATE_RETRY);
                 let back = match g.process.as_ref().map(|t| self.cuda_pids(t.pid)) {
+                    _ if parked => State::Parked,
                     Some(p) if !p.is_empty() && self.all_checkpointed(&p) => State::Suspended,
                     _ => State::Running,
                 };

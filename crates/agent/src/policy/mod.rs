@@ -20,6 +20,7 @@ mod demand;
 mod fallback;
 mod hibernate;
 mod lifecycle;
+mod park;
 mod room;
 mod suspend;
 mod tick;
@@ -74,6 +75,10 @@ impl Control for Agent {
             let state = svc.lock().state;
             match action {
                 Action::Suspend if matches!(state, State::Suspended | State::Hibernated) => Ok(()),
+                Action::Park if matches!(state, State::Parked | State::Suspended | State::Hibernated) => {
+                    Ok(())
+                }
+                Action::Park => self.park(&svc, why).await.map(|_| ()),
                 Action::Hibernate if state == State::Hibernated => Ok(()),
                 Action::Suspend => self.suspend(&svc, why).await,
                 Action::Hibernate => self.hibernate(&svc, why).await,

@@ -45,7 +45,7 @@ impl Agent {
                         free >> 20,
                         need >> 20
                     );
-                    if self.suspend(&v, &reason).await.is_err() {
+                    if self.evict(&v, &reason).await.is_err() {
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                 }
@@ -126,45 +126,61 @@ impl Agent {
         need
     }
 
-    /// The idle running service to suspend for `for_svc`: never one with
-    /// traffic in flight; lowest priority, then least recently used. One
-    /// engine and one NVML process list for all the candidates (a swap
-    /// waits on this).
+    /// The service to evict for `for_svc`: an idle running one first
+    /// (parked, or suspended if it does not park), never one with traffic
+    /// in flight nor one back on the GPU for less than its `min_resident`;
+    /// only when none is left, a parked one (suspended in full: its
+    /// residual is the room needed). Lowest priority, then least recently
+    /// used. One engine and one NVML process list for all the candidates (a
+    /// swap waits on this).
     pub(super) fn pick_victim(&self, for_svc: &Service) -> Option<Arc<Service>> {
         let mut e = self.engine().ok();
         // Only services on the GPUs the resume needs (its footprint's);
         // unknown (a cold start): any.
         let needed = self.footprint_gpus(&mut e, for_svc);
         let mut nvml: Option<Vec<gpusnap_gpu::ProcessUsage>> = None;
-        let mut best: Option<(i64, i64, Arc<Service>)> = None;
+        let mut best: Option<((u8, i64, i64), Arc<Service>)> = None;
         for s in self.services().iter() {
             if s.name == for_svc.name {
                 continue;
             }
             let (key, root) = {
                 let g = s.lock();
-                if g.state != State::Running || Service::has_traffic(&g) {
+                let tier = match g.state {
+                    State::Running if g.since.elapsed() >= s.min_resident() => 0,
+                    State::Parked => 1,
+                    _ => continue,
+                };
+                if Service::has_traffic(&g) {
                     continue;
                 }
-                ((s.cfg.priority, g.last_used_ms), g.process.as_ref().map(|t| t.pid))
+                ((tier, s.cfg.priority, g.last_used_ms), g.process.as_ref().map(|t| t.pid))
             };
-            if best.as_ref().is_some_and(|(p, u, _)| key >= (*p, *u)) {
+            if best.as_ref().is_some_and(|(k, _)| key >= *k) {
                 continue;
             }
-            if let (false, Some(root)) = (needed.is_empty(), root) {
+            // A parked one is worth suspending only for what it still holds.
+            let parked = key.0 == 1;
+            if let (true, Some(root)) = (parked || !needed.is_empty(), root) {
                 let procs = nvml.get_or_insert_with(|| {
                     e.as_ref().and_then(|e| e.gpus().processes().ok()).unwrap_or_default()
                 });
                 let pids = cuda_pids_in(e.as_mut(), root);
-                let on: std::collections::BTreeSet<String> =
-                    procs.iter().filter(|p| pids.contains(&(p.pid as i32))).map(|p| p.uuid.clone()).collect();
-                if !on.is_empty() && on.is_disjoint(&needed) {
+                let on: std::collections::BTreeSet<String> = procs
+                    .iter()
+                    .filter(|p| pids.contains(&(p.pid as i32)) && p.bytes.is_none_or(|b| b > 0))
+                    .map(|p| p.uuid.clone())
+                    .collect();
+                if parked && on.is_empty() {
+                    continue;
+                }
+                if !needed.is_empty() && !on.is_empty() && on.is_disjoint(&needed) {
                     continue;
                 }
             }
-            best = Some((key.0, key.1, Arc::clone(s)));
+            best = Some((key, Arc::clone(s)));
         }
-        best.map(|(_, _, s)| s)
+        best.map(|(_, s)| s)
     }
 
     /// The GPUs a suspended service's recorded footprint is on.

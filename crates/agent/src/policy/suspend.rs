@@ -63,16 +63,20 @@ impl Agent {
         svc: &Arc<Service>,
         reason: &str,
     ) -> Result<(Vec<SuspendReport>, Duration), String> {
-        {
+        // A parked service is suspended in full (its residual is the room
+        // needed); a failure leaves it parked.
+        let from = {
             let mut g = svc.lock();
-            if g.state != State::Running {
+            let from = g.state;
+            if !matches!(from, State::Running | State::Parked) {
                 return Err(format!("{} is {}", svc.name, g.state.as_str()));
             }
             if Service::has_traffic(&g) {
                 return Err(format!("{} has a request in flight", svc.name));
             }
             svc.set_state(&mut g, State::Suspending);
-        }
+            from
+        };
         let thp = if svc.cfg.thp.unwrap_or(self.cfg().thp) { " (THP always for its checkpoint)" } else { "" };
         self.journal(svc, None, &format!("suspend: {reason}{thp}"));
         let started = Instant::now();
@@ -143,7 +147,7 @@ impl Agent {
                     // Not again before another suspend_after.
                     g.last_activity = Instant::now();
                     // The engine leaves a process as it found it when it fails.
-                    svc.set_state(&mut g, State::Running);
+                    svc.set_state(&mut g, from);
                 }
             }
         }

@@ -33,7 +33,7 @@ impl Agent {
                 (g.state, g.since, alive, g.restart_at.is_some_and(|t| Instant::now() >= t), may_hibernate)
             };
             match state {
-                State::Running | State::Suspended if !alive => {
+                State::Running | State::Suspended | State::Parked if !alive => {
                     self.died(&svc, "the process ended on its own");
                 }
                 State::Faulted if !alive => {
@@ -54,7 +54,7 @@ impl Agent {
                     if let Some(d) = idle {
                         let (a, s) = (Arc::clone(self), Arc::clone(&svc));
                         tokio::spawn(async move {
-                            let _ = a.suspend(&s, &format!("idle for {}", fmt_duration(d))).await;
+                            let _ = a.park_or_suspend(&s, &format!("idle for {}", fmt_duration(d))).await;
                         });
                     }
                 }
@@ -63,7 +63,7 @@ impl Agent {
                     let s = Arc::clone(&svc);
                     let _ = tokio::task::spawn_blocking(move || a.readopt(&s)).await;
                 }
-                State::Suspended if may_hibernate && !svc.cfg.adopted() => {
+                State::Suspended | State::Parked if may_hibernate && !svc.cfg.adopted() => {
                     if let Some(d) = svc.cfg.hibernate_after.filter(|d| since.elapsed() >= *d) {
                         let (a, s) = (Arc::clone(self), Arc::clone(&svc));
                         tokio::spawn(async move {

@@ -129,7 +129,9 @@ impl Watch {
             } else if let Some(why) = ch.wake {
                 self.pending.get_or_insert((seen, why));
             }
-            if matches!(state, State::Suspended | State::Hibernated) && !self.waking.load(Ordering::SeqCst) {
+            if matches!(state, State::Suspended | State::Parked | State::Hibernated)
+                && !self.waking.load(Ordering::SeqCst)
+            {
                 if let Some((seen, why)) = self.pending.take() {
                     self.wake(seen, why);
                 }
@@ -144,7 +146,7 @@ impl Watch {
     /// there (a `netns` the server's process is not in), or every
     /// `socket_poll_running` all the same.
     fn worth_a_look(&mut self, state: State, pid: Option<i32>) -> bool {
-        let off = matches!(state, State::Suspended | State::Hibernated | State::Suspending);
+        let off = matches!(state, State::Suspended | State::Parked | State::Hibernated | State::Suspending);
         let same_ns = |p: i32| {
             self.open
                 .as_ref()
@@ -164,7 +166,8 @@ impl Watch {
     /// (or going off it), else `socket_poll_running`, cut short as soon as
     /// it starts going off (a look at once, not up to 100 ms later).
     fn sleep(&self, state: State) {
-        let off = |s: State| matches!(s, State::Suspended | State::Hibernated | State::Suspending);
+        let off =
+            |s: State| matches!(s, State::Suspended | State::Parked | State::Hibernated | State::Suspending);
         if off(state) {
             std::thread::sleep(self.svc.cfg.socket_poll);
             return;

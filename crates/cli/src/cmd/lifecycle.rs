@@ -111,6 +111,18 @@ pub fn suspend(cli: &Cli, out: &Out, select: &Select, lock_timeout: u32, thp: bo
     Ok(())
 }
 
+/// `park`: the library of each fast-swap program moves its memory to host
+/// memory; the driver keeps the contexts.
+pub fn park(cli: &Cli, out: &Out, select: &Select) -> anyhow::Result<()> {
+    select.validate(Check::Callable)?;
+    let mut e = engine(cli, out)?;
+    reconcile(cli, &mut e);
+    let pids = &select.resolve(&mut e)?;
+    let r = e.park_group(pids, &|| out.progress())?;
+    out.all(&r, output::parked);
+    Ok(())
+}
+
 /// `resume`'s flags.
 pub struct Resume<'a> {
     pub wait: u64,

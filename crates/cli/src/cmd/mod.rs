@@ -34,6 +34,7 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Suspend { select, lock_timeout, thp } => {
             lifecycle::suspend(cli, out, select, *lock_timeout, *thp)
         }
+        Cmd::Park { select } => lifecycle::park(cli, out, select),
         Cmd::Resume { select, wait, margin, footprint, snapshot_first, device_map } => {
             let a = lifecycle::Resume {
                 wait: *wait,

@@ -20,10 +20,21 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     /// Returns whether memory is offloaded now (a failed checkpoint must
     /// bring it back). A refused offload leaves everything to the driver.
     pub(super) fn offload(&mut self, t: &Target) -> Result<bool, Error> {
-        let Some(st) = swap::status(t.pid) else { return Ok(false) };
+        Ok(self.offload_or_why(t)?.is_ok())
+    }
+
+    /// [`Self::offload`], saying why memory is not offloaded when it is not
+    /// (no fast swap, or the library refused or failed).
+    pub(super) fn offload_or_why(&mut self, t: &Target) -> Result<Result<(), String>, Error> {
+        let Some(st) = swap::status(t.pid) else { return Ok(Err("no fast swap".into())) };
         if st.offloaded() {
-            self.store.note(t, "offload", None, "already offloaded (an earlier suspend moved it)")?;
-            return Ok(true);
+            self.store.note(
+                t,
+                "offload",
+                None,
+                "already offloaded (parked, or an earlier suspend moved it)",
+            )?;
+            return Ok(Ok(()));
         }
         let id = self.store.begin(t, "offload")?;
         // The copies land in the program's own pinned host memory: its
@@ -58,22 +69,22 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 );
                 tracing::info!(pid = t.pid, "fast swap: {detail}");
                 self.store.note(t, "offload", None, &detail)?;
-                Ok(true)
+                Ok(Ok(()))
             }
             Some(Ok(Answer::Failed { kind, detail })) => {
-                let why = format!("{kind}: {detail}; the driver checkpoints everything");
+                let why = format!("{kind}: {detail}; nothing was moved");
                 tracing::warn!(pid = t.pid, "fast swap offload refused: {why}");
                 self.store.end(id, t, "offload", Err(&why))?;
-                Ok(false)
+                Ok(Err(why))
             }
             Some(Err(e)) => {
                 self.store.end(id, t, "offload", Err(&e))?;
                 // The library may still be at work: ask where its memory is.
-                Ok(swap::status(t.pid).is_some_and(|s| s.away()))
+                Ok(if swap::status(t.pid).is_some_and(|s| s.away()) { Ok(()) } else { Err(e) })
             }
             None => {
                 self.store.end(id, t, "offload", Err("the library stopped answering"))?;
-                Ok(false)
+                Ok(Err("the library stopped answering".into()))
             }
         }
     }
