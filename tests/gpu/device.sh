@@ -7,13 +7,13 @@
 #   OUT=/some/dir tests/gpu/device.sh [STAGE...]     (default: e2e)
 # Stages:
 #   e2e     tests/gpu/e2e.sh (the driver and CRIU sections; ~6 min alone)
-#   bench   tests/gpu/bench.sh $BENCH_SIZES (suspend/resume against the driver)
-#   hbench  tests/gpu/bench-hibernate.sh $HBENCH_SIZES (hibernate/wake against driver + CRIU;
+#   bench   bench/gpu/suspend-resume.sh $BENCH_SIZES (suspend/resume against the driver)
+#   hbench  bench/gpu/hibernate.sh $HBENCH_SIZES (hibernate/wake against driver + CRIU;
 #           HB_MODES, HB_DRIVER, HB_COLD, HB_MATRIX, HB_DISK, WORKER_FILL pass through)
 #   multi   tests/gpu/multi-e2e.sh (two GPUs: remap, a group across GPUs, one
 #           process on two GPUs, NCCL; ~3-4 min; needs a machine with 2 GPUs)
 #   guard   tests/gpu/guard-e2e.sh traced, then with --light, then
-#           tests/gpu/guard-bench.sh (both modes); ~4 min; needs
+#           bench/gpu/guard.sh (both modes); ~4 min; needs
 #           libgpusnap_preload.so next to $GPUSNAP
 #   keeper  tests/gpu/keeper-e2e.sh (a lazy wake whose gpusnap is killed with
 #           SIGKILL mid-fill: its keeper fills every page, the worker's data
@@ -23,7 +23,7 @@
 #           chunk, for a PyTorch and a CuPy worker: the wake fails, nothing
 #           is left on the GPU, the image wakes intact next; ~2 min;
 #           RESCUE_* pass through; DEVICE_BUDGET_S=200 alone)
-#   contend tests/gpu/contend.sh (the driver's restore alone beside
+#   contend bench/gpu/contend.sh (the driver's restore alone beside
 #           memory loads of another process, pinned or not, the worker's
 #           threads and CPUs during it, then lazy wakes on the same host;
 #           ~5-6 min at CONTEND_GIB=23; CONTEND_* pass through)
@@ -40,14 +40,14 @@
 #           container-e2e.sh's bare mode alone (CONT_MODES=bare, RUNC_BARE=0
 #           leaves it out), whose criu dump / restore seconds the runc
 #           figures are set against; RUNC_*, CONT_GIB, CONT_WORKER pass through
-#   timing  tests/gpu/init-timing.sh (cuInit and nvmlInit bare, alone and on
+#   timing  bench/gpu/init-timing.sh (cuInit and nvmlInit bare, alone and on
 #           two threads, and the wall of gpusnap ps / doctor / state / a plain
 #           wake, 3 samples each; < 20 s; REPS passes through)
 #   fault   tests/gpu/fault-e2e.sh (a guarded PyTorch and CuPy worker whose
 #           context faults by an illegal-address kernel, under both guards,
 #           restored and not, with --on-fault exit and hold; ~2-3 min;
 #           FAULT_* pass through; libgpusnap_preload.so next to $GPUSNAP)
-#   agent   tests/gpu/agent-bench.sh (the node agent: two ~75 GB model servers
+#   agent   bench/gpu/agent.sh (the node agent: two ~75 GB model servers
 #           swapped on one GPU, answers checked, ttfb, proxy p50; ~6-8 min;
 #           AGENT_MODES=hooks: only the swaps with the sleep hooks, ~5 min;
 #           libgpusnap_preload.so next to $GPUSNAP; 128 GiB host RAM)
@@ -271,17 +271,17 @@ run_stage() {
         e2e) cmd=(env OUT="$dir" E2E_BUDGET_S="$soft" tests/gpu/e2e.sh) ;;
         bench)
             read -r -a sz <<<"${BENCH_SIZES:-12}"
-            cmd=(env OUT="$dir" BENCH_BUDGET_S="$soft" tests/gpu/bench.sh "${sz[@]}")
+            cmd=(env OUT="$dir" BENCH_BUDGET_S="$soft" bench/gpu/suspend-resume.sh "${sz[@]}")
             ;;
         hbench)
             read -r -a sz <<<"${HBENCH_SIZES:-12}"
-            cmd=(env OUT="$dir" HBENCH_BUDGET_S="$soft" tests/gpu/bench-hibernate.sh "${sz[@]}")
+            cmd=(env OUT="$dir" HBENCH_BUDGET_S="$soft" bench/gpu/hibernate.sh "${sz[@]}")
             ;;
         multi) cmd=(env OUT="$dir" MULTI_BUDGET_S="$soft" tests/gpu/multi-e2e.sh) ;;
-        agent) cmd=(env OUT="$dir" AGENT_BENCH_BUDGET_S="$soft" tests/gpu/agent-bench.sh) ;;
+        agent) cmd=(env OUT="$dir" AGENT_BENCH_BUDGET_S="$soft" bench/gpu/agent.sh) ;;
         keeper) cmd=(env OUT="$dir" KEEPER_BUDGET_S="$soft" tests/gpu/keeper-e2e.sh) ;;
         rescue) cmd=(env OUT="$dir" RESCUE_BUDGET_S="$soft" tests/gpu/rescue-e2e.sh) ;;
-        contend) cmd=(env OUT="$dir" CONTEND_BUDGET_S="$soft" tests/gpu/contend.sh) ;;
+        contend) cmd=(env OUT="$dir" CONTEND_BUDGET_S="$soft" bench/gpu/contend.sh) ;;
         container)
             # The CRIU-plugin flow first (two thirds), then podman where it is
             # installed or carried as .debs (PODMAN=0 leaves it out).
@@ -301,7 +301,7 @@ run_stage() {
                 env OUT="$1" RUNC_BUDGET_S=$(($2 - (SECONDS - t))) RUNC_BARE_MD="$1/bare/container-e2e.md" tests/gpu/runc-e2e.sh || rc=1
                 exit $rc' _ "$dir" "$soft")
             ;;
-        timing) cmd=(env OUT="$dir" tests/gpu/init-timing.sh) ;;
+        timing) cmd=(env OUT="$dir" bench/gpu/init-timing.sh) ;;
         fault) cmd=(env OUT="$dir" FAULT_BUDGET_S="$soft" tests/gpu/fault-e2e.sh) ;;
         guard)
             # Three runs in one stage, a third of the budget each.
@@ -309,7 +309,7 @@ run_stage() {
             cmd=(bash -c 'rc=0
                 env OUT="$1/traced" GUARD_BUDGET_S="$2" tests/gpu/guard-e2e.sh || rc=1
                 env OUT="$1/light" GUARD_BUDGET_S="$2" GUARD_RUN_ARGS=--light GUARD_KEEPER=0 tests/gpu/guard-e2e.sh || rc=1
-                env OUT="$1/bench" GUARD_BENCH_BUDGET_S="$2" tests/gpu/guard-bench.sh || rc=1
+                env OUT="$1/bench" GUARD_BENCH_BUDGET_S="$2" bench/gpu/guard.sh || rc=1
                 exit $rc' _ "$dir" "$((third - 45))")
             ;;
     esac
@@ -392,7 +392,7 @@ run_stage() {
 }
 
 # record_stage STAGE RC CMD: the stage's tables as the next numbered, dated
-# file of $OUT/bench/results (scripts/bench-result.sh; copy them into the
+# file of $OUT/bench/results (bench/record.sh; copy them into the
 # repository's bench/results), headed by the host and the stage's exit.
 record_stage() {
     local name=$1 rc=$2 cmd=$3 tmp f md=() got
@@ -419,7 +419,7 @@ record_stage() {
             fi
         done
     } >"$tmp"
-    if got=$(RESULTS_DIR=$OUT/bench/results BENCH_TITLE="GPU stage $name" BENCH_CMD="$cmd" scripts/bench-result.sh "$name" "$tmp" 2>&1); then
+    if got=$(RESULTS_DIR=$OUT/bench/results BENCH_TITLE="GPU stage $name" BENCH_CMD="$cmd" bench/record.sh "$name" "$tmp" 2>&1); then
         say "stage $name: results in ${got#"$OUT"/}"
     else
         say "stage $name: results not recorded: $got"

@@ -1,4 +1,4 @@
-# What the fast-swap scripts (fastswap-bench.sh, fastswap-sanitizer.sh) share:
+# What the fast-swap scripts (bench/gpu/fastswap.sh, fastswap-sanitizer.sh) share:
 # waiting for a file, and asking a program of fastswap_status.py's protocol
 # for the digest of its memory. Sourced, not run.
 

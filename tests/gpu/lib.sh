@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Helpers shared by tests/gpu/e2e.sh and tests/gpu/bench.sh: logging, timing,
+# Helpers shared by the GPU checks (tests/gpu/*-e2e.sh) and benchmarks (bench/gpu): logging, timing,
 # gpusnap and raw driver calls, workers and fillers, and the cleanup that
 # never kills a live restored CUDA process without suspending it first.
 #
@@ -635,7 +635,7 @@ install_traps() {
 }
 
 # ---------------------------------------------------------------- benches
-# bench.sh and bench-hibernate.sh: each keeps NOTES (the report's notes) and
+# bench/gpu/suspend-resume.sh and hibernate.sh: each keeps NOTES (the report's notes) and
 # ERRORS (what went wrong), and measures one worker per size.
 
 # note TEXT: a line for the report's notes (and the log).

@@ -2,7 +2,7 @@
 //! store's; FastCDC, for comparison), hashing
 //! (blake3), zstd at several levels, and the dedup of two images that share
 //! most of their bytes at different offsets (fixed-size chunks against
-//! content-defined). `scripts/bench-chunks-cpu.sh` runs it.
+//! content-defined). `bench/cpu/chunks.sh` runs it.
 //!
 //! Usage: bench [SHARED_MIB] [FILE...]  (FILEs: real image files, such as
 //! CRIU's pages-*.img, measured for zstd's ratio as well).

@@ -2,7 +2,7 @@
 //! kind of data, what each codec stores (x of raw), how fast `hibernate`
 //! encodes it, and how fast a wake reads it back checked (decode + blake3,
 //! what the page server's fill and the verify do for every chunk they have
-//! not checked yet). `scripts/bench-codec-cpu.sh` runs it.
+//! not checked yet). `bench/cpu/codec.sh` runs it.
 //!
 //! Usage: codecs [MIB]   (default 256 MiB of each kind; REPS=3 runs each,
 //! the median printed)

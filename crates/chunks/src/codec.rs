@@ -3,7 +3,7 @@
 
 use crate::{ChunkError, MAX_CHUNK};
 
-/// zstd level 1: measured (scripts/bench-chunks-cpu.sh) within a few percent
+/// zstd level 1: measured (bench/cpu/chunks.sh) within a few percent
 /// of level 3's ratio on CRIU pages at about twice the speed.
 pub const ZSTD_LEVEL: i32 = 1;
 
@@ -36,7 +36,7 @@ pub enum Codec {
 
 /// An `lz` frame is kept only if it has at most one sequence (a match and
 /// the literals before it) per this many bytes of the chunk: its decoding
-/// costs about a sequence's work each. `SEQS=1 scripts/bench-codec-cpu.sh`
+/// costs about a sequence's work each. `SEQS=1 bench/cpu/codec.sh`
 /// (CPU machine, one core, decode + blake3 of every lz frame): random
 /// int16 widened to int64, a match every 8 bytes, 0.58 GB/s; int32 widened,
 /// every 16, 0.94; PyTorch's float32 `arange % 1000` past 2^24 elements
@@ -47,7 +47,7 @@ pub const LZ_BYTES_PER_SEQUENCE: u64 = 32;
 /// The lz encoder first tries this many slices of a chunk, spread over it,
 /// of [`SLICE`] bytes each: the whole is compressed only if one of them
 /// would be kept. A chunk none of whose slices shrinks is stored raw at
-/// once (`scripts/bench-codec-cpu.sh`, encode GB/s).
+/// once (`bench/cpu/codec.sh`, encode GB/s).
 const SLICES: usize = 4;
 const SLICE: usize = 16 << 10;
 

@@ -161,7 +161,7 @@ impl LocalStore {
 
     /// Puts staged chunks under their names: with `durable`, their bytes
     /// are on disk first, and the names after the renames. Measured
-    /// (scripts/bench-chunks-hibernate.sh, docs/benchmarks.md): an
+    /// (bench/cpu/chunks-hibernate.sh, docs/benchmarks.md): an
     /// fdatasync per chunk made a 3 GiB hibernate three times slower on
     /// ext4 (a journal commit per chunk), so the store's filesystem is
     /// synced whole (syncfs), once for the data and once for the names;

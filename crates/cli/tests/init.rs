@@ -2,7 +2,7 @@
 //! first steps; one that fails (a driver that loads but cannot start, set by
 //! the fake's `init_rc`) still gives the errors and exit codes it gave when
 //! it was waited for at load. No timings here: the overlap itself is
-//! measured on the GPU (tests/gpu/init-timing.sh).
+//! measured on the GPU (bench/gpu/init-timing.sh).
 
 mod common;
 

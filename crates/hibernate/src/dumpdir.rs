@@ -10,7 +10,7 @@
 //! With `GPUSNAP_FOLLOW_PUNCH=1` the follower punches each segment out once
 //! it is chunked, which frees its memory at once (the tmpfs then holds only
 //! the follower's lag), but it made CRIU's dump twice as slow on a 2-core
-//! host (scripts/bench-dumpdir-cpu.sh), so it is off: the checks below
+//! host (bench/cpu/dumpdir.sh), so it is off: the checks below
 //! leave room for the whole dump anyway.
 //!
 //! The tmpfs is used when `MemAvailable` minus the memory to dump (the

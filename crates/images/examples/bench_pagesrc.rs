@@ -5,7 +5,7 @@
 //! for a repeated pattern like tests/gpu/worker.py's memory and for random
 //! (incompressible) bytes, page cache warm; and the up-front verify of the
 //! chunks (`LocalStore::verify_chunks`, on every core) that a wake of CUDA
-//! processes runs first. `scripts/bench-pagesrc-cpu.sh` runs it.
+//! processes runs first. `bench/cpu/pagesrc.sh` runs it.
 //!
 //! Usage: bench_pagesrc [SIZE_MIB] [THREADS...]   (defaults: 2048, 1 and
 //! the number of cores); BENCH_KINDS="pattern random" (the default; also

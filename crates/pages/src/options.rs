@@ -97,7 +97,7 @@ pub struct Options {
     /// fault (time, address, how it was answered), each fill (start and end
     /// time, range) and the pieces each process had to fill, as JSON (for
     /// finding the order in which a driver's restore reads its memory;
-    /// `tests/gpu/pages-trace.py` sums it up). Diagnostics: off by default.
+    /// `bench/gpu/pages-trace.py` sums it up). Diagnostics: off by default.
     pub trace: Option<PathBuf>,
 }
 

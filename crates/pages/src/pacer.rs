@@ -4,7 +4,7 @@
 //! Why (docs/benchmarks.md, "What slows the driver's restore"):
 //! the driver's restore of a checkpointed CUDA process is one thread of
 //! that process copying its host memory into the GPU's staging buffers at
-//! 6-10 GB/s, CPU-bound. Measured on the H200 (`tests/gpu/contend.sh`,
+//! 6-10 GB/s, CPU-bound. Measured on the H200 (`bench/gpu/contend.sh`,
 //! another process loading the memory beside a bare driver restore), reads
 //! beside it do not slow it (8 threads reading 42 GB/s: none), but writes
 //! do: copies at 13 GB/s (what the fill does at full speed) took its restore

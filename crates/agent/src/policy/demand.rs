@@ -54,7 +54,7 @@ impl Agent {
                     State::Suspended | State::Parked => {
                         svc.set_state(&mut g, State::Resuming);
                         // With its wall-clock time: what a client's connect()
-                        // is measured against (scripts/bench-sockwake.sh).
+                        // is measured against (bench/cpu/sockwake.sh).
                         tracing::info!(service = svc.name, at_unix_us = unix_us(), "resume started");
                         g.trace = trace("resume");
                         drop(g);

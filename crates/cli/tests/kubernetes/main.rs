@@ -280,7 +280,7 @@ fn a_restarted_container_is_adopted_anew() {
 /// What one poll of the agent asks the runtime, timed with N pods on the
 /// node: `ListPodSandbox` and `ListContainers` every poll, and a verbose
 /// `ContainerStatus` once per container when it is first seen. Not a check:
-/// scripts/bench-kubernetes-poll.sh runs it and prints the table
+/// bench/cpu/kubernetes-poll.sh runs it and prints the table
 /// (`cargo test ... -- --ignored`).
 #[test]
 #[ignore]
