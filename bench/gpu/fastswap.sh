@@ -9,7 +9,11 @@
 # CASES selects (default: all but the pinning variants): torch-fast,
 # torch-fast-keep (pinned copies kept between rounds), torch-fast-alloc
 # (pinned with cuMemHostAlloc), cupy-fast, torch-driver, cupy-driver,
-# torch-vmm-driver, jax-fast, jax-driver (XLA's allocator, CUPY_GB).
+# torch-vmm-driver, jax-fast, jax-driver (XLA's allocator, CUPY_GB); park
+# (`gpusnap park`: memory out, the context kept, no driver lock; then
+# `resume`; PARK_ROUNDS rounds, 3): torch-park, torch-park-keep (pinned
+# copies kept), torch-park-keep-16 and torch-park-keep-55 (16 and 55 GB),
+# torch-park-vmm (expandable_segments, CUPY_GB).
 #
 #   bench/gpu/fastswap.sh [GB] [CUPY_GB]      (GB default 26)
 #
@@ -37,8 +41,11 @@ used_mib() { timeout 30 nvidia-smi --query-compute-apps=pid,used_memory --format
 # case NAME MODE(fast|driver) PROG GB [ENV...]
 run_case() {
     local name=$1 mode=$2 prog=$3 gb=$4; shift 4
-    local st=$W/$name.status flag=()
+    local st=$W/$name.status flag=() verb=suspend rounds=2
     [ "$mode" = fast ] && flag=(--fast-swap)
+    # park: the library moves the memory out, the context stays (no driver
+    # lock); three rounds, so that the first (pinning) and the later ones show.
+    [ "$mode" = park ] && flag=(--fast-swap) verb=park rounds=${PARK_ROUNDS:-3}
     log "case $name: $mode $prog $gb GB"
     env "$@" setsid "$G" run --light "${flag[@]}" -- python3 "$prog" "$gb" "$st" \
         > "$OUT/$name.out" 2> "$OUT/$name.err" < /dev/null &
@@ -53,10 +60,10 @@ run_case() {
     local before; before=$(used_mib "$pid")
     log "$name: pid $pid, $before MiB on the GPU, checksum $d0"
     timeout 60 "$G" --json ps > "$OUT/$name.ps-before.json" 2>&1
-    for round in 1 2; do
+    for round in $(seq "$rounds"); do
         local t0 t1 t2 after d1 ok
         t0=$(date +%s.%N)
-        GPUSNAP_LOG=info timeout 120 "$G" --json suspend "$pid" > "$OUT/$name.suspend$round.json" 2> "$OUT/$name.suspend$round.err"
+        GPUSNAP_LOG=info timeout 120 "$G" --json "$verb" "$pid" > "$OUT/$name.suspend$round.json" 2> "$OUT/$name.suspend$round.err"
         t1=$(date +%s.%N)
         after=$(used_mib "$pid"); after=${after:-0}
         timeout 60 "$G" --json ps > "$OUT/$name.ps-suspended$round.json" 2>&1
@@ -83,6 +90,12 @@ for c in $CASES; do
         torch-fast-keep) run_case torch-fast-keep fast tests/gpu/fastswap_torch.py "$GB" GPUSNAP_FAST_SWAP_KEEP=1 ;;
         torch-fast-alloc) run_case torch-fast-alloc fast tests/gpu/fastswap_torch.py "$GB" GPUSNAP_FAST_SWAP_PIN=alloc ;;
         torch-driver) run_case torch-driver driver tests/gpu/fastswap_torch.py "$GB" ;;
+        torch-park) run_case torch-park park tests/gpu/fastswap_torch.py "$GB" ;;
+        torch-park-keep) run_case torch-park-keep park tests/gpu/fastswap_torch.py "$GB" GPUSNAP_FAST_SWAP_KEEP=1 ;;
+        torch-park-keep-16) run_case torch-park-keep-16 park tests/gpu/fastswap_torch.py 16 GPUSNAP_FAST_SWAP_KEEP=1 ;;
+        torch-park-keep-55) run_case torch-park-keep-55 park tests/gpu/fastswap_torch.py 55 GPUSNAP_FAST_SWAP_KEEP=1 ;;
+        torch-park-vmm) run_case torch-park-vmm park tests/gpu/fastswap_torch.py "$CUPY_GB" \
+            PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True GPUSNAP_FAST_SWAP_KEEP=1 ;;
         cupy-fast) run_case cupy-fast fast tests/gpu/fastswap_cupy.py "$CUPY_GB" ;;
         jax-fast) run_case jax-fast fast tests/gpu/fastswap_jax.py "$CUPY_GB" ;;
         jax-driver) run_case jax-driver driver tests/gpu/fastswap_jax.py "$CUPY_GB" ;;
@@ -92,6 +105,6 @@ for c in $CASES; do
     esac
 done
 
-echo "| program | path | GB asked | MiB on GPU | round | suspend s | MiB on GPU suspended | resume s | data identical |"
+echo "| program | path | GB asked | MiB on GPU | round | suspend (park) s | MiB on GPU after | resume s | data identical |"
 echo "|---|---|---|---|---|---|---|---|---|"
 cat "$ROWS"

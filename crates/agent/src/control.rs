@@ -13,14 +13,25 @@ use std::time::Instant;
 /// A request under way, owning what it needs.
 pub type Pending<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// What a client may ask a service to do.
+/// What a client may ask a service to do: the API's `POST
+/// /v1/services/NAME/ACTION` and `gpusnap service NAME ACTION` (with the
+/// `clap` feature) name it alike.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Action {
+    /// Take its GPU state to host RAM.
     Suspend,
+    /// Move its memory to pinned host RAM, its CUDA context kept on the
+    /// GPU (a server the agent started with fast swap).
     Park,
+    /// Bring it back, from parked, suspended or hibernated, as a request would.
     Resume,
+    /// Dump it into an image and end it.
     Hibernate,
+    /// As resume.
     Wake,
+    /// End it (suspended first, as `gpusnap stop` does) and start it anew;
+    /// only a service the agent started.
     Restart,
 }
 

@@ -2,6 +2,7 @@
 //! with its help. Parsing only; what a command does lives in `cmd`.
 
 use clap::{Parser, Subcommand};
+use gpusnap_agent::control::Action;
 use gpusnap_guard::OnFault;
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -507,38 +508,6 @@ pub enum ImagesCmd {
     },
     /// This host's public key: what other hosts pass to --trust to wake its images.
     Key,
-}
-
-/// What `gpusnap service NAME ACTION` asks the agent to do.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum Action {
-    /// Take its GPU state to host RAM.
-    Suspend,
-    /// Move its memory to pinned host RAM, its CUDA context kept on the
-    /// GPU (a server the agent started with fast swap).
-    Park,
-    /// Bring it back, from parked, suspended or hibernated, as a request would.
-    Resume,
-    /// Dump it into an image and end it.
-    Hibernate,
-    /// As resume.
-    Wake,
-    /// End it (suspended first, as `gpusnap stop` does) and start it anew;
-    /// only a service the agent started.
-    Restart,
-}
-
-impl Action {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Action::Suspend => "suspend",
-            Action::Park => "park",
-            Action::Resume => "resume",
-            Action::Hibernate => "hibernate",
-            Action::Wake => "wake",
-            Action::Restart => "restart",
-        }
-    }
 }
 
 /// A `--device-map` value: OLD=NEW pairs.

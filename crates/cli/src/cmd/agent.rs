@@ -1,7 +1,8 @@
 //! `gpusnap agent`, `gpusnap services`, `gpusnap service NAME ACTION`: the
 //! daemon and its remote control live in the agent crate.
 
-use crate::cli::{Action, Cli};
+use crate::cli::Cli;
+use gpusnap_agent::control::Action;
 use crate::output::Out;
 use gpusnap_agent::client::{self, ClientError};
 use gpusnap_agent::{AgentError, Config, Setup};
