@@ -39,6 +39,10 @@ pub struct SwapStatus {
     /// `cuIpcGetMemHandle` calls refused on served memory (CUDA IPC cannot
     /// share it: such a program should run without fast swap).
     pub ipc_refused: u64,
+    /// Threads inside a driver call the library gates (launches, copies,
+    /// synchronizes, queries) now: 0 once an offload has quiesced the
+    /// program, and the driver may lock it.
+    pub inside: u64,
 }
 
 impl SwapStatus {
@@ -54,6 +58,7 @@ impl SwapStatus {
                 "kept" => s.kept = n(),
                 "kept_bytes" => s.kept_bytes = n(),
                 "ipc_refused" => s.ipc_refused = n(),
+                "inside" => s.inside = n(),
                 "kept_why" if v != "-" => s.kept_why = v.split(',').map(|x| x.replace('_', " ")).collect(),
                 _ => {}
             }
@@ -194,6 +199,7 @@ mod tests {
         let s = SwapStatus::parse(&[
             "phase=offloaded",
             "gate=closed",
+            "inside=0",
             "movable=3",
             "movable_bytes=100",
             "kept=1",

@@ -6,6 +6,7 @@
 //! It dlopens `libcuda.so.1` like any CUDA program, so `LD_LIBRARY_PATH`
 //! decides which driver it gets, and uses only the fake's workload API.
 
+mod loops;
 mod shm;
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -129,6 +130,11 @@ struct Args {
     /// that a client can tell which server answered (the soak's check).
     #[arg(long)]
     tag: Option<String>,
+    /// Keep a thread inside the driver: a launcher queues kernels of MS ms
+    /// one after another while a reader loops on synchronizes and blocking
+    /// reads of the pattern, which it checks (JAX reading results back).
+    #[arg(long, value_name = "MS")]
+    sync_loop: Option<u32>,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -350,6 +356,12 @@ fn run(args: &Args) -> Result<(), String> {
     if args.host_copy_mib > 0 {
         host_copy(&cuda, args.host_copy_mib)?;
     }
+    if let Some(ms) = args.sync_loop {
+        if ptr == 0 || data.is_empty() {
+            return Err("--sync-loop needs --mib and --data-kib above 0".into());
+        }
+        loops::start(&cuda, ms, ptr, data.clone())?;
+    }
     if args.shm_semaphore {
         shm::semaphore()?;
     }
@@ -435,7 +447,7 @@ fn run(args: &Args) -> Result<(), String> {
             let rc = unsafe { (cuda.memcpy_dtoh)(back.as_mut_ptr().cast(), ptr, data_len) };
             cuda.check("cuMemcpyDtoH_v2", rc)?;
         }
-        let mut intact = back == data;
+        let mut intact = back == data && !loops::BAD.load(std::sync::atomic::Ordering::SeqCst);
         for p in &extra {
             // SAFETY: `back` is `data_len` long.
             let rc = unsafe { (cuda.memcpy_dtoh)(back.as_mut_ptr().cast(), *p, data_len) };

@@ -101,9 +101,10 @@ pub fn status_line() -> String {
     let (n, bytes, kept, kept_bytes, why) = table::summary();
     let why = if why.is_empty() { "-".to_string() } else { why.join(",").replace(' ', "_") };
     format!(
-        "phase={} gate={} movable={n} movable_bytes={bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={} pin={} keep={} ipc_refused={}",
+        "phase={} gate={} inside={} movable={n} movable_bytes={bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={} pin={} keep={} ipc_refused={}",
         swap::phase().name(),
         if super::gate::is_closed() { "closed" } else { "open" },
+        super::gate::inside(),
         super::gate::UNGATED.load(Ordering::Relaxed),
         super::hostmem::how().name(),
         u8::from(swap::KEEP.load(Ordering::Relaxed)),

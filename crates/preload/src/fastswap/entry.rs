@@ -54,7 +54,7 @@ fn replace(name: &str, real: usize, version: Option<c_int>) -> usize {
         "cuMemAllocPitch_v2" if !by_proc => table::mem_alloc_pitch as *const () as usize,
         "cuMemAllocManaged" => table::mem_alloc_managed as *const () as usize,
         "cuIpcGetMemHandle" => table::ipc_get_mem_handle as *const () as usize,
-        n if gate::is_gated(n) => gate::gated(real),
+        n if gate::is_gated(n) => gate::gated(real, n),
         _ => real,
     }
 }
@@ -187,14 +187,20 @@ macro_rules! exported {
                 a0: usize, a1: usize, a2: usize, a3: usize, a4: usize, a5: usize,
                 a6: usize, a7: usize, a8: usize, a9: usize, a10: usize, a11: usize,
             ) -> c_int {
+                static REAL: AtomicUsize = AtomicUsize::new(0);
+                // The gate's pool slot plus one (0: none yet or none to be had).
                 static SLOT: AtomicUsize = AtomicUsize::new(0);
-                let mut p = SLOT.load(Ordering::Acquire);
+                let mut p = REAL.load(Ordering::Acquire);
                 if p == 0 {
                     p = next(concat!(stringify!($name), "\0"));
-                    SLOT.store(p, Ordering::Release);
+                    if let Some(i) = gate::slot_of(p, stringify!($name)) {
+                        SLOT.store(i + 1, Ordering::Release);
+                    }
+                    REAL.store(p, Ordering::Release);
                 }
+                let slot = SLOT.load(Ordering::Acquire).checked_sub(1);
                 // SAFETY: libcuda's function of this name, with the caller's arguments.
-                unsafe { gate::through(p, [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11]) }
+                unsafe { gate::through(slot, p, [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11]) }
             }
         )*
     };
@@ -223,6 +229,9 @@ exported! {
     cuMemcpyDtoHAsync_v2 cuMemcpyDtoHAsync_v2_ptsz cuMemcpyDtoDAsync_v2 cuMemcpyDtoDAsync_v2_ptsz
     cuMemsetD8_v2 cuMemsetD8_v2_ptds cuMemsetD32_v2 cuMemsetD32_v2_ptds
     cuMemsetD8Async cuMemsetD8Async_ptsz cuMemsetD32Async cuMemsetD32Async_ptsz
+    cuCtxSynchronize cuStreamSynchronize cuStreamSynchronize_ptsz cuEventSynchronize
+    cuStreamQuery cuStreamQuery_ptsz cuEventQuery cuStreamWaitEvent cuStreamWaitEvent_ptsz
+    cuEventRecord cuEventRecord_ptsz cuLaunchHostFunc cuLaunchHostFunc_ptsz
 }
 
 /// The exported allocation calls: served while fast swap is on.

@@ -40,6 +40,7 @@ extern "C" fn init() {
     swap::VERIFY.store(std::env::var("GPUSNAP_FAST_SWAP_VERIFY").as_deref() == Ok("1"), Ordering::Relaxed);
     swap::KEEP.store(std::env::var("GPUSNAP_FAST_SWAP_KEEP").as_deref() == Ok("1"), Ordering::Relaxed);
     hostmem::set_how(hostmem::How::from_env());
+    swap::set_drain_from_env();
     driver::real_dlsym();
     table::SERVING.store(true, Ordering::SeqCst);
     entry::ACTIVE.store(true, Ordering::SeqCst);

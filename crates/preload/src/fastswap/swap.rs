@@ -49,8 +49,16 @@ fn set(p: Phase) {
     PHASE.store(p as u8, Ordering::SeqCst);
 }
 
-/// How long in-flight calls may take to drain before an offload gives up.
-const DRAIN: Duration = Duration::from_secs(30);
+/// How long an offload waits for the gate to drain with no call leaving
+/// before it gives up (`GPUSNAP_FAST_SWAP_DRAIN_S`, default 30).
+static DRAIN_S: AtomicU64 = AtomicU64::new(30);
+
+/// Sets the drain limit from the environment (at load).
+pub fn set_drain_from_env() {
+    if let Some(s) = std::env::var("GPUSNAP_FAST_SWAP_DRAIN_S").ok().and_then(|v| v.parse::<u64>().ok()) {
+        DRAIN_S.store(s.clamp(1, 3600), Ordering::Relaxed);
+    }
+}
 /// Copy threads at most: each pins its own chunks (the kernel's zeroing
 /// and pinning of pages, not the link, bounds an offload), so as many as
 /// the host has cores, up to this.
@@ -177,9 +185,13 @@ pub fn offload() -> Result<u64, Failure> {
         set(Phase::Resident);
         f
     };
-    if !gate::close(DRAIN) {
+    // Quiescence: once the gate has drained no thread is inside a gated
+    // driver call (a launch, a copy, a synchronize or a query), and none
+    // enters one until the restore: the driver's lock that follows cannot
+    // catch a thread inside the driver.
+    if let Err(e) = gate::close(Duration::from_secs(DRAIN_S.load(Ordering::Relaxed))) {
         set(Phase::Resident);
-        return Err(fail("busy", format!("calls in flight did not finish within {} s", DRAIN.as_secs())));
+        return Err(fail("inside", e));
     }
     let entries: Vec<(u64, table::Entry)> = {
         let g = table::table();
