@@ -437,3 +437,46 @@ fn strangers_and_nonsense_on_the_control_socket_never_keep_gpusnap_from_it() {
     }
     assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
 }
+
+/// Memory the program maps itself through the VMM API (PyTorch's expandable
+/// segments, vLLM's sleep-mode allocator): copied out, unmapped and
+/// released on suspend, created and mapped again at the same addresses with
+/// the same access on resume, a handle the program released while mapped
+/// included; the program's data checked every round.
+#[test]
+fn memory_the_program_maps_itself_leaves_and_comes_back_at_its_addresses() {
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "vmm");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "64", "--vmm-mib", "128"]);
+    assert_progressing_at(&st);
+    let fs = fast_swap_of(&w, pid);
+    assert_eq!(
+        (fs["movable"].as_u64(), fs["movable_bytes"].as_u64(), fs["vmm"].as_u64(), fs["vmm_bytes"].as_u64()),
+        (Some(3), Some(320 * MIB), Some(2), Some(256 * MIB)),
+        "{fs}"
+    );
+    assert_eq!(fs["kept"].as_u64(), Some(0), "{fs}");
+    let p = fake_proc(&w, pid);
+    assert_eq!(count(&p["handles"]), 3, "{p}");
+    let reservations = p["reservations"].clone();
+    for round in 0..2 {
+        let r = w.json(&["suspend", &pid.to_string()]);
+        assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
+        let p = fake_proc(&w, pid);
+        assert_eq!(count(&p["handles"]), 0, "round {round}: every physical allocation went back: {p}");
+        assert_eq!(p["reservations"], reservations);
+        assert!(
+            history_notes(&w, pid).iter().any(|n| n.contains("320 MiB moved")),
+            "{:?}",
+            history_notes(&w, pid)
+        );
+        let r = w.json(&["resume", &pid.to_string()]);
+        assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
+        let p = fake_proc(&w, pid);
+        assert_eq!(count(&p["handles"]), 3, "round {round}: {p}");
+        assert_eq!(p["reservations"], reservations, "the same addresses");
+        // Its reads of all three allocations come back intact.
+        assert_progressing_at(&st);
+    }
+    assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
+}

@@ -31,6 +31,10 @@ pub struct SwapStatus {
     /// Allocations the library serves (moved by a fast swap).
     pub movable: u64,
     pub movable_bytes: u64,
+    /// Of those, the physical allocations the program made and mapped
+    /// itself through the VMM API (`cuMemCreate` + `cuMemMap`).
+    pub vmm: u64,
+    pub vmm_bytes: u64,
     /// Allocations left with the driver (its checkpoint moves them).
     pub kept: u64,
     pub kept_bytes: u64,
@@ -59,6 +63,8 @@ impl SwapStatus {
                 "kept_bytes" => s.kept_bytes = n(),
                 "ipc_refused" => s.ipc_refused = n(),
                 "inside" => s.inside = n(),
+                "vmm" => s.vmm = n(),
+                "vmm_bytes" => s.vmm_bytes = n(),
                 "kept_why" if v != "-" => s.kept_why = v.split(',').map(|x| x.replace('_', " ")).collect(),
                 _ => {}
             }

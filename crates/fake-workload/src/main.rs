@@ -8,6 +8,7 @@
 
 mod loops;
 mod shm;
+mod vmm;
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::io::Write;
@@ -130,11 +131,14 @@ struct Args {
     /// that a client can tell which server answered (the soak's check).
     #[arg(long)]
     tag: Option<String>,
-    /// Keep a thread inside the driver: a launcher queues kernels of MS ms
-    /// one after another while a reader loops on synchronizes and blocking
-    /// reads of the pattern, which it checks (JAX reading results back).
+    /// Keep threads inside the driver: kernels of MS ms, synchronizes and
+    /// checked blocking reads in loops (see loops.rs).
     #[arg(long, value_name = "MS")]
     sync_loop: Option<u32>,
+    /// Also map two allocations of N MiB through the VMM API itself,
+    /// written and checked like the first (see vmm.rs).
+    #[arg(long, default_value_t = 0)]
+    vmm_mib: u64,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -334,6 +338,9 @@ fn run(args: &Args) -> Result<(), String> {
         }
         extra.push(p);
     }
+    if args.vmm_mib > 0 {
+        extra.extend(vmm::alloc(&cuda, args.vmm_mib, device, &data)?);
+    }
     if args.managed_mib > 0 {
         type Managed = unsafe extern "C" fn(*mut u64, usize, c_uint) -> CUresult;
         // SAFETY: the symbol has this C signature in cuda.h.
@@ -356,10 +363,7 @@ fn run(args: &Args) -> Result<(), String> {
     if args.host_copy_mib > 0 {
         host_copy(&cuda, args.host_copy_mib)?;
     }
-    if let Some(ms) = args.sync_loop {
-        if ptr == 0 || data.is_empty() {
-            return Err("--sync-loop needs --mib and --data-kib above 0".into());
-        }
+    if let Some(ms) = args.sync_loop.filter(|_| ptr != 0 && !data.is_empty()) {
         loops::start(&cuda, ms, ptr, data.clone())?;
     }
     if args.shm_semaphore {

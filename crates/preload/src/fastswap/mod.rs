@@ -14,6 +14,7 @@
 //!   CUDA runtime), `cuGetProcAddress` for what the runtime asks the driver;
 //! - `gate`: the quiescence gate in front of every work-submitting call;
 //! - `table`: the served allocations and those left with the driver;
+//! - `program`: the program's own VMM memory (`cuMemCreate`, `cuMemMap`);
 //! - `hostmem`: pinned host memory for the copies;
 //! - `swap`: offload and restore;
 //! - `control`: the socket gpusnap asks on.
@@ -23,6 +24,7 @@ mod driver;
 pub mod entry;
 mod gate;
 mod hostmem;
+mod program;
 mod swap;
 mod table;
 

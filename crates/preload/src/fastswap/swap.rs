@@ -5,7 +5,7 @@
 //! offload to the end of the restore: no kernel runs meanwhile.
 
 use super::driver as cu;
-use super::{gate, hostmem, table};
+use super::{gate, hostmem, program, table};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicI32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -193,10 +193,12 @@ pub fn offload() -> Result<u64, Failure> {
         set(Phase::Resident);
         return Err(fail("inside", e));
     }
-    let entries: Vec<(u64, table::Entry)> = {
+    let mut entries: Vec<(u64, table::Entry)> = {
         let g = table::table();
         g.as_ref().map(|t| t.served.iter().map(|(a, e)| (*a, e.clone())).collect()).unwrap_or_default()
     };
+    // The program's own VMM memory moves the same way.
+    entries.extend(program::units(false));
     let mut ctxs: Vec<usize> = entries.iter().map(|(_, e)| e.ctx).collect();
     ctxs.sort_unstable();
     ctxs.dedup();
@@ -271,13 +273,28 @@ pub fn offload() -> Result<u64, Failure> {
     let order = largest_first(&entries);
     let _ = parallel(order.len(), &|n| entries[order[n]].1.ctx, &|n| {
         let (va, e) = &entries[order[n]];
-        rcs[order[n]].store(table::unback(*va, e.size, e.handle), Ordering::SeqCst);
+        let rc =
+            if e.program != 0 { program::give_back(e.program) } else { table::unback(*va, e.size, e.handle) };
+        rcs[order[n]].store(rc, Ordering::SeqCst);
         Ok(())
     });
     let mut moved = 0;
     let mut g = table::table();
     let t = g.get_or_insert_with(table::Table::default);
     for (i, (va, e)) in entries.iter().enumerate() {
+        let sum = || -> Vec<[u8; 32]> {
+            if verify {
+                sums[i].iter().map(|s| s.lock().map(|s| *s).unwrap_or([0; 32])).collect()
+            } else {
+                Vec::new()
+            }
+        };
+        if e.program != 0 {
+            let ok = rcs[i].load(Ordering::SeqCst) == cu::SUCCESS;
+            program::set(e.program, Some(if ok { 0 } else { e.handle }), Some(host_of(i)), Some(sum()));
+            moved += e.bytes;
+            continue;
+        }
         if let Some(entry) = t.served.get_mut(va) {
             entry.host = host_of(i);
             entry.sum = if verify {
@@ -307,11 +324,22 @@ pub fn restore() -> Result<u64, Failure> {
         other => return Err(fail("busy", format!("memory is {}", other.name()))),
     }
     set(Phase::Restoring);
-    let away: Vec<(u64, table::Entry)> = {
+    let mut away: Vec<(u64, table::Entry)> = {
         let g = table::table();
         g.as_ref()
             .map(|t| t.served.iter().filter(|(_, e)| e.handle == 0).map(|(a, e)| (*a, e.clone())).collect())
             .unwrap_or_default()
+    };
+    away.extend(program::units(true));
+    // Gives back what `back` took for entry `i` (handle `h`).
+    let unback = |i: usize, h: u64| {
+        let (va, e) = &away[i];
+        if e.program != 0 {
+            program::give_back(e.program);
+            program::set(e.program, Some(0), None, None);
+        } else {
+            table::unback(*va, e.size, h);
+        }
     };
     // Physical memory for every allocation first, on the copy threads (the
     // driver's creation and mapping of tens of GB is not free); all or
@@ -323,7 +351,16 @@ pub fn restore() -> Result<u64, Failure> {
     let mapped = parallel(order.len(), &|n| away[order[n]].1.ctx, &|n| {
         let i = order[n];
         let (va, e) = &away[i];
-        match table::back(*va, e.size, e.device) {
+        let backed = if e.program != 0 {
+            let r = program::take_back(e.program);
+            if let Ok(h) = r {
+                program::set(e.program, Some(h), None, None);
+            }
+            r
+        } else {
+            table::back(*va, e.size, e.device)
+        };
+        match backed {
             Ok(h) => {
                 handles[i].store(h, Ordering::SeqCst);
                 Ok(())
@@ -334,14 +371,11 @@ pub fn restore() -> Result<u64, Failure> {
             }
         }
     });
-    let taken: Vec<(u64, u64, u64)> = away
-        .iter()
-        .zip(&handles)
-        .filter_map(|((va, e), h)| Some((*va, e.size, h.load(Ordering::SeqCst))).filter(|t| t.2 != 0))
-        .collect();
+    let taken: Vec<(usize, u64)> =
+        handles.iter().enumerate().map(|(i, h)| (i, h.load(Ordering::SeqCst))).filter(|t| t.1 != 0).collect();
     if let Err(detail) = mapped {
-        for (va, size, h) in taken {
-            table::unback(va, size, h);
+        for &(i, h) in &taken {
+            unback(i, h);
         }
         set(Phase::Offloaded);
         let rc = refused.load(Ordering::SeqCst);
@@ -353,9 +387,9 @@ pub fn restore() -> Result<u64, Failure> {
     {
         let mut g = table::table();
         let t = g.get_or_insert_with(table::Table::default);
-        for (va, _, h) in &taken {
-            if let Some(e) = t.served.get_mut(va) {
-                e.handle = *h;
+        for &(i, h) in &taken {
+            if let Some(e) = t.served.get_mut(&away[i].0).filter(|e| e.program == 0) {
+                e.handle = h;
             }
         }
     }
@@ -386,8 +420,8 @@ pub fn restore() -> Result<u64, Failure> {
     if let Err(e) = copied {
         // The memory is mapped but its contents are not whole: keep the
         // pinned copies and the gate closed; a restore again copies anew.
-        for (va, size, h) in taken {
-            table::unback(va, size, h);
+        for &(i, h) in &taken {
+            unback(i, h);
         }
         let mut g = table::table();
         if let Some(t) = g.as_mut() {
@@ -406,7 +440,17 @@ pub fn restore() -> Result<u64, Failure> {
     {
         let mut g = table::table();
         if let Some(t) = g.as_mut() {
-            for (va, _) in &away {
+            for (va, a) in &away {
+                if a.program != 0 {
+                    if !keep && !a.host.is_empty() {
+                        copies.push(a.clone());
+                        program::set(a.program, None, Some(Vec::new()), Some(Vec::new()));
+                    } else {
+                        program::set(a.program, None, None, Some(Vec::new()));
+                    }
+                    moved += a.bytes;
+                    continue;
+                }
                 if let Some(e) = t.served.get_mut(va) {
                     if !keep && !e.host.is_empty() {
                         copies.push(e.clone());
