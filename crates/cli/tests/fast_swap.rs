@@ -480,3 +480,57 @@ fn memory_the_program_maps_itself_leaves_and_comes_back_at_its_addresses() {
     }
     assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
 }
+
+/// With kept copies the library pins them ahead of time once the
+/// program's allocations have settled, within its pinned budget; a restore
+/// that leaves more pinned than the budget gives copies back (the next
+/// offload pins them anew), and the data comes back intact either way.
+#[test]
+fn kept_copies_are_pinned_ahead_of_time_within_the_budget() {
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "pre");
+    let wl = fake_workload_bin();
+    let args = [
+        "run",
+        "--light",
+        "--fast-swap",
+        "--keep-pinned",
+        "--",
+        wl.to_str().unwrap(),
+        "--status",
+        st.to_str().unwrap(),
+        "--mib",
+        "64",
+        "--extra-allocs",
+        "2",
+    ];
+    let budget = (150 * MIB).to_string();
+    w.spawn_gpusnap_env(
+        &args,
+        &[
+            ("GPUSNAP_FAST_SWAP_VERIFY", "1"),
+            ("GPUSNAP_FAST_SWAP_SETTLE_MS", "200"),
+            ("GPUSNAP_FAST_SWAP_PIN_BUDGET", &budget),
+        ],
+    );
+    let pid = pid_in(&st);
+    assert_progressing_at(&st);
+    let pinned = |w: &World| fast_swap_of(w, pid)["pinned_bytes"].as_u64().unwrap_or(0);
+    // Before any suspend: two of the three 64 MiB copies fit the budget.
+    wait_for(Duration::from_secs(20), || pinned(&w) == 128 * MIB);
+    assert_eq!(fast_swap_of(&w, pid)["pin_budget"].as_u64(), Some(150 * MIB));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(pinned(&w), 128 * MIB, "no copy pinned ahead past the budget");
+    for round in 0..2 {
+        let r = w.json(&["suspend", &pid.to_string()]);
+        assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
+        // The offload pinned the third copy (today's path).
+        assert_eq!(pinned(&w), 192 * MIB, "round {round}");
+        let r = w.json(&["resume", &pid.to_string()]);
+        assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
+        // Over the budget after the restore: one copy goes back.
+        wait_for(Duration::from_secs(20), || pinned(&w) <= 150 * MIB);
+        assert_progressing_at(&st);
+    }
+    assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
+}

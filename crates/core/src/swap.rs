@@ -47,6 +47,10 @@ pub struct SwapStatus {
     /// synchronizes, queries) now: 0 once an offload has quiesced the
     /// program, and the driver may lock it.
     pub inside: u64,
+    /// Pinned host bytes the library holds now (copies under way, away, or
+    /// kept), and its budget for them (0: none).
+    pub pinned_bytes: u64,
+    pub pin_budget: u64,
 }
 
 impl SwapStatus {
@@ -65,6 +69,8 @@ impl SwapStatus {
                 "inside" => s.inside = n(),
                 "vmm" => s.vmm = n(),
                 "vmm_bytes" => s.vmm_bytes = n(),
+                "pinned_bytes" => s.pinned_bytes = n(),
+                "pin_budget" => s.pin_budget = n(),
                 "kept_why" if v != "-" => s.kept_why = v.split(',').map(|x| x.replace('_', " ")).collect(),
                 _ => {}
             }

@@ -110,14 +110,19 @@ pub fn status_line() -> String {
     let (n, bytes) = (n + vmm, bytes + vmm_bytes);
     let why = if why.is_empty() { "-".to_string() } else { why.join(",").replace(' ', "_") };
     format!(
-        "phase={} gate={} inside={} movable={n} movable_bytes={bytes} vmm={vmm} vmm_bytes={vmm_bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={} pin={} keep={} ipc_refused={}",
+        "phase={} gate={} inside={} movable={n} movable_bytes={bytes} vmm={vmm} vmm_bytes={vmm_bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={} pin={} keep={} ipc_refused={} pinned_bytes={} pin_budget={}",
         swap::phase().name(),
         if super::gate::is_closed() { "closed" } else { "open" },
         super::gate::inside(),
         super::gate::UNGATED.load(Ordering::Relaxed),
         super::hostmem::how().name(),
         u8::from(swap::KEEP.load(Ordering::Relaxed)),
-        table::IPC_REFUSED.load(Ordering::Relaxed)
+        table::IPC_REFUSED.load(Ordering::Relaxed),
+        super::hostmem::PINNED.load(Ordering::Relaxed),
+        match super::prepin::BUDGET.load(Ordering::Relaxed) {
+            u64::MAX => "-".to_string(),
+            b => b.to_string(),
+        }
     )
 }
 

@@ -16,6 +16,7 @@
 //! - `table`: the served allocations and those left with the driver;
 //! - `program`: the program's own VMM memory (`cuMemCreate`, `cuMemMap`);
 //! - `hostmem`: pinned host memory for the copies;
+//! - `prepin`: kept copies pinned ahead of time, within a budget;
 //! - `swap`: offload and restore;
 //! - `control`: the socket gpusnap asks on.
 
@@ -24,6 +25,7 @@ mod driver;
 pub mod entry;
 mod gate;
 mod hostmem;
+mod prepin;
 mod program;
 mod swap;
 mod table;
@@ -46,6 +48,7 @@ extern "C" fn init() {
     driver::real_dlsym();
     table::SERVING.store(true, Ordering::SeqCst);
     entry::ACTIVE.store(true, Ordering::SeqCst);
+    prepin::start();
     control::serve();
     // SAFETY: only the child handler is given.
     unsafe { libc::pthread_atfork(None, None, Some(forked)) };

@@ -251,6 +251,19 @@ pub fn set(h: u64, real: Option<u64>, host: Option<Vec<usize>>, sum: Option<Vec<
     })
 }
 
+/// Stores a chunk pinned ahead of time as chunk `k` (of `n`) of the
+/// program's handle `h`; false when it has one, or is gone or away.
+pub fn set_chunk(h: u64, k: usize, n: usize, p: usize) -> bool {
+    with(|v| match v.handles.get_mut(&h) {
+        Some(x) if x.real != 0 && x.host.get(k).copied().unwrap_or(0) == 0 => {
+            x.host.resize(n.max(x.host.len()), 0);
+            x.host[k] = p;
+            true
+        }
+        _ => false,
+    })
+}
+
 /// `cuMemCreate`: the driver's memory, under a handle of the library's.
 ///
 /// # Safety
@@ -270,6 +283,7 @@ pub unsafe extern "C" fn mem_create(
     // SAFETY: the caller's arguments, with our out-pointer.
     let rc = unsafe { cu::create(&mut real, size, prop, flags) };
     if rc == cu::SUCCESS {
+        super::prepin::changed();
         let mut raw = [0u8; 32];
         // SAFETY: `prop` is a readable CUmemAllocationProp (the contract).
         unsafe { std::ptr::copy_nonoverlapping(prop.cast::<u8>(), raw.as_mut_ptr(), 32) };
@@ -302,6 +316,7 @@ pub unsafe extern "C" fn mem_create(
 /// `cuMemRelease`: freed now, or at its last unmap.
 pub extern "C" fn mem_release(h: u64) -> c_int {
     gate::enter();
+    super::prepin::changed();
     let (real, drop_copies) = with(|v| {
         let mapped = v.maps.values().any(|m| m.handle == h);
         let Some(x) = v.handles.get_mut(&h) else { return (Some(h), None) };

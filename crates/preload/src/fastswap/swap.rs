@@ -36,6 +36,25 @@ static PHASE: AtomicU8 = AtomicU8::new(0);
 /// One offload or restore at a time.
 static BUSY: Mutex<()> = Mutex::new(());
 
+/// The offload-or-restore lock, if free now (the pre-pinning thread steps
+/// aside for either).
+pub fn try_busy() -> Option<std::sync::MutexGuard<'static, ()>> {
+    match BUSY.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
+/// When each allocation last went out (the library's ms clock), by served
+/// address or program handle: the budget gives back the least recent first.
+static USED: Mutex<std::collections::BTreeMap<(bool, u64), u64>> =
+    Mutex::new(std::collections::BTreeMap::new());
+
+fn used(key: u64, program: bool) -> u64 {
+    USED.lock().map(|u| u.get(&(program, key)).copied().unwrap_or(0)).unwrap_or(0)
+}
+
 pub fn phase() -> Phase {
     match PHASE.load(Ordering::SeqCst) {
         1 => Phase::Offloading,
@@ -266,6 +285,12 @@ pub fn offload() -> Result<u64, Failure> {
         return Err(undo(fail("driver", e)));
     }
     LAST_MS[0].store(ms(t_copy), Ordering::Relaxed);
+    if let Ok(mut u) = USED.lock() {
+        let now = super::prepin::now_ms();
+        for (va, e) in &entries {
+            u.insert((e.program != 0, if e.program != 0 { e.program } else { *va }), now);
+        }
+    }
     // Every copy is safe on the host: now the device memory goes back, on
     // the copy threads too (unmapping and releasing tens of GB takes time).
     let t_release = Instant::now();
@@ -463,6 +488,10 @@ pub fn restore() -> Result<u64, Failure> {
         }
     }
     LAST_MS[3].store(ms(t_copy), Ordering::Relaxed);
+    if keep {
+        // Kept copies past the pinned budget go back, least recent first.
+        copies.extend(super::prepin::over_budget(&used));
+    }
     set(Phase::Resident);
     gate::open();
     // The pinned copies are no longer needed; giving them back (unpinning

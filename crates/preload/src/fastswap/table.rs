@@ -193,6 +193,7 @@ pub unsafe extern "C" fn mem_alloc(dptr: *mut u64, bytes: usize) -> c_int {
         return unsafe { cu::mem_alloc(dptr, bytes) };
     }
     gate::enter();
+    super::prepin::changed();
     let r = match serve(bytes) {
         Some(Ok(va)) => {
             // SAFETY: checked non-NULL; the caller's contract.
@@ -217,6 +218,7 @@ pub unsafe extern "C" fn mem_alloc(dptr: *mut u64, bytes: usize) -> c_int {
 /// `cuMemFree_v2`: a served allocation's memory and reservation go back.
 pub extern "C" fn mem_free(ptr: u64) -> c_int {
     gate::enter();
+    super::prepin::changed();
     let served = with(|t| {
         t.kept.remove(&ptr);
         t.served.remove(&ptr)
