@@ -524,7 +524,7 @@ fn kept_copies_are_pinned_ahead_of_time_within_the_budget() {
     for round in 0..2 {
         let r = w.json(&["suspend", &pid.to_string()]);
         assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
-        // The offload pinned the third copy (today's path).
+        // The offload pinned the third copy (as every offload pins a missing copy).
         assert_eq!(pinned(&w), 192 * MIB, "round {round}");
         let r = w.json(&["resume", &pid.to_string()]);
         assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
