@@ -534,3 +534,32 @@ fn kept_copies_are_pinned_ahead_of_time_within_the_budget() {
     }
     assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
 }
+
+/// Memory of the driver's stream-ordered pool (`cuMemAllocAsync`) stays
+/// with the driver and is named, in `ps --json` and under `ps`'s table; the
+/// driver's checkpoint moves it with the rest.
+#[test]
+fn stream_ordered_pool_memory_is_named_as_left_with_the_driver() {
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "pool");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "64", "--async-mib", "32"]);
+    assert_progressing_at(&st);
+    let fs = fast_swap_of(&w, pid);
+    assert_eq!((fs["kept"].as_u64(), fs["kept_bytes"].as_u64()), (Some(1), Some(32 * MIB)), "{fs}");
+    assert!(fs["kept_why"].to_string().contains("stream-ordered pool"), "{fs}");
+    let ps = w.gpusnap(&["ps"]);
+    assert!(
+        ps.stdout.contains(&format!("{pid}: fast swap leaves 1 allocation(s), 32 MiB, with the driver")),
+        "{}",
+        ps.stdout
+    );
+    let r = w.json(&["suspend", &pid.to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        history_notes(&w, pid).iter().any(|n| n.contains("stream-ordered pool")),
+        "{:?}",
+        history_notes(&w, pid)
+    );
+    assert_eq!(w.json(&["resume", &pid.to_string()]).code, 0);
+    assert_progressing_at(&st);
+}

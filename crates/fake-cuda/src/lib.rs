@@ -330,6 +330,26 @@ pub extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
     ffi(|| driver::mem_free(ptr))
 }
 
+/// The stream-ordered allocator: an ordinary allocation in the fake (one
+/// queue per process; no pool keeps freed memory).
+///
+/// # Safety
+/// `ptr` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocAsync(
+    ptr: *mut CUdeviceptr,
+    bytes: usize,
+    _stream: *mut c_void,
+) -> CUresult {
+    // SAFETY: the caller's arguments.
+    unsafe { cuMemAlloc_v2(ptr, bytes) }
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFreeAsync(ptr: CUdeviceptr, _stream: *mut c_void) -> CUresult {
+    ffi(|| driver::mem_free(ptr))
+}
+
 /// # Safety
 /// `src` must be readable for `bytes` bytes.
 #[no_mangle]

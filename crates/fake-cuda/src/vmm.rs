@@ -374,6 +374,8 @@ fn proc_address(name: &str) -> Option<usize> {
         "cuStreamSynchronize" => crate::cuStreamSynchronize as *const () as usize,
         "cuStreamQuery" => crate::cuStreamQuery as *const () as usize,
         "cuLaunchKernel" => crate::cuLaunchKernel as *const () as usize,
+        "cuMemAllocAsync" => crate::cuMemAllocAsync as *const () as usize,
+        "cuMemFreeAsync" => crate::cuMemFreeAsync as *const () as usize,
         "cuGetProcAddress" => cuGetProcAddress_v2 as *const () as usize,
         "cuInit" => crate::cuInit as *const () as usize,
         _ => return None,

@@ -8,14 +8,17 @@
 
 mod loops;
 mod shm;
+mod status;
 mod vmm;
+
+use status::{unix_time, write_status};
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::thread::sleep;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use clap::Parser;
 use libloading::Library;
@@ -139,6 +142,9 @@ struct Args {
     /// written and checked like the first (see vmm.rs).
     #[arg(long, default_value_t = 0)]
     vmm_mib: u64,
+    /// Also hold N MiB from the driver's stream-ordered pool (`cuMemAllocAsync`).
+    #[arg(long, default_value_t = 0)]
+    async_mib: u64,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -291,18 +297,6 @@ fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| ((i * 31 + 7) % 251) as u8).collect()
 }
 
-fn unix_time() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// Writes through a temporary file and a rename, so readers never see half.
-fn write_status(path: &Path, line: &str) -> std::io::Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    std::fs::write(&tmp, line)?;
-    std::fs::rename(&tmp, path)
-}
-
 fn run(args: &Args) -> Result<(), String> {
     let data_len = usize::try_from(args.data_kib * 1024).map_err(|e| e.to_string())?;
     let bytes = args.mib * 1024 * 1024;
@@ -340,6 +334,9 @@ fn run(args: &Args) -> Result<(), String> {
     }
     if args.vmm_mib > 0 {
         extra.extend(vmm::alloc(&cuda, args.vmm_mib, device, &data)?);
+    }
+    if args.async_mib > 0 {
+        vmm::alloc_async(&cuda, args.async_mib)?;
     }
     if args.managed_mib > 0 {
         type Managed = unsafe extern "C" fn(*mut u64, usize, c_uint) -> CUresult;

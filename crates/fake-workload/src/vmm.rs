@@ -78,3 +78,15 @@ pub fn alloc(cuda: &Cuda, mib: u64, dev: c_int, data: &[u8]) -> Result<Vec<u64>,
     }
     Ok(out)
 }
+
+/// `--async-mib N`: N MiB from the driver's stream-ordered pool, held for
+/// the program's life (fast swap leaves it with the driver).
+pub fn alloc_async(cuda: &Cuda, mib: u64) -> Result<u64, String> {
+    type AllocAsync = unsafe extern "C" fn(*mut u64, usize, *mut c_void) -> CUresult;
+    // SAFETY: the symbol has this C signature in cuda.h.
+    let f: AllocAsync = *unsafe { cuda._lib.get(b"cuMemAllocAsync\0") }.map_err(|e| e.to_string())?;
+    let mut p = 0u64;
+    // SAFETY: an out-pointer to a local; the default stream.
+    cuda.check("cuMemAllocAsync", unsafe { f(&mut p, (mib << 20) as usize, std::ptr::null_mut()) })?;
+    Ok(p)
+}
