@@ -772,6 +772,10 @@ fn a_fast_swap_server_is_not_sent_to_another_gpu() {
         .unwrap();
     let want = format!("GPUSNAP_FAST_SWAP_PIN_BUDGET={}", total * 1024 / 2);
     assert!(env.split(|b| *b == 0).any(|v| v == want.as_bytes()), "{want}");
+    // Suspended, its library holds its 400 MiB in pinned host memory.
+    let m = a.metrics();
+    let line = m.lines().find(|l| l.starts_with("gpusnap_agent_pinned_host_memory_bytes ")).unwrap_or("");
+    assert_eq!(line, format!("gpusnap_agent_pinned_host_memory_bytes {}", 400u64 << 20), "{m}");
     let hog = a.w.workload(700, 0, &[]);
     let mut s = TcpStream::connect(("127.0.0.1", a.port(0))).unwrap();
     s.set_read_timeout(Some(LONG)).unwrap();
