@@ -14,6 +14,23 @@ pub const ALWAYS: [&str; 9] =
 /// `NVIDIA_VISIBLE_DEVICES`) and gpusnap's own (`GPUSNAP_*`).
 pub const PREFIXES: [&str; 3] = ["CUDA_", "NVIDIA_", "GPUSNAP_"];
 
+/// The pinned host memory each fast-swap server may keep for its copies
+/// (`GPUSNAP_FAST_SWAP_PIN_BUDGET`): `[agent] pinned_budget`, or half of
+/// the host's memory (`MemTotal`); `None` when neither is known.
+pub fn pinned_budget(configured: Option<u64>) -> Option<u64> {
+    configured.or_else(|| {
+        let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let kib: u64 = info
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()?;
+        Some(kib * 1024 / 2)
+    })
+}
+
 /// The server's environment, from the agent's (`std::env::vars_os`).
 pub fn for_server(cfg: &ServiceConfig) -> BTreeMap<std::ffi::OsString, std::ffi::OsString> {
     from(cfg, std::env::vars_os())
@@ -35,6 +52,16 @@ fn from(
         env.insert(k.into(), v.into());
     }
     env
+}
+
+#[cfg(test)]
+mod budget_tests {
+    #[test]
+    fn the_pinned_budget_is_the_configured_one_or_half_the_host() {
+        assert_eq!(super::pinned_budget(Some(7 << 30)), Some(7 << 30));
+        let half = super::pinned_budget(None).unwrap();
+        assert!(half > 0);
+    }
 }
 
 #[cfg(test)]

@@ -65,6 +65,8 @@ pub struct Metrics {
     pub wait: Histograms<ServiceLabels>,
     pub in_flight: Family<ServiceLabels, Gauge>,
     pub host_bytes: Gauge<u64, AtomicU64>,
+    /// Pinned host memory the fast-swap servers' libraries hold for copies.
+    pub pinned_bytes: Gauge<u64, AtomicU64>,
     pub image_bytes: Gauge<u64, AtomicU64>,
     pub refusals: Family<ServiceLabels, Counter>,
     pub connections_closed: Family<ServiceLabels, Counter>,
@@ -139,6 +141,13 @@ impl Metrics {
                 r,
                 "host_memory",
                 "Device memory of suspended and parked services, held in host RAM",
+                Some(Unit::Bytes),
+                Gauge::default(),
+            ),
+            pinned_bytes: register(
+                r,
+                "pinned_host_memory",
+                "Pinned host memory the fast-swap servers hold for their copies (each within [agent] pinned_budget)",
                 Some(Unit::Bytes),
                 Gauge::default(),
             ),

@@ -250,9 +250,13 @@ impl Agent {
         let mut host = 0u64;
         let mut images = 0u64;
         let store = Store::open(&self.state_dir).ok();
+        let mut fast = Vec::new();
         for s in self.services().iter() {
             let g = s.lock();
             *by_state.entry(g.state).or_insert(0i64) += 1;
+            if s.cfg.fast_swap_on() && matches!(g.state, State::Running | State::Suspended) {
+                fast.extend(g.process.as_ref().map(|t| t.pid));
+            }
             if g.state == State::Suspended {
                 if let (Some(t), Some(st)) = (g.process.as_ref(), store.as_ref()) {
                     for pid in self.cuda_pids(t.pid) {
@@ -283,6 +287,14 @@ impl Agent {
         }
         self.metrics.host_bytes.set(host);
         self.metrics.image_bytes.set(images);
+        // Asked with no service's lock held (each answer is bounded in time).
+        let pinned: u64 = fast
+            .into_iter()
+            .flat_map(|root| self.cuda_pids(root))
+            .filter_map(gpusnap_core::swap::status)
+            .map(|st| st.pinned_bytes)
+            .sum();
+        self.metrics.pinned_bytes.set(pinned);
     }
 }
 

@@ -365,6 +365,17 @@ impl Out {
         if rows.iter().any(|r| r.unrecoverable) {
             println!("! cannot be restored in place: see `gpusnap state PID`");
         }
+        for r in rows {
+            if let Some(fs) = r.fast_swap.as_ref().filter(|f| f.kept > 0) {
+                println!(
+                    "{}: fast swap leaves {} allocation(s), {} MiB, with the driver: {}",
+                    r.pid,
+                    fs.kept,
+                    fs.kept_bytes >> 20,
+                    fs.kept_why.join(", ")
+                );
+            }
+        }
     }
 
     pub fn history(&self, pid: i32, h: &[Event]) {

@@ -774,6 +774,19 @@ fn a_fast_swap_server_is_not_sent_to_another_gpu() {
         }],
     );
     let pid = a.wait_state("r", "suspended")["pid"].as_i64().unwrap();
+    // Its pinned budget: half of the host's memory, no pinned_budget given.
+    let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let total: u64 = std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:")?.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    let want = format!("GPUSNAP_FAST_SWAP_PIN_BUDGET={}", total * 1024 / 2);
+    assert!(env.split(|b| *b == 0).any(|v| v == want.as_bytes()), "{want}");
+    // Suspended, its library holds its 400 MiB in pinned host memory.
+    let m = a.metrics();
+    let line = m.lines().find(|l| l.starts_with("gpusnap_agent_pinned_host_memory_bytes ")).unwrap_or("");
+    assert_eq!(line, format!("gpusnap_agent_pinned_host_memory_bytes {}", 400u64 << 20), "{m}");
     let hog = a.w.workload(700, 0, &[]);
     let mut s = TcpStream::connect(("127.0.0.1", a.port(0))).unwrap();
     s.set_read_timeout(Some(LONG)).unwrap();

@@ -437,3 +437,129 @@ fn strangers_and_nonsense_on_the_control_socket_never_keep_gpusnap_from_it() {
     }
     assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
 }
+
+/// Memory the program maps itself through the VMM API (PyTorch's expandable
+/// segments, vLLM's sleep-mode allocator): copied out, unmapped and
+/// released on suspend, created and mapped again at the same addresses with
+/// the same access on resume, a handle the program released while mapped
+/// included; the program's data checked every round.
+#[test]
+fn memory_the_program_maps_itself_leaves_and_comes_back_at_its_addresses() {
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "vmm");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "64", "--vmm-mib", "128"]);
+    assert_progressing_at(&st);
+    let fs = fast_swap_of(&w, pid);
+    assert_eq!(
+        (fs["movable"].as_u64(), fs["movable_bytes"].as_u64(), fs["vmm"].as_u64(), fs["vmm_bytes"].as_u64()),
+        (Some(3), Some(320 * MIB), Some(2), Some(256 * MIB)),
+        "{fs}"
+    );
+    assert_eq!(fs["kept"].as_u64(), Some(0), "{fs}");
+    let p = fake_proc(&w, pid);
+    assert_eq!(count(&p["handles"]), 3, "{p}");
+    let reservations = p["reservations"].clone();
+    for round in 0..2 {
+        let r = w.json(&["suspend", &pid.to_string()]);
+        assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
+        let p = fake_proc(&w, pid);
+        assert_eq!(count(&p["handles"]), 0, "round {round}: every physical allocation went back: {p}");
+        assert_eq!(p["reservations"], reservations);
+        assert!(
+            history_notes(&w, pid).iter().any(|n| n.contains("320 MiB moved")),
+            "{:?}",
+            history_notes(&w, pid)
+        );
+        let r = w.json(&["resume", &pid.to_string()]);
+        assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
+        let p = fake_proc(&w, pid);
+        assert_eq!(count(&p["handles"]), 3, "round {round}: {p}");
+        assert_eq!(p["reservations"], reservations, "the same addresses");
+        // Its reads of all three allocations come back intact.
+        assert_progressing_at(&st);
+    }
+    assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
+}
+
+/// With kept copies the library pins them ahead of time once the
+/// program's allocations have settled, within its pinned budget; a restore
+/// that leaves more pinned than the budget gives copies back (the next
+/// offload pins them anew), and the data comes back intact either way.
+#[test]
+fn kept_copies_are_pinned_ahead_of_time_within_the_budget() {
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "pre");
+    let wl = fake_workload_bin();
+    let args = [
+        "run",
+        "--light",
+        "--fast-swap",
+        "--keep-pinned",
+        "--",
+        wl.to_str().unwrap(),
+        "--status",
+        st.to_str().unwrap(),
+        "--mib",
+        "64",
+        "--extra-allocs",
+        "2",
+    ];
+    let budget = (150 * MIB).to_string();
+    w.spawn_gpusnap_env(
+        &args,
+        &[
+            ("GPUSNAP_FAST_SWAP_VERIFY", "1"),
+            ("GPUSNAP_FAST_SWAP_SETTLE_MS", "200"),
+            ("GPUSNAP_FAST_SWAP_PIN_BUDGET", &budget),
+        ],
+    );
+    let pid = pid_in(&st);
+    assert_progressing_at(&st);
+    let pinned = |w: &World| fast_swap_of(w, pid)["pinned_bytes"].as_u64().unwrap_or(0);
+    // Before any suspend: two of the three 64 MiB copies fit the budget.
+    wait_for(Duration::from_secs(20), || pinned(&w) == 128 * MIB);
+    assert_eq!(fast_swap_of(&w, pid)["pin_budget"].as_u64(), Some(150 * MIB));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(pinned(&w), 128 * MIB, "no copy pinned ahead past the budget");
+    for round in 0..2 {
+        let r = w.json(&["suspend", &pid.to_string()]);
+        assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
+        // The offload pinned the third copy (as every offload pins a missing copy).
+        assert_eq!(pinned(&w), 192 * MIB, "round {round}");
+        let r = w.json(&["resume", &pid.to_string()]);
+        assert_eq!(r.code, 0, "round {round}: {}", r.stderr);
+        // Over the budget after the restore: one copy goes back.
+        wait_for(Duration::from_secs(20), || pinned(&w) <= 150 * MIB);
+        assert_progressing_at(&st);
+    }
+    assert_eq!(w.json(&["stop", &pid.to_string()]).code, 0);
+}
+
+/// Memory of the driver's stream-ordered pool (`cuMemAllocAsync`) stays
+/// with the driver and is named, in `ps --json` and under `ps`'s table; the
+/// driver's checkpoint moves it with the rest.
+#[test]
+fn stream_ordered_pool_memory_is_named_as_left_with_the_driver() {
+    let mut w = World::new(&[16_384]);
+    let st = status_file(&w, "pool");
+    let (_idx, pid) = run_fast(&mut w, &st, &["--mib", "64", "--async-mib", "32"]);
+    assert_progressing_at(&st);
+    let fs = fast_swap_of(&w, pid);
+    assert_eq!((fs["kept"].as_u64(), fs["kept_bytes"].as_u64()), (Some(1), Some(32 * MIB)), "{fs}");
+    assert!(fs["kept_why"].to_string().contains("stream-ordered pool"), "{fs}");
+    let ps = w.gpusnap(&["ps"]);
+    assert!(
+        ps.stdout.contains(&format!("{pid}: fast swap leaves 1 allocation(s), 32 MiB, with the driver")),
+        "{}",
+        ps.stdout
+    );
+    let r = w.json(&["suspend", &pid.to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        history_notes(&w, pid).iter().any(|n| n.contains("stream-ordered pool")),
+        "{:?}",
+        history_notes(&w, pid)
+    );
+    assert_eq!(w.json(&["resume", &pid.to_string()]).code, 0);
+    assert_progressing_at(&st);
+}

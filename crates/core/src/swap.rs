@@ -31,6 +31,10 @@ pub struct SwapStatus {
     /// Allocations the library serves (moved by a fast swap).
     pub movable: u64,
     pub movable_bytes: u64,
+    /// Of those, the physical allocations the program made and mapped
+    /// itself through the VMM API (`cuMemCreate` + `cuMemMap`).
+    pub vmm: u64,
+    pub vmm_bytes: u64,
     /// Allocations left with the driver (its checkpoint moves them).
     pub kept: u64,
     pub kept_bytes: u64,
@@ -39,6 +43,14 @@ pub struct SwapStatus {
     /// `cuIpcGetMemHandle` calls refused on served memory (CUDA IPC cannot
     /// share it: such a program should run without fast swap).
     pub ipc_refused: u64,
+    /// Threads inside a driver call the library gates (launches, copies,
+    /// synchronizes, queries) now: 0 once an offload has quiesced the
+    /// program, and the driver may lock it.
+    pub inside: u64,
+    /// Pinned host bytes the library holds now (copies under way, away, or
+    /// kept), and its budget for them (0: none).
+    pub pinned_bytes: u64,
+    pub pin_budget: u64,
 }
 
 impl SwapStatus {
@@ -54,6 +66,11 @@ impl SwapStatus {
                 "kept" => s.kept = n(),
                 "kept_bytes" => s.kept_bytes = n(),
                 "ipc_refused" => s.ipc_refused = n(),
+                "inside" => s.inside = n(),
+                "vmm" => s.vmm = n(),
+                "vmm_bytes" => s.vmm_bytes = n(),
+                "pinned_bytes" => s.pinned_bytes = n(),
+                "pin_budget" => s.pin_budget = n(),
                 "kept_why" if v != "-" => s.kept_why = v.split(',').map(|x| x.replace('_', " ")).collect(),
                 _ => {}
             }
@@ -194,6 +211,7 @@ mod tests {
         let s = SwapStatus::parse(&[
             "phase=offloaded",
             "gate=closed",
+            "inside=0",
             "movable=3",
             "movable_bytes=100",
             "kept=1",

@@ -117,6 +117,15 @@ pub struct Proc {
     /// entry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+    /// Threads inside a workload call that waits (a copy at the configured
+    /// speed, a synchronize) now: a lock that finds any journals
+    /// `lock_inside` (see the driver's `lock`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub inside: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A range of the process's own anonymous memory that holds its "device
@@ -155,6 +164,7 @@ impl Proc {
             reservations: BTreeMap::new(),
             handles: BTreeMap::new(),
             token: None,
+            inside: 0,
             restoring_until_ms: None,
         }
     }

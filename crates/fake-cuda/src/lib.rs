@@ -330,6 +330,26 @@ pub extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
     ffi(|| driver::mem_free(ptr))
 }
 
+/// The stream-ordered allocator: an ordinary allocation in the fake (one
+/// queue per process; no pool keeps freed memory).
+///
+/// # Safety
+/// `ptr` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocAsync(
+    ptr: *mut CUdeviceptr,
+    bytes: usize,
+    _stream: *mut c_void,
+) -> CUresult {
+    // SAFETY: the caller's arguments.
+    unsafe { cuMemAlloc_v2(ptr, bytes) }
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFreeAsync(ptr: CUdeviceptr, _stream: *mut c_void) -> CUresult {
+    ffi(|| driver::mem_free(ptr))
+}
+
 /// # Safety
 /// `src` must be readable for `bytes` bytes.
 #[no_mangle]
@@ -370,6 +390,45 @@ pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, byt
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
     ffi(driver::ctx_synchronize)
+}
+
+/// Every stream is the process's one queue in the fake.
+#[no_mangle]
+pub extern "C" fn cuStreamSynchronize(_stream: *mut c_void) -> CUresult {
+    ffi(driver::ctx_synchronize)
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamQuery(_stream: *mut c_void) -> CUresult {
+    ffi(driver::stream_query)
+}
+
+/// A kernel of the fake runs for `grid_x` ms: it queues that much work
+/// (as `fakeEnqueueWork`) and touches no memory.
+///
+/// # Safety
+/// The pointers are not read.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cuLaunchKernel(
+    f: *mut c_void,
+    grid_x: c_uint,
+    _grid_y: c_uint,
+    _grid_z: c_uint,
+    _block_x: c_uint,
+    _block_y: c_uint,
+    _block_z: c_uint,
+    _shared: c_uint,
+    _stream: *mut c_void,
+    _params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CUresult {
+    ffi(|| {
+        if f.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        driver::enqueue_work(grid_x)
+    })
 }
 
 /// Not a CUDA call: queues `ms` of GPU work for the calling process, so that

@@ -6,14 +6,19 @@
 //! It dlopens `libcuda.so.1` like any CUDA program, so `LD_LIBRARY_PATH`
 //! decides which driver it gets, and uses only the fake's workload API.
 
+mod loops;
 mod shm;
+mod status;
+mod vmm;
+
+use status::{unix_time, write_status};
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::thread::sleep;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use clap::Parser;
 use libloading::Library;
@@ -129,6 +134,17 @@ struct Args {
     /// that a client can tell which server answered (the soak's check).
     #[arg(long)]
     tag: Option<String>,
+    /// Keep threads inside the driver: kernels of MS ms, synchronizes and
+    /// checked blocking reads in loops (see loops.rs).
+    #[arg(long, value_name = "MS")]
+    sync_loop: Option<u32>,
+    /// Also map two allocations of N MiB through the VMM API itself,
+    /// written and checked like the first (see vmm.rs).
+    #[arg(long, default_value_t = 0)]
+    vmm_mib: u64,
+    /// Also hold N MiB from the driver's stream-ordered pool (`cuMemAllocAsync`).
+    #[arg(long, default_value_t = 0)]
+    async_mib: u64,
 }
 
 static SIGTERMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -281,18 +297,6 @@ fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| ((i * 31 + 7) % 251) as u8).collect()
 }
 
-fn unix_time() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// Writes through a temporary file and a rename, so readers never see half.
-fn write_status(path: &Path, line: &str) -> std::io::Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    std::fs::write(&tmp, line)?;
-    std::fs::rename(&tmp, path)
-}
-
 fn run(args: &Args) -> Result<(), String> {
     let data_len = usize::try_from(args.data_kib * 1024).map_err(|e| e.to_string())?;
     let bytes = args.mib * 1024 * 1024;
@@ -328,6 +332,12 @@ fn run(args: &Args) -> Result<(), String> {
         }
         extra.push(p);
     }
+    if args.vmm_mib > 0 {
+        extra.extend(vmm::alloc(&cuda, args.vmm_mib, device, &data)?);
+    }
+    if args.async_mib > 0 {
+        vmm::alloc_async(&cuda, args.async_mib)?;
+    }
     if args.managed_mib > 0 {
         type Managed = unsafe extern "C" fn(*mut u64, usize, c_uint) -> CUresult;
         // SAFETY: the symbol has this C signature in cuda.h.
@@ -349,6 +359,9 @@ fn run(args: &Args) -> Result<(), String> {
 
     if args.host_copy_mib > 0 {
         host_copy(&cuda, args.host_copy_mib)?;
+    }
+    if let Some(ms) = args.sync_loop.filter(|_| ptr != 0 && !data.is_empty()) {
+        loops::start(&cuda, ms, ptr, data.clone())?;
     }
     if args.shm_semaphore {
         shm::semaphore()?;
@@ -435,7 +448,7 @@ fn run(args: &Args) -> Result<(), String> {
             let rc = unsafe { (cuda.memcpy_dtoh)(back.as_mut_ptr().cast(), ptr, data_len) };
             cuda.check("cuMemcpyDtoH_v2", rc)?;
         }
-        let mut intact = back == data;
+        let mut intact = back == data && !loops::BAD.load(std::sync::atomic::Ordering::SeqCst);
         for p in &extra {
             // SAFETY: `back` is `data_len` long.
             let rc = unsafe { (cuda.memcpy_dtoh)(back.as_mut_ptr().cast(), *p, data_len) };

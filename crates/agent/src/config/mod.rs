@@ -55,6 +55,9 @@ pub struct AgentConfig {
     /// Below this much available host memory, suspended services are hibernated.
     #[serde(default, deserialize_with = "size_opt")]
     pub min_host_available: Option<u64>,
+    /// Pinned host memory each fast-swap server may keep (environ::pinned_budget).
+    #[serde(default, deserialize_with = "size_opt")]
+    pub pinned_budget: Option<u64>,
     /// How often the policy looks at idleness and host memory.
     #[serde(default = "default_tick", deserialize_with = "duration")]
     pub tick: Duration,
@@ -101,6 +104,7 @@ impl Default for AgentConfig {
             group: None,
             metrics_listen: None,
             min_host_available: None,
+            pinned_budget: None,
             tick: default_tick(),
             thp: false,
             lazy_wake: false,
@@ -708,6 +712,7 @@ fn check(cfg: &Config, text: &str) -> Result<(), (usize, String)> {
             "min_host_available",
             a.min_host_available.map_or(Ok(()), |n| bytes("min_host_available", n, 0, 1024 * TIB)),
         ),
+        ("pinned_budget", a.pinned_budget.map_or(Ok(()), |n| bytes("pinned_budget", n, 0, 1024 * TIB))),
     ];
     for (key, r) in agent {
         r.map_err(|e| (at(key), e))?;

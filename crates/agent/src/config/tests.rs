@@ -233,3 +233,12 @@ fn wake_on_keys_are_checked() {
         err(&proxy.replace("backend", "wake_on = \"pigeon\"\nbackend")).contains("unknown variant `pigeon`")
     );
 }
+
+#[test]
+fn the_pinned_budget_is_a_size_of_the_agent() {
+    assert_eq!(Config::parse(GOOD, "x.toml").unwrap().agent.pinned_budget, None);
+    let text = GOOD.replace("min_host_available = \"16GiB\"\n", "pinned_budget = \"64GiB\"\n");
+    assert_eq!(Config::parse(&text, "x.toml").unwrap().agent.pinned_budget, Some(64 << 30));
+    let e = err(&GOOD.replace("min_host_available = \"16GiB\"\n", "pinned_budget = \"lots\"\n"));
+    assert!(e.contains("pinned_budget") || e.contains("lots"), "{e}");
+}

@@ -111,6 +111,11 @@ impl Agent {
             .stderr(log)
             .env_clear()
             .envs(crate::environ::for_server(&svc.cfg));
+        if let Some(b) =
+            crate::environ::pinned_budget(self.cfg().pinned_budget).filter(|_| svc.cfg.fast_swap_on())
+        {
+            c.env("GPUSNAP_FAST_SWAP_PIN_BUDGET", b.to_string());
+        }
         use std::os::unix::process::CommandExt;
         // SAFETY: setsid is async-signal-safe and touches no memory of ours.
         unsafe {

@@ -2,9 +2,9 @@
 //! daemon and its remote control live in the agent crate.
 
 use crate::cli::Cli;
-use gpusnap_agent::control::Action;
 use crate::output::Out;
 use gpusnap_agent::client::{self, ClientError};
+use gpusnap_agent::control::Action;
 use gpusnap_agent::{AgentError, Config, Setup};
 use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, OrAbsent, Timeouts};
 use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};

@@ -50,6 +50,27 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             || swap::request(pid, "offload"),
         );
         match answer {
+            Some(Ok(Answer::Done { status, .. })) if status.inside > 0 => {
+                // The library answered but a thread is inside the driver:
+                // the lock must not come. Bring the memory back, keep running.
+                let why = format!("{} thread(s) still inside a driver call after the offload", status.inside);
+                self.store.end(id, t, "offload", Err(&why))?;
+                self.undo_offload(t, true);
+                Err(Error::Proc { pid: t.pid, reason: format!("{why}; not locked, the process runs on") })
+            }
+            Some(Ok(Answer::Failed { kind, detail })) if kind == "inside" => {
+                // A thread stayed inside a driver call (a long synchronize, a
+                // blocking read): the driver's lock could catch it there,
+                // which can crash the program once it is restored. The
+                // suspend fails; the library opened its gate again.
+                let why = format!("not quiesced: {detail}");
+                tracing::warn!(pid = t.pid, "fast swap offload: {why}");
+                self.store.end(id, t, "offload", Err(&why))?;
+                Err(Error::Proc {
+                    pid: t.pid,
+                    reason: format!("{why}; not locked, the process runs on: retry when it is idle"),
+                })
+            }
             Some(Ok(Answer::Done { bytes, ms, status, phases })) => {
                 self.store.end(id, t, "offload", Ok("running"))?;
                 let kept = if status.kept > 0 {

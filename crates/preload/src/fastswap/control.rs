@@ -98,16 +98,31 @@ fn peer_uid(s: &UnixStream) -> Option<u32> {
 
 /// The status line: where the memory is, and what is served and kept.
 pub fn status_line() -> String {
-    let (n, bytes, kept, kept_bytes, why) = table::summary();
+    let (n, bytes, mut kept, mut kept_bytes, mut why) = table::summary();
+    let (vmm, vmm_bytes, vmm_kept) = super::program::summary();
+    for (b, w) in vmm_kept {
+        kept += 1;
+        kept_bytes += b;
+        why.push(w);
+    }
+    why.sort_unstable();
+    why.dedup();
+    let (n, bytes) = (n + vmm, bytes + vmm_bytes);
     let why = if why.is_empty() { "-".to_string() } else { why.join(",").replace(' ', "_") };
     format!(
-        "phase={} gate={} movable={n} movable_bytes={bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={} pin={} keep={} ipc_refused={}",
+        "phase={} gate={} inside={} movable={n} movable_bytes={bytes} vmm={vmm} vmm_bytes={vmm_bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={} pin={} keep={} ipc_refused={} pinned_bytes={} pin_budget={}",
         swap::phase().name(),
         if super::gate::is_closed() { "closed" } else { "open" },
+        super::gate::inside(),
         super::gate::UNGATED.load(Ordering::Relaxed),
         super::hostmem::how().name(),
         u8::from(swap::KEEP.load(Ordering::Relaxed)),
-        table::IPC_REFUSED.load(Ordering::Relaxed)
+        table::IPC_REFUSED.load(Ordering::Relaxed),
+        super::hostmem::PINNED.load(Ordering::Relaxed),
+        match super::prepin::BUDGET.load(Ordering::Relaxed) {
+            u64::MAX => "-".to_string(),
+            b => b.to_string(),
+        }
     )
 }
 

@@ -143,6 +143,12 @@ calls! {
     create = c"cuMemCreate" (h: *mut u64, size: usize, prop: *const AllocationProp, flags: u64);
     release = c"cuMemRelease" (h: u64);
     map = c"cuMemMap" (p: u64, size: usize, offset: usize, h: u64, flags: u64);
+    export = c"cuMemExportToShareableHandle" (out: *mut c_void, h: u64, kind: c_int, flags: u64);
+    props_of = c"cuMemGetAllocationPropertiesFromHandle" (prop: *mut AllocationProp, h: u64);
+    retain = c"cuMemRetainAllocationHandle" (out: *mut u64, p: *mut c_void);
+    alloc_async = c"cuMemAllocAsync" (p: *mut u64, bytes: usize, stream: *mut c_void);
+    alloc_from_pool_async = c"cuMemAllocFromPoolAsync" (p: *mut u64, bytes: usize, pool: *mut c_void, stream: *mut c_void);
+    free_async = c"cuMemFreeAsync" (p: u64, stream: *mut c_void);
     unmap = c"cuMemUnmap" (p: u64, size: usize);
     set_access = c"cuMemSetAccess" (p: u64, size: usize, desc: *const AccessDesc, count: usize);
     granularity = c"cuMemGetAllocationGranularity" (g: *mut usize, prop: *const AllocationProp, option: c_int);

@@ -17,7 +17,7 @@
 //! address as it must.
 
 use super::driver as cu;
-use super::{gate, table};
+use super::{gate, program, table};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -54,7 +54,20 @@ fn replace(name: &str, real: usize, version: Option<c_int>) -> usize {
         "cuMemAllocPitch_v2" if !by_proc => table::mem_alloc_pitch as *const () as usize,
         "cuMemAllocManaged" => table::mem_alloc_managed as *const () as usize,
         "cuIpcGetMemHandle" => table::ipc_get_mem_handle as *const () as usize,
-        n if gate::is_gated(n) => gate::gated(real),
+        "cuMemCreate" => program::mem_create as *const () as usize,
+        "cuMemRelease" => program::mem_release as *const () as usize,
+        "cuMemMap" => program::mem_map as *const () as usize,
+        "cuMemUnmap" => program::mem_unmap as *const () as usize,
+        "cuMemSetAccess" => program::mem_set_access as *const () as usize,
+        "cuMemExportToShareableHandle" => program::mem_export as *const () as usize,
+        "cuMemGetAllocationPropertiesFromHandle" => program::mem_props as *const () as usize,
+        "cuMemRetainAllocationHandle" => program::mem_retain as *const () as usize,
+        "cuMemAllocAsync" | "cuMemAllocAsync_ptsz" => table::mem_alloc_async as *const () as usize,
+        "cuMemAllocFromPoolAsync" | "cuMemAllocFromPoolAsync_ptsz" => {
+            table::mem_alloc_from_pool_async as *const () as usize
+        }
+        "cuMemFreeAsync" | "cuMemFreeAsync_ptsz" => table::mem_free_async as *const () as usize,
+        n if gate::is_gated(n) => gate::gated(real, n),
         _ => real,
     }
 }
@@ -187,14 +200,20 @@ macro_rules! exported {
                 a0: usize, a1: usize, a2: usize, a3: usize, a4: usize, a5: usize,
                 a6: usize, a7: usize, a8: usize, a9: usize, a10: usize, a11: usize,
             ) -> c_int {
+                static REAL: AtomicUsize = AtomicUsize::new(0);
+                // The gate's pool slot plus one (0: none yet or none to be had).
                 static SLOT: AtomicUsize = AtomicUsize::new(0);
-                let mut p = SLOT.load(Ordering::Acquire);
+                let mut p = REAL.load(Ordering::Acquire);
                 if p == 0 {
                     p = next(concat!(stringify!($name), "\0"));
-                    SLOT.store(p, Ordering::Release);
+                    if let Some(i) = gate::slot_of(p, stringify!($name)) {
+                        SLOT.store(i + 1, Ordering::Release);
+                    }
+                    REAL.store(p, Ordering::Release);
                 }
+                let slot = SLOT.load(Ordering::Acquire).checked_sub(1);
                 // SAFETY: libcuda's function of this name, with the caller's arguments.
-                unsafe { gate::through(p, [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11]) }
+                unsafe { gate::through(slot, p, [a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11]) }
             }
         )*
     };
@@ -223,6 +242,9 @@ exported! {
     cuMemcpyDtoHAsync_v2 cuMemcpyDtoHAsync_v2_ptsz cuMemcpyDtoDAsync_v2 cuMemcpyDtoDAsync_v2_ptsz
     cuMemsetD8_v2 cuMemsetD8_v2_ptds cuMemsetD32_v2 cuMemsetD32_v2_ptds
     cuMemsetD8Async cuMemsetD8Async_ptsz cuMemsetD32Async cuMemsetD32Async_ptsz
+    cuCtxSynchronize cuStreamSynchronize cuStreamSynchronize_ptsz cuEventSynchronize
+    cuStreamQuery cuStreamQuery_ptsz cuEventQuery cuStreamWaitEvent cuStreamWaitEvent_ptsz
+    cuEventRecord cuEventRecord_ptsz cuLaunchHostFunc cuLaunchHostFunc_ptsz
 }
 
 /// The exported allocation calls: served while fast swap is on.
@@ -268,4 +290,93 @@ pub unsafe extern "C" fn cuMemAllocManaged(p: *mut u64, bytes: usize, flags: c_u
 pub unsafe extern "C" fn cuIpcGetMemHandle(h: *mut c_void, ptr: u64) -> c_int {
     // SAFETY: the caller's arguments.
     unsafe { table::ipc_get_mem_handle(h, ptr) }
+}
+
+/// The program's own VMM calls, exported for programs linked to libcuda
+/// (see `program`).
+///
+/// # Safety
+/// The driver's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemCreate(
+    h: *mut u64,
+    size: usize,
+    prop: *const cu::AllocationProp,
+    flags: u64,
+) -> c_int {
+    // SAFETY: the caller's arguments.
+    unsafe { program::mem_create(h, size, prop, flags) }
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemRelease(h: u64) -> c_int {
+    program::mem_release(h)
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemMap(va: u64, size: usize, offset: usize, h: u64, flags: u64) -> c_int {
+    program::mem_map(va, size, offset, h, flags)
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemUnmap(va: u64, size: usize) -> c_int {
+    program::mem_unmap(va, size)
+}
+
+/// # Safety
+/// The driver's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemSetAccess(
+    va: u64,
+    size: usize,
+    desc: *const cu::AccessDesc,
+    count: usize,
+) -> c_int {
+    // SAFETY: the caller's arguments.
+    unsafe { program::mem_set_access(va, size, desc, count) }
+}
+
+/// # Safety
+/// The driver's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    out: *mut c_void,
+    h: u64,
+    kind: c_int,
+    flags: u64,
+) -> c_int {
+    // SAFETY: the caller's arguments.
+    unsafe { program::mem_export(out, h, kind, flags) }
+}
+
+/// # Safety
+/// The driver's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(
+    prop: *mut cu::AllocationProp,
+    h: u64,
+) -> c_int {
+    // SAFETY: the caller's arguments.
+    unsafe { program::mem_props(prop, h) }
+}
+
+/// # Safety
+/// The driver's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(out: *mut u64, va: *mut c_void) -> c_int {
+    // SAFETY: the caller's arguments.
+    unsafe { program::mem_retain(out, va) }
+}
+
+/// # Safety
+/// The driver's contract.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocAsync(p: *mut u64, bytes: usize, stream: *mut c_void) -> c_int {
+    // SAFETY: the caller's arguments.
+    unsafe { table::mem_alloc_async(p, bytes, stream) }
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFreeAsync(p: u64, stream: *mut c_void) -> c_int {
+    table::mem_free_async(p, stream)
 }

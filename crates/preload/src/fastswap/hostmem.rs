@@ -14,7 +14,11 @@
 
 use super::driver as cu;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+
+/// Pinned host bytes this library holds now (copies under way, away, or
+/// kept).
+pub static PINNED: AtomicU64 = AtomicU64::new(0);
 
 /// The size of one chunk (the last of an allocation may be shorter).
 pub const CHUNK: u64 = 256 << 20;
@@ -61,6 +65,12 @@ fn mapped(len: u64) -> usize {
 
 /// `len` bytes of pinned host memory, or why not (nothing left taken).
 pub fn pin(how: How, len: u64) -> Result<usize, String> {
+    let p = pin_raw(how, len)?;
+    PINNED.fetch_add(len, Ordering::SeqCst);
+    Ok(p)
+}
+
+fn pin_raw(how: How, len: u64) -> Result<usize, String> {
     match how {
         How::Alloc => {
             let mut p: *mut c_void = std::ptr::null_mut();
@@ -129,6 +139,7 @@ fn register(len: u64) -> Result<usize, String> {
 /// # Safety
 /// `p` came from `pin(how, len)` and nothing refers to it any more.
 pub unsafe fn unpin(how: How, p: usize, len: u64) {
+    let _ = PINNED.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| Some(v.saturating_sub(len)));
     match how {
         // SAFETY: the caller's promise.
         How::Alloc => unsafe {

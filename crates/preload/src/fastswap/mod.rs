@@ -14,7 +14,9 @@
 //!   CUDA runtime), `cuGetProcAddress` for what the runtime asks the driver;
 //! - `gate`: the quiescence gate in front of every work-submitting call;
 //! - `table`: the served allocations and those left with the driver;
+//! - `program`: the program's own VMM memory (`cuMemCreate`, `cuMemMap`);
 //! - `hostmem`: pinned host memory for the copies;
+//! - `prepin`: kept copies pinned ahead of time, within a budget;
 //! - `swap`: offload and restore;
 //! - `control`: the socket gpusnap asks on.
 
@@ -23,6 +25,8 @@ mod driver;
 pub mod entry;
 mod gate;
 mod hostmem;
+mod prepin;
+mod program;
 mod swap;
 mod table;
 
@@ -40,9 +44,11 @@ extern "C" fn init() {
     swap::VERIFY.store(std::env::var("GPUSNAP_FAST_SWAP_VERIFY").as_deref() == Ok("1"), Ordering::Relaxed);
     swap::KEEP.store(std::env::var("GPUSNAP_FAST_SWAP_KEEP").as_deref() == Ok("1"), Ordering::Relaxed);
     hostmem::set_how(hostmem::How::from_env());
+    swap::set_drain_from_env();
     driver::real_dlsym();
     table::SERVING.store(true, Ordering::SeqCst);
     entry::ACTIVE.store(true, Ordering::SeqCst);
+    prepin::start();
     control::serve();
     // SAFETY: only the child handler is given.
     unsafe { libc::pthread_atfork(None, None, Some(forked)) };

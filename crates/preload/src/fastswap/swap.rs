@@ -5,7 +5,7 @@
 //! offload to the end of the restore: no kernel runs meanwhile.
 
 use super::driver as cu;
-use super::{gate, hostmem, table};
+use super::{gate, hostmem, program, table};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicI32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -36,6 +36,25 @@ static PHASE: AtomicU8 = AtomicU8::new(0);
 /// One offload or restore at a time.
 static BUSY: Mutex<()> = Mutex::new(());
 
+/// The offload-or-restore lock, if free now (the pre-pinning thread steps
+/// aside for either).
+pub fn try_busy() -> Option<std::sync::MutexGuard<'static, ()>> {
+    match BUSY.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
+/// When each allocation last went out (the library's ms clock), by served
+/// address or program handle: the budget gives back the least recent first.
+static USED: Mutex<std::collections::BTreeMap<(bool, u64), u64>> =
+    Mutex::new(std::collections::BTreeMap::new());
+
+fn used(key: u64, program: bool) -> u64 {
+    USED.lock().map(|u| u.get(&(program, key)).copied().unwrap_or(0)).unwrap_or(0)
+}
+
 pub fn phase() -> Phase {
     match PHASE.load(Ordering::SeqCst) {
         1 => Phase::Offloading,
@@ -49,8 +68,16 @@ fn set(p: Phase) {
     PHASE.store(p as u8, Ordering::SeqCst);
 }
 
-/// How long in-flight calls may take to drain before an offload gives up.
-const DRAIN: Duration = Duration::from_secs(30);
+/// How long an offload waits for the gate to drain with no call leaving
+/// before it gives up (`GPUSNAP_FAST_SWAP_DRAIN_S`, default 30).
+static DRAIN_S: AtomicU64 = AtomicU64::new(30);
+
+/// Sets the drain limit from the environment (at load).
+pub fn set_drain_from_env() {
+    if let Some(s) = std::env::var("GPUSNAP_FAST_SWAP_DRAIN_S").ok().and_then(|v| v.parse::<u64>().ok()) {
+        DRAIN_S.store(s.clamp(1, 3600), Ordering::Relaxed);
+    }
+}
 /// Copy threads at most: each pins its own chunks (the kernel's zeroing
 /// and pinning of pages, not the link, bounds an offload), so as many as
 /// the host has cores, up to this.
@@ -177,14 +204,20 @@ pub fn offload() -> Result<u64, Failure> {
         set(Phase::Resident);
         f
     };
-    if !gate::close(DRAIN) {
+    // Quiescence: once the gate has drained no thread is inside a gated
+    // driver call (a launch, a copy, a synchronize or a query), and none
+    // enters one until the restore: the driver's lock that follows cannot
+    // catch a thread inside the driver.
+    if let Err(e) = gate::close(Duration::from_secs(DRAIN_S.load(Ordering::Relaxed))) {
         set(Phase::Resident);
-        return Err(fail("busy", format!("calls in flight did not finish within {} s", DRAIN.as_secs())));
+        return Err(fail("inside", e));
     }
-    let entries: Vec<(u64, table::Entry)> = {
+    let mut entries: Vec<(u64, table::Entry)> = {
         let g = table::table();
         g.as_ref().map(|t| t.served.iter().map(|(a, e)| (*a, e.clone())).collect()).unwrap_or_default()
     };
+    // The program's own VMM memory moves the same way.
+    entries.extend(program::units(false));
     let mut ctxs: Vec<usize> = entries.iter().map(|(_, e)| e.ctx).collect();
     ctxs.sort_unstable();
     ctxs.dedup();
@@ -252,6 +285,12 @@ pub fn offload() -> Result<u64, Failure> {
         return Err(undo(fail("driver", e)));
     }
     LAST_MS[0].store(ms(t_copy), Ordering::Relaxed);
+    if let Ok(mut u) = USED.lock() {
+        let now = super::prepin::now_ms();
+        for (va, e) in &entries {
+            u.insert((e.program != 0, if e.program != 0 { e.program } else { *va }), now);
+        }
+    }
     // Every copy is safe on the host: now the device memory goes back, on
     // the copy threads too (unmapping and releasing tens of GB takes time).
     let t_release = Instant::now();
@@ -259,13 +298,28 @@ pub fn offload() -> Result<u64, Failure> {
     let order = largest_first(&entries);
     let _ = parallel(order.len(), &|n| entries[order[n]].1.ctx, &|n| {
         let (va, e) = &entries[order[n]];
-        rcs[order[n]].store(table::unback(*va, e.size, e.handle), Ordering::SeqCst);
+        let rc =
+            if e.program != 0 { program::give_back(e.program) } else { table::unback(*va, e.size, e.handle) };
+        rcs[order[n]].store(rc, Ordering::SeqCst);
         Ok(())
     });
     let mut moved = 0;
     let mut g = table::table();
     let t = g.get_or_insert_with(table::Table::default);
     for (i, (va, e)) in entries.iter().enumerate() {
+        let sum = || -> Vec<[u8; 32]> {
+            if verify {
+                sums[i].iter().map(|s| s.lock().map(|s| *s).unwrap_or([0; 32])).collect()
+            } else {
+                Vec::new()
+            }
+        };
+        if e.program != 0 {
+            let ok = rcs[i].load(Ordering::SeqCst) == cu::SUCCESS;
+            program::set(e.program, Some(if ok { 0 } else { e.handle }), Some(host_of(i)), Some(sum()));
+            moved += e.bytes;
+            continue;
+        }
         if let Some(entry) = t.served.get_mut(va) {
             entry.host = host_of(i);
             entry.sum = if verify {
@@ -295,11 +349,22 @@ pub fn restore() -> Result<u64, Failure> {
         other => return Err(fail("busy", format!("memory is {}", other.name()))),
     }
     set(Phase::Restoring);
-    let away: Vec<(u64, table::Entry)> = {
+    let mut away: Vec<(u64, table::Entry)> = {
         let g = table::table();
         g.as_ref()
             .map(|t| t.served.iter().filter(|(_, e)| e.handle == 0).map(|(a, e)| (*a, e.clone())).collect())
             .unwrap_or_default()
+    };
+    away.extend(program::units(true));
+    // Gives back what `back` took for entry `i` (handle `h`).
+    let unback = |i: usize, h: u64| {
+        let (va, e) = &away[i];
+        if e.program != 0 {
+            program::give_back(e.program);
+            program::set(e.program, Some(0), None, None);
+        } else {
+            table::unback(*va, e.size, h);
+        }
     };
     // Physical memory for every allocation first, on the copy threads (the
     // driver's creation and mapping of tens of GB is not free); all or
@@ -311,7 +376,16 @@ pub fn restore() -> Result<u64, Failure> {
     let mapped = parallel(order.len(), &|n| away[order[n]].1.ctx, &|n| {
         let i = order[n];
         let (va, e) = &away[i];
-        match table::back(*va, e.size, e.device) {
+        let backed = if e.program != 0 {
+            let r = program::take_back(e.program);
+            if let Ok(h) = r {
+                program::set(e.program, Some(h), None, None);
+            }
+            r
+        } else {
+            table::back(*va, e.size, e.device)
+        };
+        match backed {
             Ok(h) => {
                 handles[i].store(h, Ordering::SeqCst);
                 Ok(())
@@ -322,14 +396,11 @@ pub fn restore() -> Result<u64, Failure> {
             }
         }
     });
-    let taken: Vec<(u64, u64, u64)> = away
-        .iter()
-        .zip(&handles)
-        .filter_map(|((va, e), h)| Some((*va, e.size, h.load(Ordering::SeqCst))).filter(|t| t.2 != 0))
-        .collect();
+    let taken: Vec<(usize, u64)> =
+        handles.iter().enumerate().map(|(i, h)| (i, h.load(Ordering::SeqCst))).filter(|t| t.1 != 0).collect();
     if let Err(detail) = mapped {
-        for (va, size, h) in taken {
-            table::unback(va, size, h);
+        for &(i, h) in &taken {
+            unback(i, h);
         }
         set(Phase::Offloaded);
         let rc = refused.load(Ordering::SeqCst);
@@ -341,9 +412,9 @@ pub fn restore() -> Result<u64, Failure> {
     {
         let mut g = table::table();
         let t = g.get_or_insert_with(table::Table::default);
-        for (va, _, h) in &taken {
-            if let Some(e) = t.served.get_mut(va) {
-                e.handle = *h;
+        for &(i, h) in &taken {
+            if let Some(e) = t.served.get_mut(&away[i].0).filter(|e| e.program == 0) {
+                e.handle = h;
             }
         }
     }
@@ -374,8 +445,8 @@ pub fn restore() -> Result<u64, Failure> {
     if let Err(e) = copied {
         // The memory is mapped but its contents are not whole: keep the
         // pinned copies and the gate closed; a restore again copies anew.
-        for (va, size, h) in taken {
-            table::unback(va, size, h);
+        for &(i, h) in &taken {
+            unback(i, h);
         }
         let mut g = table::table();
         if let Some(t) = g.as_mut() {
@@ -394,7 +465,17 @@ pub fn restore() -> Result<u64, Failure> {
     {
         let mut g = table::table();
         if let Some(t) = g.as_mut() {
-            for (va, _) in &away {
+            for (va, a) in &away {
+                if a.program != 0 {
+                    if !keep && !a.host.is_empty() {
+                        copies.push(a.clone());
+                        program::set(a.program, None, Some(Vec::new()), Some(Vec::new()));
+                    } else {
+                        program::set(a.program, None, None, Some(Vec::new()));
+                    }
+                    moved += a.bytes;
+                    continue;
+                }
                 if let Some(e) = t.served.get_mut(va) {
                     if !keep && !e.host.is_empty() {
                         copies.push(e.clone());
@@ -407,6 +488,10 @@ pub fn restore() -> Result<u64, Failure> {
         }
     }
     LAST_MS[3].store(ms(t_copy), Ordering::Relaxed);
+    if keep {
+        // Kept copies past the pinned budget go back, least recent first.
+        copies.extend(super::prepin::over_budget(&used));
+    }
     set(Phase::Resident);
     gate::open();
     // The pinned copies are no longer needed; giving them back (unpinning

@@ -28,6 +28,9 @@ pub struct Entry {
     pub host: Vec<usize>,
     /// blake3 of each chunk's contents when they left (verification only).
     pub sum: Vec<[u8; 32]>,
+    /// 0 for an allocation the library made; else the program's own VMM
+    /// handle (`program`) whose memory this is.
+    pub program: u64,
 }
 
 /// An allocation left with the driver, and why.
@@ -163,6 +166,7 @@ fn serve(bytes: usize) -> Option<Result<u64, c_int>> {
                 handle,
                 host: Vec::new(),
                 sum: Vec::new(),
+                program: 0,
             };
             with(|t| t.served.insert(va, e));
             Some(Ok(va))
@@ -189,6 +193,7 @@ pub unsafe extern "C" fn mem_alloc(dptr: *mut u64, bytes: usize) -> c_int {
         return unsafe { cu::mem_alloc(dptr, bytes) };
     }
     gate::enter();
+    super::prepin::changed();
     let r = match serve(bytes) {
         Some(Ok(va)) => {
             // SAFETY: checked non-NULL; the caller's contract.
@@ -213,6 +218,7 @@ pub unsafe extern "C" fn mem_alloc(dptr: *mut u64, bytes: usize) -> c_int {
 /// `cuMemFree_v2`: a served allocation's memory and reservation go back.
 pub extern "C" fn mem_free(ptr: u64) -> c_int {
     gate::enter();
+    super::prepin::changed();
     let served = with(|t| {
         t.kept.remove(&ptr);
         t.served.remove(&ptr)
@@ -322,3 +328,47 @@ pub fn summary() -> (usize, u64, usize, u64, Vec<&'static str>) {
         )
     })
 }
+
+/// `cuMemAllocAsync`: memory of the driver's stream-ordered pool, left with
+/// the driver (the pool keeps freed memory for reuse, and the library cannot
+/// give a pool's memory back and have it again at the same address), named.
+///
+/// # Safety
+/// The driver's contract.
+pub unsafe extern "C" fn mem_alloc_async(p: *mut u64, bytes: usize, stream: *mut c_void) -> c_int {
+    // SAFETY: the caller's arguments, passed on.
+    let rc = unsafe { cu::alloc_async(p, bytes, stream) };
+    if rc == cu::SUCCESS && !p.is_null() {
+        // SAFETY: the driver wrote it.
+        keep(unsafe { p.read_unaligned() }, bytes as u64, POOL_WHY);
+    }
+    rc
+}
+
+/// `cuMemAllocFromPoolAsync`: as `cuMemAllocAsync`.
+///
+/// # Safety
+/// The driver's contract.
+pub unsafe extern "C" fn mem_alloc_from_pool_async(
+    p: *mut u64,
+    bytes: usize,
+    pool: *mut c_void,
+    stream: *mut c_void,
+) -> c_int {
+    // SAFETY: the caller's arguments, passed on.
+    let rc = unsafe { cu::alloc_from_pool_async(p, bytes, pool, stream) };
+    if rc == cu::SUCCESS && !p.is_null() {
+        // SAFETY: the driver wrote it.
+        keep(unsafe { p.read_unaligned() }, bytes as u64, POOL_WHY);
+    }
+    rc
+}
+
+/// `cuMemFreeAsync`: no longer named (the pool may still hold the memory).
+pub extern "C" fn mem_free_async(ptr: u64, stream: *mut c_void) -> c_int {
+    with(|t| t.kept.remove(&ptr));
+    // SAFETY: the caller's arguments, passed on.
+    unsafe { cu::free_async(ptr, stream) }
+}
+
+const POOL_WHY: &str = "stream-ordered pool (cuMemAllocAsync)";

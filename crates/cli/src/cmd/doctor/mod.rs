@@ -2,6 +2,7 @@
 
 mod checks;
 mod container;
+mod swap;
 
 pub use checks::*;
 
