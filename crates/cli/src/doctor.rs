@@ -185,45 +185,11 @@ pub fn process(pid: i32, host_gpus: usize) -> Vec<Finding> {
     match gpusnap_core::target::resolve(pid) {
         Ok(_) => {
             let mut out = process_at(Path::new("/proc"), pid, host_gpus);
-            out.extend(gpusnap_core::swap::status(pid).map(|s| fast_swap(&s)));
+            out.extend(crate::doctor_fastswap::finding(pid));
             out
         }
         Err(e) => vec![f("process", Severity::Error, e.to_string(), None)],
     }
-}
-
-/// What a `--fast-swap` program's library moves itself, and what it leaves
-/// to the driver's (slower) checkpoint.
-fn fast_swap(s: &gpusnap_core::swap::SwapStatus) -> Finding {
-    const MIB: u64 = 1 << 20;
-    let served = format!(
-        "fast swap: {} allocation(s), {} MiB, move at the link's speed (now {})",
-        s.movable,
-        s.movable_bytes / MIB,
-        s.phase
-    );
-    if s.ipc_refused > 0 {
-        return f(
-            "fast-swap",
-            Severity::Warn,
-            format!(
-                "{served}; the program asked {} time(s) to share served memory through CUDA IPC \
-                 (cuIpcGetMemHandle), which fast swap's memory cannot do",
-                s.ipc_refused
-            ),
-            Some("run it without --fast-swap (an agent's service: fast_swap = false)"),
-        );
-    }
-    if s.kept == 0 {
-        return f("fast-swap", Severity::Ok, served, None);
-    }
-    let kept = format!(
-        "{served}; {} allocation(s), {} MiB, stay with the driver's checkpoint: {}",
-        s.kept,
-        s.kept_bytes / MIB,
-        s.kept_why.join(", ")
-    );
-    f("fast-swap", Severity::Info, kept, None)
 }
 
 /// [`process`] on a /proc tree at `root` (tests give it crafted ones).

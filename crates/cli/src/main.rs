@@ -6,6 +6,7 @@ mod cmd;
 mod compat;
 mod doctor;
 mod doctor_container;
+mod doctor_fastswap;
 mod guarded;
 mod output;
 mod reference;
