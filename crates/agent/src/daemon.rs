@@ -123,7 +123,7 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
             crate::sockwake::spawn(Arc::clone(&ctl), Arc::clone(svc), tokio::runtime::Handle::current());
         }
         if let Some(l) = front_door {
-            tokio::spawn(crate::frontdoor::serve(Arc::clone(&ctl), l, agent.cfg().http.clone()));
+            tokio::spawn(crate::frontdoor::serve(Arc::clone(&ctl), l, agent.cfg().http.clone(), Arc::clone(&total)));
         }
         tokio::spawn(crate::api::serve(Arc::clone(&ctl), api_listener, bounds(budget.api, &crate::limits::Cap::new(budget.api))));
         if let Some(l) = metrics_listener {
