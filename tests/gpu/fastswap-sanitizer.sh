@@ -44,15 +44,24 @@ log "compute-sanitizer: $SAN ($("$SAN" --version 2>&1 | tail -1))"
 # shellcheck source=tests/gpu/fastswap-lib.sh
 . tests/gpu/fastswap-lib.sh
 
-# ask PID offload|restore: the library's one-line answer on its socket.
+# ask PID offload|restore: the library's answer on its socket (its name,
+# @gpusnap-swap-PID-RANDOM, read from the socket table), past the
+# progress lines it sends while it works.
 ask() {
     python3 - "$1" "$2" <<'PY'
 import socket, sys
+pid = sys.argv[1]
+name = next(l.split()[-1] for l in open("/proc/%s/net/unix" % pid)
+            if l.split()[-1].startswith("@gpusnap-swap-%s-" % pid))
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.settimeout(300)
-s.connect("\0gpusnap-swap-" + sys.argv[1])
+s.connect("\0" + name[1:])
 s.sendall((sys.argv[2] + "\n").encode())
-print(s.makefile().readline().strip())
+f = s.makefile()
+line = f.readline()
+while line.startswith("progress"):
+    line = f.readline()
+print(line.strip())
 PY
 }
 

@@ -100,7 +100,7 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
             crate::sockwake::spawn(Arc::clone(&ctl), Arc::clone(svc), tokio::runtime::Handle::current());
         }
         if let Some(l) = front_door {
-            tokio::spawn(crate::frontdoor::serve(Arc::clone(&ctl), l, agent.cfg().http.clone()));
+            tokio::spawn(crate::frontdoor::serve(Arc::clone(&ctl), l, agent.cfg().http.clone(), Arc::clone(&total)));
         }
         // The probe socket takes a quarter of the API's share: pods flooding
         // it leave the admin socket the rest.

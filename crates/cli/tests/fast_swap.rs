@@ -367,13 +367,15 @@ fn a_hibernated_fast_swap_program_wakes_with_its_memory_and_its_control_socket()
 /// connection open until its standard input closes.
 fn hold_connections(pid: i32, uid: u32, n: usize, send: &str) -> std::process::Child {
     use std::os::unix::process::CommandExt;
+    let name = control_socket(pid).expect("the library listens");
     let script = format!(
         r#"
 import socket, sys
+name = "{name}"
 conns = []
 for _ in range({n}):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect("\0gpusnap-swap-{pid}")
+    s.connect("\0" + name[1:])
     s.sendall({send:?}.encode())
     conns.append(s)
 for s in conns:
@@ -393,6 +395,18 @@ sys.stdin.read()
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("python3")
+}
+
+/// The name of `pid`'s control socket (`@gpusnap-swap-PID-RANDOM`), from
+/// its network namespace's socket table.
+fn control_socket(pid: i32) -> Option<String> {
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/unix")).ok()?;
+    let prefix = format!("@gpusnap-swap-{pid}-");
+    table
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(7))
+        .find(|n| n.starts_with(&prefix))
+        .map(str::to_string)
 }
 
 fn answers(child: &mut std::process::Child, n: usize) -> Vec<String> {

@@ -52,7 +52,7 @@ pub fn socket(timeout: Duration) -> Result<Socket, Error> {
     Ok(s)
 }
 
-fn request(seq: u32, family: u8, port: u16) -> Vec<u8> {
+fn request(seq: u32, family: u8, port: u16, listeners_only: bool) -> Vec<u8> {
     let mut id = if family == libc::AF_INET6 as u8 { SocketId::new_v6() } else { SocketId::new_v4() };
     id.source_port = port;
     let mut hdr = NetlinkHeader::default();
@@ -64,7 +64,13 @@ fn request(seq: u32, family: u8, port: u16) -> Vec<u8> {
             family,
             protocol: IPPROTO_TCP,
             extensions: ExtensionFlags::INFO,
-            states: StateFlags::LISTEN | StateFlags::ESTABLISHED | StateFlags::CLOSE_WAIT,
+            // Listening sockets only: an answer whose size does not grow
+            // with the connections (a probe on a port with thousands).
+            states: if listeners_only {
+                StateFlags::LISTEN
+            } else {
+                StateFlags::LISTEN | StateFlags::ESTABLISHED | StateFlags::CLOSE_WAIT
+            },
             socket_id: id,
         })
         .into(),
@@ -77,18 +83,20 @@ fn request(seq: u32, family: u8, port: u16) -> Vec<u8> {
 
 /// Asks for the `family` sockets on `port` and adds what the answer holds
 /// to `into`. `buf` is reused between calls.
+#[allow(clippy::too_many_arguments)]
 pub fn dump(
     socket: &Socket,
     buf: &mut [u8],
     seq: u32,
     family: u8,
     port: u16,
+    listeners_only: bool,
     limits: &Limits,
     into: &mut Snapshot,
 ) -> Result<(), Error> {
     let started = Instant::now();
-    tracing::trace!(family, port, "sock_diag dump");
-    socket.send(&request(seq, family, port), 0).map_err(Error::Socket)?;
+    tracing::trace!(family, port, listeners_only, "sock_diag dump");
+    socket.send(&request(seq, family, port, listeners_only), 0).map_err(Error::Socket)?;
     let mut total = 0usize;
     loop {
         if started.elapsed() > limits.timeout {

@@ -105,8 +105,10 @@ pub struct Limits {
 }
 
 impl Default for Limits {
+    /// 64 MiB: about 300,000 connections on one port, more than a node's
+    /// server holds (each answer holds a connection's `tcp_info`).
     fn default() -> Self {
-        Self { max_bytes: 4 << 20, timeout: Duration::from_secs(1) }
+        Self { max_bytes: 64 << 20, timeout: Duration::from_secs(1) }
     }
 }
 
@@ -148,6 +150,17 @@ impl Watcher {
     fn with(socket: netlink_sys::Socket, limits: Limits) -> Self {
         Self { socket, limits, seq: 0, buf: vec![0; 64 << 10], families: Vec::new(), last_full: None }
     }
+
+    /// The listening sockets on `port` only, however many connections it
+    /// has: an answer of a few hundred bytes (a liveness probe's question).
+    pub fn listeners(&mut self, port: u16) -> Result<Vec<Listener>, Error> {
+        let mut snap = Snapshot::default();
+        for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
+            self.seq = self.seq.wrapping_add(1);
+            diag::dump(&self.socket, &mut self.buf, self.seq, family, port, true, &self.limits, &mut snap)?;
+        }
+        Ok(snap.listeners)
+    }
 }
 
 impl Sockets for Watcher {
@@ -158,7 +171,7 @@ impl Sockets for Watcher {
         let mut snap = Snapshot::default();
         for family in families {
             self.seq = self.seq.wrapping_add(1);
-            diag::dump(&self.socket, &mut self.buf, self.seq, family, port, &self.limits, &mut snap)?;
+            diag::dump(&self.socket, &mut self.buf, self.seq, family, port, false, &self.limits, &mut snap)?;
         }
         if full {
             self.last_full = Some(std::time::Instant::now());

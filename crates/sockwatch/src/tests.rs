@@ -109,6 +109,22 @@ fn an_answer_larger_than_the_bound_is_refused() {
 }
 
 #[test]
+fn listeners_are_told_without_the_connections_of_their_port() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    // Enough idle connections that a look at all of them is over the
+    // bound, which a look at the listener alone never is.
+    let conns: Vec<_> = (0..200)
+        .map(|_| (std::net::TcpStream::connect(("127.0.0.1", port)).unwrap(), l.accept().unwrap().0))
+        .collect();
+    let limits = Limits { max_bytes: 32 << 10, timeout: Duration::from_secs(5) };
+    assert!(matches!(Watcher::open(limits).unwrap().look(port), Err(Error::TooLarge(_))));
+    let listeners = Watcher::open(limits).unwrap().listeners(port).unwrap();
+    assert_eq!(listeners.len(), 1, "{listeners:?}");
+    drop(conns);
+}
+
+#[test]
 fn a_watcher_opened_in_its_own_namespace_sees_the_same() {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();

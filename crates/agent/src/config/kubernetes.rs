@@ -23,6 +23,15 @@ pub struct KubernetesConfig {
     /// addresses of the agent's own network namespace.
     #[serde(default)]
     pub node_addresses: Vec<IpAddr>,
+    /// The highest `gpusnap.io/priority` a pod's annotation may ask: a
+    /// higher one is lowered to it (a tenant cannot put its pod above the
+    /// node's own services).
+    #[serde(default = "default_max_priority")]
+    pub max_priority: i64,
+}
+
+fn default_max_priority() -> i64 {
+    1_000_000
 }
 
 fn default_poll_interval() -> Duration {

@@ -9,9 +9,11 @@
 //! - [`wait`]: the wait for the service, and the answer when it cannot come;
 //! - [`forward`]: the request to the backend, its answer streamed back;
 //! - [`pool`]: backend connections kept between requests;
-//! - [`models`]: `/v1/models`, `/healthz`, `/readyz`.
+//! - [`models`]: `/v1/models`, `/healthz`, `/readyz`;
+//! - [`gate`]: who may ask (`api_keys`), and the bytes of bodies held.
 
 mod forward;
+mod gate;
 mod models;
 mod pool;
 mod route;
@@ -19,6 +21,7 @@ pub(crate) mod wait;
 
 use crate::config::HttpLimits as Limits;
 use crate::control::Control;
+use crate::limits::Cap;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
@@ -49,10 +52,13 @@ pub(crate) fn error(status: StatusCode, kind: &str, message: &str) -> Response<B
 }
 
 /// Serves the front door until the agent ends. Connections past
-/// `max_connections` are closed at once (their slot would hold a file
-/// descriptor and a task for as long as the client likes).
-pub async fn serve(agent: Arc<dyn Control>, listener: TcpListener, limits: Limits) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+/// `max_connections`, or past the agent's descriptor budget (`total`, shared
+/// with the services' ports, so that the API and the state store keep
+/// theirs), are closed at once (their slot would hold a file descriptor and
+/// a task for as long as the client likes).
+pub async fn serve(agent: Arc<dyn Control>, listener: TcpListener, limits: Limits, total: Arc<Cap>) {
+    let own = Cap::new(limits.max_connections);
+    let gate = Arc::new(gate::Gate::new(&limits));
     let limits = Arc::new(limits);
     let pool = Arc::new(pool::Pool::default());
     let mut refused_at: Option<std::time::Instant> = None;
@@ -65,27 +71,31 @@ pub async fn serve(agent: Arc<dyn Control>, listener: TcpListener, limits: Limit
                 continue;
             }
         };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            // Once a minute at most: a flood must not flood the log too.
-            if refused_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
-                tracing::warn!(
-                    max = limits.max_connections,
-                    "front door: connection limit reached, closing new ones"
-                );
-                refused_at = Some(std::time::Instant::now());
+        let slot = match crate::limits::admit(&own, &total) {
+            Ok(s) => s,
+            Err(full) => {
+                // Once a minute at most: a flood must not flood the log too.
+                if refused_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                    tracing::warn!("front door: {full}, closing new connections");
+                    refused_at = Some(std::time::Instant::now());
+                }
+                drop(stream);
+                continue;
             }
-            drop(stream);
-            continue;
         };
         let _ = stream.set_nodelay(true);
-        let (agent, limits, pool) = (Arc::clone(&agent), Arc::clone(&limits), Arc::clone(&pool));
+        let (agent, limits, pool, gate) =
+            (Arc::clone(&agent), Arc::clone(&limits), Arc::clone(&pool), Arc::clone(&gate));
         tokio::spawn(async move {
             let _slot = slot;
             let svc = {
                 let limits = Arc::clone(&limits);
                 hyper::service::service_fn(move |req| {
-                    let (agent, limits, pool) = (Arc::clone(&agent), Arc::clone(&limits), Arc::clone(&pool));
-                    async move { Ok::<_, std::convert::Infallible>(handle(agent, &limits, pool, req).await) }
+                    let (agent, limits, pool, gate) =
+                        (Arc::clone(&agent), Arc::clone(&limits), Arc::clone(&pool), Arc::clone(&gate));
+                    async move {
+                        Ok::<_, std::convert::Infallible>(handle(agent, &limits, &gate, pool, req).await)
+                    }
                 })
             };
             let mut b = hyper::server::conn::http1::Builder::new();
@@ -107,38 +117,63 @@ pub async fn serve(agent: Arc<dyn Control>, listener: TcpListener, limits: Limit
 async fn handle(
     agent: Arc<dyn Control>,
     limits: &Limits,
+    gate: &gate::Gate,
     pool: Arc<pool::Pool>,
     req: Request<Incoming>,
 ) -> Response<Body> {
     let path = req.uri().path();
+    if req.method() == hyper::Method::GET && path == "/healthz" {
+        return models::healthz();
+    }
+    // Before anything is routed, listed or woken.
+    if let Err(refused) = gate.key(req.headers()) {
+        return *refused;
+    }
+    let services = routable(&agent, limits);
     if req.method() == hyper::Method::GET {
         match path {
-            "/healthz" => return models::healthz(),
-            "/readyz" => return models::readyz(&agent),
-            "/v1/models" => return models::list(&agent),
+            "/readyz" => return models::readyz(&agent, &services),
+            "/v1/models" => return models::list(&agent, &services),
             _ => {}
         }
         if let Some(id) = path.strip_prefix("/v1/models/") {
-            return models::one(&agent, id);
+            return models::one(&agent, &services, id);
         }
     }
     let (parts, body) = req.into_parts();
-    // The whole body, bounded: its `model` decides, and a client that hangs
-    // up while its service comes back is then seen (and dropped).
-    let body = match Limited::new(body, limits.max_body as usize).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+    // Its place among the bodies held at once, before a byte is read.
+    let _held = match gate.hold(&parts.headers) {
+        Ok(h) => h,
+        Err(refused) => return *refused,
+    };
+    // The whole body, bounded in size and time: its `model` decides, and a
+    // client that hangs up while its service comes back is then seen (and
+    // dropped).
+    let read =
+        tokio::time::timeout(limits.body_timeout, Limited::new(body, limits.max_body as usize).collect());
+    let body = match read.await {
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                &format!(
+                    "request body not received within {} s ([agent.http] body_timeout)",
+                    limits.body_timeout.as_secs()
+                ),
+            )
+        }
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
             return error(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "invalid_request_error",
                 &format!("request body over {} bytes ([agent.http] max_body)", limits.max_body),
             )
         }
-        Err(e) => {
+        Ok(Err(e)) => {
             return error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("request body: {e}"))
         }
     };
-    let services = agent.services();
     let (svc, path) = match route::route(&services, &parts, &body) {
         Ok(r) => r,
         Err(resp) => return *resp,
@@ -149,4 +184,14 @@ async fn handle(
         Err(refusal) => return wait::refused(&svc, &refusal),
     };
     forward::forward(svc, pool, in_flight, parts, path, body).await
+}
+
+/// The services the front door reaches: all, or with `route_only_models`
+/// those that list `models`.
+fn routable(agent: &Arc<dyn Control>, limits: &Limits) -> Vec<Arc<crate::service::Service>> {
+    let mut all: Vec<_> = agent.services().as_ref().clone();
+    if limits.route_only_models {
+        all.retain(|s| !s.cfg.models.is_empty());
+    }
+    all
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 fn entries(agent: &Arc<dyn Control>, s: &Service) -> Vec<Value> {
     let (state, last_error) = {
         let g = s.lock();
-        (g.state.as_str(), g.last_error.clone())
+        (g.state.as_str(), g.last_error.as_deref().map(super::gate::without_paths))
     };
     let available = agent.hopeless(s).is_none();
     let mut ids: Vec<&str> = s.cfg.models.iter().map(|m| m.get_ref().as_str()).collect();
@@ -36,13 +36,13 @@ fn entries(agent: &Arc<dyn Control>, s: &Service) -> Vec<Value> {
         .collect()
 }
 
-pub fn list(agent: &Arc<dyn Control>) -> Response<Body> {
-    let data: Vec<Value> = agent.services().iter().flat_map(|s| entries(agent, s)).collect();
+pub fn list(agent: &Arc<dyn Control>, services: &[Arc<Service>]) -> Response<Body> {
+    let data: Vec<Value> = services.iter().flat_map(|s| entries(agent, s)).collect();
     json(StatusCode::OK, &j!({ "object": "list", "data": data }))
 }
 
-pub fn one(agent: &Arc<dyn Control>, id: &str) -> Response<Body> {
-    match agent.services().iter().flat_map(|s| entries(agent, s)).find(|e| e["id"] == id) {
+pub fn one(agent: &Arc<dyn Control>, services: &[Arc<Service>], id: &str) -> Response<Body> {
+    match services.iter().flat_map(|s| entries(agent, s)).find(|e| e["id"] == id) {
         Some(e) => json(StatusCode::OK, &e),
         None => error(
             StatusCode::NOT_FOUND,
@@ -56,13 +56,16 @@ pub fn healthz() -> Response<Body> {
     json(StatusCode::OK, &j!({ "status": "ok" }))
 }
 
-pub fn readyz(agent: &Arc<dyn Control>) -> Response<Body> {
-    let down: Vec<Value> = agent
-        .services()
+pub fn readyz(agent: &Arc<dyn Control>, services: &[Arc<Service>]) -> Response<Body> {
+    let down: Vec<Value> = services
         .iter()
-        .filter_map(|s| agent.hopeless(s).map(|r| j!({ "service": s.name, "reason": r.reason })))
+        .filter_map(|s| {
+            agent
+                .hopeless(s)
+                .map(|r| j!({ "service": s.name, "reason": super::gate::without_paths(&r.reason) }))
+        })
         .collect();
-    let all = agent.services().len();
+    let all = services.len();
     let ready = down.len() < all || all == 0;
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     json(status, &j!({ "ready": ready, "unavailable": down }))

@@ -234,7 +234,7 @@ fn retry_secs(r: &Refusal) -> u64 {
 
 fn refusal_json(svc: &Service, r: &Refusal) -> serde_json::Value {
     serde_json::json!({ "error": {
-        "message": r.reason,
+        "message": super::gate::without_paths(&r.reason),
         "type": "service_unavailable",
         "code": 503,
         "service": svc.name,

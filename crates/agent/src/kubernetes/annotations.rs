@@ -87,6 +87,12 @@ pub fn service_name(namespace: &str, pod: &str) -> String {
     format!("{namespace}.{pod}")
 }
 
+/// The priority a pod's annotation asked, lowered to the node's
+/// `[kubernetes] max_priority`; and whether it was lowered.
+pub fn capped(asked: i64, max: i64) -> (i64, bool) {
+    (asked.min(max), asked > max)
+}
+
 /// The service for an enabled pod at `ip`, or every bad annotation.
 pub fn service(
     annotations: &HashMap<String, String>,
@@ -230,6 +236,13 @@ mod tests {
 
     fn ann(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs.iter().map(|(k, v)| (format!("{PREFIX}{k}"), v.to_string())).collect()
+    }
+
+    #[test]
+    fn a_pod_cannot_ask_more_than_the_node_allows() {
+        assert_eq!(capped(1_000_000, 10), (10, true));
+        assert_eq!(capped(-3, 10), (-3, false));
+        assert_eq!(capped(10, 10), (10, false));
     }
 
     #[test]

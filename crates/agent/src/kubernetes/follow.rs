@@ -31,6 +31,8 @@ pub struct Follower {
     pids: HashMap<String, i32>,
     /// `node_addresses`: the peers a pod's watch ignores (the kubelet's probes).
     nodes: Vec<std::net::IpAddr>,
+    /// `max_priority`: the most a pod's annotation may ask.
+    max_priority: i64,
 }
 
 /// A pod to serve: its listing, and the container chosen.
@@ -47,6 +49,7 @@ impl Follower {
             reported: HashMap::new(),
             pids: HashMap::new(),
             nodes: cfg.node_addresses.clone(),
+            max_priority: cfg.max_priority,
         })
     }
 
@@ -202,6 +205,15 @@ impl Follower {
                     c.ignore_peers =
                         Some(self.nodes.iter().map(|a| toml::Spanned::new(0..0, a.to_string())).collect());
                 }
+                let (priority, lowered) = annotations::capped(c.priority, self.max_priority);
+                if lowered {
+                    tracing::warn!(
+                        service = c.name.get_ref().as_str(),
+                        "its priority annotation asks {}, above [kubernetes] max_priority: {priority}",
+                        c.priority
+                    );
+                }
+                c.priority = priority;
                 c
             }
             Err(bad) => {

@@ -17,6 +17,9 @@ pub enum Why {
     Bytes,
     /// The accept queue holds connections, none of them seen yet.
     Queued,
+    /// More connections on the port than a look may read: traffic, by
+    /// all appearances, never a reason to stop watching.
+    Crowded,
 }
 
 impl Why {
@@ -25,6 +28,7 @@ impl Why {
             Why::Connection => "a new connection",
             Why::Bytes => "bytes on a kept-alive connection",
             Why::Queued => "connections in the accept queue",
+            Why::Crowded => "more connections than a look reads",
         }
     }
 }

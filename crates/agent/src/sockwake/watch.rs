@@ -106,6 +106,25 @@ impl Watch {
             let Some(open) = self.open.as_mut() else { continue };
             let snap = match open.sockets.look(port) {
                 Ok(s) => s,
+                Err(e @ gpusnap_sockwatch::Error::TooLarge(_)) => {
+                    // So many connections are traffic: a server that is
+                    // away comes back for them, and the watch goes on (on a
+                    // socket opened anew: the rest of that answer is still
+                    // in this one).
+                    crate::warn_every!(
+                        LOOK_FAILED,
+                        service = self.svc.name,
+                        "socket watch on port {port}: {e}"
+                    );
+                    let state = self.svc.lock().state;
+                    if matches!(state, State::Suspended | State::Hibernated)
+                        && !self.waking.load(Ordering::SeqCst)
+                    {
+                        self.wake(Instant::now(), Why::Crowded);
+                    }
+                    self.open = None;
+                    continue;
+                }
                 Err(e) => {
                     crate::warn_every!(
                         LOOK_FAILED,

@@ -154,8 +154,7 @@ fn judge(cli: &Cli, root: i32, port: u16, socket: &Path) -> anyhow::Result<Verdi
     };
     let ns = std::path::PathBuf::from(format!("/proc/{root}/ns/net"));
     let mut w = gpusnap_sockwatch::Watcher::open_in(&ns, gpusnap_sockwatch::Limits::default())?;
-    use gpusnap_sockwatch::Sockets;
-    if !w.look(port)?.listening() {
+    if w.listeners(port)?.is_empty() {
         let why = format!("nothing listens on port {port}");
         return Ok(verdict("not_listening", NOT_LISTENING, Some(why), source));
     }

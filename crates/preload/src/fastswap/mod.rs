@@ -57,6 +57,7 @@ extern "C" fn init() {
 /// A forked child has no control socket of its own (and CUDA does not
 /// carry over a fork): its allocations go to the driver.
 extern "C" fn forked() {
+    control::forget();
     table::SERVING.store(false, Ordering::SeqCst);
     entry::ACTIVE.store(false, Ordering::SeqCst);
 }

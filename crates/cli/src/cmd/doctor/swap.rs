@@ -16,6 +16,14 @@ fn f(check: &'static str, severity: Severity, message: String, fix: Option<&str>
 pub fn findings(pid: i32, cuda: bool) -> Vec<Finding> {
     match gpusnap_core::swap::status(pid) {
         Some(s) => vec![fast_swap(&s)],
+        None if gpusnap_core::swap::asked(pid) => vec![f(
+            "fast-swap",
+            Severity::Warn,
+            "fast swap was asked for but its library does not listen for gpusnap (the program's \
+             standard error says why): the driver's checkpoint moves all its memory"
+                .to_string(),
+            Some("restart the program under `gpusnap run --light --fast-swap`"),
+        )],
         None if cuda => vec![f(
             "quiesce",
             Severity::Warn,
