@@ -57,6 +57,7 @@ pub mod sockwake;
 pub mod state;
 pub mod trace;
 pub mod units;
+pub mod wait;
 
 pub use config::Config;
 pub use daemon::run;

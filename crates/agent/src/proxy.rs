@@ -5,13 +5,13 @@
 //! running wait until it is back (resumed, woken or started).
 
 use crate::control::{Control, Refusal};
-use crate::frontdoor::wait::{waited, Waiting};
 use crate::limits;
 use crate::listen::Bounds;
 use crate::metrics::ServiceLabels;
 use crate::ratelimit::Every;
 use crate::service::{Conn, Service, State};
 use crate::trace::WakeTrace;
+use crate::wait::{waited, Waiting};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -162,6 +162,149 @@ fn finish(agent: &Arc<dyn Control>, svc: &Arc<Service>, pending: &Mutex<Option<W
     tokio::task::spawn_blocking(move || agent.note(&svc, &t.summary()));
 }
 
+/// The client's bytes to the backend: the request read meanwhile first
+/// (`fail_fast`), a first byte within `first_byte`, and a wait for the
+/// service before each request on a connection that outlived a suspension.
+/// `Err`: the connection is to be closed (`Some`: with that refusal).
+#[allow(clippy::too_many_arguments)]
+async fn client_to_backend(
+    agent: Arc<dyn Control>,
+    svc: Arc<Service>,
+    id: u64,
+    pending_up: Arc<Mutex<Option<WakeTrace>>>,
+    mut cr: tokio::net::tcp::OwnedReadHalf,
+    mut bw: tokio::net::tcp::OwnedWriteHalf,
+    mut early: Vec<u8>,
+    first_byte: Duration,
+) -> Result<(), Option<Refusal>> {
+    let mut buf = vec![0u8; BUF];
+    let mut first = true;
+    loop {
+        let n = if !early.is_empty() {
+            // What a fail_fast client sent while it waited.
+            first = false;
+            buf[..early.len()].copy_from_slice(&early);
+            std::mem::take(&mut early).len()
+        } else {
+            // A client that sends nothing at all within the header
+            // timeout holds a connection for nothing: closed.
+            let read = cr.read(&mut buf);
+            let r = if std::mem::take(&mut first) {
+                match tokio::time::timeout(first_byte, read).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        tracing::debug!(service = svc.name, "closing a connection that sent nothing");
+                        return Err(None);
+                    }
+                }
+            } else {
+                read.await
+            };
+            match r {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            }
+        };
+        // A keep-alive connection may outlive a suspension: bytes on
+        // it bring the service back as a new connection would (and
+        // with fail_fast, are refused as a new connection would be).
+        while !svc.begin_request(id) {
+            let waited = if svc.cfg.fail_fast {
+                crate::wait::wait(&agent, &svc).await
+            } else {
+                wait_for(&agent, &svc)
+                    .await
+                    .map_err(|reason| Refusal { reason, retry_after: Duration::from_secs(1) })
+            };
+            match waited {
+                Ok(Some(t)) => *pending_up.lock().unwrap_or_else(|e| e.into_inner()) = Some(t),
+                Ok(None) => {}
+                Err(r) => {
+                    crate::warn_every!(CLOSED, service = svc.name, "closing a connection: {}", r.reason);
+                    agent
+                        .metrics()
+                        .connections_closed
+                        .get_or_create(&ServiceLabels { service: svc.name.clone() })
+                        .inc();
+                    return Err(Some(r));
+                }
+            }
+        }
+        if bw.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = bw.shutdown().await;
+    Ok(())
+}
+
+/// The backend's answer to the client, each piece counted as answered and
+/// the swap's trace finished at its first byte.
+async fn backend_to_client(
+    agent: Arc<dyn Control>,
+    svc: Arc<Service>,
+    id: u64,
+    pending: Arc<Mutex<Option<WakeTrace>>>,
+    mut br: tokio::net::tcp::OwnedReadHalf,
+    cw: &mut tokio::net::tcp::OwnedWriteHalf,
+) {
+    let mut buf = vec![0u8; BUF];
+    loop {
+        let n = match br.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        svc.answered(id);
+        if cw.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+        finish(&agent, &svc, &pending);
+    }
+    let _ = cw.shutdown().await;
+}
+
+/// Tells a client its connection is refused, as its service speaks: a
+/// JSON 503 for `fail_fast`, a plain 503 for a service with hooks (it
+/// speaks HTTP: nothing of the request was forwarded, and a clear 503 beats
+/// a bare close), else a bare close.
+async fn refuse(svc: &Service, client: &mut TcpStream, r: &Refusal) {
+    if svc.cfg.fail_fast {
+        let _ = client.write_all(&crate::wait::refused_bytes(svc, r)).await;
+    } else if svc.cfg.hooks.any() {
+        let body = format!("gpusnap agent: {}\n", r.reason);
+        let head = format!(
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n\
+             Retry-After: 1\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let _ = client.write_all(format!("{head}{body}").as_bytes()).await;
+    }
+    let _ = client.shutdown().await;
+}
+
+/// A connection to the service's backend and the retries it took: a server
+/// just started may not listen yet, so it is retried until `wake_timeout`
+/// (a resumed one listens already: its socket stayed open). `None` when it
+/// never answered.
+async fn connect_backend(svc: &Service) -> Option<(TcpStream, u32)> {
+    let deadline = Instant::now() + svc.cfg.wake_timeout;
+    let mut retries = 0;
+    loop {
+        match TcpStream::connect(svc.cfg.backend).await {
+            Ok(b) => return Some((b, retries)),
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!(service = svc.name, "backend not there yet: {e}");
+                retries += 1;
+                tokio::time::sleep(CONNECT_RETRY).await;
+            }
+            Err(e) => {
+                crate::warn_every!(CLOSED, service = svc.name, "backend {}: {e}", svc.cfg.backend);
+                return None;
+            }
+        }
+    }
+}
+
 async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStream, first_byte: Duration) {
     let _ = client.set_nodelay(true);
     let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
@@ -181,7 +324,7 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
     // the wait, its request never forwarded) and a JSON 503 when refused.
     let mut early = Vec::new();
     let waited = if svc.cfg.fail_fast {
-        match crate::frontdoor::wait::wait_reading(&agent, &svc, &mut client, &mut early, BUF).await {
+        match crate::wait::wait_reading(&agent, &svc, &mut client, &mut early, BUF).await {
             Some(r) => r,
             None => {
                 tracing::info!(service = svc.name, "a client hung up while waiting: dropped");
@@ -195,44 +338,15 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
     match waited {
         Ok(t) => *pending.lock().unwrap_or_else(|e| e.into_inner()) = t,
         Err(r) => {
-            let e = &r.reason;
-            crate::warn_every!(CLOSED, service = svc.name, "closing a connection: {e}");
+            crate::warn_every!(CLOSED, service = svc.name, "closing a connection: {}", r.reason);
             closed();
-            if svc.cfg.fail_fast {
-                let _ = client.write_all(&crate::frontdoor::wait::refused_bytes(&svc, &r)).await;
-            } else if svc.cfg.hooks.any() {
-                // A service with hooks speaks HTTP (its hooks do): nothing of
-                // the request was forwarded, and a clear 503 beats a bare close.
-                let body = format!("gpusnap agent: {e}\n");
-                let head = format!(
-                    "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n\
-                     Retry-After: 1\r\nContent-Length: {}\r\n\r\n",
-                    body.len()
-                );
-                let _ = client.write_all(format!("{head}{body}").as_bytes()).await;
-            }
-            let _ = client.shutdown().await;
+            refuse(&svc, &mut client, &r).await;
             return;
         }
     }
-    // A server just started may not listen yet: retry until wake_timeout
-    // (a resumed one listens already: its socket stayed open).
-    let deadline = Instant::now() + svc.cfg.wake_timeout;
-    let mut retries = 0;
-    let backend = loop {
-        match TcpStream::connect(svc.cfg.backend).await {
-            Ok(b) => break b,
-            Err(e) if Instant::now() < deadline => {
-                tracing::debug!(service = svc.name, "backend not there yet: {e}");
-                retries += 1;
-                tokio::time::sleep(CONNECT_RETRY).await;
-            }
-            Err(e) => {
-                crate::warn_every!(CLOSED, service = svc.name, "backend {}: {e}", svc.cfg.backend);
-                closed();
-                return;
-            }
-        }
+    let Some((backend, retries)) = connect_backend(&svc).await else {
+        closed();
+        return;
     };
     if let Some(t) = pending.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
         t.counts.connect_retries = retries;
@@ -240,98 +354,20 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
     }
     let _ = backend.set_nodelay(true);
     svc.connected(id);
-    let (mut cr, mut cw) = client.into_split();
-    let (mut br, mut bw) = backend.into_split();
+    let (cr, mut cw) = client.into_split();
+    let (br, bw) = backend.into_split();
 
-    let up = {
-        let (agent, svc) = (Arc::clone(&agent), Arc::clone(&svc));
-        let pending_up = Arc::clone(&pending);
-        async move {
-            let mut buf = vec![0u8; BUF];
-            let mut first = true;
-            loop {
-                let n = if !early.is_empty() {
-                    // What a fail_fast client sent while it waited.
-                    first = false;
-                    buf[..early.len()].copy_from_slice(&early);
-                    std::mem::take(&mut early).len()
-                } else {
-                    // A client that sends nothing at all within the header
-                    // timeout holds a connection for nothing: closed.
-                    let read = cr.read(&mut buf);
-                    let r = if std::mem::take(&mut first) {
-                        match tokio::time::timeout(first_byte, read).await {
-                            Ok(r) => r,
-                            Err(_) => {
-                                tracing::debug!(service = svc.name, "closing a connection that sent nothing");
-                                return Err(None);
-                            }
-                        }
-                    } else {
-                        read.await
-                    };
-                    match r {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => n,
-                    }
-                };
-                // A keep-alive connection may outlive a suspension: bytes on
-                // it bring the service back as a new connection would (and
-                // with fail_fast, are refused as a new connection would be).
-                while !svc.begin_request(id) {
-                    let waited = if svc.cfg.fail_fast {
-                        crate::frontdoor::wait::wait(&agent, &svc).await
-                    } else {
-                        wait_for(&agent, &svc)
-                            .await
-                            .map_err(|reason| Refusal { reason, retry_after: Duration::from_secs(1) })
-                    };
-                    match waited {
-                        Ok(Some(t)) => *pending_up.lock().unwrap_or_else(|e| e.into_inner()) = Some(t),
-                        Ok(None) => {}
-                        Err(r) => {
-                            crate::warn_every!(
-                                CLOSED,
-                                service = svc.name,
-                                "closing a connection: {}",
-                                r.reason
-                            );
-                            agent
-                                .metrics()
-                                .connections_closed
-                                .get_or_create(&ServiceLabels { service: svc.name.clone() })
-                                .inc();
-                            return Err(Some(r));
-                        }
-                    }
-                }
-                if bw.write_all(&buf[..n]).await.is_err() {
-                    break;
-                }
-            }
-            let _ = bw.shutdown().await;
-            Ok(())
-        }
-    };
-    let down = {
-        let (agent, svc) = (Arc::clone(&agent), Arc::clone(&svc));
-        let cw = &mut cw;
-        async move {
-            let mut buf = vec![0u8; BUF];
-            loop {
-                let n = match br.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
-                };
-                svc.answered(id);
-                if cw.write_all(&buf[..n]).await.is_err() {
-                    break;
-                }
-                finish(&agent, &svc, &pending);
-            }
-            let _ = cw.shutdown().await;
-        }
-    };
+    let up = client_to_backend(
+        Arc::clone(&agent),
+        Arc::clone(&svc),
+        id,
+        Arc::clone(&pending),
+        cr,
+        bw,
+        early,
+        first_byte,
+    );
+    let down = backend_to_client(Arc::clone(&agent), Arc::clone(&svc), id, Arc::clone(&pending), br, &mut cw);
     let close = closing(Arc::clone(&svc), id);
     // The client's half ending is not the end: the answer may still come.
     // The backend's half ending is (it closed the connection), unless the
@@ -363,7 +399,7 @@ async fn handle(agent: Arc<dyn Control>, svc: Arc<Service>, mut client: TcpStrea
     };
     if let Some(r) = refused {
         if svc.cfg.fail_fast {
-            let _ = cw.write_all(&crate::frontdoor::wait::refused_bytes(&svc, &r)).await;
+            let _ = cw.write_all(&crate::wait::refused_bytes(&svc, &r)).await;
         }
         let _ = cw.shutdown().await;
     }

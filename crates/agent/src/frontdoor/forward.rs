@@ -4,9 +4,9 @@
 //! hangs up (then the backend's connection is closed too).
 
 use super::pool::{self, Conn, Pool};
-use super::wait::InFlight;
 use super::{error, Body};
 use crate::service::Service;
+use crate::wait::InFlight;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::header::{HeaderMap, HeaderValue};

@@ -17,7 +17,6 @@ mod gate;
 mod models;
 mod pool;
 mod route;
-pub(crate) mod wait;
 
 use crate::config::HttpLimits as Limits;
 use crate::control::Control;
@@ -179,9 +178,9 @@ async fn handle(
         Err(resp) => return *resp,
     };
     let svc = Arc::clone(svc);
-    let in_flight = match wait::admit(&agent, &svc).await {
+    let in_flight = match crate::wait::admit(&agent, &svc).await {
         Ok(f) => f,
-        Err(refusal) => return wait::refused(&svc, &refusal),
+        Err(refusal) => return refused(&svc, &refusal),
     };
     forward::forward(svc, pool, in_flight, parts, path, body).await
 }
@@ -194,4 +193,13 @@ fn routable(agent: &Arc<dyn Control>, limits: &Limits) -> Vec<Arc<crate::service
         all.retain(|s| !s.cfg.models.is_empty());
     }
     all
+}
+
+/// The 503 for a request that cannot be served: a JSON reason (in OpenAI's
+/// error format) and `Retry-After`.
+fn refused(svc: &crate::service::Service, r: &crate::control::Refusal) -> Response<Body> {
+    let secs = crate::wait::retry_secs(r);
+    let mut resp = json(StatusCode::SERVICE_UNAVAILABLE, &crate::wait::refusal_json(svc, r));
+    resp.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from(secs));
+    resp
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 fn entries(agent: &Arc<dyn Control>, s: &Service) -> Vec<Value> {
     let (state, last_error) = {
         let g = s.lock();
-        (g.state.as_str(), g.last_error.as_deref().map(super::gate::without_paths))
+        (g.state.as_str(), g.last_error.as_deref().map(crate::wait::without_paths))
     };
     let available = agent.hopeless(s).is_none();
     let mut ids: Vec<&str> = s.cfg.models.iter().map(|m| m.get_ref().as_str()).collect();
@@ -62,7 +62,7 @@ pub fn readyz(agent: &Arc<dyn Control>, services: &[Arc<Service>]) -> Response<B
         .filter_map(|s| {
             agent
                 .hopeless(s)
-                .map(|r| j!({ "service": s.name, "reason": super::gate::without_paths(&r.reason) }))
+                .map(|r| j!({ "service": s.name, "reason": crate::wait::without_paths(&r.reason) }))
         })
         .collect();
     let all = services.len();

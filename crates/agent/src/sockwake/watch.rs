@@ -302,7 +302,7 @@ impl Watch {
             let r = Arc::clone(&ctl).wait_running(Arc::clone(&svc), deadline, Some(seen)).await;
             match r {
                 Ok(true) => {
-                    if let Some(t) = crate::frontdoor::wait::waited(&ctl, &svc, seen, "a socket wake") {
+                    if let Some(t) = crate::wait::waited(&ctl, &svc, seen, "a socket wake") {
                         ctl.metrics().swap_trace(&t);
                         let summary = format!("{} ({})", t.summary(), why.as_str());
                         let _ = tokio::task::spawn_blocking(move || ctl.note(&svc, &summary)).await;

@@ -3,14 +3,13 @@
 //! brings its service back, and refused at once when the service cannot
 //! come back, or as soon as the start, wake or resume it waited for fails.
 //! A client that hangs up meanwhile drops this future: it leaves the wait,
-//! and its request is never forwarded.
+//! and its request is never forwarded. Both doors use it: the front door
+//! (`frontdoor`) and a service's own port (`proxy`).
 
-use super::{json, Body};
 use crate::control::{Control, Refusal};
 use crate::metrics::ServiceLabels;
 use crate::service::{Conn, Service, State};
 use crate::trace::WakeTrace;
-use hyper::{Response, StatusCode};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -228,27 +227,19 @@ async fn failed(
     }
 }
 
-fn retry_secs(r: &Refusal) -> u64 {
+pub(crate) fn retry_secs(r: &Refusal) -> u64 {
     r.retry_after.as_secs_f64().ceil().max(1.0) as u64
 }
 
-fn refusal_json(svc: &Service, r: &Refusal) -> serde_json::Value {
+/// The refusal in OpenAI's error format, without host paths.
+pub(crate) fn refusal_json(svc: &Service, r: &Refusal) -> serde_json::Value {
     serde_json::json!({ "error": {
-        "message": super::gate::without_paths(&r.reason),
+        "message": without_paths(&r.reason),
         "type": "service_unavailable",
         "code": 503,
         "service": svc.name,
         "retry_after": retry_secs(r),
     }})
-}
-
-/// The 503 for a request that cannot be served: a JSON reason (in OpenAI's
-/// error format) and `Retry-After`.
-pub fn refused(svc: &Service, r: &Refusal) -> Response<Body> {
-    let secs = retry_secs(r);
-    let mut resp = json(StatusCode::SERVICE_UNAVAILABLE, &refusal_json(svc, r));
-    resp.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from(secs));
-    resp
 }
 
 /// The same 503 as bytes, for a service's own port (`fail_fast`).
@@ -286,5 +277,24 @@ pub async fn wait_reading(
                 Ok(n) => early.extend_from_slice(&buf[..n]),
             },
         }
+    }
+}
+
+/// `text` with every word that names a path (it holds a `/`) left out: an
+/// anonymous client learns why a service is down, not the host's layout.
+pub fn without_paths(text: &str) -> String {
+    text.split(' ').map(|w| if w.contains('/') { "[path]" } else { w }).collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_left_out_of_reasons() {
+        assert_eq!(
+            without_paths("alpha: its start failed: exited 1 (see /var/lib/gpusnap/agent/alpha.log)"),
+            "alpha: its start failed: exited 1 (see [path]"
+        );
     }
 }
