@@ -236,7 +236,7 @@ pub(crate) fn refusal_json(svc: &Service, r: &Refusal) -> serde_json::Value {
     serde_json::json!({ "error": {
         "message": without_paths(&r.reason),
         "type": "service_unavailable",
-        "code": 503,
+        "code": "service_unavailable",
         "service": svc.name,
         "retry_after": retry_secs(r),
     }})

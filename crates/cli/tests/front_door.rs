@@ -321,6 +321,8 @@ fn assert_refused(r: &(u16, String, String), why: &str) -> Value {
     let v = json(body);
     let msg = v["error"]["message"].as_str().unwrap_or_default();
     assert!(msg.contains(why), "{why:?} not in {body}");
+    // OpenAI's `code` is a string: the same kind of value on every answer.
+    assert_eq!(v["error"]["code"], "service_unavailable", "{body}");
     v
 }
 

@@ -42,12 +42,28 @@ pub(crate) fn json(status: StatusCode, value: &serde_json::Value) -> Response<Bo
     r
 }
 
-/// An error in OpenAI's format (clients of that API show `message`).
+/// An error in OpenAI's format (clients of that API show `message`): its
+/// `code` a string, as OpenAI's is, never the status's number.
 pub(crate) fn error(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
     json(
         status,
-        &serde_json::json!({ "error": { "message": message, "type": kind, "code": status.as_u16() } }),
+        &serde_json::json!({ "error": { "message": message, "type": kind, "code": code_of(status) } }),
     )
+}
+
+/// The `code` of an error answer with `status`.
+fn code_of(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        400 => "bad_request",
+        401 => "invalid_api_key",
+        404 => "not_found",
+        408 => "request_timeout",
+        413 => "request_too_large",
+        431 => "headers_too_large",
+        502 => "bad_gateway",
+        503 => "service_unavailable",
+        _ => "error",
+    }
 }
 
 /// Serves the front door until the agent ends. Connections past
