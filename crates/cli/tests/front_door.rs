@@ -700,3 +700,56 @@ fn an_agent_trust_key_that_does_not_parse_is_refused_at_start() {
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("[agent] trust: not a public key: not-a-key"), "{}", r.stderr);
 }
+
+/// `gpusnap service NAME resume` through the API: a server that cannot
+/// start is answered at once with its reason, as the front door answers
+/// (not after `wake_timeout`), and the journal says who asked.
+#[test]
+fn the_apis_resume_answers_a_failed_start_at_once_and_the_journal_says_who_asked() {
+    let d = Door::start(
+        1000,
+        "",
+        &[
+            S {
+                name: "broken",
+                kind: Kind::OpenAi { delay: 0.0, fail: true },
+                extra: "start = \"on-demand\"\nwake_timeout = \"600s\"",
+            },
+            S {
+                name: "ok",
+                kind: Kind::OpenAi { delay: 0.0, fail: false },
+                extra: "start = \"on-demand\"\nsuspend_after = \"never\"",
+            },
+        ],
+        &[],
+    );
+    let t0 = Instant::now();
+    let (code, body) = d.api("POST", "/v1/services/broken/resume");
+    assert_ne!(code, 200, "{body}");
+    assert!(body.contains("could not start"), "{body}");
+    // Far below the 600 s wake_timeout it waited for before.
+    assert!(t0.elapsed() < Duration::from_secs(120), "{:?}", t0.elapsed());
+    let (code, body) = d.api("POST", "/v1/services/broken/resume");
+    assert_ne!(code, 200, "{body}");
+    assert!(body.contains("next start in"), "{body}");
+
+    // Its first start, asked for through the API.
+    let (code, body) = d.api("POST", "/v1/services/ok/resume");
+    assert_eq!(code, 200, "{body}");
+    let (code, events) = d.api("GET", "/v1/events?after=0&follow=false");
+    assert_eq!(code, 200);
+    let details: Vec<String> = events
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["op"] == "agent")
+        .filter_map(|e| e["detail"].as_str().map(str::to_string))
+        .collect();
+    assert!(
+        details.iter().any(|d| d.starts_with("ok: started") && d.ends_with("asked through the API")),
+        "{details:?}"
+    );
+    assert!(
+        !details.iter().any(|d| d.contains("a connection arrived") || d.contains("first request arrived")),
+        "{details:?}"
+    );
+}

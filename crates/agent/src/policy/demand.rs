@@ -22,6 +22,28 @@ struct Done {
     driver: Duration,
 }
 
+/// Who asks for a service to be running: the reason its journal gives for
+/// the transition, and how long the asker waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Asker {
+    /// A connection (a request, bytes on a socket): it waits out a failed
+    /// start's backoff, up to `wake_timeout`.
+    Connection,
+    /// `gpusnap service NAME resume` (the API): a start it caused that
+    /// fails answers at once, with the reason.
+    Api,
+}
+
+impl Asker {
+    fn why(self, first: bool) -> &'static str {
+        match (self, first) {
+            (Asker::Api, _) => "asked through the API",
+            (Asker::Connection, true) => "its first request arrived",
+            (Asker::Connection, false) => "a connection arrived",
+        }
+    }
+}
+
 impl Agent {
     /// Waits until `svc` is running, starting whatever transition brings it
     /// back. Returns whether it had to wait. `accepted`: when the connection
@@ -31,6 +53,7 @@ impl Agent {
         svc: &Arc<Service>,
         deadline: Instant,
         accepted: Option<Instant>,
+        asker: Asker,
     ) -> Result<bool, Unavailable> {
         let mut waited = false;
         let mut rx = svc.changed.subscribe();
@@ -58,7 +81,7 @@ impl Agent {
                         tracing::info!(service = svc.name, at_unix_us = unix_us(), "resume started");
                         g.trace = trace("resume");
                         drop(g);
-                        self.spawn_bring_back(svc, "a connection arrived");
+                        self.spawn_bring_back(svc, asker.why(false));
                     }
                     State::Hibernated => {
                         svc.set_state(&mut g, State::Waking);
@@ -67,7 +90,7 @@ impl Agent {
                         if self.image_lost(svc) {
                             self.spawn_recover(svc, false);
                         } else {
-                            self.spawn_bring_back(svc, "a connection arrived");
+                            self.spawn_bring_back(svc, asker.why(false));
                         }
                     }
                     State::Faulted => {
@@ -101,18 +124,27 @@ impl Agent {
                         if self.image_lost(svc) {
                             self.spawn_recover(svc, true);
                         } else {
-                            self.spawn_bring_back(svc, "its first request arrived");
+                            self.spawn_bring_back(svc, asker.why(true));
                         }
                     }
                     State::Idle => {
                         svc.set_state(&mut g, State::Starting);
                         drop(g);
-                        self.spawn_start(svc, "its first request arrived");
+                        self.spawn_start(svc, asker.why(true));
+                    }
+                    // The start the API's call caused failed: answered now,
+                    // not after its backoff and wake_timeout.
+                    State::Dead if waited && asker == Asker::Api && g.last_error.is_some() => {
+                        return Err(Unavailable(format!(
+                            "{}: {}",
+                            svc.name,
+                            g.last_error.as_deref().unwrap_or("?")
+                        )));
                     }
                     State::Dead if g.restart_at.is_none() => {
                         svc.set_state(&mut g, State::Starting);
                         drop(g);
-                        self.spawn_start(svc, "a connection arrived");
+                        self.spawn_start(svc, asker.why(false));
                     }
                     _ => {}
                 }

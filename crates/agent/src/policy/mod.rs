@@ -60,7 +60,9 @@ impl Control for Agent {
         deadline: Instant,
         accepted: Option<Instant>,
     ) -> Pending<Result<bool, Unavailable>> {
-        Box::pin(async move { self.ensure_running(&svc, deadline, accepted).await })
+        Box::pin(
+            async move { self.ensure_running(&svc, deadline, accepted, demand::Asker::Connection).await },
+        )
     }
 
     fn hopeless(&self, svc: &Service) -> Option<Refusal> {
@@ -83,8 +85,16 @@ impl Control for Agent {
                 Action::Suspend => self.suspend(&svc, why).await,
                 Action::Hibernate => self.hibernate(&svc, why).await,
                 Action::Resume | Action::Wake => {
+                    // What the front door would answer at once (a start
+                    // failing, its next not due): answered so here too.
+                    if let Some(r) = Agent::hopeless(&self, &svc) {
+                        return Err(r.reason);
+                    }
                     let deadline = Instant::now() + svc.cfg.wake_timeout;
-                    self.ensure_running(&svc, deadline, None).await.map(|_| ()).map_err(|e| e.0)
+                    self.ensure_running(&svc, deadline, None, demand::Asker::Api)
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| e.0)
                 }
                 Action::Restart => self.restart(&svc).await,
             }
