@@ -103,9 +103,10 @@ say "the journal of that process"
 if ! command -v criu >/dev/null 2>&1 && [ -x /opt/gpusnap/criu/bin/criu ]; then
     PATH=/opt/gpusnap/criu/bin:$PATH
 fi
+criu_failed=
 if ! command -v criu >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     say "installing CRIU (scripts/install-criu.sh)"
-    scripts/install-criu.sh || true
+    scripts/install-criu.sh || criu_failed=1
     PATH=/opt/gpusnap/criu/bin:$PATH
 fi
 if command -v criu >/dev/null 2>&1; then
@@ -128,6 +129,10 @@ if command -v criu >/dev/null 2>&1; then
     pid=
     "$bin" images rm quickstart
 else
-    say "CRIU not available (run as root to install it): skipping hibernate/wake"
+    if [ -n "$criu_failed" ]; then
+        say "CRIU could not be installed (scripts/install-criu.sh said why above): skipping hibernate/wake"
+    else
+        say "CRIU not available (run as root to install it): skipping hibernate/wake"
+    fi
 fi
 say "done ($mode mode); see README.md for the commands"
