@@ -97,7 +97,10 @@ impl Agent {
     pub fn kill9(&self) {
         let pid = self.pid();
         signal(pid, libc::SIGKILL);
-        wait_until(Duration::from_secs(30), || !alive(pid));
+        // Its main thread a zombie is not enough: until its last thread has
+        // exited, its descriptors (the sockets) stay open and answer, and
+        // the next agent would take it for one still serving there.
+        wait_until(Duration::from_secs(30), || !alive(pid) && UnixStream::connect(&self.socket).is_err());
     }
 
     /// One API call; Err when the agent did not answer within `limit`.
