@@ -8,21 +8,9 @@ mod common;
 
 use common::*;
 use serde_json::Value;
-use std::path::PathBuf;
 use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
-
-/// Starts the fake workload under `run --light --fast-swap` with
-/// verification on; returns the `run` child's index and the workload's pid.
-fn run_fast(w: &mut World, st: &PathBuf, extra: &[&str]) -> (usize, i32) {
-    let wl = fake_workload_bin();
-    let mut args =
-        vec!["run", "--light", "--fast-swap", "--", wl.to_str().unwrap(), "--status", st.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let idx = w.spawn_gpusnap_env(&args, &[("GPUSNAP_FAST_SWAP_VERIFY", "1")]);
-    (idx, pid_in(st))
-}
 
 /// The fake driver's entry for `pid`.
 fn fake_proc(w: &World, pid: i32) -> Value {

@@ -716,6 +716,17 @@ pub fn pid_in(path: &PathBuf) -> i32 {
     std::fs::read_to_string(path).unwrap().split_whitespace().next().unwrap().parse().unwrap()
 }
 
+/// Starts the fake workload under `run --light --fast-swap` with
+/// verification on; returns the `run` child's index and the workload's pid.
+pub fn run_fast(w: &mut World, st: &PathBuf, extra: &[&str]) -> (usize, i32) {
+    let wl = fake_workload_bin();
+    let mut args =
+        vec!["run", "--light", "--fast-swap", "--", wl.to_str().unwrap(), "--status", st.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let idx = w.spawn_gpusnap_env(&args, &[("GPUSNAP_FAST_SWAP_VERIFY", "1")]);
+    (idx, pid_in(st))
+}
+
 /// The fake workload run with `args` and no guard, for its natural ending.
 pub fn unguarded(w: &World, args: &[&str]) -> ExitStatus {
     let mut cmd = Command::new(fake_workload_bin());
