@@ -96,8 +96,10 @@ impl Door {
                     fake_workload_bin().display().to_string()
                 ),
             };
+            // Parking is off unless the service asks for it.
+            let park = if s.extra.contains("park = ") { "" } else { "park = false\n" };
             text += &format!(
-                "\n[[service]]\nname = \"{}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\ncommand = {command}\npark = false\nmin_resident = \"0s\"\n{}\n",
+                "\n[[service]]\nname = \"{}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\ncommand = {command}\n{park}min_resident = \"0s\"\n{}\n",
                 s.name, s.extra
             );
             ports.insert(s.name.to_string(), (listen, backend, secret));
@@ -752,4 +754,42 @@ fn the_apis_resume_answers_a_failed_start_at_once_and_the_journal_says_who_asked
         !details.iter().any(|d| d.contains("a connection arrived") || d.contains("first request arrived")),
         "{details:?}"
     );
+}
+
+/// With parking on (the agent's default for the servers it starts), a swap
+/// through the front door parks the other model instead of suspending it:
+/// its context stays on the GPU, the driver is never asked to lock either
+/// process, and each comes back with its data intact, streamed or not.
+#[test]
+fn front_door_swaps_by_parking_without_the_drivers_lock() {
+    macro_rules! parked {
+        ($more:literal) => {
+            concat!(
+                "suspend_after = \"1h\"\ngpu_memory = \"600MiB\"\nwake_timeout = \"60s\"\npark = true\n",
+                $more
+            )
+        };
+    }
+    const A: &str = parked!("models = [\"a-model\"]");
+    const B: &str = parked!("models = [\"b-model\"]\nstart = \"on-demand\"");
+    let mut d = Door::start(
+        1000,
+        "",
+        &[
+            S { name: "a", kind: Kind::Gpu { mib: 600 }, extra: A },
+            S { name: "b", kind: Kind::Gpu { mib: 600 }, extra: B },
+        ],
+        &[],
+    );
+    let pa = d.wait_state("a", "running")["pid"].as_i64().unwrap();
+    assert_eq!(served_by(&d.chat("a-model", false)), (pa, 1, true));
+    let (pb, n, intact) = served_by(&d.chat("b-model", false));
+    assert_eq!((n, intact), (1, true));
+    d.wait_state("b", "running");
+    assert_eq!(d.service("a")["state"], "parked");
+    assert_eq!(served_by(&d.chat("a-model", true)), (pa, 2, true));
+    assert_eq!(d.service("b")["state"], "parked");
+    assert_eq!(served_by(&d.chat("b-model", true)), (pb, 2, true));
+    let locks = |pid: i64| d.w.calls_on(pid as i32).iter().filter(|c| c.starts_with("lock")).count();
+    assert_eq!((locks(pa), locks(pb)), (0, 0), "parked and back, never the driver's lock");
 }

@@ -78,9 +78,11 @@ impl SockWorld {
                 "--http-host".into(),
                 host.to_string(),
             ]);
+            // Parking is off unless the service asks for it.
+            let park = if extra.contains("park = ") { "" } else { "park = false\n" };
             text += &format!(
                 "\n[[service]]\nname = \"{name}\"\nwake_on = \"socket\"\nbackend = \"{host}:{port}\"\n\
-                 command = {cmd:?}\nwake_timeout = \"60s\"\npark = false\nmin_resident = \"0s\"\n{extra}\n"
+                 command = {cmd:?}\nwake_timeout = \"60s\"\n{park}min_resident = \"0s\"\n{extra}\n"
             );
         }
         let config = w.tmp.path().join("agent.toml");
@@ -530,4 +532,38 @@ fn gpusnap_probe_refuses_bad_input_with_one_line_and_its_exit_code() {
     assert!(err.contains("now belongs to another program"), "{err}");
     let _ = sleep.kill();
     let _ = sleep.wait();
+}
+
+/// A parked server (its memory in host memory, its context on the GPU) is
+/// woken by a connection to its own port, without a proxy and without the
+/// driver's lock; `gpusnap probe` says it is parked and ready, and wakes
+/// nothing.
+#[test]
+fn a_parked_server_is_woken_by_its_own_port_and_the_probe_says_parked() {
+    let (mut a, pid, addr) = SockWorld::running("suspend_after = \"700ms\"\npark = true");
+    a.wait_state("parked");
+    let sock = a.socket.display().to_string();
+    let r = a.w.json(&[
+        "probe",
+        "--pid",
+        &pid.to_string(),
+        "--port",
+        &addr.port().to_string(),
+        "--socket",
+        &sock,
+    ]);
+    let v: Value = serde_json::from_str(r.stdout.lines().last().unwrap_or("null")).unwrap_or(Value::Null);
+    assert_eq!((r.code, v["state"].as_str(), v["ready"].as_bool()), (0, Some("parked"), Some(true)), "{v}");
+    // And from the driver's side, with no agent to ask.
+    let (code, v) = a.probe(pid, addr.port());
+    assert_eq!((code, v["state"].as_str()), (0, Some("parked")), "{v}");
+    assert_eq!(a.service()["state"], "parked", "the probe woke nothing");
+    assert_eq!(a.socket_wakes(), 0);
+
+    let body = get(addr);
+    assert!(body.starts_with(&format!("ok {pid} ")), "{body}");
+    a.wait_state("running");
+    assert_eq!(a.socket_wakes(), 1, "{}", a.metrics());
+    let locks = a.w.calls_on(pid as i32).iter().filter(|c| c.starts_with("lock")).count();
+    assert_eq!(locks, 0, "parked and back, never the driver's lock");
 }

@@ -46,8 +46,9 @@ fn service_mib(i: usize) -> u64 {
 
 impl Agent {
     /// Writes the config of `n` services; `hibernating`: how many of them
-    /// also hibernate when suspended a while.
-    pub fn configure(host: &Host, n: usize, hibernating: usize) -> Result<Agent> {
+    /// also hibernate when suspended a while; `park`: two in three park
+    /// first (the others are suspended when evicted or idle).
+    pub fn configure(host: &Host, n: usize, hibernating: usize, park: bool) -> Result<Agent> {
         let state = host.path("state");
         let socket = host.path("agent.sock");
         let mut text = format!("[agent]\nsocket = {:?}\ntick = \"100ms\"\n", socket.display().to_string());
@@ -57,10 +58,11 @@ impl Agent {
             let (listen, backend) = (free_port(), free_port());
             let mib = service_mib(i);
             let hib = if i < hibernating { "hibernate_after = \"4s\"\n" } else { "" };
+            let parks = park && i % 3 != 2;
             text += &format!(
                 "\n[[service]]\nname = \"{name}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\n\
                  command = [{:?}, \"--mib\", \"{mib}\", \"--gpu\", \"0\", \"--http\", \"{backend}\", \"--tag\", \"{name}\"]\n\
-                 park = false\nmin_resident = \"0s\"\nsuspend_after = \"{}ms\"\n{hib}wake_timeout = \"30s\"\ngpu_memory = \"{mib}MiB\"\nmargin = \"32MiB\"\n",
+                 park = {parks}\nmin_resident = \"0s\"\nsuspend_after = \"{}ms\"\n{hib}wake_timeout = \"30s\"\ngpu_memory = \"{mib}MiB\"\nmargin = \"32MiB\"\n",
                 host.fake_workload().display().to_string(),
                 700 + 300 * i
             );

@@ -83,14 +83,45 @@ impl Lane<'_> {
         matches!(r, Ok((200, _))).then_some((name, port))
     }
 
+    /// A parked service, parking one when none is (None: none could be).
+    fn parked(&self, rng: &mut StdRng) -> Option<(String, u16)> {
+        let (name, port) = self.pick(rng, &["parked"]);
+        if self.agent.service(&name).is_some_and(|s| s["state"] == "parked") {
+            return Some((name, port));
+        }
+        let (name, port) = self.pick(rng, &["running"]);
+        let r = self.agent.api("POST", &format!("/v1/services/{name}/park"), Duration::from_secs(120));
+        matches!(r, Ok((200, _))).then_some((name, port))
+    }
+
     /// Injects one fault of `kind`; false when the kind is not an agent one.
     pub fn inject(&mut self, kind: &str, rng: &mut StdRng) -> Result<bool> {
         let stats = Arc::clone(&self.stats);
         match kind {
             "agent-kill-swap" => {
-                let (name, port) = self.pick(rng, &["suspended", "hibernated"]);
+                let (name, port) = self.pick(rng, &["suspended", "parked", "hibernated"]);
                 let t = self.ask_later(&name, port);
                 std::thread::sleep(ms(rng.gen_range(0..1500)));
+                self.restart_agent(rng)?;
+                let _ = t.join();
+            }
+            "agent-kill-park" => {
+                // Killed while parking: the library finishes on its own and
+                // the next agent finds it parked, or running if it had not
+                // begun.
+                let (name, _) = self.pick(rng, &["running"]);
+                let t = self.api_later(&format!("/v1/services/{name}/park"), Duration::from_secs(120));
+                std::thread::sleep(ms(rng.gen_range(0..800)));
+                self.restart_agent(rng)?;
+                let _ = t.join();
+            }
+            "agent-kill-unpark" => {
+                let Some((name, port)) = self.parked(rng) else {
+                    stats.skip(kind, "no service could be parked this cycle");
+                    return Ok(true);
+                };
+                let t = self.ask_later(&name, port);
+                std::thread::sleep(ms(rng.gen_range(0..800)));
                 self.restart_agent(rng)?;
                 let _ = t.join();
             }
@@ -112,7 +143,7 @@ impl Lane<'_> {
                 let _ = t.join();
             }
             "tenant" => {
-                let (name, port) = self.pick(rng, &["suspended", "hibernated"]);
+                let (name, port) = self.pick(rng, &["suspended", "parked", "hibernated"]);
                 let t = self.ask_later(&name, port);
                 std::thread::sleep(ms(rng.gen_range(0..300)));
                 let mib = rng.gen_range(self.host.gpu_mib / 4..self.host.gpu_mib * 3 / 4).to_string();
@@ -135,7 +166,7 @@ impl Lane<'_> {
                 self.host.write_fake_config(0, 0)?;
             }
             "crash-guarded" | "crash-unguarded" => {
-                let (name, port) = self.pick(rng, &["running", "suspended"]);
+                let (name, port) = self.pick(rng, &["running", "parked", "suspended"]);
                 let pid = self.agent.service_pid(&name);
                 // SIGSEGV: the guard suspends it before it dies; SIGKILL:
                 // nothing sees it coming.

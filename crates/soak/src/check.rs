@@ -1,5 +1,6 @@
 //! The invariants, checked after every fault and at the end: every service
-//! running, suspended and resumable, or hibernated with a valid signed
+//! running, parked (its context kept, never locked), suspended and
+//! resumable, or hibernated with a valid signed
 //! image, and answering right; nothing of a killed gpusnap left unfinished
 //! in the journal; no temporary files or mounts left.
 
@@ -65,6 +66,18 @@ pub fn services(host: &Host, agent: &Agent, stats: &Stats, context: &str) {
                     let want = if state == "running" { "running" } else { "checkpointed" };
                     (driver != want)
                         .then(|| format!("{state} but the driver says {driver:?} ({})", r.stderr.trim()))
+                }
+            }
+            "parked" => {
+                if !alive(pid) {
+                    Some(format!("parked but its process {pid} is gone"))
+                } else {
+                    // Its memory in host memory, its context on the GPU:
+                    // never locked by the driver.
+                    let r = host.gpusnap(stats, &agent.state, &["state", &pid.to_string()], &[]);
+                    let driver = r.json()["state"].as_str().unwrap_or("").to_string();
+                    (driver != "parked")
+                        .then(|| format!("parked but gpusnap says {driver:?} ({})", r.stderr.trim()))
                 }
             }
             _ => {

@@ -12,6 +12,7 @@ mod freezer;
 mod host;
 mod infra;
 mod lone;
+mod parked;
 mod settle;
 mod stats;
 mod supervise;
@@ -30,6 +31,8 @@ pub const KINDS: &[&str] = &[
     "agent-kill-swap",
     "agent-kill-hibernate",
     "agent-kill-wake",
+    "agent-kill-park",
+    "agent-kill-unpark",
     "tenant",
     "nvml-late",
     "crash-guarded",
@@ -42,6 +45,8 @@ pub const KINDS: &[&str] = &[
     "kill-resume",
     "kill-hibernate",
     "kill-wake",
+    "kill-park",
+    "kill-unpark",
     "kill-push",
     "kill-pull",
     "pages-fail",
@@ -74,6 +79,10 @@ struct Args {
     /// Services behind the agent (4-8).
     #[arg(long, default_value_t = 6)]
     services: usize,
+    /// The agent's services never park (each is suspended when evicted or
+    /// idle); by default two in three park first.
+    #[arg(long)]
+    no_park: bool,
     /// Client threads.
     #[arg(long, default_value_t = 3)]
     clients: usize,
@@ -150,13 +159,14 @@ fn run(args: &Args, root: PathBuf) -> Result<u64> {
         args.max_secs,
     );
     let stats = Arc::new(stats::Stats::default());
-    let agent = agent::Agent::configure(&host, args.services.clamp(2, 8), 2)?;
+    let agent = agent::Agent::configure(&host, args.services.clamp(2, 8), 2, !args.no_park)?;
     agent.start(&host)?;
     let services: Vec<(u16, String)> = agent.services.iter().map(|s| (s.listen, s.name.clone())).collect();
     let stop = Arc::new(AtomicBool::new(false));
     let clients = clients::start(args.clients, args.seed, services, Arc::clone(&stats), Arc::clone(&stop));
     let moto = infra::Moto::start();
     let mut lone = lone::Lone::new(&host, Arc::clone(&stats), moto).context("the command lane")?;
+    let mut parked = parked::Parked::new(&host, Arc::clone(&stats)).context("the park lane")?;
     let mut lane =
         agent_faults::Lane { host: &host, agent: &agent, stats: Arc::clone(&stats), swaps_before: 0 };
 
@@ -179,7 +189,10 @@ fn run(args: &Args, root: PathBuf) -> Result<u64> {
             args.seed, args.faults
         );
         let r = (|| -> Result<()> {
-            if !lane.inject(kind, &mut crng)? && !lone.inject(kind, &mut crng)? {
+            if !lane.inject(kind, &mut crng)?
+                && !lone.inject(kind, &mut crng)?
+                && !parked.inject(kind, &mut crng)?
+            {
                 anyhow::bail!("no lane injects {kind}");
             }
             Ok(())
@@ -208,9 +221,12 @@ fn run(args: &Args, root: PathBuf) -> Result<u64> {
     agent.kill9();
     let mut leftover = agent.recorded_pids();
     leftover.push(lone.pid);
+    leftover.push(parked.pid);
     lone.finish();
+    parked.finish();
     check::at_rest(&host, &stats, &agent.state);
     check::at_rest(&host, &stats, &lone.state);
+    check::at_rest(&host, &stats, &parked.state);
     host.end_all(&leftover);
     let m = check::mounts_under(&host.root);
     if !m.is_empty() {

@@ -1,5 +1,5 @@
 //! Whether every service settles: each one, on its own, is seen running,
-//! suspended or hibernated (or seen to leave its transition through one of
+//! parked, suspended or hibernated (or seen to leave its transition through one of
 //! those) within the bound. Not all of them at one instant: while the
 //! clients run on a loaded machine a swap is nearly always under way
 //! somewhere, and services that each settle within seconds may go minutes
@@ -10,7 +10,7 @@
 use serde_json::Value;
 use std::collections::BTreeMap;
 
-pub(crate) const SETTLED: [&str; 3] = ["running", "suspended", "hibernated"];
+pub(crate) const SETTLED: [&str; 4] = ["running", "parked", "suspended", "hibernated"];
 
 /// What the polls saw of one service.
 #[derive(Default)]
@@ -37,9 +37,10 @@ pub struct Settle {
 }
 
 /// A service now in `next`, in `prev` at the poll before, went through a
-/// settled state in between: the agent enters `suspending` and
-/// `hibernating` only from `running` or `suspended`, `waking` only from
-/// `hibernated` (or `idle`), and `resuming` from `suspended`, or straight
+/// settled state in between: the agent enters `suspending` (a suspend or a
+/// park) and `hibernating` only from `running`, `parked` or `suspended`,
+/// `waking` only from `hibernated` (or `idle`), and `resuming` from
+/// `suspended` or `parked`, or straight
 /// from `waking` within one wake (that one is no sign of an end). (A
 /// failed `after_resume` hook goes from `resuming` to `suspending`; the
 /// soak's services have no hooks.)

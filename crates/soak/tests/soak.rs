@@ -14,6 +14,13 @@ use std::process::Command;
 /// The kinds of the CI run.
 const FAULTS: &str = "tenant,nvml-late,crash-guarded,corrupt-chunk,kill-suspend,kill-push,kill-resume,criu-dump-fail,agent-kill-swap,agent-kill-wake";
 
+/// Every kind the soak had before parking joined it, in its order: the
+/// replays below draw from this list, as the long runs that found their
+/// cycles did (with `--no-park`: their services never parked).
+const BEFORE_PARK: &str = "agent-kill-swap,agent-kill-hibernate,agent-kill-wake,tenant,nvml-late,crash-guarded,\
+crash-unguarded,criu-dump-fail,criu-restore-fail,sigstop,freeze,kill-suspend,kill-resume,kill-hibernate,kill-wake,\
+kill-push,kill-pull,pages-fail,s3-stop-push,s3-stop-pull,corrupt-chunk,full-fs";
+
 /// Runs the soak with `args` and the gpusnap just built; its stdout, after
 /// asserting that it found no violation.
 fn soak(args: &[&str]) -> String {
@@ -56,8 +63,19 @@ fn a_short_seeded_soak_finds_no_violation() {
 /// the default, so that swaps overlap.
 #[test]
 fn seed_21s_agent_killed_mid_swap_leaves_every_service_settled() {
-    let out =
-        soak(&["--seed", "21", "--faults", "all", "--from-cycle", "75", "--cycles", "1", "--clients", "5"]);
+    let out = soak(&[
+        "--seed",
+        "21",
+        "--faults",
+        BEFORE_PARK,
+        "--no-park",
+        "--from-cycle",
+        "75",
+        "--cycles",
+        "1",
+        "--clients",
+        "5",
+    ]);
     assert!(out.contains("| agent-kill-swap | 1 |"), "{out}");
 }
 
@@ -70,6 +88,30 @@ fn seed_21s_agent_killed_mid_swap_leaves_every_service_settled() {
 /// kills the agent inside the offload every time).
 #[test]
 fn seed_43s_agent_killed_in_a_fast_swap_offload_leaves_every_service_answering() {
-    let out = soak(&["--seed", "43", "--faults", "all", "--from-cycle", "5", "--cycles", "1"]);
+    let out =
+        soak(&["--seed", "43", "--faults", BEFORE_PARK, "--no-park", "--from-cycle", "5", "--cycles", "1"]);
     assert!(out.contains("| agent-kill-swap | 1 |"), "{out}");
+}
+
+/// Parking under faults: `gpusnap park` and `resume` of a fast-swap program
+/// killed in either phase, and the agent killed while it parks a service or
+/// while a request unparks one. Every service settles (parked ones are
+/// never locked by the driver) and every program comes back intact.
+#[test]
+fn a_short_soak_of_the_park_faults_finds_no_violation() {
+    let out = soak(&[
+        "--seed",
+        "3",
+        "--cycles",
+        "6",
+        "--max-secs",
+        "90",
+        "--services",
+        "3",
+        "--clients",
+        "2",
+        "--faults",
+        "agent-kill-park,agent-kill-unpark,kill-park,kill-unpark",
+    ]);
+    assert!(out.contains("kill-park |") && out.contains("agent-kill-unpark |"), "{out}");
 }

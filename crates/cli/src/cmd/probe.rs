@@ -145,6 +145,10 @@ fn judge(cli: &Cli, root: i32, port: u16, socket: &Path) -> anyhow::Result<Verdi
             }
             if rows.iter().any(|r| r.state == "checkpointed") {
                 "suspended"
+            } else if rows.iter().any(|r| r.state == "parked") {
+                // Its memory in host memory, its context on the GPU: a
+                // connection brings it back, as for a suspended one.
+                "parked"
             } else {
                 "running"
             }
