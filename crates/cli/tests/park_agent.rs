@@ -27,9 +27,14 @@ impl Agent {
     /// An agent on one fake GPU of `gpu_mib` with services (name, fake
     /// workload arguments, more TOML lines), fast swap on (the default).
     fn start(w: World, svcs: &[(&str, &str, &str)]) -> Self {
+        Self::start_ticking(w, "100ms", svcs)
+    }
+
+    /// As [`Agent::start`], with the policy's tick every `tick`.
+    fn start_ticking(w: World, tick: &str, svcs: &[(&str, &str, &str)]) -> Self {
         let sockdir = tempfile::Builder::new().prefix("gpusnap-park-agent").tempdir_in("/tmp").unwrap();
         let socket = sockdir.path().join("agent.sock");
-        let mut text = format!("[agent]\nsocket = {:?}\ntick = \"100ms\"\n", socket.display().to_string());
+        let mut text = format!("[agent]\nsocket = {:?}\ntick = {tick:?}\n", socket.display().to_string());
         let mut ports = Vec::new();
         for (name, args, extra) in svcs {
             let (listen, backend) = (free_port(), free_port());
@@ -272,4 +277,38 @@ fn an_agent_killed_while_parking_adopts_the_server_parked() {
     assert_eq!(a.locks(pid), 0);
     ask(a.ports[0], pid);
     assert_eq!(a.service("m")["state"], "running");
+}
+
+/// A parked server killed with SIGKILL (nothing sees it coming) while
+/// requests keep arriving: each request's unpark finds no process, and the
+/// agent takes it for dead and starts it again, instead of going back to
+/// parked and resuming it anew for every request, forever, between two
+/// looks of the policy's tick.
+#[test]
+fn a_parked_server_killed_under_steady_requests_is_restarted_not_resumed_forever() {
+    let w = World::new(&[1000]);
+    let mut a = Agent::start_ticking(w, "2s", &[("m", "--mib 300", "suspend_after = \"1h\"")]);
+    let pid = a.wait_state("m", "running")["pid"].as_i64().unwrap();
+    let (code, body) = a.api("POST", "/v1/services/m/park");
+    assert_eq!(code, 200, "{body}");
+    a.wait_state("m", "parked");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL)
+        .unwrap();
+    // Requests back to back, as a busy front door sends them: refusals
+    // while it restarts, then an answer from the new process.
+    let port = a.ports[0];
+    let end = std::time::Instant::now() + LONG;
+    let answered = loop {
+        assert!(std::time::Instant::now() < end, "never answered again: {}", a.service("m"));
+        if let Ok(text) = http::tcp_get(port, "/", Duration::from_secs(15)) {
+            let (code, body) = http::split_dechunked(&text);
+            if code == 200 {
+                break body;
+            }
+        }
+    };
+    let new = a.service("m")["pid"].as_i64().unwrap();
+    assert_ne!(new, pid);
+    assert!(answered.starts_with(&format!("ok {new} ")), "{answered}");
+    assert!(a.notes(pid).iter().any(|n| n.contains("ended")), "{:?}", a.notes(pid));
 }

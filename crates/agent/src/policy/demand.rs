@@ -277,6 +277,18 @@ impl Agent {
                 Err((_, msg)) => {
                     self.metrics().transition(&svc.name, kind, false, 0.0);
                     self.journal(svc, None, &format!("{kind} failed: {msg}"));
+                    // Its process is gone (killed while suspended or parked):
+                    // dead, restarted as the tick would, not resumed anew by
+                    // every waiting request before the tick can see it.
+                    let gone = {
+                        let g = svc.lock();
+                        !matches!(g.state, State::Waking)
+                            && g.process.as_ref().is_some_and(|p| !target::is_alive(p))
+                    };
+                    if gone {
+                        self.died(svc, &format!("the process ended while it was away from the GPU ({msg})"));
+                        return;
+                    }
                     // A copy back that was refused leaves it parked.
                     let (a, s) = (Arc::clone(self), Arc::clone(svc));
                     let parked = tokio::task::spawn_blocking(move || a.parked_now(&s)).await.unwrap_or(false);
