@@ -117,4 +117,7 @@ pub trait Control: Send + Sync + 'static {
 
     /// Journals `what` on the service's process (blocks).
     fn note(&self, svc: &Service, what: &str);
+
+    /// What `svc` holds now: GPU, host memory and image bytes (blocks).
+    fn held(&self, svc: &Service) -> crate::held::Held;
 }

@@ -77,6 +77,8 @@ pub struct Metrics {
     pub annotation_errors: Family<PodKeyLabels, Counter>,
     pub socket_wakes: Family<ServiceLabels, Counter>,
     pub socket_wake_delay: Histograms<ServiceLabels>,
+    /// The last request-driven wakes, for the status page (not exported).
+    pub recent: crate::recent::Recent,
 }
 
 /// A histogram family whose buckets come from `fn() -> Histogram`.
@@ -220,7 +222,15 @@ impl Metrics {
                 phase_buckets,
             ),
             registry,
+            recent: Default::default(),
         }
+    }
+
+    /// A finished wake of `service`: observed, and kept among the recent
+    /// ones.
+    pub fn swap_done(&self, service: &str, t: &crate::trace::WakeTrace) {
+        self.swap_trace(t);
+        self.recent.push(service, t);
     }
 
     /// A finished wake trace: its phases, its total and its counts.

@@ -157,7 +157,7 @@ async fn wait_for(agent: &Arc<dyn Control>, svc: &Arc<Service>) -> Result<Option
 fn finish(agent: &Arc<dyn Control>, svc: &Arc<Service>, pending: &Mutex<Option<WakeTrace>>) {
     let Some(mut t) = pending.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
     t.mark_now("first_byte");
-    agent.metrics().swap_trace(&t);
+    agent.metrics().swap_done(&svc.name, &t);
     let (agent, svc) = (Arc::clone(agent), Arc::clone(svc));
     tokio::task::spawn_blocking(move || agent.note(&svc, &t.summary()));
 }

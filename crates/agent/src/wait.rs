@@ -52,7 +52,7 @@ impl InFlight {
         }
         if let Some(mut t) = self.trace.take() {
             t.mark_now("first_byte");
-            self.agent.metrics().swap_trace(&t);
+            self.agent.metrics().swap_done(&self.svc.name, &t);
             let (agent, svc) = (Arc::clone(&self.agent), Arc::clone(&self.svc));
             tokio::task::spawn_blocking(move || agent.note(&svc, &t.summary()));
         }

@@ -793,3 +793,122 @@ fn front_door_swaps_by_parking_without_the_drivers_lock() {
     let locks = |pid: i64| d.w.calls_on(pid as i32).iter().filter(|c| c.starts_with("lock")).count();
     assert_eq!((locks(pa), locks(pb)), (0, 0), "parked and back, never the driver's lock");
 }
+
+/// A headless Chromium's DOM of `url` once its scripts ran, and its
+/// screenshot written to `png`; None (after a skip) where none runs.
+fn headless(url: &str, png: &std::path::Path) -> Option<String> {
+    let run = |extra: &[&str]| {
+        Command::new("chromium")
+            .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            .args(["--virtual-time-budget=5000", "--window-size=1400,900"])
+            .arg(format!("--user-data-dir={}", png.with_extension("profile").display()))
+            .args(extra)
+            .arg(url)
+            .stdin(Stdio::null())
+            .output()
+    };
+    let dom = match run(&["--dump-dom"]) {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).to_string(),
+        Ok(o) => panic!("chromium failed: {}", String::from_utf8_lossy(&o.stderr)),
+        Err(e) => {
+            gpusnap_testkit::skip(format!(
+                "chromium does not run ({e}): apt-get install chromium; .ci/run installs it"
+            ));
+            return None;
+        }
+    };
+    let shot = run(&[&format!("--screenshot={}", png.display())]).unwrap();
+    assert!(shot.status.success(), "{}", String::from_utf8_lossy(&shot.stderr));
+    let img = std::fs::read(png).unwrap();
+    assert!(img.starts_with(b"\x89PNG") && img.len() > 10_000, "a screenshot of {} bytes", img.len());
+    Some(dom)
+}
+
+/// The status page in a real browser: each service with its state and the
+/// memory it holds, and the last swaps with their phases.
+#[test]
+fn the_status_page_shows_services_memory_and_swaps_in_a_real_browser() {
+    macro_rules! gpu {
+        ($more:literal) => {
+            concat!("suspend_after = \"1h\"\ngpu_memory = \"600MiB\"\nwake_timeout = \"60s\"\n", $more)
+        };
+    }
+    const A: &str = gpu!("models = [\"a-model\"]");
+    const B: &str = gpu!("models = [\"b-model\"]\nstart = \"on-demand\"");
+    let mut d = Door::start(
+        1000,
+        "[agent.http]\nui = true",
+        &[
+            S { name: "a", kind: Kind::Gpu { mib: 600 }, extra: A },
+            S { name: "b", kind: Kind::Gpu { mib: 600 }, extra: B },
+        ],
+        &[],
+    );
+    d.wait_state("a", "running");
+    served_by(&d.chat("b-model", false));
+    d.wait_state("b", "running");
+    // a comes back for its request: a swap, traced.
+    served_by(&d.chat("a-model", false));
+    d.wait_state("a", "running");
+    d.wait_state("b", "suspended");
+
+    let (code, _, body) = d.curl(&["/ui/state"]);
+    assert_eq!(code, 200, "{body}");
+    let s = json(&body);
+    let svc = |n: &str| s["services"].as_array().unwrap().iter().find(|x| x["name"] == n).unwrap().clone();
+    assert_eq!(
+        (svc("a")["state"].as_str(), svc("a")["models"][0].as_str()),
+        (Some("running"), Some("a-model"))
+    );
+    assert_eq!(svc("a")["gpu_bytes"].as_u64(), Some(600 << 20), "{s}");
+    assert_eq!(
+        (svc("b")["state"].as_str(), svc("b")["host_bytes"].as_u64()),
+        (Some("suspended"), Some(600 << 20))
+    );
+    let swap =
+        s["swaps"].as_array().unwrap().iter().rev().find(|w| w["service"] == "a").cloned().expect("a's swap");
+    let phases: Vec<&str> =
+        swap["phases"].as_array().unwrap().iter().filter_map(|p| p["phase"].as_str()).collect();
+    assert!(phases.contains(&"resume") && phases.contains(&"first_byte"), "{swap}");
+
+    let png = d.w.tmp.path().join("status-page.png");
+    let Some(dom) = headless(&format!("http://127.0.0.1:{}/ui", d.http), &png) else { return };
+    assert!(dom.contains("data-loaded=\"1\""), "the page never drew its data: {dom}");
+    assert!(dom.contains("<tr data-service=\"a\">") && dom.contains("<tr data-service=\"b\">"), "{dom}");
+    assert!(dom.contains("class=\"state state-running\">running<"), "{dom}");
+    assert!(dom.contains("class=\"state state-suspended\">suspended<"), "{dom}");
+    assert!(dom.contains(">600.0 MiB<"), "{dom}");
+    assert!(dom.contains("<div class=\"swap\" data-service=\"a\">"), "{dom}");
+    assert!(dom.contains("title=\"resume: "), "{dom}");
+}
+
+/// Off unless enabled; on, its files answer without a key (they hold no
+/// data) and its data only with one, which the page asks for.
+#[test]
+fn the_status_page_is_off_by_default_and_its_data_is_behind_the_api_keys() {
+    let off = Door::start(1000, "", &[openai("alpha", "suspend_after = \"never\"")], &[]);
+    let (code, _, body) = off.curl(&["/ui"]);
+    assert!(!body.contains("<title>gpusnap</title>"), "{code} {body}");
+    drop(off);
+
+    const KEY: &str = "sk-status-page-0123456789";
+    let d = Door::start(
+        1000,
+        &format!("[agent.http]\nui = true\napi_keys = [{KEY:?}]"),
+        &[openai("alpha", "suspend_after = \"never\"")],
+        &[],
+    );
+    let (code, head, body) = d.curl(&["/ui"]);
+    assert_eq!(code, 200, "{head}");
+    assert!(body.contains("<title>gpusnap</title>") && head.contains("text/html"), "{head}");
+    assert!(head.to_ascii_lowercase().contains("content-security-policy: default-src 'self'"), "{head}");
+    assert_eq!(d.curl(&["/ui/state"]).0, 401);
+    let auth = format!("Authorization: Bearer {KEY}");
+    let (code, _, body) = d.curl(&["-H", &auth, "/ui/state"]);
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(json(&body)["services"][0]["name"], "alpha");
+    let png = d.w.tmp.path().join("status-page-key.png");
+    let Some(dom) = headless(&format!("http://127.0.0.1:{}/ui", d.http), &png) else { return };
+    assert!(dom.contains("an API key is needed"), "{dom}");
+    assert!(!dom.contains("data-service=\"alpha\""), "{dom}");
+}

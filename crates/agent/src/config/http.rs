@@ -46,6 +46,10 @@ pub struct HttpLimits {
     /// neither by `Host`, nor by path, nor by its name as a model.
     #[serde(default)]
     pub route_only_models: bool,
+    /// A read-only status page at `/ui` (its data behind `api_keys` when
+    /// they are set).
+    #[serde(default)]
+    pub ui: bool,
 }
 
 impl std::fmt::Debug for HttpLimits {
@@ -60,6 +64,7 @@ impl std::fmt::Debug for HttpLimits {
             .field("max_body_in_flight", &self.max_body_in_flight)
             .field("api_keys", &format_args!("[{} key(s)]", self.api_keys.len()))
             .field("route_only_models", &self.route_only_models)
+            .field("ui", &self.ui)
             .finish()
     }
 }
@@ -76,6 +81,7 @@ impl Default for HttpLimits {
             max_body_in_flight: default_max_body_in_flight(),
             api_keys: Vec::new(),
             route_only_models: false,
+            ui: false,
         }
     }
 }

@@ -10,13 +10,15 @@
 //! - [`forward`]: the request to the backend, its answer streamed back;
 //! - [`pool`]: backend connections kept between requests;
 //! - [`models`]: `/v1/models`, `/healthz`, `/readyz`;
-//! - [`gate`]: who may ask (`api_keys`), and the bytes of bodies held.
+//! - [`gate`]: who may ask (`api_keys`), and the bytes of bodies held;
+//! - [`ui`]: the status page (`ui = true`).
 
 mod forward;
 mod gate;
 mod models;
 mod pool;
 mod route;
+mod ui;
 
 use crate::config::HttpLimits as Limits;
 use crate::control::Control;
@@ -140,6 +142,13 @@ async fn handle(
     if req.method() == hyper::Method::GET && path == "/healthz" {
         return models::healthz();
     }
+    // The page's own files hold no data: served before the key, so that a
+    // browser can load the page that then asks for one.
+    if limits.ui && req.method() == hyper::Method::GET {
+        if let Some(r) = ui::asset(path) {
+            return r;
+        }
+    }
     // Before anything is routed, listed or woken.
     if let Err(refused) = gate.key(req.headers()) {
         return *refused;
@@ -149,6 +158,7 @@ async fn handle(
         match path {
             "/readyz" => return models::readyz(&agent, &services),
             "/v1/models" => return models::list(&agent, &services),
+            "/ui/state" if limits.ui => return ui::state(agent, services).await,
             _ => {}
         }
         if let Some(id) = path.strip_prefix("/v1/models/") {

@@ -135,4 +135,8 @@ impl Control for Agent {
     fn note(&self, svc: &Service, what: &str) {
         self.journal(svc, None, what);
     }
+
+    fn held(&self, svc: &Service) -> crate::held::Held {
+        self.held_by(svc)
+    }
 }

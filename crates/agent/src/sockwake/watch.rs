@@ -303,7 +303,7 @@ impl Watch {
             match r {
                 Ok(true) => {
                     if let Some(t) = crate::wait::waited(&ctl, &svc, seen, "a socket wake") {
-                        ctl.metrics().swap_trace(&t);
+                        ctl.metrics().swap_done(&svc.name, &t);
                         let summary = format!("{} ({})", t.summary(), why.as_str());
                         let _ = tokio::task::spawn_blocking(move || ctl.note(&svc, &summary)).await;
                     }
