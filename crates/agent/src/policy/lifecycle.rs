@@ -270,14 +270,27 @@ impl Agent {
             svc.set_state(&mut g, State::Stopping);
         }
         self.journal(svc, None, "restart: asked through the API");
+        let began = Instant::now();
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
-        let r = tokio::task::spawn_blocking(move || {
-            a.stop_blocking(&s)?;
-            a.start_blocking(&s, "restart")
-        })
-        .await
-        .unwrap_or_else(|e| Err(e.to_string()));
-        self.metrics().transition(&svc.name, "restart", r.is_ok(), 0.0);
+        let stopped = tokio::task::spawn_blocking(move || a.stop_blocking(&s))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+        let r = match stopped {
+            Err(e) => Err(e),
+            Ok(()) => {
+                // As an automatic start: a server that declares its size
+                // starts once it fits, holding the GPU lock until it listens.
+                let _gpu = match svc.cfg.gpu_memory {
+                    Some(need) => Some(self.make_room(svc, need).await),
+                    None => None,
+                };
+                let (a, s) = (Arc::clone(self), Arc::clone(svc));
+                tokio::task::spawn_blocking(move || a.start_blocking(&s, "restart"))
+                    .await
+                    .unwrap_or_else(|e| Err(e.to_string()))
+            }
+        };
+        self.metrics().transition(&svc.name, "restart", r.is_ok(), began.elapsed().as_secs_f64());
         if let Err(e) = &r {
             self.died(svc, &format!("restart failed: {e}"));
         }

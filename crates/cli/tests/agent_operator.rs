@@ -1,0 +1,183 @@
+//! What an operator meets first with the agent: restarting a service on a
+//! full GPU, a restart's metrics, evictions that take no more than they
+//! need, an on-demand service whose start fails, a config changed under a
+//! running service, and `gpusnap services` finding the agent by its config.
+
+mod common;
+
+use common::*;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// A service of the test: its name, the MiB its fake server takes on GPU 0,
+/// and more TOML lines.
+struct Svc<'a> {
+    name: &'a str,
+    mib: u64,
+    extra: &'a str,
+}
+
+struct Node {
+    w: World,
+    socket: PathBuf,
+    config: PathBuf,
+    ports: Vec<(u16, u16)>,
+    agent: Option<usize>,
+    _sockdir: tempfile::TempDir,
+}
+
+impl Node {
+    /// An agent on one fake GPU of `gpu_mib` with `svcs` (fake servers it
+    /// starts, `park = false`, `min_resident = "0s"`, `margin = "0"` unless
+    /// their lines say otherwise), not started yet.
+    fn unstarted(gpu_mib: u64, agent_extra: &str, svcs: &[Svc]) -> Self {
+        let w = World::new(&[gpu_mib]);
+        let sockdir = tempfile::Builder::new().prefix("gpusnap-agent-op").tempdir_in("/tmp").unwrap();
+        let socket = sockdir.path().join("agent.sock");
+        let mut text = format!(
+            "[agent]\nsocket = {:?}\ntick = \"100ms\"\n{agent_extra}\n",
+            socket.display().to_string()
+        );
+        let mut ports = Vec::new();
+        for s in svcs {
+            let (listen, backend) = (free_port(), free_port());
+            ports.push((listen, backend));
+            let mut lines = String::new();
+            for (key, default) in [
+                ("park", "park = false"),
+                ("min_resident", "min_resident = \"0s\""),
+                ("margin", "margin = \"0\""),
+            ] {
+                if !s.extra.contains(&format!("{key} =")) {
+                    lines += default;
+                    lines += "\n";
+                }
+            }
+            text += &format!(
+                "\n[[service]]\nname = \"{}\"\nlisten = \"127.0.0.1:{listen}\"\nbackend = \"127.0.0.1:{backend}\"\n\
+                 command = [{:?}, \"--mib\", \"{}\", \"--gpu\", \"0\", \"--http\", \"{backend}\"]\n{lines}{}\n",
+                s.name,
+                fake_workload_bin().display().to_string(),
+                s.mib,
+                s.extra,
+            );
+        }
+        let config = w.tmp.path().join("agent.toml");
+        std::fs::write(&config, text).unwrap();
+        Self { w, socket, config, ports, agent: None, _sockdir: sockdir }
+    }
+
+    fn start(gpu_mib: u64, agent_extra: &str, svcs: &[Svc]) -> Self {
+        let mut n = Self::unstarted(gpu_mib, agent_extra, svcs);
+        n.spawn();
+        n
+    }
+
+    fn spawn(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+        let cfg = self.config.display().to_string();
+        self.agent = Some(self.w.spawn_gpusnap(&["agent", "--config", &cfg]));
+        let sock = self.socket.clone();
+        wait_for(LONG, || UnixStream::connect(&sock).is_ok());
+    }
+
+    fn port(&self, i: usize) -> u16 {
+        self.ports[i].0
+    }
+
+    fn metrics(&self) -> String {
+        let (code, body) = self.api("GET", "/metrics");
+        assert_eq!(code, 200, "{body}");
+        body
+    }
+
+    fn state(&self, name: &str) -> String {
+        self.service(name)["state"].as_str().unwrap_or("").to_string()
+    }
+
+    /// Waits until one of `a`, `b` runs with its memory and the other is
+    /// suspended; returns (running, suspended).
+    fn settle_one_running(&mut self, a: &str, b: &str) -> (String, String) {
+        let end = Instant::now() + LONG;
+        loop {
+            let (sa, sb) = (self.state(a), self.state(b));
+            match (sa.as_str(), sb.as_str()) {
+                ("running", "suspended") => break (a.to_string(), b.to_string()),
+                ("suspended", "running") => break (b.to_string(), a.to_string()),
+                _ => {}
+            }
+            assert!(Instant::now() < end, "never settled: {a} {sa}, {b} {sb}\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl AgentClient for Node {
+    fn api(&self, method: &str, path: &str) -> (u16, String) {
+        let (text, read) = http::unix_request(&self.socket, method, path, LONG);
+        read.unwrap();
+        http::split_dechunked(&text)
+    }
+
+    fn log(&self) -> String {
+        let n = self.agent.unwrap_or(0);
+        std::fs::read_to_string(self.w.tmp.path().join(format!("gpusnap-{n}.err"))).unwrap_or_default()
+    }
+
+    fn world(&mut self) -> &mut World {
+        &mut self.w
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(n) = self.agent.take() {
+            self.w.children[n].kill();
+        }
+        adopt_recorded_services(&mut self.w);
+    }
+}
+
+/// The sum of the samples of `name` whose labels include each of `labels`.
+fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn get(port: u16) -> (u16, String) {
+    match http::tcp_get(port, "/", LONG) {
+        Ok(text) => http::split_dechunked(&text),
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+const SIZED: &str = "suspend_after = \"1h\"\nwake_timeout = \"60s\"\ngpu_memory = \"600MiB\"";
+
+#[test]
+fn a_restart_of_a_suspended_service_on_a_full_gpu_makes_room_as_a_start_does() {
+    // 1000 MiB, two servers of 600: only one fits.
+    let mut n = Node::start(
+        1000,
+        "",
+        &[Svc { name: "a", mib: 600, extra: SIZED }, Svc { name: "b", mib: 600, extra: SIZED }],
+    );
+    let (running, suspended) = n.settle_one_running("a", "b");
+    let old = n.wait_state(&suspended, "suspended")["pid"].as_i64().unwrap();
+    let (code, body) = n.api("POST", &format!("/v1/services/{suspended}/restart"));
+    assert_eq!(code, 200, "{body}\n{}", n.log());
+    let v = n.wait_state(&suspended, "running");
+    assert_ne!(v["pid"].as_i64(), Some(old), "{v}");
+    n.wait_state(&running, "suspended");
+    let i = if suspended == "a" { 0 } else { 1 };
+    let (code, body) = get(n.port(i));
+    assert_eq!(code, 200, "{body}");
+    // The restart took its time, and says so.
+    let m = n.metrics();
+    let sum = metric(&m, "gpusnap_agent_transition_duration_seconds_sum", &["kind=\"restart\""]);
+    assert!(sum > 0.0, "{m}");
+}
