@@ -82,6 +82,9 @@ pub struct ServiceView {
     /// What the policy does next if nothing changes, and when:
     /// `{"action": "suspend", "in_ms": 240000}`. None: nothing planned.
     pub next: Option<NextStep>,
+    /// How the config differs from what its process was started with
+    /// (`command`, `fast_swap`); None: it does not (or cannot be told).
+    pub config_drift: Option<String>,
     /// A pod's service (`[kubernetes]`): the pod, `NAMESPACE/NAME`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
@@ -134,6 +137,7 @@ pub fn view(s: &Service) -> ServiceView {
         last_error: g.last_error.clone(),
         gpu_memory: g.full_footprint.or(g.footprint).or(s.cfg.gpu_memory),
         next: next_step(s, &g),
+        config_drift: g.drift.clone(),
         pod: s.cfg.pod.as_ref().map(|p| format!("{}/{}", p.namespace, p.name)),
     }
 }

@@ -84,6 +84,12 @@ impl Node {
         wait_for(LONG, || UnixStream::connect(&sock).is_ok());
     }
 
+    fn kill9(&mut self) {
+        let n = self.agent.take().unwrap();
+        self.w.children[n].kill();
+        self.w.children[n].wait();
+    }
+
     fn port(&self, i: usize) -> u16 {
         self.ports[i].0
     }
@@ -180,4 +186,35 @@ fn a_restart_of_a_suspended_service_on_a_full_gpu_makes_room_as_a_start_does() {
     let m = n.metrics();
     let sum = metric(&m, "gpusnap_agent_transition_duration_seconds_sum", &["kind=\"restart\""]);
     assert!(sum > 0.0, "{m}");
+}
+
+#[test]
+fn an_agent_restarted_on_a_changed_command_or_fast_swap_reports_the_drift_until_a_restart() {
+    let mut n = Node::start(4000, "", &[Svc { name: "a", mib: 100, extra: "suspend_after = \"1h\"" }]);
+    let pid = n.wait_state("a", "running")["pid"].as_i64().unwrap();
+    assert!(n.service("a")["config_drift"].is_null());
+    n.kill9();
+    let text = std::fs::read_to_string(&n.config).unwrap();
+    let changed = text.replace("\"--mib\", \"100\"", "\"--mib\", \"120\"") + "fast_swap = false\n";
+    assert_ne!(text, changed);
+    std::fs::write(&n.config, changed).unwrap();
+    n.spawn();
+    let v = n.wait_state("a", "running");
+    // The same process, found again, and said not to match its config.
+    assert_eq!(v["pid"].as_i64(), Some(pid), "{v}");
+    let drift = v["config_drift"].as_str().unwrap_or_else(|| panic!("no drift reported: {v}"));
+    assert!(drift.contains("command") && drift.contains("fast_swap"), "{drift}");
+    assert!(n.log().contains("the config changed since its process was started"), "{}", n.log());
+    let m = n.metrics();
+    assert_eq!(metric(&m, "gpusnap_agent_service_config_drift", &["service=\"a\""]), 1.0, "{m}");
+    let r = n.w.gpusnap(&["services", "--socket", n.socket.to_str().unwrap()]);
+    assert!(r.stdout.contains("config drift: the config changed"), "{}{}", r.stdout, r.stderr);
+    // A restart starts it as the config says.
+    let (code, body) = n.api("POST", "/v1/services/a/restart");
+    assert_eq!(code, 200, "{body}");
+    let v = n.wait_state("a", "running");
+    assert_ne!(v["pid"].as_i64(), Some(pid), "{v}");
+    assert!(v["config_drift"].is_null(), "{v}");
+    let m = n.metrics();
+    assert_eq!(metric(&m, "gpusnap_agent_service_config_drift", &["service=\"a\""]), 0.0, "{m}");
 }

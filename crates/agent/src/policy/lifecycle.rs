@@ -147,7 +147,10 @@ impl Agent {
             g.runner = Some(runner);
             g.image = None;
             g.ending_on_purpose = false;
+            g.launched = crate::service::Launched::of(&svc.cfg);
+            g.drift = None;
         }
+        self.metrics().config_drift.get_or_create(&ServiceLabels { service: svc.name.clone() }).set(0);
         self.persist();
         // Started means serving: a model server listens once it has loaded.
         let deadline = Instant::now() + svc.cfg.wake_timeout;
