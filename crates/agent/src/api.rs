@@ -109,7 +109,7 @@ fn next_step(s: &Service, g: &crate::service::Inner) -> Option<NextStep> {
         State::Suspended | State::Parked if !s.cfg.adopted() => {
             s.cfg.hibernate_after.map(|d| NextStep { action: "hibernate", in_ms: left(d, g.since.elapsed()) })
         }
-        State::Dead => g.restart_at.map(|t| NextStep {
+        State::Dead if s.cfg.start != crate::config::Start::OnDemand => g.restart_at.map(|t| NextStep {
             action: "restart",
             in_ms: t.saturating_duration_since(std::time::Instant::now()).as_millis() as u64,
         }),

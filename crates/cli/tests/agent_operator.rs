@@ -218,3 +218,68 @@ fn an_agent_restarted_on_a_changed_command_or_fast_swap_reports_the_drift_until_
     let m = n.metrics();
     assert_eq!(metric(&m, "gpusnap_agent_service_config_drift", &["service=\"a\""]), 0.0, "{m}");
 }
+
+#[test]
+fn a_cold_start_evicts_one_service_when_one_frees_enough() {
+    // 1024 MiB: a and b (200 each) and c (550) run, 74 free; d needs 614.
+    // c alone frees enough; a and b together do not, and a is the least
+    // recently used.
+    let idle = "suspend_after = \"1h\"\nfast_swap = false";
+    let mut n = Node::start(1024, "", &[
+        Svc { name: "a", mib: 200, extra: idle },
+        Svc { name: "b", mib: 200, extra: idle },
+        Svc { name: "c", mib: 550, extra: idle },
+        Svc {
+            name: "d",
+            mib: 614,
+            extra: "suspend_after = \"1h\"\nfast_swap = false\nstart = \"on-demand\"\ngpu_memory = \"614MiB\"\n\
+                    wake_timeout = \"60s\"",
+        },
+    ]);
+    for s in ["a", "b", "c"] {
+        n.wait_state(s, "running");
+    }
+    // Used in this order: a, c, b.
+    for i in [0, 2, 1] {
+        let (code, body) = get(n.port(i));
+        assert_eq!(code, 200, "{body}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (code, body) = get(n.port(3));
+    assert_eq!(code, 200, "{body}\n{}", n.log());
+    n.wait_state("d", "running");
+    let states: Vec<String> = ["a", "b", "c"].iter().map(|s| n.state(s)).collect();
+    assert_eq!(states, ["running", "running", "suspended"], "{}", n.log());
+}
+
+#[test]
+fn an_on_demand_service_whose_start_fails_starts_again_only_when_asked() {
+    // 2000 MiB on a GPU of 1000: each start fails.
+    let mut n = Node::start(
+        1000,
+        "",
+        &[Svc {
+            name: "od",
+            mib: 2000,
+            extra: "start = \"on-demand\"\nsuspend_after = \"1h\"\nfail_fast = true\nwake_timeout = \"20s\"",
+        }],
+    );
+    assert_eq!(n.state("od"), "idle");
+    let (code, body) = get(n.port(0));
+    assert_ne!(code, 200, "{body}");
+    let v = n.wait_state("od", "dead");
+    assert_eq!(v["restarts"], 1, "{v}");
+    // Nobody asks: no start in the background (its backoff was 1 s).
+    std::thread::sleep(Duration::from_secs(5));
+    let v = n.service("od");
+    assert_eq!((v["state"].as_str(), v["restarts"].as_u64()), (Some("dead"), Some(1)), "{v}\n{}", n.log());
+    assert!(v["next"].is_null(), "{v}");
+    // Asked again, it starts again (and fails again).
+    let (code, body) = get(n.port(0));
+    assert_ne!(code, 200, "{body}");
+    let end = Instant::now() + LONG;
+    while n.service("od")["restarts"] != 2 {
+        assert!(Instant::now() < end, "not started again: {}\n{}", n.service("od"), n.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -248,7 +248,10 @@ impl Agent {
         svc.set_state(&mut g, State::Dead);
         drop(g);
         self.persist();
-        let next = if svc.cfg.restart && svc.cfg.command.is_some() {
+        let on_demand = svc.cfg.start == crate::config::Start::OnDemand;
+        let next = if svc.cfg.restart && svc.cfg.command.is_some() && on_demand {
+            format!("; started again when asked (a request, an action), not before {} s", backoff.as_secs())
+        } else if svc.cfg.restart && svc.cfg.command.is_some() {
             format!("; restart in {} s", backoff.as_secs())
         } else {
             String::new()
