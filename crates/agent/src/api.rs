@@ -51,7 +51,11 @@ async fn check_peer(
     if !peer.allowed(agent.api_group()) {
         tracing::warn!(?peer, path = %req.uri().path(), "refused an API peer");
         let who = peer.uid.map_or("an unknown peer".to_string(), |u| format!("uid {u}"));
-        return error(StatusCode::FORBIDDEN, format!("{who} is neither root nor in the agent's group"), 2);
+        return error(
+            StatusCode::FORBIDDEN,
+            format!("{who} is neither root nor in the agent's group (`[agent] group` in its config)"),
+            2,
+        );
     }
     next.run(req).await
 }

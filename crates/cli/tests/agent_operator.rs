@@ -283,3 +283,33 @@ fn an_on_demand_service_whose_start_fails_starts_again_only_when_asked() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn services_find_the_agent_by_its_config_and_the_agent_says_where_it_listens() {
+    let mut n = Node::start(1000, "", &[Svc { name: "a", mib: 100, extra: "suspend_after = \"1h\"" }]);
+    n.wait_state("a", "running");
+    let config = n.config.display().to_string();
+    let r = n.w.gpusnap(&["--json", "services", "--config", &config]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(r.json()[0]["name"], "a", "{}", r.stdout);
+    let r = n.w.gpusnap(&["--json", "service", "a", "suspend", "--config", &config]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    n.wait_state("a", "suspended");
+    // Every address, at start.
+    let log = n.log();
+    for want in [
+        format!("listening: API (admin socket) at={}", n.socket.display()),
+        format!("listening: service a (proxy) at=127.0.0.1:{}", n.port(0)),
+        "listening: probe socket".to_string(),
+    ] {
+        assert!(log.contains(&want), "{want} not in:\n{log}");
+    }
+    // A user the socket refuses is told what lets them in.
+    let mut cmd = n.w.gpusnap_cmd(&["services", "--socket", n.socket.to_str().unwrap()]);
+    use std::os::unix::process::CommandExt;
+    cmd.uid(65534).gid(65534).current_dir("/");
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("`[agent] group`"), "{err}");
+}
