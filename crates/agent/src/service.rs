@@ -171,6 +171,9 @@ pub struct Service {
     /// A pod's service: the host pid of its container's first process, as
     /// the runtime last said (0: none running).
     pod_pid: std::sync::atomic::AtomicI32,
+    /// Whether its process runs with fast swap: 0 as the config says, 1
+    /// yes, 2 no (read without the lock: `parks` is asked under it).
+    runs_fast_swap: std::sync::atomic::AtomicU8,
 }
 
 /// How long a service brought back stays on the GPU before an eviction may
@@ -187,8 +190,23 @@ impl Service {
     /// server the agent started with fast swap and no before_suspend hook
     /// (the hook's server gives its memory back itself: it is suspended),
     /// unless its `park = false`.
+    /// A process started with another `fast_swap` than the config says now
+    /// (see [`Launched::drift`]) parks as it was started.
     pub fn parks(&self) -> bool {
-        self.cfg.park != Some(false) && self.cfg.fast_swap_on() && self.cfg.hooks.before_suspend.is_none()
+        let fast = match self.runs_fast_swap.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => true,
+            2 => false,
+            _ => self.cfg.fast_swap_on(),
+        };
+        self.cfg.park != Some(false) && fast && self.cfg.hooks.before_suspend.is_none()
+    }
+
+    /// Records how its process was started (None: as the config says).
+    pub fn set_launched(&self, inner: &mut Inner, launched: Option<Launched>) {
+        let v = launched.as_ref().map_or(0, |l| if l.fast_swap { 1 } else { 2 });
+        self.runs_fast_swap.store(v, std::sync::atomic::Ordering::Relaxed);
+        inner.drift = launched.as_ref().and_then(|l| l.drift(&self.cfg));
+        inner.launched = launched;
     }
 
     /// See [`MIN_RESIDENT`].
@@ -227,6 +245,7 @@ impl Service {
             changed: tokio::sync::watch::channel(0).0,
             backend_conns: tokio::sync::watch::channel(0).0,
             pod_pid: std::sync::atomic::AtomicI32::new(0),
+            runs_fast_swap: std::sync::atomic::AtomicU8::new(0),
         }
     }
 

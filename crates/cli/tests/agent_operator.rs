@@ -190,9 +190,11 @@ fn a_restart_of_a_suspended_service_on_a_full_gpu_makes_room_as_a_start_does() {
 
 #[test]
 fn an_agent_restarted_on_a_changed_command_or_fast_swap_reports_the_drift_until_a_restart() {
-    let mut n = Node::start(4000, "", &[Svc { name: "a", mib: 100, extra: "suspend_after = \"1h\"" }]);
+    let extra = "suspend_after = \"1h\"\npark = true";
+    let mut n = Node::start(4000, "", &[Svc { name: "a", mib: 100, extra }]);
     let pid = n.wait_state("a", "running")["pid"].as_i64().unwrap();
     assert!(n.service("a")["config_drift"].is_null());
+    assert_eq!(n.service("a")["next"]["action"], "park");
     n.kill9();
     let text = std::fs::read_to_string(&n.config).unwrap();
     let changed = text.replace("\"--mib\", \"100\"", "\"--mib\", \"120\"") + "fast_swap = false\n";
@@ -204,6 +206,8 @@ fn an_agent_restarted_on_a_changed_command_or_fast_swap_reports_the_drift_until_
     assert_eq!(v["pid"].as_i64(), Some(pid), "{v}");
     let drift = v["config_drift"].as_str().unwrap_or_else(|| panic!("no drift reported: {v}"));
     assert!(drift.contains("command") && drift.contains("fast_swap"), "{drift}");
+    // It runs with fast swap still: it is parked as it was started.
+    assert_eq!(v["next"]["action"], "park", "{v}");
     assert!(n.log().contains("the config changed since its process was started"), "{}", n.log());
     let m = n.metrics();
     assert_eq!(metric(&m, "gpusnap_agent_service_config_drift", &["service=\"a\""]), 1.0, "{m}");
@@ -215,6 +219,7 @@ fn an_agent_restarted_on_a_changed_command_or_fast_swap_reports_the_drift_until_
     let v = n.wait_state("a", "running");
     assert_ne!(v["pid"].as_i64(), Some(pid), "{v}");
     assert!(v["config_drift"].is_null(), "{v}");
+    assert_eq!(v["next"]["action"], "suspend", "{v}");
     let m = n.metrics();
     assert_eq!(metric(&m, "gpusnap_agent_service_config_drift", &["service=\"a\""]), 0.0, "{m}");
 }

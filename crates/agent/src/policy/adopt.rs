@@ -52,8 +52,7 @@ impl Agent {
             Some(t) => {
                 let pids = self.cuda_pids(t.pid);
                 g.process = Some(t.clone());
-                g.launched = rec.launched.clone();
-                g.drift = rec.launched.as_ref().and_then(|l| l.drift(&svc.cfg));
+                svc.set_launched(&mut g, rec.launched.clone());
                 let drift = g.drift.clone();
                 drop(g);
                 let labels = crate::metrics::ServiceLabels { service: svc.name.clone() };

@@ -286,7 +286,7 @@ impl Agent {
                     }
                 }
                 Err((_, msg)) => {
-                    self.metrics().transition(&svc.name, kind, false, 0.0);
+                    self.metrics().transition(&svc.name, kind, false, (end - attempt).as_secs_f64());
                     self.journal(svc, None, &format!("{kind} failed: {msg}"));
                     // A copy back that was refused leaves it parked.
                     let (a, s) = (Arc::clone(self), Arc::clone(svc));

@@ -147,8 +147,7 @@ impl Agent {
             g.runner = Some(runner);
             g.image = None;
             g.ending_on_purpose = false;
-            g.launched = crate::service::Launched::of(&svc.cfg);
-            g.drift = None;
+            svc.set_launched(&mut g, crate::service::Launched::of(&svc.cfg));
         }
         self.metrics().config_drift.get_or_create(&ServiceLabels { service: svc.name.clone() }).set(0);
         self.persist();
