@@ -58,7 +58,7 @@ def measure(port):
         r = c.getresponse()
         data = r.read()
         t = time.perf_counter() - t0
-        if r.status != 200 or not data.startswith(b"ok "):
+        if r.status != 200 or not json.loads(data)["choices"][0]["text"].startswith("ok "):
             raise SystemExit(f"bad answer on {port}: {r.status} {data[:80]!r}")
         if i >= 200:
             times.append(t)

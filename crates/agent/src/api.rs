@@ -51,7 +51,11 @@ async fn check_peer(
     if !peer.allowed(agent.api_group()) {
         tracing::warn!(?peer, path = %req.uri().path(), "refused an API peer");
         let who = peer.uid.map_or("an unknown peer".to_string(), |u| format!("uid {u}"));
-        return error(StatusCode::FORBIDDEN, format!("{who} is neither root nor in the agent's group"), 2);
+        return error(
+            StatusCode::FORBIDDEN,
+            format!("{who} is neither root nor in the agent's group (`[agent] group` in its config)"),
+            2,
+        );
     }
     next.run(req).await
 }
@@ -82,6 +86,9 @@ pub struct ServiceView {
     /// What the policy does next if nothing changes, and when:
     /// `{"action": "suspend", "in_ms": 240000}`. None: nothing planned.
     pub next: Option<NextStep>,
+    /// How the config differs from what its process was started with
+    /// (`command`, `fast_swap`); None: it does not (or cannot be told).
+    pub config_drift: Option<String>,
     /// A pod's service (`[kubernetes]`): the pod, `NAMESPACE/NAME`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
@@ -106,7 +113,7 @@ fn next_step(s: &Service, g: &crate::service::Inner) -> Option<NextStep> {
         State::Suspended | State::Parked if !s.cfg.adopted() => {
             s.cfg.hibernate_after.map(|d| NextStep { action: "hibernate", in_ms: left(d, g.since.elapsed()) })
         }
-        State::Dead => g.restart_at.map(|t| NextStep {
+        State::Dead if s.cfg.start != crate::config::Start::OnDemand => g.restart_at.map(|t| NextStep {
             action: "restart",
             in_ms: t.saturating_duration_since(std::time::Instant::now()).as_millis() as u64,
         }),
@@ -134,6 +141,7 @@ pub fn view(s: &Service) -> ServiceView {
         last_error: g.last_error.clone(),
         gpu_memory: g.full_footprint.or(g.footprint).or(s.cfg.gpu_memory),
         next: next_step(s, &g),
+        config_drift: g.drift.clone(),
         pod: s.cfg.pod.as_ref().map(|p| format!("{}/{}", p.namespace, p.name)),
     }
 }

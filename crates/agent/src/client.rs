@@ -68,7 +68,14 @@ fn connect_abstract(name: &str) -> std::io::Result<tokio::net::UnixStream> {
 async fn exchange(socket: &Path, method: &str, path: &str) -> Result<String, ClientError> {
     let connect = |e: std::io::Error| ClientError::Connect {
         path: socket.display().to_string(),
-        reason: e.to_string(),
+        reason: if e.kind() == std::io::ErrorKind::PermissionDenied {
+            format!(
+                "{e}: the API is for root and the members of the group `[agent] group` names in the \
+                 agent's config (set it, then add the user to that group and log in again)"
+            )
+        } else {
+            e.to_string()
+        },
     };
     let stream = match socket.to_str().and_then(|s| s.strip_prefix('@')) {
         Some(name) => connect_abstract(name).map_err(connect)?,

@@ -70,6 +70,24 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
                 .await
                 .map_err(|e| AgentError::Setup(format!("adopt: {e}")))?;
         }
+        // Every address the agent listens on, said once at start.
+        let mut addrs: Vec<(String, String)> = vec![
+            ("API (admin socket)".into(), agent.cfg().socket.display().to_string()),
+            ("probe socket".into(), agent.cfg().probe_path().display().to_string()),
+        ];
+        let tcp = |l: &tokio::net::TcpListener| l.local_addr().map_or("?".into(), |a| a.to_string());
+        for (svc, l) in &proxies {
+            addrs.push((format!("service {} (proxy)", svc.name), tcp(l)));
+        }
+        for svc in agent.services().iter().filter(|s| s.cfg.listen.is_none()) {
+            addrs.push((format!("service {} (its own port, wake_on = \"socket\")", svc.name), svc.cfg.backend.to_string()));
+        }
+        if let Some(l) = &front_door {
+            addrs.push(("front door (http_listen)".into(), tcp(l)));
+        }
+        if let Some(l) = &metrics_listener {
+            addrs.push(("metrics (metrics_listen)".into(), tcp(l)));
+        }
         // The proxies and the API see the agent only through Control.
         let ctl: Arc<dyn Control> = agent.clone();
         let budget = nofile.budget();
@@ -126,6 +144,9 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
             tokio::spawn(f.run(Arc::clone(&agent), every));
         }
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+        for (what, at) in &addrs {
+            tracing::info!(at = %at, "listening: {what}");
+        }
         tracing::info!(socket = %agent.cfg().socket.display(), services = agent.services().len(), "agent ready");
         eprintln!(
             "gpusnap agent: ready ({} services, API on {}, probes on {})",

@@ -77,6 +77,9 @@ pub struct Metrics {
     pub annotation_errors: Family<PodKeyLabels, Counter>,
     pub socket_wakes: Family<ServiceLabels, Counter>,
     pub socket_wake_delay: Histograms<ServiceLabels>,
+    /// 1 for a service whose process was started with another `command` or
+    /// `fast_swap` than its config says now (found again by a restarted agent).
+    pub config_drift: Family<ServiceLabels, Gauge>,
     /// The last request-driven wakes, for the status page (not exported).
     pub recent: crate::recent::Recent,
 }
@@ -191,6 +194,14 @@ impl Metrics {
                 r,
                 "swap_events",
                 "What wakes caused by a request had to do: admissions, refusals, evictions, NVML reads, connect retries",
+                None,
+                Family::default(),
+            ),
+            config_drift: register(
+                r,
+                "service_config_drift",
+                "1 for a service whose process runs with another command or fast_swap than its config says \
+                 (restart it to apply the config), else 0",
                 None,
                 Family::default(),
             ),

@@ -151,6 +151,12 @@ pub struct Inner {
     pub hook_failures: u64,
     /// What its last suspend checkpointed off the GPU (bytes).
     pub footprint: Option<u64>,
+    /// How the agent started its process (None: adopted, or started by an
+    /// agent that did not record it).
+    pub launched: Option<Launched>,
+    /// How the config differs from what the process was started with
+    /// (`command`, `fast_swap`): it runs as it was started until restarted.
+    pub drift: Option<String>,
 }
 
 pub struct Service {
@@ -165,6 +171,9 @@ pub struct Service {
     /// A pod's service: the host pid of its container's first process, as
     /// the runtime last said (0: none running).
     pod_pid: std::sync::atomic::AtomicI32,
+    /// Whether its process runs with fast swap: 0 as the config says, 1
+    /// yes, 2 no (read without the lock: `parks` is asked under it).
+    runs_fast_swap: std::sync::atomic::AtomicU8,
 }
 
 /// How long a service brought back stays on the GPU before an eviction may
@@ -181,8 +190,23 @@ impl Service {
     /// server the agent started with fast swap and no before_suspend hook
     /// (the hook's server gives its memory back itself: it is suspended),
     /// unless its `park = false`.
+    /// A process started with another `fast_swap` than the config says now
+    /// (see [`Launched::drift`]) parks as it was started.
     pub fn parks(&self) -> bool {
-        self.cfg.park != Some(false) && self.cfg.fast_swap_on() && self.cfg.hooks.before_suspend.is_none()
+        let fast = match self.runs_fast_swap.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => true,
+            2 => false,
+            _ => self.cfg.fast_swap_on(),
+        };
+        self.cfg.park != Some(false) && fast && self.cfg.hooks.before_suspend.is_none()
+    }
+
+    /// Records how its process was started (None: as the config says).
+    pub fn set_launched(&self, inner: &mut Inner, launched: Option<Launched>) {
+        let v = launched.as_ref().map_or(0, |l| if l.fast_swap { 1 } else { 2 });
+        self.runs_fast_swap.store(v, std::sync::atomic::Ordering::Relaxed);
+        inner.drift = launched.as_ref().and_then(|l| l.drift(&self.cfg));
+        inner.launched = launched;
     }
 
     /// See [`MIN_RESIDENT`].
@@ -215,10 +239,13 @@ impl Service {
                 full_footprint: None,
                 hook_failures: 0,
                 footprint: None,
+                launched: None,
+                drift: None,
             }),
             changed: tokio::sync::watch::channel(0).0,
             backend_conns: tokio::sync::watch::channel(0).0,
             pod_pid: std::sync::atomic::AtomicI32::new(0),
+            runs_fast_swap: std::sync::atomic::AtomicU8::new(0),
         }
     }
 
@@ -277,6 +304,45 @@ impl Service {
     }
 }
 
+/// What a server was started with, of what its config may change: a
+/// process found again after the config changed is not what the config
+/// says (see [`Launched::drift`]).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Launched {
+    pub command: Vec<String>,
+    pub fast_swap: bool,
+}
+
+impl Launched {
+    /// What a server started now from `cfg` would be started with.
+    pub fn of(cfg: &ServiceConfig) -> Option<Self> {
+        Some(Self { command: cfg.command.clone()?, fast_swap: cfg.fast_swap_on() })
+    }
+
+    /// How `cfg` differs from this, in words (None: it does not).
+    pub fn drift(&self, cfg: &ServiceConfig) -> Option<String> {
+        let now = Self::of(cfg)?;
+        let mut what = Vec::new();
+        if now.command != self.command {
+            what.push(format!("command (it runs {:?}, the config says {:?})", self.command, now.command));
+        }
+        if now.fast_swap != self.fast_swap {
+            what.push(format!(
+                "fast_swap (it runs with {}, the config says {})",
+                self.fast_swap, now.fast_swap
+            ));
+        }
+        if what.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "the config changed since its process was started: {}; it runs as it was started until \
+             `gpusnap service NAME restart`",
+            what.join(", ")
+        ))
+    }
+}
+
 /// What the agent must find again after a crash or a restart.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Persisted {
@@ -290,6 +356,9 @@ pub struct Persisted {
     /// [`Inner::full_footprint`], kept for the next agent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub full_footprint: Option<u64>,
+    /// [`Inner::launched`], kept for the next agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launched: Option<Launched>,
 }
 
 pub fn state_file(state_dir: &Path) -> std::path::PathBuf {

@@ -183,6 +183,7 @@ impl Agent {
             image: g.image.clone(),
             doing: None,
             full_footprint: g.full_footprint,
+            launched: g.launched.clone(),
         }
     }
 

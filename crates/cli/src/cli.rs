@@ -380,21 +380,25 @@ pub enum Cmd {
         socket: PathBuf,
     },
     /// The agent's services and their states.
+    ///
+    /// The agent is found at --socket (or GPUSNAP_AGENT_SOCKET), else at the
+    /// `[agent] socket` of --config, else of /etc/gpusnap/agent.toml when it
+    /// exists, else at /run/gpusnap/admin/agent.sock.
     Services {
-        /// The agent's admin socket.
-        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/admin/agent.sock")]
-        socket: PathBuf,
+        #[command(flatten)]
+        agent: AgentAt,
     },
     /// Ask the agent to act on one service.
+    ///
+    /// The agent is found as `gpusnap services` finds it.
     Service {
         /// The service, as named in the agent's configuration.
         name: String,
         /// What to do with it.
         #[arg(value_enum)]
         action: Action,
-        /// The agent's admin socket.
-        #[arg(long, env = "GPUSNAP_AGENT_SOCKET", default_value = "/run/gpusnap/admin/agent.sock")]
-        socket: PathBuf,
+        #[command(flatten)]
+        agent: AgentAt,
     },
     /// Check this host (and a process) for what checkpointing needs, and explain what is missing.
     Doctor {
@@ -421,6 +425,17 @@ pub enum Cmd {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
+}
+
+/// Where `gpusnap services` and `gpusnap service` find the agent.
+#[derive(clap::Args, Debug)]
+pub struct AgentAt {
+    /// The agent's admin socket.
+    #[arg(long, env = "GPUSNAP_AGENT_SOCKET", conflicts_with = "config")]
+    pub socket: Option<PathBuf>,
+    /// The agent's configuration: the socket its `[agent] socket` names.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
 }
 
 /// Which processes a command acts on: pids, or a group.

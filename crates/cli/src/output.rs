@@ -259,6 +259,9 @@ impl Out {
             if let Some(e) = s["last_error"].as_str() {
                 println!("  last error: {e}");
             }
+            if let Some(d) = s["config_drift"].as_str() {
+                println!("  config drift: {d}");
+            }
         }
     }
 

@@ -1020,7 +1020,18 @@ fn bad_configs_are_refused_naming_the_line() {
                 backend = \"127.0.0.1:2\"\ncommand = [\"x\"]\n";
     let second = "\n[[service]]\nname = \"b\"\nlisten = \"127.0.0.1:3\"\nbackend = \"127.0.0.1:4\"\ncommand = [\"y\"]\n";
     let cases = [
-        (good.replace("command", "colour = 1\ncommand"), 8, "unknown field `colour`"),
+        (good.replace("command", "colour = 1\ncommand"), 8, "unknown key `colour`"),
+        (
+            good.replace("command", "suspend_aftr = \"5m\"\ncommand"),
+            8,
+            "unknown key `suspend_aftr` in [[service]]: did you mean `suspend_after`?",
+        ),
+        (good.replace("[[service]]", "[service]"), 4, "write `[[service]]`"),
+        (
+            good.replace("\"127.0.0.1:2\"", "\"localhost:2\""),
+            7,
+            "backend = \"localhost:2\": expected IP:PORT, an IP address and port, such as \"127.0.0.1:2\"",
+        ),
         (format!("{good}{}", second.replace("\"b\"", "\"a\"")), 11, "duplicate service name \"a\""),
         (format!("{good}{}", second.replace("127.0.0.1:3", "127.0.0.1:1")), 12, "port 1"),
         (good.replace("command = [\"x\"]\n", ""), 5, "exactly one of command, pid_file, cgroup"),

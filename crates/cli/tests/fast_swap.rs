@@ -565,3 +565,24 @@ fn stream_ordered_pool_memory_is_named_as_left_with_the_driver() {
     assert_eq!(w.json(&["resume", &pid.to_string()]).code, 0);
     assert_progressing_at(&st);
 }
+
+#[test]
+fn a_stop_suspends_through_the_driver_without_moving_memory_out_and_reports_its_whole_time() {
+    // 1 GB/s: the driver's checkpoint of 512 MiB takes half a second at least.
+    let mut w = World::with_config(&[16_384], serde_json::json!({ "checkpoint_gbps": 1.0 }));
+    let st = status_file(&w, "fs");
+    let (idx, pid) = run_fast(&mut w, &st, &["--mib", "512"]);
+    assert_eq!(fast_swap_of(&w, pid)["phase"], "resident");
+    let r = w.json(&["stop", &pid.to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    w.wait_child(idx);
+    // Still suspended by the driver before the signal: never killed with
+    // its state on the GPU.
+    assert_suspended_before_death(&w, pid);
+    let h = w.json(&["history", &pid.to_string()]).json();
+    let ops: Vec<&str> = h["events"].as_array().unwrap().iter().filter_map(|e| e["op"].as_str()).collect();
+    assert!(!ops.contains(&"offload"), "a stop moved the memory to host memory first: {ops:?}");
+    // The time reported is the stop's, its suspend included.
+    let ms = r.json()["results"][0]["total_ms"].as_u64().unwrap();
+    assert!(ms >= 400, "{ms} ms reported: {}", r.stdout);
+}

@@ -440,9 +440,28 @@ fn moto_models() -> Option<Moto> {
 /// fake-workload's answer: (pid, requests served, memory intact).
 fn served_by(r: &(u16, String, String)) -> (i64, u64, bool) {
     assert_eq!(r.0, 200, "{}\n{}", r.1, r.2);
-    let f: Vec<&str> = r.2.split_whitespace().collect();
+    let text = completion_text(&r.2);
+    let f: Vec<&str> = text.split_whitespace().collect();
     assert_eq!(f.first(), Some(&"ok"), "{}", r.2);
     (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3] == "1")
+}
+
+/// The text of a fake model server's answer to a chat completion: OpenAI's
+/// JSON, or its server-sent events (each chunk's delta), or plain text.
+fn completion_text(body: &str) -> String {
+    if let Ok(v) = serde_json::from_str::<Value>(body) {
+        let c = &v["choices"][0];
+        return c["message"]["content"].as_str().or(c["text"].as_str()).unwrap_or_default().to_string();
+    }
+    if body.contains("data: ") {
+        return body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+            .collect();
+    }
+    body.to_string()
 }
 
 #[test]
@@ -666,7 +685,7 @@ fn fail_fast_answers_every_request_of_a_kept_alive_connection() {
     s.write_all(ask.as_bytes()).unwrap();
     let (head, body) = read_answer(&mut s);
     assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
-    assert!(body.starts_with(&format!("ok {pid} 1 ")), "{body}");
+    assert!(completion_text(&body).starts_with(&format!("ok {pid} 1 ")), "{body}");
     // Suspended with the connection open; its resume then fails (the
     // after_resume hook): the next request on the same connection gets the
     // 503 with the reason, as a new connection would.

@@ -320,6 +320,23 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
     }
 
     pub fn suspend(&mut self, pid: i32, lock_timeout_ms: u32) -> Result<SuspendReport, Error> {
+        self.suspend_with(pid, lock_timeout_ms, true)
+    }
+
+    /// A suspend before the process is ended (`stop`): the driver locks and
+    /// checkpoints it as any suspend, but a fast-swap library is not asked
+    /// to copy its memory to host memory first (nothing will be brought
+    /// back; a parked process's offloaded copies stay as they are).
+    pub fn suspend_to_end(&mut self, pid: i32, lock_timeout_ms: u32) -> Result<SuspendReport, Error> {
+        self.suspend_with(pid, lock_timeout_ms, false)
+    }
+
+    fn suspend_with(
+        &mut self,
+        pid: i32,
+        lock_timeout_ms: u32,
+        offload: bool,
+    ) -> Result<SuspendReport, Error> {
         let started = Instant::now();
         let t = target::resolve_callable(pid)?;
         // One gpusnap at a time drives a process (a guard may be suspending it).
@@ -362,7 +379,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         // Fast swap: the library moves what it serves first; the driver
         // then checkpoints what is left.
         let t_offload = Instant::now();
-        let offloaded = st == ProcessState::Running && self.offload(&t)?;
+        let offloaded = offload && st == ProcessState::Running && self.offload(&t)?;
         let offload_ms = ms(t_offload);
         let t_lock = Instant::now();
         if st == ProcessState::Running {

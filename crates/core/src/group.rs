@@ -124,12 +124,29 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         lock_timeout_ms: u32,
         progress: ProgressFactory<'_>,
     ) -> Result<Vec<SuspendReport>, Error> {
+        self.suspend_group_with(pids, lock_timeout_ms, true, progress)
+    }
+
+    /// [`Self::suspend_group`]; `offload` false before the group is ended
+    /// (see [`Engine::suspend_to_end`]).
+    fn suspend_group_with(
+        &mut self,
+        pids: &[i32],
+        lock_timeout_ms: u32,
+        offload: bool,
+        progress: ProgressFactory<'_>,
+    ) -> Result<Vec<SuspendReport>, Error> {
+        let one = |e: &mut Self, pid| {
+            if offload {
+                e.suspend(pid, lock_timeout_ms)
+            } else {
+                e.suspend_to_end(pid, lock_timeout_ms)
+            }
+        };
         if pids.len() == 1 {
-            return self.suspend(pids[0], lock_timeout_ms).map(|r| vec![r]);
+            return one(self, pids[0]).map(|r| vec![r]);
         }
-        let results = self.in_parallel(pids.iter().map(|&p| (p, p)).collect(), progress, |e, pid| {
-            e.suspend(pid, lock_timeout_ms)
-        });
+        let results = self.in_parallel(pids.iter().map(|&p| (p, p)).collect(), progress, one);
         Self::fail_group(results, |done| {
             let undo: Vec<(i32, i32)> =
                 done.iter().filter(|(_, r)| !r.already).map(|(p, _)| (*p, *p)).collect();
@@ -223,6 +240,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
         if pids.len() == 1 {
             return self.stop(pids[0], opts).map(|r| vec![r]);
         }
+        let started = std::time::Instant::now();
         if !opts.force {
             let cuda: Vec<i32> = pids
                 .iter()
@@ -237,18 +255,26 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                 })
                 .collect();
             if !cuda.is_empty() {
-                self.suspend_group(&cuda, opts.lock_timeout_ms, progress).map_err(|e| match e {
-                    Error::Member { pid, source } => Error::StopRefused {
-                        pid,
-                        reason: format!("suspend failed ({source}); no member of the group was stopped"),
+                self.suspend_group_with(&cuda, opts.lock_timeout_ms, false, progress).map_err(
+                    |e| match e {
+                        Error::Member { pid, source } => Error::StopRefused {
+                            pid,
+                            reason: format!("suspend failed ({source}); no member of the group was stopped"),
+                        },
+                        other => other,
                     },
-                    other => other,
-                })?;
+                )?;
             }
         }
         let results =
             self.in_parallel(pids.iter().map(|&p| (p, p)).collect(), progress, |e, pid| e.stop(pid, opts));
         // Nothing to put back: the others are ended either way.
-        Self::fail_group(results, |_| {})
+        let mut done = Self::fail_group(results, |_| {})?;
+        // Each member's time is the group's: its suspend came first.
+        let total_ms = started.elapsed().as_millis() as u64;
+        for r in &mut done {
+            r.total_ms = total_ms;
+        }
+        Ok(done)
     }
 }

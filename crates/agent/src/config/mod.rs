@@ -9,6 +9,7 @@ use std::time::Duration;
 use toml::Spanned;
 
 mod access;
+mod hints;
 mod hooks;
 mod http;
 mod kubernetes;
@@ -381,7 +382,7 @@ impl Config {
         };
         let cfg: Config = toml::from_str(text).map_err(|e| {
             let offset = e.span().map_or(0, |s| s.start);
-            invalid(offset, e.message().trim().to_string())
+            invalid(offset, hints::explain(text, offset, e.message().trim()))
         })?;
         if let Some(g) = &cfg.agent.group {
             if crate::peer::group_id(g.get_ref()).is_none() {

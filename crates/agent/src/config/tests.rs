@@ -71,8 +71,8 @@ fn hooks() {
         ("hooks.before_suspend = { path = \"sleep\" }", "must start with '/'"),
         ("hooks.after_resume = { path = \"/wake up\" }", "must start with '/'"),
         ("hooks.after_resume = { path = \"/w\", timeout = \"0s\" }", "timeout must be above 0"),
-        ("hooks.after_resume = { path = \"/w\", retries = 3 }", "unknown field `retries`"),
-        ("hooks.after_suspend = { path = \"/w\" }", "unknown field `after_suspend`"),
+        ("hooks.after_resume = { path = \"/w\", retries = 3 }", "unknown key `retries`"),
+        ("hooks.after_suspend = { path = \"/w\" }", "unknown key `after_suspend`"),
         ("hooks.after_resume = { timeout = \"1s\" }", "missing field `path`"),
     ] {
         let e = err(&format!("{GOOD}{bad}\n"));
@@ -241,4 +241,38 @@ fn the_pinned_budget_is_a_size_of_the_agent() {
     assert_eq!(Config::parse(&text, "x.toml").unwrap().agent.pinned_budget, Some(64 << 30));
     let e = err(&GOOD.replace("min_host_available = \"16GiB\"\n", "pinned_budget = \"lots\"\n"));
     assert!(e.contains("pinned_budget") || e.contains("lots"), "{e}");
+}
+
+#[test]
+fn a_mistyped_key_is_named_with_the_key_it_may_mean() {
+    for (from, to, table, meant) in [
+        ("suspend_after", "suspend_aftr", "[[service]]", "suspend_after"),
+        ("min_host_available", "min_host_avail", "[agent]", "min_host_available"),
+        ("agent", "agnet", "the top level", "agent"),
+    ] {
+        let e = err(&GOOD.replacen(from, to, 1));
+        assert!(e.contains(&format!("unknown key `{to}` in {table}: did you mean `{meant}`?")), "{e}");
+        assert!(!e.contains("expected one of"), "{e}");
+    }
+    // Nothing close: the keys it may be.
+    let e = err(&format!("{GOOD}zzzzzz = 1\n"));
+    assert!(e.contains("unknown key `zzzzzz` in [[service]]") && e.contains("`suspend_after`"), "{e}");
+}
+
+#[test]
+fn a_service_table_written_once_says_to_write_an_array_of_tables() {
+    let e = err(&GOOD.replace("[[service]]", "[service]"));
+    assert!(e.starts_with("x.toml:6: "), "{e}");
+    assert!(e.contains("write `[[service]]`"), "{e}");
+}
+
+#[test]
+fn an_address_that_is_not_ip_and_port_names_the_key_and_the_form() {
+    let e = err(&GOOD.replace("\"127.0.0.1:18000\"", "\"localhost:18000\""));
+    assert!(e.starts_with("x.toml:9: backend = \"localhost:18000\""), "{e}");
+    assert!(e.contains("IP:PORT") && e.contains("\"127.0.0.1:18000\""), "{e}");
+    let e = err(&GOOD.replace("\"127.0.0.1:18000\"", "\"http://127.0.0.1:18000\""));
+    assert!(e.contains("no scheme") && e.contains("\"127.0.0.1:18000\""), "{e}");
+    let e = err(&GOOD.replace("\"127.0.0.1:8000\"", "\"8000\""));
+    assert!(e.starts_with("x.toml:8: listen = \"8000\""), "{e}");
 }

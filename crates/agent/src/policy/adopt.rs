@@ -52,7 +52,15 @@ impl Agent {
             Some(t) => {
                 let pids = self.cuda_pids(t.pid);
                 g.process = Some(t.clone());
+                svc.set_launched(&mut g, rec.launched.clone());
+                let drift = g.drift.clone();
                 drop(g);
+                let labels = crate::metrics::ServiceLabels { service: svc.name.clone() };
+                self.metrics().config_drift.get_or_create(&labels).set(i64::from(drift.is_some()));
+                if let Some(d) = &drift {
+                    tracing::warn!(service = svc.name, pid = t.pid, "{d}");
+                    self.journal(svc, Some(&t), d);
+                }
                 let woken = rec.image.as_ref().filter(|_| {
                     rec.doing.as_deref() == Some("wake")
                         && rec.start_time.is_some_and(|st| st != t.start_time)

@@ -141,6 +141,17 @@ impl Agent {
                             g.last_error.as_deref().unwrap_or("?")
                         )));
                     }
+                    // On demand: never restarted on its own; asked, it
+                    // starts once its backoff has passed.
+                    State::Dead
+                        if svc.cfg.start == crate::config::Start::OnDemand
+                            && g.restart_at.is_some_and(|t| Instant::now() >= t) =>
+                    {
+                        g.restart_at = None;
+                        svc.set_state(&mut g, State::Starting);
+                        drop(g);
+                        self.spawn_start(svc, asker.why(false));
+                    }
                     State::Dead if g.restart_at.is_none() => {
                         svc.set_state(&mut g, State::Starting);
                         drop(g);
@@ -239,7 +250,7 @@ impl Agent {
                         .refusals
                         .get_or_create(&crate::metrics::ServiceLabels { service: svc.name.clone() })
                         .inc();
-                    let victim = self.pick_victim(svc);
+                    let victim = self.pick_victim(svc, None);
                     svc.trace(|t| t.mark_now("pick"));
                     match victim {
                         Some(v) => {
@@ -275,7 +286,7 @@ impl Agent {
                     }
                 }
                 Err((_, msg)) => {
-                    self.metrics().transition(&svc.name, kind, false, 0.0);
+                    self.metrics().transition(&svc.name, kind, false, (end - attempt).as_secs_f64());
                     self.journal(svc, None, &format!("{kind} failed: {msg}"));
                     // Its process is gone (killed while suspended or parked):
                     // dead, restarted as the tick would, not resumed anew by

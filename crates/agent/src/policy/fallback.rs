@@ -41,7 +41,8 @@ impl Agent {
         match state {
             // Its last start failed (or it died): the next is not due yet.
             State::Dead => {
-                let at = restart_at?;
+                // Due: an on-demand one starts for whoever asks now.
+                let at = restart_at.filter(|t| *t > Instant::now())?;
                 let left = at.saturating_duration_since(Instant::now());
                 Some(Refusal {
                     reason: format!(

@@ -147,7 +147,9 @@ impl Agent {
             g.runner = Some(runner);
             g.image = None;
             g.ending_on_purpose = false;
+            svc.set_launched(&mut g, crate::service::Launched::of(&svc.cfg));
         }
+        self.metrics().config_drift.get_or_create(&ServiceLabels { service: svc.name.clone() }).set(0);
         self.persist();
         // Started means serving: a model server listens once it has loaded.
         let deadline = Instant::now() + svc.cfg.wake_timeout;
@@ -245,7 +247,10 @@ impl Agent {
         svc.set_state(&mut g, State::Dead);
         drop(g);
         self.persist();
-        let next = if svc.cfg.restart && svc.cfg.command.is_some() {
+        let on_demand = svc.cfg.start == crate::config::Start::OnDemand;
+        let next = if svc.cfg.restart && svc.cfg.command.is_some() && on_demand {
+            format!("; started again when asked (a request, an action), not before {} s", backoff.as_secs())
+        } else if svc.cfg.restart && svc.cfg.command.is_some() {
             format!("; restart in {} s", backoff.as_secs())
         } else {
             String::new()
@@ -270,14 +275,27 @@ impl Agent {
             svc.set_state(&mut g, State::Stopping);
         }
         self.journal(svc, None, "restart: asked through the API");
+        let began = Instant::now();
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
-        let r = tokio::task::spawn_blocking(move || {
-            a.stop_blocking(&s)?;
-            a.start_blocking(&s, "restart")
-        })
-        .await
-        .unwrap_or_else(|e| Err(e.to_string()));
-        self.metrics().transition(&svc.name, "restart", r.is_ok(), 0.0);
+        let stopped = tokio::task::spawn_blocking(move || a.stop_blocking(&s))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+        let r = match stopped {
+            Err(e) => Err(e),
+            Ok(()) => {
+                // As an automatic start: a server that declares its size
+                // starts once it fits, holding the GPU lock until it listens.
+                let _gpu = match svc.cfg.gpu_memory {
+                    Some(need) => Some(self.make_room(svc, need).await),
+                    None => None,
+                };
+                let (a, s) = (Arc::clone(self), Arc::clone(svc));
+                tokio::task::spawn_blocking(move || a.start_blocking(&s, "restart"))
+                    .await
+                    .unwrap_or_else(|e| Err(e.to_string()))
+            }
+        };
+        self.metrics().transition(&svc.name, "restart", r.is_ok(), began.elapsed().as_secs_f64());
         if let Err(e) = &r {
             self.died(svc, &format!("restart failed: {e}"));
         }

@@ -12,6 +12,10 @@ use std::time::{Duration, Instant};
 const MEMORY_POLL: Duration = Duration::from_millis(5);
 const MEMORY_WAIT_MAX: Duration = Duration::from_millis(200);
 
+/// An eviction candidate: (tier, priority, last used), what it holds on the
+/// GPU (bytes, as NVML says), the service.
+type Candidate = ((u8, i64, i64), u64, Arc<Service>);
+
 impl Agent {
     /// Suspends idle services (as a resume would) until `need` bytes are
     /// free on the GPU with the most free memory, or wake_timeout passes.
@@ -37,7 +41,7 @@ impl Agent {
             if free >= need.saturating_add(svc.cfg.margin) || Instant::now() >= deadline {
                 return gpu;
             }
-            match self.pick_victim(svc) {
+            match self.pick_victim(svc, Some(need.saturating_add(svc.cfg.margin).saturating_sub(free))) {
                 Some(v) => {
                     let reason = format!(
                         "evicted to make room for {} to start ({} MiB free, {} MiB needed)",
@@ -131,15 +135,18 @@ impl Agent {
     /// in flight nor one back on the GPU for less than its `min_resident`;
     /// only when none is left, a parked one (suspended in full: its
     /// residual is the room needed). Lowest priority, then least recently
-    /// used. One engine and one NVML process list for all the candidates (a
-    /// swap waits on this).
-    pub(super) fn pick_victim(&self, for_svc: &Service) -> Option<Arc<Service>> {
+    /// used. `short`: the bytes still missing, when known (a cold start):
+    /// among the cheapest (same tier and priority), one that frees that
+    /// much alone, else the one that frees the most, so that no more
+    /// services are evicted than the room needs. One engine and one NVML
+    /// process list for all the candidates (a swap waits on this).
+    pub(super) fn pick_victim(&self, for_svc: &Service, short: Option<u64>) -> Option<Arc<Service>> {
         let mut e = self.engine().ok();
         // Only services on the GPUs the resume needs (its footprint's);
         // unknown (a cold start): any.
         let needed = self.footprint_gpus(&mut e, for_svc);
         let mut nvml: Option<Vec<gpusnap_gpu::ProcessUsage>> = None;
-        let mut best: Option<((u8, i64, i64), Arc<Service>)> = None;
+        let mut all: Vec<Candidate> = Vec::new();
         for s in self.services().iter() {
             if s.name == for_svc.name {
                 continue;
@@ -156,31 +163,49 @@ impl Agent {
                 }
                 ((tier, s.cfg.priority, g.last_used_ms), g.process.as_ref().map(|t| t.pid))
             };
-            if best.as_ref().is_some_and(|(k, _)| key >= *k) {
+            // Sizes matter only with `short`; else only the best key does.
+            if short.is_none() && all.first().is_some_and(|(k, _, _)| key >= *k) {
                 continue;
             }
             // A parked one is worth suspending only for what it still holds.
             let parked = key.0 == 1;
-            if let (true, Some(root)) = (parked || !needed.is_empty(), root) {
+            let mut held = 0;
+            if let (true, Some(root)) = (parked || !needed.is_empty() || short.is_some(), root) {
                 let procs = nvml.get_or_insert_with(|| {
                     e.as_ref().and_then(|e| e.gpus().processes().ok()).unwrap_or_default()
                 });
                 let pids = cuda_pids_in(e.as_mut(), root);
-                let on: std::collections::BTreeSet<String> = procs
-                    .iter()
-                    .filter(|p| pids.contains(&(p.pid as i32)) && p.bytes.is_none_or(|b| b > 0))
-                    .map(|p| p.uuid.clone())
-                    .collect();
+                let mine: Vec<&gpusnap_gpu::ProcessUsage> =
+                    procs.iter().filter(|p| pids.contains(&(p.pid as i32))).collect();
+                let on: std::collections::BTreeSet<String> =
+                    mine.iter().filter(|p| p.bytes.is_none_or(|b| b > 0)).map(|p| p.uuid.clone()).collect();
                 if parked && on.is_empty() {
                     continue;
                 }
                 if !needed.is_empty() && !on.is_empty() && on.is_disjoint(&needed) {
                     continue;
                 }
+                held = mine.iter().filter_map(|p| p.bytes).sum();
             }
-            best = Some((key, Arc::clone(s)));
+            if short.is_none() {
+                all.clear();
+            }
+            all.push((key, held, Arc::clone(s)));
         }
-        best.map(|(_, s)| s)
+        let cheapest = all.iter().map(|(k, _, _)| (k.0, k.1)).min()?;
+        let class = all.into_iter().filter(|(k, _, _)| (k.0, k.1) == cheapest);
+        let pick = match short {
+            None => class.min_by_key(|(k, _, _)| *k),
+            Some(short) => {
+                let (enough, not): (Vec<_>, Vec<_>) = class.partition(|(_, held, _)| *held >= short);
+                if enough.is_empty() {
+                    not.into_iter().max_by_key(|(k, held, _)| (*held, std::cmp::Reverse(k.2)))
+                } else {
+                    enough.into_iter().min_by_key(|(k, _, _)| k.2)
+                }
+            }
+        };
+        pick.map(|(_, _, s)| s)
     }
 
     /// The GPUs a suspended service's recorded footprint is on.

@@ -42,7 +42,9 @@ impl Agent {
                 State::Running if svc.cfg.on_fault == crate::config::OnFault::Hold && self.faulted(&svc) => {
                     self.held_faulted(&svc);
                 }
-                State::Dead if restart_due => {
+                // An on-demand service starts again only when asked (a
+                // request, an action), its backoff passed: see ensure_running.
+                State::Dead if restart_due && svc.cfg.start != crate::config::Start::OnDemand => {
                     let mut g = svc.lock();
                     g.restart_at = None;
                     svc.set_state(&mut g, State::Starting);

@@ -1,14 +1,14 @@
 //! `gpusnap agent`, `gpusnap services`, `gpusnap service NAME ACTION`: the
 //! daemon and its remote control live in the agent crate.
 
-use crate::cli::Cli;
+use crate::cli::{AgentAt, Cli};
 use crate::output::Out;
 use gpusnap_agent::client::{self, ClientError};
 use gpusnap_agent::control::Action;
 use gpusnap_agent::{AgentError, Config, Setup};
 use gpusnap_cuda::{Absent, CheckpointApi, CudaDriver, Deadline, OrAbsent, Timeouts};
 use gpusnap_gpu::{GpuInventory, NoGpus, NvmlInventory};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The exit code an agent or client error carries.
 pub fn exit_code(e: &anyhow::Error) -> Option<i32> {
@@ -40,6 +40,24 @@ pub fn run_agent(cli: &Cli, config: &Path) -> anyhow::Result<()> {
         exe,
     })?;
     Ok(())
+}
+
+/// The agent's configuration when none is named.
+const DEFAULT_CONFIG: &str = "/etc/gpusnap/agent.toml";
+
+/// The admin socket `at` names: --socket (or GPUSNAP_AGENT_SOCKET), else
+/// the `[agent] socket` of --config, else of the default config when it
+/// exists, else the default socket.
+pub fn socket(at: &AgentAt) -> anyhow::Result<PathBuf> {
+    if let Some(s) = &at.socket {
+        return Ok(s.clone());
+    }
+    let config = match &at.config {
+        Some(c) => c.clone(),
+        None if Path::new(DEFAULT_CONFIG).exists() => PathBuf::from(DEFAULT_CONFIG),
+        None => return Ok(gpusnap_agent::config::AgentConfig::default().socket),
+    };
+    Ok(Config::load(&config).map_err(AgentError::from)?.agent.socket)
 }
 
 pub fn services(out: &Out, socket: &Path) -> anyhow::Result<()> {

@@ -219,13 +219,17 @@ pub fn stop(
     force: bool,
     lock_timeout: u32,
 ) -> anyhow::Result<()> {
+    let began = std::time::Instant::now();
     // A stopped process is stop's to refuse (or --force), not bad input.
     select.validate(Check::Exists)?;
     let mut e = engine_with(cli, out, Load::Lenient)?;
     reconcile(cli, &mut e);
     let pids = &select.resolve(&mut e)?;
     let opts = StopOptions { grace: Duration::from_secs(grace), force, lock_timeout_ms: lock_timeout };
-    let r = e.stop_group(pids, &opts, &|| out.progress())?;
+    let mut r = e.stop_group(pids, &opts, &|| out.progress())?;
+    // The time said is the command's: its suspends and waits included.
+    let total_ms = began.elapsed().as_millis() as u64;
+    r.iter_mut().for_each(|r| r.total_ms = r.total_ms.max(total_ms));
     out.all(&r, output::stopped);
     Ok(())
 }

@@ -108,8 +108,8 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
             run::guard(cli, pids, *lock_timeout, *on_fault, *takeover, *daemon)
         }
         Cmd::Agent { config } => agent::run_agent(cli, config),
-        Cmd::Services { socket } => agent::services(out, socket),
-        Cmd::Service { name, action, socket } => agent::service(out, socket, name, *action),
+        Cmd::Services { agent: at } => agent::services(out, &agent::socket(at)?),
+        Cmd::Service { name, action, agent: at } => agent::service(out, &agent::socket(at)?, name, *action),
         Cmd::Man { dir, markdown } => manual::man(dir.as_deref(), *markdown),
         Cmd::Completions { shell } => manual::completions(*shell),
     }

@@ -52,7 +52,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
                     suspended = true
                 }
                 Ok(ProcessState::Running | ProcessState::Locked) => {
-                    match self.suspend(pid, opts.lock_timeout_ms) {
+                    match self.suspend_to_end(pid, opts.lock_timeout_ms) {
                         Ok(_) => suspended = true,
                         Err(e) if opts.force => {
                             tracing::warn!(pid, "suspend failed, killing anyway (--force): {e}")
