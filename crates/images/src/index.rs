@@ -54,9 +54,19 @@ impl Index {
         serde_json::to_vec(&Stored { signed, signature }).unwrap_or_default()
     }
 
+    /// Why the index vouches for nothing at `now` (it has expired), if so.
+    pub fn expired(&self, now: u64) -> Option<String> {
+        (self.expires <= now).then(|| {
+            format!(
+                "it expired {}s ago (a push to the remote by that key signs a fresh one)",
+                now - self.expires
+            )
+        })
+    }
+
     /// The index in `bytes`, stored as key `key` (hex)'s index of `remote`:
     /// signed by that key (trusted here), of that remote, not expired at
-    /// `now`. Why not, otherwise.
+    /// `now` (0: expired or not). Why not, otherwise.
     pub fn decode(bytes: &[u8], trust: &Trust, remote: &str, key: &str, now: u64) -> Result<Self, String> {
         let stored: Stored = serde_json::from_slice(bytes).map_err(|e| format!("it is malformed ({e})"))?;
         if !stored.signature.key.eq_ignore_ascii_case(key) {
@@ -71,13 +81,10 @@ impl Index {
         if idx.remote.trim_end_matches('/') != remote.trim_end_matches('/') {
             return Err(format!("it was signed for the remote {}, not {remote}", idx.remote));
         }
-        if idx.expires <= now {
-            return Err(format!(
-                "it expired {}s ago (a push to the remote by that key signs a fresh one)",
-                now - idx.expires
-            ));
+        match idx.expired(now) {
+            Some(why) if now > 0 => Err(why),
+            _ => Ok(idx),
         }
-        Ok(idx)
     }
 }
 

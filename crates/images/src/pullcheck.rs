@@ -56,8 +56,17 @@ fn newest_entry(
     let mut seqs = Vec::new();
     for k in trust.keys_for(rname) {
         let Some(bytes) = remote.get_index(&k).map_err(ChunkError::from)? else { continue };
-        let idx = Index::decode(&bytes, trust, base, &k, now)
+        // An index that expired vouches for nothing: refused where it names
+        // the name, passed over where it does not.
+        let idx = Index::decode(&bytes, trust, base, &k, 0)
             .map_err(|why| refuse(format!("the signed index of key {k} on {base}: {why}")))?;
+        match idx.expired(now) {
+            Some(why) if idx.entries.contains_key(rname) => {
+                return Err(refuse(format!("the signed index of key {k} on {base}: {why}")).into())
+            }
+            Some(_) => continue,
+            None => {}
+        }
         let seen = crate::pushed::seen(images.state_dir(), base, &index_seen_name(&k));
         if idx.sequence < seen && !allow_rollback {
             return Err(refuse(format!(

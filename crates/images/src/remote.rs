@@ -128,7 +128,13 @@ pub fn push_with(
     })?;
     let me = key.public_hex();
     let mut index = match remote.get_index(&me).map_err(ChunkError::from)? {
-        None => Index::new(&base, &me),
+        // A new one goes on from the newest of this host's seen here, so
+        // that hosts that read an older one of this key do not take it for
+        // a rollback.
+        None => Index {
+            sequence: crate::pushed::seen(state, &base, &crate::pullcheck::index_seen_name(&me)),
+            ..Index::new(&base, &me)
+        },
         // This host's own: renewed even when it has expired.
         Some(b) => Index::decode(&b, images.trust(), &base, &me, 0).map_err(|why| ImageError::Untrusted {
             name: name.into(),
