@@ -74,6 +74,7 @@ pub struct Metrics {
     pub swap: Histograms<KindLabels>,
     pub swap_events: Family<EventLabels, Counter>,
     pub faults: Family<ServiceLabels, Counter>,
+    pub fast_swap_bind_failures: Family<ServiceLabels, Counter>,
     pub annotation_errors: Family<PodKeyLabels, Counter>,
     pub socket_wakes: Family<ServiceLabels, Counter>,
     pub socket_wake_delay: Histograms<ServiceLabels>,
@@ -209,6 +210,14 @@ impl Metrics {
                 r,
                 "faults",
                 "Processes of a service whose CUDA context faulted (the guard could not suspend them)",
+                None,
+                Family::default(),
+            ),
+            fast_swap_bind_failures: register(
+                r,
+                "fast_swap_bind_failures",
+                "Processes of a service started with fast swap whose library could not bind its control socket \
+                 (fast swap off in them: they cannot be parked, and a suspend moves everything through the driver)",
                 None,
                 Family::default(),
             ),

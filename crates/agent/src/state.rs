@@ -62,7 +62,7 @@ impl Agent {
             s.state_dir.join("images"),
             gpusnap_images::sign::Trust::new(&s.state_dir, &s.config.agent.trust).map_err(|e| match e {
                 // A key of `trust` that does not parse: bad input (exit 2).
-                gpusnap_images::sign::SignError::BadKey(_) => {
+                gpusnap_images::sign::SignError::BadKey(_) | gpusnap_images::sign::SignError::BadScope(_) => {
                     AgentError::Config(crate::config::ConfigError::Read {
                         path: "[agent] trust".into(),
                         reason: e.to_string(),

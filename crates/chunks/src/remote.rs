@@ -14,6 +14,9 @@ use std::time::Duration;
 const PARALLEL: usize = 8;
 const MAX_MANIFEST: usize = 16 << 20;
 const MAX_SIG: usize = 4096;
+/// A signed index of one key's pushes to a remote (a few hundred bytes a
+/// name).
+const MAX_INDEX: usize = 8 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RemoteError {
@@ -139,6 +142,11 @@ pub struct Remote {
 }
 
 /// A chunk name that is not a blake3 hash (cut short: it came from outside).
+/// 64 hex digits: a public key as an object name.
+fn is_key_hex(key: &str) -> bool {
+    key.len() == 64 && key.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
 fn not_a_hash(hash: &str) -> ChunkError {
     ChunkError::Corrupt { hash: hash.chars().take(80).collect(), why: "not a blake3 name".into() }
 }
@@ -321,6 +329,30 @@ impl Remote {
                 .await?
                 .ok_or_else(no)?;
             Ok((body, sig))
+        })
+    }
+
+    /// The index that key `key` (hex) signed of its pushes here, as stored
+    /// (`index/KEY.json`); None when it has none.
+    pub fn get_index(&self, key: &str) -> Result<Option<Vec<u8>>, RemoteError> {
+        if !is_key_hex(key) {
+            return Ok(None);
+        }
+        self.rt.block_on(self.get_bounded(&self.key(&format!("index/{key}.json")), MAX_INDEX, "index"))
+    }
+
+    /// Stores the index of key `key` (hex), in one object.
+    pub fn put_index(&self, key: &str, body: &[u8]) -> Result<(), RemoteError> {
+        if !is_key_hex(key) || body.len() > MAX_INDEX {
+            return Err(RemoteError::TooLarge { url: self.url.base.clone(), what: "index".into() });
+        }
+        let url = self.url.base.clone();
+        self.rt.block_on(async {
+            self.store
+                .put(&self.key(&format!("index/{key}.json")), PutPayload::from(body.to_vec()))
+                .await
+                .map(|_| ())
+                .map_err(|e| classify(&url, "put index", e))
         })
     }
 

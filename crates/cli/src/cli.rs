@@ -43,8 +43,9 @@ pub struct Cli {
     pub criu: Option<PathBuf>,
     /// Also trust images signed by KEY (64 hex digits, or a file holding
     /// them: `gpusnap images key` on the host that took them prints its
-    /// key). Images signed by this host's own key are always trusted;
-    /// `recover` trusts only those.
+    /// key); KEY=PATTERN[,PATTERN...] trusts it only for the image names
+    /// the patterns match (`*`, `?`, `[...]`). Images signed by this host's
+    /// own key are always trusted; `recover` trusts only those.
     #[arg(long, global = true, value_name = "KEY")]
     pub trust: Vec<String>,
     #[command(subcommand)]
@@ -501,12 +502,18 @@ pub enum ImagesCmd {
     Gc,
     /// Send an image to a remote: s3://BUCKET/PREFIX (AWS_ACCESS_KEY_ID,
     /// AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP) or
-    /// file:///DIR. Only the chunks the remote lacks are sent; the manifest last.
+    /// file:///DIR. Only the chunks the remote lacks are sent; then the
+    /// manifest, then this host's signed index of the remote naming it.
     Push {
         /// An image in the store.
         image: String,
         /// The remote: s3://BUCKET/PREFIX or file:///DIR.
         url: String,
+        /// How long this host's signed index of the remote vouches for its
+        /// pushes (days): pulls refuse this host's pushes there once it has
+        /// expired, until it pushes there again.
+        #[arg(long, value_name = "DAYS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3650))]
+        index_ttl: u64,
     },
     /// Fetch URL/NAME into the store (signed by a trusted key, every chunk checked).
     Pull {
@@ -515,9 +522,10 @@ pub enum ImagesCmd {
         /// The name it gets here (default: its name on the remote).
         #[arg(long = "as", value_name = "NAME")]
         as_name: Option<String>,
-        /// Take a push older than the newest of that name this host has
-        /// pushed or pulled from that remote (refused otherwise, as a
-        /// rollback).
+        /// Take a push older than the latest of that name the remote's
+        /// signed index names, or than the newest this host has pushed or
+        /// pulled from that remote, or an older signed index (refused
+        /// otherwise, as a rollback).
         #[arg(long)]
         allow_rollback: bool,
     },

@@ -255,8 +255,9 @@ fn child_of(parent: i32) -> Option<i32> {
     s.split_whitespace().next()?.parse().ok()
 }
 
-/// A container's restore: the process lives in a pid namespace of its own
-/// (as pid 1 there, /proc the host's), CRIU's CUDA plugin checkpoints it
+/// A container's restore: the process lives in a container (its cgroup)
+/// and a pid namespace of its own (as pid 1 there, /proc the host's), CRIU's
+/// CUDA plugin checkpoints it
 /// through gpusnap, and CRIU restores the tree into a new pid namespace,
 /// where it has the same pid inside and a new host pid. gpusnap knows it
 /// there (the checkpoint's record and footprint move to the new pid), so a
@@ -267,6 +268,7 @@ fn a_container_restored_into_a_new_pid_namespace_keeps_its_record() {
     criu_present();
     let Some(plugins) = cuda_plugin_dir() else { return };
     let mut w = World::new(&[8192]);
+    let Some(container) = Container::new(0xc0de) else { return };
     let status = w.tmp.path().join("status-ns");
     let mut cmd = Command::new("unshare");
     w.env(&mut cmd);
@@ -287,6 +289,7 @@ fn a_container_restored_into_a_new_pid_namespace_keeps_its_record() {
         pid = child_of(unshare).unwrap_or(0);
         pid > 0 && read_status(&status).is_some()
     });
+    container.enter(pid);
     w.adopt(pid);
     assert_progressing_at(&status);
     let path = plugin_path(&w);

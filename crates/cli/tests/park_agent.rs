@@ -146,6 +146,7 @@ fn an_idle_server_is_parked_and_a_request_brings_it_back() {
     let parks = metric(&text, "gpusnap_agent_transitions_total{", &["kind=\"park\"", "result=\"ok\""]);
     assert!(parks >= 1.0, "{text}");
     assert!(metric(&text, "gpusnap_agent_host_memory_bytes", &[]) >= (300 * MIB) as f64, "{text}");
+    assert_eq!(metric(&text, "gpusnap_agent_fast_swap_bind_failures_total", &[]), 0.0, "{text}");
     assert!(a.notes(pid).iter().any(|n| n.contains("park: idle for")), "{:?}", a.notes(pid));
 
     // A request brings it back, its data intact.
@@ -311,4 +312,30 @@ fn a_parked_server_killed_under_steady_requests_is_restarted_not_resumed_forever
     assert_ne!(new, pid);
     assert!(answered.starts_with(&format!("ok {new} ")), "{answered}");
     assert!(a.notes(pid).iter().any(|n| n.contains("ended")), "{:?}", a.notes(pid));
+}
+
+/// A server started with fast swap whose library cannot bind its control
+/// socket (its name taken by another program first) is not silently a
+/// server without fast swap: the journal says so and
+/// `gpusnap_agent_fast_swap_bind_failures_total` counts it.
+#[test]
+fn a_fast_swap_channel_that_cannot_bind_is_journaled_and_counted() {
+    use std::os::linux::net::SocketAddrExt;
+    let name = format!("gpusnap-swap-taken-agent-{}", std::process::id());
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let taken = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+    let env = format!("environment = {{ GPUSNAP_FAST_SWAP_NAME = \"{name}\" }}");
+    let w = World::new(&[1000]);
+    let mut a = Agent::start(w, &[("m", "--mib 300", &env)]);
+    let pid = a.wait_state("m", "running")["pid"].as_i64().unwrap();
+    ask(a.ports[0], pid);
+    wait_for(LONG, || a.notes(pid).iter().any(|n| n.contains("fast swap is off")));
+    let note = a.notes(pid).into_iter().find(|n| n.contains("fast swap is off")).unwrap();
+    assert!(note.contains(&format!("process {pid}")) && note.contains("could not bind"), "{note}");
+    let (code, text) = a.api("GET", "/metrics");
+    assert_eq!(code, 200);
+    let n = metric(&text, "gpusnap_agent_fast_swap_bind_failures_total{", &["service=\"m\""]);
+    assert_eq!(n, 1.0, "{text}");
+    assert!(text.contains("# HELP gpusnap_agent_fast_swap_bind_failures_total "), "{text}");
+    drop(taken);
 }

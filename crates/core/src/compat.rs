@@ -51,11 +51,9 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     pub fn compat_state(&mut self, pid: i32) -> Result<ProcessState, Error> {
         let t = self.compat_target(pid)?;
-        let st = self.driver_state(&t)?;
-        if matches!(st, ProcessState::Locked | ProcessState::Checkpointed) {
-            self.record_now(&t)?;
-        }
-        Ok(st)
+        // Read only: the record of a process CRIU restored moves when its
+        // restore is asked for, not when its state is read.
+        self.driver_state(&t)
     }
 
     pub fn compat_restore_tid(&mut self, pid: i32) -> Result<i32, Error> {

@@ -245,6 +245,42 @@ fn ask(prog: &str, args: &[&str]) -> Result<Option<(bool, String, String)>, Erro
     Ok(Some((status.success(), out.join().unwrap_or_default(), err.join().unwrap_or_default())))
 }
 
+/// Where a process lives: its cgroup and its container, recorded when
+/// gpusnap suspends it, so that a process CRIU restored outside gpusnap
+/// takes the record only from within the same container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// Its cgroup v2 path (the `0::` line of /proc/PID/cgroup), else the
+    /// path of the first hierarchy listed.
+    pub cgroup: String,
+    /// `runtime:id` of its container ([`of_pid`]), None for a process of no
+    /// container.
+    pub container: Option<String>,
+}
+
+/// The placement of process `pid` (None when /proc cannot say).
+pub fn placement(pid: i32) -> Option<Placement> {
+    placement_of(&std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?)
+}
+
+fn placement_of(text: &str) -> Option<Placement> {
+    let paths: Vec<(&str, &str)> = text
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.splitn(3, ':');
+            Some((f.next()?, f.nth(1)?))
+        })
+        .collect();
+    let cgroup = paths.iter().find(|(h, _)| *h == "0").or(paths.first())?.1.to_string();
+    let container = of_cgroup_file(text).map(|c| format!("{}:{}", c.runtime, c.id));
+    Some(Placement { cgroup, container })
+}
+
+/// The live processes placed as `at` says (the same cgroup and container).
+pub fn placement_members(at: &Placement) -> Vec<i32> {
+    all_pids().into_iter().filter(|&p| placement(p).as_ref() == Some(at)).collect()
+}
+
 /// The container of process `pid`, from the ids its cgroup paths name
 /// (`libpod-ID`, `docker-ID.scope`, `/docker/ID`, `cri-containerd-ID.scope`,
 /// `crio-ID.scope`); None for a process of no container.
@@ -419,6 +455,17 @@ mod tests {
         assert_eq!(f("/libpod_parent/libpod-abc"), None);
         let file = format!("12:memory:/process_api/x\n0::/libpod_parent/libpod-{ID}\n");
         assert_eq!(of_cgroup_file(&file).map(|c| c.runtime), Some("podman"));
+    }
+
+    #[test]
+    fn a_placement_is_the_v2_cgroup_and_the_container() {
+        let id = "a".repeat(64);
+        let text = format!("12:pids:/docker/{id}\n0::/system.slice/docker-{id}.scope\n");
+        let p = placement_of(&text).unwrap();
+        assert_eq!(p.cgroup, format!("/system.slice/docker-{id}.scope"));
+        assert_eq!(p.container, Some(format!("docker:{id}")));
+        let p = placement_of("4:memory:/user.slice\n").unwrap();
+        assert_eq!((p.cgroup.as_str(), p.container), ("/user.slice", None));
     }
 
     #[test]

@@ -178,10 +178,11 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
 
     pub fn state(&mut self, pid: i32) -> Result<StateReport, Error> {
         let t = target::resolve_callable(pid)?;
-        self.record_now(&t)?;
         self.reconcile(&t)?;
         let st = self.driver_state(&t)?;
-        let rec = self.store.get(&t)?;
+        // Read, never moved: a record of a process CRIU restored shows here
+        // and moves when a command acts on it.
+        let rec = self.record_seen(&t)?;
         self.report(&t, st, rec.as_ref())
     }
 
@@ -268,9 +269,8 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             }
             match self.driver_state(&t) {
                 Ok(st) => {
-                    self.record_now(&t)?;
                     self.reconcile(&t)?;
-                    let rec = self.store.get(&t)?;
+                    let rec = self.record_seen(&t)?;
                     out.push(self.report(&t, st, rec.as_ref())?);
                 }
                 Err(Error::NotCuda { .. }) => continue,

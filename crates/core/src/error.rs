@@ -28,6 +28,8 @@ pub enum Error {
         "pid {pid} now belongs to another program ({comm}); the process gpusnap suspended there is gone"
     )]
     Reused { pid: i32, comm: String },
+    #[error("process {pid}: {reason}: gpusnap moves a checkpointed process's record only to the one process that can be it; its record is left where it is")]
+    AmbiguousRecord { pid: i32, reason: String },
     #[error("process {pid} ({comm}) has no CUDA context")]
     NotCuda { pid: i32, comm: String },
     #[error("process {pid} is {state}; cannot {op} it")]
@@ -92,6 +94,7 @@ impl Error {
             | Self::Stopped { .. }
             | Self::Permission { .. }
             | Self::Reused { .. }
+            | Self::AmbiguousRecord { .. }
             | Self::NotCuda { .. }
             | Self::WrongState { .. }
             | Self::NoFootprint { .. }
@@ -128,6 +131,7 @@ impl Error {
             Self::Container { .. } => "container",
             Self::Frozen { .. } => "frozen",
             Self::Reused { .. } => "pid_reused",
+            Self::AmbiguousRecord { .. } => "ambiguous_record",
             Self::NotCuda { .. } => "not_cuda",
             Self::WrongState { .. } => "wrong_state",
             Self::NoFootprint { .. } => "no_footprint",

@@ -21,8 +21,10 @@ mod ledger;
 
 // 2: the identities table (what a recorded process ran, to know it again
 // after a CRIU restore outside gpusnap). 3: ns_pids (its pid inside a pid
-// namespace of its own, to know it again under a new host pid).
-const SCHEMA_VERSION: i32 = 3;
+// namespace of its own, to know it again under a new host pid). 4:
+// placements (its cgroup and container, so that only a process of the same
+// container takes its record).
+const SCHEMA_VERSION: i32 = 4;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS processes (
@@ -75,6 +77,15 @@ CREATE TABLE IF NOT EXISTS ns_pids (
     PRIMARY KEY (pid, start_time)
 );
 CREATE INDEX IF NOT EXISTS ns_pids_inner ON ns_pids (ns_pid);
+-- The cgroup and container (runtime:id) a recorded process lived in: a
+-- process restored outside gpusnap takes the record only from within them.
+CREATE TABLE IF NOT EXISTS placements (
+    pid INTEGER NOT NULL,
+    start_time INTEGER NOT NULL,
+    cgroup TEXT NOT NULL,
+    container TEXT,
+    PRIMARY KEY (pid, start_time)
+);
 CREATE TABLE IF NOT EXISTS reservations (
     id INTEGER PRIMARY KEY,
     gpu_uuid TEXT NOT NULL,

@@ -329,6 +329,13 @@ pub fn asked(pid: i32) -> bool {
     BufReader::new(maps).lines().map_while(Result::ok).any(|l| l.ends_with("/libgpusnap_preload.so"))
 }
 
+/// Whether `pid` was started for fast swap ([`asked`]) and holds no
+/// listening control socket: its library could not bind one (it said why
+/// on its standard error), so fast swap is off in it.
+pub fn unbound(pid: i32) -> bool {
+    asked(pid) && names_held(pid).is_empty()
+}
+
 /// Asks for `offload` or `restore`; `None` for a process without fast swap.
 pub fn request(pid: i32, what: &str) -> Option<Result<Answer, String>> {
     let words = match ask(pid, what, true)? {

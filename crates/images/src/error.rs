@@ -25,7 +25,7 @@ impl Error {
         match self {
             Self::Image(ImageError::Io { .. }) => 1,
             Self::Image(_) => 2,
-            Self::Sign(SignError::BadKey(_)) => 2,
+            Self::Sign(SignError::BadKey(_) | SignError::BadScope(_)) => 2,
             Self::Sign(_) => 1,
             Self::Chunks(ChunkError::Remote(
                 RemoteError::Unreachable { .. } | RemoteError::Denied { .. } | RemoteError::NoBucket { .. },

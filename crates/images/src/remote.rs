@@ -12,6 +12,7 @@
 //! prefetcher, in address order), until the image is whole here.
 
 use crate::image::{local_store, ImageStore};
+use crate::index::Index;
 use crate::manifest::{self, ImageError, Manifest};
 use crate::sign::Envelope;
 use gpusnap_chunks::{ChunkError, ChunkRef, GcReport, Remote, RemoteUrl, TransferReport};
@@ -48,11 +49,23 @@ fn check_chunk_lists(name: &str, m: &Manifest) -> Result<(), ImageError> {
 
 /// Sends the image `name` to `url`: its chunks are stored locally (each
 /// checked against the signed chunk list as it is read), the remote's
-/// missing ones sent, the manifest last.
+/// missing ones sent, the manifest, then this host's signed index of the
+/// remote naming it (valid for [`crate::index::DEFAULT_TTL`]).
 pub fn push(
     images: &ImageStore,
     name: &str,
     url: &str,
+    on_bytes: &(dyn Fn(u64) + Sync),
+) -> Result<TransferReport, crate::Error> {
+    push_with(images, name, url, crate::index::DEFAULT_TTL, on_bytes)
+}
+
+/// [`push`], the index valid for `index_ttl`.
+pub fn push_with(
+    images: &ImageStore,
+    name: &str,
+    url: &str,
+    index_ttl: std::time::Duration,
     on_bytes: &(dyn Fn(u64) + Sync),
 ) -> Result<TransferReport, crate::Error> {
     let (dir, m) = images.manifest(name)?;
@@ -96,9 +109,11 @@ pub fn push(
         }
     }
     let (body, sig) = manifest::manifest_bytes(name, &dir)?;
-    // The push signs the name it is stored under and its version, one more
-    // than the newest push of that name there or seen here.
+    // The push signs the remote, the name it is stored under and its
+    // version, one more than the newest push of that name there, in this
+    // host's index of it, or seen here.
     let state = images.state_dir();
+    let base = remote.url.base.clone();
     let on_remote = match remote.get_manifest(name) {
         Ok((_, sig)) => {
             serde_json::from_slice::<Envelope>(&sig).ok().and_then(|e| e.push).map_or(0, |p| p.version)
@@ -106,67 +121,45 @@ pub fn push(
         Err(gpusnap_chunks::RemoteError::NoImage { .. }) => 0,
         Err(e) => return Err(ChunkError::from(e).into()),
     };
-    let version = on_remote.max(crate::pushed::seen(state, &remote.url.base, name)) + 1;
     let key = crate::sign::HostKey::load_or_create(state).map_err(|e| ImageError::Io {
         name: name.into(),
         op: "sign the push".into(),
         err: std::io::Error::other(e.to_string()),
     })?;
+    let me = key.public_hex();
+    let mut index = match remote.get_index(&me).map_err(ChunkError::from)? {
+        // A new one goes on from the newest of this host's seen here, so
+        // that hosts that read an older one of this key do not take it for
+        // a rollback.
+        None => Index {
+            sequence: crate::pushed::seen(state, &base, &crate::pullcheck::index_seen_name(&me)),
+            ..Index::new(&base, &me)
+        },
+        // This host's own: renewed even when it has expired.
+        Some(b) => Index::decode(&b, images.trust(), &base, &me, 0).map_err(|why| ImageError::Untrusted {
+            name: name.into(),
+            why: format!(
+                "this host's signed index on {base} does not verify: {why} (remove {base}/index/{me}.json to start a new one)"
+            ),
+        })?,
+    };
+    let indexed = index.entries.get(name).map_or(0, |e| e.version);
+    let version = on_remote.max(indexed).max(crate::pushed::seen(state, &base, name)) + 1;
     let mut env: Envelope = serde_json::from_slice(&sig)
         .map_err(|e| ImageError::Corrupt { name: name.into(), why: format!("manifest.sig: {e}") })?;
-    env.push = Some(key.sign_push(name, version, &body));
+    let rec = key.sign_push(&base, name, version, &body);
+    env.push = Some(rec.clone());
     let sig = serde_json::to_vec(&env)
         .map_err(|e| ImageError::Corrupt { name: name.into(), why: e.to_string() })?;
     let report = remote.push(&local, name, &all_chunks(&m), &body, &sig, on_bytes)?;
-    let _ = crate::pushed::note(state, &remote.url.base, name, version);
+    // The index last: it names the manifest now there.
+    index.entries.insert(name.into(), rec);
+    index.sequence += 1;
+    index.expires = crate::index::now_unix().saturating_add(index_ttl.as_secs());
+    remote.put_index(&me, &index.encode(&key)).map_err(ChunkError::from)?;
+    let _ = crate::pushed::note(state, &base, name, version);
+    let _ = crate::pushed::note(state, &base, &crate::pullcheck::index_seen_name(&me), index.sequence);
     Ok(report)
-}
-
-/// Checks what a remote's push record says of the manifest `body` fetched
-/// as `rname` (its signature already checked): pushed as that very name, of
-/// that manifest, by a trusted key, and no older than the newest push of
-/// that name seen here (unless `allow_rollback`). A manifest pushed before
-/// pushes were signed has no record: it is taken only if it names itself
-/// `rname` and no signed push of that name was seen here. Returns the
-/// version to record as seen.
-fn check_push(
-    images: &ImageStore,
-    remote: &str,
-    rname: &str,
-    body: &[u8],
-    sig: &[u8],
-    m: &Manifest,
-    allow_rollback: bool,
-) -> Result<u64, ImageError> {
-    let refuse = |why: String| ImageError::Untrusted { name: rname.into(), why };
-    let env: Envelope = serde_json::from_slice(sig)
-        .map_err(|e| ImageError::Corrupt { name: rname.into(), why: format!("manifest.sig: {e}") })?;
-    let seen = crate::pushed::seen(images.state_dir(), remote, rname);
-    let version = match env.push {
-        Some(rec) => {
-            images.trust().check_push(&rec, body).map_err(|e| refuse(format!("its push record: {e}")))?;
-            if rec.name != rname {
-                return Err(refuse(format!(
-                    "it was pushed as {:?}, not as {rname:?} (a manifest copied over another image's)",
-                    rec.name
-                )));
-            }
-            rec.version
-        }
-        None if m.name != rname => {
-            return Err(refuse(format!(
-                "its manifest names image {:?} and carries no signed push record (a manifest copied over another image's, or pushed under another name by an older gpusnap: push it again)",
-                m.name
-            )))
-        }
-        None => 0,
-    };
-    if version < seen && !allow_rollback {
-        return Err(refuse(format!(
-            "it is push version {version} and version {seen} of it was already seen here (a rollback: pass --allow-rollback to take the older one)"
-        )));
-    }
-    Ok(version)
 }
 
 /// Fetches `URL/NAME` into the store as `as_name` (default NAME). The
@@ -220,7 +213,7 @@ fn pull_with(
     let (body, sig) = remote.get_manifest(&rname).map_err(ChunkError::from)?;
     let m = manifest::parse_manifest(&rname, &body)?;
     images.check_signature(&rname, &body, &sig, &m)?;
-    let version = check_push(images, &remote.url.base, &rname, &body, &sig, &m, allow_rollback)?;
+    let seen = crate::pullcheck::check(images, &remote, &rname, &body, &sig, &m, allow_rollback)?;
     manifest::check_paths(&rname, &m)?;
     check_chunk_lists(&rname, &m)?;
     let state = images.state_dir().to_path_buf();
@@ -239,7 +232,7 @@ fn pull_with(
     if let Ok((dir, _)) = images.manifest(&name) {
         if manifest::manifest_bytes(&name, &dir).is_ok_and(|(b, _)| b == body) {
             let report = remote.fetch(&local, &rname, &wanted, on_bytes)?;
-            let _ = crate::pushed::note(&state, &remote.url.base, &rname, version);
+            seen.note(images, &remote.url.base, &rname);
             if !stream {
                 crate::origin::clear_origin(&state, &name);
             }
@@ -306,7 +299,7 @@ fn pull_with(
     })?;
     let check = if stream { manifest::ChunkCheck::Listed } else { manifest::ChunkCheck::Present };
     images.verify_with(&name, check, |_| {})?;
-    let _ = crate::pushed::note(&state, &remote.url.base, &rname, version);
+    seen.note(images, &remote.url.base, &rname);
     Ok((name, report))
 }
 

@@ -26,6 +26,8 @@ pub enum SignError {
     HostKey { path: String, reason: String },
     #[error("not a public key: {0} (give 64 hex digits, or a file holding them: `gpusnap images key` prints this host's)")]
     BadKey(String),
+    #[error("not a name pattern: {0} (give KEY=PATTERN[,PATTERN...], e.g. KEY=dev-*)")]
+    BadScope(String),
 }
 
 /// A signature of some bytes, stored beside them (`manifest.sig`).
@@ -42,12 +44,18 @@ pub struct Envelope {
     pub push: Option<PushRecord>,
 }
 
-/// What a push binds to a manifest, signed by the pushing host: the name
-/// the image is stored under on the remote and the push's version (one
-/// more than the last push of that name), so that a pull refuses a
-/// manifest copied over another name's, and an older push put back.
+/// What a push binds to a manifest, signed by the pushing host: the remote
+/// and the name the image is stored under there and the push's version
+/// (one more than the last push of that name), so that a pull refuses a
+/// manifest copied over another name's or from another remote, and an
+/// older push put back. The same record is the push's entry in the
+/// pusher's signed index of the remote (crate::index).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct PushRecord {
+    /// The remote pushed to (its URL without the image name). Absent in
+    /// records of older gpusnaps, which named no remote and kept no index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<String>,
     pub name: String,
     pub version: u64,
     /// The blake3 of the manifest's bytes, hex.
@@ -59,8 +67,17 @@ pub struct PushRecord {
 }
 
 impl PushRecord {
-    fn signed_bytes(name: &str, version: u64, manifest: &str) -> Vec<u8> {
-        format!("gpusnap-push\nname {name}\nversion {version}\nmanifest {manifest}\n").into_bytes()
+    fn signed_bytes(&self) -> Vec<u8> {
+        let (name, version, manifest) = (&self.name, self.version, &self.manifest);
+        match &self.remote {
+            Some(remote) => {
+                format!(
+                    "gpusnap-push-2\nremote {remote}\nname {name}\nversion {version}\nmanifest {manifest}\n"
+                )
+            }
+            None => format!("gpusnap-push\nname {name}\nversion {version}\nmanifest {manifest}\n"),
+        }
+        .into_bytes()
     }
 }
 
@@ -142,19 +159,31 @@ impl HostKey {
         }
     }
 
-    /// Signs the push of the manifest `body` as `name`, version `version`.
-    pub fn sign_push(&self, name: &str, version: u64, body: &[u8]) -> PushRecord {
-        let manifest = blake3::hash(body).to_hex().to_string();
-        let env = self.sign(&PushRecord::signed_bytes(name, version, &manifest));
-        PushRecord { name: name.into(), version, manifest, key: env.key, signature: env.signature }
+    /// Signs the push of the manifest `body` to `remote` as `name`,
+    /// version `version`.
+    pub fn sign_push(&self, remote: &str, name: &str, version: u64, body: &[u8]) -> PushRecord {
+        let mut rec = PushRecord {
+            remote: Some(remote.into()),
+            name: name.into(),
+            version,
+            manifest: blake3::hash(body).to_hex().to_string(),
+            key: self.public_hex(),
+            signature: String::new(),
+        };
+        rec.signature = self.sign(&rec.signed_bytes()).signature;
+        rec
     }
 }
 
 /// The keys whose signatures are accepted: this host's, and those named
-/// with `--trust`.
+/// with `--trust` (each for every name, or for the names its patterns
+/// match: `KEY=PATTERN[,PATTERN...]`).
 #[derive(Debug, Clone, Default)]
 pub struct Trust {
     keys: Vec<VerifyingKey>,
+    /// The names a key of `keys` may sign, by its hex; a key absent here
+    /// signs any name.
+    scopes: std::collections::HashMap<String, Scope>,
     /// The state directory whose host key is trusted; read again when a
     /// check needs it and it was not there yet (a hibernate in this same
     /// run may have just made it).
@@ -173,6 +202,42 @@ pub enum Untrusted {
     /// This host's key could not be read to compare (why): not the
     /// image's fault, and not a verdict on its signer.
     HostKey(String),
+    /// Signed by a key trusted only for other names: (key, its patterns,
+    /// the name).
+    OutOfScope(String, String, String),
+}
+
+/// The image names a trusted key may sign: shell-style patterns (`*`, `?`,
+/// `[...]`), any of which may match.
+#[derive(Debug, Clone)]
+pub struct Scope {
+    patterns: String,
+    set: globset::GlobSet,
+}
+
+impl Scope {
+    /// `dev-*,team-a-*`: comma-separated patterns.
+    pub fn parse(text: &str) -> Result<Self, SignError> {
+        let mut b = globset::GlobSetBuilder::new();
+        let mut n = 0;
+        for p in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let g = globset::GlobBuilder::new(p)
+                .literal_separator(true)
+                .build()
+                .map_err(|e| SignError::BadScope(format!("{p}: {e}")))?;
+            b.add(g);
+            n += 1;
+        }
+        if n == 0 {
+            return Err(SignError::BadScope(format!("{text:?} names no pattern")));
+        }
+        let set = b.build().map_err(|e| SignError::BadScope(e.to_string()))?;
+        Ok(Self { patterns: text.trim().to_string(), set })
+    }
+
+    pub fn allows(&self, name: &str) -> bool {
+        self.set.is_match(name)
+    }
 }
 
 impl std::fmt::Display for Untrusted {
@@ -187,6 +252,10 @@ impl std::fmt::Display for Untrusted {
             Self::HostKey(why) => {
                 write!(f, "this host's key could not be read to check its signature ({why})")
             }
+            Self::OutOfScope(k, patterns, name) => write!(
+                f,
+                "it is signed by key {k}, which is trusted only for names matching {patterns}, not {name:?}"
+            ),
         }
     }
 }
@@ -208,7 +277,14 @@ impl Trust {
         // kept, so that a check needs no file (an agent short of
         // descriptors must not take its own image for a stranger's).
         let host_key = HostKey::load(state_dir)?.map(|k| k.key.verifying_key());
+        let mut scopes = std::collections::HashMap::new();
         for e in extra {
+            // KEY=PATTERNS: the key for those names only.
+            let (e, scope) = match e.rsplit_once('=') {
+                Some((k, patterns)) => (k.to_string(), Some(Scope::parse(patterns)?)),
+                None => (e.clone(), None),
+            };
+            let e = &e;
             let text = if hex::decode(e.trim()).is_ok_and(|b| b.len() == 32) {
                 e.clone()
             } else {
@@ -220,9 +296,27 @@ impl Trust {
                     .map_err(|err| SignError::BadKey(format!("{e}: {err}")))?;
                 s
             };
-            keys.push(parse_public(&text)?);
+            let key = parse_public(&text)?;
+            let hex = hex::encode(key.to_bytes());
+            match scope {
+                // Named twice, once for every name: every name.
+                _ if keys.contains(&key) && !scopes.contains_key(&hex) => {}
+                Some(sc) => {
+                    let merged = match scopes.remove(&hex) {
+                        Some(Scope { patterns, .. }) => Scope::parse(&format!("{patterns},{}", sc.patterns))?,
+                        None => sc,
+                    };
+                    scopes.insert(hex, merged);
+                }
+                None => {
+                    scopes.remove(&hex);
+                }
+            }
+            if !keys.contains(&key) {
+                keys.push(key);
+            }
         }
-        Ok(Self { keys, host: Some(state_dir.to_path_buf()), host_key })
+        Ok(Self { keys, scopes, host: Some(state_dir.to_path_buf()), host_key })
     }
 
     /// Only this host's key.
@@ -255,10 +349,39 @@ impl Trust {
         Ok(env.key.to_ascii_lowercase())
     }
 
-    /// Checks a push record: signed by a trusted key, of the manifest
-    /// `body`. Its name and version are the caller's to judge.
-    pub fn check_push(&self, rec: &PushRecord, body: &[u8]) -> Result<String, Untrusted> {
-        if !rec.manifest.eq_ignore_ascii_case(blake3::hash(body).to_hex().as_str()) {
+    /// Whether the trusted key `key` (hex) may sign the image name `name`:
+    /// this host's key and keys trusted without patterns sign any name.
+    pub fn check_scope(&self, key: &str, name: &str) -> Result<(), Untrusted> {
+        match self.scopes.get(&key.to_ascii_lowercase()) {
+            Some(sc) if !sc.allows(name) => {
+                Err(Untrusted::OutOfScope(key.to_ascii_lowercase(), sc.patterns.clone(), name.into()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The trusted keys (hex) that may sign `name`: this host's (when it
+    /// has one) and those of `--trust` whose patterns match it.
+    pub fn keys_for(&self, name: &str) -> Vec<String> {
+        let host = self.host_key.or_else(|| {
+            let dir = self.host.as_deref()?;
+            HostKey::load(dir).ok().flatten().map(|k| k.key.verifying_key())
+        });
+        let mut out: Vec<String> = host.iter().map(|k| hex::encode(k.to_bytes())).collect();
+        for k in &self.keys {
+            let h = hex::encode(k.to_bytes());
+            if !out.contains(&h) && self.check_scope(&h, name).is_ok() {
+                out.push(h);
+            }
+        }
+        out
+    }
+
+    /// Checks a push record: signed by a trusted key allowed to sign its
+    /// name, of the manifest `body` (None: of whatever manifest it names).
+    /// Its remote, name and version are the caller's to judge.
+    pub fn check_push(&self, rec: &PushRecord, body: Option<&[u8]>) -> Result<String, Untrusted> {
+        if body.is_some_and(|b| !rec.manifest.eq_ignore_ascii_case(blake3::hash(b).to_hex().as_str())) {
             return Err(Untrusted::BadSignature);
         }
         let env = Envelope {
@@ -267,7 +390,9 @@ impl Trust {
             signature: rec.signature.clone(),
             push: None,
         };
-        self.check(&PushRecord::signed_bytes(&rec.name, rec.version, &rec.manifest), &env)
+        let key = self.check(&rec.signed_bytes(), &env)?;
+        self.check_scope(&key, &rec.name)?;
+        Ok(key)
     }
 }
 
@@ -326,17 +451,38 @@ mod tests {
         let a = tempfile::tempdir().unwrap();
         let ka = HostKey::load_or_create(a.path()).unwrap();
         let here = Trust::host_only(a.path()).unwrap();
-        let rec = ka.sign_push("llama-prod", 7, b"manifest");
-        assert_eq!(here.check_push(&rec, b"manifest").unwrap(), ka.public_hex());
-        assert_eq!(here.check_push(&rec, b"other manifest"), Err(Untrusted::BadSignature));
-        for forged in
-            [PushRecord { name: "llama-dev".into(), ..rec.clone() }, PushRecord { version: 8, ..rec.clone() }]
-        {
-            assert_eq!(here.check_push(&forged, b"manifest"), Err(Untrusted::BadSignature));
+        let rec = ka.sign_push("s3://b/fleet", "llama-prod", 7, b"manifest");
+        let m = Some(&b"manifest"[..]);
+        assert_eq!(here.check_push(&rec, m).unwrap(), ka.public_hex());
+        assert_eq!(here.check_push(&rec, Some(b"other manifest")), Err(Untrusted::BadSignature));
+        for forged in [
+            PushRecord { name: "llama-dev".into(), ..rec.clone() },
+            PushRecord { version: 8, ..rec.clone() },
+            PushRecord { remote: Some("s3://b/other".into()), ..rec.clone() },
+            PushRecord { remote: None, ..rec.clone() },
+        ] {
+            assert_eq!(here.check_push(&forged, m), Err(Untrusted::BadSignature));
         }
         let b = tempfile::tempdir().unwrap();
         let there = Trust::host_only(b.path()).unwrap();
-        assert!(matches!(there.check_push(&rec, b"manifest"), Err(Untrusted::Foreign(_))));
+        assert!(matches!(there.check_push(&rec, m), Err(Untrusted::Foreign(_))));
+        // Trusted for other names only.
+        let scoped = Trust::new(b.path(), &[format!("{}=dev-*,test-?", ka.public_hex())]).unwrap();
+        let r = scoped.check_push(&rec, m);
+        assert!(
+            matches!(&r, Err(Untrusted::OutOfScope(_, p, n)) if p == "dev-*,test-?" && n == "llama-prod"),
+            "{r:?}"
+        );
+        let dev = ka.sign_push("s3://b/fleet", "dev-a", 1, b"manifest");
+        assert!(scoped.check_push(&dev, m).is_ok());
+        assert!(scoped.check_scope(&ka.public_hex(), "test-1").is_ok());
+        assert!(scoped.check_scope(&ka.public_hex(), "test-12").is_err());
+        assert_eq!(scoped.keys_for("prod"), Vec::<String>::new());
+        assert_eq!(scoped.keys_for("dev-b"), vec![ka.public_hex()]);
+        // Named once for every name as well: every name.
+        let both = Trust::new(b.path(), &[format!("{}=dev-*", ka.public_hex()), ka.public_hex()]).unwrap();
+        assert!(both.check_push(&rec, m).is_ok());
+        assert!(Trust::new(b.path(), &[format!("{}=", ka.public_hex())]).is_err());
         // Kept in the envelope, which older readers parse without it.
         let env = Envelope { push: Some(rec.clone()), ..ka.sign(b"manifest") };
         let text = serde_json::to_vec(&env).unwrap();

@@ -173,7 +173,32 @@ impl Agent {
             svc.set_state(&mut g, State::Running);
         }
         self.journal(svc, Some(&t), &format!("started (pid {program}, under run --light {runner}): {why}"));
+        if svc.cfg.fast_swap_on() {
+            self.check_fast_swap_channel(svc, &t);
+        }
         Ok(())
+    }
+
+    /// A server started with fast swap whose library could not bind its
+    /// control socket (listening, it has long since tried: the library binds
+    /// as it loads): journaled and counted, so that a server that cannot be
+    /// parked, and whose suspends move everything through the driver, is
+    /// seen as such.
+    fn check_fast_swap_channel(&self, svc: &Service, t: &target::Target) {
+        for pid in self.cuda_pids(t.pid).into_iter().filter(|&p| gpusnap_core::swap::unbound(p)) {
+            self.metrics()
+                .fast_swap_bind_failures
+                .get_or_create(&ServiceLabels { service: svc.name.clone() })
+                .inc();
+            self.journal(
+                svc,
+                Some(t),
+                &format!(
+                    "fast swap is off in process {pid}: its library could not bind its control socket \
+                     (the server's log says why); it cannot be parked, and a suspend moves all its memory through the driver's checkpoint"
+                ),
+            );
+        }
     }
 
     /// Whether the guard found the service's process's CUDA context

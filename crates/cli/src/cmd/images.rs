@@ -128,13 +128,14 @@ pub fn run(cli: &Cli, out: &Out, cmd: Option<&ImagesCmd>) -> anyhow::Result<()> 
                 ),
             );
         }
-        ImagesCmd::Push { image, url } => {
+        ImagesCmd::Push { image, url, index_ttl } => {
             let p = out.progress();
             let done = std::sync::atomic::AtomicU64::new(0);
             if let Ok((_, m)) = store.manifest(image) {
                 p.begin("push", m.total_bytes());
             }
-            let r = gpusnap_images::remote::push(&store, image, url, &|n| {
+            let ttl = std::time::Duration::from_secs(index_ttl * 24 * 3600);
+            let r = gpusnap_images::remote::push_with(&store, image, url, ttl, &|n| {
                 p.update(done.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n)
             });
             p.end();

@@ -806,6 +806,50 @@ impl Drop for Cgroup {
     }
 }
 
+/// A docker-like container cgroup (`docker-ID.scope`, cgroup v2) made by the
+/// test: what gpusnap reads as a container of its own. Removed on drop.
+#[allow(dead_code)]
+pub struct Container {
+    dir: PathBuf,
+}
+
+#[allow(dead_code)]
+impl Container {
+    pub fn new(tag: u64) -> Option<Self> {
+        let root = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"].into_iter().find(|r| {
+            std::path::Path::new(r).join("cgroup.procs").is_file()
+                && std::path::Path::new(r).join("cgroup.controllers").is_file()
+        });
+        let Some(root) = root else {
+            gpusnap_testkit::skip("no cgroup v2 hierarchy to make a container's cgroup in");
+            return None;
+        };
+        let id = format!("{:016x}{:048x}", std::process::id(), tag);
+        let dir = PathBuf::from(root).join(format!("docker-{id}.scope"));
+        if std::fs::create_dir(&dir).is_err() {
+            gpusnap_testkit::skip(format!("cannot create a cgroup under {root}"));
+            return None;
+        }
+        Some(Container { dir })
+    }
+
+    /// Moves process `pid` into it.
+    pub fn enter(&self, pid: i32) {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string()).unwrap();
+    }
+}
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
 /// The image tests need a real CRIU on PATH (CI installs it).
 pub fn criu_present() {
     let ok = Command::new("criu").arg("--version").output().is_ok_and(|o| o.status.success());

@@ -5,6 +5,7 @@
 //! same pid inside (a container runtime restoring into a new pid namespace).
 
 use super::{now_ms, row_to_record, Record, Store};
+use crate::container::Placement;
 use crate::error::Error;
 use crate::target::{Fingerprint, Target};
 use rusqlite::{params, OptionalExtension, Transaction};
@@ -27,6 +28,16 @@ pub(super) fn insert(tx: &Transaction<'_>, t: &Target, id: &Fingerprint) -> rusq
             params![t.pid, t.start_time as i64],
         )?,
     };
+    match crate::container::placement(t.pid) {
+        Some(p) => tx.execute(
+            "INSERT OR REPLACE INTO placements (pid, start_time, cgroup, container) VALUES (?1, ?2, ?3, ?4)",
+            params![t.pid, t.start_time as i64, p.cgroup, p.container],
+        )?,
+        None => tx.execute(
+            "DELETE FROM placements WHERE pid = ?1 AND start_time = ?2",
+            params![t.pid, t.start_time as i64],
+        )?,
+    };
     Ok(())
 }
 
@@ -44,6 +55,19 @@ impl Store {
                 "SELECT exe, cmdline, timens FROM identities WHERE pid = ?1 AND start_time = ?2",
                 params![pid, start as i64],
                 |r| Ok(Fingerprint { exe: r.get(0)?, cmdline: r.get(1)?, timens: r.get(2)? }),
+            )
+            .optional()
+            .or_else(|e| if no_such_table(&e) { Ok(None) } else { Err(e) })
+            .map_err(|e| self.err(e))
+    }
+
+    /// The cgroup and container `pid` at `start` lived in, when recorded.
+    pub fn placement(&self, pid: i32, start: u64) -> Result<Option<Placement>, Error> {
+        self.conn
+            .query_row(
+                "SELECT cgroup, container FROM placements WHERE pid = ?1 AND start_time = ?2",
+                params![pid, start as i64],
+                |r| Ok(Placement { cgroup: r.get(0)?, container: r.get(1)? }),
             )
             .optional()
             .or_else(|e| if no_such_table(&e) { Ok(None) } else { Err(e) })
@@ -103,6 +127,7 @@ impl Store {
             )?;
             tx.execute("DELETE FROM identities WHERE pid = ?1 AND start_time = ?2", params![from_pid, from])?;
             tx.execute("DELETE FROM ns_pids WHERE pid = ?1 AND start_time = ?2", params![from_pid, from])?;
+            tx.execute("DELETE FROM placements WHERE pid = ?1 AND start_time = ?2", params![from_pid, from])?;
             insert(&tx, t, &identity)?;
             tx.execute(
                 "INSERT INTO events (ts_ms, pid, start_time, op, phase, state, detail, actor)
