@@ -283,7 +283,18 @@ pub async fn wait_reading(
 /// `text` with every word that names a path (it holds a `/`) left out: an
 /// anonymous client learns why a service is down, not the host's layout.
 pub fn without_paths(text: &str) -> String {
-    text.split(' ').map(|w| if w.contains('/') { "[path]" } else { w }).collect::<Vec<_>>().join(" ")
+    text.split(' ')
+        .map(|w| {
+            if !w.contains('/') {
+                return w.to_string();
+            }
+            // The punctuation around it is the sentence's, not the path's.
+            let lead = w.len() - w.trim_start_matches(['(', '[', '"', '\'']).len();
+            let tail = w.trim_end_matches([')', ']', ';', ',', ':', '.', '"', '\'']);
+            format!("{}[path]{}", &w[..lead], &w[tail.len()..])
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 #[cfg(test)]
@@ -293,8 +304,8 @@ mod tests {
     #[test]
     fn paths_are_left_out_of_reasons() {
         assert_eq!(
-            without_paths("alpha: its start failed: exited 1 (see /var/lib/gpusnap/agent/alpha.log)"),
-            "alpha: its start failed: exited 1 (see [path]"
+            without_paths("alpha: its start failed: exited 1 (see /var/lib/gpusnap/agent/alpha.log); next"),
+            "alpha: its start failed: exited 1 (see [path]); next"
         );
     }
 }
