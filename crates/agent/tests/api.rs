@@ -104,6 +104,7 @@ pid_file = "{pid_file}"
         api: Deadline::new(Box::new(Absent { why: "no driver on this host".into() }), Timeouts::default()),
         gpus: Box::new(NoGpus),
         exe: PathBuf::from("/bin/false"),
+        config_path: None,
     })
     .unwrap();
     let ctl: Arc<dyn Control> = Arc::new(agent);
