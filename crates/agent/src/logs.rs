@@ -23,17 +23,15 @@ pub fn path(state_dir: &Path, service: &str) -> PathBuf {
 }
 
 /// Opens `log` for a server to append to (made if need be, rotated if
-/// past [`MAX_LOG`]): its directory 0750 and the file 0640, both of group
-/// `gid` where given (the agent's group reads them), else root's alone.
+/// past [`MAX_LOG`]): the file 0640 of group `gid` where given (the
+/// agent's group), else 0600. Its directory stays owner-only (0700), as
+/// the state directory's checks keep it: the group reads through the
+/// agent's API, or where an operator opens the directories to it.
 pub fn open_for_server(log: &Path, gid: Option<u32>) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
-    let (dir_mode, file_mode) = if gid.is_some() { (0o750, 0o640) } else { (0o700, 0o600) };
+    let file_mode = if gid.is_some() { 0o640 } else { 0o600 };
     if let Some(dir) = log.parent() {
-        std::fs::DirBuilder::new().recursive(true).mode(dir_mode).create(dir)?;
-        if gid.is_some() {
-            std::os::unix::fs::chown(dir, None, gid)?;
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(dir_mode))?;
-        }
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     }
     let _ = rotate(log, MAX_LOG);
     let f = std::fs::OpenOptions::new()

@@ -192,6 +192,17 @@ fn every_documented_route_answers_on_the_socket_as_documented() {
                     assert_eq!(keys(&serde_json::from_str(line).unwrap()), properties(&doc, "Event"));
                 }
             }
+            // Its server never ran: no output yet.
+            "/v1/services/{name}/logs" => {
+                let (status, message, code) = api_error(r);
+                assert_eq!((status, code), (404, 2), "{message}");
+            }
+            // Started without a file to read again.
+            "/v1/reload" => {
+                let (status, message, code) = api_error(r);
+                assert_eq!((status, code), (422, 2), "{message}");
+                assert!(message.contains("without a config file"), "{message}");
+            }
             "/v1/openapi.json" => assert_eq!(r.unwrap(), OPENAPI),
             "/metrics" => assert!(r.unwrap().contains("# TYPE gpusnap_agent_services gauge")),
             other => panic!("{other}: add what it answers to this test"),

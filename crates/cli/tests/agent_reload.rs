@@ -277,3 +277,96 @@ fn the_front_door_logs_each_request_and_counts_it_by_model() {
         assert!(line.contains(k), "{k} missing: {line}");
     }
 }
+
+#[test]
+fn a_changed_service_with_a_request_in_flight_is_restarted_once_it_ends() {
+    let mut n = Node::new();
+    n.write("", &[("busy", 100, "")]);
+    n.spawn();
+    n.wait_state("busy", "running");
+    let old = n.pid("busy");
+    // A request whose answer has not come (its headers never end): in flight.
+    let mut client = std::net::TcpStream::connect(("127.0.0.1", n.ports["busy"].0)).unwrap();
+    std::io::Write::write_all(&mut client, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").unwrap();
+    wait_for(LONG, || n.service("busy")["connections"] == 1);
+    n.write("", &[("busy", 200, "")]);
+    let (code, o) = n.reload("");
+    assert_eq!(code, 200, "{o}");
+    let c = change(&o, "busy");
+    assert_eq!(c["done"], "pending", "{o}");
+    assert!(c["detail"].as_str().unwrap().contains("in flight"), "{o}");
+    // Until then it runs as started, and says so.
+    let d = o["drift"].as_array().unwrap().iter().find(|d| d["service"] == "busy").expect("drift reported");
+    assert!(d["drift"].as_str().unwrap().contains("command"), "{o}");
+    assert!(n.metrics().contains("gpusnap_agent_service_config_drift{service=\"busy\"} 1"));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(n.pid("busy"), old);
+    assert!(alive(old));
+    drop(client);
+    wait_for(LONG, || n.service("busy")["pid"].as_i64().is_some_and(|p| p != old as i64));
+    n.wait_state("busy", "running");
+    assert!(!alive(old), "the old process still runs");
+    assert!(n.service("busy")["config_drift"].is_null(), "{}", n.service("busy"));
+}
+
+#[test]
+fn a_changed_service_off_the_gpu_comes_back_with_its_new_config_on_its_next_request() {
+    let mut n = Node::new();
+    n.write("", &[("s", 100, "")]);
+    n.spawn();
+    n.wait_state("s", "running");
+    let old = n.pid("s");
+    let (code, body) = n.api("POST", "/v1/services/s/suspend");
+    assert_eq!(code, 200, "{body}");
+    n.write("", &[("s", 200, "")]);
+    let (code, o) = n.reload("");
+    assert_eq!(code, 200, "{o}");
+    assert_eq!(change(&o, "s")["done"], "restarted", "{o}");
+    n.wait_state("s", "idle");
+    assert!(!alive(old), "the old process still runs");
+    // Its next request starts it, cold, as the file now says.
+    assert_eq!(curl(n.door, "{\"model\":\"s-model\",\"prompt\":\"hi\"}"), 200);
+    let v = n.wait_state("s", "running");
+    assert_ne!(v["pid"].as_i64(), Some(old as i64), "{v}");
+}
+
+/// `gpusnap logs NAME` as `uid` with `groups` (none: no group at all).
+fn logs_as(n: &Node, uid: u32, groups: Option<&str>) -> std::process::Output {
+    let mut cmd = Command::new("setpriv");
+    cmd.arg(format!("--reuid={uid}")).arg(format!("--regid={uid}"));
+    match groups {
+        Some(g) => cmd.arg(format!("--groups={g}")),
+        None => cmd.arg("--clear-groups"),
+    };
+    cmd.arg(env!("CARGO_BIN_EXE_gpusnap"))
+        .arg("--state-dir")
+        .arg(n.w.state_dir())
+        .args(["logs", "a", "--socket"])
+        .arg(&n.socket)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_agents_group_reads_a_servers_output_without_root() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let mut n = Node::new();
+    n.write("group = \"4242\"", &[("a", 100, "")]);
+    n.spawn();
+    n.wait_state("a", "running");
+    let log = n.w.state_dir().join("agent").join("a.log");
+    let (f, d) = (std::fs::metadata(&log).unwrap(), std::fs::metadata(log.parent().unwrap()).unwrap());
+    assert_eq!((f.mode() & 0o777, f.gid()), (0o640, 4242), "{:o}", f.mode());
+    // Its directory is owner-only, as the state directory: the agent reads
+    // it for them.
+    assert_eq!(d.mode() & 0o777, 0o700, "{:o}", d.mode());
+    std::fs::set_permissions(n.socket.parent().unwrap(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = logs_as(&n, 65534, Some("4242"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("server a says hello"), "{text}");
+    let out = logs_as(&n, 65534, None);
+    assert!(!out.status.success());
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("hello"));
+}

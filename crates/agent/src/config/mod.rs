@@ -40,7 +40,7 @@ pub struct Config {
     pub kubernetes: Option<KubernetesConfig>,
     /// The file as TOML, what a reload compares (see `crate::reload`).
     #[serde(skip)]
-    pub raw: toml::Table,
+    pub(crate) raw: toml::Table,
 }
 
 #[derive(Debug, Clone, Deserialize)]

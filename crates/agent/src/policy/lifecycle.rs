@@ -69,7 +69,7 @@ impl Agent {
         }
         let log_path = crate::logs::path(self.state_dir(), &svc.name);
         // The services' output is root's and, to read (`gpusnap logs`), the
-        // agent's group's (`[agent] group`): 0750 and 0640, that group's.
+        // agent's group's (`[agent] group`): 0640, of that group.
         let gid = self.cfg().group.as_ref().and_then(|g| crate::peer::group_id(g.get_ref()));
         let log = crate::logs::open_for_server(&log_path, gid).map_err(|e| e.to_string())?;
         let mut c = crate::scope::command(self.exe(), &svc.name, self.cfg().server_scope);
