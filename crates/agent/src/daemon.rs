@@ -18,6 +18,10 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         .build()
         .map_err(|e| AgentError::Setup(format!("tokio: {e}")))?;
     rt.block_on(async move {
+        // SIGHUP's default would end the agent: a reload asked while it
+        // starts waits until it is ready instead.
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hup = signal(SignalKind::hangup()).map_err(|e| AgentError::Setup(e.to_string()))?;
         let agent = Arc::new(Agent::new(setup)?);
         let (api_listener, probe_listener) = crate::sockets::bind(
             &agent.cfg().socket,
@@ -154,10 +158,8 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
             agent.cfg().socket.display(),
             agent.cfg().probe_path().display()
         );
-        use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate()).map_err(|e| AgentError::Setup(e.to_string()))?;
         let mut int = signal(SignalKind::interrupt()).map_err(|e| AgentError::Setup(e.to_string()))?;
-        let mut hup = signal(SignalKind::hangup()).map_err(|e| AgentError::Setup(e.to_string()))?;
         loop {
             tokio::select! {
                 _ = term.recv() => break,

@@ -370,3 +370,45 @@ fn the_agents_group_reads_a_servers_output_without_root() {
     assert!(!out.status.success());
     assert!(!String::from_utf8_lossy(&out.stdout).contains("hello"));
 }
+
+#[test]
+fn logs_follow_what_a_server_writes_next() {
+    let mut n = Node::new();
+    n.write("", &[("a", 100, "")]);
+    n.spawn();
+    n.wait_state("a", "running");
+    let k = n.w.spawn_gpusnap(&["logs", "a", "-f", "--lines", "10"]);
+    let out = n.w.tmp.path().join(format!("gpusnap-{k}.out"));
+    let hellos = || std::fs::read_to_string(&out).unwrap_or_default().matches("server a says hello").count();
+    wait_for(LONG, || hellos() == 1);
+    // A restart: its new server says hello again, in the same file.
+    let (code, body) = n.api("POST", "/v1/services/a/restart");
+    assert_eq!(code, 200, "{body}");
+    wait_for(LONG, || hellos() == 2);
+}
+
+#[test]
+fn a_reload_moves_a_proxy_and_gives_a_removed_services_port_to_a_new_one() {
+    let mut n = Node::new();
+    n.write("", &[("a", 100, ""), ("b", 100, "")]);
+    n.spawn();
+    n.wait_state("a", "running");
+    n.wait_state("b", "running");
+    let (a_old, b_port) = (n.ports["a"].0, n.ports["b"].0);
+    let b = n.pid("b");
+    n.ports.get_mut("a").unwrap().0 = free_port();
+    n.ports.insert("c".into(), (b_port, free_port()));
+    n.write("", &[("a", 100, ""), ("c", 100, "")]);
+    let (code, o) = n.reload("?stop_removed=true");
+    assert_eq!(code, 200, "{o}");
+    assert_eq!(change(&o, "a")["keys"], serde_json::json!(["listen"]), "{o}");
+    assert_eq!(change(&o, "c")["done"], "started", "{o}");
+    n.wait_state("a", "running");
+    n.wait_state("c", "running");
+    wait_for(LONG, || !alive(b));
+    for port in [n.ports["a"].0, b_port] {
+        let r = http::tcp_get(port, "/", LONG).unwrap();
+        assert_eq!(http::split(&r).0, 200, "{r}");
+    }
+    assert!(std::net::TcpStream::connect(("127.0.0.1", a_old)).is_err(), "a's old port still open");
+}
