@@ -412,3 +412,22 @@ fn a_reload_moves_a_proxy_and_gives_a_removed_services_port_to_a_new_one() {
     }
     assert!(std::net::TcpStream::connect(("127.0.0.1", a_old)).is_err(), "a's old port still open");
 }
+
+#[test]
+fn sighup_reloads_as_systemctl_reload_does() {
+    let mut n = Node::new();
+    n.write("", &[("a", 100, "")]);
+    n.spawn();
+    n.wait_state("a", "running");
+    let a = n.pid("a");
+    n.write("", &[("a", 100, ""), ("b", 100, "start = \"on-demand\"")]);
+    // SAFETY: kill sends a signal to the agent this test started.
+    assert_eq!(unsafe { libc::kill(n.agent_pid(), libc::SIGHUP) }, 0);
+    wait_for(LONG, || n.api("GET", "/v1/services/b").0 == 200);
+    n.wait_state("b", "idle");
+    assert!(n.metrics().contains("gpusnap_agent_reloads_total{result=\"ok\"} 1"));
+    assert!(n.log().contains("reload: added: started by its first request"), "{}", n.log());
+    assert_eq!(n.pid("a"), a);
+    // Its first request starts it.
+    assert_eq!(curl(n.door, "{\"model\":\"b-model\",\"prompt\":\"hi\"}"), 200);
+}
