@@ -263,6 +263,113 @@ async fn tree(agent: Ctl, peer: Peer, pid: i32) -> Response {
     tree_of(agent, peer, pid, false).await
 }
 
+#[derive(serde::Deserialize)]
+struct ReloadQuery {
+    /// Stop the services the file no longer names (else left running).
+    #[serde(default)]
+    stop_removed: bool,
+}
+
+/// Reads the config file again: what changed, or 422 with the one-line
+/// error that refused it (the config in use kept).
+async fn reload(
+    AxState(agent): AxState<Ctl>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    q: Result<Query<ReloadQuery>, QueryRejection>,
+) -> Response {
+    let Query(q) = match q {
+        Ok(q) => q,
+        Err(e) => return bad_request(e.body_text()),
+    };
+    // Starting and stopping every service: root and the agent's group
+    // (the socket's peers) only, unless a service narrows its actions.
+    if let Some(s) = agent.services().iter().find(|s| !crate::access::may_act(&peer, &s.cfg)) {
+        let who = peer.uid.map_or("an unknown peer".to_string(), |u| format!("uid {u}"));
+        return error(
+            StatusCode::FORBIDDEN,
+            format!(
+                "{who} may not reload: service {:?} allows only its allow_users and allow_groups",
+                s.name
+            ),
+            2,
+        );
+    }
+    match agent.reload(q.stop_removed).await {
+        Ok(o) => Json(o).into_response(),
+        Err(e) => error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("reload refused, the config in use is kept: {e}"),
+            2,
+        ),
+    }
+}
+
+/// Lines a log read gives at most, whatever is asked.
+pub const MAX_LOG_LINES: usize = 100_000;
+
+#[derive(serde::Deserialize)]
+struct LogsQuery {
+    /// The last N lines (default 100).
+    lines: Option<usize>,
+    /// What was written after this offset (a previous answer's `offset`).
+    after: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct LogsAnswer {
+    service: String,
+    /// The output, lossy UTF-8, at most `crate::logs::MAX_READ` bytes.
+    text: String,
+    /// Where the next read (`after`) goes on.
+    offset: u64,
+}
+
+/// A service's server output (`STATE_DIR/agent/NAME.log`, across one
+/// rotation), bounded in bytes.
+async fn logs(
+    AxState(agent): AxState<Ctl>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
+    name: Result<Path<String>, PathRejection>,
+    q: Result<Query<LogsQuery>, QueryRejection>,
+) -> Response {
+    let (Path(name), Query(q)) = match (name, q) {
+        (Ok(n), Ok(q)) => (n, q),
+        (Err(e), _) => return bad_request(e.body_text()),
+        (_, Err(e)) => return bad_request(e.body_text()),
+    };
+    let Some(svc) = agent.service(&name) else {
+        return error(StatusCode::NOT_FOUND, format!("no service {name:?}"), 2);
+    };
+    if !crate::access::may_act(&peer, &svc.cfg) {
+        let who = peer.uid.map_or("an unknown peer".to_string(), |u| format!("uid {u}"));
+        return error(
+            StatusCode::FORBIDDEN,
+            format!("{who} may not read service {name:?}'s output (its allow_users and allow_groups)"),
+            2,
+        );
+    }
+    let path = agent.log_path(&svc);
+    let lines = q.lines.unwrap_or(100).min(MAX_LOG_LINES);
+    let read = tokio::task::spawn_blocking(move || match q.after {
+        Some(after) => crate::logs::since(&path, after),
+        None => crate::logs::tail(&path, lines),
+    })
+    .await;
+    match read {
+        Ok(Ok((text, offset))) => {
+            Json(LogsAnswer { service: name, text: String::from_utf8_lossy(&text).into_owned(), offset })
+                .into_response()
+        }
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => error(
+            StatusCode::NOT_FOUND,
+            format!("service {name:?} has no output yet (the agent did not start it)"),
+            2,
+        ),
+        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), 1),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), 1),
+    }
+}
+
 /// Without `after`, `/v1/events` starts with this many of the newest entries.
 pub const EVENTS_WINDOW: i64 = 100;
 /// Clients following `/v1/events` at once; one more gets a 503.
@@ -397,7 +504,9 @@ pub fn routes() -> Vec<Route> {
     vec![
         Route::get("/v1/services", services),
         Route::get("/v1/services/{name}", one_service),
+        Route::get("/v1/services/{name}/logs", logs),
         Route::post("/v1/services/{name}/{action}", action),
+        Route::post("/v1/reload", reload),
         Route::get("/v1/processes", processes),
         Route::get("/v1/events", events),
         Route::get("/v1/openapi.json", openapi),

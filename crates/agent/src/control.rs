@@ -118,6 +118,13 @@ pub trait Control: Send + Sync + 'static {
     /// Journals `what` on the service's process (blocks).
     fn note(&self, svc: &Service, what: &str);
 
+    /// Reads the config file again and applies it (see `crate::reload`):
+    /// what changed, or the one-line error that refused it.
+    fn reload(self: Arc<Self>, stop_removed: bool) -> Pending<Result<crate::reload::Outcome, String>>;
+
+    /// Where `svc`'s server writes its output (see `crate::logs`).
+    fn log_path(&self, svc: &Service) -> std::path::PathBuf;
+
     /// What `svc` holds now: GPU, host memory and image bytes (blocks).
     fn held(&self, svc: &Service) -> crate::held::Held;
 }

@@ -18,6 +18,10 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
         .build()
         .map_err(|e| AgentError::Setup(format!("tokio: {e}")))?;
     rt.block_on(async move {
+        // SIGHUP's default would end the agent: a reload asked while it
+        // starts waits until it is ready instead.
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hup = signal(SignalKind::hangup()).map_err(|e| AgentError::Setup(e.to_string()))?;
         let agent = Arc::new(Agent::new(setup)?);
         let (api_listener, probe_listener) = crate::sockets::bind(
             &agent.cfg().socket,
@@ -105,9 +109,9 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
             total: Arc::clone(total),
             header_timeout,
         };
+        agent.set_doors(Arc::clone(&total), header_timeout);
         for (svc, l) in proxies {
-            let b = bounds(svc.cfg.max_connections, &total);
-            tokio::spawn(crate::proxy::serve(Arc::clone(&ctl), svc, l, b));
+            agent.serve_proxy(&svc, l);
         }
         // A pod's watch was started by the follower when it served the pod
         // (the first poll above): one watch a service, one wake a connection.
@@ -154,12 +158,21 @@ pub fn run(setup: Setup) -> Result<(), AgentError> {
             agent.cfg().socket.display(),
             agent.cfg().probe_path().display()
         );
-        use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate()).map_err(|e| AgentError::Setup(e.to_string()))?;
         let mut int = signal(SignalKind::interrupt()).map_err(|e| AgentError::Setup(e.to_string()))?;
-        tokio::select! {
-            _ = term.recv() => {},
-            _ = int.recv() => {},
+        loop {
+            tokio::select! {
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+                // `systemctl reload`: the config file read again; what
+                // changed (or why it was refused) goes to the log.
+                _ = hup.recv() => {
+                    let a = Arc::clone(&agent);
+                    tokio::spawn(async move {
+                        let _ = a.reload(false).await;
+                    });
+                }
+            }
         }
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
         agent.persist();

@@ -1,4 +1,5 @@
-//! What can stop the agent from starting, with the exit code each gives.
+//! What can stop the agent from starting (or a command of its CLI), with
+//! the exit code each gives.
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -6,6 +7,10 @@ pub enum AgentError {
     Config(#[from] crate::config::ConfigError),
     #[error("{0}")]
     Setup(String),
+    /// A command's argument that cannot be (a service name that names no
+    /// file): exit 2, nothing done.
+    #[error("{0}")]
+    BadInput(String),
     #[error(transparent)]
     Core(#[from] gpusnap_hibernate::Error),
 }
@@ -21,6 +26,7 @@ impl AgentError {
         match self {
             AgentError::Config(_) => 2,
             AgentError::Setup(_) => 1,
+            AgentError::BadInput(_) => 2,
             AgentError::Core(e) => e.exit_code(),
         }
     }

@@ -52,6 +52,7 @@ pub mod probe;
 pub mod proxy;
 pub mod ratelimit;
 pub mod recent;
+pub mod reload;
 pub mod scope;
 pub mod service;
 pub mod sockets;

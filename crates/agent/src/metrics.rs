@@ -47,6 +47,18 @@ pub struct EventLabels {
     pub event: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// A model some service serves, or `unknown` (never the client's string).
+    pub model: String,
+    pub status: String,
+}
+
 fn phase_buckets() -> Histogram {
     // 100 us .. ~14 min: a state-file write to a checkpoint of 75 GB.
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.0, 24))
@@ -81,6 +93,10 @@ pub struct Metrics {
     /// 1 for a service whose process was started with another `command` or
     /// `fast_swap` than its config says now (found again by a restarted agent).
     pub config_drift: Family<ServiceLabels, Gauge>,
+    /// Reloads of the config: `ok`, or `refused` (the config in use kept).
+    pub reloads: Family<ResultLabels, Counter>,
+    /// Front-door requests by model and HTTP status.
+    pub requests: Family<RequestLabels, Counter>,
     /// The last request-driven wakes, for the status page (not exported).
     pub recent: crate::recent::Recent,
 }
@@ -203,6 +219,21 @@ impl Metrics {
                 "service_config_drift",
                 "1 for a service whose process runs with another command or fast_swap than its config says \
                  (restart it to apply the config), else 0",
+                None,
+                Family::default(),
+            ),
+            reloads: register(
+                r,
+                "reloads",
+                "Reloads of the config file (SIGHUP, POST /v1/reload): ok, or refused (the file did not parse or \
+                 check; the config in use kept)",
+                None,
+                Family::default(),
+            ),
+            requests: register(
+                r,
+                "requests",
+                "Front-door requests by model (one a service serves, else unknown) and HTTP status",
                 None,
                 Family::default(),
             ),

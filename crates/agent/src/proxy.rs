@@ -28,14 +28,30 @@ static ACCEPT_FAILED: Every = Every::new(Duration::from_secs(1));
 static REFUSED: Every = Every::new(Duration::from_secs(1));
 static CLOSED: Every = Every::new(Duration::from_secs(1));
 
-/// Accepts the service's connections, each under its cap and the agent's
-/// total (`bounds`): one beyond either is closed at once. A failed accept
-/// (out of descriptors) backs off instead of spinning, warned about at most
-/// once a second.
-pub async fn serve(agent: Arc<dyn Control>, svc: Arc<Service>, listener: TcpListener, bounds: Bounds) {
+/// Accepts the connections of the service named `name`, each under its cap
+/// and the agent's total (`bounds`): one beyond either is closed at once. A
+/// failed accept (out of descriptors) backs off instead of spinning, warned
+/// about at most once a second. Each connection goes to the service of that
+/// name as it is then (a reload may have given it a new config); once there
+/// is none listening at `addr` (removed, or moved by a reload), the listener
+/// is closed.
+pub async fn serve(
+    agent: Arc<dyn Control>,
+    name: String,
+    addr: std::net::SocketAddr,
+    listener: TcpListener,
+    bounds: Bounds,
+) {
     loop {
         match listener.accept().await {
             Ok((client, _)) => {
+                let current = agent
+                    .service(&name)
+                    .filter(|s| s.cfg.listen.as_ref().map(|l| *l.get_ref()) == Some(addr));
+                let Some(svc) = current else {
+                    tracing::info!(service = name, "no longer served on {addr}: its proxy is closed");
+                    return;
+                };
                 let slot = match limits::admit(&bounds.own, &bounds.total) {
                     Ok(s) => s,
                     Err(full) => {
@@ -48,7 +64,7 @@ pub async fn serve(agent: Arc<dyn Control>, svc: Arc<Service>, listener: TcpList
                         continue;
                     }
                 };
-                let (a, s) = (Arc::clone(&agent), Arc::clone(&svc));
+                let (a, s) = (Arc::clone(&agent), svc);
                 let first_byte = bounds.header_timeout;
                 tokio::spawn(async move {
                     let _slot = slot;
@@ -56,7 +72,7 @@ pub async fn serve(agent: Arc<dyn Control>, svc: Arc<Service>, listener: TcpList
                 });
             }
             Err(e) => {
-                crate::warn_every!(ACCEPT_FAILED, service = svc.name, "accept: {e}");
+                crate::warn_every!(ACCEPT_FAILED, service = name, "accept: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }

@@ -30,6 +30,9 @@ pub struct Setup {
     pub gpus: Box<dyn GpuInventory>,
     /// The gpusnap binary that runs services (`run --light`).
     pub exe: PathBuf,
+    /// The file the config was read from: what a reload reads again
+    /// (None: a reload is refused).
+    pub config_path: Option<PathBuf>,
 }
 
 pub struct Agent {
@@ -51,6 +54,9 @@ pub struct Agent {
     /// The runners the agent started, reaped once they end.
     children: Mutex<Vec<std::process::Child>>,
     persist_lock: Mutex<()>,
+    /// What a reload needs: the config as served, the changes waiting for
+    /// their service to be idle, the proxies' listeners.
+    pub(crate) reloading: crate::reload::Reloading,
 }
 
 impl Agent {
@@ -71,6 +77,7 @@ impl Agent {
                 e => gpusnap_hibernate::Error::from(e).into(),
             })?,
         );
+        let reloading = crate::reload::Reloading::new(s.config_path.clone(), &s.config.raw);
         let services = s.config.service.into_iter().map(|c| Arc::new(Service::new(c))).collect();
         Ok(Self {
             cfg: s.config.agent,
@@ -85,6 +92,7 @@ impl Agent {
             gpu_lock: tokio::sync::Mutex::new(()),
             children: Mutex::new(Vec::new()),
             persist_lock: Mutex::new(()),
+            reloading,
         })
     }
 
@@ -114,6 +122,17 @@ impl Agent {
         }
         let mut next = Vec::clone(&all);
         next.push(svc);
+        *all = Arc::new(next);
+        true
+    }
+
+    /// Puts `svc` in the place of the service of its name (a reload that
+    /// changed its config); false when there is none.
+    pub fn replace_service(&self, svc: Arc<Service>) -> bool {
+        let mut all = self.services.write().unwrap_or_else(|e| e.into_inner());
+        let Some(at) = all.iter().position(|s| s.name == svc.name) else { return false };
+        let mut next = Vec::clone(&all);
+        next[at] = svc;
         *all = Arc::new(next);
         true
     }
@@ -173,7 +192,7 @@ impl Agent {
         kids.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_)) | Err(_)));
     }
 
-    fn persisted_of(svc: &Service) -> Persisted {
+    pub(crate) fn persisted_of(svc: &Service) -> Persisted {
         let g = svc.lock();
         Persisted {
             pid: g.process.as_ref().map(|t| t.pid),

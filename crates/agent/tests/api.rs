@@ -104,6 +104,7 @@ pid_file = "{pid_file}"
         api: Deadline::new(Box::new(Absent { why: "no driver on this host".into() }), Timeouts::default()),
         gpus: Box::new(NoGpus),
         exe: PathBuf::from("/bin/false"),
+        config_path: None,
     })
     .unwrap();
     let ctl: Arc<dyn Control> = Arc::new(agent);
@@ -190,6 +191,17 @@ fn every_documented_route_answers_on_the_socket_as_documented() {
                 for line in r.unwrap().lines() {
                     assert_eq!(keys(&serde_json::from_str(line).unwrap()), properties(&doc, "Event"));
                 }
+            }
+            // Its server never ran: no output yet.
+            "/v1/services/{name}/logs" => {
+                let (status, message, code) = api_error(r);
+                assert_eq!((status, code), (404, 2), "{message}");
+            }
+            // Started without a file to read again.
+            "/v1/reload" => {
+                let (status, message, code) = api_error(r);
+                assert_eq!((status, code), (422, 2), "{message}");
+                assert!(message.contains("without a config file"), "{message}");
             }
             "/v1/openapi.json" => assert_eq!(r.unwrap(), OPENAPI),
             "/metrics" => assert!(r.unwrap().contains("# TYPE gpusnap_agent_services gauge")),

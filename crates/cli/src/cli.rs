@@ -346,6 +346,8 @@ pub enum Cmd {
         /// The agent's configuration (docs/design/agent.md).
         #[arg(long, value_name = "FILE", default_value = "/etc/gpusnap/agent.toml")]
         config: PathBuf,
+        #[command(subcommand)]
+        cmd: Option<AgentCmd>,
     },
     /// Whether a server can answer, for a Kubernetes exec probe: exit 0 for
     /// a running or suspended (wakeable) one listening on --port, without
@@ -401,6 +403,24 @@ pub enum Cmd {
         #[command(flatten)]
         agent: AgentAt,
     },
+    /// A service's server output (`STATE_DIR/agent/NAME.log`, the rotated
+    /// file's end first).
+    ///
+    /// Read from --state-dir where this user may read it, else through the
+    /// agent's API (found as `gpusnap services` finds it), which root and
+    /// the members of the agent's `[agent] group` may use.
+    Logs {
+        /// The service, as named in the agent's configuration.
+        name: String,
+        /// Keep printing what it writes, until interrupted.
+        #[arg(short, long)]
+        follow: bool,
+        /// How many of the last lines to print first.
+        #[arg(short = 'n', long, value_name = "N", default_value_t = 100)]
+        lines: usize,
+        #[command(flatten)]
+        agent: AgentAt,
+    },
     /// Check this host (and a process) for what checkpointing needs, and explain what is missing.
     Doctor {
         /// A process to check as well.
@@ -425,6 +445,24 @@ pub enum Cmd {
         /// The shell.
         #[arg(value_enum)]
         shell: clap_complete::Shell,
+    },
+}
+
+/// What `gpusnap agent` does besides running the agent.
+#[derive(Subcommand)]
+pub enum AgentCmd {
+    /// Make the running agent read its config file again (as `systemctl
+    /// reload gpusnap-agent` does): new services start, changed ones are
+    /// restarted once idle, removed ones are left running unless
+    /// --stop-removed. A config that does not parse is refused (exit 2), the
+    /// one in use kept. The agent is found as `gpusnap services` finds it.
+    Reload {
+        /// Stop the services the file no longer names (suspended first, as
+        /// `gpusnap stop` does) instead of leaving them running, unmanaged.
+        #[arg(long)]
+        stop_removed: bool,
+        #[command(flatten)]
+        agent: AgentAt,
     },
 }
 

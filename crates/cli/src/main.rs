@@ -52,7 +52,7 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     // The agent is a daemon: its transitions are its log, at info by default.
-    let daemon = matches!(cli.cmd, cli::Cmd::Agent { .. });
+    let daemon = matches!(cli.cmd, cli::Cmd::Agent { cmd: None, .. });
     init_logging(cli.verbose + u8::from(daemon));
     let out = Out::new(cli.json);
     match cmd::run(&cli, &out) {

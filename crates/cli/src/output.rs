@@ -218,6 +218,34 @@ impl Out {
     }
 
     /// The agent's services (`GET /v1/services`) as a table, or as they came.
+    /// What a reload of the agent's config did.
+    pub fn agent_reload(&self, o: &serde_json::Value) {
+        if self.json {
+            self.emit(o.clone());
+            return;
+        }
+        for c in o["changes"].as_array().into_iter().flatten() {
+            println!(
+                "{:<20} {:<8} {:<12} {}",
+                c["service"].as_str().unwrap_or("?"),
+                c["change"].as_str().unwrap_or("?"),
+                c["done"].as_str().unwrap_or("?"),
+                c["detail"].as_str().unwrap_or("")
+            );
+        }
+        let n = o["unchanged"].as_array().map_or(0, Vec::len);
+        println!("{n} service(s) unchanged");
+        for k in o["needs_agent_restart"].as_array().into_iter().flatten() {
+            println!(
+                "{}: read at start only, applied once the agent is restarted",
+                k.as_str().unwrap_or("?")
+            );
+        }
+        for d in o["drift"].as_array().into_iter().flatten() {
+            println!("{}: {}", d["service"].as_str().unwrap_or("?"), d["drift"].as_str().unwrap_or(""));
+        }
+    }
+
     pub fn agent_services(&self, list: &serde_json::Value) {
         if self.json {
             self.emit(list.clone());

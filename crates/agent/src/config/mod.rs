@@ -38,6 +38,9 @@ pub struct Config {
     pub service: Vec<ServiceConfig>,
     /// The pods of this node, found through the runtime's CRI socket.
     pub kubernetes: Option<KubernetesConfig>,
+    /// The file as TOML, what a reload compares (see `crate::reload`).
+    #[serde(skip)]
+    pub(crate) raw: toml::Table,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -363,6 +366,15 @@ fn yes() -> bool {
     true
 }
 
+/// The `[agent] socket` of a config that need only be TOML (a file being
+/// edited, which a reload may refuse): the default when it names none;
+/// None when it is not TOML.
+pub fn socket_in(text: &str) -> Option<PathBuf> {
+    let t: toml::Table = toml::from_str(text).ok()?;
+    let named = t.get("agent").and_then(|a| a.get("socket")).and_then(|s| s.as_str()).map(PathBuf::from);
+    Some(named.unwrap_or_else(|| AgentConfig::default().socket))
+}
+
 fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].bytes().filter(|b| *b == b'\n').count() + 1
 }
@@ -380,7 +392,7 @@ impl Config {
             line: line_of(text, offset),
             reason,
         };
-        let cfg: Config = toml::from_str(text).map_err(|e| {
+        let mut cfg: Config = toml::from_str(text).map_err(|e| {
             let offset = e.span().map_or(0, |s| s.start);
             invalid(offset, hints::explain(text, offset, e.message().trim()))
         })?;
@@ -625,6 +637,7 @@ impl Config {
             }
         }
         check(&cfg, text).map_err(|(offset, reason)| invalid(offset, reason))?;
+        cfg.raw = toml::from_str(text).unwrap_or_default();
         Ok(cfg)
     }
 }

@@ -276,3 +276,12 @@ fn an_address_that_is_not_ip_and_port_names_the_key_and_the_form() {
     let e = err(&GOOD.replace("\"127.0.0.1:8000\"", "\"8000\""));
     assert!(e.starts_with("x.toml:8: listen = \"8000\""), "{e}");
 }
+
+#[test]
+fn a_file_being_edited_still_names_its_socket() {
+    let s = crate::config::socket_in("[agent]\nsocket = \"/run/x.sock\"\n[[service]]\nlisten = 12\n");
+    assert_eq!(s, Some(std::path::PathBuf::from("/run/x.sock")));
+    let default = crate::config::AgentConfig::default().socket;
+    assert_eq!(crate::config::socket_in("[[service]]\nname = \"a\"\n"), Some(default));
+    assert_eq!(crate::config::socket_in("[agent\n"), None);
+}

@@ -13,6 +13,7 @@
 //! - [`gate`]: who may ask (`api_keys`), and the bytes of bodies held;
 //! - [`ui`]: the status page (`ui = true`).
 
+mod access;
 mod forward;
 mod gate;
 mod models;
@@ -131,12 +132,30 @@ pub async fn serve(agent: Arc<dyn Control>, listener: TcpListener, limits: Limit
     }
 }
 
+/// One request: answered, and (past the lists and pages) counted and
+/// logged (see [`access`]).
 async fn handle(
     agent: Arc<dyn Control>,
     limits: &Limits,
     gate: &gate::Gate,
     pool: Arc<pool::Pool>,
     req: Request<Incoming>,
+) -> Response<Body> {
+    let mut rec = None;
+    let resp = answer(Arc::clone(&agent), limits, gate, pool, req, &mut rec).await;
+    match rec {
+        Some(rec) => access::finish(&agent, rec, resp),
+        None => resp,
+    }
+}
+
+async fn answer(
+    agent: Arc<dyn Control>,
+    limits: &Limits,
+    gate: &gate::Gate,
+    pool: Arc<pool::Pool>,
+    req: Request<Incoming>,
+    rec: &mut Option<access::Record>,
 ) -> Response<Body> {
     let path = req.uri().path();
     if req.method() == hyper::Method::GET && path == "/healthz" {
@@ -165,6 +184,7 @@ async fn handle(
             return models::one(&agent, &services, id);
         }
     }
+    let rec = rec.insert(access::Record::new());
     let (parts, body) = req.into_parts();
     // Its place among the bodies held at once, before a byte is read.
     let _held = match gate.hold(&parts.headers) {
@@ -199,15 +219,22 @@ async fn handle(
             return error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("request body: {e}"))
         }
     };
+    rec.bytes_in = body.len() as u64;
     let (svc, path) = match route::route(&services, &parts, &body) {
         Ok(r) => r,
         Err(resp) => return *resp,
     };
     let svc = Arc::clone(svc);
-    let in_flight = match crate::wait::admit(&agent, &svc).await {
+    rec.service = Some(svc.name.clone());
+    rec.model = route::model_label(&svc, &body);
+    let waited = std::time::Instant::now();
+    let admitted = crate::wait::admit(&agent, &svc).await;
+    rec.wait_ms = waited.elapsed().as_millis() as u64;
+    let in_flight = match admitted {
         Ok(f) => f,
         Err(refusal) => return refused(&svc, &refusal),
     };
+    rec.swap = in_flight.trace.is_some();
     forward::forward(svc, pool, in_flight, parts, path, body).await
 }
 

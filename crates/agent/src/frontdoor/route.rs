@@ -58,3 +58,15 @@ pub fn route<'a>(
             ))
         })
 }
+
+/// The model a request to `svc` counts under: its body's `model` where
+/// `svc` serves it (one of its `models`, or its name), else the service's
+/// name; never a string only the client chose.
+pub fn model_label(svc: &Service, body: &Bytes) -> String {
+    let model = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("model").and_then(|m| m.as_str()).map(str::to_string));
+    model
+        .filter(|m| *m == svc.name || svc.cfg.models.iter().any(|x| x.get_ref() == m))
+        .unwrap_or_else(|| svc.name.clone())
+}

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
 impl Agent {
-    pub(super) fn spawn_start(self: &Arc<Self>, svc: &Arc<Service>, why: &'static str) {
+    pub(crate) fn spawn_start(self: &Arc<Self>, svc: &Arc<Service>, why: &'static str) {
         let (agent, svc) = (Arc::clone(self), Arc::clone(svc));
         tokio::spawn(async move {
             // A server that declares its size starts only once it fits, and
@@ -68,21 +68,10 @@ impl Agent {
             ));
         }
         let log_path = crate::logs::path(self.state_dir(), &svc.name);
-        // The services' output is theirs and root's alone: 0700, 0600.
-        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
-        if let Some(dir) = log_path.parent() {
-            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| e.to_string())?;
-        }
-        let _ = crate::logs::rotate(&log_path, crate::logs::MAX_LOG);
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&log_path)
-            .map_err(|e| e.to_string())?;
-        // One made before logs were private.
-        log.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(|e| e.to_string())?;
+        // The services' output is root's and, to read (`gpusnap logs`), the
+        // agent's group's (`[agent] group`): 0640, of that group.
+        let gid = self.cfg().group.as_ref().and_then(|g| crate::peer::group_id(g.get_ref()));
+        let log = crate::logs::open_for_server(&log_path, gid).map_err(|e| e.to_string())?;
         let mut c = crate::scope::command(self.exe(), &svc.name, self.cfg().server_scope);
         c.arg("--state-dir").arg(self.state_dir()).args([
             "run",
@@ -230,7 +219,7 @@ impl Agent {
     }
 
     /// The service's process is gone without the agent ending it.
-    pub(super) fn died(&self, svc: &Service, why: &str) {
+    pub(crate) fn died(&self, svc: &Service, why: &str) {
         // Its guard let it die with a faulted context (on_fault = "exit"),
         // or the operator ended one that was held.
         let was_held = svc.lock().state == State::Faulted;
@@ -327,7 +316,7 @@ impl Agent {
         r
     }
 
-    fn stop_blocking(&self, svc: &Service) -> Result<(), String> {
+    pub(crate) fn stop_blocking(&self, svc: &Service) -> Result<(), String> {
         let (root, image) = {
             let g = svc.lock();
             (g.process.clone(), g.image.clone())

@@ -136,6 +136,14 @@ impl Control for Agent {
         self.journal(svc, None, what);
     }
 
+    fn reload(self: Arc<Self>, stop_removed: bool) -> Pending<Result<crate::reload::Outcome, String>> {
+        Box::pin(async move { Agent::reload(&self, stop_removed).await })
+    }
+
+    fn log_path(&self, svc: &Service) -> std::path::PathBuf {
+        crate::logs::path(self.state_dir(), &svc.name)
+    }
+
     fn held(&self, svc: &Service) -> crate::held::Held {
         self.held_by(svc)
     }

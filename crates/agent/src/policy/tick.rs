@@ -16,6 +16,11 @@ impl Agent {
     /// the longest-suspended.
     pub async fn tick(self: &Arc<Self>) {
         self.reap();
+        // A reload's changes waiting for their service to be idle.
+        if self.reloading_waits() {
+            let a = Arc::clone(self);
+            tokio::spawn(async move { a.apply_pending().await });
+        }
         let mut hibernate_one: Option<(Instant, Arc<Service>)> = None;
         for svc in self.services().to_vec() {
             if svc.cfg.command.is_some() {

@@ -11,7 +11,7 @@ mod manual;
 mod probe;
 mod run;
 
-use crate::cli::{Cli, Cmd};
+use crate::cli::{AgentCmd, Cli, Cmd};
 use crate::output::Out;
 
 pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
@@ -107,7 +107,11 @@ pub fn run(cli: &Cli, out: &Out) -> anyhow::Result<()> {
         Cmd::Guard { pids, lock_timeout, takeover, daemon, on_fault } => {
             run::guard(cli, pids, *lock_timeout, *on_fault, *takeover, *daemon)
         }
-        Cmd::Agent { config } => agent::run_agent(cli, config),
+        Cmd::Agent { config, cmd: None } => agent::run_agent(cli, config),
+        Cmd::Agent { cmd: Some(AgentCmd::Reload { stop_removed, agent: at }), .. } => {
+            agent::reload(out, &agent::reload_socket(at)?, *stop_removed)
+        }
+        Cmd::Logs { name, follow, lines, agent: at } => agent::logs(cli, at, name, *lines, *follow),
         Cmd::Services { agent: at } => agent::services(out, &agent::socket(at)?),
         Cmd::Service { name, action, agent: at } => agent::service(out, &agent::socket(at)?, name, *action),
         Cmd::Man { dir, markdown } => manual::man(dir.as_deref(), *markdown),
