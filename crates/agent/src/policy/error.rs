@@ -24,6 +24,13 @@ pub enum PolicyError {
     /// The service has no process (not started, or gone).
     #[error("no process")]
     NoProcess,
+    /// A hibernated service has no image to wake.
+    #[error("no image to wake")]
+    NoImage,
+    /// A suspended service's tree shows no CUDA process now (the driver
+    /// cannot be asked about a stopped process): nothing is resumed.
+    #[error("no CUDA process in the tree of {0} (stopped?): it stays suspended")]
+    StaysSuspended(i32),
     /// The service's tree holds no CUDA process.
     #[error("no CUDA process in the tree of {0}")]
     NoCudaProcess(i32),
@@ -60,6 +67,9 @@ pub enum PolicyError {
     /// next is not due, or the wake timed out).
     #[error("{0}")]
     Unavailable(String),
+    /// The engine could not be opened (its journal, the driver).
+    #[error(transparent)]
+    NoEngine(gpusnap_hibernate::Error),
     /// The engine (journal, admission, locks, driver, CRIU) refused or failed.
     #[error(transparent)]
     Engine(#[from] gpusnap_hibernate::Error),
@@ -75,6 +85,21 @@ pub enum PolicyError {
 }
 
 impl PolicyError {
+    /// The exit code gpusnap's own command would give for it: the engine's
+    /// (3: no room on the GPU), 1 for everything else.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::Engine(e) => e.exit_code(),
+            Self::Core(e) => e.exit_code(),
+            _ => 1,
+        }
+    }
+
+    /// The engine refused for want of room on the GPU (admission).
+    pub fn no_room(&self) -> bool {
+        self.exit_code() == 3
+    }
+
     pub(super) fn not_in_state(svc: &crate::service::Service, state: crate::service::State) -> Self {
         Self::NotInState { service: svc.name.clone(), state: state.as_str() }
     }
