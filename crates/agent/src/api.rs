@@ -193,7 +193,7 @@ async fn action(
     }
     match Arc::clone(&agent).act(Arc::clone(&svc), act).await {
         Ok(()) => Json(view(&svc)).into_response(),
-        Err(e) => error(StatusCode::CONFLICT, e, 1),
+        Err(e) => error(StatusCode::CONFLICT, e.to_string(), 1),
     }
 }
 

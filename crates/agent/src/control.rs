@@ -97,7 +97,11 @@ pub trait Control: Send + Sync + 'static {
     fn hopeless(&self, svc: &Service) -> Option<Refusal>;
 
     /// Does `action` to `svc` now; the error says why it could not.
-    fn act(self: Arc<Self>, svc: Arc<Service>, action: Action) -> Pending<Result<(), String>>;
+    fn act(
+        self: Arc<Self>,
+        svc: Arc<Service>,
+        action: Action,
+    ) -> Pending<Result<(), crate::policy::PolicyError>>;
 
     /// Every CUDA process of the host, as `gpusnap ps` shows them, read
     /// only: nothing recorded, reconciled or adopted (blocks).

@@ -644,10 +644,8 @@ fn serve_control(listener: UnixListener, inbox: Arc<Inbox>) {
         if BufReader::new(&conn).read_line(&mut line).is_err() {
             continue;
         }
-        let mut words = line.split_whitespace();
-        match words.next() {
-            Some("detach") => {
-                let pids: Vec<i32> = words.filter_map(|w| w.parse().ok()).collect();
+        match gpusnap_wire::guard::Request::parse(&line) {
+            Ok(gpusnap_wire::guard::Request::Detach { pids }) => {
                 inbox.post(Msg::Detach(Detach { pids, conn }));
             }
             _ => {

@@ -27,8 +27,10 @@ use gpusnap_core::store::Store;
 use gpusnap_core::target::{self, Target};
 use gpusnap_cuda::{CheckpointApi, Deadline};
 use gpusnap_gpu::GpuInventory;
+use gpusnap_wire::guard::{Answer, Request, Why};
+use gpusnap_wire::{names, sock};
 use std::io::{BufRead, BufReader, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,13 +39,13 @@ use std::time::Duration;
 
 /// The environment variable that tells the preload library where the guard
 /// listens.
-pub const SOCKET_ENV: &str = "GPUSNAP_GUARD_SOCKET";
+pub const SOCKET_ENV: &str = names::GUARD_SOCKET_ENV;
 /// The library's file name; `gpusnap` looks for it next to itself.
 pub const LIBRARY: &str = "libgpusnap_preload.so";
 
 /// Where `gpusnap run --light` with pid `run_pid` listens.
 pub fn socket_for(state_dir: &Path, run_pid: u32) -> PathBuf {
-    super::guards_dir(state_dir).join(format!("light-{run_pid}.sock"))
+    super::guards_dir(state_dir).join(names::guard_socket_file(run_pid))
 }
 
 /// The preload library: `explicit`, else `GPUSNAP_PRELOAD`, else next to
@@ -111,10 +113,7 @@ fn guards(state_dir: &Path) -> Result<gpusnap_files::PrivateDir, Error> {
 /// other path.
 fn own_name(dir: &gpusnap_files::PrivateDir, path: &Path) -> Result<String, Error> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    let well_named = name
-        .strip_prefix("light-")
-        .and_then(|n| n.strip_suffix(".sock"))
-        .is_some_and(|pid| !pid.is_empty() && pid.len() <= 10 && pid.bytes().all(|b| b.is_ascii_digit()));
+    let well_named = names::guard_socket_pid(name).is_some();
     if well_named && path.parent().is_some_and(|p| dir.is(p)) {
         return Ok(name.to_string());
     }
@@ -149,27 +148,9 @@ pub fn is_served(path: &Path) -> bool {
     UnixStream::connect(path).is_ok()
 }
 
-/// The credentials of the process at the other end of `s` (SO_PEERCRED).
-fn peer_cred(s: &UnixStream) -> Option<libc::ucred> {
-    // SAFETY: ucred is plain data; getsockopt fills at most `len` bytes.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: a valid socket fd and a buffer of `len` bytes.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    (r == 0).then_some(cred)
-}
-
 /// The pid of the process at the other end of `s`.
 fn peer_pid(s: &UnixStream) -> Option<i32> {
-    peer_cred(s).map(|c| c.pid).filter(|&p| p > 0)
+    sock::peer_cred(s.as_fd()).ok().map(|c| c.pid).filter(|&p| p > 0)
 }
 
 /// A light-mode guard: the listening socket and what a suspend needs.
@@ -323,20 +304,17 @@ impl<A: CheckpointApi, G: GpuInventory> LightGuard<A, G> {
 /// The preload library's reason in the traced guard's words: `signal 11`
 /// -> `signal SIGSEGV`, `exit` -> `exit_group via exit`, `_exit` ->
 /// `exit_group via _exit`.
-fn light_why(words: &[&str]) -> String {
-    match words {
-        ["signal", n] => match n.parse::<i32>() {
-            Ok(sig) => format!("signal {}", super::signal_name(sig)),
-            Err(_) => format!("signal {n}"),
-        },
-        [how @ ("exit" | "_exit")] => format!("exit_group via {how}"),
-        other => other.join(" "),
+fn light_why(why: Why) -> String {
+    match why {
+        Why::Signal(sig) => format!("signal {}", super::signal_name(sig)),
+        Why::Exit => "exit_group via exit".to_string(),
+        Why::UnderscoreExit => "exit_group via _exit".to_string(),
     }
 }
 
 /// The uid of the process at the other end of `s`.
 fn peer_uid(s: &UnixStream) -> Option<u32> {
-    peer_cred(s).map(|c| c.uid)
+    sock::peer_cred(s.as_fd()).ok().map(|c| c.uid)
 }
 
 /// What a guard that answers late writes in the journal: the process did
@@ -402,23 +380,17 @@ fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
     if BufReader::new(&conn).read_line(&mut line).is_err() {
         return;
     }
-    let mut words: Vec<&str> = line.split_whitespace().collect();
     // The library adds its start time: the journal's key for the process
     // even when it is gone by the time the guard reads this.
-    let start = words.iter().find_map(|w| w.strip_prefix("start=")?.parse::<u64>().ok());
-    words.retain(|w| !w.starts_with("start="));
-    let reply = match words.first().copied() {
-        Some(kind @ ("dying" | "dying-async")) => {
-            let rest = &words[1..];
-            let resend = (kind == "dying-async")
-                .then(|| match rest {
-                    ["signal", n] => n.parse::<i32>().ok(),
-                    _ => None,
-                })
-                .flatten();
-            let why = light_why(rest);
+    let reply = match Request::parse(&line) {
+        Ok(Request::Dying { asynchronous, why, start }) => {
+            let resend = match why {
+                Why::Signal(sig) if asynchronous => Some(sig),
+                _ => None,
+            };
+            let why = light_why(why);
             let Some(pid) = peer_pid(&conn) else {
-                let _ = (&conn).write_all(b"error: no peer credentials\n");
+                let _ = (&conn).write_all(Answer::Error("no peer credentials".into()).encode().as_bytes());
                 return;
             };
             // The process that asked (its start time as it reads it may
@@ -467,12 +439,12 @@ fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
             }
             if hold {
                 // The library blocks for good on this answer; no signal again.
-                let _ = (&conn).write_all(b"hold\n");
+                let _ = (&conn).write_all(Answer::Hold.encode().as_bytes());
                 return;
             }
             // Alive before the answer: once answered, it dies at once.
             let alive = who.as_ref().is_some_and(target::is_alive);
-            let answered = (&conn).write_all(b"ok\n").is_ok() && alive;
+            let answered = (&conn).write_all(Answer::Ok.encode().as_bytes()).is_ok() && alive;
             if !answered && !gone.swap(true, Ordering::SeqCst) {
                 journal_not_answered(state_dir, key.as_ref());
             }
@@ -485,14 +457,16 @@ fn answer<A: CheckpointApi, G: GpuInventory + ?Sized>(
             return;
         }
         // Only the guard's own user (or root) may make it let go.
-        Some("detach") if peer_uid(&conn).is_some_and(|u| u == 0 || u == nix::unistd::geteuid().as_raw()) => {
+        Ok(Request::Detach { .. })
+            if peer_uid(&conn).is_some_and(|u| u == 0 || u == nix::unistd::geteuid().as_raw()) =>
+        {
             detached.store(true, Ordering::SeqCst);
-            "ok\n".to_string()
+            Answer::Ok
         }
-        Some("detach") => "error: not allowed\n".to_string(),
-        _ => "error: unknown request\n".to_string(),
+        Ok(Request::Detach { .. }) => Answer::Error("not allowed".into()),
+        Err(_) => Answer::Error("unknown request".into()),
     };
-    let _ = (&conn).write_all(reply.as_bytes());
+    let _ = (&conn).write_all(reply.encode().as_bytes());
 }
 
 #[cfg(test)]
@@ -514,9 +488,8 @@ mod tests {
 
     #[test]
     fn reasons_in_the_guards_words() {
-        assert_eq!(light_why(&["signal", "11"]), "signal SIGSEGV");
-        assert_eq!(light_why(&["exit"]), "exit_group via exit");
-        assert_eq!(light_why(&["_exit"]), "exit_group via _exit");
-        assert_eq!(light_why(&["signal", "x"]), "signal x");
+        assert_eq!(light_why(Why::Signal(11)), "signal SIGSEGV");
+        assert_eq!(light_why(Why::Exit), "exit_group via exit");
+        assert_eq!(light_why(Why::UnderscoreExit), "exit_group via _exit");
     }
 }

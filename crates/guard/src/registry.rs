@@ -2,6 +2,7 @@
 //! `hibernate` (to ask it to let go) and for its keeper.
 
 use gpusnap_core::error::Error;
+use gpusnap_wire::guard::{Answer, Request};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -79,11 +80,11 @@ pub fn detach_for(state_dir: &Path, pids: &[i32]) -> Result<Vec<i32>, Error> {
         };
         let mut s = UnixStream::connect(&g.socket).map_err(|e| fail(e.to_string()))?;
         s.set_read_timeout(Some(Duration::from_secs(30))).ok();
-        let line = format!("detach {}\n", mine.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(" "));
+        let line = Request::Detach { pids: mine.clone() }.encode();
         s.write_all(line.as_bytes()).map_err(|e| fail(e.to_string()))?;
         let mut reply = String::new();
         BufReader::new(&s).read_line(&mut reply).map_err(|e| fail(e.to_string()))?;
-        if reply.trim() != "ok" {
+        if Answer::parse(&reply) != Ok(Answer::Ok) {
             return Err(fail(reply.trim().to_string()));
         }
         out.extend(mine);

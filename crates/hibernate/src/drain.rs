@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use gpusnap_chunks::{ChunkRef, Staged, SEGMENT};
 
+use crate::chunking::ChunkingError;
 use crate::follow::FifoStats;
 
 /// Where the receiver's threads spend their time, in ns summed over the
@@ -154,7 +155,7 @@ impl Buffers {
     }
 }
 
-pub(crate) type SegResult = Result<(Vec<ChunkRef>, Vec<Staged>), String>;
+pub(crate) type SegResult = Result<(Vec<ChunkRef>, Vec<Staged>), ChunkingError>;
 pub(crate) type Results = Arc<Mutex<BTreeMap<usize, SegResult>>>;
 
 pub(crate) struct Job {
@@ -174,7 +175,7 @@ pub(crate) struct Drained {
     pub(crate) segs: usize,
     pub(crate) blake3: String,
     pub(crate) results: Results,
-    pub(crate) err: Option<String>,
+    pub(crate) err: Option<ChunkingError>,
 }
 
 /// Makes a FIFO at `path` (mode 0600, refused if anything is there) and
@@ -244,7 +245,7 @@ pub(crate) fn read_fifo(
                 }
             }
             Err(e) => {
-                out.err = Some(format!("poll: {e}"));
+                out.err = Some(ChunkingError::io("poll", std::io::Error::other(e)));
                 return out;
             }
         }
@@ -288,12 +289,12 @@ pub(crate) fn read_fifo(
         match hashing.join() {
             Ok(h) => out.blake3 = h,
             Err(_) => {
-                out.err.get_or_insert_with(|| "the hashing thread panicked".into());
+                out.err.get_or_insert(ChunkingError::Thread("the hashing thread panicked"));
             }
         }
     });
     if pool_gone.load(Ordering::Relaxed) {
-        out.err.get_or_insert_with(|| "the chunking pool stopped".into());
+        out.err.get_or_insert(ChunkingError::Thread("the chunking pool stopped"));
     }
     out
 }
@@ -301,7 +302,7 @@ pub(crate) fn read_fifo(
 /// What every FIFO's reader shares with the receiver.
 pub(crate) struct Shared<'a> {
     pub(crate) received: &'a AtomicU64,
-    pub(crate) failed: &'a Mutex<Option<String>>,
+    pub(crate) failed: &'a Mutex<Option<ChunkingError>>,
     pub(crate) buffers: &'a Buffers,
     pub(crate) jobs: &'a mpsc::Sender<Job>,
     pub(crate) times: &'a Times,
@@ -339,7 +340,7 @@ pub(crate) fn read_segments(file: &mut fs::File, out: &mut Drained, results: &Re
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    out.err.get_or_insert_with(|| format!("read: {e}"));
+                    out.err.get_or_insert_with(|| ChunkingError::io("read", e));
                     break;
                 }
             }
@@ -350,14 +351,14 @@ pub(crate) fn read_segments(file: &mut fs::File, out: &mut Drained, results: &Re
         let mut buf = match taken {
             Ok(b) => b,
             Err(e) => {
-                out.err = Some(format!("a buffer: {e}"));
+                out.err = Some(ChunkingError::io("a buffer", e));
                 continue;
             }
         };
         let (n, eof) = match fill_segment(file, &mut buf[..], copiers, received, times) {
             Ok(r) => r,
             Err((n, e)) => {
-                out.err = Some(format!("read: {e}"));
+                out.err = Some(ChunkingError::io("read", e));
                 (n, false)
             }
         };
@@ -377,7 +378,7 @@ pub(crate) fn read_segments(file: &mut fs::File, out: &mut Drained, results: &Re
         if let Err(mpsc::SendError(job)) = sent {
             buffers.put(job.buf);
             out.segs -= 1;
-            out.err = Some("the hashing thread stopped".into());
+            out.err = Some(ChunkingError::Thread("the hashing thread stopped"));
             continue;
         }
         if eof {

@@ -61,6 +61,7 @@ use std::time::Instant;
 
 use gpusnap_chunks::{LocalStore, Stored, SEGMENT};
 
+use crate::chunking::ChunkingError;
 use crate::drain::{make_fifo, read_fifo, Buffers, Drained, Job, Shared, Times};
 use crate::dumpkeeper::Keeper;
 use crate::follow::{FollowStats, Followed, FollowedFile};
@@ -132,7 +133,7 @@ pub struct Receiver {
     job_tx: Option<mpsc::Sender<Job>>,
     received: Arc<AtomicU64>,
     chunked_bytes: Arc<AtomicU64>,
-    failed: Arc<Mutex<Option<String>>>,
+    failed: Arc<Mutex<Option<ChunkingError>>>,
     store: Arc<LocalStore>,
     keeper: Option<Keeper>,
     times: Arc<Times>,
@@ -184,7 +185,7 @@ impl Receiver {
         let stop = Arc::new(AtomicBool::new(false));
         let received = Arc::new(AtomicU64::new(0));
         let chunked_bytes = Arc::new(AtomicU64::new(0));
-        let failed: Arc<Mutex<Option<String>>> = Arc::default();
+        let failed: Arc<Mutex<Option<ChunkingError>>> = Arc::default();
         let fail_after: Option<usize> = std::env::var(FAIL_AFTER_ENV).ok().and_then(|v| v.parse().ok());
         let chunked = Arc::new(AtomicUsize::new(0));
         let taken: Arc<Mutex<HashSet<String>>> = Arc::default();
@@ -213,13 +214,13 @@ impl Receiver {
                     let n = chunked.fetch_add(1, Ordering::Relaxed) + 1;
                     let already = failed.lock().map(|f| f.is_some()).unwrap_or(true);
                     let r = if already {
-                        Err("an earlier segment failed".to_string())
+                        Err(ChunkingError::EarlierSegment)
                     } else if fail_after.is_some_and(|f| n > f) {
-                        Err("test hook: the FIFO receiver's chunking fails".to_string())
+                        Err(ChunkingError::Injected("test hook: the FIFO receiver's chunking fails"))
                     } else {
                         let t = Instant::now();
                         let r = gpusnap_chunks::store_segment(&job.buf[..job.len], &store, durable, &taken)
-                            .map_err(|e| e.to_string());
+                            .map_err(|e| ChunkingError::Store(e.to_string()));
                         Times::add(&times.chunk, t);
                         r
                     };
@@ -313,7 +314,7 @@ impl Receiver {
     /// removes the FIFOs and returns the pages files CRIU wrote into them
     /// (an empty one becomes an empty file in `criu_dir`: CRIU's restore
     /// opens it).
-    pub fn finish(mut self) -> Result<Followed, String> {
+    pub fn finish(mut self) -> Result<Followed, ChunkingError> {
         let ended = Instant::now();
         let overlapped = self.chunked_bytes.load(Ordering::Relaxed);
         let reads = self.join();
@@ -322,7 +323,7 @@ impl Receiver {
         let mut err = self.failed.lock().ok().and_then(|f| f.clone());
         for r in reads {
             if let Some(e) = &r.err {
-                err.get_or_insert_with(|| format!("{}: {e}", r.rel));
+                err.get_or_insert_with(|| e.clone().of_file(&r.rel));
             }
             let results = r.results.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default();
             let mut stored = Stored::default();
@@ -340,7 +341,7 @@ impl Receiver {
                 }
             }
             if seen != r.segs {
-                err.get_or_insert_with(|| format!("{}: a segment was not chunked", r.rel));
+                err.get_or_insert_with(|| ChunkingError::NotChunked(r.rel.clone()));
             }
             if !r.opened {
                 continue;
@@ -348,7 +349,7 @@ impl Receiver {
             if r.size == 0 {
                 let p = self.criu_dir.join(r.rel.trim_start_matches("criu/"));
                 if let Err(e) = gpusnap_files::create_private(&p) {
-                    err.get_or_insert_with(|| format!("{}: {e}", r.rel));
+                    err.get_or_insert_with(|| ChunkingError::Os(Arc::new(e)).of_file(&r.rel));
                 }
                 continue;
             }
@@ -403,7 +404,7 @@ impl Receiver {
                     segs: 0,
                     blake3: String::new(),
                     results: Arc::default(),
-                    err: Some("its reader panicked".into()),
+                    err: Some(ChunkingError::Thread("its reader panicked")),
                 })
             })
             .collect();
@@ -543,12 +544,12 @@ mod tests {
         let (_tmp, criu, store_root) = setup();
         let rx = Receiver::start_with(&criu, &store_root, false, 2, None, 2).expect("start");
         // Fail from the first chunk on: the writer must still finish.
-        let _ = rx.failed.lock().map(|mut f| *f = Some("injected".into()));
+        let _ = rx.failed.lock().map(|mut f| *f = Some(ChunkingError::Injected("injected")));
         let data = noise(SEGMENT + 8192, 3);
         writer(criu.join("pages-1.img"), data.clone()).join().expect("the writer was never blocked");
         assert!(rx.received() >= data.len() as u64);
         let e = rx.finish().err().expect("a failure");
-        assert!(e.contains("injected"), "{e}");
+        assert!(e.to_string().contains("injected"), "{e}");
         assert!(files_under(&store_root.join("chunks")).is_empty(), "nothing stored, nothing staged");
         assert!(fs::read_dir(&criu).expect("dir").next().is_none(), "no FIFO left");
     }

@@ -32,6 +32,7 @@
 //! `GPUSNAP_FOLLOW=0` turns following off (the commit chunks the files
 //! after the dump, as before).
 
+use crate::chunking::ChunkingError;
 use std::collections::{BTreeMap, HashSet};
 use std::fs;
 use std::os::fd::AsRawFd;
@@ -153,7 +154,7 @@ impl Followed {
     }
 }
 
-type SegResult = Result<(Vec<ChunkRef>, Vec<Staged>), String>;
+type SegResult = Result<(Vec<ChunkRef>, Vec<Staged>), ChunkingError>;
 
 /// One pages file being followed.
 struct Tracked {
@@ -181,7 +182,7 @@ pub struct Follower {
     stop: Arc<AtomicBool>,
     /// Sent true (CRIU succeeded: finish) or false (abandon).
     end_tx: mpsc::Sender<bool>,
-    handle: JoinHandle<Result<Followed, String>>,
+    handle: JoinHandle<Result<Followed, ChunkingError>>,
     store_root: PathBuf,
 }
 
@@ -226,9 +227,9 @@ impl Follower {
 
     /// CRIU exited successfully: chunks the rest of every pages file and
     /// returns them all.
-    pub fn finish(self) -> Result<Followed, String> {
+    pub fn finish(self) -> Result<Followed, ChunkingError> {
         let _ = self.end_tx.send(true);
-        self.handle.join().map_err(|_| "the follower panicked".to_string())?
+        self.handle.join().map_err(|_| ChunkingError::Thread("the follower panicked"))?
     }
 
     /// CRIU failed (or the hibernate did): stops and removes every chunk
@@ -258,12 +259,12 @@ fn follow(
     settings: Settings,
     stop: Arc<AtomicBool>,
     end_rx: &mpsc::Receiver<bool>,
-) -> Result<Followed, String> {
+) -> Result<Followed, ChunkingError> {
     let Settings { durable, segment, punch, fail_after } = settings;
     let criu_dir = image_dir.join("criu");
     let store = Arc::new(store);
     let taken: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let failed = Arc::new(Mutex::new(None::<String>));
+    let failed = Arc::new(Mutex::new(None::<ChunkingError>));
     let chunked = Arc::new(AtomicU64::new(0));
     let chunked_bytes = Arc::new(AtomicU64::new(0));
     let punched = Arc::new(AtomicU64::new(0));
@@ -288,11 +289,11 @@ fn follow(
                 _ => break,
             };
             let r = if stop.load(Ordering::Relaxed) {
-                Err("stopped".to_string())
+                Err(ChunkingError::Stopped)
             } else {
                 let n = chunked.fetch_add(1, Ordering::Relaxed) + 1;
                 if fail_after.is_some_and(|f| n > f) {
-                    Err("test hook: the follower fails".to_string())
+                    Err(ChunkingError::Injected("test hook: the follower fails"))
                 } else {
                     chunk_job(&job, &store, durable, segment, &taken, punch, &punched)
                 }
@@ -321,7 +322,7 @@ fn follow(
             break Err(e);
         }
         if let Some((ok, _)) = ended {
-            break if ok { Ok(()) } else { Err("abandoned".to_string()) };
+            break if ok { Ok(()) } else { Err(ChunkingError::Abandoned) };
         }
         match end_rx.recv_timeout(POLL) {
             Ok(ok) => {
@@ -333,7 +334,7 @@ fn follow(
         }
         if ended.is_some_and(|(ok, _)| !ok) {
             stop.store(true, Ordering::Relaxed);
-            break Err("abandoned".to_string());
+            break Err(ChunkingError::Abandoned);
         }
     };
     if result.is_err() {
@@ -347,7 +348,7 @@ fn follow(
     let mut out = Followed::default();
     let mut err = result.err().or_else(|| failed.lock().ok().and_then(|f| f.clone()));
     for t in tracked {
-        let results = std::mem::take(&mut *t.results.lock().map_err(|_| "poisoned".to_string())?);
+        let results = std::mem::take(&mut *t.results.lock().map_err(|_| ChunkingError::Thread("poisoned"))?);
         let mut stored = Stored::default();
         let expect = t.segs + usize::from(t.done.is_some_and(|d| d > t.segs as u64 * segment as u64));
         let mut seen = 0;
@@ -364,7 +365,7 @@ fn follow(
             }
         }
         if seen != expect {
-            err.get_or_insert_with(|| format!("{}: a segment was not chunked", t.rel));
+            err.get_or_insert_with(|| ChunkingError::NotChunked(t.rel.clone()));
         }
         let size = t.done.unwrap_or(t.segs as u64 * segment as u64);
         out.files
@@ -394,11 +395,11 @@ fn scan(
     jobs: &mpsc::Sender<Job>,
     last: bool,
     counted: &mut u64,
-) -> Result<(), String> {
+) -> Result<(), ChunkingError> {
     let entries = match fs::read_dir(criu_dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(format!("list {}: {e}", criu_dir.display())),
+        Err(e) => return Err(ChunkingError::io(format!("list {}", criu_dir.display()), e)),
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
@@ -406,7 +407,7 @@ fn scan(
         if !gpusnap_images::manifest::chunked_name(&rel) || tracked.iter().any(|t| t.rel == rel) {
             continue;
         }
-        let file = open_pages(&e.path()).map_err(|e| format!("open {rel}: {e}"))?;
+        let file = open_pages(&e.path()).map_err(|e| ChunkingError::io(format!("open {rel}"), e))?;
         tracked.push(Tracked {
             rel,
             file: Arc::new(file),
@@ -417,7 +418,7 @@ fn scan(
         });
     }
     for t in tracked.iter_mut().filter(|t| t.done.is_none()) {
-        let len = t.file.metadata().map_err(|e| format!("stat {}: {e}", t.rel))?.len();
+        let len = t.file.metadata().map_err(|e| ChunkingError::io(format!("stat {}", t.rel), e))?.len();
         loop {
             let off = t.segs as u64 * segment as u64;
             let whole = len >= off + segment as u64;
@@ -426,7 +427,8 @@ fn scan(
             }
             let n = if whole { segment } else { (len - off) as usize };
             if n > 0 {
-                hash_range(&t.file, off, n, &mut t.hasher).map_err(|e| format!("read {}: {e}", t.rel))?;
+                hash_range(&t.file, off, n, &mut t.hasher)
+                    .map_err(|e| ChunkingError::io(format!("read {}", t.rel), e))?;
                 let job = Job {
                     file: t.file.clone(),
                     offset: off,
@@ -434,7 +436,7 @@ fn scan(
                     results: t.results.clone(),
                     index: t.segs,
                 };
-                jobs.send(job).map_err(|_| "the chunking pool stopped".to_string())?;
+                jobs.send(job).map_err(|_| ChunkingError::Thread("the chunking pool stopped"))?;
                 *counted += n as u64;
             }
             if whole {
@@ -492,8 +494,10 @@ fn chunk_job(
     punch: bool,
     punched: &AtomicU64,
 ) -> SegResult {
-    let map = map_range(&job.file, job.offset, job.len).map_err(|e| format!("map a pages file: {e}"))?;
-    let r = gpusnap_chunks::store_segment(&map, store, durable, taken).map_err(|e| e.to_string())?;
+    let map =
+        map_range(&job.file, job.offset, job.len).map_err(|e| ChunkingError::io("map a pages file", e))?;
+    let r = gpusnap_chunks::store_segment(&map, store, durable, taken)
+        .map_err(|e| ChunkingError::Store(e.to_string()))?;
     drop(map);
     // Only whole segments: the last one is where CRIU may still be
     // writing (and it is removed a moment later anyway).

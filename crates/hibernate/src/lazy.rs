@@ -123,7 +123,7 @@ pub fn keeper_main(args: &[std::ffi::OsString]) -> i32 {
     ));
     // The chunked image's copies (its Workdir) live until serving ends.
     let mut held = None;
-    let source: Result<std::sync::Arc<dyn gpusnap_pages::PageSource>, String> = if args.len() == 5 {
+    let source: Result<std::sync::Arc<dyn gpusnap_pages::PageSource>, KeeperError> = if args.len() == 5 {
         keeper_chunks(work, Path::new(&args[2]), &args[3].to_string_lossy(), Path::new(&args[4])).map(|wd| {
             let src = wd.source.clone() as std::sync::Arc<dyn gpusnap_pages::PageSource>;
             held = Some(wd);
@@ -133,9 +133,8 @@ pub fn keeper_main(args: &[std::ffi::OsString]) -> i32 {
         Ok(std::sync::Arc::new(gpusnap_pages::DirSource::new(images)))
     };
     let opts = Options::from_env().unwrap_or_default();
-    let served = source
-        .and_then(|src| Server::adopt(images, src, opts, log).map_err(|e| e.to_string()))
-        .and_then(|srv| srv.wait().map_err(|e| e.to_string()));
+    let served =
+        source.and_then(|src| Ok(Server::adopt(images, src, opts, log)?)).and_then(|srv| Ok(srv.wait()?));
     // The copies hold a process's memory: they go, as the wake's would
     // have (its own copy of a chunked image's files too).
     drop(held);
@@ -175,6 +174,31 @@ pub(crate) fn now_secs() -> String {
     format!("{}.{:03}", d.as_secs(), d.subsec_millis())
 }
 
+/// Why the page keeper cannot serve the missing pages of a wake that died.
+#[derive(Debug, thiserror::Error)]
+enum KeeperError {
+    /// The manifest the wake wrote could not be read.
+    #[error("{KEEPER_MANIFEST}: {0}")]
+    ManifestRead(std::io::Error),
+    #[error("{KEEPER_MANIFEST}: {0}")]
+    ManifestParse(serde_json::Error),
+    /// The chunk store could not be opened.
+    #[error(transparent)]
+    Store(#[from] gpusnap_chunks::ChunkError),
+    /// The image's remote, or its chunks, could not be reached or prepared.
+    #[error(transparent)]
+    Image(#[from] gpusnap_images::Error),
+    /// The keeper's own directory could not be made.
+    #[error("{0}")]
+    Workdir(std::io::Error),
+    /// None of the image's pages files is in the store.
+    #[error("no pages file of the image is in the store")]
+    NoPagesFile,
+    /// The page server failed.
+    #[error(transparent)]
+    Pages(#[from] PagesError),
+}
+
 /// The page source of a chunked image for the keeper, from the manifest the
 /// wake wrote (the one it verified) and the chunk store.
 fn keeper_chunks(
@@ -182,20 +206,20 @@ fn keeper_chunks(
     state_dir: &Path,
     name: &str,
     dir: &Path,
-) -> Result<gpusnap_images::chunksrc::Workdir, String> {
-    let body = std::fs::read(work.join(KEEPER_MANIFEST)).map_err(|e| format!("{KEEPER_MANIFEST}: {e}"))?;
+) -> Result<gpusnap_images::chunksrc::Workdir, KeeperError> {
+    let body = std::fs::read(work.join(KEEPER_MANIFEST)).map_err(KeeperError::ManifestRead)?;
     let m: gpusnap_images::manifest::Manifest =
-        serde_json::from_slice(&body).map_err(|e| format!("{KEEPER_MANIFEST}: {e}"))?;
-    let store = gpusnap_chunks::LocalStore::open(state_dir.join("store")).map_err(|e| e.to_string())?;
+        serde_json::from_slice(&body).map_err(KeeperError::ManifestParse)?;
+    let store = gpusnap_chunks::LocalStore::open(state_dir.join("store"))?;
     let remote = match gpusnap_images::origin::origin(state_dir, name) {
-        Some(url) => Some(gpusnap_images::remote::open_origin(&url).map_err(|e| e.to_string())?),
+        Some(url) => Some(gpusnap_images::remote::open_origin(&url)?),
         None => None,
     };
     let kw = work.join("keeper");
-    gpusnap_files::mkdir_private(&kw).map_err(|e| e.to_string())?;
+    gpusnap_files::mkdir_private(&kw).map_err(KeeperError::Workdir)?;
     gpusnap_images::chunksrc::Workdir::prepare(name, dir, &m, store, remote, &kw, false)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| "no pages file of the image is in the store".to_string())
+        .map_err(gpusnap_images::Error::from)?
+        .ok_or(KeeperError::NoPagesFile)
 }
 
 /// A tree CRIU restored, and the page server still filling its memory

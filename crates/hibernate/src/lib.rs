@@ -7,6 +7,7 @@
 
 use std::time::Instant;
 
+pub mod chunking;
 pub mod criu;
 pub mod drain;
 pub mod dump;

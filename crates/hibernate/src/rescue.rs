@@ -218,7 +218,22 @@ fn stopped(tid: i32) -> bool {
 }
 
 /// Restores back, whether one failed, and the decision once made.
-type Arrivals = (usize, bool, Option<Result<(), String>>);
+type Arrivals = (usize, bool, Option<Result<(), Held>>);
+
+/// Why the processes of a wake stay locked (every restore gets the same
+/// answer).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Held {
+    /// Another process of the wake failed its driver restore.
+    #[error("another process of the wake failed its restore")]
+    AnotherFailed,
+    /// The image did not verify whole.
+    #[error("{0}")]
+    Verify(String),
+    /// The lazy wake's page server failed while the driver restored.
+    #[error("the page server failed during the driver's restore")]
+    PageServerFailed,
+}
 
 /// Where each driver restore of a wake waits before its unlock: until every
 /// restore of the wake has returned, and then for one decision for all:
@@ -229,27 +244,23 @@ pub struct Gate<'a> {
     n: usize,
     state: Mutex<Arrivals>,
     cv: Condvar,
-    decide: Box<dyn Fn() -> Result<(), String> + Sync + 'a>,
+    decide: Box<dyn Fn() -> Result<(), Held> + Sync + 'a>,
 }
 
 impl<'a> Gate<'a> {
     /// A gate for `n` restores; `decide` runs once, when all are back and
     /// all succeeded.
-    pub fn new(n: usize, decide: impl Fn() -> Result<(), String> + Sync + 'a) -> Self {
+    pub fn new(n: usize, decide: impl Fn() -> Result<(), Held> + Sync + 'a) -> Self {
         Self { n, state: Mutex::new((0, false, None)), cv: Condvar::new(), decide: Box::new(decide) }
     }
 
     /// One restore is back (`ok`: it succeeded); blocks until the decision.
-    pub fn arrive(&self, ok: bool) -> Result<(), String> {
+    pub fn arrive(&self, ok: bool) -> Result<(), Held> {
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
         g.0 += 1;
         g.1 |= !ok;
         if g.0 >= self.n && g.2.is_none() {
-            let d = if g.1 {
-                Err("another process of the wake failed its restore".into())
-            } else {
-                (self.decide)()
-            };
+            let d = if g.1 { Err(Held::AnotherFailed) } else { (self.decide)() };
             g.2 = Some(d);
             self.cv.notify_all();
         }
@@ -298,8 +309,10 @@ mod tests {
 
     #[test]
     fn the_decision_is_every_restore_s_answer() {
-        let gate = Gate::new(1, || Err("chunk abc fails its checksum".into()));
-        assert_eq!(gate.arrive(true), Err("chunk abc fails its checksum".to_string()));
+        let gate = Gate::new(1, || Err(Held::Verify("chunk abc fails its checksum".into())));
+        assert_eq!(gate.arrive(true), Err(Held::Verify("chunk abc fails its checksum".into())));
+        assert_eq!(Held::AnotherFailed.to_string(), "another process of the wake failed its restore");
+        assert_eq!(Held::Verify("chunk abc".into()).to_string(), "chunk abc");
     }
 
     #[test]

@@ -528,19 +528,20 @@ impl<A: CheckpointApi, G: GpuInventory> Wake for Engine<A, G> {
         let gate = crate::rescue::Gate::new(items.len(), || {
             let late = || starter.as_ref().map(|s| s.start(gpusnap_images::verify::VerifyPace::all_cores()));
             let times = match pending.lock().ok().and_then(|mut p| p.take()).or_else(late) {
-                Some(v) => v.wait().map_err(|e| e.to_string())?,
+                Some(v) => v.wait().map_err(|e| crate::rescue::Held::Verify(e.to_string()))?,
                 None => gpusnap_images::verify::VerifyTimes::default(),
             };
             if let Ok(mut w) = waited_verify.lock() {
                 *w = times;
             }
             if watch.as_ref().is_some_and(|w| w.driver_done()) {
-                return Err("the page server failed during the driver's restore".into());
+                return Err(crate::rescue::Held::PageServerFailed);
             }
             Ok(())
         });
-        let pass =
-            |ok: bool| gate.arrive(ok).map_err(|why| Error::Pages(gpusnap_pages::PagesError::Stopped(why)));
+        let pass = |ok: bool| {
+            gate.arrive(ok).map_err(|why| Error::Pages(gpusnap_pages::PagesError::Stopped(why.to_string())))
+        };
         // The CUDA processes back on their GPUs, in parallel: the driver's
         // calls on different processes are independent.
         let back = |e: &mut Self, (pid, fp): (i32, &BTreeMap<String, u64>)| {

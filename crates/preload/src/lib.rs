@@ -58,7 +58,9 @@ mod loaded;
 pub(crate) use loaded::is_libcuda;
 use loaded::{cuda_loaded, R_DEBUG};
 
-use std::ffi::{c_char, c_int, c_void};
+use gpusnap_wire::guard::{self, Scan, Why};
+use gpusnap_wire::{names, sock};
+use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
 /// The guard's socket address (`sockaddr_un`), written once at load.
@@ -281,7 +283,7 @@ fn register_exit_handler() -> Option<CxaAtexitFn> {
 
 #[no_mangle]
 pub unsafe extern "C" fn _exit(code: c_int) -> ! {
-    notify(b"_exit");
+    notify(Why::UnderscoreExit);
     let p = next(&REAL_EXIT, c"_exit");
     // SAFETY: libc's _exit has this signature and does not return.
     unsafe { std::mem::transmute::<usize, ExitFn>(p)(code) }
@@ -289,14 +291,14 @@ pub unsafe extern "C" fn _exit(code: c_int) -> ! {
 
 #[no_mangle]
 pub unsafe extern "C" fn _Exit(code: c_int) -> ! {
-    notify(b"_exit");
+    notify(Why::UnderscoreExit);
     let p = next(&REAL_EXIT2, c"_Exit");
     // SAFETY: libc's _Exit has this signature and does not return.
     unsafe { std::mem::transmute::<usize, ExitFn>(p)(code) }
 }
 
 extern "C" fn at_exit(_: *mut c_void) {
-    notify(b"exit");
+    notify(Why::Exit);
 }
 
 fn errno_ptr() -> *mut c_int {
@@ -378,22 +380,14 @@ extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void
     // SAFETY: getpid has no preconditions.
     let me = unsafe { libc::getpid() };
     let how = origin(sig, code, sender, me);
-    let mut why = *b"signal   ";
-    let mut n = sig as u32;
-    let mut i = why.len();
-    while n > 0 && i > 7 {
-        i -= 1;
-        why[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-    }
     if how == Origin::Async && guarded_process() {
-        if !async_death(sig, &why) {
+        if !async_death(sig) {
             // SAFETY: as above.
             unsafe { *errno_ptr() = saved };
             return;
         }
     } else {
-        notify(&why[..]);
+        notify(Why::Signal(sig));
     }
     hold_if_told();
     // SAFETY: zeroed sigaction with SIG_DFL; the real sigaction.
@@ -420,12 +414,12 @@ extern "C" fn on_fatal(sig: c_int, info: *mut libc::siginfo_t, _ctx: *mut c_void
 /// An asynchronous death of `sig`: announced to the guard the first time
 /// (the program runs on), then, at the guard's own re-sent signal, allowed.
 /// Returns whether the death goes on now.
-fn async_death(sig: c_int, why: &[u8]) -> bool {
+fn async_death(sig: c_int) -> bool {
     let i = sig as usize;
     let slot = &PENDING[i];
     let fd = slot.load(Ordering::SeqCst);
     if fd < 0 {
-        let Some(fd) = announce(b"dying-async ", why) else {
+        let Some(fd) = announce(true, Why::Signal(sig)) else {
             // No guard answers: the death goes on now.
             return true;
         };
@@ -501,13 +495,15 @@ fn poll_answer(fd: c_int) -> Answer {
                 _ => Answer::Done,
             };
         }
-        if buf[..r as usize].contains(&b'\n') {
-            if buf[..r as usize].contains(&b'h') {
-                HOLD.store(true, Ordering::SeqCst);
+        match guard::scan_answer(&buf[..r as usize]) {
+            Scan::Answer { hold } => {
+                if hold {
+                    HOLD.store(true, Ordering::SeqCst);
+                }
+                return Answer::Done;
             }
-            return Answer::Done;
+            Scan::Heartbeats => heard = true,
         }
-        heard = true;
     }
 }
 
@@ -568,40 +564,14 @@ fn wait_fd(fd: c_int, events: libc::c_short, ms: i64) -> bool {
     }
 }
 
-/// Connects to the guard and sends `head` + `why` + ` start=T` + newline;
-/// the open connection, or `None` when no guard answers in time. Every wait
-/// is bounded (a stopped guard, a full backlog).
-fn announce(head: &[u8], why: &[u8]) -> Option<c_int> {
+/// Connects to the guard and sends its `dying` line (with this process's
+/// start time); the open connection, or `None` when no guard answers in
+/// time. Every wait is bounded (a stopped guard, a full backlog).
+fn announce(asynchronous: bool, why: Why) -> Option<c_int> {
     let len = ADDR_LEN.load(Ordering::Acquire);
     let wait = WAIT_MS.load(Ordering::Relaxed);
     let mut msg = [0u8; 96];
-    let mut n = 0;
-    let mut put = |bytes: &[u8]| {
-        for b in bytes {
-            if n < msg.len() - 1 {
-                msg[n] = *b;
-                n += 1;
-            }
-        }
-    };
-    put(head);
-    put(why);
-    if let Some(t) = start_time() {
-        let mut digits = [0u8; 20];
-        let (mut v, mut k) = (t, digits.len());
-        loop {
-            k -= 1;
-            digits[k] = b'0' + (v % 10) as u8;
-            v /= 10;
-            if v == 0 {
-                break;
-            }
-        }
-        put(b" start=");
-        put(&digits[k..]);
-    }
-    msg[n] = b'\n';
-    n += 1;
+    let n = guard::encode_dying(&mut msg, asynchronous, why, start_time());
     // SAFETY: raw socket calls on a fd we own; ADDR is written once before
     // ADDR_LEN is published.
     unsafe {
@@ -649,11 +619,11 @@ fn announce(head: &[u8], why: &[u8]) -> Option<c_int> {
 /// no guard listens. The wait ends when the guard has been silent for
 /// `GPUSNAP_GUARD_WAIT_MS` or after ten minutes in all: the death then goes
 /// on unsuspended (the guard journals that its answer came too late).
-fn notify(why: &[u8]) {
+fn notify(why: Why) {
     if !guarded_process() {
         return;
     }
-    let Some(fd) = announce(b"dying ", why) else { return };
+    let Some(fd) = announce(false, why) else { return };
     let wait = WAIT_MS.load(Ordering::Relaxed);
     let start = now_ms();
     let mut heard = start;
@@ -691,22 +661,15 @@ fn hold_if_told() {
 /// signal is at its default, register the exit handler, fill every dlsym
 /// slot (handlers must not call dlsym).
 extern "C" fn init() {
-    let Some(path) = std::env::var_os("GPUSNAP_GUARD_SOCKET") else { return };
-    let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str());
-    if bytes.is_empty() || bytes.len() >= 108 {
+    let Some(path) = std::env::var_os(names::GUARD_SOCKET_ENV) else { return };
+    let Some(addr) = sock::Addr::path(std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str())) else {
         return;
-    }
-    if let Some(ms) = std::env::var("GPUSNAP_GUARD_WAIT_MS").ok().and_then(|v| v.parse::<i64>().ok()) {
+    };
+    if let Some(ms) = std::env::var(names::GUARD_WAIT_ENV).ok().and_then(|v| v.parse::<i64>().ok()) {
         WAIT_MS.store(ms.clamp(100, TOTAL_MS), Ordering::Relaxed);
     }
     // SAFETY: written once, here, before ADDR_LEN publishes it.
-    unsafe {
-        let a = &mut *std::ptr::addr_of_mut!(ADDR);
-        a.sun_family = libc::AF_UNIX as libc::sa_family_t;
-        for (d, s) in a.sun_path.iter_mut().zip(bytes) {
-            *d = *s as c_char;
-        }
-    }
+    unsafe { *std::ptr::addr_of_mut!(ADDR) = addr.raw };
     next(&REAL_EXIT, c"_exit");
     next(&REAL_EXIT2, c"_Exit");
     let sa = real_sigaction();
@@ -714,7 +677,7 @@ extern "C" fn init() {
     let r = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_r_debug".as_ptr()) };
     R_DEBUG.store(r as usize, Ordering::Release);
     cuda_loaded();
-    ADDR_LEN.store(std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1, Ordering::Release);
+    ADDR_LEN.store(addr.len as usize, Ordering::Release);
     for sig in 1..=64 {
         if !guarded(sig) {
             continue;

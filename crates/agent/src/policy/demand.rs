@@ -3,7 +3,7 @@
 //! dead one started. When admission refuses, another GPU of the same model
 //! takes the resume, or room is made (see [`super::room`]).
 
-use super::quiet;
+use super::{quiet, PolicyError};
 use crate::control::Unavailable;
 use crate::service::{Service, State};
 use crate::state::{cuda_pids_in, Agent, DynEngine};
@@ -196,7 +196,7 @@ impl Agent {
             // The transition's own time: evictions before it are theirs.
             let attempt = Instant::now();
             let r = tokio::task::spawn_blocking(move || a.bring_back_once(&s, waking)).await;
-            let r = r.unwrap_or_else(|e| Err((1, e.to_string())));
+            let r = r.unwrap_or_else(|e| Err(e.into()));
             let end = Instant::now();
             svc.trace(|t| t.counts.admissions += 1);
             match r {
@@ -241,7 +241,7 @@ impl Agent {
                     let _ = tokio::task::spawn_blocking(move || a.persist()).await;
                     return;
                 }
-                Err((3, msg)) if Instant::now() < deadline => {
+                Err(msg) if msg.no_room() && Instant::now() < deadline => {
                     svc.trace(|t| {
                         t.counts.refusals += 1;
                         t.mark("admission", end);
@@ -285,7 +285,7 @@ impl Agent {
                         }
                     }
                 }
-                Err((_, msg)) => {
+                Err(msg) => {
                     self.metrics().transition(&svc.name, kind, false, (end - attempt).as_secs_f64());
                     self.journal(svc, None, &format!("{kind} failed: {msg}"));
                     // Its process is gone (killed while suspended or parked):
@@ -305,7 +305,7 @@ impl Agent {
                     let parked = tokio::task::spawn_blocking(move || a.parked_now(&s)).await.unwrap_or(false);
                     {
                         let mut g = svc.lock();
-                        g.last_error = Some(msg);
+                        g.last_error = Some(msg.to_string());
                         g.trace = None;
                         let back = match g.state {
                             State::Waking => State::Hibernated,
@@ -323,16 +323,16 @@ impl Agent {
         }
     }
 
-    /// One attempt, no waiting for memory: `Err((exit code, message))`.
-    fn bring_back_once(&self, svc: &Service, waking: bool) -> Result<Done, (i32, String)> {
-        fn err(e: impl Into<gpusnap_hibernate::Error>) -> (i32, String) {
-            let e = e.into();
-            (e.exit_code(), e.to_string())
+    /// One attempt, no waiting for memory (a refusal for room says so:
+    /// [`PolicyError::no_room`]).
+    fn bring_back_once(&self, svc: &Service, waking: bool) -> Result<Done, PolicyError> {
+        fn err(e: impl Into<gpusnap_hibernate::Error>) -> PolicyError {
+            PolicyError::Engine(e.into())
         }
-        let mut e = self.engine().map_err(|e| (1, e.to_string()))?;
+        let mut e = self.engine().map_err(PolicyError::NoEngine)?;
         if waking {
             let t_wake = Instant::now();
-            let image = svc.lock().image.clone().ok_or((1, "no image to wake".to_string()))?;
+            let image = svc.lock().image.clone().ok_or(PolicyError::NoImage)?;
             self.persist_doing(svc, "wake");
             let opts = WakeOptions {
                 wait: Duration::ZERO,
@@ -381,17 +381,14 @@ impl Agent {
         } else {
             let (root, kept) = {
                 let g = svc.lock();
-                (g.process.clone().ok_or((1, "no process".to_string()))?, g.image.clone())
+                (g.process.clone().ok_or(PolicyError::NoProcess)?, g.image.clone())
             };
             let pids = cuda_pids_in(Some(&mut e), root.pid);
             // None found (the driver cannot be asked about a stopped
             // process): nothing is resumed, so nothing may be said to be.
             // A suspend refuses the same way.
             if pids.is_empty() {
-                return Err((
-                    1,
-                    format!("no CUDA process in the tree of {} (stopped?): it stays suspended", root.pid),
-                ));
+                return Err(PolicyError::StaysSuspended(root.pid));
             }
             // Room for what the after_resume hook will allocate too: two
             // woken servers must never both grow into one GPU.

@@ -1,7 +1,7 @@
 //! Hibernating a service the agent started: its tree dumped by CRIU to an
 //! image, off the GPU and out of host memory.
 
-use super::LOCK_TIMEOUT_MS;
+use super::{PolicyError, LOCK_TIMEOUT_MS};
 use crate::service::{Service, State};
 use crate::state::Agent;
 use gpusnap_core::target;
@@ -22,23 +22,24 @@ const POOL_CLOSE: Duration = Duration::from_secs(10);
 impl Agent {
     /// Hibernates a suspended service with no request in flight (its idle
     /// connections are closed).
-    pub(super) async fn hibernate(self: &Arc<Self>, svc: &Arc<Service>, reason: &str) -> Result<(), String> {
+    pub(super) async fn hibernate(
+        self: &Arc<Self>,
+        svc: &Arc<Service>,
+        reason: &str,
+    ) -> Result<(), PolicyError> {
         let before = {
             let mut g = svc.lock();
             if !matches!(g.state, State::Suspended | State::Parked | State::Running) {
-                return Err(format!("{} is {}", svc.name, g.state.as_str()));
+                return Err(PolicyError::not_in_state(svc, g.state));
             }
             // Hibernating ends the process and CRIU brings it back as a
             // child of the agent: a server adopted from its owner (systemd,
             // a container runtime) would be taken from it. It stays suspended.
             if svc.cfg.adopted() {
-                return Err(format!(
-                    "{} was adopted (pid_file/cgroup), not started by the agent: it is never hibernated",
-                    svc.name
-                ));
+                return Err(PolicyError::AdoptedNotHibernated { service: svc.name.clone() });
             }
             if Service::has_traffic(&g) {
-                return Err(format!("{} has a request in flight", svc.name));
+                return Err(PolicyError::has_traffic(svc));
             }
             let before = g.state;
             g.ending_on_purpose = true;
@@ -67,7 +68,7 @@ impl Agent {
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
         let r = tokio::task::spawn_blocking(move || a.hibernate_blocking(&s))
             .await
-            .unwrap_or_else(|e| Err(e.to_string()));
+            .unwrap_or_else(|e| Err(e.into()));
         self.metrics().transition(&svc.name, "hibernate", r.is_ok(), started.elapsed().as_secs_f64());
         // A parked service whose hibernate failed before its suspend is
         // parked still.
@@ -80,7 +81,7 @@ impl Agent {
             }
             Err(e) => {
                 g.ending_on_purpose = false;
-                g.last_error = Some(e.clone());
+                g.last_error = Some(e.to_string());
                 g.hibernate_not_before = Some(Instant::now() + HIBERNATE_RETRY);
                 let back = match g.process.as_ref().map(|t| self.cuda_pids(t.pid)) {
                     _ if parked => State::Parked,
@@ -105,10 +106,10 @@ impl Agent {
         }
     }
 
-    fn hibernate_blocking(&self, svc: &Service) -> Result<String, String> {
+    fn hibernate_blocking(&self, svc: &Service) -> Result<String, PolicyError> {
         let (root, kept) = {
             let g = svc.lock();
-            (g.process.clone().ok_or("no process")?, g.image.clone())
+            (g.process.clone().ok_or(PolicyError::NoProcess)?, g.image.clone())
         };
         let name = super::image_name(&svc.name);
         // One the service still keeps (woken, not yet resumed) stays: this
@@ -116,17 +117,19 @@ impl Agent {
         // hibernation whose process runs again (a wake removes it; this
         // catches one that could not) goes.
         if kept.as_deref() == Some(name.as_str()) {
-            return Err(format!("{name} is kept until the process it was woken into runs"));
+            return Err(PolicyError::ImageKept(name));
         }
         if self.images().manifest(&name).is_ok() {
-            self.images().remove(&name).map_err(|e| format!("{name}: an older image is in the way: {e}"))?;
+            self.images()
+                .remove(&name)
+                .map_err(|e| PolicyError::ImageInTheWay { name: name.clone(), source: e.into() })?;
         }
         {
             svc.lock().image = Some(name.clone());
         }
         self.persist_doing(svc, "hibernate");
-        let mut e = self.engine().map_err(|e| e.to_string())?;
-        let criu = self.criu().map_err(|e| e.to_string())?;
+        let mut e = self.engine()?;
+        let criu = self.criu()?;
         let opts = HibernateOptions {
             name: Some(name),
             leave_running: false,
@@ -144,7 +147,7 @@ impl Agent {
         // CRIU must be the tree's only tracer: a traced guard (attached after
         // an earlier wake) lets go first, and comes back if the tree stays.
         let tree: Vec<i32> = process_tree(root.pid).into_iter().map(|(p, _)| p).collect();
-        let detached = gpusnap_guard::detach_for(self.state_dir(), &tree).map_err(|e| e.to_string())?;
+        let detached = gpusnap_guard::detach_for(self.state_dir(), &tree)?;
         match e.hibernate(&criu, self.images(), root.pid, &opts) {
             Ok(r) => Ok(r.image),
             Err(err) => {
@@ -153,7 +156,7 @@ impl Agent {
                     &detached.into_iter().filter(|p| target::resolve(*p).is_ok()).collect::<Vec<_>>(),
                     svc.cfg.on_fault,
                 );
-                Err(err.to_string())
+                Err(err.into())
             }
         }
     }
@@ -161,7 +164,7 @@ impl Agent {
     /// Waits (bounded) until no connection of `svc` holds a connection to
     /// its backend: the proxy closes the idle ones when the service enters
     /// `hibernating`, and a new one waits for the service to come back.
-    async fn close_idle_connections(&self, svc: &Service) -> Result<(), String> {
+    async fn close_idle_connections(&self, svc: &Service) -> Result<(), PolicyError> {
         let deadline = Instant::now() + CLOSE_IDLE;
         let port = svc.cfg.backend.port();
         loop {
@@ -173,7 +176,7 @@ impl Agent {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                return Err(format!("{open} connections to its backend stayed open"));
+                return Err(PolicyError::ConnectionsOpen(open));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -2,7 +2,7 @@
 //! guard, stopped, restarted, noticed dead (and restarted with a backoff),
 //! and the guard given to woken processes.
 
-use super::{quiet, LOCK_TIMEOUT_MS};
+use super::{quiet, PolicyError, LOCK_TIMEOUT_MS};
 use crate::config::OnFault;
 use crate::metrics::ServiceLabels;
 use crate::service::{Service, State};
@@ -29,7 +29,7 @@ impl Agent {
             let a = Arc::clone(&agent);
             let s = Arc::clone(&svc);
             let r = tokio::task::spawn_blocking(move || a.start_blocking(&s, why)).await;
-            if let Ok(Err(e)) | Err(e) = r.map_err(|e| e.to_string()) {
+            if let Ok(Err(e)) | Err(e) = r.map_err(PolicyError::from) {
                 agent.died(&svc, &format!("could not start: {e}"));
             }
         });
@@ -54,24 +54,21 @@ impl Agent {
 
     /// Starts the service's command under the light guard (`gpusnap run
     /// --light`), in a session of its own so that it outlives the agent.
-    fn start_blocking(&self, svc: &Service, why: &str) -> Result<(), String> {
+    fn start_blocking(&self, svc: &Service, why: &str) -> Result<(), PolicyError> {
         let Some(cmd) = svc.cfg.command.clone() else {
-            return Err("no command to start".into());
+            return Err(PolicyError::NoCommand);
         };
         // Started means listening on the backend port: one that answers
         // before the server runs is another program's, and the agent would
         // forward its clients there.
         if std::net::TcpStream::connect_timeout(&svc.cfg.backend, Duration::from_secs(1)).is_ok() {
-            return Err(format!(
-                "backend {} is already in use by another program: stop it or give the service another backend port",
-                svc.cfg.backend
-            ));
+            return Err(PolicyError::BackendInUse(svc.cfg.backend));
         }
         let log_path = crate::logs::path(self.state_dir(), &svc.name);
         // The services' output is root's and, to read (`gpusnap logs`), the
         // agent's group's (`[agent] group`): 0640, of that group.
         let gid = self.cfg().group.as_ref().and_then(|g| crate::peer::group_id(g.get_ref()));
-        let log = crate::logs::open_for_server(&log_path, gid).map_err(|e| e.to_string())?;
+        let log = crate::logs::open_for_server(&log_path, gid).map_err(PolicyError::Log)?;
         let mut c = crate::scope::command(self.exe(), &svc.name, self.cfg().server_scope);
         c.arg("--state-dir").arg(self.state_dir()).args([
             "run",
@@ -96,7 +93,7 @@ impl Agent {
         c.arg("--")
             .args(&cmd)
             .stdin(std::process::Stdio::null())
-            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stdout(log.try_clone().map_err(PolicyError::Log)?)
             .stderr(log)
             .env_clear()
             .envs(crate::environ::for_server(&svc.cfg));
@@ -113,7 +110,7 @@ impl Agent {
                 Ok(())
             });
         }
-        let child = c.spawn().map_err(|e| format!("{}: {e}", self.exe().display()))?;
+        let child = c.spawn().map_err(|e| PolicyError::Spawn { exe: self.exe().to_path_buf(), source: e })?;
         let runner = child.id() as i32;
         self.keep_child(child);
         // The program is the runner's child; it appears once run has set up.
@@ -125,11 +122,11 @@ impl Agent {
                 break p;
             }
             if Instant::now() > deadline || !std::path::Path::new(&format!("/proc/{runner}")).exists() {
-                return Err(format!("the program did not start (see {})", log_path.display()));
+                return Err(PolicyError::NotStarted { log: log_path });
             }
             std::thread::sleep(Duration::from_millis(20));
         };
-        let t = target::resolve(program).map_err(|e| e.to_string())?;
+        let t = target::resolve(program)?;
         {
             let mut g = svc.lock();
             g.process = Some(t.clone());
@@ -144,11 +141,7 @@ impl Agent {
         let deadline = Instant::now() + svc.cfg.wake_timeout;
         while std::net::TcpStream::connect_timeout(&svc.cfg.backend, Duration::from_secs(1)).is_err() {
             if !target::is_alive(&t) {
-                return Err(format!(
-                    "the program ended before it listened on {} (see {})",
-                    svc.cfg.backend,
-                    log_path.display()
-                ));
+                return Err(PolicyError::EndedBeforeListening { backend: svc.cfg.backend, log: log_path });
             }
             if Instant::now() > deadline {
                 tracing::warn!(service = svc.name, "not listening on {} after wake_timeout", svc.cfg.backend);
@@ -273,17 +266,14 @@ impl Agent {
     }
 
     /// Ends the service (suspended first, as `gpusnap stop` does) and starts it anew.
-    pub(super) async fn restart(self: &Arc<Self>, svc: &Arc<Service>) -> Result<(), String> {
+    pub(super) async fn restart(self: &Arc<Self>, svc: &Arc<Service>) -> Result<(), PolicyError> {
         {
             let mut g = svc.lock();
             if g.state.in_transition() {
-                return Err(format!("{} is {}", svc.name, g.state.as_str()));
+                return Err(PolicyError::not_in_state(svc, g.state));
             }
             if svc.cfg.command.is_none() {
-                return Err(format!(
-                    "{} was adopted, not started by the agent: it cannot be restarted",
-                    svc.name
-                ));
+                return Err(PolicyError::AdoptedNotRestarted { service: svc.name.clone() });
             }
             g.ending_on_purpose = true;
             svc.set_state(&mut g, State::Stopping);
@@ -291,9 +281,8 @@ impl Agent {
         self.journal(svc, None, "restart: asked through the API");
         let began = Instant::now();
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
-        let stopped = tokio::task::spawn_blocking(move || a.stop_blocking(&s))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()));
+        let stopped =
+            tokio::task::spawn_blocking(move || a.stop_blocking(&s)).await.unwrap_or_else(|e| Err(e.into()));
         let r = match stopped {
             Err(e) => Err(e),
             Ok(()) => {
@@ -306,7 +295,7 @@ impl Agent {
                 let (a, s) = (Arc::clone(self), Arc::clone(svc));
                 tokio::task::spawn_blocking(move || a.start_blocking(&s, "restart"))
                     .await
-                    .unwrap_or_else(|e| Err(e.to_string()))
+                    .unwrap_or_else(|e| Err(e.into()))
             }
         };
         self.metrics().transition(&svc.name, "restart", r.is_ok(), began.elapsed().as_secs_f64());
@@ -316,7 +305,7 @@ impl Agent {
         r
     }
 
-    pub(crate) fn stop_blocking(&self, svc: &Service) -> Result<(), String> {
+    pub(crate) fn stop_blocking(&self, svc: &Service) -> Result<(), PolicyError> {
         let (root, image) = {
             let g = svc.lock();
             (g.process.clone(), g.image.clone())
@@ -325,15 +314,15 @@ impl Agent {
             let _ = self.images().remove(&image);
         }
         let Some(root) = root.filter(target::is_alive) else { return Ok(()) };
-        let mut e = self.engine().map_err(|e| e.to_string())?;
+        let mut e = self.engine()?;
         let opts =
             StopOptions { grace: Duration::from_secs(10), force: false, lock_timeout_ms: LOCK_TIMEOUT_MS };
         let pids = self.cuda_pids(root.pid);
         if !pids.is_empty() {
-            e.stop_group(&pids, &opts, &quiet).map_err(|e| e.to_string())?;
+            e.stop_group(&pids, &opts, &quiet)?;
         }
         if target::is_alive(&root) {
-            e.stop(root.pid, &opts).map_err(|e| e.to_string())?;
+            e.stop(root.pid, &opts)?;
         }
         Ok(())
     }

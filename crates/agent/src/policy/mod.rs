@@ -17,6 +17,7 @@
 
 mod adopt;
 mod demand;
+mod error;
 mod fallback;
 mod hibernate;
 mod lifecycle;
@@ -25,6 +26,7 @@ mod room;
 mod suspend;
 mod tick;
 
+pub use error::PolicyError;
 pub use fallback::image_name;
 
 use crate::control::{Action, Control, Pending, Refusal, Unavailable};
@@ -69,7 +71,7 @@ impl Control for Agent {
         Agent::hopeless(self, svc)
     }
 
-    fn act(self: Arc<Self>, svc: Arc<Service>, action: Action) -> Pending<Result<(), String>> {
+    fn act(self: Arc<Self>, svc: Arc<Service>, action: Action) -> Pending<Result<(), PolicyError>> {
         Box::pin(async move {
             let why = "asked through the API";
             // Asking for the state a service is already in succeeds, as a
@@ -88,13 +90,13 @@ impl Control for Agent {
                     // What the front door would answer at once (a start
                     // failing, its next not due): answered so here too.
                     if let Some(r) = Agent::hopeless(&self, &svc) {
-                        return Err(r.reason);
+                        return Err(PolicyError::Unavailable(r.reason));
                     }
                     let deadline = Instant::now() + svc.cfg.wake_timeout;
                     self.ensure_running(&svc, deadline, None, demand::Asker::Api)
                         .await
                         .map(|_| ())
-                        .map_err(|e| e.0)
+                        .map_err(|e| PolicyError::Unavailable(e.0))
                 }
                 Action::Restart => self.restart(&svc).await,
             }

@@ -5,7 +5,7 @@
 //! suspends; a parked service is suspended in full only when its residual
 //! is the room needed.
 
-use super::quiet;
+use super::{quiet, PolicyError};
 use crate::service::{Service, State};
 use crate::state::{cuda_pids_in, Agent};
 use gpusnap_core::engine::{ParkReport, SuspendReport};
@@ -30,7 +30,7 @@ impl Agent {
         self: &Arc<Self>,
         svc: &Arc<Service>,
         reason: &str,
-    ) -> Result<(), String> {
+    ) -> Result<(), PolicyError> {
         if svc.parks() {
             let e = match self.park(svc, reason).await {
                 Ok(_) => return Ok(()),
@@ -53,14 +53,14 @@ impl Agent {
         self: &Arc<Self>,
         svc: &Arc<Service>,
         reason: &str,
-    ) -> Result<Vec<ParkReport>, String> {
+    ) -> Result<Vec<ParkReport>, PolicyError> {
         {
             let mut g = svc.lock();
             if g.state != State::Running {
-                return Err(format!("{} is {}", svc.name, g.state.as_str()));
+                return Err(PolicyError::not_in_state(svc, g.state));
             }
             if Service::has_traffic(&g) {
-                return Err(format!("{} has a request in flight", svc.name));
+                return Err(PolicyError::has_traffic(svc));
             }
             // Connections arriving meanwhile wait, as for a suspend.
             svc.set_state(&mut g, State::Suspending);
@@ -68,16 +68,15 @@ impl Agent {
         self.journal(svc, None, &format!("park: {reason}"));
         let started = Instant::now();
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
-        let r = tokio::task::spawn_blocking(move || a.park_blocking(&s))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()));
+        let r =
+            tokio::task::spawn_blocking(move || a.park_blocking(&s)).await.unwrap_or_else(|e| Err(e.into()));
         self.metrics().transition(&svc.name, "park", r.is_ok(), started.elapsed().as_secs_f64());
         {
             let mut g = svc.lock();
             match &r {
                 Ok(_) => svc.set_state(&mut g, State::Parked),
                 Err(e) => {
-                    g.last_error = Some(e.clone());
+                    g.last_error = Some(e.to_string());
                     g.last_activity = Instant::now();
                     // The engine leaves a process as it found it when it fails.
                     svc.set_state(&mut g, State::Running);
@@ -99,19 +98,23 @@ impl Agent {
         r
     }
 
-    fn park_blocking(&self, svc: &Service) -> Result<Vec<ParkReport>, String> {
-        let root = svc.lock().process.clone().ok_or("no process")?;
-        let mut e = self.engine().map_err(|e| e.to_string())?;
+    fn park_blocking(&self, svc: &Service) -> Result<Vec<ParkReport>, PolicyError> {
+        let root = svc.lock().process.clone().ok_or(PolicyError::NoProcess)?;
+        let mut e = self.engine()?;
         let pids = cuda_pids_in(Some(&mut e), root.pid);
         if pids.is_empty() {
-            return Err(format!("no CUDA process in the tree of {}", root.pid));
+            return Err(PolicyError::NoCudaProcess(root.pid));
         }
-        e.park_group(&pids, &quiet).map_err(|e| e.to_string())
+        Ok(e.park_group(&pids, &quiet)?)
     }
 
     /// Evicts `v`: a running service that parks is parked; any other is
     /// suspended (a parked one in full: its residual is the room needed).
-    pub(super) async fn evict(self: &Arc<Self>, v: &Arc<Service>, reason: &str) -> Result<Evicted, String> {
+    pub(super) async fn evict(
+        self: &Arc<Self>,
+        v: &Arc<Service>,
+        reason: &str,
+    ) -> Result<Evicted, PolicyError> {
         if v.lock().state == State::Running && v.parks() {
             let reports = self.park(v, reason).await?;
             let driver = reports.iter().map(|r| r.offload_ms).max().unwrap_or(0);

@@ -2,7 +2,7 @@
 //! with its before_suspend hook, and suspending it again when its
 //! after_resume hook failed.
 
-use super::{quiet, LOCK_TIMEOUT_MS};
+use super::{quiet, PolicyError, LOCK_TIMEOUT_MS};
 use crate::service::{Service, State};
 use crate::state::{cuda_pids_in, Agent};
 use gpusnap_core::engine::SuspendReport;
@@ -15,7 +15,11 @@ pub(super) const HOOKED_SUSPEND: &str = "hooked suspend";
 
 impl Agent {
     /// Suspends a running service unless traffic arrived meanwhile.
-    pub(super) async fn suspend(self: &Arc<Self>, svc: &Arc<Service>, reason: &str) -> Result<(), String> {
+    pub(super) async fn suspend(
+        self: &Arc<Self>,
+        svc: &Arc<Service>,
+        reason: &str,
+    ) -> Result<(), PolicyError> {
         self.suspend_reports(svc, reason).await.map(|_| ())
     }
 
@@ -38,7 +42,7 @@ impl Agent {
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
         let r = tokio::task::spawn_blocking(move || a.suspend_blocking(&s))
             .await
-            .unwrap_or_else(|e| Err(e.to_string()));
+            .unwrap_or_else(|e| Err(e.into()));
         {
             let mut g = svc.lock();
             match r {
@@ -62,17 +66,17 @@ impl Agent {
         self: &Arc<Self>,
         svc: &Arc<Service>,
         reason: &str,
-    ) -> Result<(Vec<SuspendReport>, Duration), String> {
+    ) -> Result<(Vec<SuspendReport>, Duration), PolicyError> {
         // A parked service is suspended in full (its residual is the room
         // needed); a failure leaves it parked.
         let from = {
             let mut g = svc.lock();
             let from = g.state;
             if !matches!(from, State::Running | State::Parked) {
-                return Err(format!("{} is {}", svc.name, g.state.as_str()));
+                return Err(PolicyError::not_in_state(svc, g.state));
             }
             if Service::has_traffic(&g) {
-                return Err(format!("{} has a request in flight", svc.name));
+                return Err(PolicyError::has_traffic(svc));
             }
             svc.set_state(&mut g, State::Suspending);
             from
@@ -115,7 +119,7 @@ impl Agent {
         let (a, s) = (Arc::clone(self), Arc::clone(svc));
         let r = tokio::task::spawn_blocking(move || a.suspend_blocking(&s))
             .await
-            .unwrap_or_else(|e| Err(e.to_string()));
+            .unwrap_or_else(|e| Err(e.into()));
         // The server gave its memory back but stays on the GPU: it takes it
         // again before it serves.
         if let (Err(_), Some(true), Some(hook)) =
@@ -143,7 +147,7 @@ impl Agent {
                     svc.set_state(&mut g, State::Suspended)
                 }
                 Err(e) => {
-                    g.last_error = Some(e.clone());
+                    g.last_error = Some(e.to_string());
                     // Not again before another suspend_after.
                     g.last_activity = Instant::now();
                     // The engine leaves a process as it found it when it fails.
@@ -161,15 +165,15 @@ impl Agent {
         r.map(|reports| (reports, hook_time))
     }
 
-    fn suspend_blocking(&self, svc: &Service) -> Result<Vec<SuspendReport>, String> {
-        let root = svc.lock().process.clone().ok_or("no process")?;
-        let mut e = self.engine().map_err(|e| e.to_string())?;
+    fn suspend_blocking(&self, svc: &Service) -> Result<Vec<SuspendReport>, PolicyError> {
+        let root = svc.lock().process.clone().ok_or(PolicyError::NoProcess)?;
+        let mut e = self.engine()?;
         let pids = cuda_pids_in(Some(&mut e), root.pid);
         if pids.is_empty() {
-            return Err(format!("no CUDA process in the tree of {}", root.pid));
+            return Err(PolicyError::NoCudaProcess(root.pid));
         }
         let _thp = self.thp_for(svc)?;
-        e.suspend_group(&pids, LOCK_TIMEOUT_MS, &quiet).map_err(|e| e.to_string())
+        Ok(e.suspend_group(&pids, LOCK_TIMEOUT_MS, &quiet)?)
     }
 
     /// What the service's processes hold on the GPU now (NVML), if known.
@@ -185,10 +189,10 @@ impl Agent {
     /// THP `always` for the length of a checkpoint, when the service wants
     /// it (core's `--thp`: the previous mode is journaled in the state
     /// directory and put back after, or by the next gpusnap after a crash).
-    pub(super) fn thp_for(&self, svc: &Service) -> Result<Option<gpusnap_core::thp::Always>, String> {
+    pub(super) fn thp_for(&self, svc: &Service) -> Result<Option<gpusnap_core::thp::Always>, PolicyError> {
         if !svc.cfg.thp.unwrap_or(self.cfg().thp) {
             return Ok(None);
         }
-        gpusnap_core::thp::Always::on(self.state_dir()).map(Some).map_err(|e| e.to_string())
+        Ok(gpusnap_core::thp::Always::on(self.state_dir()).map(Some)?)
     }
 }

@@ -171,9 +171,7 @@ impl Agent {
         }
         let a = Arc::clone(self);
         let s = Arc::clone(&svc);
-        match tokio::task::spawn_blocking(move || a.stop_blocking(&s))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()))
+        match tokio::task::spawn_blocking(move || a.stop_blocking(&s)).await.unwrap_or_else(|e| Err(e.into()))
         {
             Ok(()) => {
                 self.journal(&svc, None, "removed from the config: stopped (reload with stop_removed)");
@@ -286,9 +284,8 @@ impl Agent {
             return Ok(("adopted", format!("found again under its new config, {}{note}", state.as_str())));
         }
         let (a, s) = (Arc::clone(self), Arc::clone(old));
-        let stopped = tokio::task::spawn_blocking(move || a.stop_blocking(&s))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()));
+        let stopped =
+            tokio::task::spawn_blocking(move || a.stop_blocking(&s)).await.unwrap_or_else(|e| Err(e.into()));
         if let Err(e) = stopped {
             self.died(
                 &new,

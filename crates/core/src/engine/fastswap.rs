@@ -47,7 +47,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             &format!("offload {pid}"),
             st.movable_bytes,
             || target::rss_bytes(pid).map(|r| r.saturating_sub(rss0)),
-            || swap::request(pid, "offload"),
+            || swap::request(pid, swap::Request::Offload),
         );
         match answer {
             Some(Ok(Answer::Done { status, .. })) if status.inside > 0 => {
@@ -120,7 +120,7 @@ impl<A: CheckpointApi, G: GpuInventory> Engine<A, G> {
             return Ok(());
         }
         let id = self.store.begin(t, "restore_offloaded")?;
-        match swap::request(t.pid, "restore") {
+        match swap::request(t.pid, swap::Request::Restore) {
             Some(Ok(Answer::Done { bytes, ms, phases, .. })) => {
                 self.store.end(id, t, "restore_offloaded", Ok("running"))?;
                 let detail =

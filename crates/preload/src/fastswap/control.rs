@@ -12,9 +12,12 @@
 //! only when they stop.
 
 use super::{swap, table};
+use gpusnap_wire::names;
+use gpusnap_wire::sock;
+use gpusnap_wire::swap::{Done, Phase, Reply, Request, Status};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -32,7 +35,7 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 /// can take the name first. `GPUSNAP_FAST_SWAP_NAME` replaces the whole
 /// name (tests: a name taken in advance).
 fn name(pid: u32) -> Option<String> {
-    if let Some(n) = std::env::var("GPUSNAP_FAST_SWAP_NAME").ok().filter(|n| !n.is_empty()) {
+    if let Some(n) = std::env::var(names::FAST_SWAP_NAME_ENV).ok().filter(|n| !n.is_empty()) {
         return Some(n);
     }
     let mut r = [0u8; 16];
@@ -41,8 +44,7 @@ fn name(pid: u32) -> Option<String> {
     if got != r.len() as isize {
         return None;
     }
-    let hex: String = r.iter().map(|b| format!("{b:02x}")).collect();
-    Some(format!("gpusnap-swap-{pid}-{hex}"))
+    Some(names::swap_name(pid, &r))
 }
 
 /// Binds the socket and answers on a thread of its own. A socket that
@@ -57,7 +59,7 @@ pub fn serve() {
         );
         return;
     };
-    let listener = match bind(&name) {
+    let listener = match sock::listen_abstract(&name, 4) {
         Ok(l) => l,
         Err(e) => {
             eprintln!(
@@ -73,14 +75,14 @@ pub fn serve() {
             // Who asks is known at once: a stranger never takes one of the
             // few places below (they would hold them for the read's time).
             if !allowed(&conn) {
-                let _ = (&conn).write_all(b"error denied: not allowed\n");
+                let _ = (&conn).write_all(failed("denied", "not allowed").as_bytes());
                 continue;
             }
             // A thread per request (a status is answered while an offload
             // runs), at most a few at once.
             if ANSWERING.fetch_add(1, Ordering::SeqCst) >= MAX_ANSWERING {
                 ANSWERING.fetch_sub(1, Ordering::SeqCst);
-                let _ = (&conn).write_all(b"error busy: too many requests\n");
+                let _ = (&conn).write_all(failed("busy", "too many requests").as_bytes());
                 continue;
             }
             let spawned = std::thread::Builder::new().name("gpusnap-swap-req".into()).spawn(move || {
@@ -92,37 +94,6 @@ pub fn serve() {
             }
         }
     });
-}
-
-fn bind(name: &str) -> std::io::Result<UnixListener> {
-    let err = std::io::Error::last_os_error;
-    // SAFETY: a new socket; fd ownership moves to OwnedFd below.
-    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(err());
-    }
-    // SAFETY: the fd just made, owned once.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: sockaddr_un is plain data.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    let bytes = name.as_bytes();
-    if bytes.len() + 1 >= addr.sun_path.len() {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "name too long"));
-    }
-    for (d, s) in addr.sun_path[1..].iter_mut().zip(bytes) {
-        *d = *s as libc::c_char;
-    }
-    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + bytes.len();
-    // SAFETY: a valid address of `len` bytes.
-    if unsafe { libc::bind(fd, (&addr as *const libc::sockaddr_un).cast(), len as libc::socklen_t) } != 0 {
-        return Err(err());
-    }
-    // SAFETY: a bound socket.
-    if unsafe { libc::listen(fd, 4) } != 0 {
-        return Err(err());
-    }
-    Ok(UnixListener::from(owned))
 }
 
 /// In a forked child: the parent's listening socket is not the child's to
@@ -137,25 +108,13 @@ pub fn forget() {
     }
 }
 
-fn peer_uid(s: &UnixStream) -> Option<u32> {
-    // SAFETY: ucred is plain data; getsockopt fills at most `len` bytes.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: a valid socket fd and a buffer of `len` bytes.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    (r == 0).then_some(cred.uid)
+/// An `error KIND: DETAIL` answer line.
+fn failed(kind: &str, detail: impl Into<String>) -> String {
+    Reply::Failed { kind: kind.to_string(), detail: detail.into() }.encode()
 }
 
-/// The status line: where the memory is, and what is served and kept.
-pub fn status_line() -> String {
+/// The library's status: where the memory is, and what is served and kept.
+pub fn status() -> Status {
     let (n, bytes, mut kept, mut kept_bytes, mut why) = table::summary();
     let (vmm, vmm_bytes, vmm_kept) = super::program::summary();
     for (b, w) in vmm_kept {
@@ -165,30 +124,39 @@ pub fn status_line() -> String {
     }
     why.sort_unstable();
     why.dedup();
-    let (n, bytes) = (n + vmm, bytes + vmm_bytes);
-    let why = if why.is_empty() { "-".to_string() } else { why.join(",").replace(' ', "_") };
-    format!(
-        "phase={} gate={} inside={} movable={n} movable_bytes={bytes} vmm={vmm} vmm_bytes={vmm_bytes} kept={kept} kept_bytes={kept_bytes} kept_why={why} ungated={} pin={} keep={} ipc_refused={} pinned_bytes={} pin_budget={}",
-        swap::phase().name(),
-        if super::gate::is_closed() { "closed" } else { "open" },
-        super::gate::inside(),
-        super::gate::UNGATED.load(Ordering::Relaxed),
-        super::hostmem::how().name(),
-        u8::from(swap::KEEP.load(Ordering::Relaxed)),
-        table::IPC_REFUSED.load(Ordering::Relaxed),
-        super::hostmem::PINNED.load(Ordering::Relaxed),
-        match super::prepin::BUDGET.load(Ordering::Relaxed) {
-            u64::MAX => "-".to_string(),
-            b => b.to_string(),
-        }
-    )
+    Status {
+        phase: match swap::phase() {
+            swap::Phase::Resident => Phase::Resident,
+            swap::Phase::Offloading => Phase::Offloading,
+            swap::Phase::Offloaded => Phase::Offloaded,
+            swap::Phase::Restoring => Phase::Restoring,
+        },
+        gate_closed: super::gate::is_closed(),
+        inside: super::gate::inside() as u64,
+        movable: (n + vmm) as u64,
+        movable_bytes: bytes + vmm_bytes,
+        vmm: vmm as u64,
+        vmm_bytes,
+        kept: kept as u64,
+        kept_bytes,
+        kept_why: why.into_iter().map(str::to_string).collect(),
+        ungated: super::gate::UNGATED.load(Ordering::Relaxed) as u64,
+        pin: super::hostmem::how().name().to_string(),
+        keep: swap::KEEP.load(Ordering::Relaxed),
+        ipc_refused: table::IPC_REFUSED.load(Ordering::Relaxed),
+        pinned_bytes: super::hostmem::PINNED.load(Ordering::Relaxed),
+        pin_budget: match super::prepin::BUDGET.load(Ordering::Relaxed) {
+            u64::MAX => None,
+            b => Some(b),
+        },
+    }
 }
 
 /// Only the program's own user or root may ask.
 fn allowed(conn: &UnixStream) -> bool {
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
-    peer_uid(conn).is_some_and(|u| u == 0 || u == me)
+    sock::peer_cred(conn.as_fd()).is_ok_and(|c| c.uid == 0 || c.uid == me)
 }
 
 fn answer(conn: UnixStream) {
@@ -198,10 +166,10 @@ fn answer(conn: UnixStream) {
     if BufReader::new((&conn).take(256)).read_line(&mut line).is_err() {
         return;
     }
-    let reply = match line.trim() {
-        "status" => format!("ok {}\n", status_line()),
-        what @ ("offload" | "restore") => work(&conn, what),
-        _ => "error unknown: unknown request\n".to_string(),
+    let reply = match Request::parse(&line) {
+        Ok(Request::Status) => Reply::Status(status()).encode(),
+        Ok(what) => work(&conn, what),
+        Err(_) => failed("unknown", "unknown request"),
     };
     let _ = (&conn).write_all(reply.as_bytes());
 }
@@ -209,36 +177,33 @@ fn answer(conn: UnixStream) {
 /// Runs an offload or restore, saying `progress ms=N` every second while
 /// it runs; returns the answer line. A gpusnap that stopped reading (or
 /// left) changes nothing: the work finishes on its own.
-fn work(conn: &UnixStream, what: &str) -> String {
+fn work(conn: &UnixStream, what: Request) -> String {
     let t = Instant::now();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::scope(|s| {
         let spawned =
             std::thread::Builder::new().name("gpusnap-swap-work".into()).spawn_scoped(s, move || {
-                let done = if what == "offload" { swap::offload() } else { swap::restore() };
+                let done = if what == Request::Offload { swap::offload() } else { swap::restore() };
                 let _ = tx.send(done);
             });
         if let Err(e) = spawned {
-            return format!("error busy: no thread for the {what}: {e}\n");
+            return failed("busy", format!("no thread for the {what}: {e}"));
         }
         let mut heard = true;
         loop {
             match rx.recv_timeout(PROGRESS_EVERY) {
-                Ok(Ok(b)) => {
-                    return format!(
-                        "ok bytes={b} ms={} {} {}\n",
-                        swap::ms(t),
-                        swap::phase_words(what),
-                        status_line()
-                    )
+                Ok(Ok(bytes)) => {
+                    let phases = swap::phases(what == Request::Offload);
+                    return Reply::Done(Done { bytes, ms: swap::ms(t), phases, status: status() }).encode();
                 }
-                Ok(Err(f)) => return format!("error {}: {}\n", f.kind, f.detail),
+                Ok(Err(f)) => return failed(f.kind, f.detail),
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) if heard => {
-                    heard = (&*conn).write_all(format!("progress ms={}\n", swap::ms(t)).as_bytes()).is_ok();
+                    let progress = Reply::Progress { ms: swap::ms(t) }.encode();
+                    heard = (&*conn).write_all(progress.as_bytes()).is_ok();
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                    return format!("error driver: the {what} ended without an answer\n")
+                    return failed("driver", format!("the {what} ended without an answer"))
                 }
             }
         }

@@ -36,13 +36,14 @@ use std::sync::atomic::Ordering;
 /// allocations and listen for gpusnap.
 extern "C" fn init() {
     entry::prepare();
-    if std::env::var_os("GPUSNAP_GUARD_SOCKET").is_none()
-        || std::env::var("GPUSNAP_FAST_SWAP").as_deref() != Ok("1")
+    use gpusnap_wire::names;
+    if std::env::var_os(names::GUARD_SOCKET_ENV).is_none()
+        || std::env::var(names::FAST_SWAP_ENV).as_deref() != Ok("1")
     {
         return;
     }
     swap::VERIFY.store(std::env::var("GPUSNAP_FAST_SWAP_VERIFY").as_deref() == Ok("1"), Ordering::Relaxed);
-    swap::KEEP.store(std::env::var("GPUSNAP_FAST_SWAP_KEEP").as_deref() == Ok("1"), Ordering::Relaxed);
+    swap::KEEP.store(std::env::var(names::KEEP_PINNED_ENV).as_deref() == Ok("1"), Ordering::Relaxed);
     hostmem::set_how(hostmem::How::from_env());
     swap::set_drain_from_env();
     driver::real_dlsym();

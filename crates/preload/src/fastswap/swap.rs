@@ -172,14 +172,14 @@ fn largest_first(entries: &[(u64, table::Entry)]) -> Vec<usize> {
 /// mapping, restore's copying back.
 static LAST_MS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
 
-/// The phases of the last offload (`what` = "offload") or restore, as
-/// words for the control socket's answer.
-pub fn phase_words(what: &str) -> String {
-    let v = |k: usize| LAST_MS[k].load(Ordering::Relaxed);
-    if what == "offload" {
-        format!("copy_ms={} release_ms={}", v(0), v(1))
+/// The phases of the last offload (`offload`) or restore: name and
+/// milliseconds each, for the control socket's answer.
+pub fn phases(offload: bool) -> Vec<(String, u64)> {
+    let v = |name: &str, k: usize| (name.to_string(), LAST_MS[k].load(Ordering::Relaxed));
+    if offload {
+        vec![v("copy", 0), v("release", 1)]
     } else {
-        format!("map_ms={} copy_ms={}", v(2), v(3))
+        vec![v("map", 2), v("copy", 3)]
     }
 }
 
