@@ -36,6 +36,7 @@ pub struct Agent {
     pub config: PathBuf,
     pub services: Vec<Service>,
     pid: Mutex<i32>,
+    pidfd: Mutex<Option<crate::host::Pidfd>>,
     starts: Mutex<u32>,
 }
 
@@ -70,7 +71,15 @@ impl Agent {
         }
         let config = host.path("agent.toml");
         std::fs::write(&config, text)?;
-        Ok(Agent { state, socket, config, services, pid: Mutex::new(0), starts: Mutex::new(0) })
+        Ok(Agent {
+            state,
+            socket,
+            config,
+            services,
+            pid: Mutex::new(0),
+            pidfd: Mutex::new(None),
+            starts: Mutex::new(0),
+        })
     }
 
     pub fn pid(&self) -> i32 {
@@ -83,6 +92,7 @@ impl Agent {
         let cfg = self.config.display().to_string();
         let pid = host.spawn(&host.bin, &["agent", "--config", &cfg], &self.state, &[], "agent.log")?;
         *self.pid.lock().unwrap_or_else(|e| e.into_inner()) = pid;
+        *self.pidfd.lock().unwrap_or_else(|e| e.into_inner()) = host.pidfd_of(pid);
         *self.starts.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         if !wait_until(Duration::from_secs(90), || UnixStream::connect(&self.socket).is_ok() || !alive(pid)) {
             bail!("the agent's API did not come up within 90 s");
@@ -98,7 +108,16 @@ impl Agent {
     /// kill -9 of the agent (each service runs on, setsid apart from it).
     pub fn kill9(&self) {
         let pid = self.pid();
-        signal(pid, libc::SIGKILL);
+        // Through its pidfd: an agent that ended on its own left its pid
+        // to whoever comes next.
+        match self.pidfd.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            Some(fd) => {
+                fd.signal(libc::SIGKILL);
+            }
+            None => {
+                signal(pid, libc::SIGKILL);
+            }
+        }
         // Its main thread a zombie is not enough: until its last thread has
         // exited, its descriptors (the sockets) stay open and answer, and
         // the next agent would take it for one still serving there.

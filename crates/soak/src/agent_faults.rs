@@ -155,7 +155,11 @@ impl Lane<'_> {
                     "tenant.log",
                 )?;
                 std::thread::sleep(ms(rng.gen_range(500..5000)));
-                signal(pid, libc::SIGKILL);
+                // It may have ended at once (no room) and its pid be
+                // another's by now: through its pidfd.
+                if let Some(fd) = self.host.pidfd_of(pid) {
+                    fd.signal(libc::SIGKILL);
+                }
                 let _ = t.join();
             }
             "nvml-late" => {

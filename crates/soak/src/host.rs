@@ -44,8 +44,8 @@ pub struct Host {
     pub gpu_mib: u64,
     /// How long any gpusnap command may take before it counts as hung.
     pub deadline: Duration,
-    /// Every process the soak started (pid), ended at the end.
-    started: Mutex<Vec<u32>>,
+    /// Every process the soak started, ended at the end.
+    started: Mutex<Vec<Pidfd>>,
 }
 
 /// Starts `cmd` in a session of its own (CRIU dumps only trees whose session
@@ -68,6 +68,49 @@ pub fn signal(pid: i32, sig: i32) -> bool {
     }
     // SAFETY: kill(2) on a pid number; no memory is passed.
     unsafe { libc::kill(pid, sig) == 0 }
+}
+
+/// A process the soak started, held by a pidfd opened before anything could
+/// reap it: a signal through it reaches that process or nobody, never a
+/// later one given its pid (this host may reuse pids within seconds).
+pub struct Pidfd(std::os::fd::OwnedFd, i32);
+
+impl Pidfd {
+    /// Opens `pid`'s pidfd; call it while `pid` is an unreaped child.
+    pub fn open(pid: i32) -> Option<Pidfd> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: pidfd_open(2) takes a pid and flags; no memory is passed.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: the kernel just gave us this descriptor; nothing else owns it.
+        Some(Pidfd(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }, pid))
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.1
+    }
+
+    /// Sends `sig`; false when the process is gone.
+    pub fn signal(&self, sig: i32) -> bool {
+        use std::os::fd::AsRawFd;
+        // SAFETY: pidfd_send_signal(2) on our descriptor, with no siginfo
+        // (a null pointer, which the call allows).
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.0.as_raw_fd(),
+                sig,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            ) == 0
+        }
+    }
+
+    pub fn try_clone(&self) -> Option<Pidfd> {
+        Some(Pidfd(self.0.try_clone().ok()?, self.1))
+    }
 }
 
 pub fn alive(pid: i32) -> bool {
@@ -208,8 +251,14 @@ impl Host {
             .stdin(Stdio::null());
     }
 
-    pub fn remember(&self, pid: u32) {
-        self.started.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
+    fn remember(&self, fd: Pidfd) {
+        self.started.lock().unwrap_or_else(|e| e.into_inner()).push(fd);
+    }
+
+    /// A pidfd of `pid`, a process [`Host::spawn`] started (None for any other).
+    pub fn pidfd_of(&self, pid: i32) -> Option<Pidfd> {
+        let started = self.started.lock().unwrap_or_else(|e| e.into_inner());
+        started.iter().rev().find(|f| f.pid() == pid).and_then(Pidfd::try_clone)
     }
 
     /// Starts a program of the fake world in the background (setsid, as
@@ -228,29 +277,34 @@ impl Host {
         let f = std::fs::OpenOptions::new().create(true).append(true).open(self.path(log))?;
         cmd.stdout(f.try_clone()?).stderr(f);
         let mut child = spawn_session(&mut cmd).with_context(|| format!("start {}", prog.display()))?;
-        let pid = child.id();
-        self.remember(pid);
+        let pid = child.id() as i32;
+        // Before the reaper can reap it.
+        if let Some(fd) = Pidfd::open(pid) {
+            self.remember(fd);
+        }
         std::thread::spawn(move || child.wait());
-        Ok(pid as i32)
+        Ok(pid)
     }
 
     pub fn fake_workload(&self) -> PathBuf {
         self.bindir.join("fake-workload")
     }
 
-    /// Starts a gpusnap command in the background: its pid and a handle to
-    /// its outcome (killed when past the deadline).
+    /// Starts a gpusnap command in the background: its pidfd (None where
+    /// the kernel has none) and a handle to its outcome (killed when past
+    /// the deadline).
     pub fn start_gpusnap(
         &self,
         state: &Path,
         args: &[&str],
         env: &[(&str, &str)],
-    ) -> Result<(i32, std::thread::JoinHandle<Outcome>)> {
+    ) -> Result<(Option<Pidfd>, std::thread::JoinHandle<Outcome>)> {
         let mut cmd = Command::new(&self.bin);
         self.env(&mut cmd, state);
         cmd.arg("--json").args(args).envs(env.iter().copied()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = spawn_session(&mut cmd)?;
-        let pid = child.id() as i32;
+        // Before the thread below can reap it.
+        let fd = Pidfd::open(child.id() as i32);
         let deadline = self.deadline;
         let h = std::thread::spawn(move || {
             use std::io::Read;
@@ -291,7 +345,7 @@ impl Host {
                 killed,
             }
         });
-        Ok((pid, h))
+        Ok((fd, h))
     }
 
     /// Runs a gpusnap command to its end; one past the deadline is a
@@ -315,12 +369,17 @@ impl Host {
 
     /// Ends every process the soak started, and what they started.
     pub fn end_all(&self, extra: &[i32]) {
-        let started = self.started.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        for pid in extra.iter().copied().chain(started.iter().map(|&p| p as i32)) {
+        // The agent's services (its records, read now): by pid.
+        for &pid in extra {
             if alive(pid) {
                 signal(pid, libc::SIGCONT);
                 signal(pid, libc::SIGKILL);
             }
+        }
+        // What the soak started: by pidfd, never a later owner of a pid.
+        for fd in self.started.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            fd.signal(libc::SIGCONT);
+            fd.signal(libc::SIGKILL);
         }
     }
 }

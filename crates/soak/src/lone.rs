@@ -90,9 +90,12 @@ impl<'a> Lone<'a> {
     /// still runs then).
     fn killed(&self, args: &[&str], env: &[(&str, &str)], delay: Duration) -> Result<crate::host::Outcome> {
         self.stats.with(|c| c.commands += 1);
-        let (pid, h) = self.host.start_gpusnap(&self.state, args, env)?;
+        let (fd, h) = self.host.start_gpusnap(&self.state, args, env)?;
         std::thread::sleep(delay);
-        signal(pid, libc::SIGKILL);
+        // Through its pidfd: it may have ended, and its pid be another's.
+        if let Some(fd) = fd {
+            fd.signal(libc::SIGKILL);
+        }
         let o = h.join().map_err(|_| anyhow::anyhow!("runner panicked"))?;
         if o.killed {
             self.stats.violation("command_past_deadline", format!("gpusnap {args:?}"));

@@ -68,9 +68,12 @@ impl<'a> Parked<'a> {
     /// Runs `args` in the background and kill -9s it after `delay`.
     fn killed(&self, args: &[&str], delay: Duration) -> Result<()> {
         self.stats.with(|c| c.commands += 1);
-        let (pid, h) = self.host.start_gpusnap(&self.state, args, &[])?;
+        let (fd, h) = self.host.start_gpusnap(&self.state, args, &[])?;
         std::thread::sleep(delay);
-        signal(pid, libc::SIGKILL);
+        // Through its pidfd: it may have ended, and its pid be another's.
+        if let Some(fd) = fd {
+            fd.signal(libc::SIGKILL);
+        }
         let o = h.join().map_err(|_| anyhow::anyhow!("runner panicked"))?;
         if o.killed {
             self.stats.violation("command_past_deadline", format!("gpusnap {args:?}"));
