@@ -31,8 +31,8 @@ pub struct Lone<'a> {
     key: String,
 }
 
-/// (pid, iteration, intact) of the status file.
-fn status(path: &std::path::Path) -> Option<(i32, u64, bool)> {
+/// (pid, iteration, intact) of a fake program's status file.
+pub(crate) fn status(path: &std::path::Path) -> Option<(i32, u64, bool)> {
     let s = std::fs::read_to_string(path).ok()?;
     let f: Vec<&str> = s.split_whitespace().collect();
     Some((f.first()?.parse().ok()?, f.get(1)?.parse().ok()?, *f.get(2)? == "1"))

@@ -8,11 +8,12 @@
 use anyhow::{bail, Result};
 use rand::rngs::StdRng;
 use rand::Rng;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::host::{alive, signal, wait_until, Host};
+use crate::lone::status;
 use crate::stats::Stats;
 
 pub const KINDS: &[&str] = &["kill-park", "kill-unpark"];
@@ -24,13 +25,6 @@ pub struct Parked<'a> {
     /// The program (not its `gpusnap run`).
     pub pid: i32,
     status: PathBuf,
-}
-
-/// (pid, iteration, intact) of the program's status file.
-fn status(path: &Path) -> Option<(i32, u64, bool)> {
-    let s = std::fs::read_to_string(path).ok()?;
-    let f: Vec<&str> = s.split_whitespace().collect();
-    Some((f.first()?.parse().ok()?, f.get(1)?.parse().ok()?, *f.get(2)? == "1"))
 }
 
 impl<'a> Parked<'a> {
